@@ -1,0 +1,86 @@
+"""Wire types shared by the gateway and the backend (the only thing the two share).
+
+The gateway attaches a :class:`RequestMeta` to every engine request as
+``sampling_params.custom_params["tandem"]``; SGLang carries ``custom_params`` untouched from its
+HTTP server to the scheduler process, where ``backend.sglang_ext`` turns it back into this type.
+
+SGLang's IPC accepts ``custom_params`` values of the shape ``scalar | list[scalar] |
+dict[str, scalar]`` only (a deeper dict kills the scheduler under msgpack IPC), so the metadata is
+one flat dict of scalars. :func:`meta_to_custom_params` / :func:`meta_from_custom_params` are the
+only (de)serialisers; both validate.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+Tier = Literal["rt", "be"]
+CUSTOM_PARAMS_KEY = "tandem"
+
+# Stock SGLang priority (higher = more urgent, SGLang's default direction) for the same request,
+# so that `--enable-priority-scheduling` and `--retraction-policy priority` order RT before BE
+# even with the tandem policy off. The gap is larger than SGLang's default preemption threshold
+# (10), so an RT arrival may preempt BE; a BE request with a deadline ranks above one without.
+PRIORITY_RT = 100
+PRIORITY_BE_DEADLINE = 10
+PRIORITY_BE = 0
+
+
+class RequestMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What the scheduler must know about one request beyond its tokens."""
+
+    tier: Tier
+    """Service tier of this request: "rt" (TTFT/TPOT targets) or "be" (best effort)."""
+    tenant_id: str
+    """The tenant the request is billed to."""
+    length_key: str
+    """Key of the output-length history used to predict this request's output length."""
+    arrival_unix_s: float
+    """Wall-clock time (time.time(), same host) at which the gateway accepted the request."""
+    ttft_ms: float | None = None
+    """RT: time-to-first-token target, ms after arrival. None for BE."""
+    tpot_ms: float | None = None
+    """RT: time-per-output-token target after the first token, ms. None for BE."""
+    deadline_s: float | None = None
+    """BE: completion deadline, seconds after arrival (job deadline). None: pure best effort."""
+    max_tokens: int | None = None
+    """The request's output-length cap (prior for the length predictor)."""
+
+    @property
+    def ttft_deadline_unix_s(self) -> float | None:
+        """Absolute time by which the first token is due (RT), else None."""
+        if self.ttft_ms is None:
+            return None
+        return self.arrival_unix_s + self.ttft_ms / 1000.0
+
+    @property
+    def be_deadline_unix_s(self) -> float | None:
+        """Absolute time by which a BE request must finish, else None."""
+        if self.deadline_s is None:
+            return None
+        return self.arrival_unix_s + self.deadline_s
+
+    @property
+    def sglang_priority(self) -> int:
+        """The stock SGLang `priority` that mirrors this request's tier (see module constants)."""
+        if self.tier == "rt":
+            return PRIORITY_RT
+        return PRIORITY_BE_DEADLINE if self.deadline_s is not None else PRIORITY_BE
+
+
+def meta_to_custom_params(meta: RequestMeta) -> dict[str, Any]:
+    """The ``custom_params`` dict that carries *meta* to the scheduler (flat scalars only)."""
+    fields = msgspec.structs.asdict(meta)
+    return {CUSTOM_PARAMS_KEY: {k: v for k, v in fields.items() if v is not None}}
+
+
+def meta_from_custom_params(custom_params: dict[str, Any] | None) -> RequestMeta | None:
+    """Parses the metadata back; None when the request carries none (e.g. a direct client).
+
+    Raises msgspec.ValidationError when the dict is present but malformed.
+    """
+    if not custom_params or CUSTOM_PARAMS_KEY not in custom_params:
+        return None
+    return msgspec.convert(custom_params[CUSTOM_PARAMS_KEY], RequestMeta)
