@@ -46,6 +46,8 @@ class GatewayConfig(_Section):
     API is immediate; other processes see changes after at most this long."""
     engine_retry_after_s: int = 5
     """`Retry-After` sent with a 503 when the engine is unreachable, seconds."""
+    default_max_tokens: int = 1024
+    """Output cap of a request that sets no max_tokens, tokens (never beyond the context)."""
 
 
 class DatabaseConfig(_Section):
@@ -133,6 +135,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
         _check_positive("gateway.port", self.gateway.port)
         _check_positive("engine.port", self.engine.port)
         _check_positive("gateway.max_body_bytes", self.gateway.max_body_bytes)
+        _check_positive("gateway.default_max_tokens", self.gateway.default_max_tokens)
         _check_positive("engine.max_total_tokens", self.engine.max_total_tokens)
         _check_positive("engine.max_running_requests", self.engine.max_running_requests)
         _check_positive("engine.chunked_prefill_size", self.engine.chunked_prefill_size)

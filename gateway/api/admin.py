@@ -1,0 +1,208 @@
+"""Admin REST API (`/admin/v1`, bearer `TANDEM_ADMIN_TOKEN`): tenants, keys, SLO contracts,
+quotas and the latest requests."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Literal
+
+import msgspec
+from aiohttp import web
+
+from gateway.api.schemas import decode_body
+from gateway.auth import bearer_token
+from gateway.errors import ApiError
+from gateway.state import ADMIN_TOKEN, AUTH, STORE
+from gateway.store.errors import Conflict, NotFound
+from gateway.store.types import Quota, Slo, Tenant
+
+routes = web.RouteTableDef()
+PREFIX = "/admin/v1"
+_encoder = msgspec.json.Encoder()
+_MAX_REQUESTS_LIMIT = 1000
+
+
+class SloIn(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    token_group: int | None = None
+    deadline_s: float | None = None
+    allow_rt: bool = False
+
+
+class QuotaIn(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    requests_per_min: int | None = None
+    tokens_per_min: int | None = None
+    max_concurrent: int | None = None
+    monthly_tokens: int | None = None
+
+
+class TenantCreate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    name: str
+    tier: Literal["rt", "be"]
+    slo: SloIn = msgspec.field(default_factory=SloIn)
+    quota: QuotaIn = msgspec.field(default_factory=QuotaIn)
+
+
+class TenantPatch(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    name: str | None = None
+    tier: Literal["rt", "be"] | None = None
+    slo: SloIn | None = None
+    quota: QuotaIn | None = None
+
+
+class KeyCreate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    name: str | None = None
+
+
+def check_admin(request: web.Request) -> None:
+    """401 unless the request carries the admin token."""
+    token = bearer_token(request)
+    if not hmac.compare_digest(token.encode(), request.app[ADMIN_TOKEN].encode()):
+        raise ApiError(401, "invalid admin token", code="invalid_admin_token")
+
+
+def validate_tenant(name: str, tier: str, slo: SloIn, quota: QuotaIn) -> tuple[Slo, Quota]:
+    """Checks a tenant's contract and quota; 422 naming the field."""
+    if not name.strip() or len(name) > 100:
+        raise _invalid("name", "name must be 1 to 100 characters")
+    if tier == "rt" and (slo.ttft_ms is None or slo.tpot_ms is None):
+        raise _invalid("slo", "an rt tenant needs slo.ttft_ms and slo.tpot_ms")
+    if slo.allow_rt and (slo.ttft_ms is None or slo.tpot_ms is None):
+        raise _invalid("slo.allow_rt", "allow_rt needs slo.ttft_ms and slo.tpot_ms")
+    for field in ("ttft_ms", "tpot_ms", "deadline_s", "token_group"):
+        value = getattr(slo, field)
+        if value is not None and value <= 0:
+            raise _invalid(f"slo.{field}", f"slo.{field} must be positive, got {value}")
+    for field in ("requests_per_min", "tokens_per_min", "max_concurrent", "monthly_tokens"):
+        value = getattr(quota, field)
+        if value is not None and value < 0:
+            raise _invalid(f"quota.{field}", f"quota.{field} must not be negative, got {value}")
+    return (
+        Slo(ttft_ms=slo.ttft_ms, tpot_ms=slo.tpot_ms, token_group=slo.token_group,
+            deadline_s=slo.deadline_s, allow_rt=slo.allow_rt),
+        Quota(requests_per_min=quota.requests_per_min, tokens_per_min=quota.tokens_per_min,
+              max_concurrent=quota.max_concurrent, monthly_tokens=quota.monthly_tokens),
+    )
+
+
+@routes.post(f"{PREFIX}/tenants")
+async def create_tenant(request: web.Request) -> web.Response:
+    check_admin(request)
+    body = decode_body(await request.read(), TenantCreate)
+    assert isinstance(body, TenantCreate)
+    slo, quota = validate_tenant(body.name, body.tier, body.slo, body.quota)
+    try:
+        tenant = await request.app[STORE].create_tenant(body.name.strip(), body.tier, slo, quota)
+    except Conflict as exc:
+        raise ApiError(409, str(exc), param="name", code="tenant_exists") from None
+    return _json(tenant, status=201)
+
+
+@routes.get(f"{PREFIX}/tenants")
+async def list_tenants(request: web.Request) -> web.Response:
+    check_admin(request)
+    tenants = await request.app[STORE].list_tenants()
+    return _json({"object": "list", "data": tenants})
+
+
+@routes.get(f"{PREFIX}/tenants/{{tenant_id}}")
+async def get_tenant(request: web.Request) -> web.Response:
+    check_admin(request)
+    return _json(await _tenant_or_404(request))
+
+
+@routes.patch(f"{PREFIX}/tenants/{{tenant_id}}")
+async def patch_tenant(request: web.Request) -> web.Response:
+    check_admin(request)
+    current = await _tenant_or_404(request)
+    body = decode_body(await request.read(), TenantPatch)
+    assert isinstance(body, TenantPatch)
+    tier = body.tier or current.tier
+    slo_in = body.slo or SloIn(**msgspec.structs.asdict(current.slo))
+    quota_in = body.quota or QuotaIn(**msgspec.structs.asdict(current.quota))
+    slo, quota = validate_tenant(body.name or current.name, tier, slo_in, quota_in)
+    try:
+        tenant = await request.app[STORE].update_tenant(
+            current.id, name=body.name.strip() if body.name else None, tier=body.tier,
+            slo=slo, quota=quota)
+    except Conflict as exc:
+        raise ApiError(409, str(exc), param="name", code="tenant_exists") from None
+    request.app[AUTH].invalidate()
+    return _json(tenant)
+
+
+@routes.delete(f"{PREFIX}/tenants/{{tenant_id}}")
+async def delete_tenant(request: web.Request) -> web.Response:
+    check_admin(request)
+    tenant_id = request.match_info["tenant_id"]
+    if not await request.app[STORE].delete_tenant(tenant_id):
+        raise _not_found("tenant", tenant_id)
+    request.app[AUTH].invalidate()
+    return _json({"id": tenant_id, "object": "tenant", "deleted": True})
+
+
+@routes.post(f"{PREFIX}/tenants/{{tenant_id}}/keys")
+async def create_key(request: web.Request) -> web.Response:
+    check_admin(request)
+    tenant = await _tenant_or_404(request)
+    raw = await request.read()
+    body = decode_body(raw, KeyCreate) if raw.strip() else KeyCreate()
+    assert isinstance(body, KeyCreate)
+    try:
+        key, secret = await request.app[STORE].create_key(tenant.id, name=body.name)
+    except NotFound:
+        raise _not_found("tenant", tenant.id) from None
+    return _json({"id": key.id, "key": secret, "prefix": key.prefix, "tenant_id": tenant.id,
+                  "name": key.name, "created_at": key.created_at}, status=201)
+
+
+@routes.get(f"{PREFIX}/tenants/{{tenant_id}}/keys")
+async def list_keys(request: web.Request) -> web.Response:
+    check_admin(request)
+    tenant = await _tenant_or_404(request)
+    return _json({"object": "list", "data": await request.app[STORE].list_keys(tenant.id)})
+
+
+@routes.delete(f"{PREFIX}/keys/{{key_id}}")
+async def revoke_key(request: web.Request) -> web.Response:
+    check_admin(request)
+    key_id = request.match_info["key_id"]
+    key = await request.app[STORE].revoke_key(key_id)
+    if key is None:
+        raise _not_found("key", key_id)
+    request.app[AUTH].invalidate(key.prefix)
+    return _json(key)
+
+
+@routes.get(f"{PREFIX}/requests")
+async def latest_requests(request: web.Request) -> web.Response:
+    check_admin(request)
+    tenant_id = request.query.get("tenant") or None
+    limit_text = request.query.get("limit", "100")
+    if not limit_text.isdigit() or not 1 <= int(limit_text) <= _MAX_REQUESTS_LIMIT:
+        raise ApiError(400, f"limit must be an integer in [1, {_MAX_REQUESTS_LIMIT}]",
+                       param="limit", code="invalid_value")
+    records = await request.app[STORE].latest_requests(tenant_id, int(limit_text))
+    return _json({"object": "list", "data": records})
+
+
+async def _tenant_or_404(request: web.Request) -> Tenant:
+    tenant_id = request.match_info["tenant_id"]
+    tenant = await request.app[STORE].get_tenant(tenant_id)
+    if tenant is None:
+        raise _not_found("tenant", tenant_id)
+    return tenant
+
+
+def _json(payload: object, status: int = 200) -> web.Response:
+    return web.Response(body=_encoder.encode(payload), status=status,
+                        content_type="application/json")
+
+
+def _invalid(param: str, message: str) -> ApiError:
+    return ApiError(422, message, param=param, code="invalid_value")
+
+
+def _not_found(kind: str, ident: str) -> ApiError:
+    return ApiError(404, f"{kind} {ident!r} not found", code=f"{kind}_not_found")

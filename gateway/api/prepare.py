@@ -1,0 +1,178 @@
+"""From a validated OpenAI request to an engine request: prompt tokens, output cap, tier and the
+scheduler metadata. Every refusal is an ApiError naming the field."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from backend.wire import RequestMeta, Tier, meta_to_custom_params
+from gateway.api.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingFields,
+)
+from gateway.auth import Principal
+from gateway.errors import ApiError
+from gateway.store.types import Tenant
+from gateway.tokenizer import ModelTokenizer, TemplateError
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """Everything needed to run one generation on the engine and account for it."""
+
+    rid: str
+    """Unique engine request id (never reused: the engine's abort matches rid prefixes)."""
+    input_ids: list[int]
+    max_tokens: int
+    meta: RequestMeta
+    payload: dict[str, Any]
+    """The `/generate` body."""
+
+
+def new_rid() -> str:
+    return f"tdm-{uuid.uuid4().hex}"
+
+
+def chat_prompt_ids(req: ChatCompletionRequest, tokenizer: ModelTokenizer) -> list[int]:
+    """Token ids of the conversation rendered with the model's chat template."""
+    if not req.messages:
+        raise ApiError(400, "messages must not be empty", param="messages", code="invalid_value")
+    messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
+    try:
+        return tokenizer.encode_chat(messages)
+    except TemplateError as exc:
+        raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
+
+
+def completion_prompt_ids(req: CompletionRequest, tokenizer: ModelTokenizer) -> list[int]:
+    """Token ids of a text completion's prompt (a string, one-string list, or token ids)."""
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        if len(prompt) != 1:
+            raise ApiError(
+                400, "only one prompt per request is supported", param="prompt",
+                code="invalid_value",
+            )
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt)
+    else:
+        ids = [int(t) for t in prompt]
+        if any(t < 0 for t in ids):
+            raise ApiError(400, "prompt token ids must be >= 0", param="prompt")
+    if not ids:
+        raise ApiError(400, "prompt must not be empty", param="prompt", code="invalid_value")
+    return ids
+
+
+def output_cap(req: SamplingFields, requested: int | None, prompt_len: int, context_len: int,
+               default_max_tokens: int) -> int:
+    """The request's max output tokens; 400 naming `max_tokens` when it cannot fit."""
+    room = context_len - prompt_len
+    if room < 1:
+        raise ApiError(
+            400,
+            f"prompt is {prompt_len} tokens; the model's context is {context_len} tokens",
+            param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+            code="context_length_exceeded",
+        )
+    if requested is None:
+        return min(room, default_max_tokens)
+    if requested < 1:
+        raise ApiError(400, "max_tokens must be at least 1", param="max_tokens")
+    if requested > room:
+        raise ApiError(
+            400,
+            f"max_tokens is {requested}, but the prompt ({prompt_len} tokens) leaves room for at"
+            f" most {room} in the model's context of {context_len} tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+def resolve_tier(tenant: Tenant, requested: Tier | None) -> Tier:
+    """The tier a request runs in: the tenant's, or an explicitly requested one the contract
+    allows. A looser tier (rt tenant asking be) is always allowed; a stricter one needs the
+    contract's `allow_rt` and RT targets."""
+    if requested is None or requested == tenant.tier or requested == "be":
+        return requested or tenant.tier
+    if tenant.slo.allow_rt and tenant.slo.ttft_ms is not None:
+        return "rt"
+    raise ApiError(
+        403, "the tenant's contract does not allow tier 'rt'", param="tier", code="tier_not_allowed"
+    )
+
+
+def build_engine_request(
+    req: SamplingFields, input_ids: list[int], max_tokens: int, principal: Principal,
+    tier: Tier, arrival_unix_s: float | None = None,
+) -> EngineRequest:
+    """The `/generate` payload with sampling parameters and the scheduler metadata."""
+    slo = principal.tenant.slo
+    meta = RequestMeta(
+        tier=tier,
+        tenant_id=principal.tenant.id,
+        length_key=principal.tenant.id,
+        arrival_unix_s=arrival_unix_s if arrival_unix_s is not None else time.time(),
+        ttft_ms=slo.ttft_ms if tier == "rt" else None,
+        tpot_ms=slo.tpot_ms if tier == "rt" else None,
+        deadline_s=slo.deadline_s if tier == "be" else None,
+        max_tokens=max_tokens,
+    )
+    rid = new_rid()
+    payload = {
+        "rid": rid,
+        "input_ids": input_ids,
+        "sampling_params": _sampling_params(req, max_tokens, meta),
+        "priority": meta.sglang_priority,
+        "stream": True,
+    }
+    return EngineRequest(rid=rid, input_ids=input_ids, max_tokens=max_tokens, meta=meta,
+                         payload=payload)
+
+
+def _sampling_params(req: SamplingFields, max_tokens: int, meta: RequestMeta) -> dict[str, Any]:
+    params: dict[str, Any] = {
+        "max_new_tokens": max_tokens,
+        "custom_params": meta_to_custom_params(meta),
+    }
+    optional = {
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty,
+        "min_new_tokens": req.min_tokens,
+        "ignore_eos": req.ignore_eos,
+        "skip_special_tokens": req.skip_special_tokens,
+        "sampling_seed": req.seed,
+        "stop": req.stop,
+    }
+    params.update({k: v for k, v in optional.items() if v is not None})
+    return params
+
+
+def _message_dict(index: int, message: ChatMessage) -> dict[str, Any]:
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise ApiError(
+                    400, f"content part of type {part.type!r} is not supported (text only)",
+                    param=f"messages[{index}].content", code="invalid_value",
+                )
+            texts.append(part.text)
+        content = "".join(texts)
+    out: dict[str, Any] = {"role": message.role, "content": content or ""}
+    if message.name is not None:
+        out["name"] = message.name
+    return out

@@ -1,0 +1,93 @@
+"""The gateway's aiohttp application factory.
+
+Every long-lived resource (database engine, HTTP client to the engine, usage recorder) is
+created and closed in a cleanup context, in dependency order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from gateway.api import admin, openai, ops
+from gateway.auth import AuthCache
+from gateway.config import Config
+from gateway.engine_client import EngineClient
+from gateway.errors import error_middleware
+from gateway.state import (
+    ADMIN_TOKEN,
+    AUTH,
+    BACKGROUND,
+    CONFIG,
+    DB_ENGINE,
+    ENGINE,
+    STORE,
+    TOKENIZER,
+    USAGE,
+)
+from gateway.store.db import create_engine, session_factory
+from gateway.store.repo import Store
+from gateway.tokenizer import ModelTokenizer
+from gateway.usage import UsageRecorder
+
+# engine SSE lines carry the cumulative text of a generation; allow long ones
+_ENGINE_READ_BUFSIZE = 4 * 1024 * 1024
+
+
+def create_app(config: Config, admin_token: str, model_dir: Path) -> web.Application:
+    """The gateway for *config*, serving the model in *model_dir* (its tokenizer is loaded now)."""
+    app = web.Application(
+        middlewares=[error_middleware], client_max_size=config.gateway.max_body_bytes
+    )
+    app[CONFIG] = config
+    app[ADMIN_TOKEN] = admin_token
+    app[TOKENIZER] = ModelTokenizer(model_dir)
+    app[BACKGROUND] = set()
+    app.cleanup_ctx.append(_database)
+    app.cleanup_ctx.append(_engine_client)
+    app.cleanup_ctx.append(_usage_recorder)
+    app.cleanup_ctx.append(_background_tasks)
+    app.add_routes(ops.routes)
+    app.add_routes(openai.routes)
+    app.add_routes(admin.routes)
+    return app
+
+
+async def _database(app: web.Application) -> AsyncIterator[None]:
+    engine = create_engine(app[CONFIG].database.url, echo=app[CONFIG].database.echo)
+    app[DB_ENGINE] = engine
+    app[STORE] = Store(session_factory(engine))
+    app[AUTH] = AuthCache(app[STORE], ttl_s=app[CONFIG].gateway.auth_cache_ttl_s)
+    yield
+    await engine.dispose()
+
+
+async def _engine_client(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG]
+    session = aiohttp.ClientSession(
+        read_bufsize=_ENGINE_READ_BUFSIZE,
+        connector=aiohttp.TCPConnector(limit=0),  # one connection per in-flight request
+    )
+    base_url = f"http://{config.engine.host}:{config.engine.port}"
+    app[ENGINE] = EngineClient(base_url, session, timeout_s=config.engine.request_timeout_s)
+    yield
+    await session.close()
+
+
+async def _usage_recorder(app: web.Application) -> AsyncIterator[None]:
+    recorder = UsageRecorder(app[STORE], app[CONFIG].usage)
+    app[USAGE] = recorder
+    recorder.start()
+    yield
+    await recorder.close()
+
+
+async def _background_tasks(app: web.Application) -> AsyncIterator[None]:
+    yield
+    tasks = list(app[BACKGROUND])
+    if tasks:
+        await asyncio.wait(tasks, timeout=10)

@@ -1,0 +1,94 @@
+"""Authentication: API key → tenant, contract and quota, through a small TTL cache of the store.
+
+Lookups go by the key's non-secret prefix; the secret is checked by a constant-time comparison
+of SHA-256 digests. A hit is cached for `ttl_s` so the hot path makes no SQL query; revocations
+made through this gateway's admin API invalidate the cache at once, other processes see them after
+at most `ttl_s`. Unknown keys are cached briefly too, so a flood of bad keys cannot hammer the
+database.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from gateway import keys
+from gateway.errors import ApiError
+from gateway.store.repo import Store
+from gateway.store.types import AuthRecord, Tenant
+
+_NEGATIVE_TTL_S = 1.0
+_MAX_ENTRIES = 100_000
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: the tenant (with its contract and quota) and the key used."""
+
+    tenant: Tenant
+    key_id: str
+    key_prefix: str
+
+
+class AuthCache:
+    """Resolves bearer keys to principals; caches the store's answers."""
+
+    def __init__(
+        self, store: Store, ttl_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._store = store
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self._entries: dict[str, tuple[float, AuthRecord | None]] = {}
+        self.used_key_ids: set[str] = set()
+        """Keys used since the last flush (their last_used_at is written in batches)."""
+
+    async def authenticate(self, key: str) -> Principal:
+        """The principal for *key*; raises a 401 ApiError for a missing, unknown or revoked key."""
+        prefix = keys.parse_prefix(key)
+        if prefix is None:
+            raise _unauthorized("invalid API key")
+        record = await self._lookup(prefix)
+        if record is None or not keys.digest_matches(key, record.secret_sha256):
+            raise _unauthorized("invalid API key")
+        if record.revoked or record.tenant.deleted:
+            raise _unauthorized("API key has been revoked")
+        self.used_key_ids.add(record.key_id)
+        return Principal(tenant=record.tenant, key_id=record.key_id, key_prefix=record.prefix)
+
+    def invalidate(self, prefix: str | None = None) -> None:
+        """Drops one cached key (or all): called after admin changes."""
+        if prefix is None:
+            self._entries.clear()
+        else:
+            self._entries.pop(prefix, None)
+
+    async def _lookup(self, prefix: str) -> AuthRecord | None:
+        now = self._clock()
+        cached = self._entries.get(prefix)
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        record = await self._store.lookup_key(prefix)
+        ttl = self._ttl_s if record is not None else min(self._ttl_s, _NEGATIVE_TTL_S)
+        if len(self._entries) >= _MAX_ENTRIES:
+            self._entries.clear()
+        self._entries[prefix] = (now + ttl, record)
+        return record
+
+
+def bearer_token(request: web.Request) -> str:
+    """The token of the `Authorization: Bearer …` header; 401 when absent."""
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise _unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+    return token.strip()
+
+
+def _unauthorized(message: str) -> ApiError:
+    return ApiError(
+        401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
+    )

@@ -1,0 +1,157 @@
+"""HTTP client for the engine's native API (SGLang `/generate`, streaming; the simulator serves
+the same surface).
+
+The gateway always streams from the engine, even for a non-streaming client, so that it sees the
+first token and the gaps between tokens (TTFT, TBT) on its own clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import msgspec
+
+log = logging.getLogger(__name__)
+
+
+class EngineUnavailable(Exception):
+    """The engine could not be reached or refused the request for capacity reasons."""
+
+
+class EngineRequestError(Exception):
+    """The engine rejected the request (its message is safe to show the client)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class EngineChunk(msgspec.Struct, kw_only=True):
+    """One streamed update of a generation, normalised to deltas."""
+
+    text_delta: str
+    """Text generated since the previous chunk."""
+    completion_tokens: int
+    """Output tokens so far (cumulative)."""
+    prompt_tokens: int
+    """Prompt tokens (as counted by the engine)."""
+    cached_tokens: int = 0
+    """Prompt tokens served from the engine's prefix cache."""
+    finish_reason: str | None = None
+    """None while running; "stop", "length" or "abort" on the last chunk."""
+    matched_stop: str | int | None = None
+    """The stop string or token that ended the generation, if any."""
+    queue_time_s: float | None = None
+    """Time the request waited in the engine's queue, seconds (engine metrics on)."""
+    num_retractions: int = 0
+    """How often the engine evicted and re-queued this request."""
+
+
+class _GenerateOut(msgspec.Struct):
+    text: str = ""
+    meta_info: dict[str, Any] = msgspec.field(default_factory=dict)
+    error: dict[str, Any] | None = None
+
+
+class EngineClient:
+    """Talks to one engine at `base_url` over a shared aiohttp session."""
+
+    def __init__(self, base_url: str, session: aiohttp.ClientSession, timeout_s: float) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._session = session
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5.0)
+        self._decoder = msgspec.json.Decoder(_GenerateOut)
+
+    async def generate(self, payload: dict[str, Any]) -> AsyncIterator[EngineChunk]:
+        """Streams the generation for one `/generate` payload (which must carry a unique rid).
+
+        Raises EngineUnavailable when the engine cannot be reached and EngineRequestError when it
+        rejects the request. Closing the iterator early closes the upstream connection; callers
+        also call `abort` so the engine frees the request's KV at once.
+        """
+        body = dict(payload, stream=True)
+        try:
+            async with self._session.post(
+                f"{self.base_url}/generate", json=body, timeout=self._timeout
+            ) as resp:
+                if resp.status >= 500 or resp.status == 429:
+                    raise EngineUnavailable(f"engine answered {resp.status}")
+                if resp.status >= 400:
+                    raise EngineRequestError(await _error_message(resp), resp.status)
+                previous_text = ""
+                async for data in _sse_data(resp.content):
+                    if data == b"[DONE]":
+                        return
+                    out = self._decoder.decode(data)
+                    if out.error is not None:
+                        raise EngineRequestError(str(out.error.get("message", "engine error")))
+                    chunk = _to_chunk(out, previous_text)
+                    previous_text = out.text
+                    yield chunk
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            raise EngineUnavailable(f"engine unreachable: {exc.__class__.__name__}") from None
+
+    async def abort(self, rid: str) -> None:
+        """Asks the engine to drop request *rid* (best effort; never raises)."""
+        try:
+            async with self._session.post(
+                f"{self.base_url}/abort_request",
+                json={"rid": rid},
+                timeout=aiohttp.ClientTimeout(total=5.0),
+            ) as resp:
+                await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            log.warning("abort of %s failed: %s", rid, exc)
+
+    async def is_healthy(self) -> bool:
+        """True when the engine answers its health probe."""
+        try:
+            async with self._session.get(
+                f"{self.base_url}/health", timeout=aiohttp.ClientTimeout(total=5.0)
+            ) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
+
+
+def _to_chunk(out: _GenerateOut, previous_text: str) -> EngineChunk:
+    meta = out.meta_info
+    # SGLang streams cumulative text; keep the delta (fall back to the whole text if the engine
+    # was started with incremental output).
+    delta = out.text[len(previous_text) :] if out.text.startswith(previous_text) else out.text
+    finish = meta.get("finish_reason")
+    return EngineChunk(
+        text_delta=delta,
+        completion_tokens=int(meta.get("completion_tokens", 0)),
+        prompt_tokens=int(meta.get("prompt_tokens", 0)),
+        cached_tokens=int(meta.get("cached_tokens", 0) or 0),
+        finish_reason=finish.get("type") if isinstance(finish, dict) else None,
+        matched_stop=finish.get("matched") if isinstance(finish, dict) else None,
+        queue_time_s=meta.get("queue_time"),
+        num_retractions=int(meta.get("num_retractions", 0) or 0),
+    )
+
+
+async def _sse_data(stream: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    """The payloads of `data:` lines of a server-sent-event stream."""
+    async for line in stream:
+        line = line.strip()
+        if line.startswith(b"data:"):
+            yield line[5:].strip()
+
+
+async def _error_message(resp: aiohttp.ClientResponse) -> str:
+    try:
+        body = await resp.json(content_type=None)
+    except (ValueError, aiohttp.ContentTypeError):
+        return f"engine rejected the request ({resp.status})"
+    err = body.get("error") if isinstance(body, dict) else None
+    if isinstance(err, dict):
+        return str(err.get("message", err))
+    if isinstance(err, str):
+        return err
+    return str(body.get("message", body)) if isinstance(body, dict) else str(body)

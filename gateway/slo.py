@@ -1,0 +1,97 @@
+"""Per-request latency measurement and SLO verdicts (pure; no I/O).
+
+All times are taken on the gateway's monotonic clock, from the moment the request was accepted,
+so the numbers are what the client experiences (minus the network).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestTimer:
+    """Collects token arrival times of one request and derives its latency metrics."""
+
+    clock: Callable[[], float] = time.monotonic
+    start_s: float = field(default=0.0)
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    end_s: float | None = None
+    max_gap_s: float = 0.0
+    tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.start_s == 0.0:
+            self.start_s = self.clock()
+
+    def on_tokens(self, total_tokens: int) -> None:
+        """Records that the output has reached *total_tokens* tokens (cumulative)."""
+        if total_tokens <= self.tokens:
+            return
+        now = self.clock()
+        if self.first_token_s is None:
+            self.first_token_s = now
+        elif self.last_token_s is not None:
+            self.max_gap_s = max(self.max_gap_s, now - self.last_token_s)
+        self.last_token_s = now
+        self.tokens = total_tokens
+
+    def finish(self) -> None:
+        self.end_s = self.clock()
+
+    @property
+    def ttft_ms(self) -> float | None:
+        if self.first_token_s is None:
+            return None
+        return (self.first_token_s - self.start_s) * 1000.0
+
+    @property
+    def tpot_ms(self) -> float | None:
+        """Mean time per output token after the first (TPOT), ms; None with < 2 tokens."""
+        if self.first_token_s is None or self.last_token_s is None or self.tokens < 2:
+            return None
+        return (self.last_token_s - self.first_token_s) * 1000.0 / (self.tokens - 1)
+
+    @property
+    def tbt_max_ms(self) -> float | None:
+        """Longest gap between two token arrivals, ms."""
+        if self.tokens < 2:
+            return None
+        return self.max_gap_s * 1000.0
+
+    @property
+    def e2e_ms(self) -> float:
+        end = self.end_s if self.end_s is not None else self.clock()
+        return (end - self.start_s) * 1000.0
+
+
+def slo_met(
+    *,
+    tier: str,
+    ttft_target_ms: float | None,
+    tpot_target_ms: float | None,
+    deadline_s: float | None,
+    ok: bool,
+    ttft_ms: float | None,
+    tpot_ms: float | None,
+    e2e_ms: float,
+) -> bool | None:
+    """Did this request meet its tenant's contract? None when the contract sets no target.
+
+    RT: TTFT within target and mean TPOT within target (a one-token answer has no TPOT).
+    BE: finished within the deadline, when there is one. A failed request never meets its SLO.
+    """
+    if tier == "rt":
+        if ttft_target_ms is None and tpot_target_ms is None:
+            return None
+        if not ok:
+            return False
+        if ttft_target_ms is not None and (ttft_ms is None or ttft_ms > ttft_target_ms):
+            return False
+        return not (tpot_target_ms is not None and tpot_ms is not None and tpot_ms > tpot_target_ms)
+    if deadline_s is None:
+        return None
+    return ok and e2e_ms <= deadline_s * 1000.0

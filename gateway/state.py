@@ -1,0 +1,34 @@
+"""Typed application state (aiohttp `AppKey`s), filled by the app factory's cleanup contexts."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gateway.auth import AuthCache
+from gateway.config import Config
+from gateway.engine_client import EngineClient
+from gateway.store.repo import Store
+from gateway.tokenizer import ModelTokenizer
+from gateway.usage import UsageRecorder
+
+CONFIG = web.AppKey("config", Config)
+ADMIN_TOKEN = web.AppKey("admin_token", str)
+TOKENIZER = web.AppKey("tokenizer", ModelTokenizer)
+DB_ENGINE = web.AppKey("db_engine", AsyncEngine)
+STORE = web.AppKey("store", Store)
+AUTH = web.AppKey("auth", AuthCache)
+ENGINE = web.AppKey("engine", EngineClient)
+USAGE = web.AppKey("usage", UsageRecorder)
+BACKGROUND = web.AppKey("background_tasks", set[asyncio.Task[None]])
+"""Fire-and-forget tasks (engine aborts after a disconnect) kept referenced until done."""
+
+
+def spawn(app: web.Application, coro: asyncio.Future[None] | object) -> None:
+    """Runs *coro* in the background, holding a reference so it is not garbage-collected."""
+    task: asyncio.Task[None] = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+    tasks = app[BACKGROUND]
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
