@@ -1,0 +1,80 @@
+"""Config loading: defaults, environment overrides, clear errors naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway.config import ConfigError, admin_token, load_config
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_repository_config_loads_with_documented_defaults() -> None:
+    config = load_config(environ={})
+    assert config.gateway.port == 8000
+    assert config.database.url.startswith("sqlite+aiosqlite:///")
+    assert config.engine.kind == "sglang" and config.engine.device == "cpu"
+    assert config.model.path is None
+
+
+def test_env_overrides_keep_yaml_types(tmp_path: Path) -> None:
+    path = write(tmp_path, "gateway:\n  port: 8000\n")
+    config = load_config(path, environ={
+        "TANDEM_GATEWAY__PORT": "8080",
+        "TANDEM_ENGINE__LAUNCH": "false",
+        "TANDEM_DATABASE__URL": "postgresql://u@h/db",
+        "TANDEM_MODEL__PATH": "null",
+    })
+    assert config.gateway.port == 8080
+    assert config.engine.launch is False
+    assert config.database.url == "postgresql://u@h/db"
+    assert config.model.path is None
+
+
+def test_wrong_type_names_the_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"gateway\.port"):
+        load_config(write(tmp_path, "gateway:\n  port: eighty\n"), environ={})
+
+
+def test_env_wrong_type_names_the_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"engine\.max_total_tokens"):
+        load_config(write(tmp_path, ""), environ={"TANDEM_ENGINE__MAX_TOTAL_TOKENS": "lots"})
+
+
+def test_unknown_key_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="prot"):
+        load_config(write(tmp_path, "gateway:\n  prot: 1\n"), environ={})
+
+
+def test_unknown_env_section_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="TANDEM_GATEWAYY__PORT"):
+        load_config(write(tmp_path, ""), environ={"TANDEM_GATEWAYY__PORT": "1"})
+
+
+def test_non_positive_values_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"engine\.max_total_tokens must be positive"):
+        load_config(write(tmp_path, "engine:\n  max_total_tokens: 0\n"), environ={})
+
+
+def test_unsupported_database_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="database.url"):
+        load_config(write(tmp_path, "database:\n  url: mysql://x/y\n"), environ={})
+
+
+def test_missing_file_and_bad_yaml(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml", environ={})
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, "gateway: [\n"), environ={})
+
+
+def test_admin_token_is_required() -> None:
+    with pytest.raises(ConfigError, match="TANDEM_ADMIN_TOKEN"):
+        admin_token({})
+    assert admin_token({"TANDEM_ADMIN_TOKEN": "s3cret-token"}) == "s3cret-token"

@@ -1,0 +1,90 @@
+"""From an OpenAI request to an engine request: output caps, tiers, scheduler metadata."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import msgspec
+import pytest
+
+from backend.wire import PRIORITY_BE, PRIORITY_RT, meta_from_custom_params
+from gateway.api.prepare import build_engine_request, output_cap, resolve_tier
+from gateway.api.schemas import ChatCompletionRequest
+from gateway.auth import Principal
+from gateway.errors import ApiError
+from gateway.store.types import Quota, Slo, Tenant
+
+NOW = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def make_tenant(tier: str = "rt", **slo: object) -> Tenant:
+    return Tenant(id="ten_a", name="a", tier=tier, slo=Slo(**slo), quota=Quota(),  # type: ignore[arg-type]
+                  created_at=NOW, updated_at=NOW)
+
+
+def chat(**fields: object) -> ChatCompletionRequest:
+    return msgspec.convert({"model": "m", "messages": [], **fields}, ChatCompletionRequest)
+
+
+def test_output_cap_defaults_to_the_room_left_up_to_the_configured_default() -> None:
+    assert output_cap(chat(), None, 100, 4096, 1024) == 1024
+    assert output_cap(chat(), None, 4000, 4096, 1024) == 96
+    assert output_cap(chat(), 50, 100, 4096, 1024) == 50
+
+
+def test_max_tokens_over_the_context_is_a_400_naming_it() -> None:
+    with pytest.raises(ApiError) as info:
+        output_cap(chat(), 4000, 100, 4096, 1024)
+    assert info.value.status == 400 and info.value.param == "max_tokens"
+    assert "4096" in info.value.message
+
+
+def test_prompt_over_the_context_is_a_400() -> None:
+    with pytest.raises(ApiError) as info:
+        output_cap(chat(), None, 5000, 4096, 1024)
+    assert info.value.code == "context_length_exceeded" and info.value.param == "messages"
+
+
+def test_tiers_follow_the_contract() -> None:
+    rt = make_tenant("rt", ttft_ms=200, tpot_ms=50)
+    be = make_tenant("be", deadline_s=3600)
+    be_upgradable = make_tenant("be", ttft_ms=500, tpot_ms=100, allow_rt=True)
+    assert resolve_tier(rt, None) == "rt"
+    assert resolve_tier(rt, "be") == "be"  # asking for a looser tier is always fine
+    assert resolve_tier(be, None) == "be"
+    assert resolve_tier(be_upgradable, "rt") == "rt"
+    with pytest.raises(ApiError) as info:
+        resolve_tier(be, "rt")
+    assert info.value.status == 403 and info.value.param == "tier"
+
+
+def test_engine_payload_carries_metadata_priority_and_sampling() -> None:
+    tenant = make_tenant("rt", ttft_ms=200, tpot_ms=50)
+    principal = Principal(tenant=tenant, key_id="key_1", key_prefix="p")
+    req = build_engine_request(chat(temperature=0.0, seed=7, ignore_eos=True, stop="x"),
+                               [1, 2, 3], 16, principal, "rt", arrival_unix_s=1000.0)
+    payload = req.payload
+    assert payload["input_ids"] == [1, 2, 3] and payload["rid"] == req.rid
+    assert payload["priority"] == PRIORITY_RT
+    params = payload["sampling_params"]
+    assert params["max_new_tokens"] == 16 and params["temperature"] == 0.0
+    assert params["sampling_seed"] == 7 and params["ignore_eos"] is True
+    meta = meta_from_custom_params(params["custom_params"])
+    assert meta is not None and meta.tier == "rt" and meta.ttft_ms == 200
+    assert meta.ttft_deadline_unix_s == pytest.approx(1000.2)
+    assert meta.length_key == tenant.id
+
+
+def test_be_request_has_no_rt_targets_and_low_priority() -> None:
+    principal = Principal(tenant=make_tenant("rt", ttft_ms=200, tpot_ms=50), key_id="k",
+                          key_prefix="p")
+    req = build_engine_request(chat(), [1], 8, principal, "be")
+    assert req.meta.ttft_ms is None and req.meta.tpot_ms is None
+    assert req.payload["priority"] == PRIORITY_BE
+
+
+def test_rids_are_unique() -> None:
+    principal = Principal(tenant=make_tenant("rt", ttft_ms=1, tpot_ms=1), key_id="k",
+                          key_prefix="p")
+    rids = {build_engine_request(chat(), [1], 1, principal, "rt").rid for _ in range(100)}
+    assert len(rids) == 100
