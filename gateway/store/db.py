@@ -1,0 +1,81 @@
+"""Engine and session set-up: URL normalisation, SQLite pragmas, the session factory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import event
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import create_async_engine as _create_async_engine
+
+# Dialect → the async driver we use for it (and the scheme aliases accepted for the dialect).
+_ASYNC_DRIVERS = {"sqlite": "aiosqlite", "postgresql": "asyncpg", "postgres": "asyncpg"}
+_CANONICAL = {"postgres": "postgresql"}
+
+SQLITE_BUSY_TIMEOUT_MS = 10_000
+"""How long a SQLite writer waits for another's lock before failing, ms."""
+
+
+def normalize_url(url: str) -> str:
+    """The URL with its async driver: ``sqlite://`` → ``sqlite+aiosqlite://``,
+    ``postgresql://`` / ``postgres://`` → ``postgresql+asyncpg://``.
+
+    Raises ValueError naming the scheme for any other database or driver.
+    """
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        raise ValueError(
+            f"database URL {url!r} has no scheme (expected sqlite:// or postgresql://)"
+        )
+    dialect, _, driver = scheme.partition("+")
+    wanted = _ASYNC_DRIVERS.get(dialect.lower())
+    if wanted is None:
+        raise ValueError(f"unsupported database scheme {scheme!r} (use sqlite or postgresql)")
+    if driver and driver.lower() != wanted:
+        raise ValueError(
+            f"unsupported database driver in scheme {scheme!r} (use {dialect}+{wanted} or plain "
+            f"{dialect})"
+        )
+    return f"{_CANONICAL.get(dialect.lower(), dialect.lower())}+{wanted}://{rest}"
+
+
+def is_sqlite(url: str) -> bool:
+    """Whether *url* names a SQLite database."""
+    return normalize_url(url).startswith("sqlite")
+
+
+def create_engine(url: str, echo: bool = False) -> AsyncEngine:
+    """An async engine for *url* (any form :func:`normalize_url` accepts).
+
+    SQLite: creates the file's parent directory and sets, on every new connection, foreign keys
+    on (off by default in SQLite), WAL (readers do not block the writer) and a busy timeout (a
+    second writer waits instead of failing at once). The caller disposes the engine.
+    """
+    normalized = normalize_url(url)
+    if not normalized.startswith("sqlite"):
+        # pre_ping: a restarted PostgreSQL must not surface as one failed request per pooled
+        # connection.
+        return _create_async_engine(normalized, echo=echo, pool_pre_ping=True)
+    database = make_url(normalized).database
+    if database and database != ":memory:" and not database.startswith("file:"):
+        Path(database).parent.mkdir(parents=True, exist_ok=True)
+    engine = _create_async_engine(normalized, echo=echo)
+    event.listen(engine.sync_engine, "connect", _set_sqlite_pragmas)
+    return engine
+
+
+def _set_sqlite_pragmas(dbapi_connection: Any, connection_record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+    finally:
+        cursor.close()
+
+
+def session_factory(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
+    """Sessions whose objects stay readable after commit (the repo converts them afterwards)."""
+    return async_sessionmaker(engine, expire_on_commit=False)

@@ -1,0 +1,199 @@
+"""ORM tables (SQLAlchemy 2.0 declarative). Only the store's repo and the migrations import this.
+
+Portable across SQLite and PostgreSQL: no server-side defaults or types either lacks, timestamps
+through :class:`UtcDateTime`, and 64-bit autoincrement ids that SQLite can still autoincrement.
+The schema itself is created by Alembic (migrations/versions); keep the two in step.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any, ClassVar
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    DateTime,
+    Dialect,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+    text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+# Named constraints, so later Alembic revisions can drop or alter them by name (SQLite's batch
+# mode needs names too).
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+# SQLite autoincrements only a column declared exactly INTEGER PRIMARY KEY.
+BigIntId = BigInteger().with_variant(Integer, "sqlite")
+
+
+class UtcDateTime(TypeDecorator[datetime]):
+    """A timezone-aware UTC datetime on both databases.
+
+    PostgreSQL stores `timestamptz`; SQLite stores text without an offset, so values are converted
+    to UTC on the way in and given the UTC zone on the way out. One zone for every stored value
+    also keeps SQLite's fixed-width text sortable, which ORDER BY created_at relies on. Naive
+    datetimes are refused: they are a bug at the call site, not something to guess about.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value.isoformat()} given to the store; use UTC")
+        return value.astimezone(UTC)
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        assert isinstance(value, datetime)
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class Base(DeclarativeBase):
+    """Declarative base holding the metadata Alembic compares against."""
+
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map: ClassVar[dict[Any, Any]] = {datetime: UtcDateTime()}
+
+
+class TenantRow(Base):
+    """tenants: soft-deleted (deleted_at) so usage stays attributable."""
+
+    __tablename__ = "tenants"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    tier: Mapped[str] = mapped_column(String(8))
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
+    deleted_at: Mapped[datetime | None]
+
+    # Always loaded with the tenant (one query, no lazy loads under asyncio).
+    slo: Mapped[SloContractRow | None] = relationship(lazy="joined", cascade="all, delete-orphan")
+    quota: Mapped[QuotaRow | None] = relationship(lazy="joined", cascade="all, delete-orphan")
+
+    __table_args__ = (
+        # Unique among live tenants only: a deleted tenant's name may be reused.
+        Index(
+            "uq_tenants_name_live",
+            "name",
+            unique=True,
+            sqlite_where=text("deleted_at IS NULL"),
+            postgresql_where=text("deleted_at IS NULL"),
+        ),
+    )
+
+
+class ApiKeyRow(Base):
+    """api_keys: the prefix and SHA-256 of each key, never the secret."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    prefix: Mapped[str] = mapped_column(String(32), unique=True)
+    secret_sha256: Mapped[str] = mapped_column(String(64))
+    name: Mapped[str | None] = mapped_column(String(200))
+    created_at: Mapped[datetime]
+    revoked_at: Mapped[datetime | None]
+    last_used_at: Mapped[datetime | None]
+
+    tenant: Mapped[TenantRow] = relationship(lazy="joined", innerjoin=True)
+
+
+class SloContractRow(Base):
+    """slo_contracts: one contract per tenant."""
+
+    __tablename__ = "slo_contracts"
+
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), primary_key=True)
+    ttft_ms: Mapped[float | None] = mapped_column(Float)
+    tpot_ms: Mapped[float | None] = mapped_column(Float)
+    token_group: Mapped[int | None] = mapped_column(Integer)
+    deadline_s: Mapped[float | None] = mapped_column(Float)
+    allow_rt: Mapped[bool] = mapped_column(Boolean, default=False)
+    updated_at: Mapped[datetime]
+
+
+class QuotaRow(Base):
+    """quotas: one row per tenant; NULL means unlimited."""
+
+    __tablename__ = "quotas"
+
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), primary_key=True)
+    requests_per_min: Mapped[int | None] = mapped_column(Integer)
+    tokens_per_min: Mapped[int | None] = mapped_column(BigInteger)
+    max_concurrent: Mapped[int | None] = mapped_column(Integer)
+    monthly_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    updated_at: Mapped[datetime]
+
+
+class UsageRow(Base):
+    """usage_records: one row per request.
+
+    tenant_id and key_id carry no foreign keys on purpose: this is an append-only log written in
+    bulk off the hot path, and one stale id must not make a batch of hundreds fail. Tenants and
+    keys are never hard-deleted, so the ids stay resolvable.
+    """
+
+    __tablename__ = "usage_records"
+
+    id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
+    request_id: Mapped[str] = mapped_column(String(128))
+    tenant_id: Mapped[str] = mapped_column(String(32))
+    key_id: Mapped[str | None] = mapped_column(String(32))
+    tier: Mapped[str] = mapped_column(String(8))
+    model: Mapped[str] = mapped_column(String(256))
+    endpoint: Mapped[str] = mapped_column(String(32))
+    stream: Mapped[bool] = mapped_column(Boolean)
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    completion_tokens: Mapped[int] = mapped_column(Integer)
+    queue_ms: Mapped[float | None] = mapped_column(Float)
+    ttft_ms: Mapped[float | None] = mapped_column(Float)
+    tbt_mean_ms: Mapped[float | None] = mapped_column(Float)
+    tbt_max_ms: Mapped[float | None] = mapped_column(Float)
+    tpot_ms: Mapped[float | None] = mapped_column(Float)
+    e2e_ms: Mapped[float | None] = mapped_column(Float)
+    status: Mapped[str] = mapped_column(String(32))
+    http_status: Mapped[int] = mapped_column(Integer)
+    error: Mapped[str | None] = mapped_column(Text)
+    slo_met: Mapped[bool | None] = mapped_column(Boolean)
+    created_at: Mapped[datetime]
+    finished_at: Mapped[datetime]
+
+    __table_args__ = (
+        Index("ix_usage_records_tenant_id_created_at", "tenant_id", "created_at"),
+        Index("ix_usage_records_created_at", "created_at"),
+    )
+
+
+class LengthHistoryRow(Base):
+    """length_history: finished output lengths per key, newest = highest id, windowed."""
+
+    __tablename__ = "length_history"
+
+    id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
+    length_key: Mapped[str] = mapped_column(String(200))
+    output_len: Mapped[int] = mapped_column(Integer)
+    prompt_len: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime]
+
+    __table_args__ = (Index("ix_length_history_length_key_id", "length_key", "id"),)

@@ -1,0 +1,144 @@
+"""Plain data returned by :class:`gateway.store.repo.Store` (msgspec Structs, never ORM rows).
+
+Datetimes are timezone-aware UTC and serialize as ISO 8601 (``msgspec.json.encode``).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import msgspec
+
+from backend.wire import Tier
+
+
+class Slo(msgspec.Struct, frozen=True, kw_only=True):
+    """A tenant's SLO contract. RT tenants set TTFT/TPOT targets; BE tenants may set a deadline."""
+
+    ttft_ms: float | None = None
+    """Time-to-first-token target, ms after arrival (None: no target)."""
+    tpot_ms: float | None = None
+    """Time-per-output-token target, ms (None: no target)."""
+    token_group: int | None = None
+    """Tokens over which TPOT is averaged when judging attainment, tokens (None: whole output)."""
+    deadline_s: float | None = None
+    """BE completion deadline, seconds after arrival (None: no deadline)."""
+    allow_rt: bool = False
+    """Whether a BE tenant may ask for tier "rt" per request."""
+
+
+class Quota(msgspec.Struct, frozen=True, kw_only=True):
+    """A tenant's limits; None means unlimited."""
+
+    requests_per_min: int | None = None
+    """Requests admitted per minute, requests."""
+    tokens_per_min: int | None = None
+    """Prompt plus completion tokens per minute, tokens."""
+    max_concurrent: int | None = None
+    """Requests in flight at once, requests."""
+    monthly_tokens: int | None = None
+    """Prompt plus completion tokens per calendar month (UTC), tokens."""
+
+
+class Tenant(msgspec.Struct, frozen=True, kw_only=True):
+    """A tenant with its contract and quota."""
+
+    id: str
+    """Tenant id, "ten_" + 12 hex digits."""
+    name: str
+    """Unique (among live tenants) human-readable name."""
+    tier: Tier
+    """Default service tier of the tenant's requests."""
+    slo: Slo
+    """The SLO contract."""
+    quota: Quota
+    """The limits."""
+    created_at: datetime
+    """When the tenant was created (UTC)."""
+    updated_at: datetime
+    """When the tenant, its contract or its quota last changed (UTC)."""
+    deleted: bool = False
+    """Soft-deleted: kept so usage stays attributable, but invisible to normal lookups."""
+
+
+class ApiKey(msgspec.Struct, frozen=True, kw_only=True):
+    """An API key's public part (the secret is never stored, only its SHA-256)."""
+
+    id: str
+    """Key id, "key_" + 12 hex digits."""
+    tenant_id: str
+    """The tenant the key belongs to."""
+    prefix: str
+    """Non-secret lookup handle embedded in the key (see gateway.keys)."""
+    name: str | None = None
+    """Optional label chosen by the operator."""
+    created_at: datetime
+    """When the key was created (UTC)."""
+    revoked_at: datetime | None = None
+    """When the key was revoked (UTC); None while it is valid."""
+    last_used_at: datetime | None = None
+    """Last authenticated use (UTC), written in batches, so it may lag by seconds."""
+
+
+class AuthRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """What authentication needs for one key prefix, read in one query."""
+
+    key_id: str
+    """The key's id."""
+    prefix: str
+    """The key's prefix."""
+    secret_sha256: str
+    """Hex SHA-256 of the whole key, compared with gateway.keys.digest_matches."""
+    revoked: bool
+    """True when the key was revoked or its tenant deleted: reject it."""
+    tenant: Tenant
+    """The key's tenant with contract and quota."""
+
+
+class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One finished (or failed) request, as written to usage_records."""
+
+    request_id: str
+    """The gateway's request id."""
+    tenant_id: str
+    """The tenant billed."""
+    key_id: str | None = None
+    """The API key used (None for requests not made with a key)."""
+    tier: Tier
+    """Tier the request ran in."""
+    model: str
+    """Model id the client asked for."""
+    endpoint: str
+    """"chat", "completions", ... (which API was called)."""
+    stream: bool = False
+    """Whether the response was streamed."""
+    prompt_tokens: int = 0
+    """Prompt length, tokens."""
+    completion_tokens: int = 0
+    """Generated tokens."""
+    queue_ms: float | None = None
+    """Time from arrival to the first scheduling, ms."""
+    ttft_ms: float | None = None
+    """Time to first token, ms after arrival."""
+    tbt_mean_ms: float | None = None
+    """Mean time between tokens, ms."""
+    tbt_max_ms: float | None = None
+    """Largest time between two tokens, ms."""
+    tpot_ms: float | None = None
+    """Time per output token after the first, ms."""
+    e2e_ms: float | None = None
+    """Arrival to last byte, ms."""
+    status: str
+    """"ok", "error", "aborted", "engine_unavailable", ..."""
+    http_status: int
+    """HTTP status sent to the client."""
+    error: str | None = None
+    """Error message, if any."""
+    slo_met: bool | None = None
+    """Whether the request met its tenant's SLO (None: no SLO applied)."""
+    created_at: datetime
+    """Request start (arrival at the gateway), UTC."""
+    finished_at: datetime
+    """When the response ended, UTC."""
+    id: int | None = None
+    """Row id assigned by the database (None before insert)."""

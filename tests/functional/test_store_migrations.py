@@ -1,0 +1,120 @@
+"""Alembic migrations on SQLite and PostgreSQL: from code, from the command line, and in step
+with the ORM models."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from alembic import command
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import Connection, inspect, text
+
+from gateway.store import create_engine, current_revision, head_revision, upgrade, upgrade_async
+from gateway.store.migrate import ALEMBIC_INI, alembic_config, is_at_head
+from gateway.store.models import Base
+
+TABLES = {"tenants", "api_keys", "slo_contracts", "quotas", "usage_records", "length_history"}
+
+
+async def table_names(url: str) -> set[str]:
+    engine = create_engine(url)
+    try:
+        async with engine.connect() as conn:
+            return set(await conn.run_sync(lambda c: inspect(c).get_table_names()))
+    finally:
+        await engine.dispose()
+
+
+async def test_upgrade_from_empty_creates_every_table_at_head(empty_db_url: str) -> None:
+    assert await current_revision(empty_db_url) is None
+    assert not await is_at_head(empty_db_url)
+
+    await upgrade_async(empty_db_url)
+
+    assert await table_names(empty_db_url) == TABLES | {"alembic_version"}
+    assert await current_revision(empty_db_url) == head_revision()
+    assert await is_at_head(empty_db_url)
+
+
+async def test_upgrading_twice_is_a_no_op_that_keeps_data(empty_db_url: str) -> None:
+    await upgrade_async(empty_db_url)
+    engine = create_engine(empty_db_url)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(
+                text(
+                    "INSERT INTO length_history (length_key, output_len, created_at) "
+                    "VALUES ('k', 7, CURRENT_TIMESTAMP)"
+                )
+            )
+        await upgrade_async(empty_db_url)
+        assert await current_revision(engine) == head_revision()
+        async with engine.connect() as conn:
+            kept = await conn.scalars(text("SELECT output_len FROM length_history"))
+            assert list(kept) == [7]
+    finally:
+        await engine.dispose()
+
+
+async def test_sync_upgrade_runs_in_a_worker_thread(empty_db_url: str) -> None:
+    # upgrade() owns an event loop, so a thread is the way to call it from async code.
+    await asyncio.to_thread(upgrade, empty_db_url)
+    assert await current_revision(empty_db_url) == head_revision()
+
+
+async def test_downgrade_to_base_drops_everything_and_upgrade_restores_it(
+    empty_db_url: str,
+) -> None:
+    await upgrade_async(empty_db_url)
+    await asyncio.to_thread(command.downgrade, alembic_config(empty_db_url), "base")
+    assert await table_names(empty_db_url) <= {"alembic_version"}
+    assert await current_revision(empty_db_url) is None
+    await upgrade_async(empty_db_url)
+    assert await table_names(empty_db_url) == TABLES | {"alembic_version"}
+
+
+def _model_diff(connection: Connection) -> list[object]:
+    context = MigrationContext.configure(connection, opts={"compare_type": True})
+    return list(compare_metadata(context, Base.metadata))
+
+
+async def test_migrations_match_the_orm_models(empty_db_url: str) -> None:
+    await upgrade_async(empty_db_url)
+    engine = create_engine(empty_db_url)
+    try:
+        async with engine.connect() as conn:
+            assert await conn.run_sync(_model_diff) == []
+    finally:
+        await engine.dispose()
+
+
+async def test_alembic_command_line_uses_tandem_database_url(
+    empty_db_url: str, tmp_path: Path
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    env["TANDEM_DATABASE__URL"] = empty_db_url
+    # Run from an unrelated directory: nothing may depend on the working directory.
+    result = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "alembic", "-c", str(ALEMBIC_INI), "upgrade", "head"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Running upgrade  -> 0001" in result.stderr
+    assert await current_revision(empty_db_url) == head_revision()
+
+
+async def test_sqlite_parent_directories_are_created(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'a' / 'b' / 'tandem.db'}"
+    await upgrade_async(url)
+    assert (tmp_path / "a" / "b" / "tandem.db").is_file()
+    assert await current_revision(url) == head_revision()

@@ -1,0 +1,126 @@
+"""Usage records and output-length history on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime, timedelta
+
+import msgspec
+import pytest
+
+from gateway.store import Store, UsageRecord
+
+T0 = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
+
+
+def make_usage(
+    request_id: str, tenant_id: str = "ten_a", *, start_s: float = 0.0, **fields: object
+) -> UsageRecord:
+    created = T0 + timedelta(seconds=start_s)
+    values: dict[str, object] = {
+        "request_id": request_id,
+        "tenant_id": tenant_id,
+        "tier": "rt",
+        "model": "tandem-tiny",
+        "endpoint": "chat",
+        "status": "ok",
+        "http_status": 200,
+        "created_at": created,
+        "finished_at": created + timedelta(seconds=1),
+    }
+    values.update(fields)
+    return UsageRecord(**values)  # type: ignore[arg-type]
+
+
+async def test_usage_round_trips_every_field(store: Store) -> None:
+    record = make_usage(
+        "r1",
+        key_id="key_1",
+        tier="be",
+        endpoint="completions",
+        stream=True,
+        prompt_tokens=512,
+        completion_tokens=128,
+        queue_ms=3.5,
+        ttft_ms=120.0,
+        tbt_mean_ms=21.0,
+        tbt_max_ms=80.0,
+        tpot_ms=22.0,
+        e2e_ms=2900.0,
+        status="aborted",
+        http_status=499,
+        error="client went away",
+        slo_met=False,
+    )
+    await store.insert_usage([record])
+    [got] = await store.latest_requests("ten_a", 10)
+    assert got.id is not None
+    assert got == msgspec.structs.replace(record, id=got.id)
+    assert got.created_at.tzinfo is not None
+
+
+async def test_latest_requests_newest_first_with_limit_and_tenant(store: Store) -> None:
+    await store.insert_usage(
+        [make_usage(f"a{i}", "ten_a", start_s=i) for i in range(5)]
+        + [make_usage(f"b{i}", "ten_b", start_s=i + 0.5) for i in range(3)]
+    )
+    assert [r.request_id for r in await store.latest_requests("ten_a", 3)] == ["a4", "a3", "a2"]
+    assert [r.request_id for r in await store.latest_requests("ten_b", 10)] == ["b2", "b1", "b0"]
+    assert [r.request_id for r in await store.latest_requests(None, 4)] == ["a4", "a3", "b2", "a2"]
+    assert await store.latest_requests("ten_c", 10) == []
+    assert await store.latest_requests(None, 0) == []
+
+
+async def test_bulk_insert_of_many_records_and_of_none(store: Store) -> None:
+    await store.insert_usage([])
+    await store.insert_usage([make_usage(f"r{i}", start_s=i) for i in range(500)])
+    latest = await store.latest_requests(None, 1000)
+    assert len(latest) == 500 and latest[0].request_id == "r499"
+    assert len({r.id for r in latest}) == 500
+
+
+async def test_length_window_keeps_the_newest_per_key(store: Store) -> None:
+    await store.append_lengths([("a", n, 10) for n in range(1, 6)], window=3)
+    assert await store.length_history("a", 10) == [3, 4, 5]
+
+    # Another key in the same batch is pruned on its own; "a" keeps only its newest 3.
+    await store.append_lengths([("b", 100, None), ("a", 6, None), ("b", 200, 7)], window=3)
+    assert await store.length_history("a", 10) == [4, 5, 6]
+    assert await store.length_history("b", 10) == [100, 200]
+    assert await store.length_history("a", 2) == [5, 6]
+    assert await store.length_history("nobody", 5) == []
+
+
+async def test_length_window_prunes_a_batch_larger_than_itself(store: Store) -> None:
+    await store.append_lengths([("k", n, None) for n in range(50)], window=4)
+    assert await store.length_history("k", 100) == [46, 47, 48, 49]
+
+
+async def test_untouched_keys_are_not_pruned_by_a_smaller_window(store: Store) -> None:
+    await store.append_lengths([("old", n, None) for n in range(5)], window=10)
+    await store.append_lengths([("new", 1, None)], window=2)
+    assert await store.length_history("old", 100) == [0, 1, 2, 3, 4]
+
+
+async def test_all_length_histories_for_start_up(store: Store) -> None:
+    await store.append_lengths([("x", n, None) for n in range(6)], window=100)
+    await store.append_lengths([("y", 9, None)], window=100)
+    assert await store.all_length_histories(3) == {"x": [3, 4, 5], "y": [9]}
+    assert await store.all_length_histories(100) == {"x": [0, 1, 2, 3, 4, 5], "y": [9]}
+
+
+async def test_window_must_be_positive(store: Store) -> None:
+    with pytest.raises(ValueError, match="window"):
+        await store.append_lengths([("x", 1, None)], window=0)
+
+
+async def test_concurrent_writers_lose_nothing(store: Store) -> None:
+    # The usage writer, the length writer and admin calls share one pool; on SQLite they must
+    # wait for each other (busy timeout), not fail with "database is locked".
+    async def writer(i: int) -> None:
+        await store.insert_usage([make_usage(f"r{i}-{j}", start_s=j) for j in range(50)])
+        await store.append_lengths([(f"k{i % 2}", j, None) for j in range(30)], window=10)
+
+    await asyncio.gather(*(writer(i) for i in range(12)))
+    assert len(await store.latest_requests(None, 10_000)) == 12 * 50
+    assert await store.length_history("k0", 10) == list(range(20, 30))
