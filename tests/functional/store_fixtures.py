@@ -7,7 +7,7 @@ tests/conftest.py imports these fixtures, so every test module can use them::
 PostgreSQL: every test session creates its own databases ``tandem_test_<random>[_<n>]`` on the
 server at 127.0.0.1:5432 (user postgres, trust auth) and drops them at the end, so concurrent
 runs never see each other's data. Those tests carry ``@pytest.mark.postgres`` (select or deselect
-with ``-m``); they are skipped, saying why, when no server answers.
+with ``-m``); they fail, saying why, when no server answers (.ci/run starts it).
 """
 
 from __future__ import annotations
@@ -57,14 +57,14 @@ class PgServer:
         self.unreachable: str | None = None
 
     async def new_database(self) -> str:
-        """The URL of a new empty database; skips the calling test when no server answers."""
+        """The URL of a new empty database; fails the calling test when no server answers."""
         if self.unreachable is None and not self.created:
             try:
                 await _admin_execute("SELECT 1")
             except (OSError, asyncpg.PostgresError) as exc:
                 self.unreachable = f"PostgreSQL at {PG_HOST}:{PG_PORT} is not reachable: {exc}"
         if self.unreachable is not None:
-            pytest.skip(self.unreachable)
+            pytest.fail(self.unreachable)
         name = self.run if not self.created else f"{self.run}_{len(self.created)}"
         await _admin_execute(f'CREATE DATABASE "{name}"')
         self.created.append(name)
