@@ -88,6 +88,6 @@ async def _usage_recorder(app: web.Application) -> AsyncIterator[None]:
 
 async def _background_tasks(app: web.Application) -> AsyncIterator[None]:
     yield
-    tasks = list(app[BACKGROUND])
-    if tasks:
-        await asyncio.wait(tasks, timeout=10)
+    pending: set[asyncio.Task[None]] = app[BACKGROUND]
+    if pending:  # engine aborts of requests whose clients left: let them reach the engine
+        await asyncio.wait(list(pending), timeout=10)

@@ -32,7 +32,7 @@ class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     pass
 
 
-class GatewayConfig(_Section):
+class GatewayConfig(_Section, frozen=True):
     """The HTTP gateway."""
 
     host: str = "127.0.0.1"
@@ -50,7 +50,7 @@ class GatewayConfig(_Section):
     """Output cap of a request that sets no max_tokens, tokens (never beyond the context)."""
 
 
-class DatabaseConfig(_Section):
+class DatabaseConfig(_Section, frozen=True):
     """The SQL store (SQLAlchemy URL; sqlite+aiosqlite or postgresql+asyncpg)."""
 
     url: str = "sqlite+aiosqlite:///tandem.db"
@@ -60,7 +60,7 @@ class DatabaseConfig(_Section):
     """Log every SQL statement (debugging)."""
 
 
-class ModelConfig(_Section):
+class ModelConfig(_Section, frozen=True):
     """The model served by the engine."""
 
     name: str = "tandem-tiny"
@@ -72,7 +72,7 @@ class ModelConfig(_Section):
     """Where the built-in tiny model is created, bytes on disk: about 1 MB."""
 
 
-class EngineConfig(_Section):
+class EngineConfig(_Section, frozen=True):
     """The inference engine behind the gateway."""
 
     kind: Literal["sglang"] = "sglang"
@@ -109,7 +109,7 @@ class EngineConfig(_Section):
     """Where the engine's output goes (None: inherited stdout/stderr)."""
 
 
-class UsageConfig(_Section):
+class UsageConfig(_Section, frozen=True):
     """Usage records and output-length history (written off the hot path)."""
 
     flush_interval_s: float = 0.5

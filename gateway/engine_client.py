@@ -7,7 +7,6 @@ first token and the gaps between tokens (TTFT, TBT) on its own clock.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -92,7 +91,7 @@ class EngineClient:
                     chunk = _to_chunk(out, previous_text)
                     previous_text = out.text
                     yield chunk
-        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientConnectionError) as exc:
             raise EngineUnavailable(f"engine unreachable: {exc.__class__.__name__}") from None
 
     async def abort(self, rid: str) -> None:
@@ -104,7 +103,7 @@ class EngineClient:
                 timeout=aiohttp.ClientTimeout(total=5.0),
             ) as resp:
                 await resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             log.warning("abort of %s failed: %s", rid, exc)
 
     async def is_healthy(self) -> bool:
@@ -114,7 +113,7 @@ class EngineClient:
                 f"{self.base_url}/health", timeout=aiohttp.ClientTimeout(total=5.0)
             ) as resp:
                 return resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             return False
 
 

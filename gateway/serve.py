@@ -13,8 +13,14 @@ import sys
 from pathlib import Path
 
 from aiohttp import web
+from backend.sglang_ext.launcher import (
+    EngineProcess,
+    EngineStartError,
+    engine_base_url,
+    engine_env,
+    server_argv,
+)
 
-from backend.sglang_ext.launcher import EngineProcess
 from backend.tiny_model import ensure_tiny_model
 from gateway.app import create_app
 from gateway.config import Config, ModelConfig, admin_token
@@ -44,12 +50,21 @@ def serve(config: Config) -> int:
     log.info("model %s from %s", config.model.name, model_dir)
     engine: EngineProcess | None = None
     if config.engine.launch:
-        engine = EngineProcess(config.engine, model_dir, config.model.name)
+        engine = EngineProcess(
+            server_argv(config.engine, model_dir, config.model.name),
+            engine_env(config.engine),
+            base_url=engine_base_url(config.engine),
+            log_path=config.engine.log_file,
+        )
         engine.start()
     try:
         if engine is not None:
             log.info("waiting for the engine on port %d ...", config.engine.port)
-            engine.wait_ready_sync(config.engine.startup_timeout_s)
+            try:
+                engine.wait_ready_sync(config.engine.startup_timeout_s)
+            except EngineStartError as exc:
+                print(f"tandem: error: the engine did not start: {exc}", file=sys.stderr)
+                return 1
             log.info("engine ready")
         app = create_app(config, token, model_dir)
         _run(run_gateway(app, config.gateway.host, config.gateway.port))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
+from typing import Any
 
 from aiohttp import web
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -22,13 +24,13 @@ STORE = web.AppKey("store", Store)
 AUTH = web.AppKey("auth", AuthCache)
 ENGINE = web.AppKey("engine", EngineClient)
 USAGE = web.AppKey("usage", UsageRecorder)
-BACKGROUND = web.AppKey("background_tasks", set[asyncio.Task[None]])
+BACKGROUND: web.AppKey[set[asyncio.Task[None]]] = web.AppKey("background_tasks")
 """Fire-and-forget tasks (engine aborts after a disconnect) kept referenced until done."""
 
 
-def spawn(app: web.Application, coro: asyncio.Future[None] | object) -> None:
+def spawn(app: web.Application, coro: Coroutine[Any, Any, None]) -> None:
     """Runs *coro* in the background, holding a reference so it is not garbage-collected."""
-    task: asyncio.Task[None] = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+    task = asyncio.create_task(coro)
     tasks = app[BACKGROUND]
     tasks.add(task)
     task.add_done_callback(tasks.discard)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 from datetime import UTC, datetime
 
@@ -75,10 +76,8 @@ class UsageRecorder:
 
     async def _run(self) -> None:
         while not self._closing:
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), self._config.flush_interval_s)
-            except TimeoutError:
-                pass
             self._wakeup.clear()
             try:
                 await self.flush()

@@ -73,7 +73,9 @@ class Generation:
             ) from None
         except EngineRequestError as exc:
             self._fail("engine_error", 400, str(exc))
-            raise ApiError(400, f"engine rejected the request: {exc}", code="engine_error") from None
+            raise ApiError(
+                400, f"engine rejected the request: {exc}", code="engine_error"
+            ) from None
         if not self._finished:
             self._fail("engine_error", 502, "engine stream ended without a finish reason")
             raise ApiError(503, "the engine ended the stream early; retry later",

@@ -58,8 +58,8 @@ def completion_prompt_ids(req: CompletionRequest, tokenizer: ModelTokenizer) -> 
                 400, "only one prompt per request is supported", param="prompt",
                 code="invalid_value",
             )
-        prompt = prompt[0]
-    if isinstance(prompt, str):
+        ids = tokenizer.encode(str(prompt[0]))
+    elif isinstance(prompt, str):
         ids = tokenizer.encode(prompt)
     else:
         ids = [int(t) for t in prompt]
