@@ -63,7 +63,7 @@ def test_non_positive_values_are_refused(tmp_path: Path) -> None:
 
 
 def test_unsupported_database_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="database.url"):
+    with pytest.raises(ConfigError, match=r"database\.url"):
         load_config(write(tmp_path, "database:\n  url: mysql://x/y\n"), environ={})
 
 

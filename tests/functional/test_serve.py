@@ -1,0 +1,71 @@
+"""`tandem serve` as the README runs it: migrations, the engine, the gateway; Ctrl-C stops both
+and leaves no engine process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.functional.gateway_fixtures import free_port
+
+pytestmark = pytest.mark.slow
+ADMIN = "serve-test-admin-token"
+
+
+def engine_pids(port: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", f"sglang.launch_server.*--port {port}"],
+                         capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def test_serve_answers_then_stops_everything(tmp_path: Path) -> None:
+    gw_port, engine_port = free_port(), free_port()
+    env = dict(os.environ, TANDEM_ADMIN_TOKEN=ADMIN, TANDEM_GATEWAY__PORT=str(gw_port),
+               TANDEM_ENGINE__PORT=str(engine_port),
+               TANDEM_DATABASE__URL=f"sqlite:///{tmp_path / 'serve.db'}",
+               TANDEM_MODEL__CACHE_DIR=str(tmp_path / "cache"),
+               TANDEM_ENGINE__LOG_FILE=str(tmp_path / "engine.log"))
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{gw_port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            try:
+                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "gateway never became ready"
+            time.sleep(1)
+        assert engine_pids(engine_port)
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        tenant = httpx.post(f"{base}/admin/v1/tenants", headers=admin,
+                            json={"name": "smoke", "tier": "rt",
+                                  "slo": {"ttft_ms": 5000, "tpot_ms": 1000}}).json()
+        key = httpx.post(f"{base}/admin/v1/tenants/{tenant['id']}/keys", headers=admin).json()
+        reply = openai.OpenAI(base_url=f"{base}/v1", api_key=key["key"]).chat.completions.create(
+            model="tandem-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        assert reply.usage is not None and reply.usage.completion_tokens >= 1
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert proc.returncode == 0
+    for _ in range(30):
+        if not engine_pids(engine_port):
+            break
+        time.sleep(1)
+    assert engine_pids(engine_port) == []
