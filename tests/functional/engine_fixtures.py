@@ -1,0 +1,163 @@
+"""The real engine for functional tests: patched SGLang on CPU with the tiny model, one per session.
+
+``engine_server`` builds the tiny model into a session temp dir, starts the server on a free port
+with tandem's plugin and its scheduler trace enabled, waits until ``/health`` answers, and stops
+the whole process group at session end — also when start-up fails or a test crashes (and the
+launcher's parent-death signal covers a killed pytest). Tests that use it are ``slow``.
+
+Also here: small stdlib HTTP helpers that speak SGLang's native API (JSON and SSE streams).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from backend.sglang_ext.launcher import EngineProcess, engine_base_url, engine_env, server_argv
+from backend.sglang_ext.plugin import TRACE_ENV
+from backend.tiny_model import ensure_tiny_model
+from gateway.config import EngineConfig
+
+MODEL_NAME = "tandem-tiny"
+STARTUP_TIMEOUT_S = 240.0  # 15-30 s on an idle 2-core machine; generous for a loaded CI box
+HTTP_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class EngineServer:
+    """A running engine, as the tests see it."""
+
+    base_url: str
+    """``http://127.0.0.1:<port>``."""
+    port: int
+    """The engine's HTTP port."""
+    model_path: Path
+    """The tiny model directory the engine serves (also the tokenizer for clients)."""
+    model_name: str
+    """The served model name (``model`` in OpenAI requests)."""
+    trace_path: Path
+    """The scheduler's debug trace (JSON lines, one per created request)."""
+    log_path: Path
+    """The engine's stdout and stderr."""
+    pid: int
+    """The engine's main process id (the HTTP server; the scheduler is a child)."""
+    config: EngineConfig
+    """The configuration the engine was started with."""
+
+    def read_trace(self) -> list[dict[str, Any]]:
+        """Every record the scheduler has written so far."""
+        if not self.trace_path.exists():
+            return []
+        lines = self.trace_path.read_text().splitlines()
+        return [json.loads(line) for line in lines if line.strip()]
+
+    def trace_for(self, rid: str) -> dict[str, Any]:
+        """The one trace record of request *rid* (fails the test when it is not exactly one)."""
+        records = [r for r in self.read_trace() if r["rid"] == rid]
+        assert len(records) == 1, f"expected one trace record for {rid}, got {records}"
+        return records[0]
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def engine_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineServer]:
+    """The patched engine, started once per test session and always stopped."""
+    workdir = tmp_path_factory.mktemp("engine")
+    model_path = ensure_tiny_model(workdir / "model-cache")
+    trace_path = workdir / "scheduler-trace.jsonl"
+    log_path = workdir / "engine.log"
+    # Small enough to start fast on 2 cores, big enough for every engine test.
+    cfg = EngineConfig(
+        port=free_port(),
+        patch=True,
+        max_total_tokens=16384,
+        max_running_requests=16,
+        chunked_prefill_size=512,
+    )
+    engine = EngineProcess(
+        server_argv(cfg, model_path, MODEL_NAME),
+        engine_env(cfg, extra={TRACE_ENV: str(trace_path)}),
+        base_url=engine_base_url(cfg),
+        log_path=log_path,
+    )
+    engine.start()
+    try:
+        engine.wait_ready_sync(STARTUP_TIMEOUT_S)
+        assert engine.pid is not None
+        yield EngineServer(
+            base_url=engine.base_url,
+            port=cfg.port,
+            model_path=model_path,
+            model_name=MODEL_NAME,
+            trace_path=trace_path,
+            log_path=log_path,
+            pid=engine.pid,
+            config=cfg,
+        )
+    finally:
+        engine.stop()
+
+
+def post_json(base_url: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+    """POSTs *body*; returns (status, parsed JSON body or raw text)."""
+    request = urllib.request.Request(
+        base_url + path,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as resp:
+            return resp.status, _parse(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, _parse(err.read())
+
+
+def get_json(base_url: str, path: str) -> tuple[int, Any]:
+    """GETs *path*; returns (status, parsed JSON body or raw text)."""
+    try:
+        with urllib.request.urlopen(base_url + path, timeout=HTTP_TIMEOUT_S) as resp:
+            return resp.status, _parse(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, _parse(err.read())
+
+
+def stream_events(base_url: str, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """POSTs a streaming request and yields each SSE ``data:`` chunk, up to ``[DONE]``."""
+    request = urllib.request.Request(
+        base_url + path,
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as resp:
+        assert resp.status == 200, resp.status
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[len("data:") :].strip()
+            if data == "[DONE]":
+                return
+            yield json.loads(data)
+
+
+def _parse(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode("utf-8", "replace")

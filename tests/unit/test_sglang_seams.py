@@ -1,0 +1,203 @@
+"""The contract between tandem and the pinned SGLang: every hooked attribute still exists, our
+plugin is (or is not) loaded as the launcher intends, every launch flag is one SGLang accepts,
+and the scheduler-side hook turns client metadata into ``req.tandem`` without ever raising.
+
+Imports SGLang's scheduler once for the whole module (about 10 s on 2 cores)."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import logging
+import pkgutil
+import sys
+import warnings
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import Any, cast
+
+import pytest
+
+from backend.sglang_ext import plugin
+from backend.sglang_ext.launcher import engine_env, server_argv
+from backend.sglang_ext.request_meta import SchedReqMeta
+from backend.wire import RequestMeta, meta_to_custom_params
+from gateway.config import EngineConfig
+
+PINNED_SGLANG = "0.5.23"
+
+
+@pytest.fixture(scope="module")
+def sglang() -> ModuleType:
+    """SGLang with its scheduler imported, as in the engine's scheduler process."""
+    with warnings.catch_warnings():
+        # Import-time UserWarnings about CUDA-only kernels (AWQ, GGUF, Triton) are expected on CPU.
+        warnings.simplefilter("ignore")
+        import sglang
+        import sglang.srt.managers.scheduler
+        import sglang.srt.plugins
+        import sglang.srt.server_args
+    return cast(ModuleType, sglang)
+
+
+def test_sglang_is_the_pinned_version(sglang: ModuleType) -> None:
+    assert sglang.__version__ == PINNED_SGLANG
+
+
+@pytest.mark.parametrize("seam", plugin.SEAMS)
+def test_every_hooked_seam_exists(sglang: ModuleType, seam: str) -> None:
+    assert callable(pkgutil.resolve_name(seam)), seam
+
+
+def test_stand_ins_are_used_only_without_the_real_packages(sglang: ModuleType) -> None:
+    import sgl_kernel
+    import triton
+    from sglang.srt.utils import cpu_has_amx_support
+
+    for module in (sgl_kernel, triton):
+        if getattr(module, "IS_TANDEM_CPU_STUB", False):
+            assert "cpu_shims" in str(module.__file__)
+    if getattr(sgl_kernel, "IS_TANDEM_CPU_STUB", False):
+        # No AMX op registered: every layer takes its pure-torch path.
+        assert not cpu_has_amx_support()
+    if getattr(triton, "IS_TANDEM_CPU_STUB", False):
+
+        def kernel(x: int) -> int:
+            return x
+
+        assert triton.jit(kernel) is kernel and triton.jit(do_not_specialize=[0])(kernel) is kernel
+        assert triton.cdiv(7, 2) == 4 and triton.next_power_of_2(5) == 8
+
+
+def test_torchvision_imports_next_to_cpu_torch(sglang: ModuleType) -> None:
+    # SGLang imports torchvision.transforms at start-up; tandem_tv_shim supplies the operator
+    # schemas that torchvision's CUDA-built _C cannot register next to CPU torch.
+    import torch
+    import torchvision.transforms  # noqa: F401
+
+    assert hasattr(torch.ops.torchvision, "nms")
+
+
+@pytest.mark.parametrize(
+    ("patch", "inherited", "expected"),
+    [(True, None, {"tandem"}), (False, None, set()), (False, "tandem", set())],
+)
+def test_sglang_loads_our_plugin_exactly_when_patched(
+    sglang: ModuleType,
+    monkeypatch: pytest.MonkeyPatch,
+    patch: bool,
+    inherited: str | None,
+    expected: set[str],
+) -> None:
+    base = {} if inherited is None else {"SGLANG_PLUGINS": inherited}
+    env = engine_env(EngineConfig(patch=patch), base=base)
+    monkeypatch.setenv("SGLANG_PLUGINS", env["SGLANG_PLUGINS"])
+    # SGLang's own discovery, which runs in each of its processes; the plugin's register() is
+    # only loaded here, not called.
+    loaded = sglang.srt.plugins.load_plugins_by_group(sglang.srt.plugins.GENERAL_PLUGINS_GROUP)
+    assert set(loaded) & {"tandem"} == expected
+
+
+def test_sglang_accepts_every_launch_flag(sglang: ModuleType, tmp_path: Path) -> None:
+    from sglang.srt.server_args import ServerArgs
+
+    (tmp_path / "config.json").write_text("{}")
+    cfg = EngineConfig(context_length=2048, enable_priority_scheduling=True)
+    argv = server_argv(cfg, tmp_path, "m")
+    assert argv[1:3] == ["-m", "sglang.launch_server"]
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(argv[3:])  # exits (SystemExit) on an unknown flag or choice
+    assert args.device == "cpu" and args.attention_backend == "torch_native"
+    assert args.load_format == "dummy" and args.enable_priority_scheduling
+
+
+def test_register_hooks_only_where_the_scheduler_lives(
+    sglang: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    # A fresh class-level registry, so nothing is applied to this process; restored after.
+    monkeypatch.setattr(HookRegistry, "_hooks", collections.defaultdict(list))
+    with monkeypatch.context() as m:
+        m.delitem(sys.modules, plugin.SCHEDULER_MODULE)  # e.g. the detokenizer process
+        plugin.register()
+    assert not HookRegistry._hooks.get(plugin.CREATE_REQ_SEAM)
+    plugin.register()
+    hooks = HookRegistry._hooks[plugin.CREATE_REQ_SEAM]
+    assert [(t, h) for t, h, _ in hooks] == [(HookType.AFTER, plugin.after_create_generation_req)]
+
+
+def _fake_req(custom_params: Any, rid: str = "r1") -> SimpleNamespace:
+    return SimpleNamespace(
+        rid=rid, priority=5, sampling_params=SimpleNamespace(custom_params=custom_params)
+    )
+
+
+def test_hook_attaches_resolved_metadata() -> None:
+    meta = RequestMeta(
+        tier="rt", tenant_id="a", length_key="a", arrival_unix_s=100.0, ttft_ms=200, tpot_ms=50
+    )
+    req = _fake_req(meta_to_custom_params(meta))
+    plugin.after_create_generation_req(req, object(), object())  # returns None: keeps SGLang's Req
+    attached = plugin.get_meta(req)
+    assert isinstance(attached, SchedReqMeta)
+    assert attached.ttft_deadline_unix_s == pytest.approx(100.2)
+    assert attached.tpot_target_s == pytest.approx(0.05)
+    assert attached.is_rt and attached.sglang_priority == meta.sglang_priority
+
+
+@pytest.mark.parametrize(
+    "custom_params", [{"tandem": {"tier": "x"}}, {"tandem": 3}, "not a dict", {"tandem": None}]
+)
+def test_hook_survives_malformed_metadata(
+    custom_params: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    req = _fake_req(custom_params)
+    with caplog.at_level(logging.WARNING, logger=plugin.__name__):
+        plugin.attach_meta(req)
+    assert req.tandem is None
+    assert "malformed metadata of request r1" in caplog.text
+
+
+def test_hook_without_metadata_is_silent(caplog: pytest.LogCaptureFixture) -> None:
+    for params in (None, {}, {"someone_else": 1}):
+        req = _fake_req(params)
+        plugin.attach_meta(req)
+        assert req.tandem is None
+    assert caplog.text == ""
+
+
+def test_trace_has_one_line_per_request(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    trace = tmp_path / "trace.jsonl"
+    monkeypatch.setattr(plugin, "_trace_path", str(trace))
+    meta = RequestMeta(tier="be", tenant_id="b", length_key="b", arrival_unix_s=1.0, deadline_s=9)
+    plugin.attach_meta(_fake_req(meta_to_custom_params(meta), rid="ok"))
+    plugin.attach_meta(_fake_req({"tandem": "bad"}, rid="bad"))
+    ok, bad = (json.loads(line) for line in trace.read_text().splitlines())
+    assert ok["event"] == "request" and ok["process"] == "scheduler" and ok["priority"] == 5
+    assert ok["rid"] == "ok" and ok["meta"]["be_deadline_unix_s"] == 10.0 and ok["error"] is None
+    assert bad["rid"] == "bad" and bad["meta"] is None and "ValidationError" in bad["error"]
+
+
+def test_cpu_kv_copy_matches_the_kernel_contract(sglang: ModuleType) -> None:
+    import sgl_kernel
+    import torch
+
+    if not getattr(sgl_kernel, "IS_TANDEM_CPU_STUB", False):
+        pytest.skip("a real sgl_kernel is installed")
+    # Two layers' K and V buffers of [slots, heads, head_dim]; rows move by slot index, and the
+    # target and source sets overlap (slot 2 is both), which must behave as gather-then-scatter.
+    buffers = [torch.randn(8, 2, 4) for _ in range(4)]
+    expected = [b.clone() for b in buffers]
+    tgt, src = torch.tensor([2, 5, 7]), torch.tensor([1, 2, 3])
+    for b in expected:
+        b[tgt] = b[src].clone()
+    data_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.uint64)
+    strides = torch.tensor([b[0].numel() * b.element_size() for b in buffers], dtype=torch.int64)
+    sgl_kernel.copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt.int(), src.int())
+    for got, want in zip(buffers, expected, strict=True):
+        assert torch.equal(got, want)
+    with pytest.raises(NotImplementedError, match=r"sgl_kernel\.some_cuda_op"):
+        sgl_kernel.some_cuda_op()
