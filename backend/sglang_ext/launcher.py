@@ -74,6 +74,9 @@ def server_argv(engine_cfg: EngineConfig, model_path: Path, model_name: str) -> 
         # Decodes ride along with prefill chunks instead of waiting for the whole prefill
         # (verified on the CPU engine: long prompts during concurrent decodes, no errors).
         "--enable-mixed-chunk",
+        # Puts queue_time, request_received_ts, first_token_latency, ... into each response's
+        # meta_info (the gateway's usage records need the queue time), and serves /metrics.
+        "--enable-metrics",
     ]  # fmt: skip
     if not has_weights(model_path):
         argv += ["--load-format", "dummy"]
