@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from aiohttp import web
+
 from backend.sglang_ext.launcher import (
     EngineProcess,
     EngineStartError,
@@ -20,7 +21,6 @@ from backend.sglang_ext.launcher import (
     engine_env,
     server_argv,
 )
-
 from backend.tiny_model import ensure_tiny_model
 from gateway.app import create_app
 from gateway.config import Config, ModelConfig, admin_token

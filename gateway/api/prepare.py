@@ -52,19 +52,20 @@ def chat_prompt_ids(req: ChatCompletionRequest, tokenizer: ModelTokenizer) -> li
 def completion_prompt_ids(req: CompletionRequest, tokenizer: ModelTokenizer) -> list[int]:
     """Token ids of a text completion's prompt (a string, one-string list, or token ids)."""
     prompt = req.prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt)
+    elif prompt and all(isinstance(p, str) for p in prompt):
         if len(prompt) != 1:
             raise ApiError(
                 400, "only one prompt per request is supported", param="prompt",
                 code="invalid_value",
             )
         ids = tokenizer.encode(str(prompt[0]))
-    elif isinstance(prompt, str):
-        ids = tokenizer.encode(prompt)
+    elif all(isinstance(p, int) and p >= 0 for p in prompt):
+        ids = [int(p) for p in prompt]
     else:
-        ids = [int(t) for t in prompt]
-        if any(t < 0 for t in ids):
-            raise ApiError(400, "prompt token ids must be >= 0", param="prompt")
+        raise ApiError(400, "prompt must be a string or a list of token ids (ints >= 0)",
+                       param="prompt", code="invalid_value")
     if not ids:
         raise ApiError(400, "prompt must not be empty", param="prompt", code="invalid_value")
     return ids

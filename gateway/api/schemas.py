@@ -64,7 +64,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str | int]
+    """Text, a one-element list of text, or token ids (a list mixing both is refused)."""
     echo: bool = False
 
 

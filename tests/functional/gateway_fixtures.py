@@ -17,8 +17,8 @@ import aiohttp
 import pytest_asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestServer
-from backend.tiny_model import ensure_tiny_model
 
+from backend.tiny_model import ensure_tiny_model
 from gateway.app import create_app
 from gateway.config import load_config
 from gateway.state import USAGE
