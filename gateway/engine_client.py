@@ -81,15 +81,15 @@ class EngineClient:
                     raise EngineUnavailable(f"engine answered {resp.status}")
                 if resp.status >= 400:
                     raise EngineRequestError(await _error_message(resp), resp.status)
-                previous_text = ""
+                emitted = 0
                 async for data in _sse_data(resp.content):
                     if data == b"[DONE]":
                         return
                     out = self._decoder.decode(data)
                     if out.error is not None:
                         raise EngineRequestError(str(out.error.get("message", "engine error")))
-                    chunk = _to_chunk(out, previous_text)
-                    previous_text = out.text
+                    chunk = _to_chunk(out, emitted)
+                    emitted += len(chunk.text_delta)
                     yield chunk
         except (TimeoutError, aiohttp.ClientConnectionError) as exc:
             raise EngineUnavailable(f"engine unreachable: {exc.__class__.__name__}") from None
@@ -117,12 +117,15 @@ class EngineClient:
             return False
 
 
-def _to_chunk(out: _GenerateOut, previous_text: str) -> EngineChunk:
+def _to_chunk(out: _GenerateOut, emitted: int) -> EngineChunk:
+    """The chunk for one SSE update; *emitted* is how many characters were already sent."""
     meta = out.meta_info
-    # SGLang streams cumulative text; keep the delta (fall back to the whole text if the engine
-    # was started with incremental output).
-    delta = out.text[len(previous_text) :] if out.text.startswith(previous_text) else out.text
     finish = meta.get("finish_reason")
+    # SGLang streams the cumulative text. Until a generation ends, a trailing U+FFFD is half of a
+    # multi-byte character whose next token completes it: hold it back, or the client would get
+    # a replacement character and then the real one.
+    text = out.text if finish is not None else out.text.rstrip("\ufffd")
+    delta = text[emitted:]
     return EngineChunk(
         text_delta=delta,
         completion_tokens=int(meta.get("completion_tokens", 0)),

@@ -32,6 +32,9 @@ class UsageRecorder:
         self._lengths: collections.deque[tuple[str, int, int | None]] = collections.deque()
         self._used_key_ids: set[str] = set()
         self._wakeup = asyncio.Event()
+        # one writer at a time: a flush from close() or a caller must not race the background
+        # task over the same queued records (they would be written twice)
+        self._write_lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self.dropped = 0
@@ -67,12 +70,16 @@ class UsageRecorder:
         self._wakeup.set()
         if self._task is not None:
             await self._task
-        await self.flush()
+        try:
+            await self.flush()
+        except Exception:
+            log.exception("shutting down with %d usage records unwritten", len(self._records))
 
     async def flush(self) -> None:
         """Writes all queued records now (one transaction per batch)."""
-        while self._records or self._lengths or self._used_key_ids:
-            await self._write_batch()
+        async with self._write_lock:
+            while self._records or self._lengths or self._used_key_ids:
+                await self._write_batch()
 
     async def _run(self) -> None:
         while not self._closing:

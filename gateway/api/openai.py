@@ -22,6 +22,7 @@ from gateway.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
+    StreamOptions,
     check_sampling,
     decode_body,
 )
@@ -68,8 +69,8 @@ async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
         gen.stream = body.stream
         render = _chat_renderer(gen) if endpoint == "chat" else _completion_renderer(gen)
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return await _stream(request, gen, render, include_usage)
+            options = body.stream_options or StreamOptions()
+            return await _stream(request, gen, render, options)
         return await _collect(gen, render)
     except ApiError as exc:
         if gen.request is None:
@@ -178,7 +179,7 @@ async def _collect(gen: Generation, render: Renderer) -> web.Response:
 
 
 async def _stream(
-    request: web.Request, gen: Generation, render: Renderer, include_usage: bool
+    request: web.Request, gen: Generation, render: Renderer, options: StreamOptions
 ) -> web.StreamResponse:
     chunks = gen.chunks()
     first = await anext(chunks)  # engine failures surface here, before any header is sent
@@ -188,9 +189,12 @@ async def _stream(
     try:
         async for chunk in _prepend(first, chunks):
             if chunk.text_delta or chunk.finish_reason is not None:
-                await _send(resp, render(chunk, False))
+                payload = render(chunk, False)
+                if options.continuous_usage_stats:
+                    payload["usage"] = _usage(gen)
+                await _send(resp, payload)
         _raise_if_aborted(gen)
-        if include_usage:
+        if options.include_usage:
             await _send(resp, dict(render(None, False), usage=_usage(gen)))
     except ApiError as exc:  # headers are out: report in-band, as OpenAI does
         await _send(resp, exc.body())

@@ -11,6 +11,7 @@ from typing import Any
 import openai
 import pytest
 
+from gateway.state import STORE
 from tests.functional.gateway_fixtures import GatewayHandle
 
 pytestmark = pytest.mark.slow
@@ -57,6 +58,8 @@ async def test_chat_non_streaming(gateway: GatewayHandle, rt_tenant: tuple[str, 
     assert_timed(record, 12)
     assert record["prompt_tokens"] == reply.usage.prompt_tokens
     assert record["slo_met"] is True  # generous targets on purpose
+    # the finished output length joined the tenant's length history (Past-Future's input)
+    assert 12 in await gateway.app[STORE].length_history(tenant_id, 100)
 
 
 async def test_chat_streaming_with_usage(gateway: GatewayHandle,
@@ -91,6 +94,15 @@ async def test_text_completion_both_ways(gateway: GatewayHandle,
         model=MODEL, prompt="Once upon a time", max_tokens=8, stream=True,
         extra_body={"ignore_eos": True}) if chunk.choices]
     assert len(pieces) >= 2
+
+
+async def test_continuous_usage_stats(gateway: GatewayHandle, rt_tenant: tuple[str, str]) -> None:
+    _, key = rt_tenant
+    stream = await client(gateway, key).completions.create(
+        model=MODEL, prompt="count", max_tokens=6, stream=True,
+        extra_body={"ignore_eos": True, "stream_options": {"continuous_usage_stats": True}})
+    counts = [chunk.usage.completion_tokens async for chunk in stream if chunk.usage]
+    assert counts == sorted(counts) and counts[-1] == 6 and len(counts) >= 2
 
 
 async def test_rt_and_be_tenants_side_by_side(
