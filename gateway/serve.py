@@ -44,6 +44,7 @@ def resolve_model_dir(model: ModelConfig) -> Path:
 def serve(config: Config) -> int:
     """Runs until interrupted; returns the exit status."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # /readyz reads the revision often
     token = admin_token()
     upgrade(config.database.url)
     model_dir = resolve_model_dir(config.model)
