@@ -63,7 +63,11 @@ class ReqState(msgspec.Struct, kw_only=True):
     generated: int = 0
     """Output tokens emitted so far."""
     kv_tokens: int = 0
-    """KV slots this request holds now (its private tokens plus referenced cache blocks)."""
+    """KV tokens this request holds now: its private tokens plus the prefix-cache blocks it
+    references (with page_size > 1 its private part occupies whole pages)."""
+    kv_shared_tokens: int = 0
+    """Of `kv_tokens`, tokens in prefix-cache blocks (possibly shared with other requests, and
+    kept cached after it leaves): evicting it frees at least kv_tokens − kv_shared_tokens."""
     first_token_s: float | None = None
     """When the first output token was emitted."""
     last_token_s: float | None = None

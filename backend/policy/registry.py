@@ -1,0 +1,57 @@
+"""Policy names → policy objects (the names of API.md; `tandem` joins when it exists)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from backend.policy.baselines.fcfs import FcfsPolicy
+from backend.policy.baselines.oracle import OraclePolicy
+from backend.policy.baselines.rr import RoundRobinPolicy
+from backend.policy.baselines.sglang_like import SglangLikePolicy
+from backend.policy.baselines.two_phase import FixedOfflinePolicy, StaticChunkPolicy
+from backend.policy.latency import LatencyModel
+from backend.policy.types import Policy
+
+
+def _sglang(name: str, reserve: str, preemption: bool) -> Callable[..., Policy]:
+    def make(latency: LatencyModel, **options: Any) -> Policy:
+        options.setdefault("reserve", reserve)
+        options.setdefault("priority_preemption", preemption)
+        policy = SglangLikePolicy(latency, **options)
+        policy.name = name
+        return policy
+
+    return make
+
+
+def _rt_only(latency: LatencyModel, **options: Any) -> Policy:
+    return FcfsPolicy(latency, rt_only=True, **options)
+
+
+_FACTORIES: dict[str, Callable[..., Policy]] = {
+    "fcfs": FcfsPolicy,
+    "priority": _sglang("priority", "ratio", True),
+    "rr": RoundRobinPolicy,
+    "aggressive": _sglang("aggressive", "none", False),
+    "conservative": _sglang("conservative", "full", False),
+    "fixed-offline": FixedOfflinePolicy,
+    "static-chunk": StaticChunkPolicy,
+    "oracle": OraclePolicy,
+    "rt-only": _rt_only,
+}
+
+POLICY_NAMES: tuple[str, ...] = tuple(_FACTORIES)
+"""Every name `make_policy` accepts."""
+
+
+def make_policy(name: str, latency: LatencyModel, **options: Any) -> Policy:
+    """A fresh policy object by name; `options` go to its constructor (e.g. token_budget).
+    Raises ValueError for an unknown name or option."""
+    factory = _FACTORIES.get(name)
+    if factory is None:
+        raise ValueError(f"unknown policy {name!r}; valid: {', '.join(POLICY_NAMES)}")
+    try:
+        return factory(latency, **options)
+    except TypeError as exc:
+        raise ValueError(f"bad options for policy {name!r}: {exc}") from None

@@ -1,0 +1,366 @@
+"""The simulated engine's state and how it executes one plan (shared by the discrete-event
+simulator and the real-clock HTTP server).
+
+One iteration, clock-agnostic::
+
+    snap  = core.snapshot(now)            # persistent ReqState objects, updated in place
+    plan  = policy.plan(snap)
+    batch = core.apply(plan, now)         # validate; evict; admit; allocate KV (raises
+                                          #   InfeasiblePlanError on a bad plan)
+    ...the clock advances by latency.predict(batch.shape)...
+    emitted, finished = core.finish(batch, end)   # emit tokens, publish prefix blocks, finish
+
+KV per running request (page_size 1 shown)::
+
+    [ pinned prefix blocks | private tokens: computed prompt … + one slot per decode ]
+      kv_shared_tokens       kv_tokens − kv_shared_tokens
+
+A prefill that completes `prefill_len` emits a token (the first, or after an eviction the next
+one); every decode allocates one slot and emits one token. An evicted request frees everything
+and waits again with prefill_len = prompt_len + generated (recompute); the full prompt blocks it
+computed stay in the prefix cache (evictable), so its re-admission hits them.
+"""
+
+from __future__ import annotations
+
+import bisect
+from array import array
+
+from backend.policy.latency import BatchShape
+from backend.policy.types import Plan, ReqState, Snapshot
+from backend.sim.config import SimConfig
+from backend.sim.kv import KvExhausted, KvPool
+from backend.sim.source import SimRequest
+
+
+class InfeasiblePlanError(RuntimeError):
+    """A policy returned a plan the engine cannot execute (a policy bug)."""
+
+
+class Track:
+    """Engine-private bookkeeping of one request (the policy sees only `state`)."""
+
+    __slots__ = ("admitted_s", "finish_s", "first_cached", "pinned", "private", "req",
+                 "state", "target", "times", "usable_blocks")
+
+    def __init__(self, req: SimRequest, state: ReqState, usable_blocks: int) -> None:
+        self.req = req
+        self.state = state
+        self.target = max(1, min(req.output_len, req.max_new_tokens))
+        """Tokens it generates before it finishes."""
+        self.times: array[float] = array("d")
+        """Emission time of every token."""
+        self.private = 0
+        """Private KV tokens (not in pinned blocks)."""
+        self.pinned: list[int] = []
+        """Hashes of the leading prefix blocks it references."""
+        self.usable_blocks = usable_blocks
+        """Full prompt blocks that carry a hash (cacheable)."""
+        self.first_cached: int | None = None
+        """Prompt tokens served from the cache at its first admission."""
+        self.admitted_s: float | None = None
+        self.finish_s: float | None = None
+
+
+class Batch:
+    """What `apply` decided to run: the tracks involved and the shape to time."""
+
+    __slots__ = ("decodes", "num_evictions", "plan", "prefills", "shape", "start_s")
+
+    def __init__(self, plan: Plan, start_s: float, decodes: list[Track],
+                 prefills: list[tuple[Track, int]], shape: BatchShape,
+                 num_evictions: int) -> None:
+        self.plan = plan
+        self.start_s = start_s
+        self.decodes = decodes
+        self.prefills = prefills
+        self.shape = shape
+        self.num_evictions = num_evictions
+
+
+def _round_up(tokens: int, page: int) -> int:
+    return -(-tokens // page) * page
+
+
+class EngineCore:
+    """Waiting and running requests, the KV pool, and plan execution."""
+
+    def __init__(self, config: SimConfig, policy_name: str) -> None:
+        self.config = config
+        self.policy_name = policy_name
+        self.kv = KvPool(config.kv_capacity_tokens, config.prefix_block_tokens)
+        self.tracks: dict[str, Track] = {}
+        """Live requests (waiting or running) by rid."""
+        self.arrived: list[Track] = []
+        """Every request that arrived, in arrival order."""
+        self.waiting: list[ReqState] = []
+        self.running: list[ReqState] = []
+        self.last_iteration_s: float | None = None
+        self.num_evictions = 0
+        self._matched_version = -1
+
+    # --- arrivals and snapshots -------------------------------------------------------------
+
+    def add(self, req: SimRequest) -> Track:
+        """A request arrives and waits."""
+        if req.rid in self.tracks:
+            raise ValueError(f"duplicate request id {req.rid!r}")
+        if req.prompt_len < 1:
+            raise ValueError(f"request {req.rid!r}: prompt_len must be ≥ 1")
+        cfg = self.config
+        state = ReqState(
+            rid=req.rid, tier=req.tier, arrival_s=req.arrival_s, prompt_len=req.prompt_len,
+            max_new_tokens=req.max_new_tokens, length_key=req.length_key,
+            ttft_deadline_s=None if req.ttft_s is None else req.arrival_s + req.ttft_s,
+            tpot_s=req.tpot_s,
+            be_deadline_s=None if req.deadline_s is None else req.arrival_s + req.deadline_s,
+            order_key=req.order_key, prefix_hashes=req.prefix_hashes,
+            prefill_len=req.prompt_len,
+        )
+        usable = 0
+        if cfg.prefix_cache:
+            usable = min(len(req.prefix_hashes), req.prompt_len // cfg.prefix_block_tokens)
+        track = Track(req, state, usable)
+        if cfg.reveal_lengths:
+            state.true_output_len = track.target
+        self.tracks[req.rid] = track
+        self.arrived.append(track)
+        self._match(track)
+        waiting = self.waiting
+        if waiting and waiting[-1].arrival_s > req.arrival_s:
+            bisect.insort(waiting, state, key=lambda r: r.arrival_s)
+        else:
+            waiting.append(state)
+        return track
+
+    def snapshot(self, now_s: float) -> Snapshot:
+        """The state a policy plans from (request objects by reference)."""
+        if self.kv.version != self._matched_version:
+            self._matched_version = self.kv.version
+            tracks = self.tracks
+            for s in self.waiting:
+                if s.prefix_hashes:
+                    self._match(tracks[s.rid])
+        cfg = self.config
+        return Snapshot(
+            now_s=now_s, waiting=self.waiting, running=self.running,
+            kv_capacity_tokens=cfg.kv_capacity_tokens, kv_free_tokens=self.kv.free,
+            kv_evictable_tokens=self.kv.evictable, last_iteration_s=self.last_iteration_s,
+            max_running=cfg.max_running, max_prefill_tokens=cfg.max_prefill_tokens,
+            page_size=cfg.page_size,
+        )
+
+    def _match(self, t: Track) -> None:
+        """A waiting request's prefix-cache hit (at least one token is always computed)."""
+        if not t.usable_blocks:
+            return
+        s = t.state
+        block = self.config.prefix_block_tokens
+        n = self.kv.match(s.prefix_hashes, min(t.usable_blocks, (s.prefill_len - 1) // block))
+        s.cached_len = s.prefilled = n * block
+
+    # --- executing a plan -------------------------------------------------------------------
+
+    def _fail(self, message: str) -> InfeasiblePlanError:
+        return InfeasiblePlanError(f"policy {self.policy_name!r} made an infeasible plan: "
+                                   f"{message}")
+
+    def _live(self, rid: str, what: str) -> Track:
+        t = self.tracks.get(rid)
+        if t is None:
+            raise self._fail(f"{what} names unknown or finished request {rid!r}")
+        return t
+
+    def apply(self, plan: Plan, now_s: float) -> Batch:
+        """Validates and starts `plan`: evictions first, then admissions and KV allocation.
+        Raises InfeasiblePlanError naming the policy when the plan breaks a rule."""
+        for rid in plan.evictions:
+            t = self._live(rid, "eviction")
+            if not t.state.is_running:
+                raise self._fail(f"evicts {rid!r}, which is not running")
+            self._evict(t)
+        if plan.evictions:
+            self.num_evictions += len(plan.evictions)
+            self.running = [s for s in self.running if s.is_running]
+        decodes, need, context = self._check_decodes(plan)
+        prefills, pf_need, shape_pf = self._start_prefills(plan, now_s)
+        need += pf_need
+        kv = self.kv
+        if need > kv.free + kv.evictable:
+            raise self._fail(f"needs {need} KV slots, only {kv.free} free + {kv.evictable} "
+                             f"evictable (capacity {kv.capacity})")
+        try:
+            kv.allocate(need)
+        except KvExhausted as exc:  # pragma: no cover - guarded by the check above
+            raise self._fail(str(exc)) from None
+        shape = BatchShape(prefill_tokens=shape_pf[0], num_prefill=len(prefills),
+                           prefill_attn=shape_pf[1], decode_context=context,
+                           num_decode=len(decodes))
+        return Batch(plan, now_s, decodes, prefills, shape, len(plan.evictions))
+
+    def _check_decodes(self, plan: Plan) -> tuple[list[Track], int, int]:
+        """The decode tracks, their KV slots and Σ context (validated, nothing mutated)."""
+        tracks = self.tracks
+        page = self.config.page_size
+        out: list[Track] = []
+        context = 0
+        need = 0
+        for rid in plan.decodes:
+            t = tracks.get(rid)
+            if t is None:
+                raise self._fail(f"decode names unknown or finished request {rid!r}")
+            s = t.state
+            if not s.is_running or s.prefilled < s.prefill_len:
+                raise self._fail(f"decodes {rid!r}, which is not running and fully prefilled")
+            context += s.prompt_len + s.generated
+            if page == 1 or t.private % page == 0:
+                need += page
+            out.append(t)
+        if len(set(plan.decodes)) != len(out):
+            raise self._fail("a request is decoded twice")
+        return out, need, context
+
+    def _start_prefills(self, plan: Plan, now_s: float
+                        ) -> tuple[list[tuple[Track, int]], int, tuple[int, float]]:
+        """Validates the chunks, admits new requests (pinning their cached prefix) and returns
+        (chunks, KV slots needed, (prefill tokens, prefill attention work))."""
+        cfg = self.config
+        page = cfg.page_size
+        out: list[tuple[Track, int]] = []
+        need = tokens_total = 0
+        attn = 0.0
+        admitted = 0
+        for chunk in plan.prefills:
+            t = self._live(chunk.rid, "prefill")
+            s = t.state
+            left = s.prefill_len - s.prefilled
+            if not 1 <= chunk.tokens <= left:
+                raise self._fail(f"prefill of {chunk.rid!r}: {chunk.tokens} tokens, "
+                                 f"{left} left to prefill")
+            if chunk.tokens < left and chunk.tokens % page:
+                raise self._fail(f"prefill of {chunk.rid!r}: chunk {chunk.tokens} is not a "
+                                 f"multiple of page_size {page}")
+            if not s.is_running:
+                self._admit(t, now_s)
+                admitted += 1
+            need += _round_up(t.private + chunk.tokens, page) - _round_up(t.private, page)
+            tokens_total += chunk.tokens
+            attn += chunk.tokens * (s.prefilled + chunk.tokens)
+            out.append((t, chunk.tokens))
+        if len({c.rid for c in plan.prefills}) != len(out):
+            raise self._fail("a request has two prefill chunks")
+        if tokens_total > cfg.max_prefill_tokens:
+            raise self._fail(f"{tokens_total} prefill tokens > max_prefill_tokens "
+                             f"{cfg.max_prefill_tokens}")
+        if admitted:
+            if len(self.running) > cfg.max_running:
+                raise self._fail(f"{len(self.running)} running > max_running "
+                                 f"{cfg.max_running}")
+            self.waiting = [s for s in self.waiting if not s.is_running]
+        for t, tokens in out:
+            s = t.state
+            s.prefilled += tokens
+            s.kv_tokens += tokens
+            t.private += tokens
+        return out, need, (tokens_total, attn)
+
+    def _admit(self, t: Track, now_s: float) -> None:
+        """A waiting request becomes running; its cached prefix blocks are pinned."""
+        s = t.state
+        n = s.cached_len // self.config.prefix_block_tokens
+        if n:
+            t.pinned = list(s.prefix_hashes[:n])
+            self.kv.pin(t.pinned)
+        s.kv_tokens = s.kv_shared_tokens = s.cached_len
+        s.is_running = True
+        if t.first_cached is None:
+            t.first_cached = s.cached_len
+            t.admitted_s = now_s
+        self.running.append(s)
+
+    # --- ending an iteration ----------------------------------------------------------------
+
+    def finish(self, batch: Batch, end_s: float) -> tuple[list[str], list[Track]]:
+        """Emits the iteration's tokens at `end_s`; returns (emitting rids, finished tracks)."""
+        emitted = list(batch.plan.decodes)
+        finished: list[Track] = []
+        for t in batch.decodes:
+            s = t.state
+            s.generated += 1
+            s.kv_tokens += 1
+            t.private += 1
+            s.last_token_s = end_s
+            t.times.append(end_s)
+            if s.generated >= t.target:
+                finished.append(t)
+        for t, _ in batch.prefills:
+            s = t.state
+            if s.prefilled < s.prefill_len:
+                continue
+            self._publish(t, pinned=True)
+            s.generated += 1
+            s.last_token_s = end_s
+            if s.first_token_s is None:
+                s.first_token_s = end_s
+            t.times.append(end_s)
+            emitted.append(s.rid)
+            if s.generated >= t.target:
+                finished.append(t)
+        for t in finished:
+            self._release(t)
+            t.finish_s = end_s
+            del self.tracks[t.state.rid]
+        if finished:
+            self.running = [s for s in self.running if s.is_running]
+        self.last_iteration_s = end_s - batch.start_s
+        return emitted, finished
+
+    def abort(self, rid: str) -> Track | None:
+        """Drops a live request (waiting or running), freeing its KV; None if unknown."""
+        t = self.tracks.pop(rid, None)
+        if t is None:
+            return None
+        if t.state.is_running:
+            self._release(t)
+            self.running = [s for s in self.running if s.is_running]
+        else:
+            self.waiting = [s for s in self.waiting if s.rid != rid]
+        return t
+
+    def _publish(self, t: Track, *, pinned: bool) -> None:
+        """Offers the full prompt blocks it computed to the prefix cache. Pinned: it keeps
+        referencing them (prefill just completed); else they are left evictable (eviction)."""
+        s = t.state
+        block = self.config.prefix_block_tokens
+        upto = min(t.usable_blocks, s.prefilled // block)
+        for i in range(len(t.pinned), upto):
+            h = s.prefix_hashes[i]
+            if not self.kv.publish(h, pinned=pinned):
+                self.kv.release(block)  # a duplicate of a cached block: free our copy
+            t.private -= block
+            if pinned:
+                t.pinned.append(h)
+        s.kv_shared_tokens = len(t.pinned) * block
+
+    def _release(self, t: Track) -> None:
+        """Frees a request's KV (its pinned blocks stay cached, now maybe evictable)."""
+        if t.pinned:
+            self.kv.unpin(t.pinned)
+            t.pinned = []
+        self.kv.release(_round_up(t.private, self.config.page_size))
+        t.private = 0
+        s = t.state
+        s.kv_tokens = s.kv_shared_tokens = 0
+        s.is_running = False
+
+    def _evict(self, t: Track) -> None:
+        """Frees its KV and re-queues it for recompute of prompt + generated."""
+        if self.config.prefix_cache:
+            self._publish(t, pinned=False)
+        self._release(t)
+        s = t.state
+        s.num_evictions += 1
+        s.prefill_len = s.prompt_len + s.generated
+        s.prefilled = s.cached_len = 0
+        self._match(t)
+        bisect.insort(self.waiting, s, key=lambda r: r.arrival_s)

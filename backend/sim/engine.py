@@ -1,0 +1,143 @@
+"""The discrete-event simulator: the policy's plans run on a virtual clock.
+
+Each iteration: pop the arrivals due, snapshot, `policy.plan`, execute (core.apply), advance the
+clock by `latency.predict(shape of the executed batch)`, emit tokens (core.finish), tell the source
+about finished requests, `policy.observe`. An idle engine jumps to the next arrival.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+from backend.policy.latency import LatencyModel
+from backend.policy.types import FinishedRequest, IterationResult, Policy
+from backend.sim.config import SimConfig
+from backend.sim.core import EngineCore, Track
+from backend.sim.records import IterationLog, RequestRecord, SimResult
+from backend.sim.source import ArrivalSource
+
+_MAX_IDLE_PLANS = 1000  # consecutive plans that advance no time before the run is declared stuck
+
+
+class StalledPolicyError(RuntimeError):
+    """The policy keeps returning plans that run nothing while work is pending and no arrival
+    could change its mind."""
+
+
+class _Clock:
+    """Where the run stands: virtual time and the horizon."""
+
+    def __init__(self, horizon_s: float | None) -> None:
+        self.now_s = 0.0
+        self.horizon_s = math.inf if horizon_s is None else horizon_s
+
+
+def simulate(source: ArrivalSource, policy: Policy, latency: LatencyModel, config: SimConfig,
+             *, progress: Callable[[float], None] | None = None) -> SimResult:
+    """Runs `policy` on the simulated engine until every request finished (or the horizon).
+
+    `progress(now_s)` is called about once per simulated second. Raises InfeasiblePlanError
+    when a plan breaks a rule (KV over capacity, a decode of a request that is not running, ...)
+    and StalledPolicyError when the policy stops making progress.
+    """
+    core = EngineCore(config, policy.name)
+    log = IterationLog(config.kv_capacity_tokens)
+    clock = _Clock(config.horizon_s)
+    next_progress = 0.0
+    idle_plans = 0
+    while clock.now_s < clock.horizon_s:
+        for req in source.pop_due(clock.now_s):
+            core.add(req)
+        if not core.running and not core.waiting:
+            if not _jump_to_arrival(source, clock):
+                break
+            continue
+        duration = _iterate(core, policy, latency, source, log, clock.now_s)
+        if duration is None:  # nothing to run until something arrives
+            if not _jump_to_arrival(source, clock):
+                if clock.now_s >= clock.horizon_s:
+                    break
+                raise StalledPolicyError(
+                    f"policy {policy.name!r} runs nothing with {len(core.waiting)} waiting and "
+                    f"{len(core.running)} running requests at t={clock.now_s:.3f}s and no "
+                    f"arrival to come")
+            continue
+        clock.now_s += duration
+        idle_plans = idle_plans + 1 if duration <= 0.0 else 0
+        if idle_plans > _MAX_IDLE_PLANS:
+            raise StalledPolicyError(f"policy {policy.name!r}: {idle_plans} plans in a row "
+                                     f"advanced no time at t={clock.now_s:.3f}s")
+        if progress is not None and clock.now_s >= next_progress:
+            progress(min(clock.now_s, clock.horizon_s))
+            next_progress = math.floor(clock.now_s) + 1.0
+    if progress is not None:
+        progress(min(clock.now_s, clock.horizon_s))
+    return _result(core, log, policy.name, config.horizon_s, clock.now_s)
+
+
+def _jump_to_arrival(source: ArrivalSource, clock: _Clock) -> bool:
+    """Moves an idle clock to the next arrival; False when there is none before the horizon."""
+    nxt = source.next_arrival_s()
+    if nxt is None:
+        return False
+    if nxt >= clock.horizon_s:
+        clock.now_s = clock.horizon_s
+        return False
+    clock.now_s = max(clock.now_s, nxt)
+    return True
+
+
+def _iterate(core: EngineCore, policy: Policy, latency: LatencyModel, source: ArrivalSource,
+             log: IterationLog, now_s: float) -> float | None:
+    """Plans and runs one iteration at `now_s`; its duration, or None when the plan was
+    empty."""
+    num_running, num_waiting = len(core.running), len(core.waiting)
+    snap = core.snapshot(now_s)
+    t0 = time.perf_counter()
+    plan = policy.plan(snap)
+    plan_ms = (time.perf_counter() - t0) * 1000.0
+    if not (plan.decodes or plan.prefills or plan.evictions):
+        return None
+    batch = core.apply(plan, now_s)
+    kv_used = core.kv.used
+    duration = latency.predict(batch.shape)
+    end_s = now_s + duration
+    emitted, finished = core.finish(batch, end_s)
+    log.append(start_s=now_s, duration_s=duration, predicted_s=plan.predicted_s,
+               plan_ms=plan_ms, num_prefill=len(batch.prefills), num_decode=len(batch.decodes),
+               prefill_tokens=batch.shape.prefill_tokens, kv_used_tokens=kv_used,
+               num_running=num_running, num_waiting=num_waiting,
+               num_evictions=batch.num_evictions)
+    done = [FinishedRequest(t.state.rid, t.state.tier, t.state.length_key, t.state.generated)
+            for t in finished]
+    for t in finished:
+        source.on_finish(t.state.rid, end_s)
+    policy.observe(IterationResult(start_s=now_s, duration_s=duration, plan=plan,
+                                   emitted=emitted, finished=done))
+    return duration
+
+
+def _record(t: Track) -> RequestRecord:
+    s, req = t.state, t.req
+    return RequestRecord(
+        rid=s.rid, tier=s.tier, arrival_s=s.arrival_s, prompt_len=s.prompt_len,
+        output_len_target=t.target, generated=s.generated, first_token_s=s.first_token_s,
+        finish_s=t.finish_s, token_times=t.times, evictions=s.num_evictions,
+        cached_tokens=t.first_cached or 0, ttft_target_s=req.ttft_s, tpot_target_s=req.tpot_s,
+        deadline_s=s.be_deadline_s, length_key=s.length_key, max_new_tokens=s.max_new_tokens,
+        admitted_s=t.admitted_s,
+    )
+
+
+def _result(core: EngineCore, log: IterationLog, policy_name: str, horizon_s: float | None,
+            end_s: float) -> SimResult:
+    admitted = [t for t in core.arrived if t.first_cached is not None]
+    prompt = sum(t.state.prompt_len for t in admitted)
+    cached = sum(t.first_cached or 0 for t in admitted)
+    return SimResult(
+        policy_name=policy_name, requests=[_record(t) for t in core.arrived], iterations=log,
+        horizon_s=horizon_s, end_s=end_s, prefix_reuse_ratio=cached / prompt if prompt else 0.0,
+        num_evictions=core.num_evictions,
+    )
