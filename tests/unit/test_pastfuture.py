@@ -1,0 +1,78 @@
+"""Past-Future admission: the length sampler, the exact future peak, admission."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from backend.policy.pastfuture import (
+    LengthHistory,
+    PeakAdmission,
+    future_peak,
+    num_sample_lists,
+)
+
+
+def test_future_peak_matches_a_hand_computed_batch() -> None:
+    # current tokens 5, 6, 4; remaining 4, 1, 2 → sorted by remaining: (5,4), (4,2), (6,1)
+    # M_1 = 5 + 4·1 = 9, M_2 = 9 + 2·2 = 13, M_3 = 15 + 1·3 = 18
+    assert future_peak(np.array([5, 6, 4]), np.array([4, 1, 2])) == 18
+    assert future_peak(np.array([], dtype=np.int64), np.array([], dtype=np.int64)) == 0
+
+
+def test_peak_is_never_below_current_use() -> None:
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        cur, rem = rng.integers(1, 100, 20), rng.integers(0, 100, 20)
+        assert future_peak(cur, rem) >= cur.sum()
+
+
+def test_unconditional_samples_come_from_the_history() -> None:
+    history = LengthHistory(window=10, prior=[10, 20, 30])
+    samples = history.sample_total(np.random.default_rng(0), np.zeros(2000, dtype=np.int64),
+                                   100)
+    assert samples.min() >= 0 and samples.max() <= 100
+    # piecewise-linear inverse CDF through 0, 10, 20, 30, 100: the median is near 20
+    assert 15 <= np.median(samples) <= 25
+
+
+def test_conditional_samples_exceed_what_was_generated() -> None:
+    history = LengthHistory(prior=[50] * 100 + [400] * 100)
+    gen = np.full(1000, 60)
+    samples = history.sample_total(np.random.default_rng(0), gen, 1000)
+    assert (samples >= 60).all()
+    assert np.mean(samples) > 300  # past 50 tokens, the long mode dominates
+
+
+def test_beyond_every_recorded_length_the_prediction_is_uniform_up_to_the_cap() -> None:
+    history = LengthHistory(prior=[10, 20])
+    samples = history.sample_total(np.random.default_rng(0), np.full(4000, 500), 1000)
+    assert samples.min() >= 500 and samples.max() <= 1000
+    assert abs(np.mean(samples) - 750) < 15
+
+
+def test_window_forgets_old_lengths() -> None:
+    history = LengthHistory(window=3, prior=[1, 1, 1])
+    history.extend([9, 9, 9])
+    assert history.sorted_values().tolist() == [9, 9, 9]
+
+
+def test_more_sample_lists_for_small_batches() -> None:
+    assert num_sample_lists(1) == 5 and num_sample_lists(100) == 3
+    assert num_sample_lists(1000) == 1
+
+
+def test_admission_refuses_what_would_overflow_in_the_future() -> None:
+    # two running requests: 10 tokens each, 10 more to go → peak 40 over a limit of 45
+    check = PeakAdmission(np.array([10, 10]), np.array([[10, 10]]), limit_tokens=45)
+    assert check.peak == 40
+    # fits now (25 + 5 = 30 ≤ 45) but would need 10 + 10 + 5 + 3·10 = 55 later: refused
+    assert not check.try_admit(5, np.array([10]))
+    assert check.try_admit(5, np.array([0]))  # a short one fits
+    assert check.peak == 40  # it finishes before the peak
+
+
+def test_admission_uses_the_worst_sample_list() -> None:
+    check = PeakAdmission(np.array([10]), np.array([[0], [30]]), limit_tokens=45)
+    assert check.peak == 40
+    # list 1 alone would allow it (peak 20); list 2 peaks at 10+10 + 20·2 = 60 > 45
+    assert not check.try_admit(10, np.array([0, 20]))
