@@ -1,0 +1,86 @@
+"""`tandem profile` against the real engine on CPU: a quick grid yields a profile the latency
+model fits; the command writes the file and reports the fit; errors are one line."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from backend.policy.latency import LatencyModel, Profile, load_profile, mape
+from bench.profiler import ProfileGrid, add_profile_parser, profile_engine
+from tests.functional.engine_fixtures import EngineServer, free_port
+
+
+def kinds(profile: Profile) -> dict[str, int]:
+    """How many samples of each iteration kind the profile holds."""
+    counts = {"prefill": 0, "decode": 0, "mixed": 0}
+    for sample in profile.samples:
+        shape = sample.shape
+        counts["mixed" if shape.num_prefill and shape.num_decode else
+               "prefill" if shape.num_prefill else "decode"] += 1
+    return counts
+
+
+def run_cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="tandem")
+    add_profile_parser(parser.add_subparsers())
+    args = parser.parse_args(["profile", *argv])
+    return int(args.func(args))
+
+
+@pytest.mark.slow
+async def test_quick_profile_of_the_real_engine(engine_server: EngineServer) -> None:
+    lines: list[str] = []
+    profile = await profile_engine(engine_server.base_url, grid=ProfileGrid.quick(),
+                                   name="quick", progress=lines.append)
+    counts = kinds(profile)
+    assert all(counts.values()), counts
+    assert all(0 < s.seconds < 10 for s in profile.samples)
+    # The engine's own facts, read over HTTP.
+    assert profile.kv_capacity_tokens == engine_server.config.max_total_tokens
+    assert profile.max_prefill_tokens == engine_server.config.chunked_prefill_size
+    assert profile.model["num_hidden_layers"] == 4
+    assert profile.kv_bytes_per_token is not None and profile.kv_bytes_per_token > 0
+    # Prefix probes really were served from the prefix cache.
+    assert any(s.shape.prefill_attn > s.shape.prefill_tokens ** 2 for s in profile.samples)
+    assert any("round trip" in line for line in lines)
+    model = LatencyModel.fit(profile.samples)
+    assert mape(model, profile.samples) < 0.5
+
+
+@pytest.mark.slow
+def test_profile_command_writes_the_file_and_reports_the_fit(
+        engine_server: EngineServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "tiny.json"
+    status = run_cli(["--url", engine_server.base_url, "--out", str(out), "--quick",
+                      "--decode-batches", "1", "--decode-contexts", "32",
+                      "--prefill-tokens", "16,128,512", "--prefill-prefixes", "0",
+                      "--mixed-prefill-tokens", "64"])
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    profile = load_profile(out)
+    assert profile.name == "tiny" and len(profile.samples) == 5
+    assert "tandem profile" in profile.description
+    assert f"wrote {out}: 5 samples" in captured.out
+    assert "held-out MAPE" in captured.out
+
+
+def test_unreachable_engine_is_one_line(tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "never.json"
+    status = run_cli(["--url", f"http://127.0.0.1:{free_port()}", "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert status == 1
+    assert err.startswith("tandem: error: engine not reachable at http://127.0.0.1:")
+    assert len(err.splitlines()) == 1
+    assert not out.exists()
+
+
+def test_report_prints_the_committed_profiles_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    profile = Path(__file__).resolve().parents[2] / "bench/profiles/h100-llama8b-analytic.json"
+    assert run_cli(["--report", str(profile)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("h100-llama8b-analytic: 165 samples, held-out MAPE")
+    assert "piece 1:" in out
