@@ -3,12 +3,17 @@
 Form (HyGen's linear regression, extended with a decode-context and a prefill-attention term,
 synthesis §4 notes)::
 
-    T = w0 + w1·S_p + w2·S_d + w3·S_p² + w4·S_d² + w5·N_p + w6·N_d + w7·A_p
+    T = w0 + w1·S_p + w2·S_d + w3·S_p² + w4·S_d² + w5·N_p + w6·N_d + w7·A_p + w8·F_p
 
     S_p  prefill tokens in the batch (sum of chunk lengths)
     S_d  decode context: Σ over decoding requests of the KV tokens they attend to
     N_p  prefill requests            N_d  decode requests
     A_p  prefill attention work: Σ over chunks of l·(prefix + l)  (a chunk attends to its prefix)
+    F_p  full-square attention work: Σ over chunks of (prefix + l)². SGLang's torch_native
+         backend (the CPU engine) recomputes attention for the prefix rows too, so a 16-token
+         chunk after 3K cached tokens costs ~0.5 s there; FlashAttention-style GPU backends do
+         not, and their fit gives F_p no weight. A model built from 8 weights (the form without
+         F_p) is accepted and gets w8 = 0.
 
 Fitted by least squares from a profile (a grid of measured batch shapes) with non-negative
 weights (a negative weight would predict that more work is faster, and the inversion would be
@@ -36,7 +41,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-FEATURES = ("intercept", "S_p", "S_d", "S_p2", "S_d2", "N_p", "N_d", "A_p")
+FEATURES = ("intercept", "S_p", "S_d", "S_p2", "S_d2", "N_p", "N_d", "A_p", "F_p")
 _K = 1000.0  # tokens per feature unit
 TWO_PIECE_MIN_GAIN = 0.3
 """The max-affine model is kept only when it lowers the relative squared training error by at
@@ -54,6 +59,9 @@ class BatchShape(msgspec.Struct, frozen=True, kw_only=True):
     """N_p: requests with a prefill chunk."""
     prefill_attn: float = 0.0
     """A_p: Σ chunk·(prefix + chunk), token²."""
+    prefill_attn_full: float = 0.0
+    """F_p: Σ (prefix + chunk)², token² (attention work of a backend that recomputes the
+    prefix rows; set by `with_prefill`)."""
     decode_context: int = 0
     """S_d: Σ context length of the decoding requests, tokens."""
     num_decode: int = 0
@@ -65,6 +73,7 @@ class BatchShape(msgspec.Struct, frozen=True, kw_only=True):
             prefill_tokens=self.prefill_tokens + chunk,
             num_prefill=self.num_prefill + 1,
             prefill_attn=self.prefill_attn + chunk * (prefix + chunk),
+            prefill_attn_full=self.prefill_attn_full + (prefix + chunk) ** 2,
             decode_context=self.decode_context,
             num_decode=self.num_decode,
         )
@@ -75,6 +84,7 @@ class BatchShape(msgspec.Struct, frozen=True, kw_only=True):
             prefill_tokens=self.prefill_tokens,
             num_prefill=self.num_prefill,
             prefill_attn=self.prefill_attn,
+            prefill_attn_full=self.prefill_attn_full,
             decode_context=self.decode_context + context,
             num_decode=self.num_decode + 1,
         )
@@ -136,7 +146,7 @@ def features(shape: BatchShape) -> list[float]:
     sp = shape.prefill_tokens / _K
     sd = shape.decode_context / _K
     return [1.0, sp, sd, sp * sp, sd * sd, float(shape.num_prefill), float(shape.num_decode),
-            shape.prefill_attn / (_K * _K)]
+            shape.prefill_attn / (_K * _K), shape.prefill_attn_full / (_K * _K)]
 
 
 class LatencyModel:
@@ -148,12 +158,8 @@ class LatencyModel:
 
     def __init__(self, weights: Sequence[float],
                  second_weights: Sequence[float] | None = None) -> None:
-        for piece in (weights, second_weights):
-            if piece is not None and len(piece) != len(FEATURES):
-                raise ValueError(f"expected {len(FEATURES)} weights, got {len(piece)}")
-        self.weights = [float(w) for w in weights]
-        self.second_weights = (None if second_weights is None
-                               else [float(w) for w in second_weights])
+        self.weights = _full_length(weights)
+        self.second_weights = None if second_weights is None else _full_length(second_weights)
         self._pieces = [self.weights] + ([] if self.second_weights is None
                                          else [self.second_weights])
 
@@ -215,6 +221,15 @@ class LatencyModel:
     def to_dict(self) -> dict[str, float]:
         """The first (or only) piece's weights by feature name."""
         return dict(zip(FEATURES, self.weights, strict=True))
+
+
+def _full_length(weights: Sequence[float]) -> list[float]:
+    """*weights* as floats, one per feature; the 8-weight form without F_p gets w8 = 0."""
+    if len(weights) == len(FEATURES) - 1:
+        weights = [*weights, 0.0]
+    if len(weights) != len(FEATURES):
+        raise ValueError(f"expected {len(FEATURES)} weights, got {len(weights)}")
+    return [float(w) for w in weights]
 
 
 def _nnls(x: np.ndarray, y: np.ndarray, scale: np.ndarray) -> np.ndarray:

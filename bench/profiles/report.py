@@ -18,7 +18,8 @@ from backend.policy.latency import FEATURES, holdout_mape, load_profile
 PROFILES_DIR = Path(__file__).resolve().parent
 HOLDOUT_FRACTION = 0.2
 SEED = 0
-UNITS = ("ms", "ms/Ktok", "ms/Ktok", "ms/Ktok²", "ms/Ktok²", "ms/req", "ms/req", "ms/Ktok²")
+UNITS = ("ms", "ms/Ktok", "ms/Ktok", "ms/Ktok²", "ms/Ktok²", "ms/req", "ms/req", "ms/Ktok²",
+         "ms/Ktok²")
 
 
 def report_lines(path: str | Path) -> list[str]:

@@ -21,7 +21,7 @@ from backend.policy.latency import (
 )
 
 # Seconds per feature unit (tokens in thousands): 3 ms + 10 ms/Ktok prefill + ...
-TRUE_WEIGHTS = [3e-3, 10e-3, 2e-3, 1e-3, 0.5e-3, 0.4e-3, 0.05e-3, 0.8e-3]
+TRUE_WEIGHTS = [3e-3, 10e-3, 2e-3, 1e-3, 0.5e-3, 0.4e-3, 0.05e-3, 0.8e-3, 0.3e-3]
 
 
 def make_shape(rng: random.Random) -> BatchShape:
@@ -69,8 +69,8 @@ def test_holdout_mape_is_zero_for_noiseless_data() -> None:
 
 
 def test_a_roofline_shaped_profile_gets_two_pieces() -> None:
-    compute = [2e-3, 20e-3, 0, 0, 0, 0, 0.02e-3, 0.5e-3]
-    memory = [7e-3, 0, 30e-3, 0, 0, 0, 0.01e-3, 0]
+    compute = [2e-3, 20e-3, 0, 0, 0, 0, 0.02e-3, 0.5e-3, 0]
+    memory = [7e-3, 0, 30e-3, 0, 0, 0, 0.01e-3, 0, 0]
     rng = random.Random(2)
     shapes = [make_shape(rng) for _ in range(300)]
     samples = [ProfileSample(shape=s, seconds=max(
@@ -81,6 +81,16 @@ def test_a_roofline_shaped_profile_gets_two_pieces() -> None:
     model = LatencyModel.fit(samples)
     assert model.second_weights is not None
     assert mape(model, samples) < 0.01 < mape(linear, samples)
+
+
+def test_eight_weights_are_the_form_without_the_full_square_term() -> None:
+    model = LatencyModel(TRUE_WEIGHTS[:8])
+    assert model.to_dict()["F_p"] == 0.0
+    shape = BatchShape().with_prefill(16, prefix=3072)
+    assert shape.prefill_attn_full == 3088**2
+    assert LatencyModel(TRUE_WEIGHTS).predict(shape) > model.predict(shape)
+    with pytest.raises(ValueError, match="expected 9 weights"):
+        LatencyModel(TRUE_WEIGHTS[:7])
 
 
 def test_fit_needs_three_samples() -> None:
