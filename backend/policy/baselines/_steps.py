@@ -43,7 +43,7 @@ def decode_all(b: BatchBuilder, reqs: Iterable[ReqState], budget: int,
     for r in reqs:
         if budget <= 0:
             break
-        if r.prefilled < r.prefill_len:
+        if r.prefilled < r.prefill_len or (b.evictions and r.rid in b.evictions):
             continue
         if not b.add_decode(r) and not (_fit(b, r, decode_cost(r, page), victims)
                                         and b.add_decode(r)):

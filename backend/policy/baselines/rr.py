@@ -2,9 +2,9 @@
 
 Stands for the RR baseline of BROS: the engine serves the RT and the BE tier in alternate
 iterations. An RT turn runs only RT work (RT decodes, then RT prefill chunks, vLLM-style under
-one token budget), a BE turn only BE work; a turn whose tier has nothing to do goes to the other
-tier. Admission is FCFS within the tier while the chunk fits now; on KV shortage the most
-recently arrived running request of the same tier is preempted.
+one token budget), a BE turn only BE work; a turn whose tier has nothing it can run now goes to
+the other tier. Admission is FCFS within the tier while the chunk fits now; on KV shortage the
+most recently arrived running request of the same tier is preempted.
 """
 
 from __future__ import annotations
@@ -30,7 +30,18 @@ class RoundRobinPolicy(PolicyBase):
 
     def plan(self, snapshot: Snapshot) -> Plan:
         other: Tier = "be" if self.turn == "rt" else "rt"
-        tier = self.turn if _has_work(snapshot, self.turn) else other
+        b = BatchBuilder(snapshot)
+        for tier in (self.turn, other):  # a turn that can run nothing passes to the other tier
+            if not _has_work(snapshot, tier):
+                continue
+            b = self._build(snapshot, tier)
+            if b.decodes or b.prefills:
+                self._served = tier
+                return b.plan(self.latency)
+        self._served = None
+        return b.plan(self.latency)
+
+    def _build(self, snapshot: Snapshot, tier: Tier) -> BatchBuilder:
         running = [r for r in snapshot.running if r.tier == tier]
         b = BatchBuilder(snapshot)
         victims = LazyOrder(lambda: newest_first(running))
@@ -38,8 +49,7 @@ class RoundRobinPolicy(PolicyBase):
         budget = prefill_queue(b, running, budget, victims)
         if not b.evictions:
             prefill_queue(b, [w for w in snapshot.waiting if w.tier == tier], budget)
-        self._served = tier if (b.decodes or b.prefills) else None
-        return b.plan(self.latency)
+        return b
 
     def observe(self, result: IterationResult) -> None:
         """The turn passes to the tier not served last."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from backend.policy.baselines._steps import prefill_queue
+from backend.policy.baselines._steps import LazyOrder, prefill_queue
 from backend.policy.common import BatchBuilder, PolicyBase, decode_cost, eviction_gain, tier_first
 from backend.policy.latency import LatencyModel
 from backend.policy.types import IterationResult, Plan, ReqState, Snapshot
@@ -89,7 +89,9 @@ class SglangLikePolicy(PolicyBase):
         rem_total = b.kv_avail - sum(self._held(r) for r in snap.running)
         chunk_left = self.chunk_tokens
         partial = [r for r in snap.running if r.prefilled < r.prefill_len]
-        chunk_left = prefill_queue(b, partial, chunk_left)
+        if partial:  # the chunked prompt in flight may retract others if KV ran out
+            victims = LazyOrder(lambda: sorted(snap.running, key=_keep_key))
+            chunk_left = prefill_queue(b, partial, chunk_left, victims)
         rem_total -= self.chunk_tokens - chunk_left
         for w in tier_first(snap.waiting):
             left = w.prefill_len - w.prefilled
@@ -136,8 +138,7 @@ class SglangLikePolicy(PolicyBase):
         need = sum(decode_cost(r, page) for r in decoding)
         if need > b.kv_avail and len(decoding) > 1:
             # keep-order: higher tier, more generated, shorter prompt; retract from the end
-            decoding.sort(key=lambda r: (r.tier == "rt", r.generated, -r.prompt_len),
-                          reverse=True)
+            decoding.sort(key=_keep_key, reverse=True)
             while need > b.kv_avail and len(decoding) > 1:
                 victim = decoding.pop()
                 need -= decode_cost(victim, page)
@@ -155,3 +156,9 @@ class SglangLikePolicy(PolicyBase):
     def observe(self, result: IterationResult) -> None:
         """Applies the ratio change the last plan decided (decay, retraction estimate, reset)."""
         self.ratio = self._next_ratio
+
+
+def _keep_key(r: ReqState) -> tuple[bool, int, int]:
+    """SGLang's retraction order, most worth keeping last: higher tier, more generated tokens,
+    shorter prompt."""
+    return (r.tier == "rt", r.generated, -r.prompt_len)

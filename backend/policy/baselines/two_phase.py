@@ -3,7 +3,8 @@
 Both build every iteration in two phases, RT first: all RT decodes (stall-free), then RT prefill
 chunks (running ones, then waiting ones in arrival order); then BE work — BE decodes, BE partial
 prefills, BE admissions, oldest first. RT may preempt BE (most recently arrived first) when its
-KV runs out; BE never preempts and simply waits. Admission checks only that the chunk fits now.
+KV runs out; BE in flight preempts only newer BE (never RT). Admission checks only that the
+chunk fits now.
 
 * `static-chunk` (Sarathi-Serve / HyGen's "Sarathi++"): one static token budget per iteration
   (`chunk_tokens`, 512 by default) shared by everything; decodes count one token each; BE fills
@@ -43,15 +44,17 @@ def _rt_phase(b: BatchBuilder, snap: Snapshot, budget: int) -> int:
 
 
 def _be_phase(b: BatchBuilder, snap: Snapshot, budget: int) -> None:
-    """BE decodes, partial prefills and admissions within `budget`, oldest first, no
-    preemption."""
+    """BE decodes, partial prefills and admissions within `budget`, oldest first. BE never
+    preempts RT; when BE work in flight runs out of KV the newest BE request is preempted (else
+    a full pool of half-done BE requests would wait for each other forever)."""
     if budget <= 0:
         return
     _, be_running = _split(snap.running)
     be_running = [r for r in be_running if r.rid not in b.evictions]
     be_running.sort(key=lambda r: r.arrival_s)
-    budget = decode_all(b, be_running, budget)
-    budget = prefill_queue(b, be_running, budget)
+    victims = LazyOrder(lambda: be_running[::-1])
+    budget = decode_all(b, be_running, budget, victims)
+    budget = prefill_queue(b, be_running, budget, victims)
     if not b.evictions:
         prefill_queue(b, [w for w in snap.waiting if w.tier != "rt"], budget)
 

@@ -1,0 +1,147 @@
+"""The simulated engine on the real clock: an asyncio task plans, sleeps the predicted iteration
+time, and emits tokens to the waiting HTTP streams (used by backend/sim/server.py).
+
+Aborts are applied between iterations (at most one iteration late), so a plan in flight never
+loses a request under it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from backend.policy.latency import LatencyModel
+from backend.policy.types import FinishedRequest, IterationResult, Policy
+from backend.sim.config import SimConfig
+from backend.sim.core import EngineCore, Track
+from backend.sim.source import SimRequest
+
+log = logging.getLogger(__name__)
+
+FinishReason = dict[str, object]
+
+
+class Stream:
+    """One request's progress as its HTTP handler sees it."""
+
+    def __init__(self, track: Track) -> None:
+        self.track = track
+        self.finish_reason: FinishReason | None = None
+        """None while running; SGLang's {"type": "length"|"abort", ...} at the end."""
+        self.changed = asyncio.Event()
+        """Set whenever tokens were emitted or the request ended."""
+
+    @property
+    def rid(self) -> str:
+        return self.track.state.rid
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.track.state.generated
+
+    def end(self, reason: FinishReason) -> None:
+        if self.finish_reason is None:
+            self.finish_reason = reason
+        self.changed.set()
+
+
+class RealtimeEngine:
+    """EngineCore driven by `policy` on the wall clock (seconds since start)."""
+
+    def __init__(self, policy: Policy, latency: LatencyModel, config: SimConfig, *,
+                 time_scale: float = 1.0) -> None:
+        self.policy = policy
+        self.latency = latency
+        self.config = config
+        self.time_scale = time_scale
+        """Multiplies every iteration's duration (tests run faster than the profile)."""
+        self.core = EngineCore(config, policy.name)
+        self.streams: dict[str, Stream] = {}
+        self.error: str | None = None
+        """Set when the engine loop died (a policy bug); new requests are then refused."""
+        self._t0 = time.monotonic()
+        self._wake = asyncio.Event()
+        self._aborts: list[str] = []
+
+    def now(self) -> float:
+        return time.monotonic() - self._t0
+
+    def submit(self, req: SimRequest) -> Stream:
+        """Queues a request; raises ValueError for a duplicate rid."""
+        stream = Stream(self.core.add(req))
+        self.streams[req.rid] = stream
+        self._wake.set()
+        return stream
+
+    def abort(self, rid: str) -> None:
+        """Asks for `rid` to be dropped before the next iteration (unknown rids are ignored)."""
+        if rid in self.streams:
+            self._aborts.append(rid)
+            self._wake.set()
+
+    async def run(self) -> None:
+        """The engine loop (runs until cancelled)."""
+        try:
+            while True:
+                self._apply_aborts()
+                if not await self._iterate():
+                    self._wake.clear()
+                    await self._wake.wait()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a policy bug: report it on every open stream
+            log.exception("simulated engine stopped")
+            self.error = f"{exc.__class__.__name__}: {exc}"
+            for stream in list(self.streams.values()):
+                stream.end({"type": "abort", "message": self.error})
+            self.streams.clear()
+
+    async def _iterate(self) -> bool:
+        """One iteration; False when there was nothing to run."""
+        core = self.core
+        if not core.waiting and not core.running:
+            return False
+        start = self.now()
+        plan = self.policy.plan(core.snapshot(start))
+        if not (plan.decodes or plan.prefills or plan.evictions):
+            return False
+        batch = core.apply(plan, start)
+        await asyncio.sleep(self.latency.predict(batch.shape) * self.time_scale)
+        end = self.now()
+        emitted, finished = core.finish(batch, end)
+        for rid in emitted:
+            stream = self.streams.get(rid)
+            if stream is not None:
+                stream.changed.set()
+        done = []
+        for t in finished:
+            s = t.state
+            done.append(FinishedRequest(s.rid, s.tier, s.length_key, s.generated))
+            stream = self.streams.pop(s.rid, None)
+            if stream is not None:
+                stream.end({"type": "length", "length": s.generated})
+        self.policy.observe(IterationResult(start_s=start, duration_s=end - start, plan=plan,
+                                            emitted=emitted, finished=done))
+        return True
+
+    def _apply_aborts(self) -> None:
+        aborts, self._aborts = self._aborts, []
+        for rid in aborts:
+            stream = self.streams.pop(rid, None)
+            if stream is not None:
+                self.core.abort(rid)
+                stream.end({"type": "abort", "message": "aborted"})
+
+    def loads(self) -> dict[str, object]:
+        """SGLang's per-rank `/v1/loads` entry."""
+        kv = self.core.kv
+        return {
+            "dp_rank": 0,
+            "num_running_reqs": len(self.core.running),
+            "num_waiting_reqs": len(self.core.waiting),
+            "num_total_reqs": len(self.core.running) + len(self.core.waiting),
+            "token_usage": round((kv.used - kv.evictable) / kv.capacity, 4),
+            "max_total_num_tokens": kv.capacity,
+            "max_running_requests": self.config.max_running,
+        }
