@@ -1,0 +1,21 @@
+"""Bench constants that the command line needs before anything heavy is imported (the `tandem`
+CLI builds its parser on every start, so bench/cli.py imports only this at module level)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+"""The bench package folder."""
+PROFILES_DIR = BENCH_DIR / "profiles"
+"""Where named latency profiles live (NAME.json)."""
+RESULTS_DIR = BENCH_DIR / "results"
+"""Default parent of output folders."""
+DEFAULT_PROFILE = "h100-llama8b-analytic"
+"""The simulator's default latency profile."""
+DEFAULT_DATA_DIR = BENCH_DIR.parent.parent / "shared" / "data"
+"""../shared/data relative to the repository: the Azure trace CSVs."""
+ENGINES = ("sim", "sglang")
+"""Engines `--engine` accepts (sglang: issue 5)."""
+WORKLOAD_NAMES = ("W1", "W2", "W3", "W4", "W5")
+"""Built-in workloads."""

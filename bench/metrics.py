@@ -1,0 +1,254 @@
+"""Benchmark metrics (synthesis §5.1) over a simulation's request records and iteration log.
+
+Pure functions: records in, a flat dict of numbers out (None where a metric does not apply, e.g.
+RT metrics of a BE-only run). Keys, definitions and units are listed in bench/README.md; the
+ones named in API.md's results.json schema are spelled exactly as there.
+
+Conventions:
+* The measurement window T is the workload's arrival window, or the run's end for offline and
+  closed-loop workloads. Rates are per second of T. RT requests count whenever they finish (all
+  arrive inside T); BE requests and tokens count when they complete / are emitted within T.
+* A request that never got its first token has its TTFT censored at the run's end and misses
+  every SLO. TPOT = mean gap between a request's tokens after the first; MTPOT = its largest gap.
+* Token deadlines (AccelGen): the first token is due at arrival + TTFT target, token k at the
+  emission of token k−1 + TPOT target; tokens never emitted count as missed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from backend.sim.records import IterationLog, RequestRecord, SimResult
+
+Metrics = dict[str, float | int | None]
+
+WALL_CLOCK_KEYS = frozenset({"plan_ms_p50", "plan_ms_p99", "plan_ms_mean", "plan_overhead_frac"})
+"""Metrics measured on the host's clock (policy planning time): they differ between otherwise
+identical runs. Everything else is a function of the seed."""
+
+INTERFERENCE_KEYS = {
+    "rt_interference_tbt_p99": "rt_tbt_p99_s",
+    "rt_interference_tbt_mean": "rt_tbt_mean_s",
+    "rt_interference_ttft_mean": "rt_ttft_mean_s",
+    "rt_interference_ttft_p99": "rt_ttft_p99_s",
+}
+"""Interference ratio (HyGen) → the RT metric it divides by the rt-only run's value."""
+
+_EPS = 1e-9  # float slack when comparing a time with its target
+
+
+def percentile(values: Sequence[float] | np.ndarray, q: float) -> float | None:
+    """The q-th percentile (linear interpolation); None for no values."""
+    arr = np.asarray(values, dtype=float)
+    return float(np.percentile(arr, q)) if arr.size else None
+
+
+def mean(values: Sequence[float] | np.ndarray) -> float | None:
+    """Arithmetic mean; None for no values."""
+    arr = np.asarray(values, dtype=float)
+    return float(arr.mean()) if arr.size else None
+
+
+def token_times(rec: RequestRecord) -> np.ndarray:
+    """A request's token emission times as a float array."""
+    return np.asarray(rec.token_times, dtype=float)
+
+
+@dataclass(frozen=True, slots=True)
+class RtStats:
+    """Per-request RT latency facts."""
+
+    ttft_s: float
+    """Time to first token (censored at the run's end if none came)."""
+    gaps: np.ndarray
+    """Gaps between consecutive tokens, seconds."""
+    tpot_s: float | None
+    """Mean gap (0 for a finished one-token request; None without a first token)."""
+    ttft_met: bool
+    tpot_met: bool
+    mtpot_met: bool
+    """Largest gap within the TPOT target (and finished)."""
+    tokens_in_deadline: int
+    finished: bool
+
+
+def rt_stats(rec: RequestRecord, end_s: float) -> RtStats:
+    """The latency facts of one RT request."""
+    times = token_times(rec)
+    finished = rec.finish_s is not None
+    ttft = (rec.first_token_s if rec.first_token_s is not None else end_s) - rec.arrival_s
+    gaps = np.diff(times)
+    tpot = float(gaps.mean()) if gaps.size else (0.0 if times.size else None)
+    ttft_target = math.inf if rec.ttft_target_s is None else rec.ttft_target_s
+    tpot_target = math.inf if rec.tpot_target_s is None else rec.tpot_target_s
+    ttft_met = rec.first_token_s is not None and ttft <= ttft_target + _EPS
+    tpot_met = finished and tpot is not None and tpot <= tpot_target + _EPS
+    mtpot_met = finished and (not gaps.size or float(gaps.max()) <= tpot_target + _EPS)
+    in_deadline = 0
+    if times.size:
+        deadlines = np.empty(times.size)
+        deadlines[0] = rec.arrival_s + ttft_target
+        deadlines[1:] = times[:-1] + tpot_target
+        in_deadline = int(np.count_nonzero(times <= deadlines + _EPS))
+    return RtStats(ttft_s=ttft, gaps=gaps, tpot_s=tpot, ttft_met=ttft_met, tpot_met=tpot_met,
+                   mtpot_met=mtpot_met, tokens_in_deadline=in_deadline, finished=finished)
+
+
+def _share(flags: Sequence[bool]) -> float | None:
+    return sum(flags) / len(flags) if flags else None
+
+
+def rt_metrics(records: Sequence[RequestRecord], end_s: float, window_s: float) -> Metrics:
+    """RT tier: TTFT/TPOT/TBT statistics, SLO attainment in every form, normalised latency."""
+    rt = [r for r in records if r.tier == "rt"]
+    stats = [rt_stats(r, end_s) for r in rt]
+    ttft = [s.ttft_s for s in stats]
+    tpots = [s.tpot_s for s, r in zip(stats, rt, strict=True)
+             if s.tpot_s is not None and r.generated >= 2]
+    gaps = np.concatenate([s.gaps for s in stats]) if stats else np.zeros(0)
+    mtpot = [float(s.gaps.max()) for s in stats if s.gaps.size]
+    norm = [(r.finish_s - r.arrival_s) / r.generated for r in rt
+            if r.finish_s is not None and r.generated > 0]
+    target_tokens = sum(r.output_len_target for r in rt)
+    in_deadline = sum(s.tokens_in_deadline for s in stats)
+    return {
+        "rt_requests": len(rt),
+        "rt_finished": sum(s.finished for s in stats),
+        "rt_ttft_attainment": _share([s.ttft_met for s in stats]),
+        "rt_tpot_attainment": _share([s.tpot_met for s in stats]),
+        "rt_joint_attainment": _share([s.ttft_met and s.tpot_met for s in stats]),
+        "rt_strict_attainment": _share([s.ttft_met and s.mtpot_met for s in stats]),
+        "rt_token_attainment": in_deadline / target_tokens if target_tokens else None,
+        "rt_ttft_mean_s": mean(ttft),
+        "rt_ttft_p50_s": percentile(ttft, 50),
+        "rt_ttft_p90_s": percentile(ttft, 90),
+        "rt_ttft_p99_s": percentile(ttft, 99),
+        "rt_tpot_mean_s": mean(tpots),
+        "rt_tbt_mean_s": mean(gaps),
+        "rt_tbt_p99_s": percentile(gaps, 99),
+        "rt_mtpot_p99_s": percentile(mtpot, 99),
+        "rt_normalized_latency_s": mean(norm),
+        "rt_good_req_s": sum(s.ttft_met and s.tpot_met for s in stats) / window_s,
+        "rt_token_goodput_tok_s": in_deadline / window_s,
+    }
+
+
+def be_metrics(records: Sequence[RequestRecord], end_s: float, window_s: float) -> Metrics:
+    """BE tier: throughput within the window, waiting (starvation), JCT deadlines."""
+    be = [r for r in records if r.tier == "be"]
+    done = [r for r in be if r.finish_s is not None and r.finish_s <= window_s + _EPS]
+    tokens = sum(int(np.count_nonzero(token_times(r) <= window_s + _EPS)) for r in be)
+    waits = [(r.admitted_s if r.admitted_s is not None else end_s) - r.arrival_s for r in be]
+    with_deadline = [r for r in be if r.deadline_s is not None]
+    jct = [r.finish_s - r.arrival_s for r in be if r.finish_s is not None]
+    finishes = [r.finish_s for r in be if r.finish_s is not None]
+    return {
+        "be_requests": len(be),
+        "be_finished": sum(r.finish_s is not None for r in be),
+        "be_throughput_tok_s": tokens / window_s,
+        "be_throughput_req_s": len(done) / window_s,
+        "be_total_tok_s": sum(r.prompt_len + r.generated for r in done) / window_s,
+        "be_max_wait_s": max(waits) if waits else None,
+        "be_wait_p99_s": percentile(waits, 99),
+        "be_jct_mean_s": mean(jct),
+        "be_jct_attainment": _share([r.finish_s is not None and r.deadline_s is not None
+                                     and r.finish_s <= r.deadline_s + _EPS
+                                     for r in with_deadline]),
+        "be_makespan_s": (max(finishes) - min(r.arrival_s for r in be)
+                          if be and len(finishes) == len(be) else None),
+    }
+
+
+def goodput_metrics(records: Sequence[RequestRecord], rt: Metrics, window_s: float) -> Metrics:
+    """Whole system: SLO-good RT requests plus completed BE requests (within their deadline,
+    if any), per second of the window; strict variant with MTPOT for RT."""
+    be_good = sum(1 for r in records if r.tier == "be" and r.finish_s is not None
+                  and r.finish_s <= window_s + _EPS
+                  and (r.deadline_s is None or r.finish_s <= r.deadline_s + _EPS))
+    rt_good = float(rt["rt_good_req_s"] or 0.0)
+    strict = (rt["rt_strict_attainment"] or 0.0) * int(rt["rt_requests"] or 0) / window_s
+    return {"goodput_req_s": rt_good + be_good / window_s,
+            "goodput_strict_req_s": strict + be_good / window_s}
+
+
+def _col(log: IterationLog, name: str) -> np.ndarray:
+    return np.asarray(getattr(log, name), dtype=float)
+
+
+def iteration_metrics(log: IterationLog) -> Metrics:
+    """KV use, planning overhead, iteration times, latency-prediction error."""
+    dur = _col(log, "duration_s")
+    kv = _col(log, "kv_used_tokens") / max(1, log.kv_capacity_tokens)
+    plan = _col(log, "plan_ms")
+    pred = _col(log, "predicted_s")
+    has_pred = np.isfinite(pred) & (dur > 0)
+    total = float(dur.sum())
+    return {
+        "iterations": len(log),
+        "decode_steps": int(np.count_nonzero(_col(log, "num_decode") > 0)),
+        "iteration_s_mean": mean(dur),
+        "iteration_s_p99": percentile(dur, 99),
+        "kv_utilization_mean": float((kv * dur).sum() / total) if total > 0 else None,
+        "kv_utilization_peak": float(kv.max()) if kv.size else None,
+        "plan_ms_p50": percentile(plan, 50),
+        "plan_ms_p99": percentile(plan, 99),
+        "plan_ms_mean": mean(plan),
+        "plan_overhead_frac": float(plan.sum() / 1000.0 / total) if total > 0 else None,
+        "over_predicted_frac": (float(np.mean(dur[has_pred] > pred[has_pred] * (1 + 1e-9)))
+                                if has_pred.any() else None),
+        "latency_mape": (float(np.mean(np.abs(pred[has_pred] - dur[has_pred]) / dur[has_pred]))
+                         if has_pred.any() else None),
+    }
+
+
+def eviction_metrics(records: Sequence[RequestRecord]) -> Metrics:
+    """Share of requests evicted at least once (all, RT, BE) and evictions in total."""
+    def rate(tier: str | None) -> float | None:
+        chosen = [r for r in records if tier is None or r.tier == tier]
+        return _share([r.evictions > 0 for r in chosen])
+
+    return {"eviction_rate": rate(None), "rt_eviction_rate": rate("rt"),
+            "be_eviction_rate": rate("be"),
+            "evictions_total": sum(r.evictions for r in records)}
+
+
+def compute_metrics(result: SimResult, window_s: float | None) -> Metrics:
+    """Every metric of one policy's run. `window_s`: the arrival window (None: the run's end)."""
+    window = window_s if window_s is not None and window_s > 0 else max(result.end_s, _EPS)
+    records = result.requests
+    rt = rt_metrics(records, result.end_s, window)
+    out: Metrics = {**rt, **be_metrics(records, result.end_s, window)}
+    out.update(goodput_metrics(records, rt, window))
+    out.update(eviction_metrics(records))
+    out.update(iteration_metrics(result.iterations))
+    out["prefix_reuse_ratio"] = result.prefix_reuse_ratio
+    out["window_s"] = window
+    out["sim_end_s"] = result.end_s
+    return out
+
+
+def interference(metrics: Metrics, baseline: Metrics) -> Metrics:
+    """HyGen's interference ratios: this run's RT latency over the rt-only run's (1.0 = no
+    interference); None where either is missing or the baseline is 0."""
+    out: Metrics = {}
+    for key, source in INTERFERENCE_KEYS.items():
+        value, base = metrics.get(source), baseline.get(source)
+        out[key] = (float(value) / float(base)
+                    if value is not None and base is not None and base > 0 else None)
+    return out
+
+
+def rounded(metrics: dict[str, Any], digits: int = 6) -> dict[str, Any]:
+    """Floats rounded to `digits` decimals, NaN/inf as None (valid JSON)."""
+    out: dict[str, Any] = {}
+    for key, value in metrics.items():
+        if isinstance(value, float):
+            out[key] = round(value, digits) if math.isfinite(value) else None
+        else:
+            out[key] = value
+    return out

@@ -1,0 +1,280 @@
+"""The bench runner: one workload, every chosen policy, one seed; writes results.json, report.md
+and the PNG plots (bench/report.py, bench/plots.py).
+
+    config → profile + latency model → workload (built once) → λ* (cached) → for each policy:
+    fresh source (identical requests) → simulate → metrics + plot series → interference ratios
+    against rt-only → outputs
+
+Only the simulator engine exists so far; `--engine sglang` comes with issue 5.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from msgspec.structs import replace as struct_replace
+from tqdm import tqdm
+
+from backend.policy.latency import LatencyModel, Profile, load_profile
+from backend.sim import (
+    InfeasiblePlanError,
+    SimConfig,
+    SimRequest,
+    StalledPolicyError,
+    simulate,
+)
+from bench import capacity as cap
+from bench.defaults import DEFAULT_DATA_DIR, DEFAULT_PROFILE, PROFILES_DIR
+from bench.metrics import Metrics, compute_metrics, interference
+from bench.series import PolicySeries, compute_series
+from bench.trace import DEFAULT_TPOT_S, DEFAULT_TTFT_S, build_trace_workload
+from bench.workloads import BuildContext, Workload, WorkloadParams, build_workload
+from bench.workloads.sources import SimSource
+
+RT_ONLY = "rt-only"
+ORACLE = "oracle"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One `tandem bench` invocation (validated by bench/cli.py)."""
+
+    workload: str
+    """W1…W5, or "trace" (then trace_file)."""
+    out_dir: Path
+    """Where results.json, report.md and the PNGs go."""
+    engine: str = "sim"
+    """"sim" (the discrete-event simulator) or "sglang" (issue 5)."""
+    policies: tuple[str, ...] | None = None
+    """Policy names in run order; None = every registered policy."""
+    load: float = 0.75
+    """RT rate as a fraction of λ* (W3: of the heaviest client count)."""
+    rt_rate_req_s: float | None = None
+    """Fixed RT rate, req/s (bypasses the λ* measurement)."""
+    profile: str = DEFAULT_PROFILE
+    """Latency profile: a name in bench/profiles/ or a file path."""
+    kv_scale: float | None = None
+    """KV pool = kv_scale × the workload's longest prompt; None = the profile's pool."""
+    seed: int = 0
+    """Workload seed."""
+    data_dir: Path = DEFAULT_DATA_DIR
+    """Folder of the Azure trace CSVs."""
+    scale: float | None = None
+    """Fraction of the full-size workload (None = its default)."""
+    duration_s: float | None = None
+    """Arrival window, seconds (overrides scale)."""
+    variant: str | None = None
+    """Workload variant (see bench/README.md)."""
+    max_new: str = "exact"
+    """max_new_tokens policies see: "exact" (= output_len) or "cap"."""
+    trace_file: Path | None = None
+    """The trace to replay (workload "trace")."""
+    rate_scale: float = 1.0
+    """Trace replay speed-up (2 = twice the rate)."""
+    trace_ttft_s: float = DEFAULT_TTFT_S
+    """TTFT target of RT trace requests, seconds."""
+    trace_tpot_s: float = DEFAULT_TPOT_S
+    """TPOT target of RT trace requests, seconds."""
+    cache_dir: Path = Path.home() / ".cache" / "tandem"
+    """Folder of the λ* cache (capacity.json)."""
+    capacity_run_s: float = cap.RUN_S
+    """Simulated seconds per λ* probe."""
+    progress: bool = True
+    """Show progress bars on stderr."""
+    command: str = ""
+    """The command line, for the report."""
+
+
+@dataclass
+class PolicyRun:
+    """One policy's outcome."""
+
+    metrics: Metrics
+    series: PolicySeries
+    wall_s: float
+
+
+@dataclass
+class BenchRun:
+    """Everything the report needs."""
+
+    config: BenchConfig
+    workload: Workload
+    profile: Profile
+    kv_capacity_tokens: int
+    rt_capacity_req_s: float | None
+    capacity_source: str
+    rt_rate_req_s: float | None
+    runs: dict[str, PolicyRun] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    """Policies not run, with the reason."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """Policies whose run raised (a policy bug: an infeasible or stalled plan), with the error."""
+
+
+def resolve_profile(spec: str) -> Path:
+    """A profile name (bench/profiles/NAME.json) or a file path; ValueError if neither."""
+    path = Path(spec)
+    if path.suffix == ".json" or path.is_file():
+        if not path.is_file():
+            raise ValueError(f"profile file not found: {spec}")
+        return path
+    named = PROFILES_DIR / f"{spec}.json"
+    if not named.is_file():
+        known = sorted(p.stem for p in PROFILES_DIR.glob("*.json"))
+        raise ValueError(f"unknown profile {spec!r} (known: {', '.join(known) or 'none'}; "
+                         f"or give a .json file)")
+    return named
+
+
+def registered_policies() -> tuple[str, ...]:
+    """Every policy name the registry knows."""
+    from backend.policy.registry import POLICY_NAMES
+
+    return tuple(POLICY_NAMES)
+
+
+def _make_policy(name: str, latency: LatencyModel) -> Any:
+    from backend.policy.registry import make_policy
+
+    return make_policy(name, latency)
+
+
+def build(config: BenchConfig, latency: LatencyModel, profile: Profile) -> tuple[Workload, int]:
+    """The workload and the KV pool size of the run."""
+    params = WorkloadParams(seed=config.seed, load=config.load,
+                            rt_rate_req_s=config.rt_rate_req_s, scale=config.scale,
+                            duration_s=config.duration_s, data_dir=config.data_dir,
+                            variant=config.variant, max_new=config.max_new)  # type: ignore[arg-type]
+
+    def make(kv: int) -> Workload:
+        if config.workload == "trace":
+            assert config.trace_file is not None
+            return build_trace_workload(config.trace_file, params, rate_scale=config.rate_scale,
+                                        ttft_s=config.trace_ttft_s, tpot_s=config.trace_tpot_s)
+        ctx = BuildContext(latency=latency, kv_capacity_tokens=kv,
+                           max_prefill_tokens=profile.max_prefill_tokens)
+        return build_workload(config.workload, params, ctx)
+
+    kv = profile.kv_capacity_tokens
+    workload = make(kv)
+    if config.kv_scale is not None:
+        kv = int(config.kv_scale * workload.longest_prompt)
+        workload = make(kv)
+    if kv <= workload.longest_prompt:
+        raise ValueError(f"KV pool of {kv} tokens cannot hold the longest prompt "
+                         f"({workload.longest_prompt} tokens): raise --kv-scale")
+    return workload, kv
+
+
+def sim_config(profile: Profile, kv: int, workload: Workload) -> SimConfig:
+    """The simulated engine of a run (a generous horizon guards against a runaway policy)."""
+    horizon = None if workload.window_s is None else 20 * workload.window_s + 3600.0
+    return SimConfig(kv_capacity_tokens=kv, page_size=profile.page_size,
+                     max_prefill_tokens=profile.max_prefill_tokens, horizon_s=horizon)
+
+
+def _say(config: BenchConfig, line: str) -> None:
+    if config.progress:
+        tqdm.write(line, file=sys.stderr)
+
+
+def measure_rate(config: BenchConfig, workload: Workload, latency: LatencyModel,
+                 profile_path: Path, base: SimConfig) -> tuple[float | None, str, float | None]:
+    """(λ*, how it was obtained, RT rate of the run)."""
+    if workload.rt_poisson is None:
+        if config.rt_rate_req_s is not None:
+            raise ValueError(f"{workload.name} has no open-loop RT stream: use --load, "
+                             f"not --rt-rate")
+        return None, "n/a (no open-loop RT stream)", None
+    key = cap.CapacityKey(workload=workload.name, variant=str(config.variant or "default"),
+                          profile=profile_path.stem, profile_digest=cap.file_digest(profile_path),
+                          seed=config.seed, kv_capacity_tokens=base.kv_capacity_tokens,
+                          run_s=config.capacity_run_s)
+    cache = cap.CapacityCache(config.cache_dir)
+    if config.rt_rate_req_s is not None:
+        cached = cache.get(key)
+        return cached, "cached" if cached is not None else "not measured (--rt-rate)", \
+            config.rt_rate_req_s
+    capacity, was_cached = cap.rt_capacity(
+        workload, key, cache, make_fcfs=lambda: _make_policy("fcfs", latency), latency=latency,
+        config=struct_replace(base, horizon_s=None), report=lambda line: _say(config, line))
+    return capacity, "cached" if was_cached else "measured", config.load * capacity
+
+
+def run_policy(name: str, run: BenchRun, latency: LatencyModel, base: SimConfig) -> PolicyRun:
+    """One policy on a fresh copy of the workload."""
+    policy = _make_policy(name, latency)
+    include_be = not getattr(policy, "rt_only", False)
+    reveal = name == ORACLE or bool(getattr(policy, "reveal_lengths", False))
+    source = SimSource(run.workload.source(run.rt_rate_req_s, include_be), SimRequest)
+    span = run.workload.window_s
+    # The bar runs to the arrival window; the drain after it stretches the total.
+    bar = tqdm(total=round(span) if span else None, desc=f"{run.workload.name} {name}",
+               unit="sim-s", file=sys.stderr, disable=None if run.config.progress else True,
+               bar_format="{desc:<22} {n:.0f}/{total_fmt} sim-s |{bar}| {elapsed}")
+
+    def progress(now_s: float) -> None:
+        if bar.total is not None and now_s > bar.total:
+            bar.total = math.ceil(now_s)
+        bar.update(max(0.0, now_s - bar.n))
+
+    started = time.perf_counter()
+    try:
+        result = simulate(source, policy, latency, struct_replace(base, reveal_lengths=reveal),
+                          progress=progress)
+    finally:
+        bar.close()
+    wall = time.perf_counter() - started
+    window = run.workload.window_s
+    metrics = compute_metrics(result, window)
+    series = compute_series(result, window if window is not None else result.end_s)
+    return PolicyRun(metrics=metrics, series=series, wall_s=wall)
+
+
+def _policy_list(config: BenchConfig, workload: Workload) -> tuple[list[str], dict[str, str]]:
+    """Policies to run, and the skipped ones with the reason."""
+    names = list(config.policies or registered_policies())
+    skipped: dict[str, str] = {}
+    if RT_ONLY in names and (not workload.has_be or not workload.has_rt):
+        skipped[RT_ONLY] = ("the workload has no BE stream (rt-only would repeat fcfs)"
+                            if not workload.has_be else "the workload has no RT stream")
+        names.remove(RT_ONLY)
+    return names, skipped
+
+
+def run_bench(config: BenchConfig,
+              on_policy_done: Callable[[str, PolicyRun], None] | None = None) -> BenchRun:
+    """Runs every policy; returns what the report writes (does not write files)."""
+    if config.engine != "sim":
+        raise ValueError(f"--engine {config.engine}: not supported yet (issue 5)")
+    profile_path = resolve_profile(config.profile)
+    profile = load_profile(profile_path)
+    latency = LatencyModel.fit(profile.samples)
+    workload, kv = build(config, latency, profile)
+    base = sim_config(profile, kv, workload)
+    capacity, source, rate = measure_rate(config, workload, latency, profile_path, base)
+    names, skipped = _policy_list(config, workload)
+    run = BenchRun(config=config, workload=workload, profile=profile, kv_capacity_tokens=kv,
+                   rt_capacity_req_s=capacity, capacity_source=source, rt_rate_req_s=rate,
+                   skipped=skipped)
+    for name in names:
+        try:
+            run.runs[name] = run_policy(name, run, latency, base)
+        except (InfeasiblePlanError, StalledPolicyError) as exc:
+            run.failed[name] = f"{type(exc).__name__}: {exc}"
+            _say(config, f"{name} failed: {run.failed[name]}")
+            continue
+        if on_policy_done is not None:
+            on_policy_done(name, run.runs[name])
+    baseline = run.runs.get(RT_ONLY)
+    if baseline is not None:
+        for policy_run in run.runs.values():
+            policy_run.metrics.update(interference(policy_run.metrics, baseline.metrics))
+    return run

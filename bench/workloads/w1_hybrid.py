@@ -1,0 +1,96 @@
+"""W1 — hybrid core (BROS + HyGen; synthesis §5.3).
+
+RT: ShareGPT-like chat, lognormal lengths fitted to prompt 223±256 and output 235±269 tokens,
+Poisson arrivals at load × λ*. BE: batches of 256 requests, prompt U(512,1024), output
+U(32,128); the next batch is submitted when the previous one has finished. RT SLOs: the BROS
+class SLO (TTFT 0.4 s, TPOT 0.2 s; variant "class", the default) or heterogeneous AccelGen-style
+targets around it (variant "hetero": TTFT × U[0.5,1.5], TPOT × U[0.75,1.25]).
+Full size: 10 simulated minutes; default scale 0.25 (150 s).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from bench.workloads.base import (
+    BuildContext,
+    RequestSpec,
+    SpecSource,
+    Workload,
+    WorkloadParams,
+    check_variant,
+    max_new_for,
+    scaled_duration,
+)
+from bench.workloads.sampling import lognormal_ints, poisson_times, rng_for, uniform_ints
+from bench.workloads.sources import BatchSource, TimedSource, merge
+
+FULL_DURATION_S = 600.0
+DEFAULT_SCALE = 0.25
+RT_PROMPT_MEAN, RT_PROMPT_STD, RT_PROMPT_MAX = 223.0, 256.0, 4096
+RT_OUTPUT_MEAN, RT_OUTPUT_STD, RT_OUTPUT_MAX = 235.0, 269.0, 2048
+BE_BATCH_SIZE = 256
+BE_PROMPT = (512, 1024)
+BE_OUTPUT = (32, 128)
+TTFT_S, TPOT_S = 0.4, 0.2
+TTFT_SCALE, TPOT_SCALE = (0.5, 1.5), (0.75, 1.25)
+VARIANTS = ("class", "hetero")
+
+
+def rt_requests(params: WorkloadParams, rate: float, duration_s: float, *, hetero: bool,
+                label: str = "w1") -> list[RequestSpec]:
+    """The RT chat stream at `rate` req/s over [0, duration_s). Lengths and SLO scales come
+    from streams independent of the rate: request i is the same at every rate."""
+    times = poisson_times(rng_for(params.seed, label, "rt-gaps"), rate, duration_s)
+    n = len(times)
+    # one generator per field, so that request i is the same whatever n is
+    prompts = lognormal_ints(rng_for(params.seed, label, "rt-prompt"), RT_PROMPT_MEAN,
+                             RT_PROMPT_STD, n, low=4, high=RT_PROMPT_MAX)
+    outputs = lognormal_ints(rng_for(params.seed, label, "rt-output"), RT_OUTPUT_MEAN,
+                             RT_OUTPUT_STD, n, low=1, high=RT_OUTPUT_MAX)
+    ttft = np.full(n, TTFT_S)
+    tpot = np.full(n, TPOT_S)
+    if hetero:
+        ttft = TTFT_S * rng_for(params.seed, label, "rt-ttft").uniform(*TTFT_SCALE, n)
+        tpot = TPOT_S * rng_for(params.seed, label, "rt-tpot").uniform(*TPOT_SCALE, n)
+    return [RequestSpec(rid=f"rt-{i:06d}", tier="rt", arrival_s=float(times[i]),
+                        prompt_len=int(prompts[i]), output_len=int(outputs[i]),
+                        max_new_tokens=max_new_for(params, int(outputs[i]), RT_OUTPUT_MAX),
+                        ttft_s=float(ttft[i]), tpot_s=float(tpot[i]), length_key="rt-chat")
+            for i in range(n)]
+
+
+def be_batch(params: WorkloadParams, index: int, arrival_s: float) -> list[RequestSpec]:
+    """BE batch `index` (the same lengths whenever it is submitted)."""
+    rng = rng_for(params.seed, "w1", "be-batch", index)
+    prompts = uniform_ints(rng, *BE_PROMPT, BE_BATCH_SIZE)
+    outputs = uniform_ints(rng, *BE_OUTPUT, BE_BATCH_SIZE)
+    return [RequestSpec(rid=f"be-{index:04d}-{j:03d}", tier="be", arrival_s=arrival_s,
+                        prompt_len=int(prompts[j]), output_len=int(outputs[j]),
+                        max_new_tokens=max_new_for(params, int(outputs[j]), BE_OUTPUT[1]),
+                        length_key="be-batch", order_key=float(j))
+            for j in range(BE_BATCH_SIZE)]
+
+
+def build(params: WorkloadParams, ctx: BuildContext) -> Workload:
+    """W1 as a Workload."""
+    variant = check_variant("W1", params.variant, VARIANTS)
+    hetero = variant == "hetero"
+    duration = scaled_duration(params, FULL_DURATION_S, DEFAULT_SCALE)
+
+    def make_source(rate: float | None, include_be: bool) -> SpecSource:
+        sources: list[SpecSource] = [
+            TimedSource(rt_requests(params, rate or 0.0, duration, hetero=hetero))]
+        if include_be:
+            sources.append(BatchSource(lambda k, t: be_batch(params, k, t), stop_s=duration))
+        return merge(sources)
+
+    def rt_poisson(rate: float, length_s: float) -> SpecSource:
+        return TimedSource(rt_requests(params, rate, length_s, hetero=hetero))
+
+    return Workload(
+        name="W1", description="hybrid: Poisson ShareGPT-like RT chat + BE batches of 256",
+        make_source=make_source, longest_prompt=max(RT_PROMPT_MAX, BE_PROMPT[1]),
+        window_s=duration, rt_poisson=rt_poisson,
+        params={"duration_s": duration, "slo": variant, "be_batch_size": BE_BATCH_SIZE,
+                "rt_ttft_s": TTFT_S, "rt_tpot_s": TPOT_S})

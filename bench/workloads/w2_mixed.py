@@ -1,0 +1,116 @@
+"""W2 — mixed prompt lengths and heterogeneous SLOs (AccelGen; synthesis §5.3).
+
+Prompt lengths over all requests: 34 % in [10,512], 52 % in [512,4K], 14 % in [4K,32K],
+log-uniform inside a bin. Outputs: 51 % U[10,512], 36 % U[512,2048], 13 % exactly 2048.
+35 % of the requests are long documents served as BE with a JCT deadline κ × standalone JCT,
+κ ~ U[2,4]; they draw prompts from the two upper bins only, and the RT prompt mix is adjusted so
+the overall mix stays 34/52/14. RT SLOs: TTFT = base × U[0.5,1.5] with base = 0.4 s + 2 × the
+standalone prefill of the prompt's 512-bucket; TBT = 0.1875 s × U[0.75,1.25].
+RT arrives Poisson at load × λ*; BE long documents Poisson at 35/65 of that rate.
+Full size: 10 simulated minutes; default scale 1.0 (600 s, ≈ 3.5K requests at λ* ≈ 5 req/s:
+the synthesis' scaled 4K).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from bench.workloads.base import (
+    BuildContext,
+    RequestSpec,
+    SpecSource,
+    Workload,
+    WorkloadParams,
+    check_variant,
+    max_new_for,
+    scaled_duration,
+    ttft_base_s,
+)
+from bench.workloads.sampling import binned_ints, poisson_times, rng_for
+from bench.workloads.sources import TimedSource, merge
+
+FULL_DURATION_S = 600.0
+DEFAULT_SCALE = 1.0
+PROMPT_BINS = ((0.34, 10, 512), (0.52, 512, 4096), (0.14, 4096, 32768))
+OUTPUT_BINS = ((0.51, 10, 512), (0.36, 512, 2048), (0.13, 2048, 2048))
+OUTPUT_MAX = 2048
+BE_SHARE = 0.35
+TBT_BASE_S = 0.1875
+TTFT_SCALE, TBT_SCALE, KAPPA = (0.5, 1.5), (0.75, 1.25), (2.0, 4.0)
+
+
+def tier_prompt_bins() -> tuple[list[tuple[float, int, int]], list[tuple[float, int, int]]]:
+    """(RT bins, BE bins): BE long documents take the two upper bins in proportion; RT gets the
+    rest, so that 65 % RT + 35 % BE reproduces the overall 34/52/14 mix."""
+    upper = sum(w for w, low, _ in PROMPT_BINS if low >= 512)
+    be = [(w / upper if low >= 512 else 0.0, low, high) for w, low, high in PROMPT_BINS]
+    rt = [((w - BE_SHARE * wb) / (1 - BE_SHARE), low, high)
+          for (w, low, high), (wb, _, _) in zip(PROMPT_BINS, be, strict=True)]
+    return rt, [b for b in be if b[0] > 0]
+
+
+def _lengths(params: WorkloadParams, tier: str, n: int,
+             bins: list[tuple[float, int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    # one generator per field, so that request i is the same whatever n is
+    prompts = binned_ints(rng_for(params.seed, "w2", tier, "prompt"), bins, n, log=True)
+    outputs = binned_ints(rng_for(params.seed, "w2", tier, "output"), OUTPUT_BINS, n, log=False)
+    return prompts, outputs
+
+
+def rt_requests(params: WorkloadParams, ctx: BuildContext, rate: float,
+                duration_s: float) -> list[RequestSpec]:
+    """The RT stream at `rate` req/s (request i is the same at every rate)."""
+    times = poisson_times(rng_for(params.seed, "w2", "rt-gaps"), rate, duration_s)
+    n = len(times)
+    prompts, outputs = _lengths(params, "rt", n, tier_prompt_bins()[0])
+    ttft_scale = rng_for(params.seed, "w2", "rt-ttft").uniform(*TTFT_SCALE, n)
+    tbt_scale = rng_for(params.seed, "w2", "rt-tbt").uniform(*TBT_SCALE, n)
+    base = functools.cache(lambda bucket: ttft_base_s(ctx, bucket * 512))
+    return [RequestSpec(rid=f"rt-{i:06d}", tier="rt", arrival_s=float(times[i]),
+                        prompt_len=int(prompts[i]), output_len=int(outputs[i]),
+                        max_new_tokens=max_new_for(params, int(outputs[i]), OUTPUT_MAX),
+                        ttft_s=float(base(math.ceil(prompts[i] / 512)) * ttft_scale[i]),
+                        tpot_s=float(TBT_BASE_S * tbt_scale[i]), length_key="rt-mixed")
+            for i in range(n)]
+
+
+def be_requests(params: WorkloadParams, ctx: BuildContext, rate: float,
+                duration_s: float) -> list[RequestSpec]:
+    """Long-document BE requests with JCT deadlines, Poisson at `rate` req/s."""
+    times = poisson_times(rng_for(params.seed, "w2", "be-gaps"), rate, duration_s)
+    n = len(times)
+    prompts, outputs = _lengths(params, "be", n, tier_prompt_bins()[1])
+    kappa = rng_for(params.seed, "w2", "be-kappa").uniform(*KAPPA, n)
+    return [RequestSpec(rid=f"be-{i:06d}", tier="be", arrival_s=float(times[i]),
+                        prompt_len=int(prompts[i]), output_len=int(outputs[i]),
+                        max_new_tokens=max_new_for(params, int(outputs[i]), OUTPUT_MAX),
+                        deadline_s=float(kappa[i] * ctx.standalone_s(int(prompts[i]),
+                                                                     int(outputs[i]))),
+                        length_key="be-longdoc", order_key=float(i))
+            for i in range(n)]
+
+
+def build(params: WorkloadParams, ctx: BuildContext) -> Workload:
+    """W2 as a Workload."""
+    check_variant("W2", params.variant, ("default",))
+    duration = scaled_duration(params, FULL_DURATION_S, DEFAULT_SCALE)
+
+    def make_source(rate: float | None, include_be: bool) -> SpecSource:
+        rt_rate = rate or 0.0
+        sources: list[SpecSource] = [TimedSource(rt_requests(params, ctx, rt_rate, duration))]
+        if include_be:
+            be_rate = rt_rate * BE_SHARE / (1 - BE_SHARE)
+            sources.append(TimedSource(be_requests(params, ctx, be_rate, duration)))
+        return merge(sources)
+
+    def rt_poisson(rate: float, length_s: float) -> SpecSource:
+        return TimedSource(rt_requests(params, ctx, rate, length_s))
+
+    return Workload(
+        name="W2", description="mixed prompts (10–32K), heterogeneous RT SLOs, 35 % long-doc BE "
+        "with JCT deadlines", make_source=make_source, longest_prompt=PROMPT_BINS[-1][2],
+        window_s=duration, rt_poisson=rt_poisson,
+        params={"duration_s": duration, "be_share": BE_SHARE, "tbt_base_s": TBT_BASE_S})

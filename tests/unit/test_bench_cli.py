@@ -1,0 +1,106 @@
+"""`tandem bench` argument errors are one line (exit 2); trace files are validated line by line
+with errors that name the line and the field; the Azure converter writes valid traces."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.defaults import DEFAULT_DATA_DIR
+from bench.trace import TraceError, convert_azure, read_trace, trace_requests
+from bench.workloads import WorkloadParams
+from gateway.cli import main
+
+
+def one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exc_info:
+        code = main(argv)
+        raise SystemExit(code)
+    assert exc_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("tandem: error: "), err
+    return err
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["bench", "W9"], "unknown workload 'W9'"),
+    (["bench", "W1", "--load", "0.5", "--rt-rate", "3"], "not allowed with"),
+    (["bench", "W1", "--load", "-1"], "--load must be > 0"),
+    (["bench", "W1", "--load", "abc"], "invalid float value"),
+    (["bench", "W1", "--kv-scale", "0.5"], "--kv-scale must be > 1"),
+    (["bench", "W1", "--engine", "sglang"], "not supported yet (issue 5)"),
+    (["bench", "W1", "--engine", "vllm"], "invalid choice"),
+    (["bench", "W1", "--bogus"], "unrecognized arguments: --bogus"),
+    (["bench", "W1", "--policies", "fcfs,nope"], "unknown policy 'nope'"),
+    (["bench", "W1", "--policies", "fcfs,fcfs"], "twice"),
+    (["bench", "W1", "--rate-scale", "2"], "only for `bench trace`"),
+    (["bench", "W1", "extra.jsonl"], "only `bench trace` takes a file"),
+    (["bench", "trace"], "needs a FILE.jsonl"),
+    (["bench", "W1", "--seed", "-3"], "--seed must be ≥ 0"),
+    (["bench", "W1", "--profile", "no-such-profile", "--rt-rate", "1"], "unknown profile"),
+])
+def test_bad_arguments_are_one_line(capsys: pytest.CaptureFixture[str], argv: list[str],
+                                    needle: str) -> None:
+    assert needle in one_line_error(capsys, argv)
+
+
+def test_missing_trace_file_is_one_line(capsys: pytest.CaptureFixture[str],
+                                        tmp_path: Path) -> None:
+    err = one_line_error(capsys, ["bench", "trace", str(tmp_path / "none.jsonl")])
+    assert "cannot read trace" in err and "none.jsonl" in err
+
+
+def write_trace(tmp_path: Path, lines: list[str]) -> Path:
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+GOOD = '{"t_ms": 0, "input_len": 512, "output_len": 8}'
+
+
+@pytest.mark.parametrize(("bad", "needle"), [
+    ('{"t_ms": 5, "input_len": 512', "invalid JSON"),
+    ('[1, 2]', "expected a JSON object"),
+    ('{"input_len": 5, "output_len": 3}', "field 't_ms'"),
+    ('{"t_ms": -1, "input_len": 5, "output_len": 3}', "field 't_ms'"),
+    ('{"t_ms": 1, "input_len": "5", "output_len": 3}', "field 'input_len'"),
+    ('{"t_ms": 1, "input_len": 5, "output_len": 0}', "field 'output_len'"),
+    ('{"t_ms": 1, "input_len": 5, "output_len": 3, "tier": "gold"}', "field 'tier'"),
+    ('{"t_ms": 1, "input_len": 5, "output_len": 3, "prefix_hashes": [1, "x"]}',
+     "field 'prefix_hashes'"),
+    ('{"t_ms": 1, "input_len": 600, "output_len": 3, "prefix_hashes": [1, 2, 3]}',
+     "more than the 2 blocks"),
+    ('{"t_ms": 1, "input_len": 5, "output_len": 3, "tenant": 7}', "field 'tenant'"),
+])
+def test_trace_errors_name_the_line_and_field(tmp_path: Path, bad: str, needle: str) -> None:
+    path = write_trace(tmp_path, [GOOD, "", bad])
+    with pytest.raises(TraceError) as exc_info:
+        read_trace(path)
+    assert f"{path}:3: " in str(exc_info.value) and needle in str(exc_info.value)
+
+
+def test_trace_replay_scales_time_and_keeps_fields(tmp_path: Path) -> None:
+    path = write_trace(tmp_path, [
+        '{"t_ms": 1000, "input_len": 1024, "output_len": 8, "prefix_hashes": [7, 9]}',
+        '{"t_ms": 3000, "input_len": 20, "output_len": 2, "tier": "be", "tenant": "acme"}'])
+    specs = trace_requests(read_trace(path), WorkloadParams(), rate_scale=2.0)
+    assert [s.arrival_s for s in specs] == [0.0, 1.0]
+    assert specs[0].prefix_hashes == (7, 9) and specs[0].ttft_s == 0.4
+    assert specs[1].tier == "be" and specs[1].ttft_s is None and specs[1].length_key == "acme"
+    with pytest.raises(TraceError, match="no requests"):
+        read_trace(write_trace(tmp_path, ["", "  "]))
+
+
+@pytest.mark.skipif(not (DEFAULT_DATA_DIR / "azure_llm_2023_conv.csv").is_file(),
+                    reason="Azure trace not in ../shared/data")
+def test_convert_azure_writes_a_valid_trace(tmp_path: Path) -> None:
+    out = tmp_path / "azure.jsonl"
+    assert convert_azure(DEFAULT_DATA_DIR / "azure_llm_2023_conv.csv", out, tier="be",
+                         limit=5) == 5
+    rows = read_trace(out)
+    assert len(rows) == 5 and rows[0]["t_ms"] == 0.0 and {r["tier"] for r in rows} == {"be"}
+    first = json.loads(out.read_text().splitlines()[0])
+    assert first["input_len"] == 374 and first["output_len"] == 44
