@@ -15,13 +15,21 @@ KV accounting seen from a policy (all lower bounds, so a plan built with them al
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Sequence
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
 
 import numpy as np
 
 from backend.policy.latency import BatchShape, LatencyModel
-from backend.policy.types import IterationResult, Plan, PrefillChunk, ReqState, Snapshot
+from backend.policy.types import (
+    IterationResult,
+    Plan,
+    PrefillChunk,
+    ReqState,
+    Snapshot,
+    Tier,
+)
 
 
 def round_up(tokens: int, page: int) -> int:
@@ -177,6 +185,20 @@ def make_room(builder: BatchBuilder, need_tokens: int, victims: Iterable[ReqStat
     for victim in chosen:
         builder.evict(victim)
     return True
+
+
+def waiting_in(snapshot: Snapshot, tier: Tier) -> list[ReqState]:
+    """The waiting requests of one tier, in arrival order (the engine's split when it keeps
+    one, else filtered here)."""
+    split = snapshot.waiting_rt if tier == "rt" else snapshot.waiting_be
+    if split is not None:
+        return split
+    return [r for r in snapshot.waiting if r.tier == tier]
+
+
+def waiting_tier_first(snapshot: Snapshot) -> Iterator[ReqState]:
+    """Waiting RT requests, then waiting BE ones, each in arrival order (lazy)."""
+    return itertools.chain(waiting_in(snapshot, "rt"), waiting_in(snapshot, "be"))
 
 
 def newest_first(reqs: Iterable[ReqState]) -> list[ReqState]:

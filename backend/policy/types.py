@@ -111,6 +111,11 @@ class Snapshot(msgspec.Struct, kw_only=True):
     """Requests not holding KV, in arrival order: new ones and evicted ones (re-queued)."""
     running: list[ReqState]
     """Admitted requests holding KV: partially prefilled (chunked) or decoding."""
+    waiting_rt: list[ReqState] | None = None
+    """The RT requests of `waiting`, in the same order, when the engine keeps them apart (a
+    long BE backlog then costs no scan); None otherwise. Read via `common.waiting_in`."""
+    waiting_be: list[ReqState] | None = None
+    """The BE requests of `waiting`, likewise."""
     kv_capacity_tokens: int
     """Size of the KV pool, tokens."""
     kv_free_tokens: int

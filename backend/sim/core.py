@@ -23,13 +23,13 @@ computed stay in the prefix cache (evictable), so its re-admission hits them.
 
 from __future__ import annotations
 
-import bisect
 from array import array
 
 from backend.policy.latency import BatchShape
 from backend.policy.types import Plan, ReqState, Snapshot
 from backend.sim.config import SimConfig
 from backend.sim.kv import KvExhausted, KvPool
+from backend.sim.queue import WaitQueue
 from backend.sim.source import SimRequest
 
 
@@ -40,7 +40,7 @@ class InfeasiblePlanError(RuntimeError):
 class Track:
     """Engine-private bookkeeping of one request (the policy sees only `state`)."""
 
-    __slots__ = ("admitted_s", "finish_s", "first_cached", "pinned", "private", "req",
+    __slots__ = ("admitted_s", "finish_s", "first_cached", "keys", "pinned", "private", "req",
                  "state", "target", "times", "usable_blocks")
 
     def __init__(self, req: SimRequest, state: ReqState, usable_blocks: int) -> None:
@@ -56,6 +56,9 @@ class Track:
         """Hashes of the leading prefix blocks it references."""
         self.usable_blocks = usable_blocks
         """Full prompt blocks that carry a hash (cacheable)."""
+        self.keys = _chain(req.prefix_hashes[:usable_blocks])
+        """Cache keys of those blocks: key i names the whole prefix up to block i, so equal keys
+        mean equal prefixes even when the workload's hashes are not chained."""
         self.first_cached: int | None = None
         """Prompt tokens served from the cache at its first admission."""
         self.admitted_s: float | None = None
@@ -78,6 +81,15 @@ class Batch:
         self.num_evictions = num_evictions
 
 
+def _chain(hashes: tuple[int, ...]) -> tuple[int, ...]:
+    keys: list[int] = []
+    key = 0
+    for h in hashes:
+        key = hash((key, h))
+        keys.append(key)
+    return tuple(keys)
+
+
 def _round_up(tokens: int, page: int) -> int:
     return -(-tokens // page) * page
 
@@ -93,11 +105,17 @@ class EngineCore:
         """Live requests (waiting or running) by rid."""
         self.arrived: list[Track] = []
         """Every request that arrived, in arrival order."""
-        self.waiting: list[ReqState] = []
+        self.queue = WaitQueue()
+        """Waiting requests (arrival order, and split by tier)."""
         self.running: list[ReqState] = []
         self.last_iteration_s: float | None = None
         self.num_evictions = 0
-        self._matched_version = -1
+        self._waiters: dict[int, dict[str, Track]] = {}  # prefix root hash -> waiting tracks
+
+    @property
+    def waiting(self) -> list[ReqState]:
+        """Waiting requests in arrival order."""
+        return self.queue.all
 
     # --- arrivals and snapshots -------------------------------------------------------------
 
@@ -125,38 +143,46 @@ class EngineCore:
             state.true_output_len = track.target
         self.tracks[req.rid] = track
         self.arrived.append(track)
-        self._match(track)
-        waiting = self.waiting
-        if waiting and waiting[-1].arrival_s > req.arrival_s:
-            bisect.insort(waiting, state, key=lambda r: r.arrival_s)
-        else:
-            waiting.append(state)
+        self._wait(track)
+        self.queue.push(state)
         return track
 
     def snapshot(self, now_s: float) -> Snapshot:
         """The state a policy plans from (request objects by reference)."""
-        if self.kv.version != self._matched_version:
-            self._matched_version = self.kv.version
-            tracks = self.tracks
-            for s in self.waiting:
-                if s.prefix_hashes:
-                    self._match(tracks[s.rid])
+        touched = self.kv.touched
+        if touched:  # blocks came or went: re-match the waiting requests under those prefixes
+            for root in touched:
+                for t in self._waiters.get(root, {}).values():
+                    self._match(t)
+            touched.clear()
         cfg = self.config
         return Snapshot(
-            now_s=now_s, waiting=self.waiting, running=self.running,
+            now_s=now_s, waiting=self.queue.all, running=self.running,
+            waiting_rt=self.queue.rt, waiting_be=self.queue.be,
             kv_capacity_tokens=cfg.kv_capacity_tokens, kv_free_tokens=self.kv.free,
             kv_evictable_tokens=self.kv.evictable, last_iteration_s=self.last_iteration_s,
             max_running=cfg.max_running, max_prefill_tokens=cfg.max_prefill_tokens,
             page_size=cfg.page_size,
         )
 
+    def _wait(self, t: Track) -> None:
+        """Registers a request that enters the queue for prefix re-matching, and matches it."""
+        if t.usable_blocks:
+            self._waiters.setdefault(t.keys[0], {})[t.state.rid] = t
+            self._match(t)
+
+    def _unwait(self, t: Track) -> None:
+        if t.usable_blocks:
+            waiters = self._waiters[t.keys[0]]
+            del waiters[t.state.rid]
+            if not waiters:
+                del self._waiters[t.keys[0]]
+
     def _match(self, t: Track) -> None:
         """A waiting request's prefix-cache hit (at least one token is always computed)."""
-        if not t.usable_blocks:
-            return
         s = t.state
         block = self.config.prefix_block_tokens
-        n = self.kv.match(s.prefix_hashes, min(t.usable_blocks, (s.prefill_len - 1) // block))
+        n = self.kv.match(t.keys, min(t.usable_blocks, (s.prefill_len - 1) // block))
         s.cached_len = s.prefilled = n * block
 
     # --- executing a plan -------------------------------------------------------------------
@@ -229,7 +255,7 @@ class EngineCore:
         out: list[tuple[Track, int]] = []
         need = tokens_total = 0
         attn = 0.0
-        admitted = 0
+        admitted = admitted_rt = 0
         for chunk in plan.prefills:
             t = self._live(chunk.rid, "prefill")
             s = t.state
@@ -243,6 +269,7 @@ class EngineCore:
             if not s.is_running:
                 self._admit(t, now_s)
                 admitted += 1
+                admitted_rt += s.tier == "rt"
             need += _round_up(t.private + chunk.tokens, page) - _round_up(t.private, page)
             tokens_total += chunk.tokens
             attn += chunk.tokens * (s.prefilled + chunk.tokens)
@@ -256,7 +283,7 @@ class EngineCore:
             if len(self.running) > cfg.max_running:
                 raise self._fail(f"{len(self.running)} running > max_running "
                                  f"{cfg.max_running}")
-            self.waiting = [s for s in self.waiting if not s.is_running]
+            self.queue.drop_admitted(admitted_rt, admitted - admitted_rt)
         for t, tokens in out:
             s = t.state
             s.prefilled += tokens
@@ -267,9 +294,10 @@ class EngineCore:
     def _admit(self, t: Track, now_s: float) -> None:
         """A waiting request becomes running; its cached prefix blocks are pinned."""
         s = t.state
+        self._unwait(t)
         n = s.cached_len // self.config.prefix_block_tokens
         if n:
-            t.pinned = list(s.prefix_hashes[:n])
+            t.pinned = list(t.keys[:n])
             self.kv.pin(t.pinned)
         s.kv_tokens = s.kv_shared_tokens = s.cached_len
         s.is_running = True
@@ -324,7 +352,8 @@ class EngineCore:
             self._release(t)
             self.running = [s for s in self.running if s.is_running]
         else:
-            self.waiting = [s for s in self.waiting if s.rid != rid]
+            self._unwait(t)
+            self.queue.remove(t.state)
         return t
 
     def _publish(self, t: Track, *, pinned: bool) -> None:
@@ -334,8 +363,8 @@ class EngineCore:
         block = self.config.prefix_block_tokens
         upto = min(t.usable_blocks, s.prefilled // block)
         for i in range(len(t.pinned), upto):
-            h = s.prefix_hashes[i]
-            if not self.kv.publish(h, pinned=pinned):
+            h = t.keys[i]
+            if not self.kv.publish(h, t.keys[0], pinned=pinned):
                 self.kv.release(block)  # a duplicate of a cached block: free our copy
             t.private -= block
             if pinned:
@@ -362,5 +391,5 @@ class EngineCore:
         s.num_evictions += 1
         s.prefill_len = s.prompt_len + s.generated
         s.prefilled = s.cached_len = 0
-        self._match(t)
-        bisect.insort(self.waiting, s, key=lambda r: r.arrival_s)
+        self._wait(t)
+        self.queue.push(s)

@@ -36,9 +36,11 @@ class KvPool:
         """Slots in use (private + cached blocks), tokens."""
         self.evictable = 0
         """Slots held by unreferenced cached blocks, tokens."""
-        self.version = 0
-        """Bumped whenever a block is added or removed (waiting requests re-match then)."""
+        self.touched: set[int] = set()
+        """Root hashes (first block of the prefix) of blocks added or removed since the engine
+        last looked: only waiting requests under these roots need to re-match."""
         self._refs: dict[int, int] = {}  # block hash -> running requests referencing it
+        self._root: dict[int, int] = {}  # block hash -> hash of its prefix's first block
         self._lru: OrderedDict[int, None] = OrderedDict()  # unreferenced blocks, oldest first
 
     @property
@@ -77,18 +79,20 @@ class KvPool:
                 self._lru[h] = None
                 self.evictable += self.block_tokens
 
-    def publish(self, h: int, *, pinned: bool) -> bool:
+    def publish(self, h: int, root: int, *, pinned: bool) -> bool:
         """Offers a block the caller computed privately. Returns True when the block is new
         (its slots move from the caller's private KV to the cache, `used` unchanged); False when
-        it was already cached (the caller frees its duplicate). `pinned`: the caller keeps a
-        reference (a running request) rather than leaving it evictable (an ending one)."""
+        it was already cached (the caller frees its duplicate). `root`: the first block hash of
+        the prefix. `pinned`: the caller keeps a reference (a running request) rather than
+        leaving it evictable (an ending one)."""
         refs = self._refs.get(h)
         if refs is None:
             self._refs[h] = 1 if pinned else 0
+            self._root[h] = root
+            self.touched.add(root)
             if not pinned:
                 self._lru[h] = None
                 self.evictable += self.block_tokens
-            self.version += 1
             return True
         if pinned:
             self.pin((h,))
@@ -112,10 +116,10 @@ class KvPool:
         while freed < need:
             h, _ = self._lru.popitem(last=False)
             del self._refs[h]
+            self.touched.add(self._root.pop(h))
             freed += self.block_tokens
         self.used -= freed
         self.evictable -= freed
-        self.version += 1
 
     def check(self) -> None:
         """Asserts the accounting invariants (used ≤ capacity, evictable = unreferenced)."""

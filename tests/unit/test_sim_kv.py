@@ -11,7 +11,7 @@ def test_blocks_are_shared_and_reclaimed_least_recently_used_first() -> None:
     kv = KvPool(capacity_tokens=4, block_tokens=1)
     for h in (1, 2, 3):
         kv.allocate(1)
-        assert kv.publish(h, pinned=True)  # a new block: our private slot moves to the cache
+        assert kv.publish(h, 0, pinned=True)  # a new block: our private slot moves to the cache
     assert kv.used == 3 and kv.evictable == 0
     kv.unpin([1, 2])  # a request with prefix 1→2 ends: the leaf (2) is released first
     kv.unpin([3])
@@ -24,9 +24,9 @@ def test_blocks_are_shared_and_reclaimed_least_recently_used_first() -> None:
 def test_a_duplicate_block_is_not_stored_twice() -> None:
     kv = KvPool(capacity_tokens=10, block_tokens=2)
     kv.allocate(2)
-    assert kv.publish(7, pinned=True)
+    assert kv.publish(7, 0, pinned=True)
     kv.allocate(2)
-    assert not kv.publish(7, pinned=True)  # already cached: the caller frees its copy
+    assert not kv.publish(7, 0, pinned=True)  # already cached: the caller frees its copy
     kv.release(2)
     assert kv.used == 2
     kv.unpin([7])
@@ -39,7 +39,7 @@ def test_a_duplicate_block_is_not_stored_twice() -> None:
 def test_pinned_blocks_are_never_reclaimed() -> None:
     kv = KvPool(capacity_tokens=4, block_tokens=2)
     kv.allocate(2)
-    kv.publish(1, pinned=True)
+    kv.publish(1, 0, pinned=True)
     kv.allocate(2)
     with pytest.raises(KvExhausted):
         kv.allocate(1)

@@ -20,6 +20,7 @@ from backend.policy.common import (
     be_first_newest,
     round_up,
     tier_first,
+    waiting_tier_first,
 )
 from backend.policy.latency import LatencyModel
 from backend.policy.types import Plan, ReqState, Snapshot
@@ -60,7 +61,7 @@ class OraclePolicy(PolicyBase):
             return b.plan(self.latency)
         peaks = PeakTracker(self._item(r, page) for r in running)
         limit = snapshot.kv_capacity_tokens * (1.0 - self.reserve_frac)
-        for w in tier_first(snapshot.waiting):
+        for w in waiting_tier_first(snapshot):
             if budget <= 0:
                 break
             item = self._item(w, page)

@@ -10,9 +10,9 @@ most recently arrived running request of the same tier is preempted.
 from __future__ import annotations
 
 from backend.policy.baselines._steps import LazyOrder, decode_all, prefill_queue
-from backend.policy.common import BatchBuilder, PolicyBase, newest_first
+from backend.policy.common import BatchBuilder, PolicyBase, newest_first, waiting_in
 from backend.policy.latency import LatencyModel
-from backend.policy.types import IterationResult, Plan, ReqState, Snapshot, Tier
+from backend.policy.types import IterationResult, Plan, Snapshot, Tier
 
 
 class RoundRobinPolicy(PolicyBase):
@@ -48,7 +48,7 @@ class RoundRobinPolicy(PolicyBase):
         budget = decode_all(b, running, self.token_budget, victims)
         budget = prefill_queue(b, running, budget, victims)
         if not b.evictions:
-            prefill_queue(b, [w for w in snapshot.waiting if w.tier == tier], budget)
+            prefill_queue(b, waiting_in(snapshot, tier), budget)
         return b
 
     def observe(self, result: IterationResult) -> None:
@@ -58,7 +58,4 @@ class RoundRobinPolicy(PolicyBase):
 
 
 def _has_work(snapshot: Snapshot, tier: Tier) -> bool:
-    def mine(reqs: list[ReqState]) -> bool:
-        return any(r.tier == tier for r in reqs)
-
-    return mine(snapshot.running) or mine(snapshot.waiting)
+    return bool(waiting_in(snapshot, tier)) or any(r.tier == tier for r in snapshot.running)

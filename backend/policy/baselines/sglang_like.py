@@ -30,7 +30,13 @@ from __future__ import annotations
 from typing import Literal
 
 from backend.policy.baselines._steps import LazyOrder, prefill_queue
-from backend.policy.common import BatchBuilder, PolicyBase, decode_cost, eviction_gain, tier_first
+from backend.policy.common import (
+    BatchBuilder,
+    PolicyBase,
+    decode_cost,
+    eviction_gain,
+    waiting_tier_first,
+)
 from backend.policy.latency import LatencyModel
 from backend.policy.types import IterationResult, Plan, ReqState, Snapshot
 
@@ -93,7 +99,7 @@ class SglangLikePolicy(PolicyBase):
             victims = LazyOrder(lambda: sorted(snap.running, key=_keep_key))
             chunk_left = prefill_queue(b, partial, chunk_left, victims)
         rem_total -= self.chunk_tokens - chunk_left
-        for w in tier_first(snap.waiting):
+        for w in waiting_tier_first(snap):
             left = w.prefill_len - w.prefilled
             total = left + self._own(w)
             if total >= rem_total:

@@ -17,7 +17,7 @@ chunk fits now.
 from __future__ import annotations
 
 from backend.policy.baselines._steps import LazyOrder, decode_all, prefill_queue
-from backend.policy.common import BatchBuilder, PolicyBase, be_first_newest
+from backend.policy.common import BatchBuilder, PolicyBase, be_first_newest, waiting_in
 from backend.policy.latency import LatencyModel
 from backend.policy.types import Plan, ReqState, Snapshot
 
@@ -38,8 +38,7 @@ def _rt_phase(b: BatchBuilder, snap: Snapshot, budget: int) -> int:
     budget = prefill_queue(b, rt_running, budget, victims)
     if not b.evictions:  # an RT admission may preempt BE only
         be_victims = LazyOrder(lambda: be_first_newest(_split(snap.running)[1]))
-        budget = prefill_queue(b, [w for w in snap.waiting if w.tier == "rt"], budget,
-                               be_victims)
+        budget = prefill_queue(b, waiting_in(snap, "rt"), budget, be_victims)
     return budget
 
 
@@ -56,7 +55,7 @@ def _be_phase(b: BatchBuilder, snap: Snapshot, budget: int) -> None:
     budget = decode_all(b, be_running, budget, victims)
     budget = prefill_queue(b, be_running, budget, victims)
     if not b.evictions:
-        prefill_queue(b, [w for w in snap.waiting if w.tier != "rt"], budget)
+        prefill_queue(b, waiting_in(snap, "be"), budget)
 
 
 class StaticChunkPolicy(PolicyBase):
