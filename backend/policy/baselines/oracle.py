@@ -18,7 +18,6 @@ from backend.policy.common import (
     PolicyBase,
     TrueLengthPredictor,
     be_first_newest,
-    round_up,
     tier_first,
     waiting_tier_first,
 )
@@ -45,10 +44,11 @@ class OraclePolicy(PolicyBase):
         """(KV it holds once prefilled, iterations it keeps growing) for the peak."""
         out_left = self._lengths.predict(r) - r.generated
         left = r.prefill_len - r.prefilled
+        slack = page - 1  # its private KV is page-rounded: ≤ tokens + page − 1 slots
         if left <= 0:
-            return round_up(r.kv_tokens, page), out_left
+            return r.kv_tokens + slack, out_left
         iters = -(-left // self.token_budget)  # prefill iterations before it decodes
-        return round_up(r.prefill_len, page) + page, out_left - 1 + iters
+        return r.prefill_len + slack, out_left - 1 + iters
 
     def plan(self, snapshot: Snapshot) -> Plan:
         b = BatchBuilder(snapshot)

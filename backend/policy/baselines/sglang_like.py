@@ -8,7 +8,8 @@ prompt is in flight or a waiting request can be admitted, the iteration prefills
 Admission (SGLang's PrefillAdder): a request is admitted when its prompt plus its own output
 reservation stays under
 
-    rem_total = free + evictable − Σ_running ratio · min(max_new_tokens − generated, 4096)
+    rem_total = free + evictable − Σ_running [ratio · min(max_new_tokens − generated, 4096)
+                                             + rest of an in-flight prompt + a page]
 
 and its chunk fits now. An RT request that does not fit preempts running BE requests, most
 recently arrived first (SGLang's priority preemption). A decode batch that does not fit retracts
@@ -35,6 +36,7 @@ from backend.policy.common import (
     PolicyBase,
     decode_cost,
     eviction_gain,
+    prefill_cost,
     waiting_tier_first,
 )
 from backend.policy.latency import LatencyModel
@@ -70,15 +72,17 @@ class SglangLikePolicy(PolicyBase):
         """Share of the remaining max_new_tokens reserved per running request."""
         self._next_ratio = self.ratio
 
-    def _held(self, r: ReqState) -> float:
-        """Output reservation of a running request."""
-        return self.ratio * min(r.max_new_tokens - r.generated, CLIP_MAX_NEW_TOKENS)
+    def _held(self, r: ReqState, page: int) -> float:
+        """KV a running request may still take: its output reservation, the rest of an
+        in-flight prompt, and a page of rounding."""
+        out = self.ratio * min(r.max_new_tokens - r.generated, CLIP_MAX_NEW_TOKENS)
+        return out + (r.prefill_len - r.prefilled) + (page - 1)
 
-    def _own(self, r: ReqState) -> int:
-        """Output reservation a new request is admitted with."""
+    def _own(self, r: ReqState, page: int) -> int:
+        """Output reservation a new request is admitted with (plus a page of rounding)."""
         if self.reserve == "none":
-            return 0
-        return max(0, min(r.max_new_tokens - r.generated, CLIP_MAX_NEW_TOKENS))
+            return page - 1
+        return max(0, min(r.max_new_tokens - r.generated, CLIP_MAX_NEW_TOKENS)) + page - 1
 
     def plan(self, snapshot: Snapshot) -> Plan:
         b = BatchBuilder(snapshot)
@@ -92,49 +96,53 @@ class SglangLikePolicy(PolicyBase):
         return self.ratio_init if self.reserve == "ratio" else self.ratio
 
     def _prefill_batch(self, snap: Snapshot, b: BatchBuilder) -> None:
-        rem_total = b.kv_avail - sum(self._held(r) for r in snap.running)
-        chunk_left = self.chunk_tokens
+        page = b.page
+        reserved = sum(self._held(r, page) for r in snap.running)  # rem_total = avail − this
         partial = [r for r in snap.running if r.prefilled < r.prefill_len]
+        chunk_left = self.chunk_tokens
         if partial:  # the chunked prompt in flight may retract others if KV ran out
             victims = LazyOrder(lambda: sorted(snap.running, key=_keep_key))
             chunk_left = prefill_queue(b, partial, chunk_left, victims)
-        rem_total -= self.chunk_tokens - chunk_left
+            reserved -= self.chunk_tokens - chunk_left  # that much of their rest is allocated
         for w in waiting_tier_first(snap):
             left = w.prefill_len - w.prefilled
-            total = left + self._own(w)
-            if total >= rem_total:
+            total = prefill_cost(w, left, page) + self._own(w, page)
+            if total >= b.kv_avail - reserved:
                 if not (self.priority_preemption and w.tier == "rt"):
                     break
-                gained = self._preempt_for(snap, b, total - rem_total + 1)
-                if gained is None:
+                freed = self._preempt_for(snap, b, total - (b.kv_avail - reserved) + 1)
+                if freed is None:
                     break
-                rem_total += gained
+                reserved -= freed
             before = chunk_left
             chunk_left = prefill_queue(b, (w,), chunk_left)
             if chunk_left == before:
                 break
-            rem_total -= (before - chunk_left) + self._own(w)
+            reserved += left - (before - chunk_left) + self._own(w, page)
             if before - chunk_left < left or chunk_left <= 0:
                 break  # one chunked prompt per batch; the batch is full
 
     def _preempt_for(self, snap: Snapshot, b: BatchBuilder, need: float) -> float | None:
-        """Evicts running BE requests (newest first) whose KV and reservation cover `need`;
-        returns what they free, or None (evicting nothing) when they cannot."""
+        """Evicts running BE requests (newest first) whose KV and reservations cover `need`;
+        returns the reservations released (their KV is back in b.kv_avail), or None
+        (evicting nothing) when they cannot."""
         busy = b.scheduled | set(b.evictions)
         victims = sorted((r for r in snap.running if r.tier == "be" and r.rid not in busy),
                          key=lambda r: -r.arrival_s)
         chosen: list[ReqState] = []
-        gained = 0.0
+        gained = released = 0.0
         for v in victims:
             if gained >= need:
                 break
             chosen.append(v)
-            gained += eviction_gain(v, b.page) + self._held(v)
+            held = self._held(v, b.page)
+            gained += eviction_gain(v, b.page) + held
+            released += held
         if gained < need:
             return None
         for v in chosen:
             b.evict(v)
-        return gained
+        return released
 
     def _decode_batch(self, snap: Snapshot, b: BatchBuilder) -> None:
         page = b.page
