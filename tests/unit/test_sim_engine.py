@@ -7,7 +7,7 @@ import random
 import pytest
 
 from backend.policy.registry import POLICY_NAMES, make_policy
-from backend.policy.types import IterationResult, Plan, PrefillChunk, Snapshot
+from backend.policy.types import IterationResult, Plan, Policy, PrefillChunk, Snapshot
 from backend.sim import (
     InfeasiblePlanError,
     ListSource,
@@ -28,15 +28,41 @@ def _mixed_workload(seed: int, n: int = 60) -> list[SimRequest]:
         out = rng.randint(1, 120)
         reqs.append(make_request(
             tier=tier, rid=f"{tier}{i}", arrival_s=rng.uniform(0, 3),
-            prompt_len=rng.randint(1, 700), output_len=out, max_new_tokens=out + rng.randint(0, 60),
+            prompt_len=(p := rng.randint(1, 1300)), output_len=out,
+            max_new_tokens=out + rng.randint(0, 60),
+            prefix_hashes=tuple(rng.randint(0, 2) for _ in range(p // 512)),
             ttft_s=0.5 if tier == "rt" else None, tpot_s=0.1 if tier == "rt" else None))
     return reqs
 
 
+class _Checked:
+    """Wraps a policy and checks, every iteration, what its snapshot promises."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self.name = policy.name
+
+    def plan(self, snapshot: Snapshot) -> Plan:
+        waiting, running = snapshot.waiting, snapshot.running
+        assert 0 <= snapshot.kv_free_tokens <= snapshot.kv_capacity_tokens
+        assert 0 <= snapshot.kv_evictable_tokens <= snapshot.kv_capacity_tokens
+        assert [r.arrival_s for r in waiting] == sorted(r.arrival_s for r in waiting)
+        assert snapshot.waiting_rt == [r for r in waiting if r.tier == "rt"]
+        assert snapshot.waiting_be == [r for r in waiting if r.tier == "be"]
+        assert all(r.is_running and r.kv_tokens >= r.prefilled for r in running)
+        assert not any(r.is_running or r.kv_tokens for r in waiting)
+        assert sum(r.kv_tokens - r.kv_shared_tokens for r in running) <= (
+            snapshot.kv_capacity_tokens - snapshot.kv_free_tokens)
+        return self.policy.plan(snapshot)
+
+    def observe(self, result: IterationResult) -> None:
+        self.policy.observe(result)
+
+
 def _run(policy_name: str, reqs: list[SimRequest], **config: object) -> SimResult:
-    policy = make_policy(policy_name, LATENCY)
+    policy = _Checked(make_policy(policy_name, LATENCY))
     cfg = SimConfig(**{"kv_capacity_tokens": 4000, "max_prefill_tokens": 2048,
-                       "reveal_lengths": policy.__class__.__name__ == "OraclePolicy",
+                       "reveal_lengths": policy_name == "oracle",
                        **config})  # type: ignore[arg-type]
     return simulate(ListSource(reqs), policy, LATENCY, cfg)
 
