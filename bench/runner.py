@@ -205,7 +205,8 @@ def measure_rate(config: BenchConfig, workload: Workload, latency: LatencyModel,
     capacity, was_cached = cap.rt_capacity(
         workload, key, cache, make_fcfs=lambda: _make_policy("fcfs", latency), latency=latency,
         config=struct_replace(base, horizon_s=None), report=lambda line: _say(config, line))
-    return capacity, "cached" if was_cached else "measured", config.load * capacity
+    rate = workload.rt_rate_share * config.load * capacity
+    return capacity, "cached" if was_cached else "measured", rate
 
 
 def run_policy(name: str, run: BenchRun, latency: LatencyModel, base: SimConfig) -> PolicyRun:

@@ -10,7 +10,7 @@ import numpy as np
 from backend.sim.records import SimResult
 
 QUANTILES = np.linspace(0.0, 100.0, 201)
-NUM_BINS = 100
+NUM_BINS = 60
 
 
 @dataclass

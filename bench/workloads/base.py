@@ -166,6 +166,9 @@ class Workload:
     rt_poisson: Callable[[float, float], SpecSource] | None = None
     """(rate, duration) → the RT stream alone with Poisson arrivals (capacity search); None when
     λ* does not apply (closed loop, offline)."""
+    rt_rate_share: float = 1.0
+    """RT rate = rt_rate_share × load × λ* (W2: 0.65, so that RT and BE together arrive at
+    load × λ*; --rt-rate sets the RT rate directly)."""
     has_rt: bool = True
     """Whether the workload has RT requests."""
     has_be: bool = True

@@ -6,9 +6,10 @@ log-uniform inside a bin. Outputs: 51 % U[10,512], 36 % U[512,2048], 13 % exactl
 κ ~ U[2,4]; they draw prompts from the two upper bins only, and the RT prompt mix is adjusted so
 the overall mix stays 34/52/14. RT SLOs: TTFT = base × U[0.5,1.5] with base = 0.4 s + 2 × the
 standalone prefill of the prompt's 512-bucket; TBT = 0.1875 s × U[0.75,1.25].
-RT arrives Poisson at load × λ*; BE long documents Poisson at 35/65 of that rate.
-Full size: 10 simulated minutes; default scale 1.0 (600 s, ≈ 3.5K requests at λ* ≈ 5 req/s:
-the synthesis' scaled 4K).
+All requests together arrive Poisson at load × λ* (the synthesis' "8 req/s scaled to λ*"): RT at
+65 % of it, BE long documents at 35 %. (λ* is measured on the RT stream alone.)
+Full size: 10 simulated minutes (the default; ≈ 3K requests at load 0.75 with the default profile,
+close to the synthesis' scaled 4K).
 """
 
 from __future__ import annotations
@@ -112,5 +113,5 @@ def build(params: WorkloadParams, ctx: BuildContext) -> Workload:
     return Workload(
         name="W2", description="mixed prompts (10–32K), heterogeneous RT SLOs, 35 % long-doc BE "
         "with JCT deadlines", make_source=make_source, longest_prompt=PROMPT_BINS[-1][2],
-        window_s=duration, rt_poisson=rt_poisson,
+        window_s=duration, rt_poisson=rt_poisson, rt_rate_share=1 - BE_SHARE,
         params={"duration_s": duration, "be_share": BE_SHARE, "tbt_base_s": TBT_BASE_S})

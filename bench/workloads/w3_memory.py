@@ -6,7 +6,7 @@ default), D2 3K–5K / 3K–5K, D3 2K–4K / 32–4K (prefill heavy). max_new_to
 request (the cap the conservative baseline reserves); the true output length ends the request.
 Clients: round(load × 512), so --load 1.0 is the heaviest setting (Past-Future sweeps 16…512).
 The requests are RT with the Past-Future SLA as targets: TTFT 10 s, TPOT 1.5 s.
-Full size: 10 simulated minutes of submissions; default scale 0.1 (60 s), then the drain.
+Full size: 10 simulated minutes of submissions (the default), then the drain.
 Throughputs are over the whole run (submissions and drain).
 """
 
@@ -25,7 +25,7 @@ from bench.workloads.sampling import rng_for
 from bench.workloads.sources import ClosedLoopSource
 
 FULL_DURATION_S = 600.0
-DEFAULT_SCALE = 0.1
+DEFAULT_SCALE = 1.0
 MAX_CLIENTS = 512
 MAX_NEW_TOKENS = 4096
 TTFT_SLA_S, MTPOT_SLA_S = 10.0, 1.5
