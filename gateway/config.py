@@ -75,8 +75,9 @@ class ModelConfig(_Section, frozen=True):
 class EngineConfig(_Section, frozen=True):
     """The inference engine behind the gateway."""
 
-    kind: Literal["sglang"] = "sglang"
-    """Engine implementation: the patched SGLang server."""
+    kind: Literal["sglang", "sim"] = "sglang"
+    """Engine implementation: the patched SGLang server, or tandem's simulator (same HTTP
+    surface, iteration times from a latency profile; for capacity planning and demos)."""
     host: str = "127.0.0.1"
     """Address the engine listens on."""
     port: int = 30000
@@ -107,6 +108,12 @@ class EngineConfig(_Section, frozen=True):
     """Upper bound on one engine request, seconds."""
     log_file: str | None = None
     """Where the engine's output goes (None: inherited stdout/stderr)."""
+    sim_profile: str = "h100-llama8b-analytic"
+    """kind sim: latency profile, a name in bench/profiles/ or a file path."""
+    sim_policy: str = "fcfs"
+    """kind sim: scheduling policy (a name of backend.policy.registry)."""
+    sim_kv_tokens: int | None = None
+    """kind sim: KV pool size, tokens (None: the profile's capacity)."""
 
 
 class UsageConfig(_Section, frozen=True):

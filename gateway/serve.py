@@ -21,9 +21,10 @@ from backend.sglang_ext.launcher import (
     engine_env,
     server_argv,
 )
+from backend.sim.launch import sim_argv
 from backend.tiny_model import ensure_tiny_model
 from gateway.app import create_app
-from gateway.config import Config, ModelConfig, admin_token
+from gateway.config import Config, ConfigError, ModelConfig, admin_token
 from gateway.store.migrate import upgrade
 
 log = logging.getLogger("tandem")
@@ -34,11 +35,18 @@ def resolve_model_dir(model: ModelConfig) -> Path:
     if model.path is not None:
         path = Path(model.path).expanduser()
         if not (path / "config.json").is_file():
-            from gateway.config import ConfigError
-
             raise ConfigError(f"model.path: {path} is not a model directory (no config.json)")
         return path
     return ensure_tiny_model(Path(model.cache_dir).expanduser())
+
+
+def _engine_argv(config: Config, model_dir: Path) -> list[str]:
+    if config.engine.kind == "sim":
+        try:
+            return sim_argv(config.engine, config.model.name)
+        except ValueError as exc:
+            raise ConfigError(f"engine.sim_profile: {exc}") from None
+    return server_argv(config.engine, model_dir, config.model.name)
 
 
 def serve(config: Config) -> int:
@@ -52,7 +60,7 @@ def serve(config: Config) -> int:
     engine: EngineProcess | None = None
     if config.engine.launch:
         engine = EngineProcess(
-            server_argv(config.engine, model_dir, config.model.name),
+            _engine_argv(config, model_dir),
             engine_env(config.engine),
             base_url=engine_base_url(config.engine),
             log_path=config.engine.log_file,

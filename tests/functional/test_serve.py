@@ -26,13 +26,15 @@ def engine_pids(port: int) -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
-def test_serve_answers_then_stops_everything(tmp_path: Path) -> None:
-    gw_port, engine_port = free_port(), free_port()
+def run_serve_and_chat(tmp_path: Path, **env_overrides: str) -> None:
+    """Starts `tandem serve`, chats through it, stops it with SIGINT; asserts a clean exit."""
+    gw_port = free_port()
     env = dict(os.environ, TANDEM_ADMIN_TOKEN=ADMIN, TANDEM_GATEWAY__PORT=str(gw_port),
-               TANDEM_ENGINE__PORT=str(engine_port),
+               TANDEM_ENGINE__PORT=str(free_port()),
                TANDEM_DATABASE__URL=f"sqlite:///{tmp_path / 'serve.db'}",
                TANDEM_MODEL__CACHE_DIR=str(tmp_path / "cache"),
                TANDEM_ENGINE__LOG_FILE=str(tmp_path / "engine.log"))
+    env.update(env_overrides)
     proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{gw_port}"
@@ -47,7 +49,6 @@ def test_serve_answers_then_stops_everything(tmp_path: Path) -> None:
                 pass
             assert time.monotonic() < deadline, "gateway never became ready"
             time.sleep(1)
-        assert engine_pids(engine_port)
         admin = {"Authorization": f"Bearer {ADMIN}"}
         tenant = httpx.post(f"{base}/admin/v1/tenants", headers=admin,
                             json={"name": "smoke", "tier": "rt",
@@ -64,8 +65,18 @@ def test_serve_answers_then_stops_everything(tmp_path: Path) -> None:
             proc.kill()
             raise
     assert proc.returncode == 0
+
+
+def test_serve_answers_then_stops_everything(tmp_path: Path) -> None:
+    port = free_port()
+    run_serve_and_chat(tmp_path, TANDEM_ENGINE__PORT=str(port))
     for _ in range(30):
-        if not engine_pids(engine_port):
+        if not engine_pids(port):
             break
         time.sleep(1)
-    assert engine_pids(engine_port) == []
+    assert engine_pids(port) == []
+
+
+def test_serve_fronts_the_simulator(tmp_path: Path) -> None:
+    """`engine.kind: sim`: the gateway cannot tell the simulator from SGLang."""
+    run_serve_and_chat(tmp_path, TANDEM_ENGINE__KIND="sim")
