@@ -238,6 +238,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-tokens", type=int, default=None,
                         help="KV pool size, tokens (default: the profile's)")
     parser.add_argument("--model-name", default="tandem-sim")
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help="multiply every iteration's duration (0.1: ten times faster)")
     args = parser.parse_args(argv)
     profile = load_profile(args.profile)
     latency = LatencyModel.fit(profile.samples)
@@ -248,8 +250,9 @@ def main(argv: list[str] | None = None) -> None:
     config = SimConfig(kv_capacity_tokens=kv_tokens, page_size=profile.page_size,
                        max_prefill_tokens=profile.max_prefill_tokens,
                        reveal_lengths=getattr(policy, "needs_true_lengths", False))
-    web.run_app(create_sim_app(policy, latency, config, model_name=args.model_name),
-                host=args.host, port=args.port)
+    app = create_sim_app(policy, latency, config, model_name=args.model_name,
+                         time_scale=args.time_scale)
+    web.run_app(app, host=args.host, port=args.port)
 
 
 if __name__ == "__main__":
