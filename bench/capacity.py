@@ -5,8 +5,9 @@ policy (DistServe-style; synthesis §5.1). Every arrival rate of a run is a frac
 Search: short runs (`run_s` simulated seconds each, then the drain); from 1 req/s, double while
 the target holds (or halve while it does not) to bracket λ*, then bisect until the bracket is
 within 2 %. Results are cached in a small JSON file (`capacity.json` in the cache folder) keyed
-by workload, variant, profile (name and content digest), seed, KV capacity and run length, so
-the search runs once per setting; `--rt-rate` bypasses it.
+by workload, variant, profile (name and content digest), seed, KV capacity, run length and a
+digest of the code λ* depends on (simulator, policies, workloads), so the search runs once per
+setting and a code change re-measures; `--rt-rate` bypasses it.
 """
 
 from __future__ import annotations
@@ -41,15 +42,32 @@ class CapacityKey:
     seed: int
     kv_capacity_tokens: int
     run_s: float
+    code_digest: str = ""
 
     def __str__(self) -> str:
         return (f"{self.workload}/{self.variant}|{self.profile}@{self.profile_digest[:12]}|"
-                f"seed={self.seed}|kv={self.kv_capacity_tokens}|run={self.run_s:g}s")
+                f"seed={self.seed}|kv={self.kv_capacity_tokens}|run={self.run_s:g}s|"
+                f"code@{self.code_digest[:12]}")
 
 
 def file_digest(path: Path) -> str:
     """sha256 of a file's bytes (a regenerated profile invalidates cached capacities)."""
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+_REPO = Path(__file__).resolve().parent.parent
+CODE_PACKAGES = ("backend/sim", "backend/policy", "bench/workloads")
+"""Source folders whose code decides λ* (relative to the repository)."""
+
+
+def code_digest(root: Path = _REPO) -> str:
+    """sha256 over the .py files of CODE_PACKAGES (names and contents)."""
+    digest = hashlib.sha256()
+    for package in CODE_PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 class CapacityCache:

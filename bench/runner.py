@@ -196,7 +196,7 @@ def measure_rate(config: BenchConfig, workload: Workload, latency: LatencyModel,
     key = cap.CapacityKey(workload=workload.name, variant=str(config.variant or "default"),
                           profile=profile_path.stem, profile_digest=cap.file_digest(profile_path),
                           seed=config.seed, kv_capacity_tokens=base.kv_capacity_tokens,
-                          run_s=config.capacity_run_s)
+                          run_s=config.capacity_run_s, code_digest=cap.code_digest())
     cache = cap.CapacityCache(config.cache_dir)
     if config.rt_rate_req_s is not None:
         cached = cache.get(key)

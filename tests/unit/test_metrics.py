@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from array import array
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from backend.sim.records import IterationLog, RequestRecord, SimResult
-from bench.capacity import search_capacity
+from bench.capacity import CODE_PACKAGES, code_digest, search_capacity
 from bench.metrics import compute_metrics, interference, rounded
 
 WINDOW_S = 10.0
@@ -134,3 +135,13 @@ def test_capacity_search_finds_the_knee(knee: float) -> None:
                             on_probe=lambda r, _: probes.append(r))
     assert found <= knee and found == pytest.approx(knee, rel=0.02)
     assert len(probes) < 25
+
+
+def test_code_digest_changes_with_the_code(tmp_path: Path) -> None:
+    for package in CODE_PACKAGES:
+        (tmp_path / package).mkdir(parents=True)
+        (tmp_path / package / "a.py").write_text("x = 1\n")
+    before = code_digest(tmp_path)
+    assert code_digest(tmp_path) == before
+    (tmp_path / CODE_PACKAGES[0] / "a.py").write_text("x = 2\n")
+    assert code_digest(tmp_path) != before
