@@ -76,7 +76,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--scale", type=float, help="fraction of the full-size workload")
     p.add_argument("--duration-s", type=float, help="arrival window, simulated seconds")
     p.add_argument("--variant", help="W1 class|hetero, W3 d1|d2|d3, W4 p35|p5")
-    p.add_argument("--max-new", choices=("exact", "cap"), default="exact",
+    p.add_argument("--max-new", choices=("exact", "cap"), default="cap",
                    help="max_new_tokens policies see: exact (= output length) or cap")
     p.add_argument("--rate-scale", type=float, help="trace only: replay speed (2 = twice the "
                    "rate)")
@@ -148,7 +148,7 @@ def _command(cfg: BenchConfig) -> str:
     words += [w for flag, v in optional.items() if v is not None for w in (flag, f"{v:g}"
                                                                            if isinstance(v, float)
                                                                            else str(v))]
-    if cfg.max_new != "exact":
+    if cfg.max_new != "cap":
         words += ["--max-new", cfg.max_new]
     if cfg.workload == "trace":
         words += ["--rate-scale", f"{cfg.rate_scale:g}"]

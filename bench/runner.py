@@ -71,7 +71,7 @@ class BenchConfig:
     """Arrival window, seconds (overrides scale)."""
     variant: str | None = None
     """Workload variant (see bench/README.md)."""
-    max_new: str = "exact"
+    max_new: str = "cap"
     """max_new_tokens policies see: "exact" (= output_len) or "cap"."""
     trace_file: Path | None = None
     """The trace to replay (workload "trace")."""

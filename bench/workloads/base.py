@@ -8,8 +8,9 @@ batch streams submit the same requests in the same per-client order).
 
 Output lengths: `RequestSpec.output_len` is the true length, known to the workload and forced on
 the engine (max tokens + ignore EOS); only the oracle policy is shown it. What policies see is
-`max_new_tokens`: by default equal to `output_len` (what a benchmark client sends with
-ignore_eos), or the request class's cap with `max_new="cap"` (what a real client sends).
+`max_new_tokens`: by default the request class's cap (what a real client sends; the engine still
+stops at `output_len`), or with `max_new="exact"` equal to `output_len` (what a benchmark client
+sends with ignore_eos — which leaks the true length to every policy, so it is not the default).
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ class WorkloadParams(msgspec.Struct, frozen=True, kw_only=True):
     """Folder with the Azure trace CSVs (W5)."""
     variant: str | None = None
     """Workload variant: W1 slo class|hetero, W3 d1|d2|d3, W4 p35|p5; None = the default."""
-    max_new: MaxNew = "exact"
+    max_new: MaxNew = "cap"
     """max_new_tokens policies see: "exact" = output_len (ignore_eos); "cap" = class cap."""
 
 
