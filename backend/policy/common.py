@@ -1,6 +1,6 @@
 """Pure helpers every policy shares: page arithmetic, KV costs, a batch builder that keeps the
 plan, its latency-model shape and the KV still available in step, victim choice, length
-predictors and the Past-Future peak.
+predictors; the Past-Future peak (`future_peak`, `PeakTracker`) lives in pastfuture.py.
 
 KV accounting seen from a policy (all lower bounds, so a plan built with them always fits)::
 
@@ -14,14 +14,15 @@ KV accounting seen from a policy (all lower bounds, so a plan built with them al
 
 from __future__ import annotations
 
-import bisect
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
 
 import numpy as np
 
+from backend.policy import pastfuture
 from backend.policy.latency import BatchShape, LatencyModel
+from backend.policy.pastfuture import PeakTracker as PeakTracker  # re-exported (baselines)
 from backend.policy.types import (
     IterationResult,
     Plan,
@@ -217,58 +218,13 @@ def tier_first(reqs: Iterable[ReqState]) -> list[ReqState]:
 
 
 def future_peak(items: Sequence[tuple[int, int]]) -> int:
-    """Past-Future M*: the peak KV of requests that each hold `current` tokens and grow by one
-    token per iteration for `remaining` more iterations, then free everything. At the step
-    where the request with r_i remaining makes its last allocation, every request with
-    r_j ≥ r_i holds c_j + r_i, so M* = max_i Σ_{j: r_j ≥ r_i} (c_j + r_i)."""
-    peak = held = 0
-    for count, (current, remaining) in enumerate(sorted(items, key=lambda x: -x[1]), 1):
-        held += current
-        peak = max(peak, held + count * remaining)
-    return peak
-
-
-class PeakTracker:
-    """`future_peak` of a growing set, answering "peak if this one joined?" in O(log k).
-
-    With the set sorted by remaining (descending), held_j = Σ_{i≤j} c_i and
-    P_j = held_j + (j+1)·r_j, a newcomer (c, r) inserted at position p gives
-    max( max_{j<p} P_j,  held_{p−1} + c + (p+1)·r,  c + max_{j≥p} (P_j + r_j) ).
-    """
-
-    def __init__(self, items: Iterable[tuple[int, int]]) -> None:
-        pairs = sorted(items, key=lambda x: -x[1])
-        self._c = np.array([c for c, _ in pairs], dtype=np.int64)
-        self._r = np.array([r for _, r in pairs], dtype=np.int64)
-        self._rebuild()
-
-    def _rebuild(self) -> None:
-        c, r = self._c, self._r
-        rank = np.arange(1, len(c) + 1, dtype=np.int64)
-        self._held = np.cumsum(c)
-        self._prefix_max = np.maximum.accumulate(self._held + rank * r)
-        shifted = (self._held + (rank + 1) * r)[::-1]
-        self._suffix_max = np.append(np.maximum.accumulate(shifted)[::-1], 0)
-        self._neg_r = (-r).tolist()
-
-    @property
-    def peak(self) -> int:
-        return int(self._prefix_max[-1]) if len(self._c) else 0
-
-    def peak_with(self, item: tuple[int, int]) -> int:
-        """The peak if `item` (current, remaining) joined."""
-        c, r = item
-        p = bisect.bisect_right(self._neg_r, -r)  # after every item with remaining ≥ r
-        before = int(self._prefix_max[p - 1]) if p else 0
-        held = int(self._held[p - 1]) if p else 0
-        after = c + int(self._suffix_max[p]) if p < len(self._c) else 0
-        return max(before, held + c + (p + 1) * r, after)
-
-    def add(self, item: tuple[int, int]) -> None:
-        p = bisect.bisect_right(self._neg_r, -item[1])
-        self._c = np.insert(self._c, p, item[0])
-        self._r = np.insert(self._r, p, item[1])
-        self._rebuild()
+    """Past-Future M* of (current, remaining) pairs (see `pastfuture.future_peak`, the one
+    implementation)."""
+    if not items:
+        return 0
+    current, remaining = zip(*items, strict=True)
+    return pastfuture.future_peak(np.asarray(current, dtype=np.int64),
+                                  np.asarray(remaining, dtype=np.int64))
 
 
 class LengthPredictor(Protocol):

@@ -24,6 +24,7 @@ capacity × (1 − reserve). Several independent sample lists are drawn when the
 
 from __future__ import annotations
 
+import bisect
 import collections
 from collections.abc import Iterable
 
@@ -110,37 +111,101 @@ def num_sample_lists(batch_size: int) -> int:
     return min(MAX_LISTS, MIN_SAMPLES // max(batch_size, 1) + 1)
 
 
+class PeakTracker:
+    """`future_peak` of a growing set, answering "peak if this one joined?" in O(log k).
+
+    With the set sorted by remaining (descending), held_j = Σ_{i≤j} c_i and
+    P_j = held_j + (j+1)·r_j, a newcomer (c, r) inserted at position p gives
+    max( max_{j<p} P_j,  held_{p−1} + c + (p+1)·r,  c + max_{j≥p} (P_j + r_j) ).
+    Ties in remaining do not change the peak (the group's last member attains it), so this
+    equals `future_peak` of the set with the newcomer appended, exactly.
+    """
+
+    def __init__(self, items: Iterable[tuple[int, int]]) -> None:
+        pairs = sorted(items, key=lambda x: -x[1])
+        self._c = np.array([c for c, _ in pairs], dtype=np.int64)
+        self._r = np.array([r for _, r in pairs], dtype=np.int64)
+        self._rebuild()
+
+    @classmethod
+    def from_arrays(cls, current: np.ndarray, remaining: np.ndarray) -> PeakTracker:
+        """A tracker over parallel arrays (no Python-level pairs: the hot path)."""
+        tracker = cls.__new__(cls)
+        order = np.argsort(-np.asarray(remaining, dtype=np.int64), kind="stable")
+        tracker._c = np.asarray(current, dtype=np.int64)[order]
+        tracker._r = np.asarray(remaining, dtype=np.int64)[order]
+        tracker._rebuild()
+        return tracker
+
+    def _rebuild(self) -> None:
+        c, r = self._c, self._r
+        rank = np.arange(1, len(c) + 1, dtype=np.int64)
+        self._held = np.cumsum(c)
+        self._prefix_max = np.maximum.accumulate(self._held + rank * r)
+        shifted = (self._held + (rank + 1) * r)[::-1]
+        self._suffix_max = np.append(np.maximum.accumulate(shifted)[::-1], 0)
+        self._neg_r = (-r).tolist()
+
+    def __len__(self) -> int:
+        return len(self._c)
+
+    @property
+    def peak(self) -> int:
+        return int(self._prefix_max[-1]) if len(self._c) else 0
+
+    def peak_with(self, item: tuple[int, int]) -> int:
+        """The peak if `item` (current, remaining) joined."""
+        c, r = item
+        p = bisect.bisect_right(self._neg_r, -r)  # after every item with remaining ≥ r
+        before = int(self._prefix_max[p - 1]) if p else 0
+        held = int(self._held[p - 1]) if p else 0
+        after = c + int(self._suffix_max[p]) if p < len(self._c) else 0
+        return max(before, held + c + (p + 1) * r, after)
+
+    def add(self, item: tuple[int, int]) -> None:
+        """Adds `item` for good (O(k): the prefix/suffix maxima are rebuilt)."""
+        p = bisect.bisect_right(self._neg_r, -item[1])
+        self._c = np.insert(self._c, p, item[0])
+        self._r = np.insert(self._r, p, item[1])
+        self._rebuild()
+
+
 class PeakAdmission:
     """Admits candidates one at a time while the predicted future peak fits.
 
     Built once per scheduling round from the running requests' current tokens and their
     predicted remaining tokens (one row per sample list); `try_admit` tests a candidate
-    against every list and keeps it only if all peaks fit.
+    against every list (one `PeakTracker` each, O(log k) per test) and keeps it only if all
+    peaks fit.
     """
 
     def __init__(self, current: np.ndarray, remaining_lists: np.ndarray, limit_tokens: float
                  ) -> None:
         self.limit_tokens = limit_tokens
-        self._current = np.asarray(current, dtype=np.int64)
-        self._remaining = np.atleast_2d(np.asarray(remaining_lists, dtype=np.int64))
+        cur = np.asarray(current, dtype=np.int64)
+        lists = np.atleast_2d(np.asarray(remaining_lists, dtype=np.int64))
+        self._trackers = [PeakTracker.from_arrays(cur, rem) for rem in lists]
+
+    @property
+    def num_lists(self) -> int:
+        return len(self._trackers)
 
     @property
     def peak(self) -> int:
         """The current future peak (the largest over the sample lists)."""
-        return max(future_peak(self._current, rem) for rem in self._remaining)
+        return max(t.peak for t in self._trackers)
 
     def peak_with(self, current: int, remaining: np.ndarray) -> int:
         """The peak if a request with `current` tokens and `remaining[l]` (per list) joined."""
-        cur = np.append(self._current, current)
-        return max(future_peak(cur, np.append(rem, remaining[i]))
-                   for i, rem in enumerate(self._remaining))
+        rem = np.broadcast_to(np.asarray(remaining, dtype=np.int64), (len(self._trackers),))
+        return max(t.peak_with((int(current), int(rem[i])))
+                   for i, t in enumerate(self._trackers))
 
-    def try_admit(self, current: int, remaining: np.ndarray) -> bool:
+    def try_admit(self, current: int, remaining: np.ndarray | int) -> bool:
         """Admits (and remembers) the candidate if the peak stays within the limit."""
-        remaining = np.broadcast_to(np.asarray(remaining, dtype=np.int64),
-                                    (self._remaining.shape[0],))
-        if self.peak_with(current, remaining) > self.limit_tokens:
+        rem = np.broadcast_to(np.asarray(remaining, dtype=np.int64), (len(self._trackers),))
+        if self.peak_with(current, rem) > self.limit_tokens:
             return False
-        self._current = np.append(self._current, current)
-        self._remaining = np.concatenate([self._remaining, remaining[:, None]], axis=1)
+        for i, tracker in enumerate(self._trackers):
+            tracker.add((int(current), int(rem[i])))
         return True
