@@ -8,23 +8,25 @@ Black-box method (the engine is never instrumented; prompts are random token ids
 model's vocabulary size, fresh for every request, and the prefix cache is flushed between
 probes, so nothing is served from cache unless a probe asks for it):
 
-* **Round trip** — one request with a 1-token prompt on an idle engine: the HTTP, tokenizer-
-  manager and detokenizer time is its TTFT minus its own steady inter-token gap (a 1-token
-  prefill iteration costs what a 1-token decode iteration costs).
+* **Round trip** — a 1-token prompt on an idle engine: the HTTP, tokenizer-manager and
+  detokenizer time is its TTFT minus its one prefill step. The step is the engine's own figure
+  when it reports one (SGLang's cumulative prefill time on ``/v1/loads``), else the prompt's
+  steady decode gap (on the CPU engine ~6 ms short of a 1-token prefill step).
 * **Decode only** — B concurrent requests with C-token prompts, ``ignore_eos``: once every
   stream is decoding, the median per-token gap over the next `decode_steps` tokens is the time
   of an iteration of B decodes at context ≈ C + k  → shape (num_decode=B, decode_context=B·(C+k)).
 * **Mixed** — while those B streams decode, a prefill of P tokens (max_new_tokens=1) is sent;
-  the decode streams' gap that ends with the prefill's first token is the time of the mixed
-  iteration → shape (P prefill + B decodes). The engine counts running decodes against its chunk
-  budget (SGLang's mixed chunk), so only P + B ≤ chunked_prefill_size is probed: one iteration.
+  the decode streams' gap of the iteration that ran it (see :func:`_mixed_once`) → shape
+  (P prefill + B decodes). SGLang counts running decodes against its chunk budget (mixed
+  chunk), so only P + B ≤ chunked_prefill_size is probed: one iteration.
 * **Prefill only** — one request of P tokens (P ≤ chunked_prefill_size: one iteration) with
   max_new_tokens=1 on an idle engine: TTFT minus the round trip. With a prefix, a request of
   the prefix tokens runs first, so the probe's prefix is served from the cache and the
   iteration prefills P tokens attending to it (the engine's ``cached_tokens`` says how many).
 
-Every point is measured `repeats` times (fresh requests) and the median kept. Module limits:
-the engine's KV pool, batch size and chunk size bound the grid; points outside are skipped.
+Every point is measured `repeats` times (fresh requests; more, up to 2·repeats + 1, while the
+runs disagree by over 30 %) and the median run kept. The engine's KV pool, batch size, chunk
+size and context bound the grid; points outside are skipped.
 """
 
 from __future__ import annotations
@@ -32,19 +34,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import itertools
-import os
-import platform
 import shlex
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
-from pathlib import Path
-from typing import Any
+from dataclasses import asdict, dataclass
+from functools import partial
+from typing import Any, TypeVar
 
 from backend.policy.latency import BatchShape, Profile, ProfileSample
+from bench.profiles.machine import QuietGate, cpu_busy_share, machine_facts
 from bench.profiles.probe import (
     EngineFacts,
     Prober,
@@ -52,12 +52,17 @@ from bench.profiles.probe import (
     Stream,
     client_session,
     discover,
+    median_run,
+    repeat_until_stable,
+    steady_gap,
 )
 
 Progress = Callable[[str], None]
+T = TypeVar("T")
 WARMUP_TOKENS = 3  # decode tokens skipped before the steady window (all streams decoding)
 KV_HEADROOM = 0.9  # use at most this share of the KV pool, so no request is ever retracted
 WAIT_S = 300.0  # longest wait for any one probe
+MIXED_TOLERANCE_S = 0.002  # decode chunks of the mixed iteration may trail its prefill's token
 
 
 @dataclass(frozen=True)
@@ -66,11 +71,11 @@ class ProfileGrid:
 
     decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     """B: concurrent decoding requests."""
-    decode_contexts: tuple[int, ...] = (32, 256, 1024)
+    decode_contexts: tuple[int, ...] = (32, 256, 1024, 2048)
     """C: prompt tokens of each decoding request."""
     prefill_tokens: tuple[int, ...] = (16, 64, 128, 256, 384, 512)
     """P: prefill-only chunk sizes (capped at the engine's chunked_prefill_size)."""
-    prefill_prefixes: tuple[int, ...] = (0, 1024, 3072)
+    prefill_prefixes: tuple[int, ...] = (0, 512, 1536)
     """Cached prefix the prefill-only chunk attends to."""
     mixed_prefill_tokens: tuple[int, ...] = (64, 256)
     """P: prefills injected into every decode probe (mixed iterations); () for none."""
@@ -91,33 +96,41 @@ class ProfileGrid:
 
 async def profile_engine(base_url: str, *, grid: ProfileGrid, name: str,
                          progress: Progress | None = None, vocab_size: int | None = None,
-                         command: str | None = None) -> Profile:
+                         command: str | None = None, quiet_wait_s: float = 0.0) -> Profile:
     """Measures the engine at *base_url* over *grid* and returns the profile (not saved).
 
     *vocab_size* overrides what the engine reports; *command* goes into the description.
+    *quiet_wait_s*: before each probe, wait up to this long for this machine's CPUs to be idle
+    (an engine on a machine shared with other work; 0: never wait).
     Raises ProfilerError (one line) when the engine is unreachable or refuses a probe."""
     say = progress or (lambda _line: None)
     base_url = base_url.rstrip("/")
     started = time.monotonic()
+    gate = QuietGate(quiet_wait_s)
     async with client_session() as session:
         facts = await discover(session, base_url, vocab_size)
         prober = Prober(session, base_url, facts, grid.seed)
         await prober.settle()
-        busy = await _cpu_busy_share()
-        if busy is not None and busy > 0.15:
+        busy = await cpu_busy_share()
+        if busy is not None and busy > QuietGate.threshold:
             say(f"warning: the CPUs are {busy:.0%} busy with the engine idle: other work on "
                 "this machine distorts the timings")
-        rtt = await _round_trip(prober, grid)
-        say(f"engine {base_url}: {_facts_line(facts)}; round trip {rtt * 1e3:.1f} ms")
+        if quiet_wait_s > 0:
+            prober.before_probe = gate.wait
+        await _warm_up(prober)
+        rtt, rtt_source = await _round_trip(prober, grid)
+        say(f"engine {base_url}: {_facts_line(facts)}; round trip {rtt * 1e3:.1f} ms "
+            f"(1-token TTFT minus its {rtt_source})")
         samples = await _prefill_points(prober, grid, rtt, say)
         samples += await _decode_points(prober, grid, say)
         await prober.settle()
     elapsed = time.monotonic() - started
     return Profile(
         name=name,
-        description=_description(base_url, grid, facts, rtt, elapsed, command, busy),
+        description=_description(base_url, grid, facts, (rtt, rtt_source), elapsed, command,
+                                 gate),
         model=facts.model,
-        hardware=_machine(),
+        hardware={**machine_facts(), "http_round_trip_ms": round(rtt * 1e3, 2)},
         kv_capacity_tokens=facts.kv_capacity_tokens,
         page_size=facts.page_size,
         max_prefill_tokens=facts.chunked_prefill_size,
@@ -127,17 +140,42 @@ async def profile_engine(base_url: str, *, grid: ProfileGrid, name: str,
     )
 
 
-async def _round_trip(prober: Prober, grid: ProfileGrid) -> float:
-    """Median over repeats of (TTFT − steady gap) of a 1-token prompt, seconds."""
-    values = []
+async def _warm_up(prober: Prober) -> None:
+    """Runs every code path once (chunked prefill, prefix hit, batched decode) and discards
+    the timings: the first iterations of a fresh engine are slower."""
+    prompt = prober.random_prompt(prober.facts.chunked_prefill_size + 64)
+    started = [prober.start(prompt, 8), prober.start(prober.random_prompt(64), 8)]
+    await prober.wait_until(lambda: all(s.is_done for s, _ in started), WAIT_S, "warm-up")
+    later = [prober.start(prompt + prober.random_prompt(16), 4)]
+    await prober.wait_until(lambda: all(s.is_done for s, _ in later), WAIT_S, "warm-up")
+    for stream, task in started + later:
+        _check(task, [stream], 1)
+    await prober.settle()
+
+
+async def _round_trip(prober: Prober, grid: ProfileGrid) -> tuple[float, str]:
+    """The HTTP + tokenizer-manager + detokenizer time of a request, seconds, and how it was
+    calibrated: the median over runs of a 1-token prompt's TTFT minus its one prefill step.
+
+    The step is the engine's own figure when it reports one (SGLang's cumulative prefill time
+    on /v1/loads); otherwise the prompt's steady decode gap stands in for it. On the CPU
+    engine a 1-token prefill step takes ~6 ms longer than a 1-request decode step, so the
+    fallback makes every prefill-only point ~6 ms too long."""
+    values, sources = [], []
     for _ in range(max(3, grid.repeats)):
+        busy0 = await prober.prefill_busy_s()
         stream, task = prober.start(prober.random_prompt(1), WARMUP_TOKENS + 8)
         await prober.wait_until(_is_done(stream), WAIT_S, "the round-trip probe")
         _check(task, [stream], WARMUP_TOKENS + 8)
-        gap = _steady_gap([stream], 1, stream.tokens)
-        values.append(max(0.0, stream.ttft_s - gap))
-    await prober.settle()
-    return statistics.median(values)
+        busy1 = await prober.prefill_busy_s()
+        if busy0 is not None and busy1 is not None and busy1 > busy0:
+            step, source = busy1 - busy0, "engine-reported prefill step"
+        else:
+            step, source = steady_gap([stream], 1, stream.tokens), "decode gap"
+        values.append(max(0.0, stream.ttft_s - step))
+        sources.append(source)
+        await prober.settle()
+    return statistics.median(values), max(set(sources), key=sources.count)
 
 
 async def _prefill_points(prober: Prober, grid: ProfileGrid, rtt: float, say: Progress
@@ -149,9 +187,9 @@ async def _prefill_points(prober: Prober, grid: ProfileGrid, rtt: float, say: Pr
             if tokens > facts.chunked_prefill_size or not _fits(facts, prefix + tokens + 1):
                 say(f"skip prefill {tokens} after {prefix}: beyond the engine's limits")
                 continue
-            runs = [await _prefill_once(prober, tokens, prefix, rtt)
-                    for _ in range(grid.repeats)]
-            shape, seconds = _median_run(runs)
+            runs = await repeat_until_stable(partial(_prefill_once, prober, tokens, prefix, rtt),
+                                 grid.repeats, _run_seconds)
+            shape, seconds = median_run(runs)
             samples.append(ProfileSample(shape=shape, seconds=seconds))
             say(f"prefill {shape.prefill_tokens:5d} after {prefix:5d}: {seconds * 1e3:7.2f} ms")
     return samples
@@ -188,10 +226,11 @@ async def _decode_points(prober: Prober, grid: ProfileGrid, say: Progress
                     facts, batch * (context + max_new) + max(mixed, default=0), context + max_new):
                 say(f"skip decode {batch} x {context}: beyond the engine's limits")
                 continue
-            runs = [await _decode_session(prober, grid, batch, context, mixed, max_new)
-                    for _ in range(grid.repeats)]
+            runs = await repeat_until_stable(
+                partial(_decode_session, prober, grid, batch, context, mixed, max_new),
+                grid.repeats, lambda points: _run_seconds(points[0]))
             for point in zip(*runs, strict=True):  # the decode sample, then one per mixed P
-                shape, seconds = _median_run(list(point))
+                shape, seconds = median_run(list(point))
                 samples.append(ProfileSample(shape=shape, seconds=seconds))
             say(f"decode {batch:3d} x {context:5d}: "
                 + ", ".join(f"{s.seconds * 1e3:.2f} ms" for s in samples[-len(runs[0]):]))
@@ -211,62 +250,65 @@ async def _decode_session(prober: Prober, grid: ProfileGrid, batch: int, context
                                 WAIT_S, f"{batch} decode streams")
         for task in tasks:
             _check(task, streams, end, still_running=True)
-        gap = _steady_gap(streams, WARMUP_TOKENS, end)
+        gap = steady_gap(streams, WARMUP_TOKENS, end)
         mean_ctx = context + (WARMUP_TOKENS + end) // 2
-        points = [(BatchShape(decode_context=batch * mean_ctx, num_decode=batch), gap)]
+        points = [(_decodes(BatchShape(), [mean_ctx] * batch), gap)]
         for tokens in mixed:
-            points.append(await _mixed_once(prober, streams, tasks, tokens, context))
+            points.append(await _mixed_once(prober, streams, tokens, context))
         return points
     finally:
         await prober.abort(streams, tasks)
 
 
-async def _mixed_once(prober: Prober, streams: list[Stream], tasks: list[asyncio.Task[None]],
-                      tokens: int, context: int) -> tuple[BatchShape, float]:
-    """Injects a P-token prefill into running decodes; the decode gap around its first token."""
+async def _mixed_once(prober: Prober, streams: list[Stream], tokens: int, context: int
+                      ) -> tuple[BatchShape, float]:
+    """Injects a P-token prefill into running decodes; the decode gap of the iteration that
+    ran it.
+
+    Which decode chunk closes that iteration depends on the engine: SGLang on CPU streams the
+    prefill's first token with the *next* iteration's decode chunks (8-14 ms after the mixed
+    iteration's, measured), an engine may also send both together. Both candidates are read —
+    the gap closing at or just before the first token, and the one closing before that — and
+    the longer one is the mixed iteration (it does strictly more work than a plain decode)."""
     probe, task = prober.start(prober.random_prompt(tokens), 1)
     await prober.wait_until(lambda: probe.is_done, WAIT_S, "a mixed prefill probe")
     _check(task, [probe], 1)
-    t_mixed = probe.arrivals[0][0]
+    t_first = probe.arrivals[0][0]
     await prober.wait_until(
-        lambda: all(sum(t > t_mixed for t, _ in s.arrivals) >= 2 or s.is_done for s in streams),
-        WAIT_S, "decodes after a mixed prefill")
+        lambda: all(any(t > t_first + MIXED_TOLERANCE_S for t, _ in s.arrivals) or s.is_done
+                    for s in streams), WAIT_S, "decodes after a mixed prefill")
     gaps, contexts = [], []
     for stream in streams:
-        arrivals = stream.arrivals
-        i = min(range(len(arrivals)), key=lambda j: abs(arrivals[j][0] - t_mixed))
-        if i > 0 and arrivals[i][1] - arrivals[i - 1][1] == 1:  # one iteration, one token
-            gaps.append(arrivals[i][0] - arrivals[i - 1][0])
-            contexts.append(context + arrivals[i - 1][1])
+        arr = stream.arrivals
+        last = max(j for j in range(len(arr)) if arr[j][0] <= t_first + MIXED_TOLERANCE_S)
+        candidates = [(arr[i][0] - arr[i - 1][0], i) for i in (last, last - 1)
+                      if i > 0 and arr[i][0] > probe.sent_at and arr[i][1] - arr[i - 1][1] == 1]
+        if candidates:  # one iteration per chunk, ending after the prefill was sent
+            gap, i = max(candidates)
+            gaps.append(gap)
+            contexts.append(context + arr[i - 1][1])
     if not gaps or any(s.is_done for s in streams):
         raise ProfilerError("decode streams ended during a mixed probe (engine aborted them?)")
     cached = min(probe.cached_tokens, probe.prompt_len - 1)
-    shape = BatchShape(decode_context=sum(contexts) * len(streams) // len(contexts),
-                       num_decode=len(streams)).with_prefill(probe.prompt_len - cached, cached)
+    typical = statistics.median_low(contexts)  # for streams whose gap was not readable
+    contexts += [typical] * (len(streams) - len(contexts))
+    shape = _decodes(BatchShape(), contexts).with_prefill(probe.prompt_len - cached, cached)
     return shape, statistics.median(gaps)
+
+
+def _decodes(shape: BatchShape, contexts: Sequence[int]) -> BatchShape:
+    """*shape* plus one decode per context."""
+    for context in contexts:
+        shape = shape.with_decode(context)
+    return shape
+
+
+def _run_seconds(run: tuple[BatchShape, float]) -> float:
+    return run[1]
 
 
 def _is_done(stream: Stream) -> Callable[[], bool]:
     return lambda: stream.is_done
-
-
-def _steady_gap(streams: Sequence[Stream], first_token: int, last_token: int) -> float:
-    """Median time per token between output tokens first_token and last_token (a chunk that
-    carries n tokens counts its gap n times, divided by n)."""
-    per_token: list[float] = []
-    for stream in streams:
-        arrivals = [a for a in stream.arrivals if first_token <= a[1] <= last_token]
-        for (t0, n0), (t1, n1) in itertools.pairwise(arrivals):
-            per_token += [(t1 - t0) / (n1 - n0)] * (n1 - n0)
-    if not per_token:
-        raise ProfilerError("no steady decode window (streams too short)")
-    return statistics.median(per_token)
-
-
-def _median_run(runs: list[tuple[BatchShape, float]]) -> tuple[BatchShape, float]:
-    """The run with the median time (its own shape, so shape and time stay paired)."""
-    ordered = sorted(runs, key=lambda run: run[1])
-    return ordered[(len(ordered) - 1) // 2]
 
 
 def _fits(facts: EngineFacts, kv_tokens: int, seq_len: int = 0) -> bool:
@@ -292,48 +334,18 @@ def _facts_line(facts: EngineFacts) -> str:
             f"{facts.chunked_prefill_size}, batch ≤ {facts.max_running_requests}")
 
 
-async def _cpu_busy_share(window_s: float = 1.0) -> float | None:
-    """Share of all CPUs busy over *window_s* (Linux /proc/stat), None elsewhere."""
-    def idle_total() -> tuple[int, int]:
-        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        return fields[3] + fields[4], sum(fields)  # idle + iowait, all
-
-    try:
-        idle0, total0 = idle_total()
-        await asyncio.sleep(window_s)
-        idle1, total1 = idle_total()
-    except (OSError, ValueError, IndexError):
-        return None
-    return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
-
-
-def _machine() -> dict[str, Any]:
-    """Facts about this machine (the engine's, when the profiler runs beside it)."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"device": "cpu", "cpu": cpu, "cpu_count": os.cpu_count(),
-            "platform": platform.platform()}
-
-
-def _description(base_url: str, grid: ProfileGrid, facts: EngineFacts, rtt: float,
-                 elapsed: float, command: str | None, busy: float | None) -> str:
-    machine = _machine()
+def _description(base_url: str, grid: ProfileGrid, facts: EngineFacts, rtt: tuple[float, str],
+                 elapsed: float, command: str | None, gate: QuietGate) -> str:
+    machine = machine_facts()
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     return (
         f"Measured by `{command or 'tandem profile'}` against {base_url} on {date} in "
         f"{elapsed:.0f} s; machine: {machine['cpu_count']}-core {machine['device'].upper()} "
-        f"({machine['cpu']}), {'?' if busy is None else f'{busy:.0%}'} busy before it "
-        f"started (engine idle). Black box over HTTP (bench/profiler.py): decode-only = median "
-        f"inter-token gap of B concurrent streams; mixed = decode gap containing an injected "
-        f"prefill's first token; prefill-only = TTFT minus the round trip ({rtt * 1e3:.1f} ms: "
-        f"TTFT of a 1-token prompt minus its decode gap); median of {grid.repeats} runs per "
-        f"point. Engine: {_facts_line(facts)}. Grid: {asdict(grid)}."
+        f"({machine['cpu']}); {gate.summary()}. Black box over HTTP (bench/profiler.py): "
+        f"decode-only = median inter-token gap of B concurrent streams; mixed = decode gap "
+        f"containing an injected prefill's first token; prefill-only = TTFT minus the round "
+        f"trip ({rtt[0] * 1e3:.1f} ms: TTFT of a 1-token prompt minus its {rtt[1]}); median "
+        f"of {grid.repeats} runs per point. Engine: {_facts_line(facts)}. Grid: {asdict(grid)}."
     )
 
 
@@ -352,20 +364,6 @@ def add_profile_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_arguments(parser)
     parser.set_defaults(func=run_profile_command)
     return parser
-
-
-def grid_from_args(args: argparse.Namespace) -> ProfileGrid:
-    """The grid `--quick` and the grid options describe."""
-    grid = ProfileGrid.quick() if args.quick else ProfileGrid()
-    overrides: dict[str, Any] = {}
-    for key in ("decode_batches", "decode_contexts", "prefill_tokens", "prefill_prefixes",
-                "mixed_prefill_tokens"):
-        if getattr(args, key, None) is not None:
-            overrides[key] = tuple(getattr(args, key))
-    for key in ("repeats", "decode_steps", "seed"):
-        if getattr(args, key, None) is not None:
-            overrides[key] = getattr(args, key)
-    return replace(grid, **overrides)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

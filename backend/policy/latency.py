@@ -9,11 +9,13 @@ synthesis §4 notes)::
     S_d  decode context: Σ over decoding requests of the KV tokens they attend to
     N_p  prefill requests            N_d  decode requests
     A_p  prefill attention work: Σ over chunks of l·(prefix + l)  (a chunk attends to its prefix)
-    F_p  full-square attention work: Σ over chunks of (prefix + l)². SGLang's torch_native
-         backend (the CPU engine) recomputes attention for the prefix rows too, so a 16-token
-         chunk after 3K cached tokens costs ~0.5 s there; FlashAttention-style GPU backends do
-         not, and their fit gives F_p no weight. A model built from 8 weights (the form without
-         F_p) is accepted and gets w8 = 0.
+    F_p  full-square attention work: Σ over chunks of (prefix + l)², plus — in a batch that
+         has a prefill — Σ over decodes of context². SGLang's torch_native backend (the CPU
+         engine) recomputes attention for the prefix rows too, and in a mixed batch runs every
+         decode as a 1-token extend over its whole context: a 16-token chunk after 1.5K cached
+         tokens costs ~70 ms there, one decode at 2K context riding with a small prefill
+         ~110 ms. FlashAttention-style GPU backends do neither, and their fit gives F_p no
+         weight. A model built from 8 weights (the form without F_p) gets w8 = 0.
 
 Fitted by least squares from a profile (a grid of measured batch shapes) with non-negative
 weights (a negative weight would predict that more work is faster, and the inversion would be
@@ -60,12 +62,14 @@ class BatchShape(msgspec.Struct, frozen=True, kw_only=True):
     prefill_attn: float = 0.0
     """A_p: Σ chunk·(prefix + chunk), token²."""
     prefill_attn_full: float = 0.0
-    """F_p: Σ (prefix + chunk)², token² (attention work of a backend that recomputes the
-    prefix rows; set by `with_prefill`)."""
+    """Σ (prefix + chunk)², token² (attention work of a backend that recomputes the prefix
+    rows; set by `with_prefill`)."""
     decode_context: int = 0
     """S_d: Σ context length of the decoding requests, tokens."""
     num_decode: int = 0
     """N_d: decoding requests."""
+    decode_context_sq: float = 0.0
+    """Σ context² of the decoding requests, token² (set by `with_decode`)."""
 
     def with_prefill(self, chunk: int, prefix: int = 0) -> BatchShape:
         """This shape plus one prefill chunk of `chunk` tokens after `prefix` tokens of KV."""
@@ -76,6 +80,7 @@ class BatchShape(msgspec.Struct, frozen=True, kw_only=True):
             prefill_attn_full=self.prefill_attn_full + (prefix + chunk) ** 2,
             decode_context=self.decode_context,
             num_decode=self.num_decode,
+            decode_context_sq=self.decode_context_sq,
         )
 
     def with_decode(self, context: int) -> BatchShape:
@@ -87,6 +92,7 @@ class BatchShape(msgspec.Struct, frozen=True, kw_only=True):
             prefill_attn_full=self.prefill_attn_full,
             decode_context=self.decode_context + context,
             num_decode=self.num_decode + 1,
+            decode_context_sq=self.decode_context_sq + context * context,
         )
 
     @property
@@ -146,7 +152,13 @@ def features(shape: BatchShape) -> list[float]:
     sp = shape.prefill_tokens / _K
     sd = shape.decode_context / _K
     return [1.0, sp, sd, sp * sp, sd * sd, float(shape.num_prefill), float(shape.num_decode),
-            shape.prefill_attn / (_K * _K), shape.prefill_attn_full / (_K * _K)]
+            shape.prefill_attn / (_K * _K), _full_square(shape) / (_K * _K)]
+
+
+def _full_square(shape: BatchShape) -> float:
+    """F_p in token²: chunks over their whole prefix, and decodes when they ride in an extend
+    (mixed) batch."""
+    return shape.prefill_attn_full + (shape.decode_context_sq if shape.num_prefill else 0.0)
 
 
 class LatencyModel:

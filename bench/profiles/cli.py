@@ -14,13 +14,18 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from backend.policy.latency import holdout_mape, save_profile
 from bench.profiles.probe import ProfilerError
 from gateway.config import Config, ConfigError, load_config
+
+if TYPE_CHECKING:
+    from bench.profiler import ProfileGrid
 
 DEFAULT_OUT = "profile.json"
 
@@ -50,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", help="profile name (default: the output file's stem)")
     parser.add_argument("--vocab-size", type=int, help="draw prompt ids below this (default: "
                                                        "the model config's vocab_size)")
+    parser.add_argument("--quiet-wait", type=float, default=30.0, metavar="S",
+                        help="before each probe wait up to S seconds for this machine's CPUs "
+                             "to be idle (default 30; 0: never)")
     parser.add_argument("--report", nargs="+", type=Path, metavar="FILE",
                         help="print held-out MAPE and weights of profile files; measure nothing")
     grid = parser.add_argument_group("grid (comma-separated token or request counts)")
@@ -84,7 +92,7 @@ def _fail(exc: BaseException, status: int) -> int:
 
 
 def _measure(args: argparse.Namespace) -> int:
-    from bench.profiler import grid_from_args, profile_engine
+    from bench.profiler import profile_engine
 
     config = load_config(args.config)
     grid = grid_from_args(args)
@@ -94,6 +102,7 @@ def _measure(args: argparse.Namespace) -> int:
     with _engine(args, config) as base_url:
         profile = asyncio.run(profile_engine(
             base_url, grid=grid, name=name, vocab_size=args.vocab_size, command=command,
+            quiet_wait_s=args.quiet_wait,
             progress=lambda line: print(f"  {line}", file=sys.stderr)))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     save_profile(profile, args.out)
@@ -161,3 +170,19 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def grid_from_args(args: argparse.Namespace) -> ProfileGrid:
+    """The grid `--quick` and the grid options describe."""
+    from bench.profiler import ProfileGrid
+
+    grid = ProfileGrid.quick() if args.quick else ProfileGrid()
+    overrides: dict[str, Any] = {}
+    for key in ("decode_batches", "decode_contexts", "prefill_tokens", "prefill_prefixes",
+                "mixed_prefill_tokens"):
+        if getattr(args, key, None) is not None:
+            overrides[key] = tuple(getattr(args, key))
+    for key in ("repeats", "decode_steps", "seed"):
+        if getattr(args, key, None) is not None:
+            overrides[key] = getattr(args, key)
+    return replace(grid, **overrides)

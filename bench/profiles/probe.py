@@ -1,4 +1,5 @@
-"""HTTP probes for the profiler: what the engine is, and streamed generations with arrival times.
+"""HTTP probes for the profiler: what the engine is, streamed generations with arrival times,
+and the statistics over them.
 
 Speaks only the engine's HTTP surface (SGLang's native API, which tandem's simulator also
 serves): ``POST /generate`` with ``input_ids`` and ``stream: true``; optionally ``/model_info``,
@@ -9,20 +10,26 @@ engine lacks is skipped (its facts fall back to defaults the caller may override
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
+import statistics
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
+
+from backend.policy.latency import BatchShape
 
 DEFAULT_VOCAB = 1000  # when the engine does not tell: every real vocabulary is larger
 FIRST_ID = 16  # random prompts avoid the lowest ids, where special tokens live
 HTTP_READ_TIMEOUT_S = 120.0
+SPREAD_LIMIT = 1.3  # runs of one point further apart than this (max/min) get more runs
+T = TypeVar("T")
 
 
 class ProfilerError(RuntimeError):
@@ -159,6 +166,8 @@ class Prober:
         self._rng = random.Random(seed)
         self.changed = asyncio.Condition()
         """Notified whenever any stream receives a chunk or ends."""
+        self.before_probe: Callable[[], Awaitable[None]] | None = None
+        """Awaited at the end of every `settle` (e.g. to wait for a quiet machine)."""
 
     def random_prompt(self, length: int) -> list[int]:
         """Fresh random token ids (a new prompt shares no prefix with earlier ones)."""
@@ -211,6 +220,19 @@ class Prober:
         except TimeoutError:
             raise ProfilerError(f"timed out after {timeout_s:.0f} s waiting for {what}") from None
 
+    async def prefill_busy_s(self) -> float | None:
+        """The engine's own cumulative prefill step time, seconds (SGLang's /v1/loads
+        ``total_prefill_busy_us``), or None when the engine does not report it."""
+        try:
+            loads = await get_json(self.session, self.base_url + "/v1/loads")
+        except aiohttp.ClientError:
+            return None
+        entries = (loads or {}).get("loads")
+        if not isinstance(entries, list) or not entries or not isinstance(entries[0], dict):
+            return None
+        busy_us = entries[0].get("total_prefill_busy_us")
+        return busy_us / 1e6 if isinstance(busy_us, int | float) else None
+
     async def abort(self, streams: list[Stream], tasks: list[asyncio.Task[None]]) -> None:
         """Stops generations that are still running (abort request, then disconnect)."""
         for stream in streams:
@@ -237,6 +259,8 @@ class Prober:
                     if resp.status in (200, 404, 405):
                         if resp.status != 200:
                             await asyncio.sleep(0.3)
+                        if self.before_probe is not None:
+                            await self.before_probe()
                         return
             except aiohttp.ClientError as exc:
                 raise ProfilerError(f"engine stopped answering: {exc}") from None
@@ -249,3 +273,35 @@ def client_session() -> aiohttp.ClientSession:
     """An HTTP session with a connection pool big enough for every concurrent stream."""
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=HTTP_READ_TIMEOUT_S)
     return aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+
+
+async def repeat_until_stable(run: Callable[[], Awaitable[T]], repeats: int,
+                              seconds: Callable[[T], float]) -> list[T]:
+    """`repeats` runs of a probe, and more (up to 2·repeats + 1) while they disagree by more
+    than SPREAD_LIMIT: a burst of other work on the machine then cannot carry the median."""
+    results = [await run() for _ in range(repeats)]
+    while len(results) < 2 * repeats + 1 and repeats > 1:
+        times = [seconds(r) for r in results]
+        if max(times) <= SPREAD_LIMIT * min(times):
+            break
+        results.append(await run())
+    return results
+
+
+def steady_gap(streams: Sequence[Stream], first_token: int, last_token: int) -> float:
+    """Median time per token between output tokens first_token and last_token (a chunk that
+    carries n tokens counts its gap n times, divided by n)."""
+    per_token: list[float] = []
+    for stream in streams:
+        arrivals = [a for a in stream.arrivals if first_token <= a[1] <= last_token]
+        for (t0, n0), (t1, n1) in itertools.pairwise(arrivals):
+            per_token += [(t1 - t0) / (n1 - n0)] * (n1 - n0)
+    if not per_token:
+        raise ProfilerError("no steady decode window (streams too short)")
+    return statistics.median(per_token)
+
+
+def median_run(runs: list[tuple[BatchShape, float]]) -> tuple[BatchShape, float]:
+    """The run with the median time (its own shape, so shape and time stay paired)."""
+    ordered = sorted(runs, key=lambda run: run[1])
+    return ordered[(len(ordered) - 1) // 2]

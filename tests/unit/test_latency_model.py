@@ -93,6 +93,15 @@ def test_eight_weights_are_the_form_without_the_full_square_term() -> None:
         LatencyModel(TRUE_WEIGHTS[:7])
 
 
+def test_decodes_count_in_the_full_square_term_only_beside_a_prefill() -> None:
+    f_p = FEATURES.index("F_p")
+    decodes = BatchShape().with_decode(2000).with_decode(1000)
+    assert decodes.decode_context_sq == 2000**2 + 1000**2
+    assert features(decodes)[f_p] == 0.0  # a decode-only batch never recomputes its context
+    mixed = decodes.with_prefill(10, prefix=0)
+    assert features(mixed)[f_p] == pytest.approx((2000**2 + 1000**2 + 10**2) / 1e6)
+
+
 def test_fit_needs_three_samples() -> None:
     with pytest.raises(ValueError, match="at least 3"):
         LatencyModel.fit(synthetic(TRUE_WEIGHTS, n=2))
