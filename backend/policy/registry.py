@@ -1,4 +1,5 @@
-"""Policy names → policy objects (the names of API.md; `tandem` joins when it exists)."""
+"""Policy names → policy objects (the names of API.md): `tandem`, its ablations
+`tandem-no-<part>` (one concept switched off each), and the baselines."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from backend.policy.baselines.rr import RoundRobinPolicy
 from backend.policy.baselines.sglang_like import SglangLikePolicy
 from backend.policy.baselines.two_phase import FixedOfflinePolicy, StaticChunkPolicy
 from backend.policy.latency import LatencyModel
+from backend.policy.tandem import TandemPolicy
 from backend.policy.types import Policy
 
 
@@ -25,11 +27,31 @@ def _sglang(name: str, reserve: str, preemption: bool) -> Callable[..., Policy]:
     return make
 
 
+def _tandem(name: str, **switches: bool) -> Callable[..., Policy]:
+    def make(latency: LatencyModel, **options: Any) -> Policy:
+        policy = TandemPolicy(latency, **{**switches, **options})
+        policy.name = name
+        return policy
+
+    return make
+
+
+TANDEM_ABLATIONS = {
+    "tandem-no-pastfuture": "use_pastfuture",
+    "tandem-no-slack": "use_slack",
+    "tandem-no-aimd": "use_aimd",
+    "tandem-no-era": "use_era",
+}
+"""Ablation name → the TandemConfig switch it turns off."""
+
+
 def _rt_only(latency: LatencyModel, **options: Any) -> Policy:
     return FcfsPolicy(latency, rt_only=True, **options)
 
 
 _FACTORIES: dict[str, Callable[..., Policy]] = {
+    "tandem": _tandem("tandem"),
+    **{name: _tandem(name, **{switch: False}) for name, switch in TANDEM_ABLATIONS.items()},
     "fcfs": FcfsPolicy,
     "priority": _sglang("priority", "ratio", True),
     "rr": RoundRobinPolicy,

@@ -1,0 +1,82 @@
+"""The iteration being planned: `common.BatchBuilder` (plan + KV still available + engine caps)
+plus the planner's clock — its predicted time, and the exact-fill chunk for a time budget.
+
+    time_s()                       predicted duration of what is in the batch so far
+    chunk_for(req, limit_s)        the longest chunk of req that keeps time_s() ≤ limit_s and
+                                   fits KV and the caps ("latency inversion", AccelGen's exact
+                                   fill: the cut falls where the budget ends, not at a fixed size)
+"""
+
+from __future__ import annotations
+
+import math
+
+from backend.policy.common import BatchBuilder, affordable_chunk, align_chunk, decode_cost
+from backend.policy.latency import LatencyModel
+from backend.policy.tandem.timing import Timer
+from backend.policy.types import Plan, ReqState, Snapshot
+
+
+class TandemBatch(BatchBuilder):
+    """A BatchBuilder that also tracks F_p and answers time questions through a `Timer`."""
+
+    def __init__(self, snapshot: Snapshot, timer: Timer, *, min_chunk_tokens: int = 1) -> None:
+        super().__init__(snapshot)
+        self.timer = timer
+        self.min_chunk_tokens = min_chunk_tokens
+        """Chunks shorter than this are not worth a slot (unless they finish the prompt)."""
+        self.prefill_full = 0.0
+        """F_p: Σ (prefix + chunk)² of the chunks, token² (the latency model reads it)."""
+        self.rt_deadline_s = math.inf
+        """Earliest deadline of an RT token this batch emits (the feedback checks it)."""
+        self.rt_allowance_s = math.inf
+        """That token's allowance when planned (deadline − start), for the near-miss test."""
+
+    def time_s(self) -> float:
+        """Predicted duration of the batch so far, seconds."""
+        return self.timer.predict(self)
+
+    def add_prefill(self, req: ReqState, tokens: int) -> bool:
+        if not super().add_prefill(req, tokens):
+            return False
+        self.prefill_full += (req.prefilled + tokens) ** 2
+        return True
+
+    def add_decodes(self, reqs: list[ReqState]) -> bool:
+        """Adds a decode for every request of `reqs` (running, fully prefilled, none decoded yet
+        in this plan) if all their KV slots fit; else adds none and returns False."""
+        if not reqs:
+            return True
+        cost = len(reqs) if self.page == 1 else sum(decode_cost(r, self.page) for r in reqs)
+        if cost > self.kv_avail:
+            return False
+        self.kv_avail -= cost
+        self.decodes.extend(r.rid for r in reqs)
+        self.decode_context += sum([r.prompt_len + r.generated for r in reqs])
+        self.num_decode += len(reqs)
+        return True
+
+    def chunk_for(self, req: ReqState, time_limit_s: float) -> int:
+        """The longest chunk of `req` that keeps the batch within `time_limit_s` and fits the KV
+        still available and the engine caps (page-aligned unless it finishes the prompt); 0 when
+        it would be shorter than `min_chunk_tokens` without finishing the prompt."""
+        left = req.prefill_len - req.prefilled
+        cap = min(left, self.prefill_left, affordable_chunk(req, self.kv_avail, self.page))
+        if cap <= 0 or (not req.is_running and self.running_slots < 1):
+            return 0
+        tokens = align_chunk(req, self.timer.max_chunk(self, time_limit_s, prefix=req.prefilled,
+                                                       cap=cap), self.page)
+        if tokens < left and tokens < self.min_chunk_tokens:
+            return 0
+        return tokens
+
+    def note_rt_token(self, deadline_s: float, allowance_s: float) -> None:
+        """Records that this batch emits an RT token due at `deadline_s`."""
+        if deadline_s < self.rt_deadline_s:
+            self.rt_deadline_s = deadline_s
+            self.rt_allowance_s = allowance_s
+
+    def plan(self, latency: LatencyModel | None = None) -> Plan:
+        """The finished plan with the planner's own prediction (`latency` is not needed)."""
+        return Plan(decodes=self.decodes, prefills=self.prefills, evictions=self.evictions,
+                    predicted_s=self.time_s() if (self.decodes or self.prefills) else None)

@@ -1,0 +1,127 @@
+"""BE phase (HyGen's offline phase, synthesis §4 step 4): BE gets the time RT left under τ and
+the KV left after the RT headroom.
+
+    limit = T(RT part) + BE share × (τ − T(RT part))        the share is AIMD-controlled
+          ≥ T(RT part) + be_min_share × τ  when BE has work   (BE never starves)
+          ≤ hard cap                                        (never makes an RT token late)
+          ≤ the tightest allowance of a running BE deadline (its JCT is kept, AccelGen)
+
+    1. running BE decodes — deadline ones first, then the most advanced; those that do not fit
+       the time sit the iteration out and keep their KV
+    2. running partial BE prompts, then admissions in the BE queue's order (queues.BeQueue),
+       each chunk cut exactly at the limit; new ones pass the Past-Future check under the BE
+       limit (capacity·(1 − reserve) − RT headroom); at most one long BE prompt mid-prefill
+"""
+
+from __future__ import annotations
+
+import math
+
+from backend.policy.common import decode_cost
+from backend.policy.tandem import slack
+from backend.policy.tandem.context import PlanContext
+from backend.policy.tandem.victims import progress
+from backend.policy.types import ReqState
+
+
+def run_be_phase(ctx: PlanContext) -> None:
+    """Adds BE work to ctx.batch within the BE time limit."""
+    view = ctx.view
+    if not (view.be_decode or view.be_partial or len(ctx.be_queue)):
+        return
+    limit = be_time_limit(ctx)
+    _decode_be(ctx, limit)
+    b = ctx.batch
+    for r in sorted(view.be_partial, key=lambda x: x.arrival_s):
+        if b.time_s() >= limit:
+            break
+        if r.rid not in b.evictions and (chunk := b.chunk_for(r, limit)) > 0:
+            b.add_prefill(r, chunk)
+    _admit_be(ctx, limit)
+
+
+def be_time_limit(ctx: PlanContext) -> float:
+    """The time BE may fill this iteration up to (see the module docstring)."""
+    cfg = ctx.config
+    t_rt = ctx.batch.time_s()
+    limit = t_rt + ctx.be_frac * max(0.0, ctx.tau_s - t_rt)
+    limit = max(limit, t_rt + cfg.be_min_share * ctx.tau_s)
+    limit = min(limit, ctx.hard_s)
+    deadline_cap = _be_deadline_cap(ctx)
+    if deadline_cap > t_rt:
+        limit = min(limit, deadline_cap)
+    return limit
+
+
+def _be_deadline_cap(ctx: PlanContext) -> float:
+    """The tightest per-iteration allowance among running BE requests with a deadline that
+    can still make it (a hopeless one does not shrink every iteration for nothing)."""
+    reqs = [r for r in ctx.view.be_running if r.be_deadline_s is not None]
+    if not reqs:
+        return math.inf
+    totals = ctx.lengths.totals(reqs)
+    floor = ctx.timer.with_decodes(ctx.batch, 1, 0)
+    cap = math.inf
+    for r, total in zip(reqs, totals.tolist(), strict=True):
+        left = r.prefill_len - r.prefilled
+        prefill = (slack.standalone_prefill_s(ctx.timer, left, r.prefilled, ctx.max_prefill)
+                   if left > 0 else 0.0)
+        allowance = slack.be_allowance_s(r, ctx.now_s, int(total), prefill)
+        if allowance >= floor:
+            cap = min(cap, allowance)
+    return cap
+
+
+def _decode_order(r: ReqState) -> tuple[float, int]:
+    """Deadline ones first (earliest deadline), then the most advanced (closest to freeing
+    its KV)."""
+    return (r.be_deadline_s if r.be_deadline_s is not None else math.inf, -r.generated)
+
+
+def _decode_be(ctx: PlanContext, limit: float) -> None:
+    """Running BE decodes within the time limit; when KV is short the least advanced BE
+    requests are evicted so that the others can go on (else a pool full of half-done BE
+    requests would wait on each other for ever)."""
+    b = ctx.batch
+    decodes = [r for r in ctx.view.be_decode if r.rid not in b.evictions]
+    if not decodes:
+        return
+    decodes.sort(key=_decode_order)
+    context = sum([r.prompt_len + r.generated for r in decodes])
+    if ctx.timer.with_decodes(b, len(decodes), context) <= limit and b.add_decodes(decodes):
+        return
+    need = sum(decode_cost(r, b.page) for r in decodes)
+    if need > b.kv_avail:
+        keep = sorted(decodes, key=progress, reverse=True)
+        while keep and need > b.kv_avail:
+            victim = keep.pop()
+            need -= decode_cost(victim, b.page)
+            b.evict(victim)
+            ctx.on_evict(victim)
+        decodes = [r for r in decodes if r.rid not in b.evictions]
+    timer = ctx.timer
+    for r in decodes:
+        if timer.with_decodes(b, 1, r.prompt_len + r.generated) > limit:
+            continue  # skipped this iteration; keeps its KV
+        b.add_decode(r)
+
+
+def _admit_be(ctx: PlanContext, limit: float) -> None:
+    """Admissions in BE queue order while time, KV and the future peak allow."""
+    b, cfg = ctx.batch, ctx.config
+    for r in ctx.be_queue.candidates(ctx.now_s):
+        if b.time_s() >= limit or b.running_slots < 1:
+            break
+        if ctx.era_blocked(r, "be"):
+            continue
+        chunk = b.chunk_for(r, limit)
+        if chunk <= 0:
+            break
+        aged = ctx.now_s - r.arrival_s > cfg.be_max_wait_s
+        if cfg.use_pastfuture and not ctx.admission.admit_be(
+                r, limit=ctx.admission.rt_limit if aged else None):
+            break  # head of line: a smaller request behind it must not overtake forever
+        b.add_prefill(r, chunk)
+        ctx.started(r, chunk, "be")
+        ctx.be_queue.take(r)
+    ctx.be_queue.restore()

@@ -1,0 +1,97 @@
+"""The tandem policy's knobs (synthesis §4 defaults), one frozen struct validated once.
+
+The ablation switches (`use_*`) exist so that `tandem-no-<part>` registry entries can turn one
+concept off at a time and the bench can show what each one buys.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Parameters of the tandem scheduling loop."""
+
+    latency_budget_s: float = 0.03
+    """L: soft cap on the predicted iteration time, seconds (HyGen's profiled latency budget).
+    It bounds RT TBT and the wait of a newly arrived RT request; an urgent RT prefill may exceed
+    it, never the hard cap set by the RT deadlines in the batch."""
+    idle_budget_s: float = 0.06
+    """Iteration-time cap when no RT request is running or waiting, seconds (BE alone: longer
+    iterations amortise the fixed per-iteration cost; an RT arrival waits at most this)."""
+    long_prompt_tokens: int = 4096
+    """A prompt of at least this many tokens is "long" (ERA, AccelGen), tokens."""
+    max_long_prefills: int = 1
+    """Long prompts allowed mid-prefill at once, per tier (an urgent RT one bypasses it)."""
+    window_s: float = 0.75
+    """γ: non-urgent RT prompts whose slack is within this of the head's are candidates for
+    the best fit, seconds (AccelGen's window)."""
+    best_fit_candidates: int = 8
+    """At most this many window candidates are compared by the best fit."""
+    reserve_frac: float = 0.05
+    """Past-Future reserve: admission keeps the predicted KV peak under capacity × (1 − this)."""
+    rt_headroom_frac: float = 0.05
+    """Floor of the KV share kept free from BE admission for RT arrivals (the adaptive headroom
+    never goes below it), fraction of capacity."""
+    rt_headroom_window_s: float = 30.0
+    """The adaptive RT headroom covers RT KV growth seen over this window, seconds."""
+    history_window: int = 1000
+    """Finished output lengths kept per length key (Past-Future's w)."""
+    history_min_samples: int = 20
+    """Below this many finished requests a key is predicted by its cold-start prior (the
+    request's max_new_tokens)."""
+    eps_init: float = 0.10
+    """Initial latency safety margin ε: τ = (1 − ε) × the tightest RT allowance."""
+    eps_min: float = 0.02
+    """Smallest ε (additive decrease stops here)."""
+    eps_max: float = 0.30
+    """Largest ε (multiplicative increase stops here)."""
+    eps_step: float = 0.005
+    """Additive decrease of ε per iteration without a miss or an overrun."""
+    be_frac_init: float = 0.25
+    """Initial BE time share: BE may use this fraction of the time RT leaves under τ."""
+    be_frac_step: float = 0.05
+    """Additive increase of the BE share per iteration without an RT miss."""
+    be_frac_reset: float = 0.25
+    """The BE share after an RT deadline miss or near miss (multiplicative decrease)."""
+    near_miss_frac: float = 0.05
+    """An RT token emitted within this fraction of its allowance before its deadline is a
+    near miss (the feedback backs off as for a miss)."""
+    be_min_share: float = 0.05
+    """BE always gets at least this fraction of τ when it has work (starvation freedom under
+    sustained RT load), even past τ."""
+    be_max_wait_s: float = 60.0
+    """A waiting BE request older than this is admitted before the caller's order (aging)."""
+    be_order_prob: float = 0.8
+    """u: probability that the next BE admission follows the caller's order rather than
+    oldest-first (HyGen's freshness mix)."""
+    min_chunk_tokens: int = 16
+    """Smallest prefill chunk worth a slot unless it finishes the prompt, tokens."""
+    seed: int = 0
+    """Seed of the policy's random draws (length samples, BE order mix)."""
+    use_pastfuture: bool = True
+    """Past-Future admission; off: admit while the chunk fits now (aggressive)."""
+    use_slack: bool = True
+    """Slack order, urgency and deadline-derived τ; off: RT in arrival order, τ = L."""
+    use_aimd: bool = True
+    """AIMD on ε and the BE share; off: both fixed at their initial values (BE share 1)."""
+    use_era: bool = True
+    """At most `max_long_prefills` long prompts mid-prefill per tier; off: no limit."""
+
+    def __post_init__(self) -> None:
+        for name in ("latency_budget_s", "idle_budget_s", "window_s", "rt_headroom_window_s",
+                     "be_max_wait_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("reserve_frac", "rt_headroom_frac", "near_miss_frac", "be_min_share",
+                     "be_order_prob"):
+            if not 0.0 <= getattr(self, name) < 1.0 + (name == "be_order_prob"):
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if not 0.0 <= self.eps_min <= self.eps_init <= self.eps_max < 1.0:
+            raise ValueError("need 0 ≤ eps_min ≤ eps_init ≤ eps_max < 1")
+        if not 0.0 < self.be_frac_reset <= 1.0 or not 0.0 < self.be_frac_init <= 1.0:
+            raise ValueError("be_frac_init and be_frac_reset must be in (0, 1]")
+        for name in ("long_prompt_tokens", "max_long_prefills", "best_fit_candidates",
+                     "history_window", "history_min_samples", "min_chunk_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be ≥ 1, got {getattr(self, name)}")

@@ -1,0 +1,63 @@
+"""Feedback (BROS's TCP-like controller, moved from batch size to time, synthesis C1): AIMD on
+the latency safety margin ε and on the BE time share.
+
+    RT token late or nearly late, or the iteration overran its prediction:
+        ε ← min(2ε, ε_max)          (multiplicative increase of the margin)
+        BE share ← reset            (multiplicative decrease: BE backs off at once)
+    otherwise:
+        ε ← max(ε − step, ε_min)     BE share ← min(share + step, 1)   (additive probing)
+
+A near miss is a token emitted within `near_miss_frac` of its allowance before its deadline:
+backing off before the first miss is what keeps attainment above 99 % rather than at it.
+"""
+
+from __future__ import annotations
+
+import math
+
+from backend.policy.tandem.config import TandemConfig
+from backend.policy.types import IterationResult
+
+_OVERRUN_TOLERANCE = 0.02  # relative: model noise below this is not an overrun
+
+
+class Feedback:
+    """The controller's state: ε and the BE share, and what the last plan expected."""
+
+    def __init__(self, config: TandemConfig) -> None:
+        self.config = config
+        self.eps = config.eps_init
+        """Latency safety margin: τ = (1 − ε) × the tightest RT allowance."""
+        self.be_frac = config.be_frac_init if config.use_aimd else 1.0
+        """Share of the time RT leaves under τ that BE may use."""
+        self.misses = 0
+        """RT deadline misses and near misses seen (statistics)."""
+        self._deadline_s = math.inf
+        self._allowance_s = math.inf
+
+    def expect(self, deadline_s: float, allowance_s: float) -> None:
+        """The plan about to run emits an RT token due at `deadline_s` (the earliest), with
+        `allowance_s` of time for it."""
+        self._deadline_s = deadline_s
+        self._allowance_s = allowance_s
+
+    def observe(self, result: IterationResult) -> None:
+        """Updates ε and the BE share from how the iteration went."""
+        cfg = self.config
+        end = result.end_s
+        late = (math.isfinite(self._deadline_s)
+                and end > self._deadline_s - cfg.near_miss_frac * self._allowance_s)
+        predicted = result.plan.predicted_s
+        overrun = (predicted is not None
+                   and result.duration_s > predicted * (1 + _OVERRUN_TOLERANCE))
+        self._deadline_s = self._allowance_s = math.inf
+        if late:
+            self.misses += 1
+        if not cfg.use_aimd:
+            return
+        if late or overrun:
+            self.eps = min(cfg.eps_max, max(2 * self.eps, cfg.eps_min))
+            self.be_frac = min(self.be_frac, cfg.be_frac_reset)
+        else:
+            self.eps = max(cfg.eps_min, self.eps - cfg.eps_step)
+            self.be_frac = min(1.0, self.be_frac + cfg.be_frac_step)

@@ -1,0 +1,176 @@
+"""RT phase (AccelGen, synthesis §4 step 3): stall-free RT decodes, then RT prompts by slack.
+
+    1. every running RT decode (KV short: evict BE, least progress first)
+    2. τ from the decodes' deadlines (slack.py)
+    3. prompts in slack order — running partial ones, then the queue (feasible by latest start,
+       then hopeless):
+       * urgent ones first, each raising τ as far as it needs to make its deadline
+         (`needed_budget`, within the hard cap) and evicting BE, then non-urgent RT, for KV;
+       * then a window of non-urgent ones (within γ of the first one's slack, at most K) placed
+         by best fit on (compute tokens, KV) until τ is used up;
+       * at most one long prompt mid-prefill (ERA) unless urgent; Past-Future admission for new
+         ones (BE memory counts as free).
+    Chunks are cut exactly where τ ends (`TandemBatch.chunk_for`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+from backend.policy.common import prefill_cost
+from backend.policy.tandem import slack
+from backend.policy.tandem.context import PlanContext
+from backend.policy.tandem.victims import evict_for, victim_order
+from backend.policy.types import ReqState
+
+STOP, SKIP, DONE = 0, 1, 2
+"""Outcome of trying one prompt: stop the phase, skip it (try the next), scheduled."""
+
+
+def run_rt_phase(ctx: PlanContext) -> None:
+    """Adds the RT work of this iteration to ctx.batch and sets ctx.tau_s / ctx.hard_s."""
+    b = ctx.batch
+    _decode_rt(ctx)
+    deadline = slack.decode_deadline(ctx.view.rt_decode) if b.decodes else math.inf
+    ctx.hard_s = deadline - ctx.now_s
+    if math.isfinite(deadline):
+        b.note_rt_token(deadline, ctx.hard_s)
+    ctx.tau_s = ctx.budget_s
+    ctx.cap_tau()
+    chunk_at_budget = max(1, ctx.timer.max_chunk(b, ctx.budget_s, prefix=0, cap=ctx.max_prefill))
+    window: list[tuple[ReqState, float, float]] = []
+    for r in _candidates(ctx):
+        deadline = slack.rt_deadline(r)
+        n = slack.iterations_left(r.prefill_len - r.prefilled, chunk_at_budget)
+        s = slack.slack_s(deadline, ctx.now_s, n, ctx.budget_s)
+        if ctx.config.use_slack and slack.is_urgent(s, ctx.budget_s):
+            need = slack.needed_budget(ctx.timer, b, r, (1 - ctx.eps) * (deadline - ctx.now_s),
+                                       ctx.max_prefill)
+            if need is not None or r.first_token_s is not None:  # else hopeless: not urgent
+                if _prefill(ctx, r, deadline, urgent=True, need_s=need) == STOP:
+                    break
+                continue
+        if window and (s > window[0][1] + ctx.config.window_s
+                       or len(window) >= ctx.config.best_fit_candidates):
+            break
+        if b.time_s() >= ctx.tau_s and not window:
+            break
+        window.append((r, s, deadline))
+    _fill_window(ctx, window)
+    ctx.rt_queue.restore()
+
+
+def _decode_rt(ctx: PlanContext) -> None:
+    """All RT decodes (stall-free). On KV shortage BE is evicted, least progress first; if
+    that is not enough, the decodes that fit run, earliest deadline first."""
+    b, view = ctx.batch, ctx.view
+    if b.add_decodes(view.rt_decode):
+        return
+    need = len(view.rt_decode) if b.page == 1 else b.page * len(view.rt_decode)
+    order = victim_order(view.be_running, view.rt_partial, lambda r: _slack(ctx, r),
+                         ctx.budget_s, include_rt=True)
+    if evict_for(b, need, order, ctx.on_evict) and b.add_decodes(view.rt_decode):
+        return
+    for r in sorted(view.rt_decode, key=slack.rt_deadline):
+        if r.rid not in b.evictions:
+            b.add_decode(r)
+
+
+def _slack(ctx: PlanContext, r: ReqState) -> float:
+    n = slack.iterations_left(r.prefill_len - r.prefilled, ctx.max_prefill)
+    return slack.slack_s(slack.rt_deadline(r), ctx.now_s, n, ctx.budget_s)
+
+
+def _candidates(ctx: PlanContext) -> Iterator[ReqState]:
+    """Running partial RT prompts (earliest deadline first), then the waiting queue."""
+    yield from sorted(ctx.view.rt_partial, key=slack.rt_deadline)
+    yield from ctx.rt_queue.candidates(ctx.now_s)
+
+
+def _prefill(ctx: PlanContext, r: ReqState, deadline: float, *, urgent: bool,
+             need_s: float | None = None) -> int:
+    """Schedules the next chunk of RT prompt `r` (an urgent one raises τ to `need_s`, the
+    iteration time it needs, within the hard cap); STOP, SKIP or DONE."""
+    b = ctx.batch
+    if ctx.era_blocked(r, "rt") and not urgent:
+        return SKIP
+    if need_s is not None:
+        ctx.tau_s = max(ctx.tau_s, min(need_s, (1 - ctx.eps) * ctx.hard_s))
+    if not r.is_running and ctx.config.use_pastfuture and not ctx.admission.admit_rt(r):
+        return STOP  # RT alone would overflow KV: later prompts would too
+    chunk = b.chunk_for(r, ctx.tau_s)
+    chunk = _make_room(ctx, r, chunk, urgent)
+    if chunk <= 0:
+        return STOP
+    b.add_prefill(r, chunk)
+    ctx.started(r, chunk, "rt")
+    if not r.is_running:
+        ctx.rt_queue.take(r)
+    _bound_by(ctx, r, deadline, chunk)
+    return DONE
+
+
+def _make_room(ctx: PlanContext, r: ReqState, chunk: int, urgent: bool) -> int:
+    """When KV, not time, cuts `r`'s chunk short: evict BE (and, for an urgent prompt,
+    non-urgent RT) for the chunk time allows; the chunk after that."""
+    b = ctx.batch
+    left = r.prefill_len - r.prefilled
+    by_time = ctx.timer.max_chunk(b, ctx.tau_s, prefix=r.prefilled,
+                                  cap=min(left, b.prefill_left))
+    if by_time <= chunk or (not r.is_running and b.running_slots < 1):
+        return chunk
+    view = ctx.view
+    order = victim_order(view.be_running, view.rt_partial, lambda x: _slack(ctx, x),
+                         ctx.budget_s, include_rt=urgent)
+    order = [v for v in order if v.rid != r.rid]
+    if evict_for(b, prefill_cost(r, by_time, b.page), order, ctx.on_evict):
+        return b.chunk_for(r, ctx.tau_s)
+    return chunk
+
+
+def _bound_by(ctx: PlanContext, r: ReqState, deadline: float, chunk: int) -> None:
+    """A scheduled prompt's deadline bounds this iteration (unless it is hopeless): its
+    first token is due by then, or its remaining chunks must fit before it."""
+    if not math.isfinite(deadline):
+        return
+    left = r.prefill_len - r.prefilled - chunk  # after this chunk (prefilled not yet updated)
+    iterations = 1 + (-(-left // max(1, chunk)) if left > 0 else 0)
+    allowance = slack.allowance_s(deadline, ctx.now_s, iterations)
+    if allowance < ctx.batch.time_s():
+        return  # hopeless: it misses whatever this iteration does
+    if left <= 0:
+        ctx.batch.note_rt_token(deadline, deadline - ctx.now_s)
+    ctx.hard_s = min(ctx.hard_s, allowance)
+    ctx.cap_tau()
+
+
+def _fill_window(ctx: PlanContext, window: list[tuple[ReqState, float, float]]) -> None:
+    """Non-urgent prompts of the window, best fit first, until τ is used up."""
+    b = ctx.batch
+    while window and b.time_s() < ctx.tau_s:
+        i = _best_fit(ctx, window)
+        r, _, deadline = window.pop(i)
+        outcome = _prefill(ctx, r, deadline, urgent=False)
+        if outcome == STOP:
+            return
+
+
+def _best_fit(ctx: PlanContext, window: list[tuple[ReqState, float, float]]) -> int:
+    """AccelGen's best fit: the candidate whose (compute tokens, KV) demand is nearest to what
+    is left (A_c tokens that fit in τ, A_m KV slots), both axes normalised so neither
+    dominates by its unit; ties go to the smaller slack (the window is in slack order)."""
+    b = ctx.batch
+    a_c = max(1, ctx.timer.max_chunk(b, ctx.tau_s, prefix=0, cap=b.prefill_left))
+    a_m = max(1, b.kv_avail)
+    best, best_score = 0, math.inf
+    for i, (r, _, _) in enumerate(window):
+        left = r.prefill_len - r.prefilled
+        d_c = min(left, a_c)
+        d_m = prefill_cost(r, d_c, b.page)
+        if d_m > a_m:
+            continue
+        score = (1 - d_c / a_c) ** 2 + (1 - d_m / a_m) ** 2
+        if score < best_score - 1e-12:
+            best, best_score = i, score
+    return best
