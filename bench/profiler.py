@@ -343,7 +343,7 @@ def _description(base_url: str, grid: ProfileGrid, facts: EngineFacts, rtt: tupl
         f"{elapsed:.0f} s; machine: {machine['cpu_count']}-core {machine['device'].upper()} "
         f"({machine['cpu']}); {gate.summary()}. Black box over HTTP (bench/profiler.py): "
         f"decode-only = median inter-token gap of B concurrent streams; mixed = decode gap "
-        f"containing an injected prefill's first token; prefill-only = TTFT minus the round "
+        f"of the iteration that ran an injected prefill; prefill-only = TTFT minus the round "
         f"trip ({rtt[0] * 1e3:.1f} ms: TTFT of a 1-token prompt minus its {rtt[1]}); median "
         f"of {grid.repeats} runs per point. Engine: {_facts_line(facts)}. Grid: {asdict(grid)}."
     )
