@@ -26,7 +26,9 @@ class TandemBatch(BatchBuilder):
         self.min_chunk_tokens = min_chunk_tokens
         """Chunks shorter than this are not worth a slot (unless they finish the prompt)."""
         self.prefill_full = 0.0
-        """F_p: Σ (prefix + chunk)² of the chunks, token² (the latency model reads it)."""
+        """Σ (prefix + chunk)² of the chunks, token² (part of the model's F_p)."""
+        self.decode_context_sq = 0.0
+        """Σ context² of the decodes, token² (part of F_p in a batch with a prefill)."""
         self.rt_deadline_s = math.inf
         """Earliest deadline of an RT token this batch emits (the feedback checks it)."""
         self.rt_allowance_s = math.inf
@@ -42,6 +44,12 @@ class TandemBatch(BatchBuilder):
         self.prefill_full += (req.prefilled + tokens) ** 2
         return True
 
+    def add_decode(self, req: ReqState) -> bool:
+        if not super().add_decode(req):
+            return False
+        self.decode_context_sq += (req.prompt_len + req.generated) ** 2
+        return True
+
     def add_decodes(self, reqs: list[ReqState]) -> bool:
         """Adds a decode for every request of `reqs` (running, fully prefilled, none decoded yet
         in this plan) if all their KV slots fit; else adds none and returns False."""
@@ -52,7 +60,9 @@ class TandemBatch(BatchBuilder):
             return False
         self.kv_avail -= cost
         self.decodes.extend(r.rid for r in reqs)
-        self.decode_context += sum([r.prompt_len + r.generated for r in reqs])
+        contexts = [r.prompt_len + r.generated for r in reqs]
+        self.decode_context += sum(contexts)
+        self.decode_context_sq += sum([c * c for c in contexts])
         self.num_decode += len(reqs)
         return True
 

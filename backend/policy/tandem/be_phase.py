@@ -2,9 +2,11 @@
 the KV left after the RT headroom.
 
     limit = T(RT part) + BE share × (τ − T(RT part))        the share is AIMD-controlled
+                                                            (1 when no RT is around)
           ≥ T(RT part) + be_min_share × τ  when BE has work   (BE never starves)
           ≤ hard cap                                        (never makes an RT token late)
-          ≤ the tightest allowance of a running BE deadline (its JCT is kept, AccelGen)
+    and τ itself was lowered to the tightest allowance of a running BE deadline
+    (`cap_for_be_deadlines`, before the RT prompts: its JCT is kept, AccelGen)
 
     1. running BE decodes — deadline ones first, then the most advanced; those that do not fit
        the time sit the iteration out and keep their KV
@@ -23,6 +25,9 @@ from backend.policy.tandem.context import PlanContext
 from backend.policy.tandem.victims import progress
 from backend.policy.types import ReqState
 
+KNEE_MARGIN = 0.1
+"""A deadline-shortened iteration may still run this much past the decodes' own time."""
+
 
 def run_be_phase(ctx: PlanContext) -> None:
     """Adds BE work to ctx.batch within the BE time limit."""
@@ -38,29 +43,48 @@ def run_be_phase(ctx: PlanContext) -> None:
         if r.rid not in b.evictions and (chunk := b.chunk_for(r, limit)) > 0:
             b.add_prefill(r, chunk)
     _admit_be(ctx, limit)
+    if not (b.decodes or b.prefills):
+        _ensure_progress(ctx)
+
+
+def _ensure_progress(ctx: PlanContext) -> None:
+    """An empty plan while BE work is running would stall the engine (nothing else changes
+    the state): run the BE decodes, or else the oldest partial prompt's next chunk, whatever
+    the time limit says."""
+    b = ctx.batch
+    decodes = [r for r in ctx.view.be_decode if r.rid not in b.evictions]
+    if decodes and b.add_decodes(decodes):
+        return
+    for r in sorted(ctx.view.be_partial, key=lambda x: x.arrival_s):
+        chunk = b.chunk_for(r, max(ctx.tau_s, ctx.budget_s))
+        if chunk > 0 and r.rid not in b.evictions:
+            b.add_prefill(r, chunk)
+            return
 
 
 def be_time_limit(ctx: PlanContext) -> float:
     """The time BE may fill this iteration up to (see the module docstring)."""
     cfg = ctx.config
     t_rt = ctx.batch.time_s()
-    limit = t_rt + ctx.be_frac * max(0.0, ctx.tau_s - t_rt)
+    share = ctx.be_frac if ctx.has_rt else 1.0  # the share protects RT; alone, BE takes all
+    limit = t_rt + share * max(0.0, ctx.tau_s - t_rt)
     limit = max(limit, t_rt + cfg.be_min_share * ctx.tau_s)
-    limit = min(limit, ctx.hard_s)
-    deadline_cap = _be_deadline_cap(ctx)
-    if deadline_cap > t_rt:
-        limit = min(limit, deadline_cap)
-    return limit
+    return min(limit, ctx.hard_s)
 
 
-def _be_deadline_cap(ctx: PlanContext) -> float:
-    """The tightest per-iteration allowance among running BE requests with a deadline that
-    can still make it (a hopeless one does not shrink every iteration for nothing)."""
+def cap_for_be_deadlines(ctx: PlanContext) -> None:
+    """Lowers τ to the tightest per-iteration allowance of a running BE request with a
+    deadline (AccelGen's JCT conversion), but never below the decodes' own time plus
+    `KNEE_MARGIN`: up to there prefill mostly rides in the memory-bound decode time for free,
+    so admissions go on while the iterations stay short. A request whose allowance is below
+    that floor is past helping and does not shrink every iteration for nothing."""
     reqs = [r for r in ctx.view.be_running if r.be_deadline_s is not None]
     if not reqs:
-        return math.inf
+        return
+    contexts = [r.prompt_len + r.generated for r in ctx.view.be_decode]
+    floor = ctx.timer.with_decodes(ctx.batch, len(contexts), sum(contexts),
+                                   sum([c * c for c in contexts]))
     totals = ctx.lengths.totals(reqs)
-    floor = ctx.timer.with_decodes(ctx.batch, 1, 0)
     cap = math.inf
     for r, total in zip(reqs, totals.tolist(), strict=True):
         left = r.prefill_len - r.prefilled
@@ -69,7 +93,7 @@ def _be_deadline_cap(ctx: PlanContext) -> float:
         allowance = slack.be_allowance_s(r, ctx.now_s, int(total), prefill)
         if allowance >= floor:
             cap = min(cap, allowance)
-    return cap
+    ctx.tau_s = min(ctx.tau_s, max(cap, floor * (1 + KNEE_MARGIN)))
 
 
 def _decode_order(r: ReqState) -> tuple[float, int]:
@@ -87,8 +111,9 @@ def _decode_be(ctx: PlanContext, limit: float) -> None:
     if not decodes:
         return
     decodes.sort(key=_decode_order)
-    context = sum([r.prompt_len + r.generated for r in decodes])
-    if ctx.timer.with_decodes(b, len(decodes), context) <= limit and b.add_decodes(decodes):
+    contexts = [r.prompt_len + r.generated for r in decodes]
+    if (ctx.timer.with_decodes(b, len(decodes), sum(contexts), sum([c * c for c in contexts]))
+            <= limit and b.add_decodes(decodes)):
         return
     need = sum(decode_cost(r, b.page) for r in decodes)
     if need > b.kv_avail:

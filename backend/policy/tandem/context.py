@@ -72,6 +72,8 @@ class PlanContext:
     """Share of the time RT leaves under τ that BE may use."""
     max_prefill: int
     """Engine cap on prefill tokens per iteration."""
+    has_rt: bool = True
+    """Some RT request is running or waiting."""
     budget_s: float = 0.0
     """L for this plan: the latency budget, or the idle budget with no RT around."""
     tau_s: float = 0.0

@@ -19,6 +19,7 @@ from backend.policy.tandem.config import TandemConfig
 from backend.policy.types import IterationResult
 
 _OVERRUN_TOLERANCE = 0.02  # relative: model noise below this is not an overrun
+_PACE_WEIGHT = 0.05  # EWMA weight of the newest iteration time (≈ the last 20 iterations)
 
 
 class Feedback:
@@ -30,6 +31,8 @@ class Feedback:
         """Latency safety margin: τ = (1 − ε) × the tightest RT allowance."""
         self.be_frac = config.be_frac_init if config.use_aimd else 1.0
         """Share of the time RT leaves under τ that BE may use."""
+        self.iteration_s = 0.0
+        """Moving average of the iteration time, seconds (the engine's current pace)."""
         self.misses = 0
         """RT deadline misses and near misses seen (statistics)."""
         self._deadline_s = math.inf
@@ -44,6 +47,7 @@ class Feedback:
     def observe(self, result: IterationResult) -> None:
         """Updates ε and the BE share from how the iteration went."""
         cfg = self.config
+        self.iteration_s += _PACE_WEIGHT * (result.duration_s - self.iteration_s)
         end = result.end_s
         late = (math.isfinite(self._deadline_s)
                 and end > self._deadline_s - cfg.near_miss_frac * self._allowance_s)

@@ -4,6 +4,7 @@
         view     = running split by tier/phase             (context.split_running)
         queues   ← new waiting requests (O(new))            (queues.RtQueue / BeQueue)
         RT phase : all RT decodes; τ from deadlines, ≤ L;   (rt_phase)
+                   τ ≤ allowance of BE deadlines            (be_phase.cap_for_be_deadlines)
                    urgent prompts (τ raised as they need), window by best fit, ERA, admission
         BE phase : the time left under τ × BE share,        (be_phase)
                    the KV left after the RT headroom
@@ -21,12 +22,12 @@ from backend.policy.latency import LatencyModel
 from backend.policy.tandem import slack
 from backend.policy.tandem.admission import AdmissionRound, LengthModel, RtHeadroom
 from backend.policy.tandem.batch import TandemBatch
-from backend.policy.tandem.be_phase import run_be_phase
+from backend.policy.tandem.be_phase import cap_for_be_deadlines, run_be_phase
 from backend.policy.tandem.config import TandemConfig
 from backend.policy.tandem.context import PlanContext, RunningView, split_running
 from backend.policy.tandem.feedback import Feedback
 from backend.policy.tandem.queues import BeQueue, RtQueue
-from backend.policy.tandem.rt_phase import run_rt_phase
+from backend.policy.tandem.rt_phase import run_rt_decodes, run_rt_prefills
 from backend.policy.tandem.timing import BatchTotals, Timer
 from backend.policy.types import IterationResult, Plan, ReqState, Snapshot
 
@@ -45,7 +46,7 @@ class TandemPolicy(PolicyBase):
         self.lengths = LengthModel(window=cfg.history_window,
                                    min_samples=cfg.history_min_samples, seed=cfg.seed)
         self.rt_queue = RtQueue(self._rt_latest_start)
-        self.be_queue = BeQueue(self._be_latest_start, seed=cfg.seed,
+        self.be_queue = BeQueue(self._be_latest_start, self._be_hopeless, seed=cfg.seed,
                                 order_prob=cfg.be_order_prob, max_wait_s=cfg.be_max_wait_s)
         self.headroom = RtHeadroom(window_s=cfg.rt_headroom_window_s,
                                    floor_frac=cfg.rt_headroom_frac)
@@ -60,8 +61,10 @@ class TandemPolicy(PolicyBase):
         self.be_queue.sync(waiting_in(snapshot, "be"))
         self.headroom.update(snapshot.now_s, view.rt_kv_tokens)
         ctx = self._context(snapshot, view)
-        run_rt_phase(ctx)
-        run_be_phase(ctx)
+        run_rt_decodes(ctx)        # stall-free; hard cap and τ ≤ L from their deadlines
+        cap_for_be_deadlines(ctx)  # τ ≤ the tightest JCT allowance of a running BE
+        run_rt_prefills(ctx)       # slack order; urgent ones raise τ; best-fit window; ERA
+        run_be_phase(ctx)          # BE decodes, partial prompts, admissions in what is left
         self.feedback.expect(ctx.batch.rt_deadline_s, ctx.batch.rt_allowance_s)
         return ctx.batch.plan()
 
@@ -84,7 +87,7 @@ class TandemPolicy(PolicyBase):
             batch=TandemBatch(snap, self.timer, min_chunk_tokens=cfg.min_chunk_tokens),
             view=view, admission=admission, lengths=self.lengths, rt_queue=self.rt_queue,
             be_queue=self.be_queue, eps=self.feedback.eps, be_frac=self.feedback.be_frac,
-            max_prefill=snap.max_prefill_tokens,
+            max_prefill=snap.max_prefill_tokens, has_rt=has_rt,
             budget_s=cfg.latency_budget_s if has_rt else cfg.idle_budget_s)
 
     def _rt_latest_start(self, r: ReqState) -> float:
@@ -103,3 +106,15 @@ class TandemPolicy(PolicyBase):
         prefill = slack.standalone_prefill_s(self.timer, left, r.prefilled, self._max_prefill)
         step = self.timer.with_decodes(BatchTotals(), 1, r.prompt_len + total // 2)
         return r.be_deadline_s - prefill - max(0, total - r.generated) * step
+
+    def _be_hopeless(self, r: ReqState, now_s: float) -> bool:
+        """A waiting BE request cannot meet its deadline at the engine's current pace (its
+        prompt alone, then its predicted output at the recent mean iteration time)."""
+        if r.be_deadline_s is None:
+            return False
+        total = int(self.lengths.totals([r])[0])
+        left = r.prefill_len - r.prefilled
+        prefill = slack.standalone_prefill_s(self.timer, left, r.prefilled, self._max_prefill)
+        pace = max(self.feedback.iteration_s,
+                   self.timer.with_decodes(BatchTotals(), 1, r.prompt_len + total // 2))
+        return r.be_deadline_s - now_s < prefill + max(0, total - r.generated) * pace

@@ -194,13 +194,15 @@ class BeQueue:
     1. resumed — evicted BE requests first, in eviction order (their work resumes, and their
        prefix is likely still cached);
     2. deadline — BE requests with a completion deadline, by latest start time (deadline −
-       standalone JCT); one that can no longer make it drops to the plain order;
+       standalone JCT); one that can no longer make it at the engine's current pace
+       (`is_hopeless`) drops to the plain order, so the ones that still can go first;
     3. aged — the oldest request once it has waited `max_wait_s` (bounded wait);
     4. otherwise the caller's order (ReqState.order_key) with probability `order_prob`, else the
        oldest (HyGen's freshness mix: every request reaches the head eventually).
     """
 
-    def __init__(self, deadline_lst_of: Callable[[ReqState], float], *, seed: int,
+    def __init__(self, deadline_lst_of: Callable[[ReqState], float],
+                 is_hopeless: Callable[[ReqState, float], bool], *, seed: int,
                  order_prob: float, max_wait_s: float) -> None:
         self.known = WaitingSet()
         self.resumed = KeyedHeap(self.known)
@@ -209,6 +211,7 @@ class BeQueue:
         self.by_age = KeyedHeap(self.known)
         self._heaps = (self.resumed, self.deadline, self.by_order, self.by_age)
         self._lst_of = deadline_lst_of
+        self._is_hopeless = is_hopeless
         self._rng = random.Random(seed)
         self.order_prob = order_prob
         self.max_wait_s = max_wait_s
@@ -246,7 +249,7 @@ class BeQueue:
             seen.add(r.rid)
             yield r
         for lst, r in self.deadline.iter_valid():
-            if lst < now_s:  # hopeless: plain order from now on
+            if lst < now_s or self._is_hopeless(r, now_s):  # plain order from now on
                 self.deadline.drop_popped(r.rid)
                 continue
             if r.rid not in seen:

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 
@@ -28,8 +29,8 @@ STOP, SKIP, DONE = 0, 1, 2
 """Outcome of trying one prompt: stop the phase, skip it (try the next), scheduled."""
 
 
-def run_rt_phase(ctx: PlanContext) -> None:
-    """Adds the RT work of this iteration to ctx.batch and sets ctx.tau_s / ctx.hard_s."""
+def run_rt_decodes(ctx: PlanContext) -> None:
+    """Every RT decode (stall-free); sets the hard cap from their deadlines and τ ≤ L."""
     b = ctx.batch
     _decode_rt(ctx)
     deadline = slack.decode_deadline(ctx.view.rt_decode) if b.decodes else math.inf
@@ -38,26 +39,44 @@ def run_rt_phase(ctx: PlanContext) -> None:
         b.note_rt_token(deadline, ctx.hard_s)
     ctx.tau_s = ctx.budget_s
     ctx.cap_tau()
+
+
+def run_rt_prefills(ctx: PlanContext) -> None:
+    """RT prompts in slack order within τ (urgent ones raise it); see the module docstring.
+    Windows are taken one after the other while τ has room."""
+    b = ctx.batch
     chunk_at_budget = max(1, ctx.timer.max_chunk(b, ctx.budget_s, prefix=0, cap=ctx.max_prefill))
-    window: list[tuple[ReqState, float, float]] = []
-    for r in _candidates(ctx):
-        deadline = slack.rt_deadline(r)
-        n = slack.iterations_left(r.prefill_len - r.prefilled, chunk_at_budget)
-        s = slack.slack_s(deadline, ctx.now_s, n, ctx.budget_s)
-        if ctx.config.use_slack and slack.is_urgent(s, ctx.budget_s):
-            need = slack.needed_budget(ctx.timer, b, r, (1 - ctx.eps) * (deadline - ctx.now_s),
-                                       ctx.max_prefill)
-            if need is not None or r.first_token_s is not None:  # else hopeless: not urgent
-                if _prefill(ctx, r, deadline, urgent=True, need_s=need) == STOP:
-                    break
-                continue
-        if window and (s > window[0][1] + ctx.config.window_s
-                       or len(window) >= ctx.config.best_fit_candidates):
+    candidates = _candidates(ctx)
+    pending: ReqState | None = None
+    while True:
+        window: list[tuple[ReqState, float, float]] = []
+        stop = exhausted = False
+        for r in itertools.chain([pending] if pending is not None else [], candidates):
+            pending = None
+            deadline = slack.rt_deadline(r)
+            n = slack.iterations_left(r.prefill_len - r.prefilled, chunk_at_budget)
+            s = slack.slack_s(deadline, ctx.now_s, n, ctx.budget_s)
+            if ctx.config.use_slack and slack.is_urgent(s, ctx.budget_s):
+                need = slack.needed_budget(ctx.timer, b, r,
+                                           (1 - ctx.eps) * (deadline - ctx.now_s),
+                                           ctx.max_prefill)
+                if need is not None or r.first_token_s is not None:  # else hopeless
+                    if _prefill(ctx, r, deadline, urgent=True, need_s=need) == STOP:
+                        stop = True
+                        break
+                    continue
+            if window and (s > window[0][1] + ctx.config.window_s
+                           or len(window) >= ctx.config.best_fit_candidates):
+                pending = r  # heads the next window
+                break
+            if b.time_s() >= ctx.tau_s and not window:
+                stop = True  # no room, and nothing behind it is urgent (slack order)
+                break
+            window.append((r, s, deadline))
+        else:
+            exhausted = True
+        if stop or not window or _fill_window(ctx, window) or exhausted:
             break
-        if b.time_s() >= ctx.tau_s and not window:
-            break
-        window.append((r, s, deadline))
-    _fill_window(ctx, window)
     ctx.rt_queue.restore()
 
 
@@ -145,15 +164,18 @@ def _bound_by(ctx: PlanContext, r: ReqState, deadline: float, chunk: int) -> Non
     ctx.cap_tau()
 
 
-def _fill_window(ctx: PlanContext, window: list[tuple[ReqState, float, float]]) -> None:
-    """Non-urgent prompts of the window, best fit first, until τ is used up."""
+def _fill_window(ctx: PlanContext, window: list[tuple[ReqState, float, float]]) -> bool:
+    """Non-urgent prompts of the window, best fit first, until τ is used up; True when the
+    phase should stop (τ used up, or KV/admission refused)."""
     b = ctx.batch
-    while window and b.time_s() < ctx.tau_s:
+    while window:
+        if b.time_s() >= ctx.tau_s:
+            return True
         i = _best_fit(ctx, window)
         r, _, deadline = window.pop(i)
-        outcome = _prefill(ctx, r, deadline, urgent=False)
-        if outcome == STOP:
-            return
+        if _prefill(ctx, r, deadline, urgent=False) == STOP:
+            return True
+    return False
 
 
 def _best_fit(ctx: PlanContext, window: list[tuple[ReqState, float, float]]) -> int:

@@ -1,0 +1,112 @@
+"""tandem's RT phase on hand-built snapshots (LATENCY: 10 ms + 20 ms per 1K prefill tokens +
+1 ms per 1K decode context; planning time NOW = 10 s)."""
+
+from __future__ import annotations
+
+import pytest
+
+from backend.policy.latency import BatchShape
+from tests.unit.tandem_factories import LATENCY, NOW, chunks, make_policy, make_request, snapshot
+
+
+def test_an_urgent_rt_prompt_evicts_the_be_request_with_the_least_progress() -> None:
+    little = make_request("be-little", tier="be", prompt_len=400, running=True, generated=1)
+    much = make_request("be-much", tier="be", prompt_len=350, running=True, generated=51)
+    urgent = make_request("rt", prompt_len=300, arrival_s=NOW - 0.46)  # due in 40 ms
+    snap = snapshot(waiting=[urgent], running=[little, much], kv_capacity=1000)
+    plan = make_policy(latency_budget_s=0.03).plan(snap)
+    assert plan.evictions == ["be-little"]
+    assert chunks(plan) == {"rt": 300}
+    assert "be-much" in plan.decodes
+
+
+def test_an_rt_prompt_that_would_overflow_the_future_peak_waits_and_evicts_nothing() -> None:
+    # 800 held + 100 to prefill + 100 predicted output (cold start: max_new_tokens) = 1000;
+    # a newcomer of 300 + 100 would take the peak past capacity × 0.95
+    rt_partial = make_request("rt-partial", prompt_len=900, running=True, prefilled=800,
+                              arrival_s=NOW - 0.2)
+    fresh = make_request("rt-new", prompt_len=300, arrival_s=NOW)
+    be = make_request("be", tier="be", prompt_len=50, running=True, generated=3)
+    snap = snapshot(waiting=[fresh], running=[rt_partial, be], kv_capacity=1100)
+    plan = make_policy().plan(snap)
+    assert plan.evictions == []
+    assert chunks(plan) == {"rt-partial": 100}
+
+
+def test_chunks_fill_the_time_budget_exactly() -> None:
+    # L = 50 ms, no decodes: 10 + 20·c/1000 ≤ 50  ⇒  c = 2000 (the cut falls at the budget)
+    plan = make_policy(latency_budget_s=0.05).plan(
+        snapshot(waiting=[make_request("long", prompt_len=5000, ttft_s=5.0)]))
+    assert chunks(plan) == {"long": 2000}
+    assert plan.predicted_s == pytest.approx(0.05)
+    # with ten decodes at 1K context (10 ms) the chunk shrinks to what is left: 1500
+    decodes = [make_request(f"d{i}", prompt_len=995, running=True, generated=5) for i in range(10)]
+    plan = make_policy(latency_budget_s=0.05).plan(
+        snapshot(waiting=[make_request("long", prompt_len=5000, ttft_s=5.0)], running=decodes))
+    assert chunks(plan) == {"long": 1500}
+    assert plan.predicted_s == pytest.approx(0.05)
+
+
+def test_a_tight_decode_deadline_bounds_tau() -> None:
+    # TPOT 20 ms, last token now: τ = (1 − ε)·20 ms = 18 ms with ε = 0.1
+    decoding = make_request("d", prompt_len=99, running=True, generated=1, tpot_s=0.02)
+    waiting = make_request("w", prompt_len=2000, ttft_s=5.0)
+    plan = make_policy(latency_budget_s=0.05, eps_init=0.1).plan(
+        snapshot(waiting=[waiting], running=[decoding]))
+    c = chunks(plan)["w"]
+    tau = 0.9 * 0.02
+    base = BatchShape().with_decode(100)
+    assert LATENCY.predict(base.with_prefill(c)) <= tau + 1e-9
+    assert LATENCY.predict(base.with_prefill(c + 1)) > tau - 1e-9
+    assert plan.decodes == ["d"]
+
+
+def test_an_urgent_prompt_raises_tau_as_far_as_it_needs() -> None:
+    # 3000 tokens due in 80 ms: 1000-token chunks at L = 30 ms would take 3 × 30 ms; two
+    # iterations of 50 ms take 100 ms; only one iteration of 70 ms makes it (≤ 0.9 × 80 ms)
+    urgent = make_request("u", prompt_len=3000, arrival_s=NOW - 0.42)
+    plan = make_policy(latency_budget_s=0.03, eps_init=0.1).plan(snapshot(waiting=[urgent]))
+    assert chunks(plan) == {"u": 3000}
+    assert plan.predicted_s == pytest.approx(0.07)
+    # due in 110 ms, the same prompt is urgent but L's three iterations still make it: τ stays
+    relaxed = make_request("u", prompt_len=3000, arrival_s=NOW - 0.39)
+    plan = make_policy(latency_budget_s=0.03, eps_init=0.1).plan(snapshot(waiting=[relaxed]))
+    assert chunks(plan) == {"u": 1000}
+
+
+def test_at_most_one_long_prompt_mid_prefill_per_tier() -> None:
+    partial = make_request("rt-long-a", prompt_len=5000, running=True, prefilled=2000,
+                           arrival_s=NOW - 1.0, ttft_s=5.0)
+    second = make_request("rt-long-b", prompt_len=6000, arrival_s=NOW - 0.5, ttft_s=5.0)
+    short = make_request("rt-short", prompt_len=100, arrival_s=NOW - 0.1, ttft_s=5.0)
+    be_partial = make_request("be-long-a", tier="be", prompt_len=8000, running=True,
+                              prefilled=1000)
+    be_long = make_request("be-long-b", tier="be", prompt_len=9000, order_key=0)
+    be_short = make_request("be-short", tier="be", prompt_len=50, order_key=1)
+    snap = snapshot(waiting=[second, short, be_long, be_short], running=[partial, be_partial])
+    plan = make_policy(latency_budget_s=0.2).plan(snap)
+    got = chunks(plan)
+    assert "rt-long-b" not in got and "be-long-b" not in got
+    assert {"rt-long-a", "rt-short"} <= set(got)
+    # an urgent long prompt bypasses the limit
+    urgent = make_request("rt-long-u", prompt_len=5000, arrival_s=NOW - 0.45, ttft_s=0.6)
+    plan = make_policy(latency_budget_s=0.2).plan(
+        snapshot(waiting=[urgent], running=[partial]))
+    assert "rt-long-u" in chunks(plan)
+
+
+def test_a_hopeless_prompt_waits_behind_a_feasible_one() -> None:
+    hopeless = make_request("late", prompt_len=1000, arrival_s=NOW - 2.0)  # due 1.5 s ago
+    feasible = make_request("fresh", prompt_len=1000, arrival_s=NOW - 0.05)
+    plan = make_policy(latency_budget_s=0.035).plan(
+        snapshot(waiting=[hopeless, feasible]))
+    assert chunks(plan) == {"fresh": 1000, "late": 250}
+    assert plan.prefills[0].rid == "fresh"
+
+
+def test_every_rt_decode_runs_even_past_the_budget() -> None:
+    decodes = [make_request(f"d{i}", prompt_len=4000, running=True, generated=10)
+               for i in range(20)]  # 80K context: 90 ms > L
+    be = make_request("be", tier="be", prompt_len=500)
+    plan = make_policy(latency_budget_s=0.03).plan(snapshot(waiting=[be], running=decodes))
+    assert sorted(plan.decodes) == sorted(d.rid for d in decodes)
