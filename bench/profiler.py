@@ -162,7 +162,7 @@ async def _round_trip(prober: Prober, grid: ProfileGrid) -> tuple[float, str]:
     engine a 1-token prefill step takes ~6 ms longer than a 1-request decode step, so the
     fallback makes every prefill-only point ~6 ms too long."""
     values, sources = [], []
-    for _ in range(max(3, grid.repeats)):
+    for _ in range(max(5, grid.repeats)):
         busy0 = await prober.prefill_busy_s()
         stream, task = prober.start(prober.random_prompt(1), WARMUP_TOKENS + 8)
         await prober.wait_until(_is_done(stream), WAIT_S, "the round-trip probe")
