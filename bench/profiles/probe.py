@@ -277,12 +277,15 @@ def client_session() -> aiohttp.ClientSession:
 
 async def repeat_until_stable(run: Callable[[], Awaitable[T]], repeats: int,
                               seconds: Callable[[T], float]) -> list[T]:
-    """`repeats` runs of a probe, and more (up to 2·repeats + 1) while they disagree by more
-    than SPREAD_LIMIT: a burst of other work on the machine then cannot carry the median."""
+    """`repeats` runs of a probe, and more (up to 2·repeats + 1) until `repeats` of them lie
+    within ±(SPREAD_LIMIT − 1)/2 of their median: a burst of other work on the machine then
+    cannot carry the median."""
     results = [await run() for _ in range(repeats)]
-    while len(results) < 2 * repeats + 1 and repeats > 1:
+    while len(results) < 2 * repeats + 1:
         times = [seconds(r) for r in results]
-        if max(times) <= SPREAD_LIMIT * min(times):
+        middle = statistics.median(times)
+        band = (SPREAD_LIMIT - 1) / 2 * middle
+        if sum(abs(t - middle) <= band for t in times) >= repeats:
             break
         results.append(await run())
     return results

@@ -10,6 +10,7 @@ import pytest
 
 from backend.policy.latency import LatencyModel, Profile, load_profile, mape
 from bench.profiler import ProfileGrid, add_profile_parser, profile_engine
+from bench.profiles.probe import Stream, median_run, repeat_until_stable, steady_gap
 from tests.functional.engine_fixtures import EngineServer, free_port
 
 
@@ -85,3 +86,29 @@ def test_report_prints_the_committed_profiles_fit(capsys: pytest.CaptureFixture[
     out = capsys.readouterr().out
     assert out.startswith("h100-llama8b-analytic: 165 samples, held-out MAPE")
     assert "piece 1:" in out
+
+
+def test_steady_gap_spreads_a_multi_token_chunk_over_its_tokens() -> None:
+    stream = Stream(rid="r", prompt_len=8, sent_at=0.0,
+                    arrivals=[(1.00, 1), (1.01, 2), (1.02, 3), (1.06, 5), (1.07, 6)])
+    # Gaps per token: 10 ms, 10 ms, then 40 ms over two tokens = 20 ms twice, then 10 ms.
+    assert steady_gap([stream], 1, 6) == pytest.approx(0.010)
+    assert steady_gap([stream], 3, 6) == pytest.approx(0.020)
+
+
+async def test_disagreeing_runs_get_more_runs_and_the_median_is_kept() -> None:
+    times = iter([0.010, 0.030, 0.011, 0.0105, 0.5])
+
+    async def run() -> float:
+        return next(times)
+
+    # 10, 30, 11 ms: only two within ±15 % of the median; one more run (10.5 ms) settles it.
+    results = await repeat_until_stable(run, 3, lambda t: t)
+    assert results == [0.010, 0.030, 0.011, 0.0105]
+    assert median_run([(None, t) for t in results])[1] == 0.0105
+    calm = iter([0.010, 0.011, 0.0105])
+
+    async def calm_run() -> float:
+        return next(calm)
+
+    assert len(await repeat_until_stable(calm_run, 3, lambda t: t)) == 3
