@@ -50,8 +50,6 @@ def _rt_only(latency: LatencyModel, **options: Any) -> Policy:
 
 
 _FACTORIES: dict[str, Callable[..., Policy]] = {
-    "tandem": _tandem("tandem"),
-    **{name: _tandem(name, **{switch: False}) for name, switch in TANDEM_ABLATIONS.items()},
     "fcfs": FcfsPolicy,
     "priority": _sglang("priority", "ratio", True),
     "rr": RoundRobinPolicy,
@@ -61,6 +59,8 @@ _FACTORIES: dict[str, Callable[..., Policy]] = {
     "static-chunk": StaticChunkPolicy,
     "oracle": OraclePolicy,
     "rt-only": _rt_only,
+    "tandem": _tandem("tandem"),
+    **{name: _tandem(name, **{switch: False}) for name, switch in TANDEM_ABLATIONS.items()},
 }
 
 POLICY_NAMES: tuple[str, ...] = tuple(_FACTORIES)

@@ -99,11 +99,13 @@ class LengthModel:
 
 class RtHeadroom:
     """KV kept free from BE admission for RT requests still to arrive: how far RT usage rose
-    above its current level within the last `window_s` (a sliding maximum), at least a floor."""
+    above its current level within the last `window_s` (a sliding maximum), between a floor
+    and a ceiling (fractions of capacity)."""
 
-    def __init__(self, *, window_s: float, floor_frac: float) -> None:
+    def __init__(self, *, window_s: float, floor_frac: float, max_frac: float = 1.0) -> None:
         self.window_s = window_s
         self.floor_frac = floor_frac
+        self.max_frac = max(floor_frac, max_frac)
         self._peaks: collections.deque[tuple[float, int]] = collections.deque()
 
     def update(self, now_s: float, rt_kv_tokens: int) -> None:
@@ -118,7 +120,8 @@ class RtHeadroom:
     def tokens(self, capacity: int, rt_kv_tokens: int) -> int:
         """The headroom now, tokens."""
         recent = self._peaks[0][1] if self._peaks else 0
-        return max(int(self.floor_frac * capacity), recent - rt_kv_tokens)
+        rise = min(recent - rt_kv_tokens, int(self.max_frac * capacity))
+        return max(int(self.floor_frac * capacity), rise)
 
 
 class AdmissionRound:

@@ -33,6 +33,9 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
     rt_headroom_frac: float = 0.05
     """Floor of the KV share kept free from BE admission for RT arrivals (the adaptive headroom
     never goes below it), fraction of capacity."""
+    rt_headroom_max_frac: float = 0.25
+    """Ceiling of the adaptive RT headroom, fraction of capacity (an RT arrival that finds KV
+    short evicts BE anyway; the headroom only makes that rarer)."""
     rt_headroom_window_s: float = 30.0
     """The adaptive RT headroom covers RT KV growth seen over this window, seconds."""
     history_window: int = 1000
@@ -83,7 +86,8 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
                      "be_max_wait_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("reserve_frac", "rt_headroom_frac", "near_miss_frac", "be_min_share",
+        for name in ("reserve_frac", "rt_headroom_frac", "rt_headroom_max_frac",
+                     "near_miss_frac", "be_min_share",
                      "be_order_prob"):
             if not 0.0 <= getattr(self, name) < 1.0 + (name == "be_order_prob"):
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")

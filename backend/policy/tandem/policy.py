@@ -49,7 +49,8 @@ class TandemPolicy(PolicyBase):
         self.be_queue = BeQueue(self._be_latest_start, self._be_hopeless, seed=cfg.seed,
                                 order_prob=cfg.be_order_prob, max_wait_s=cfg.be_max_wait_s)
         self.headroom = RtHeadroom(window_s=cfg.rt_headroom_window_s,
-                                   floor_frac=cfg.rt_headroom_frac)
+                                   floor_frac=cfg.rt_headroom_frac,
+                                   max_frac=cfg.rt_headroom_max_frac)
         self.feedback = Feedback(cfg)
         self._max_prefill = 8192
 

@@ -8,8 +8,11 @@ newcomers the length difference announces — O(new), not O(n) — and falls bac
 rebuild when the counts do not add up (an abort, or a test handing over arbitrary snapshots).
 A full check every `FULL_SYNC_EVERY` syncs bounds how long an unnoticed abort can linger.
 
-Heaps use lazy deletion: an entry is valid while its request is still waiting and known.
-Candidates popped during a plan but not taken are pushed back by `restore`.
+Heaps use lazy deletion: an entry is valid while its request is known in the same *epoch* it
+was pushed in (a request admitted and later evicted comes back in a new epoch, so its old
+entries stay dead). A valid entry whose request still runs (evicted by the plan being built) is
+kept but not offered. Candidates popped during a plan but not taken are pushed back by
+`restore`.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from backend.policy.types import ReqState
 FULL_SYNC_EVERY = 64
 """Every this many syncs, the known set is checked against the whole list."""
 
-Entry = tuple[float, float, int, str]  # (key, tie-break key, sequence, rid)
+Entry = tuple[float, float, int, str, int]  # (key, tie-break, sequence, rid, epoch)
 
 
 class WaitingSet:
@@ -34,6 +37,9 @@ class WaitingSet:
     def __init__(self) -> None:
         self.reqs: dict[str, ReqState] = {}
         """Waiting requests by rid."""
+        self.epochs: dict[str, int] = {}
+        """The epoch each known request entered in."""
+        self._epoch = itertools.count()
         self._syncs = 0
 
     def sync(self, waiting: list[ReqState]) -> list[ReqState] | None:
@@ -54,24 +60,29 @@ class WaitingSet:
             return None
         new.reverse()
         for r in new:
-            reqs[r.rid] = r
+            self.add(r)
         return new
 
     def reset(self, waiting: list[ReqState]) -> None:
         """Forgets everything and knows exactly `waiting`."""
-        self.reqs = {r.rid: r for r in waiting}
+        self.reqs = {}
+        self.epochs = {}
+        for r in waiting:
+            self.add(r)
 
-    def is_waiting(self, rid: str) -> bool:
-        r = self.reqs.get(rid)
-        return r is not None and not r.is_running
+    def is_current(self, rid: str, epoch: int) -> bool:
+        """An entry pushed in `epoch` still stands for a known request."""
+        return self.epochs.get(rid) == epoch
 
     def take(self, rid: str) -> None:
         """The request was admitted by the plan being built."""
         self.reqs.pop(rid, None)
+        self.epochs.pop(rid, None)
 
     def add(self, req: ReqState) -> None:
-        """The request will be waiting again (the plan evicts it)."""
+        """The request is (or, evicted by the plan, will be) waiting: a new epoch."""
         self.reqs[req.rid] = req
+        self.epochs[req.rid] = next(self._epoch)
 
 
 class KeyedHeap:
@@ -91,25 +102,34 @@ class KeyedHeap:
         self._popped.clear()
 
     def push(self, req: ReqState, key: float, tie: float = 0.0) -> None:
-        heapq.heappush(self._heap, (key, tie, next(self._seq), req.rid))
+        heapq.heappush(self._heap,
+                       (key, tie, next(self._seq), req.rid, self.known.epochs[req.rid]))
 
     def pop_valid(self) -> tuple[float, ReqState] | None:
-        """Pops the smallest valid entry (remembered for `restore`); None when empty."""
-        heap = self._heap
+        """Pops the smallest entry of a waiting request (remembered for `restore`); None when
+        there is none."""
+        heap, known = self._heap, self.known
         while heap:
             entry = heapq.heappop(heap)
-            if self.known.is_waiting(entry[3]):
-                self._popped.append(entry)
-                return entry[0], self.known.reqs[entry[3]]
+            if not known.is_current(entry[3], entry[4]):
+                continue  # dead: admitted since, or superseded by a newer entry
+            self._popped.append(entry)
+            req = known.reqs[entry[3]]
+            if not req.is_running:  # else evicted by this plan: not before the next one
+                return entry[0], req
         return None
 
     def peek_valid(self) -> tuple[float, ReqState] | None:
-        """The smallest valid entry, left in place."""
-        heap = self._heap
+        """The smallest entry of a waiting request, left in place."""
+        heap, known = self._heap, self.known
         while heap:
             entry = heap[0]
-            if self.known.is_waiting(entry[3]):
-                return entry[0], self.known.reqs[entry[3]]
+            if known.is_current(entry[3], entry[4]):
+                req = known.reqs[entry[3]]
+                if not req.is_running:
+                    return entry[0], req
+                self._popped.append(heapq.heappop(heap))
+                continue
             heapq.heappop(heap)
         return None
 
@@ -118,9 +138,9 @@ class KeyedHeap:
         self._popped = [e for e in self._popped if e[3] != rid]
 
     def restore(self) -> None:
-        """Puts back the entries popped during this plan whose requests still wait."""
+        """Puts back the entries popped during this plan that are still current."""
         for entry in self._popped:
-            if self.known.is_waiting(entry[3]):
+            if self.known.is_current(entry[3], entry[4]):
                 heapq.heappush(self._heap, entry)
         self._popped.clear()
 
@@ -171,14 +191,19 @@ class RtQueue:
     def candidates(self, now_s: float) -> Iterator[ReqState]:
         """Waiting RT requests in service order (popping; `restore` afterwards): feasible by
         latest start time, moving the ones found hopeless to the hopeless heap; then those."""
+        seen: set[str] = set()
         for lst, r in self.feasible.iter_valid():
-            if lst < now_s:
+            if lst < now_s and r.first_token_s is None:
                 self.feasible.drop_popped(r.rid)
                 self.hopeless.push(r, r.arrival_s)
                 continue
-            yield r
+            if r.rid not in seen:
+                seen.add(r.rid)
+                yield r
         for _, r in self.hopeless.iter_valid():
-            yield r
+            if r.rid not in seen:
+                seen.add(r.rid)
+                yield r
 
     def take(self, r: ReqState) -> None:
         self.known.take(r.rid)

@@ -19,7 +19,7 @@ import itertools
 import math
 from collections.abc import Iterator
 
-from backend.policy.common import prefill_cost
+from backend.policy.common import decode_cost, prefill_cost
 from backend.policy.tandem import slack
 from backend.policy.tandem.context import PlanContext
 from backend.policy.tandem.victims import evict_for, victim_order
@@ -81,18 +81,27 @@ def run_rt_prefills(ctx: PlanContext) -> None:
 
 
 def _decode_rt(ctx: PlanContext) -> None:
-    """All RT decodes (stall-free). On KV shortage BE is evicted, least progress first; if
-    that is not enough, the decodes that fit run, earliest deadline first."""
+    """All RT decodes (stall-free). When their KV slots do not fit: evict BE (least progress
+    first), then non-urgent RT (largest slack first), and only as a last resort — the pool is
+    overcommitted and nothing else frees a slot — the RT decode with the latest deadline."""
     b, view = ctx.batch, ctx.view
-    if b.add_decodes(view.rt_decode):
+    decodes = list(view.rt_decode)
+    if b.add_decodes(decodes):
         return
-    need = len(view.rt_decode) if b.page == 1 else b.page * len(view.rt_decode)
-    order = victim_order(view.be_running, view.rt_partial, lambda r: _slack(ctx, r),
+    order = victim_order(view.be_running, view.rt_partial + decodes, lambda r: _slack(ctx, r),
                          ctx.budget_s, include_rt=True)
-    if evict_for(b, need, order, ctx.on_evict) and b.add_decodes(view.rt_decode):
-        return
-    for r in sorted(view.rt_decode, key=slack.rt_deadline):
-        if r.rid not in b.evictions:
+    last_resort = sorted(decodes, key=slack.rt_deadline, reverse=True)
+    for victim in itertools.chain(order, last_resort):
+        if sum(decode_cost(r, b.page) for r in decodes) <= b.kv_avail or len(decodes) <= 1:
+            break
+        if victim.rid in b.evictions:
+            continue
+        b.evict(victim)
+        ctx.on_evict(victim)
+        if victim.tier == "rt" and victim.prefilled >= victim.prefill_len:
+            decodes = [r for r in decodes if r.rid != victim.rid]
+    if not b.add_decodes(decodes):
+        for r in sorted(decodes, key=slack.rt_deadline):
             b.add_decode(r)
 
 
@@ -112,7 +121,7 @@ def _prefill(ctx: PlanContext, r: ReqState, deadline: float, *, urgent: bool,
     """Schedules the next chunk of RT prompt `r` (an urgent one raises τ to `need_s`, the
     iteration time it needs, within the hard cap); STOP, SKIP or DONE."""
     b = ctx.batch
-    if ctx.era_blocked(r, "rt") and not urgent:
+    if (ctx.era_blocked(r, "rt") and not urgent) or (b.evictions and r.rid in b.evictions):
         return SKIP
     if need_s is not None:
         ctx.tau_s = max(ctx.tau_s, min(need_s, (1 - ctx.eps) * ctx.hard_s))

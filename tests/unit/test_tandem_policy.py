@@ -1,0 +1,54 @@
+"""The tandem policy end to end: registry names, and short simulator runs (every plan feasible,
+RT targets kept, BE served, no evictions) for tandem and each ablation."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from backend.policy.registry import POLICY_NAMES, TANDEM_ABLATIONS, make_policy
+from backend.policy.tandem import TandemPolicy
+from backend.sim import SimConfig, SimRequest, simulate
+from backend.sim.source import ListSource
+from tests.unit.sim_factories import make_request
+from tests.unit.tandem_factories import LATENCY
+
+
+def test_the_registry_builds_tandem_and_its_ablations() -> None:
+    assert "tandem" in POLICY_NAMES and set(TANDEM_ABLATIONS) <= set(POLICY_NAMES)
+    policy = make_policy("tandem", LATENCY, latency_budget_s=0.05)
+    assert isinstance(policy, TandemPolicy) and policy.config.latency_budget_s == 0.05
+    for name, switch in TANDEM_ABLATIONS.items():
+        ablated = make_policy(name, LATENCY)
+        assert isinstance(ablated, TandemPolicy) and ablated.name == name
+        assert getattr(ablated.config, switch) is False
+    with pytest.raises(ValueError):
+        make_policy("tandem", LATENCY, latency_budget_s=-1.0)
+    with pytest.raises(ValueError):
+        make_policy("tandem", LATENCY, no_such_option=1)
+
+
+def _mixed_workload(seed: int = 0) -> list[SimRequest]:
+    rng = random.Random(seed)
+    reqs = [make_request(tier="rt", prompt_len=rng.randint(20, 800), output_len=rng.randint(1, 60),
+                         arrival_s=i * 0.05, ttft_s=0.5, tpot_s=0.1) for i in range(200)]
+    reqs += [make_request(tier="be", prompt_len=rng.randint(500, 6000),
+                          output_len=rng.randint(5, 40), arrival_s=0.0, order_key=float(j))
+             for j in range(60)]
+    return reqs
+
+
+@pytest.mark.parametrize("name", ["tandem", *TANDEM_ABLATIONS])
+def test_a_short_mixed_run_keeps_rt_targets_and_serves_be(name: str) -> None:
+    result = simulate(ListSource(_mixed_workload()), make_policy(name, LATENCY), LATENCY,
+                      SimConfig(kv_capacity_tokens=60_000))
+    assert all(r.finish_s is not None for r in result.requests)
+    rt = [r for r in result.requests if r.tier == "rt"]
+    ttft_met = sum(r.first_token_s is not None and r.first_token_s - r.arrival_s <= 0.5
+                   for r in rt)
+    assert ttft_met >= 0.99 * len(rt)
+    for r in rt:
+        gaps = [b - a for a, b in zip(r.token_times, r.token_times[1:], strict=False)]
+        assert not gaps or sum(gaps) / len(gaps) <= 0.1
+    assert result.num_evictions == 0

@@ -1,0 +1,49 @@
+"""tandem's incremental waiting queues: newcomers found at the tail, rebuilds on mismatch,
+service order per tier."""
+
+from __future__ import annotations
+
+from backend.policy.tandem.queues import BeQueue, RtQueue, WaitingSet
+from tests.unit.tandem_factories import NOW, make_request
+
+
+def test_sync_finds_newcomers_at_the_tail_and_rebuilds_on_mismatch() -> None:
+    known = WaitingSet()
+    a, b, c = (make_request(x) for x in "abc")
+    assert known.sync([a, b]) == [a, b]
+    assert known.sync([a, b, c]) == [c]
+    known.take("a")  # admitted by the plan: gone from the next list
+    assert known.sync([b, c]) == []
+    assert known.sync([c]) is None  # b vanished without an admission (an abort): rebuild
+
+
+def test_rt_queue_serves_feasible_by_latest_start_then_hopeless_oldest_first() -> None:
+    queue = RtQueue(lambda r: (r.ttft_deadline_s or 0.0) - r.prompt_len / 1000)
+    late_old = make_request("late-old", arrival_s=NOW - 5.0)
+    late_new = make_request("late-new", arrival_s=NOW - 3.0)
+    relaxed = make_request("relaxed", arrival_s=NOW, prompt_len=100)
+    tight = make_request("tight", arrival_s=NOW - 0.2, prompt_len=100)
+    evicted = make_request("evicted", arrival_s=NOW - 9.0, generated=3)  # mid-decode
+    queue.sync([evicted, late_old, late_new, tight, relaxed])
+    order = [r.rid for r in queue.candidates(NOW)]
+    assert order == ["evicted", "tight", "relaxed", "late-old", "late-new"]
+    queue.restore()
+    queue.take(relaxed)
+    assert [r.rid for r in queue.candidates(NOW)] == ["evicted", "tight", "late-old",
+                                                      "late-new"]
+
+
+def test_be_queue_resumes_evicted_work_first_then_deadlines_then_the_mix() -> None:
+    queue = BeQueue(lambda r: r.be_deadline_s or 0.0, lambda r, now: False, seed=0,
+                    order_prob=1.0, max_wait_s=60.0)
+    plain = [make_request(f"p{i}", tier="be", order_key=i, arrival_s=NOW - i) for i in range(3)]
+    due = make_request("due", tier="be", be_deadline_s=NOW + 10, order_key=9)
+    queue.sync([*plain, due])
+    resumed = make_request("resumed", tier="be", order_key=99, arrival_s=NOW)
+    queue.requeue(resumed)
+    assert [r.rid for r in queue.candidates(NOW)] == ["resumed", "due", "p0", "p1", "p2"]
+    queue.restore()
+    oldest_first = BeQueue(lambda r: 0.0, lambda r, now: False, seed=0, order_prob=0.0,
+                           max_wait_s=60.0)
+    oldest_first.sync(plain)
+    assert [r.rid for r in oldest_first.candidates(NOW)] == ["p2", "p1", "p0"]
