@@ -101,6 +101,10 @@ class EngineCore:
         self.config = config
         self.policy_name = policy_name
         self.kv = KvPool(config.kv_capacity_tokens, config.prefix_block_tokens)
+        self._decode_context_sq = 0.0
+        """Σ context² of the plan being applied (latency feature F_p)."""
+        self._prefill_attn_full = 0.0
+        """Σ (prefix + chunk)² of the plan being applied (latency feature F_p)."""
         self.tracks: dict[str, Track] = {}
         """Live requests (waiting or running) by rid."""
         self.arrived: list[Track] = []
@@ -219,9 +223,11 @@ class EngineCore:
             kv.allocate(need)
         except KvExhausted as exc:  # pragma: no cover - guarded by the check above
             raise self._fail(str(exc)) from None
+        # the two squared terms feed the F_p feature (backends that recompute prefix attention)
         shape = BatchShape(prefill_tokens=shape_pf[0], num_prefill=len(prefills),
-                           prefill_attn=shape_pf[1], decode_context=context,
-                           num_decode=len(decodes))
+                           prefill_attn=shape_pf[1], prefill_attn_full=self._prefill_attn_full,
+                           decode_context=context, num_decode=len(decodes),
+                           decode_context_sq=self._decode_context_sq)
         return Batch(plan, now_s, decodes, prefills, shape, len(plan.evictions))
 
     def _check_decodes(self, plan: Plan) -> tuple[list[Track], int, int]:
@@ -238,10 +244,11 @@ class EngineCore:
             raise self._fail(f"decodes {bad[0]!r}, which is not running and fully prefilled")
         if len(set(plan.decodes)) != len(out):
             raise self._fail("a request is decoded twice")
-        context = sum([s.prompt_len + s.generated for s in states])
+        contexts = [s.prompt_len + s.generated for s in states]
+        self._decode_context_sq = float(sum([c * c for c in contexts]))
         page = self.config.page_size
         need = len(out) if page == 1 else page * sum([t.private % page == 0 for t in out])
-        return out, need, context
+        return out, need, sum(contexts)
 
     def _start_prefills(self, plan: Plan, now_s: float
                         ) -> tuple[list[tuple[Track, int]], int, tuple[int, float]]:
@@ -252,6 +259,7 @@ class EngineCore:
         out: list[tuple[Track, int]] = []
         need = tokens_total = 0
         attn = 0.0
+        self._prefill_attn_full = 0.0
         admitted = admitted_rt = 0
         for chunk in plan.prefills:
             t = self._live(chunk.rid, "prefill")
@@ -270,6 +278,7 @@ class EngineCore:
             need += _round_up(t.private + chunk.tokens, page) - _round_up(t.private, page)
             tokens_total += chunk.tokens
             attn += chunk.tokens * (s.prefilled + chunk.tokens)
+            self._prefill_attn_full += (s.prefilled + chunk.tokens) ** 2
             out.append((t, chunk.tokens))
         if len({c.rid for c in plan.prefills}) != len(out):
             raise self._fail("a request has two prefill chunks")
