@@ -93,7 +93,9 @@ class BatchBuilder:
         self.prefill_tokens = 0
         self.num_prefill = 0
         self.prefill_attn = 0.0
+        self.prefill_attn_full = 0.0
         self.decode_context = 0
+        self.decode_context_sq = 0.0
         self.num_decode = 0
 
     def add_decode(self, req: ReqState) -> bool:
@@ -104,7 +106,9 @@ class BatchBuilder:
             return False
         self.kv_avail -= cost
         self.decodes.append(req.rid)
-        self.decode_context += req.prompt_len + req.generated
+        context = req.prompt_len + req.generated
+        self.decode_context += context
+        self.decode_context_sq += context * context
         self.num_decode += 1
         return True
 
@@ -124,6 +128,7 @@ class BatchBuilder:
         self.prefill_tokens += tokens
         self.num_prefill += 1
         self.prefill_attn += tokens * (req.prefilled + tokens)
+        self.prefill_attn_full += (req.prefilled + tokens) ** 2
         return True
 
     @property
@@ -150,7 +155,10 @@ class BatchBuilder:
     def shape(self) -> BatchShape:
         """The latency-model shape of the batch so far."""
         return BatchShape(prefill_tokens=self.prefill_tokens, num_prefill=self.num_prefill,
-                          prefill_attn=self.prefill_attn, decode_context=self.decode_context,
+                          prefill_attn=self.prefill_attn,
+                          prefill_attn_full=self.prefill_attn_full,
+                          decode_context_sq=self.decode_context_sq,
+                          decode_context=self.decode_context,
                           num_decode=self.num_decode)
 
     def plan(self, latency: LatencyModel | None = None) -> Plan:
