@@ -14,7 +14,9 @@ def test_sync_finds_newcomers_at_the_tail_and_rebuilds_on_mismatch() -> None:
     assert known.sync([a, b, c]) == [c]
     known.take("a")  # admitted by the plan: gone from the next list
     assert known.sync([b, c]) == []
-    assert known.sync([c]) is None  # b vanished without an admission (an abort): rebuild
+    assert known.sync([c]) == []  # b vanished without an admission (an abort): reconciled
+    assert set(known.reqs) == {"c"}
+    assert known.sync([c, a]) == [a]  # a came back (an admission never executed)
 
 
 def test_rt_queue_serves_feasible_by_latest_start_then_hopeless_oldest_first() -> None:

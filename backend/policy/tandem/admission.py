@@ -16,12 +16,14 @@ peak is checked against each; Past-Future's variance guard).
 
 from __future__ import annotations
 
+import bisect
 import collections
+import random
 from collections.abc import Sequence
 
 import numpy as np
 
-from backend.policy.pastfuture import LengthHistory, PeakTracker, num_sample_lists
+from backend.policy.pastfuture import LengthHistory, PeakTracker, future_peak, num_sample_lists
 from backend.policy.types import ReqState
 
 
@@ -35,6 +37,8 @@ class LengthModel:
         self.histories: dict[str, LengthHistory] = {}
         self._total: dict[str, int] = {}  # rid -> predicted total output length
         self._from_prior: set[str] = set()  # rids whose prediction is the cold-start prior
+        self._lists: dict[str, list[int]] = {}  # key -> sorted history as a list (scalar path)
+        self._scalar_rng = random.Random(seed)
 
     def is_warm(self, key: str) -> bool:
         hist = self.histories.get(key)
@@ -46,6 +50,7 @@ class LengthModel:
         if hist is None:
             hist = self.histories[key] = LengthHistory(self.window)
         hist.add(output_len)
+        self._lists.pop(key, None)
         self.forget(rid)
 
     def forget(self, rid: str) -> None:
@@ -75,6 +80,36 @@ class LengthModel:
                 else:
                     self._from_prior.add(r.rid)
         return total
+
+    def sample_one(self, r: ReqState, lists: int) -> list[int]:
+        """`lists` fresh predicted totals for one request (the scalar twin of `sample`, without
+        numpy's per-call overhead: admission asks this for every candidate)."""
+        cap, gen = r.max_new_tokens, r.generated
+        floor = min(gen + 1, cap)
+        if not self.is_warm(r.length_key):
+            return [max(cap, floor)] * lists
+        hist = self._sorted_list(r.length_key)
+        top = max(cap, hist[-1])
+        pos = bisect.bisect_right(hist, gen)
+        n_points = len(hist) - pos + 2  # [gen] + hist[pos:] + [top]
+
+        def point(j: int) -> int:
+            return gen if j == 0 else top if j == n_points - 1 else hist[pos + j - 1]
+
+        out = []
+        for _ in range(lists):
+            u = self._scalar_rng.random() * (n_points - 1)
+            lo = min(int(u), n_points - 2)
+            left, right = point(lo), point(lo + 1)
+            total = round(left + (right - left) * (u - lo))
+            out.append(min(max(total, floor), max(cap, floor)))
+        return out
+
+    def _sorted_list(self, key: str) -> list[int]:
+        cached = self._lists.get(key)
+        if cached is None:
+            cached = self._lists[key] = self.histories[key].sorted_values().tolist()
+        return cached
 
     def sample(self, reqs: Sequence[ReqState], lists: int) -> np.ndarray:
         """Fresh predicted totals, shape (lists, len(reqs)): conditioned on each request's
@@ -124,9 +159,46 @@ class RtHeadroom:
         return max(int(self.floor_frac * capacity), rise)
 
 
+class _Scope:
+    """Future-peak state of one admission scope (RT alone, or everything) for one plan.
+
+    Adding a request that holds c tokens and grows for r more raises the future peak by at most
+    c + r (its own footprint never exceeds that), so `peak + Σ(c + r) of the admitted` bounds
+    the peak from above: while the bound fits, admission is O(1) per candidate. Only when it
+    does not are exact `PeakTracker`s built (once per plan) and asked.
+    """
+
+    def __init__(self, current: np.ndarray, remaining: list[np.ndarray]) -> None:
+        self.current = current
+        self.remaining = remaining
+        self.bound = [future_peak(current, rem) for rem in remaining]
+        self.trackers: list[PeakTracker] | None = None
+        self.pending: list[tuple[int, list[int]]] = []
+
+    def fits(self, current: int, rem: list[int], limit: float) -> bool:
+        if all(b + current + rem[i] <= limit for i, b in enumerate(self.bound)):
+            return True
+        if self.trackers is None:
+            self.trackers = [PeakTracker.from_arrays(self.current, r) for r in self.remaining]
+            for c, rs in self.pending:
+                for i, t in enumerate(self.trackers):
+                    t.add((c, rs[i]))
+            self.pending.clear()
+        return all(t.peak_with((current, rem[i])) <= limit for i, t in enumerate(self.trackers))
+
+    def add(self, current: int, rem: list[int]) -> None:
+        for i in range(len(self.bound)):
+            self.bound[i] += current + rem[i]
+        if self.trackers is None:
+            self.pending.append((current, rem))
+        else:
+            for i, t in enumerate(self.trackers):
+                t.add((current, rem[i]))
+
+
 class AdmissionRound:
-    """Future-peak admission for one plan. The trackers are built on the first question (most
-    iterations admit nothing) and grow with every admission of the plan."""
+    """Future-peak admission for one plan. The running set's peak is computed on the first
+    question (most iterations admit nothing) and every admission of the plan joins it."""
 
     def __init__(self, lengths: LengthModel, rt_running: list[ReqState],
                  be_running: list[ReqState], *, page: int, rt_limit: float,
@@ -137,65 +209,47 @@ class AdmissionRound:
         self.be_limit = be_limit
         self._rt_running = rt_running
         self._be_running = be_running
-        self._rt: list[PeakTracker] | None = None
-        self._all: list[PeakTracker] | None = None
-        self._admitted: list[tuple[ReqState, np.ndarray]] = []  # before `_all` was built
+        self._rt: _Scope | None = None
+        self._all: _Scope | None = None
+        self._lists = 1
 
-    def _trackers(self, reqs: list[ReqState]) -> list[PeakTracker]:
-        lists = num_sample_lists(len(reqs))
-        page = self.page
-        current = np.fromiter((r.kv_tokens + r.prefill_len - r.prefilled + page - 1
-                               for r in reqs), dtype=np.int64, count=len(reqs))
-        gen = np.fromiter((r.generated for r in reqs), dtype=np.int64, count=len(reqs))
-        rows = [self.lengths.totals(reqs)]
-        if lists > 1 and reqs:
-            rows.extend(self.lengths.sample(reqs, lists - 1))
-        return [PeakTracker.from_arrays(current, np.maximum(1, row - gen)) for row in rows]
+    def _scopes(self) -> tuple[_Scope, _Scope]:
+        if self._rt is None or self._all is None:
+            reqs = self._rt_running + self._be_running
+            n_rt = len(self._rt_running)
+            self._lists = num_sample_lists(len(reqs))
+            page = self.page
+            current = np.fromiter((r.kv_tokens + r.prefill_len - r.prefilled + page - 1
+                                   for r in reqs), dtype=np.int64, count=len(reqs))
+            gen = np.fromiter((r.generated for r in reqs), dtype=np.int64, count=len(reqs))
+            rows = [self.lengths.totals(reqs)]
+            if self._lists > 1 and reqs:
+                rows.extend(self.lengths.sample(reqs, self._lists - 1))
+            rem = [np.maximum(1, row - gen) for row in rows]
+            self._rt = _Scope(current[:n_rt], [x[:n_rt] for x in rem])
+            self._all = _Scope(current, rem)
+        return self._rt, self._all
 
-    def _candidate(self, r: ReqState, lists: int) -> np.ndarray:
-        totals = self.lengths.sample([r], lists)[:, 0]
-        rem: np.ndarray = np.maximum(1, totals - r.generated)
-        return rem
+    def _candidate(self, r: ReqState) -> tuple[int, list[int]]:
+        totals = self.lengths.sample_one(r, self._lists)
+        return r.prefill_len + self.page - 1, [max(1, t - r.generated) for t in totals]
 
     def admit_rt(self, r: ReqState) -> bool:
-        """Admits RT `r` if the RT future peak stays under the RT limit."""
-        if self._rt is None:
-            self._rt = self._trackers(self._rt_running)
-        rem = self._candidate(r, len(self._rt))
-        current = r.prefill_len + self.page - 1
-        if any(t.peak_with((current, int(rem[i]))) > self.rt_limit
-               for i, t in enumerate(self._rt)):
+        """Admits RT `r` if the RT future peak stays under the RT limit (BE memory counts as
+        free: RT may evict BE)."""
+        rt, every = self._scopes()
+        current, rem = self._candidate(r)
+        if not rt.fits(current, rem, self.rt_limit):
             return False
-        for i, t in enumerate(self._rt):
-            t.add((current, int(rem[i])))
-        self._remember(r, rem)
+        rt.add(current, rem)
+        every.add(current, rem)
         return True
 
     def admit_be(self, r: ReqState, *, limit: float | None = None) -> bool:
         """Admits BE `r` if the whole future peak stays under the BE limit (or `limit`)."""
-        trackers = self._all_trackers()
-        rem = self._candidate(r, len(trackers))
-        current = r.prefill_len + self.page - 1
-        cap = self.be_limit if limit is None else limit
-        if any(t.peak_with((current, int(rem[i % len(rem)]))) > cap
-               for i, t in enumerate(trackers)):
+        _, every = self._scopes()
+        current, rem = self._candidate(r)
+        if not every.fits(current, rem, self.be_limit if limit is None else limit):
             return False
-        for i, t in enumerate(trackers):
-            t.add((current, int(rem[i % len(rem)])))
+        every.add(current, rem)
         return True
-
-    def _remember(self, r: ReqState, rem: np.ndarray) -> None:
-        if self._all is None:
-            self._admitted.append((r, rem))
-            return
-        for i, t in enumerate(self._all):
-            t.add((r.prefill_len + self.page - 1, int(rem[i % len(rem)])))
-
-    def _all_trackers(self) -> list[PeakTracker]:
-        if self._all is None:
-            self._all = self._trackers(self._rt_running + self._be_running)
-            for r, rem in self._admitted:
-                for i, t in enumerate(self._all):
-                    t.add((r.prefill_len + self.page - 1, int(rem[i % len(rem)])))
-            self._admitted.clear()
-        return self._all

@@ -4,9 +4,10 @@ without re-sorting (or even re-reading) thousands of requests every iteration.
 The engine hands over its waiting list of a tier in arrival order each iteration. New arrivals
 are appended at its tail; requests leave it only when a plan admits them (the policy knows
 which) or on an abort. So a sync walks the list backwards from the tail until it has found the
-newcomers the length difference announces — O(new), not O(n) — and falls back to a full
-rebuild when the counts do not add up (an abort, or a test handing over arbitrary snapshots).
-A full check every `FULL_SYNC_EVERY` syncs bounds how long an unnoticed abort can linger.
+newcomers the length difference announces — O(new), not O(n) — and reconciles with the whole
+list when the counts do not add up (an abort, or a test handing over arbitrary snapshots).
+A reconciliation with the whole list every `FULL_SYNC_EVERY` syncs bounds how long an
+unnoticed abort can linger.
 
 Heaps use lazy deletion: an entry is valid while its request is known in the same *epoch* it
 was pushed in (a request admitted and later evicted comes back in a new epoch, so its old
@@ -42,33 +43,36 @@ class WaitingSet:
         self._epoch = itertools.count()
         self._syncs = 0
 
-    def sync(self, waiting: list[ReqState]) -> list[ReqState] | None:
-        """The requests of `waiting` not seen before (now known), or None when the list does
-        not match what is known (the caller then rebuilds from `reset`)."""
+    def sync(self, waiting: list[ReqState]) -> list[ReqState]:
+        """The requests of `waiting` not seen before (now known). Fast path: the newcomers
+        are the unknown ones at the tail. When the counts do not add up, and every
+        `FULL_SYNC_EVERY` syncs, the known set is reconciled with the whole list instead
+        (O(n), no heap rebuild: entries of vanished requests die lazily)."""
         self._syncs += 1
         missing = len(waiting) - len(self.reqs)
-        if self._syncs % FULL_SYNC_EVERY == 0 or missing < 0:
-            return None
-        new: list[ReqState] = []
-        reqs = self.reqs
-        for r in reversed(waiting):
-            if len(new) == missing:
-                break
-            if r.rid not in reqs:
-                new.append(r)
-        if len(new) != missing or (not new and waiting and waiting[-1].rid not in reqs):
-            return None
-        new.reverse()
+        if self._syncs % FULL_SYNC_EVERY and missing >= 0:
+            new: list[ReqState] = []
+            reqs = self.reqs
+            for r in reversed(waiting):
+                if len(new) == missing:
+                    break
+                if r.rid not in reqs:
+                    new.append(r)
+            if len(new) == missing and (new or not waiting or waiting[-1].rid in reqs):
+                new.reverse()
+                for r in new:
+                    self.add(r)
+                return new
+        return self._reconcile(waiting)
+
+    def _reconcile(self, waiting: list[ReqState]) -> list[ReqState]:
+        present = {r.rid for r in waiting}
+        for rid in [rid for rid in self.reqs if rid not in present]:
+            self.take(rid)  # vanished (an abort, or a plan that was never executed)
+        new = [r for r in waiting if r.rid not in self.reqs]
         for r in new:
             self.add(r)
         return new
-
-    def reset(self, waiting: list[ReqState]) -> None:
-        """Forgets everything and knows exactly `waiting`."""
-        self.reqs = {}
-        self.epochs = {}
-        for r in waiting:
-            self.add(r)
 
     def is_current(self, rid: str, epoch: int) -> bool:
         """An entry pushed in `epoch` still stands for a known request."""
@@ -96,10 +100,6 @@ class KeyedHeap:
 
     def __len__(self) -> int:
         return len(self._heap)
-
-    def clear(self) -> None:
-        self._heap.clear()
-        self._popped.clear()
 
     def push(self, req: ReqState, key: float, tie: float = 0.0) -> None:
         heapq.heappush(self._heap,
@@ -170,13 +170,7 @@ class RtQueue:
         return len(self.known.reqs)
 
     def sync(self, waiting: list[ReqState]) -> None:
-        new = self.known.sync(waiting)
-        if new is None:
-            self.known.reset(waiting)
-            self.feasible.clear()
-            self.hopeless.clear()
-            new = waiting
-        for r in new:
+        for r in self.known.sync(waiting):
             self._push(r)
 
     def _push(self, r: ReqState) -> None:
@@ -246,13 +240,7 @@ class BeQueue:
         return len(self.known.reqs)
 
     def sync(self, waiting: list[ReqState]) -> None:
-        new = self.known.sync(waiting)
-        if new is None:
-            self.known.reset(waiting)
-            for heap in self._heaps:
-                heap.clear()
-            new = waiting
-        for r in new:
+        for r in self.known.sync(waiting):
             self._push(r)
 
     def _push(self, r: ReqState) -> None:
