@@ -110,3 +110,13 @@ def test_every_rt_decode_runs_even_past_the_budget() -> None:
     be = make_request("be", tier="be", prompt_len=500)
     plan = make_policy(latency_budget_s=0.03).plan(snapshot(waiting=[be], running=decodes))
     assert sorted(plan.decodes) == sorted(d.rid for d in decodes)
+
+
+def test_the_window_is_placed_by_best_fit_finishers_first() -> None:
+    # τ = 30 ms with nothing else: 1000 prompt tokens fit. The 900-token prompt finishes and
+    # fills best; what is left (100 tokens) goes to the earliest of the two that are cut.
+    a = make_request("a", prompt_len=1500, arrival_s=NOW - 0.03, ttft_s=5.0)
+    b = make_request("b", prompt_len=300, arrival_s=NOW - 0.02, ttft_s=5.0)
+    c = make_request("c", prompt_len=900, arrival_s=NOW - 0.01, ttft_s=5.0)
+    plan = make_policy(latency_budget_s=0.03).plan(snapshot(waiting=[a, b, c]))
+    assert [(p.rid, p.tokens) for p in plan.prefills] == [("c", 900), ("a", 100)]

@@ -190,18 +190,21 @@ def _fill_window(ctx: PlanContext, window: list[tuple[ReqState, float, float]]) 
 def _best_fit(ctx: PlanContext, window: list[tuple[ReqState, float, float]]) -> int:
     """AccelGen's best fit: the candidate whose (compute tokens, KV) demand is nearest to what
     is left (A_c tokens that fit in τ, A_m KV slots), both axes normalised so neither
-    dominates by its unit; ties go to the smaller slack (the window is in slack order)."""
+    dominates by its unit. A prompt that finishes within A_c ranks before one that would be
+    cut (its first token comes this iteration; BE fills any remainder anyway, so cutting a
+    larger one buys no utilisation); ties go to the smaller slack (window order)."""
     b = ctx.batch
     a_c = max(1, ctx.timer.max_chunk(b, ctx.tau_s, prefix=0, cap=b.prefill_left))
     a_m = max(1, b.kv_avail)
-    best, best_score = 0, math.inf
+    best, best_score = 0, (True, math.inf)
     for i, (r, _, _) in enumerate(window):
         left = r.prefill_len - r.prefilled
         d_c = min(left, a_c)
         d_m = prefill_cost(r, d_c, b.page)
         if d_m > a_m:
             continue
-        score = (1 - d_c / a_c) ** 2 + (1 - d_m / a_m) ** 2
-        if score < best_score - 1e-12:
+        score = (left > a_c, (1 - d_c / a_c) ** 2 + (1 - d_m / a_m) ** 2)
+        if score[0] < best_score[0] or (score[0] == best_score[0]
+                                        and score[1] < best_score[1] - 1e-12):
             best, best_score = i, score
     return best
