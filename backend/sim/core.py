@@ -101,10 +101,8 @@ class EngineCore:
         self.config = config
         self.policy_name = policy_name
         self.kv = KvPool(config.kv_capacity_tokens, config.prefix_block_tokens)
-        self._decode_context_sq = 0.0
-        """Σ context² of the plan being applied (latency feature F_p)."""
-        self._prefill_attn_full = 0.0
-        """Σ (prefix + chunk)² of the plan being applied (latency feature F_p)."""
+        # Σ context² and Σ (prefix + chunk)² of the plan being applied (latency feature F_p)
+        self._decode_context_sq = self._prefill_attn_full = 0.0
         self.tracks: dict[str, Track] = {}
         """Live requests (waiting or running) by rid."""
         self.arrived: list[Track] = []
