@@ -23,7 +23,7 @@ def _random_totals(rng: random.Random) -> tuple[BatchTotals, BatchShape]:
     for _ in range(rng.randint(0, 50)):
         shape = shape.with_decode(rng.randint(10, 8000))
     totals.prefill_tokens, totals.num_prefill = shape.prefill_tokens, shape.num_prefill
-    totals.prefill_attn, totals.prefill_full = shape.prefill_attn, shape.prefill_attn_full
+    totals.prefill_attn, totals.prefill_attn_full = shape.prefill_attn, shape.prefill_attn_full
     totals.decode_context, totals.num_decode = shape.decode_context, shape.num_decode
     totals.decode_context_sq = shape.decode_context_sq
     return totals, shape
@@ -47,3 +47,18 @@ def test_the_inverted_chunk_fills_the_budget_exactly() -> None:
     totals = BatchTotals()
     chunk = timer.max_chunk(totals, 0.05, prefix=0, cap=100_000)
     assert timer.with_chunk(totals, chunk, 0) <= 0.05 < timer.with_chunk(totals, chunk + 1, 0)
+
+
+def test_the_batch_predicts_what_the_model_predicts_for_its_shape() -> None:
+    from backend.policy.tandem.batch import TandemBatch
+    from tests.unit.tandem_factories import make_request, snapshot
+
+    decodes = [make_request(f"d{i}", prompt_len=1000 + i, running=True, generated=3)
+               for i in range(5)]
+    waiting = make_request("w", prompt_len=3000)
+    batch = TandemBatch(snapshot(waiting=[waiting], running=decodes), Timer(ANALYTIC))
+    assert batch.add_decodes(decodes[:3])
+    assert batch.add_decode(decodes[3]) and batch.add_decode(decodes[4])
+    assert batch.add_prefill(waiting, batch.chunk_for(waiting, 0.05))
+    assert batch.time_s() == pytest.approx(ANALYTIC.predict(batch.shape()), rel=1e-12)
+    assert batch.time_s() <= 0.05

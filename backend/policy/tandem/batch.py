@@ -18,17 +18,14 @@ from backend.policy.types import Plan, ReqState, Snapshot
 
 
 class TandemBatch(BatchBuilder):
-    """A BatchBuilder that also tracks F_p and answers time questions through a `Timer`."""
+    """A BatchBuilder (which keeps the latency-model totals, F_p inputs included) that answers
+    time questions through a `Timer` and adds decodes in bulk."""
 
     def __init__(self, snapshot: Snapshot, timer: Timer, *, min_chunk_tokens: int = 1) -> None:
         super().__init__(snapshot)
         self.timer = timer
         self.min_chunk_tokens = min_chunk_tokens
         """Chunks shorter than this are not worth a slot (unless they finish the prompt)."""
-        self.prefill_full = 0.0
-        """Σ (prefix + chunk)² of the chunks, token² (part of the model's F_p)."""
-        self.decode_context_sq = 0.0
-        """Σ context² of the decodes, token² (part of F_p in a batch with a prefill)."""
         self.rt_deadline_s = math.inf
         """Earliest deadline of an RT token this batch emits (the feedback checks it)."""
         self.rt_allowance_s = math.inf
@@ -37,18 +34,6 @@ class TandemBatch(BatchBuilder):
     def time_s(self) -> float:
         """Predicted duration of the batch so far, seconds."""
         return self.timer.predict(self)
-
-    def add_prefill(self, req: ReqState, tokens: int) -> bool:
-        if not super().add_prefill(req, tokens):
-            return False
-        self.prefill_full += (req.prefilled + tokens) ** 2
-        return True
-
-    def add_decode(self, req: ReqState) -> bool:
-        if not super().add_decode(req):
-            return False
-        self.decode_context_sq += (req.prompt_len + req.generated) ** 2
-        return True
 
     def add_decodes(self, reqs: list[ReqState]) -> bool:
         """Adds a decode for every request of `reqs` (running, fully prefilled, none decoded yet

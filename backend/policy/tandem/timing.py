@@ -29,7 +29,7 @@ class Totals(Protocol):
     prefill_tokens: int
     num_prefill: int
     prefill_attn: float
-    prefill_full: float
+    prefill_attn_full: float
     decode_context: int
     num_decode: int
     decode_context_sq: float
@@ -39,7 +39,7 @@ class BatchTotals:
     """The sums a latency model reads (a `BatchShape` without the allocation)."""
 
     __slots__ = ("decode_context", "decode_context_sq", "num_decode", "num_prefill",
-                 "prefill_attn", "prefill_full", "prefill_tokens")
+                 "prefill_attn", "prefill_attn_full", "prefill_tokens")
 
     def __init__(self) -> None:
         self.prefill_tokens = 0
@@ -48,7 +48,7 @@ class BatchTotals:
         """N_p: requests with a chunk."""
         self.prefill_attn = 0.0
         """A_p: Σ chunk·(prefix + chunk), token²."""
-        self.prefill_full = 0.0
+        self.prefill_attn_full = 0.0
         """F_p: Σ (prefix + chunk)², token²."""
         self.decode_context = 0
         """S_d: Σ context of the decodes, tokens."""
@@ -58,10 +58,10 @@ class BatchTotals:
         """Σ context² of the decodes, token² (in F_p when the batch has a prefill)."""
 
 
-def _full(prefill_full: float, decode_context_sq: float, num_prefill: int) -> float:
+def _full(prefill_attn_full: float, decode_context_sq: float, num_prefill: int) -> float:
     """F_p as the model defines it: the chunks over their whole prefix, plus the decodes'
     context² when they ride in a batch with a prefill (latency._full_square)."""
-    return prefill_full + (decode_context_sq if num_prefill else 0.0)
+    return prefill_attn_full + (decode_context_sq if num_prefill else 0.0)
 
 
 class Timer:
@@ -76,7 +76,7 @@ class Timer:
         if t.num_prefill == 0 and t.num_decode == 0:
             return 0.0
         return self._value(t.prefill_tokens, t.decode_context, t.num_prefill, t.num_decode,
-                           t.prefill_attn, _full(t.prefill_full, t.decode_context_sq,
+                           t.prefill_attn, _full(t.prefill_attn_full, t.decode_context_sq,
                                                  t.num_prefill))
 
     def _value(self, sp_tokens: float, sd_tokens: float, n_p: float, n_d: float, a_p: float,
@@ -101,14 +101,14 @@ class Timer:
             context_sq = context * context / count if count else 0.0
         return self._value(t.prefill_tokens, t.decode_context + context, t.num_prefill,
                            t.num_decode + count, t.prefill_attn,
-                           _full(t.prefill_full, t.decode_context_sq + context_sq,
+                           _full(t.prefill_attn_full, t.decode_context_sq + context_sq,
                                  t.num_prefill))
 
     def with_chunk(self, t: Totals, chunk: int, prefix: int) -> float:
         """Predicted time of the totals plus one prefill chunk after `prefix` tokens."""
         return self._value(t.prefill_tokens + chunk, t.decode_context, t.num_prefill + 1,
                            t.num_decode, t.prefill_attn + chunk * (prefix + chunk),
-                           t.prefill_full + (prefix + chunk) ** 2 + t.decode_context_sq)
+                           t.prefill_attn_full + (prefix + chunk) ** 2 + t.decode_context_sq)
 
     def max_chunk(self, t: Totals, time_limit_s: float, *, prefix: int, cap: int) -> int:
         """Largest l ≤ cap with with_chunk(t, l, prefix) ≤ time_limit_s (0 if even l = 1 does
@@ -134,7 +134,7 @@ class Timer:
         for w in self.pieces:
             a = (w[0] + w[1] * s_p / _K + w[3] * (s_p / _K) ** 2 + w[2] * sd + w[4] * sd * sd
                  + w[5] * (t.num_prefill + 1) + w[6] * t.num_decode + w[7] * t.prefill_attn / _K2
-                 + w[8] * (t.prefill_full + t.decode_context_sq + prefix * prefix) / _K2)
+                 + w[8] * (t.prefill_attn_full + t.decode_context_sq + prefix * prefix) / _K2)
             b = (w[1] / _K + 2 * w[3] * s_p / _K2 + w[7] * prefix / _K2
                  + 2 * w[8] * prefix / _K2)
             c = (w[3] + w[7] + w[8]) / _K2
