@@ -33,7 +33,7 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
     rt_headroom_frac: float = 0.05
     """Floor of the KV share kept free from BE admission for RT arrivals (the adaptive headroom
     never goes below it), fraction of capacity."""
-    rt_headroom_max_frac: float = 0.25
+    rt_headroom_max_frac: float = 0.10
     """Ceiling of the adaptive RT headroom, fraction of capacity (an RT arrival that finds KV
     short evicts BE anyway; the headroom only makes that rarer)."""
     rt_headroom_window_s: float = 30.0
