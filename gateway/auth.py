@@ -43,8 +43,6 @@ class AuthCache:
         self._ttl_s = ttl_s
         self._clock = clock
         self._entries: dict[str, tuple[float, AuthRecord | None]] = {}
-        self.used_key_ids: set[str] = set()
-        """Keys used since the last flush (their last_used_at is written in batches)."""
 
     async def authenticate(self, key: str) -> Principal:
         """The principal for *key*; raises a 401 ApiError for a missing, unknown or revoked key."""
@@ -56,7 +54,6 @@ class AuthCache:
             raise _unauthorized("invalid API key")
         if record.revoked or record.tenant.deleted:
             raise _unauthorized("API key has been revoked")
-        self.used_key_ids.add(record.key_id)
         return Principal(tenant=record.tenant, key_id=record.key_id, key_prefix=record.prefix)
 
     def invalidate(self, prefix: str | None = None) -> None:
