@@ -19,10 +19,12 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Text,
     TypeDecorator,
+    UniqueConstraint,
     text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
@@ -197,3 +199,105 @@ class LengthHistoryRow(Base):
     created_at: Mapped[datetime]
 
     __table_args__ = (Index("ix_length_history_length_key_id", "length_key", "id"),)
+
+
+class FileRow(Base):
+    """files: uploaded JSONL inputs (purpose ``batch``) and the batch runner's output/error files.
+
+    The content lives in the row, so a file is exactly as durable as the database and needs no
+    shared disk between gateway processes; upload size is capped by the gateway's file limits.
+    ``line_count`` is the number of non-empty lines (None for files that are not JSONL).
+    """
+
+    __tablename__ = "files"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    purpose: Mapped[str] = mapped_column(String(32))
+    filename: Mapped[str] = mapped_column(String(255))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    line_count: Mapped[int | None] = mapped_column(Integer)
+    sha256: Mapped[str] = mapped_column(String(64))
+    content: Mapped[bytes] = mapped_column(LargeBinary, deferred=True)
+    created_at: Mapped[datetime]
+    expires_at: Mapped[datetime | None]
+    deleted_at: Mapped[datetime | None]
+
+
+class BatchRow(Base):
+    """batches: one OpenAI batch job; the per-line state lives in batch_items.
+
+    Timestamps follow OpenAI's batch object (one per status reached). ``deadline_at`` is when the
+    tenant needs the batch done (completion window shorter than 24 h, or the tenant's BE
+    ``deadline_s``); it is passed to the engine with every line. ``errors`` is a JSON list of
+    batch-level errors; ``metadata_json`` the client's metadata object as JSON.
+    """
+
+    __tablename__ = "batches"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"))
+    input_file_id: Mapped[str] = mapped_column(ForeignKey("files.id"))
+    endpoint: Mapped[str] = mapped_column(String(64))
+    completion_window: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16))
+    model: Mapped[str | None] = mapped_column(String(256))
+    output_file_id: Mapped[str | None] = mapped_column(ForeignKey("files.id"))
+    error_file_id: Mapped[str | None] = mapped_column(ForeignKey("files.id"))
+    errors: Mapped[str | None] = mapped_column(Text)
+    metadata_json: Mapped[str | None] = mapped_column(Text)
+    request_total: Mapped[int] = mapped_column(Integer)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger)
+    deadline_at: Mapped[datetime | None]
+    created_at: Mapped[datetime]
+    in_progress_at: Mapped[datetime | None]
+    expires_at: Mapped[datetime]
+    finalizing_at: Mapped[datetime | None]
+    completed_at: Mapped[datetime | None]
+    failed_at: Mapped[datetime | None]
+    expired_at: Mapped[datetime | None]
+    cancelling_at: Mapped[datetime | None]
+    cancelled_at: Mapped[datetime | None]
+
+    __table_args__ = (
+        Index("ix_batches_tenant_id_created_at", "tenant_id", "created_at"),
+        # The runner's scan for work: batches not yet in a final status.
+        Index("ix_batches_status", "status"),
+    )
+
+
+class BatchItemRow(Base):
+    """batch_items: one row per JSONL line of a batch's input, with its status.
+
+    Unique (batch_id, custom_id) and (batch_id, line_no): a line exists once, so a restart can
+    only resume it, never duplicate it. ``order_rank`` is the line's place in the runner's
+    resource-aware order (NULL until the batch is planned). ``response``/``error`` hold the
+    output-file and error-file objects for the line as JSON.
+    """
+
+    __tablename__ = "batch_items"
+
+    id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
+    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id"))
+    line_no: Mapped[int] = mapped_column(Integer)
+    custom_id: Mapped[str] = mapped_column(String(512))
+    method: Mapped[str] = mapped_column(String(8))
+    url: Mapped[str] = mapped_column(String(64))
+    body: Mapped[str] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(16))
+    order_rank: Mapped[int | None] = mapped_column(Integer)
+    attempts: Mapped[int] = mapped_column(Integer)
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    completion_tokens: Mapped[int | None] = mapped_column(Integer)
+    response: Mapped[str | None] = mapped_column(Text)
+    error: Mapped[str | None] = mapped_column(Text)
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+
+    __table_args__ = (
+        UniqueConstraint("batch_id", "custom_id", name="uq_batch_items_batch_id_custom_id"),
+        UniqueConstraint("batch_id", "line_no", name="uq_batch_items_batch_id_line_no"),
+        # The runner's next-lines query: pending lines of a batch in planned order.
+        Index("ix_batch_items_batch_id_status_order_rank", "batch_id", "status", "order_rank"),
+    )

@@ -19,6 +19,7 @@ from gateway.store.migrate import ALEMBIC_INI, alembic_config, is_at_head
 from gateway.store.models import Base
 
 TABLES = {"tenants", "api_keys", "slo_contracts", "quotas", "usage_records", "length_history"}
+TABLES |= {"files", "batches", "batch_items"}  # 0002
 
 
 async def table_names(url: str) -> set[str]:
