@@ -84,3 +84,28 @@ def meta_from_custom_params(custom_params: dict[str, Any] | None) -> RequestMeta
     if not custom_params or CUSTOM_PARAMS_KEY not in custom_params:
         return None
     return msgspec.convert(custom_params[CUSTOM_PARAMS_KEY], RequestMeta)
+
+
+# --- the engine's control endpoint (a Unix socket served by the patched scheduler) ---------
+
+CONTROL_LENGTHS_PATH = "/length-history"
+"""POST a :class:`LengthHistoryPush`: finished output lengths per length-history key."""
+CONTROL_STATS_PATH = "/stats"
+"""GET: the in-engine policy's counters (JSON object; see backend.sglang_ext.driver.DriverStats)."""
+CONTROL_HEALTH_PATH = "/health"
+"""GET: 200 once the scheduler's control endpoint is up."""
+
+
+class LengthHistoryPush(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Output lengths the gateway's SQL history holds, for the engine's admission predictor.
+
+    Sent at start-up (each key's most recent window) and whenever the gateway finds the engine
+    restarted; the engine records its own finished requests itself in between."""
+
+    histories: dict[str, list[int]]
+    """length key → finished output lengths, oldest first, tokens (each ≥ 0)."""
+
+    def __post_init__(self) -> None:
+        for key, values in self.histories.items():
+            if any(v < 0 for v in values):
+                raise ValueError(f"length history {key!r}: output lengths must be >= 0")

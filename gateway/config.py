@@ -86,6 +86,16 @@ class EngineConfig(_Section, frozen=True):
     """Start the engine as a child process of `tandem serve`; False: connect to a running one."""
     patch: bool = True
     """Load tandem's SGLang plugin (RT/BE metadata, co-location seams); False: stock SGLang."""
+    policy: str = "tandem"
+    """Policy that schedules the patched engine (a name of backend.policy.registry); "none":
+    SGLang's own scheduling, with tandem's metadata only. Ignored when `patch` is False."""
+    profile: str = "cpu-tiny"
+    """Latency profile the in-engine policy plans with: a name in bench/profiles/ or a path."""
+    policy_options: dict[str, float | int | bool | str] = msgspec.field(default_factory=dict)
+    """Options for the policy's constructor (e.g. latency_budget_s for tandem)."""
+    control_socket: str | None = None
+    """Unix socket of the patched engine's control endpoint (length-history pushes,
+    statistics); None: tandem-engine-<port>.sock in the system's temporary directory."""
     device: str = "cpu"
     """Torch device of the engine ("cpu" or "cuda")."""
     dtype: str = "float32"
@@ -129,6 +139,57 @@ class UsageConfig(_Section, frozen=True):
     """Finished output lengths kept per length-history key."""
 
 
+class BatchConfig(_Section, frozen=True):
+    """The Files and Batch API and the batch runner that feeds BE lines to the engine."""
+
+    max_file_bytes: int = 100 * 1024 * 1024
+    """Largest uploaded file, bytes; a larger upload is answered 413."""
+    max_lines: int = 50_000
+    """Most requests (JSONL lines) in one batch input file, lines."""
+    max_inflight: int = 64
+    """Batch lines running on the engine at once (all batches together), requests: the
+    runner's backpressure bound; it also never exceeds the engine's KV (see the scanner)."""
+    poll_interval_s: float = 0.5
+    """How often the runner looks for new, cancelled and expired batches, seconds."""
+    pilot_fraction: float = 0.01
+    """Share of a batch's lines run first to sample output lengths (BlendServe §3.2), 0–1."""
+    pilot_max_lines: int = 32
+    """Most pilot lines per batch, lines."""
+    split_alpha: float = 0.02
+    """Outlier-split budget: prefix tokens a split may recompute, as a share of the batch's
+    unique prompt tokens (BlendServe Alg. 2 threshold)."""
+    engine_kv_tokens: int | None = None
+    """KV pool the scanner partitions, tokens (None: engine.max_total_tokens)."""
+    retry_after_s: float = 2.0
+    """Pause before a line is retried after the engine was unreachable or aborted it, seconds."""
+    max_attempts: int = 5
+    """Attempts per line before it is written to the error file, attempts."""
+    runner_enabled: bool = True
+    """Run the batch runner in this gateway process. Exactly one process per database may run it
+    (a second gateway replica sets this to false)."""
+    output_expires_days: int = 30
+    """Days after which output and error files expire (shown as `expires_at`), days."""
+
+
+class QuotaConfig(_Section, frozen=True):
+    """Per-tenant quotas (gateway.quotas): how gateway processes sharing a database split them."""
+
+    sync_interval_s: float = 1.0
+    """How often this process publishes its demand and reads the others', seconds; also the
+    longest a limit split stays out of date."""
+    instance_timeout_s: float = 5.0
+    """A gateway process whose heartbeat is older than this no longer gets a share, seconds."""
+
+
+class MetricsConfig(_Section, frozen=True):
+    """Prometheus /metrics and the dashboard's engine history."""
+
+    engine_poll_s: float = 5.0
+    """How often the engine's load (queues, KV use) and the batch backlog are sampled, seconds."""
+    history_s: float = 6 * 3600.0
+    """How much sampled engine history the dashboard can show, seconds."""
+
+
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The whole configuration (config.yaml)."""
 
@@ -137,6 +198,9 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     usage: UsageConfig = msgspec.field(default_factory=UsageConfig)
+    quota: QuotaConfig = msgspec.field(default_factory=QuotaConfig)
+    metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    batch: BatchConfig = msgspec.field(default_factory=BatchConfig)
 
     def __post_init__(self) -> None:
         _check_positive("gateway.port", self.gateway.port)
@@ -148,6 +212,13 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
         _check_positive("engine.chunked_prefill_size", self.engine.chunked_prefill_size)
         _check_positive("usage.batch_size", self.usage.batch_size)
         _check_positive("usage.length_history_window", self.usage.length_history_window)
+        _check_positive("batch.max_file_bytes", self.batch.max_file_bytes)
+        _check_positive("batch.max_lines", self.batch.max_lines)
+        _check_positive("batch.max_inflight", self.batch.max_inflight)
+        _check_positive("batch.poll_interval_s", self.batch.poll_interval_s)
+        _check_positive("batch.max_attempts", self.batch.max_attempts)
+        if not 0.0 <= self.batch.pilot_fraction <= 1.0:
+            raise ConfigError("batch.pilot_fraction must be in [0, 1]")
         if self.gateway.port > 65535 or self.engine.port > 65535:
             raise ConfigError("gateway.port and engine.port must be at most 65535")
         if not self.database.url.split(":", 1)[0].startswith(("sqlite", "postgresql")):

@@ -19,10 +19,12 @@ import atexit
 import contextlib
 import ctypes
 import http.client
+import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -92,7 +94,43 @@ def server_argv(engine_cfg: EngineConfig, model_path: Path, model_name: str) -> 
         argv += ["--context-length", str(engine_cfg.context_length)]
     if engine_cfg.enable_priority_scheduling:
         argv.append("--enable-priority-scheduling")
+    if policy_in_charge(engine_cfg):
+        # The policy's plan is carried out within one scheduler iteration; with overlap
+        # scheduling a batch would still be in flight while the next is planned (SGLang already
+        # turns overlap off on CPU; this makes GPUs behave the same).
+        argv.append("--disable-overlap-schedule")
     return argv + list(engine_cfg.extra_args)
+
+
+def policy_in_charge(engine_cfg: EngineConfig) -> bool:
+    """True when tandem's policy schedules the engine (patch on and a policy named)."""
+    return engine_cfg.patch and engine_cfg.policy not in ("", "none")
+
+
+def control_socket_path(engine_cfg: EngineConfig) -> str:
+    """The Unix socket of the engine's control endpoint."""
+    if engine_cfg.control_socket:
+        return engine_cfg.control_socket
+    return str(Path(tempfile.gettempdir()) / f"tandem-engine-{engine_cfg.port}.sock")
+
+
+def policy_env(engine_cfg: EngineConfig) -> dict[str, str]:
+    """The variables that put tandem's policy in charge of the engine (empty when it is not).
+    Raises ValueError for an unknown policy or profile, before any process starts."""
+    if not policy_in_charge(engine_cfg):
+        return {"TANDEM_ENGINE_POLICY": "none"}
+    from backend.policy.registry import POLICY_NAMES
+    from backend.sim.launch import resolve_profile
+
+    if engine_cfg.policy not in POLICY_NAMES:
+        raise ValueError(f"engine.policy {engine_cfg.policy!r} is not a policy; valid: "
+                         f"none, {', '.join(POLICY_NAMES)}")
+    return {
+        "TANDEM_ENGINE_POLICY": engine_cfg.policy,
+        "TANDEM_ENGINE_PROFILE": str(resolve_profile(engine_cfg.profile)),
+        "TANDEM_ENGINE_POLICY_OPTIONS": json.dumps(engine_cfg.policy_options),
+        "TANDEM_CONTROL_SOCKET": control_socket_path(engine_cfg),
+    }
 
 
 def engine_env(
@@ -116,6 +154,7 @@ def engine_env(
     if engine_cfg.patch:
         plugins.append(PLUGIN_NAME)
     env["SGLANG_PLUGINS"] = ",".join(plugins) or NO_PLUGINS
+    env.update(policy_env(engine_cfg))
     env.update(extra or {})
     return env
 

@@ -14,6 +14,14 @@ in the pinned SGLang):
   :class:`~backend.sglang_ext.request_meta.SchedReqMeta` and attach it as ``req.tandem``
   (None when absent or malformed — a bad client dict must never kill the scheduler).
 
+With ``TANDEM_ENGINE_POLICY=<name>`` (a ``backend.policy.registry`` name; the launcher sets it
+unless ``engine.policy`` is ``none``) the plugin also puts that policy in charge of the
+scheduler: it builds an :class:`~backend.sglang_ext.driver.EngineDriver` around the policy (latency
+model fitted from ``TANDEM_ENGINE_PROFILE``, options from ``TANDEM_ENGINE_POLICY_OPTIONS``, a JSON
+object), registers the co-location hooks of ``backend.sglang_ext.hooks`` and serves the control
+endpoint on ``TANDEM_CONTROL_SOCKET``. Without it the engine schedules like stock SGLang and only
+carries the metadata.
+
 Debug trace: with ``TANDEM_SCHEDULER_TRACE=<path>`` in the engine's environment, the scheduler
 process appends one JSON line per request it creates::
 
@@ -34,7 +42,9 @@ import sys
 from typing import Any
 
 from backend.sglang_ext.request_meta import (
+    REQ_ATTR,
     SchedReqMeta,
+    get_meta,
     sched_meta_from_custom_params,
     sched_meta_to_dict,
 )
@@ -45,8 +55,15 @@ PLUGIN_NAME = "tandem"
 """The entry-point name (pyproject.toml) that ``SGLANG_PLUGINS`` must list."""
 TRACE_ENV = "TANDEM_SCHEDULER_TRACE"
 """Environment variable naming the scheduler's debug trace file (JSON lines)."""
-REQ_ATTR = "tandem"
-"""Attribute of SGLang's ``Req`` that holds its :class:`SchedReqMeta` (or None)."""
+POLICY_ENV = "TANDEM_ENGINE_POLICY"
+"""Policy that schedules the engine (a registry name); unset, empty or "none": stock SGLang."""
+PROFILE_ENV = "TANDEM_ENGINE_PROFILE"
+"""Latency profile file the in-engine policy's latency model is fitted from."""
+OPTIONS_ENV = "TANDEM_ENGINE_POLICY_OPTIONS"
+"""JSON object of options for the policy's constructor (e.g. {"latency_budget_s": 0.1})."""
+CONTROL_ENV = "TANDEM_CONTROL_SOCKET"
+"""Unix socket path of the control endpoint (length-history pushes, statistics)."""
+__all__ = ["REQ_ATTR", "get_meta", "register"]
 
 SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
 CREATE_REQ_SEAM = f"{SCHEDULER_MODULE}.Scheduler._create_generation_req"
@@ -71,7 +88,33 @@ def register() -> None:
 
     _trace_path = os.environ.get(TRACE_ENV) or None
     HookRegistry.register(CREATE_REQ_SEAM, after_create_generation_req, HookType.AFTER)
-    logger.info("tandem plugin registered in pid %d (trace: %s)", os.getpid(), _trace_path)
+    policy_name = os.environ.get(POLICY_ENV, "").strip()
+    if policy_name and policy_name != "none":
+        _install_policy(policy_name)
+    logger.info("tandem plugin registered in pid %d (policy: %s, trace: %s)", os.getpid(),
+                policy_name or "none", _trace_path)
+
+
+def _install_policy(policy_name: str) -> None:
+    """Puts *policy_name* in charge of this scheduler process (fails loudly: an engine asked
+    to run a policy must not silently fall back to stock scheduling)."""
+    from backend.policy.latency import LatencyModel, load_profile
+    from backend.policy.registry import make_policy
+    from backend.sglang_ext import control, hooks
+    from backend.sglang_ext.driver import EngineDriver
+
+    profile_path = os.environ.get(PROFILE_ENV)
+    if not profile_path:
+        raise RuntimeError(f"tandem: {POLICY_ENV}={policy_name} needs {PROFILE_ENV}")
+    options = json.loads(os.environ.get(OPTIONS_ENV) or "{}")
+    if not isinstance(options, dict):
+        raise RuntimeError(f"tandem: {OPTIONS_ENV} must be a JSON object")
+    latency = LatencyModel.fit(load_profile(profile_path).samples)
+    driver = EngineDriver(make_policy(policy_name, latency, **options))
+    hooks.install(driver)
+    socket_path = os.environ.get(CONTROL_ENV)
+    if socket_path:
+        control.start(driver, socket_path)
 
 
 def after_create_generation_req(req: Any, *args: Any, **kwargs: Any) -> None:
@@ -97,12 +140,6 @@ def attach_meta(req: Any) -> SchedReqMeta | None:
     if _trace_path is not None:
         _write_trace(_trace_path, req, meta, error)
     return meta
-
-
-def get_meta(req: Any) -> SchedReqMeta | None:
-    """The metadata attached to *req* by the hook, or None (no metadata, or not hooked)."""
-    meta = getattr(req, REQ_ATTR, None)
-    return meta if isinstance(meta, SchedReqMeta) else None
 
 
 def _rid(req: Any) -> str:

@@ -61,6 +61,16 @@ class SchedReqMeta(msgspec.Struct, frozen=True, kw_only=True):
         return self.tier == "rt"
 
 
+REQ_ATTR = "tandem"
+"""Attribute of SGLang's ``Req`` that holds its :class:`SchedReqMeta` (or None)."""
+
+
+def get_meta(req: Any) -> SchedReqMeta | None:
+    """The metadata the plugin attached to *req*, or None (no metadata, or not hooked)."""
+    meta = getattr(req, REQ_ATTR, None)
+    return meta if isinstance(meta, SchedReqMeta) else None
+
+
 def sched_meta(meta: RequestMeta, *, received_unix_s: float) -> SchedReqMeta:
     """Resolves *meta*'s relative targets into absolute times."""
     return SchedReqMeta(

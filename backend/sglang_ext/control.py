@@ -1,0 +1,101 @@
+"""The patched scheduler's control endpoint: HTTP over a Unix socket, in a daemon thread.
+
+The gateway keeps output-length histories in SQL; the engine's policy needs them in memory.
+This endpoint (``TANDEM_CONTROL_SOCKET``) lets the gateway push them (``POST /length-history``,
+body :class:`~backend.wire.LengthHistoryPush`) and lets operators and the bench read the policy's
+counters (``GET /stats``). It runs beside SGLang's scheduler loop in the scheduler process: a push
+is only queued here and applied by the loop at its next iteration, so the policy is never touched
+from two threads. A Unix socket (mode 0600) rather than a TCP port: nothing but the same user on
+the same host can reach it, and there is no port to collide with.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socketserver
+import threading
+from http.server import BaseHTTPRequestHandler
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from backend.sglang_ext.driver import EngineDriver
+from backend.wire import (
+    CONTROL_HEALTH_PATH,
+    CONTROL_LENGTHS_PATH,
+    CONTROL_STATS_PATH,
+    LengthHistoryPush,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 64 << 20
+"""Largest push accepted (a full window of 1,000 lengths for tens of thousands of keys)."""
+
+
+class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+    driver: EngineDriver
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        if self.path == CONTROL_STATS_PATH:
+            self._reply(200, self.server.driver.stats.summary())
+        elif self.path == CONTROL_HEALTH_PATH:
+            self._reply(200, {"status": "ok"})
+        else:
+            self._reply(404, {"error": f"no route GET {self.path}"})
+
+    def do_POST(self) -> None:  # noqa: N802
+        if self.path != CONTROL_LENGTHS_PATH:
+            self._reply(404, {"error": f"no route POST {self.path}"})
+            return
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > MAX_BODY_BYTES:
+            self._reply(413, {"error": f"body over {MAX_BODY_BYTES} bytes"})
+            return
+        try:
+            push = msgspec.json.decode(self.rfile.read(length), type=LengthHistoryPush)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+            self._reply(400, {"error": f"bad length-history push: {exc}"})
+            return
+        self.server.driver.push_lengths(push.histories)
+        self._reply(202, {"keys": len(push.histories),
+                          "lengths": sum(len(v) for v in push.histories.values())})
+
+    def _reply(self, status: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def address_string(self) -> str:  # a Unix socket has no client address
+        return "unix"
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        logger.debug("control: " + format, *args)
+
+
+def start(driver: EngineDriver, socket_path: str) -> socketserver.BaseServer:
+    """Serves the control endpoint on *socket_path* in a daemon thread (a stale socket file
+    from an earlier engine is replaced)."""
+    path = Path(socket_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        path.unlink()
+    server = _Server(str(path), _Handler)
+    server.driver = driver
+    os.chmod(path, 0o600)
+    thread = threading.Thread(target=server.serve_forever, name="tandem-control", daemon=True)
+    thread.start()
+    logger.info("tandem control endpoint on %s", path)
+    return server
