@@ -18,6 +18,7 @@ from gateway.auth import AuthCache
 from gateway.config import Config
 from gateway.engine_client import EngineClient
 from gateway.errors import error_middleware
+from gateway.operator import install as install_operator_tools
 from gateway.state import (
     ADMIN_TOKEN,
     AUTH,
@@ -51,6 +52,7 @@ def create_app(config: Config, admin_token: str, model_dir: Path) -> web.Applica
     app.cleanup_ctx.append(_engine_client)
     app.cleanup_ctx.append(_usage_recorder)
     app.cleanup_ctx.append(_background_tasks)
+    install_operator_tools(app)  # quotas, /metrics, dashboard, /openapi.json
     app.add_routes(ops.routes)
     app.add_routes(openai.routes)
     app.add_routes(admin.routes)

@@ -12,6 +12,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from gateway.auth import AuthCache
 from gateway.config import Config
 from gateway.engine_client import EngineClient
+from gateway.metrics import METRICS_KEY
+from gateway.quotas import QuotaLimiter
 from gateway.store.repo import Store
 from gateway.tokenizer import ModelTokenizer
 from gateway.usage import UsageRecorder
@@ -24,6 +26,8 @@ STORE = web.AppKey("store", Store)
 AUTH = web.AppKey("auth", AuthCache)
 ENGINE = web.AppKey("engine", EngineClient)
 USAGE = web.AppKey("usage", UsageRecorder)
+QUOTAS = web.AppKey("quotas", QuotaLimiter)
+METRICS = METRICS_KEY
 BACKGROUND: web.AppKey[set[asyncio.Task[None]]] = web.AppKey("background_tasks")
 """Fire-and-forget tasks (engine aborts after a disconnect) kept referenced until done."""
 

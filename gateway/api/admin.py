@@ -4,6 +4,7 @@ quotas and the latest requests."""
 from __future__ import annotations
 
 import hmac
+from datetime import UTC, datetime
 from typing import Literal
 
 import msgspec
@@ -12,7 +13,8 @@ from aiohttp import web
 from gateway.api.schemas import decode_body
 from gateway.auth import bearer_token
 from gateway.errors import ApiError
-from gateway.state import ADMIN_TOKEN, AUTH, STORE
+from gateway.reports import BadQuery, parse_query, to_csv, usage_report
+from gateway.state import ADMIN_TOKEN, AUTH, DB_ENGINE, STORE
 from gateway.store.errors import Conflict, NotFound
 from gateway.store.types import Quota, Slo, Tenant
 
@@ -185,6 +187,40 @@ async def latest_requests(request: web.Request) -> web.Response:
                        param="limit", code="invalid_value")
     records = await request.app[STORE].latest_requests(tenant_id, int(limit_text))
     return _json({"object": "list", "data": records})
+
+
+@routes.get(f"{PREFIX}/usage")
+async def usage(request: web.Request) -> web.Response:
+    """Usage per tenant and day or hour, as JSON or CSV (see gateway.reports)."""
+    check_admin(request)
+    try:
+        query = parse_query(request.query, datetime.now(UTC))
+    except BadQuery as exc:
+        raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
+    tenant_id = None
+    if query.tenant is not None:
+        tenant_id = await _resolve_tenant(request, query.tenant)
+    rows = await usage_report(request.app[DB_ENGINE], query.start, query.end, query.bucket_s,
+                              tenant_id)
+    if query.format == "csv":
+        return web.Response(text=to_csv(rows), content_type="text/csv", headers={
+            "Content-Disposition": 'attachment; filename="usage.csv"'})
+    return _json({"object": "list", "group_by": query.group_by, "start": query.start,
+                  "end": query.end, "data": rows})
+
+
+async def _resolve_tenant(request: web.Request, ident: str) -> str:
+    """A tenant id from an id or a name (deleted tenants included: their usage stays)."""
+    store = request.app[STORE]
+    tenant = await store.get_tenant(ident, include_deleted=True)
+    if tenant is not None:
+        return tenant.id
+    named = [t for t in await store.list_tenants(include_deleted=True) if t.name == ident]
+    if not named:
+        raise ApiError(404, f"tenant {ident!r} not found", param="tenant",
+                       code="tenant_not_found")
+    live = [t for t in named if not t.deleted]
+    return (live or named)[-1].id
 
 
 async def _tenant_or_404(request: web.Request) -> Tenant:

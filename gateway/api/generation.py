@@ -14,8 +14,9 @@ from gateway.api.prepare import EngineRequest
 from gateway.auth import Principal
 from gateway.engine_client import EngineChunk, EngineRequestError, EngineUnavailable
 from gateway.errors import ApiError
+from gateway.quotas import QuotaExceeded, Ticket
 from gateway.slo import RequestTimer, slo_met
-from gateway.state import CONFIG, ENGINE, USAGE, spawn
+from gateway.state import CONFIG, ENGINE, METRICS, QUOTAS, USAGE, spawn
 from gateway.store.types import UsageRecord
 
 
@@ -24,7 +25,8 @@ class Outcome:
     """How a request ended, for its usage record."""
 
     status: str = "ok"
-    """ok | invalid_request | engine_error | engine_unavailable | aborted | client_disconnected."""
+    """ok | invalid_request | rate_limited | engine_error | engine_unavailable | aborted |
+    client_disconnected."""
     http_status: int = 200
     error: str | None = None
     prompt_tokens: int = 0
@@ -46,12 +48,15 @@ class Generation:
     created_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     request: EngineRequest | None = None
     outcome: Outcome = field(default_factory=Outcome)
+    ticket: Ticket | None = None
+    """The request's hold on its tenant's quota (None until admitted)."""
     _finished: bool = False
 
     async def chunks(self) -> AsyncIterator[EngineChunk]:
         """The engine's chunks; engine failures become ApiErrors (503 / 400)."""
         assert self.request is not None
         self.outcome.prompt_tokens = len(self.request.input_ids)
+        self._admit(self.request)
         config = self.app[CONFIG]
         try:
             async for chunk in self.app[ENGINE].generate(self.request.payload):
@@ -91,10 +96,28 @@ class Generation:
         """Records usage; if the request is still running (client gone), aborts it upstream."""
         if cancelled and not self._finished and self.outcome.status == "ok":
             self._fail("client_disconnected", 499, "client disconnected")
-        if self.request is not None and not self._finished:
+        if self.request is not None and not self._finished and self.ticket is not None:
             spawn(self.app, self.app[ENGINE].abort(self.request.rid))
         self.timer.finish()
+        if self.ticket is not None:
+            o = self.outcome
+            ran = o.completion_tokens > 0 or o.status == "ok"
+            self.app[QUOTAS].release(self.ticket, o.prompt_tokens + o.completion_tokens
+                                     if ran else 0)
         self._record()
+
+    def _admit(self, request: EngineRequest) -> None:
+        """Checks the tenant's quota (in memory); over it: 429 with Retry-After, not sent."""
+        tenant = self.principal.tenant
+        try:
+            self.ticket = self.app[QUOTAS].admit(tenant, len(request.input_ids),
+                                                 request.max_tokens)
+        except QuotaExceeded as exc:
+            self._fail("rate_limited", 429, exc.message)
+            self.app[METRICS].quota_rejected(tenant.id, exc.limit)
+            raise ApiError(429, exc.message, code=f"{exc.limit}_exceeded",
+                           headers={"Retry-After": str(int(exc.retry_after_s))}) from None
+        self.app[METRICS].request_started(tenant.id, request.meta.tier)
 
     def _fail(self, status: str, http_status: int, error: str) -> None:
         if self.outcome.status == "ok":
@@ -126,7 +149,7 @@ class Generation:
             status=self.outcome.status,
             http_status=self.outcome.http_status,
             error=self.outcome.error,
-            slo_met=None if self.request is None else slo_met(
+            slo_met=None if self.request is None or self.ticket is None else slo_met(
                 tier=tier,
                 ttft_target_ms=meta.ttft_ms if meta else None,
                 tpot_target_ms=meta.tpot_ms if meta else None,
@@ -140,6 +163,7 @@ class Generation:
             finished_at=datetime.now(UTC),
         )
         length_key = meta.length_key if meta is not None and ok else None
+        self.app[METRICS].request_finished(record, started=self.ticket is not None)
         self.app[USAGE].record(record, length_key=length_key, key_id=self.principal.key_id)
 
 

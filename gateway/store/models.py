@@ -301,3 +301,51 @@ class BatchItemRow(Base):
         # The runner's next-lines query: pending lines of a batch in planned order.
         Index("ix_batch_items_batch_id_status_order_rank", "batch_id", "status", "order_rank"),
     )
+
+
+class GatewayInstanceRow(Base):
+    """gateway_instances: the gateway processes sharing this database, with a heartbeat.
+
+    Quota enforcement (gateway.quotas) splits every tenant's limits among the live instances;
+    an instance whose heartbeat is older than the quota timeout no longer counts.
+    """
+
+    __tablename__ = "gateway_instances"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    started_at: Mapped[datetime]
+    heartbeat_at: Mapped[datetime]
+
+
+class QuotaDemandRow(Base):
+    """quota_demand: one gateway instance's recent demand for one tenant's limits.
+
+    Every instance writes its own rows at each quota sync and reads everyone's, so all instances
+    compute the same split of each limit (gateway.quotas.shares).
+    """
+
+    __tablename__ = "quota_demand"
+
+    instance_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    requests: Mapped[float] = mapped_column(Float)
+    tokens: Mapped[float] = mapped_column(Float)
+    concurrency: Mapped[float] = mapped_column(Float)
+    in_flight: Mapped[int] = mapped_column(Integer)
+    updated_at: Mapped[datetime]
+
+
+class QuotaMonthlyRow(Base):
+    """quota_monthly: tokens used by a tenant in one calendar month (UTC), across all instances.
+
+    Instances add what their finished requests used (an atomic upsert-increment at each sync), so
+    the monthly budget holds no matter which instance served a request.
+    """
+
+    __tablename__ = "quota_monthly"
+
+    tenant_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    month: Mapped[str] = mapped_column(String(7), primary_key=True)
+    """"YYYY-MM" (UTC)."""
+    tokens: Mapped[int] = mapped_column(BigInteger)
+    updated_at: Mapped[datetime]

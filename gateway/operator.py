@@ -1,0 +1,75 @@
+"""What an operator of a shared service needs beside the API: quotas, Prometheus metrics, the
+dashboard and the OpenAPI document, wired into the app by `install`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from gateway import metrics
+from gateway.api.openapi import routes as openapi_routes
+from gateway.dashboard import routes as dashboard_routes
+from gateway.quotas import QuotaLimiter, QuotaSync
+from gateway.state import CONFIG, DB_ENGINE, METRICS, QUOTAS, USAGE
+
+_TENANT_INFO_REFRESH_S = 30.0
+
+
+def install(app: web.Application) -> None:
+    """Adds the quota limiter, the metrics registry and their background tasks, and the routes
+    /metrics, /admin/v1/dashboard… and /openapi.json. Call after the database's cleanup context
+    is registered (the tasks here use it)."""
+    app[QUOTAS] = QuotaLimiter(instance_id=f"gw_{secrets.token_hex(6)}")
+    app[METRICS] = metrics.GatewayMetrics()
+    app.cleanup_ctx.append(_quota_sync)
+    app.cleanup_ctx.append(_engine_sampler)
+    app.add_routes(metrics.routes)
+    app.add_routes(dashboard_routes)
+    app.add_routes(openapi_routes)
+
+
+async def _quota_sync(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG].quota
+    sync = QuotaSync(app[DB_ENGINE], app[QUOTAS], interval_s=config.sync_interval_s,
+                     timeout_s=config.instance_timeout_s)
+    await sync.start()
+    yield
+    await sync.close()
+
+
+async def _engine_sampler(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG]
+    registry = app[METRICS]
+    engine_url = f"http://{config.engine.host}:{config.engine.port}"
+
+    def be_in_flight() -> int:
+        return int(sum(
+            sample.value for metric in registry.in_flight.collect() for sample in metric.samples
+            if sample.labels.get("tier") == "be"))
+
+    sampler = metrics.EngineSampler(engine_url, app[DB_ENGINE], config.metrics.engine_poll_s,
+                                    config.metrics.history_s, be_in_flight)
+    registry.sampler = sampler
+    tenants: list[tuple[str, str, str]] = []
+    registry.extra.append(metrics.tenant_info_collector(lambda: tenants))
+    registry.extra.append(lambda: iter([metrics.gauge(
+        "tandem_usage_records_pending", "Usage records waiting to be written.",
+        app[USAGE].pending)]))
+
+    async def refresh_tenants() -> None:
+        while True:
+            with contextlib.suppress(Exception):  # database down: keep the last list
+                tenants[:] = await metrics.read_tenants(app[DB_ENGINE])
+            await asyncio.sleep(_TENANT_INFO_REFRESH_S)
+
+    await sampler.start()
+    task = asyncio.create_task(refresh_tenants(), name="tenant-info")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await sampler.close()

@@ -1,0 +1,41 @@
+"""Per-tenant quotas: requests/min, tokens/min, concurrent requests, monthly tokens.
+
+Over a limit, a request is refused before it reaches the engine with 429, ``Retry-After`` and an
+OpenAI error body whose ``code`` names the limit (``requests_per_min_exceeded``, …).
+
+How it works
+------------
+* **Hot path in memory.** `QuotaLimiter.admit` runs per request with no I/O: two token buckets
+  (requests/min: one per request; tokens/min: prompt + max_tokens, the most the request can
+  cost), an in-flight counter, and the month's token count. `release` at the end gives the
+  unused part of the tokens/min reservation back (prompt + completion really used) and adds the
+  used tokens to the month. Limits come with the tenant from the auth cache, so a change made
+  through the admin API applies on this process at once (the cache is invalidated) and on the
+  others within ``gateway.auth_cache_ttl_s``; no restart.
+* **Several gateway processes, one database.** Each process owns a *share* of every limit, and
+  the shares add up to the limit, so no process ever needs to ask another before admitting.
+  Every ``quota.sync_interval_s`` each process (`QuotaSync`, one short transaction) writes a
+  heartbeat (``gateway_instances``) and its recent demand per tenant (``quota_demand``:
+  requests/s, tokens/s and concurrency wanted, refused requests included), and reads everyone's.
+  All processes compute the same split from the same rows (`shares.weights`): 10 % of each
+  limit evenly over the live processes, the rest in proportion to demand. A process's buckets
+  are sized (burst and refill) to its share; its concurrency slots are whole numbers allocated by
+  largest remainder (`shares.allocate`), so they too sum to the limit. Month tokens are added
+  to ``quota_monthly`` with an atomic upsert-increment and each process may spend its share of
+  what is left of the budget.
+* **Bounds.** One process alone enforces the limits exactly. With several, a limit can be
+  exceeded only while the shares are out of date: for at most one sync interval after a process
+  starts, stops or its traffic moves, by at most what the moving shares allow in that interval.
+  Shares following demand means a tenant whose traffic sticks to one process still gets (nearly)
+  its whole limit there after one sync; a process that has seen no traffic for a tenant keeps
+  only the floor, so its first requests may be refused with ``Retry-After: 1`` until the next
+  sync. A crashed process stops counting after ``quota.instance_timeout_s``. The monthly budget
+  may be overrun by the requests in flight when it runs out (a request is admitted while any
+  budget is left). Clocks of the processes are assumed in sync (NTP), as the heartbeats compare
+  wall-clock times.
+"""
+
+from gateway.quotas.limiter import QuotaExceeded, QuotaLimiter, Ticket
+from gateway.quotas.sync import QuotaSync
+
+__all__ = ["QuotaExceeded", "QuotaLimiter", "QuotaSync", "Ticket"]

@@ -1,0 +1,358 @@
+"""Per-tenant admission against the tenant's quota, entirely in memory (pure; no I/O).
+
+`QuotaLimiter.admit` is called once per request before it reaches the engine and either returns
+a `Ticket` or raises `QuotaExceeded`; `release` is called exactly once when the request ends,
+with the tokens it really used. What this instance may use of each limit (its share) is set by
+`apply_sync`, from the figures every instance writes to the database (see gateway.quotas.sync).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from gateway.quotas.bucket import TokenBucket
+from gateway.quotas.shares import allocate, weights
+from gateway.store.types import Quota, Tenant
+
+IDLE_FORGET_S = 600.0
+"""A tenant with nothing in flight and no request for this long is forgotten (its state and its
+demand row go; it starts afresh, with full buckets, on its next request)."""
+_DEMAND_DECAY = 0.5
+"""Smoothed demand falls by this factor per sync without traffic (rises at once with it)."""
+
+
+class QuotaExceeded(Exception):
+    """A request over one of its tenant's limits: answered 429 with Retry-After."""
+
+    def __init__(self, limit: str, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.limit = limit
+        """The quota field that refused it: requests_per_min, tokens_per_min, max_concurrent or
+        monthly_tokens."""
+        self.message = message
+        self.retry_after_s = retry_after_s
+        """When a retry may succeed, seconds (whole, at least 1)."""
+
+
+@dataclass
+class Ticket:
+    """An admitted request's hold on its tenant's quota, given back by `release`."""
+
+    tenant_id: str
+    reserved_tokens: int
+    """Prompt plus max output tokens, counted against tokens/min at admission."""
+    released: bool = False
+
+
+@dataclass
+class DemandReport:
+    """One tenant's demand on this instance since the previous sync, per second, smoothed."""
+
+    tenant_id: str
+    requests: float
+    tokens: float
+    concurrency: float
+    in_flight: int
+
+
+@dataclass
+class SyncView:
+    """What the database says at a sync: live instances and every instance's demand."""
+
+    instances: list[str]
+    """Live gateway instances (this one included), in a stable order."""
+    demand: dict[str, dict[str, DemandReport]]
+    """tenant id → instance id → that instance's latest demand report."""
+    monthly_tokens: dict[str, int]
+    """tenant id → tokens used this month by all instances (what has been synced)."""
+    month: str
+    """The month these totals are for, "YYYY-MM"."""
+    epoch: int = 0
+    """A counter the same on every instance (time // 10 s), rotating ties in slot allocation."""
+
+
+@dataclass
+class _Window:
+    requests: int = 0
+    tokens: int = 0
+    concurrency: int = 0
+
+
+@dataclass
+class _TenantState:
+    quota: Quota
+    name: str
+    requests: TokenBucket | None = None
+    tokens: TokenBucket | None = None
+    in_flight: int = 0
+    reserved_tokens: int = 0
+    spent_since_sync: int = 0
+    """Tokens used by requests finished since the last sync (not in `month_used` yet)."""
+    month_used: int = 0
+    """Tokens used this month by all instances, as of the last sync."""
+    month: str = ""
+    w_requests: float | None = None
+    w_tokens: float | None = None
+    w_concurrency: dict[str, float] | None = None
+    window: _Window = field(default_factory=_Window)
+    smoothed: DemandReport | None = None
+    last_seen_s: float = 0.0
+
+
+class QuotaLimiter:
+    """Admission control for every tenant's quota on this gateway instance."""
+
+    def __init__(self, instance_id: str, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
+        self.instance_id = instance_id
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._tenants: dict[str, _TenantState] = {}
+        self._instances: list[str] = [instance_id]
+        self._epoch = 0
+        self._last_sync_s = clock()
+        self._unsynced_month: dict[tuple[str, str], int] = {}
+        """(tenant id, month) → tokens used here and not yet added to the shared total."""
+        self._month_totals: dict[str, int] = {}
+        self._view_month = ""
+
+    # ------------------------------------------------------------------ requests
+
+    def admit(self, tenant: Tenant, prompt_tokens: int, max_tokens: int) -> Ticket:
+        """Admits a request of *tenant* needing up to prompt + max_tokens tokens, or raises
+        QuotaExceeded naming the first limit it is over. Unlimited tenants cost a dict lookup."""
+        now = self._clock()
+        state = self._state(tenant, now)
+        quota = state.quota
+        amount = prompt_tokens + max_tokens
+        state.window.requests += 1
+        state.window.tokens += amount
+        state.window.concurrency = max(state.window.concurrency, state.in_flight + 1)
+        state.last_seen_s = now
+        self._check_concurrency(state, tenant)
+        self._check_monthly(state, tenant)
+        if quota.requests_per_min is not None:
+            assert state.requests is not None
+            wait = state.requests.wait_s(1, now)
+            if wait > 0:
+                raise _over(tenant, "requests_per_min", quota.requests_per_min, "requests per "
+                            "minute", wait)
+        if quota.tokens_per_min is not None:
+            assert state.tokens is not None
+            if amount > quota.tokens_per_min:
+                raise QuotaExceeded(
+                    "tokens_per_min",
+                    f"request too large for tenant {tenant.name!r}: it needs up to {amount} "
+                    f"tokens (prompt {prompt_tokens} + max_tokens {max_tokens}), more than the "
+                    f"tokens_per_min limit of {quota.tokens_per_min}; lower max_tokens",
+                    60.0,
+                )
+            wait = state.tokens.wait_s(amount, now)
+            if wait > 0:
+                raise _over(tenant, "tokens_per_min", quota.tokens_per_min, "tokens per minute",
+                            wait, needed=amount)
+        # every check passed: take from each limit at once (a refusal above takes nothing)
+        if state.requests is not None:
+            state.requests.take(1)
+        if state.tokens is not None:
+            state.tokens.take(amount)
+        state.in_flight += 1
+        state.reserved_tokens += amount
+        return Ticket(tenant_id=tenant.id, reserved_tokens=amount)
+
+    def release(self, ticket: Ticket, used_tokens: int) -> None:
+        """Ends an admitted request that used *used_tokens* (prompt + completion; 0 if it never
+        ran): frees its concurrency slot and gives back to tokens/min what it did not use."""
+        if ticket.released:
+            return
+        ticket.released = True
+        state = self._tenants.get(ticket.tenant_id)
+        if state is None:
+            return
+        now = self._clock()
+        state.in_flight = max(0, state.in_flight - 1)
+        state.reserved_tokens = max(0, state.reserved_tokens - ticket.reserved_tokens)
+        if state.tokens is not None:
+            state.tokens.give(ticket.reserved_tokens - used_tokens, now)
+        if used_tokens > 0:
+            state.spent_since_sync += used_tokens
+            key = (ticket.tenant_id, self._month())
+            self._unsynced_month[key] = self._unsynced_month.get(key, 0) + used_tokens
+        state.last_seen_s = now
+
+    def in_flight(self) -> dict[str, int]:
+        """Requests in flight per tenant id (tenants with none omitted)."""
+        return {t: s.in_flight for t, s in self._tenants.items() if s.in_flight}
+
+    # ---------------------------------------------------------------------- sync
+
+    def sync_out(self) -> tuple[list[DemandReport], dict[tuple[str, str], int]]:
+        """This instance's demand per tenant, and the month token counts to add to the shared
+        totals (taken out of the limiter: give them back with `sync_failed` if the write fails).
+        Forgets idle tenants."""
+        now = self._clock()
+        elapsed = max(now - self._last_sync_s, 1e-3)
+        self._last_sync_s = now
+        reports = []
+        for tenant_id, state in list(self._tenants.items()):
+            if state.in_flight == 0 and now - state.last_seen_s > IDLE_FORGET_S:
+                del self._tenants[tenant_id]
+                continue
+            reports.append(self._smooth(tenant_id, state, elapsed))
+        deltas, self._unsynced_month = self._unsynced_month, {}
+        for state in self._tenants.values():
+            state.spent_since_sync = 0
+        return reports, deltas
+
+    def sync_failed(self, deltas: dict[tuple[str, str], int]) -> None:
+        """Keeps month counts whose write failed, for the next sync."""
+        for key, tokens in deltas.items():
+            self._unsynced_month[key] = self._unsynced_month.get(key, 0) + tokens
+            state = self._tenants.get(key[0])
+            if state is not None and key[1] == self._month():
+                state.spent_since_sync += tokens
+
+    def apply_sync(self, view: SyncView) -> None:
+        """Sets every tenant's share of its limits from the shared view."""
+        self._instances = list(view.instances) or [self.instance_id]
+        if self.instance_id not in self._instances:
+            self._instances.append(self.instance_id)
+        self._epoch = view.epoch
+        now = self._clock()
+        for tenant_id, state in self._tenants.items():
+            demand = view.demand.get(tenant_id, {})
+            if state.smoothed is not None:
+                demand = {**demand, self.instance_id: state.smoothed}
+            state.w_requests = weights(self._instances, {i: d.requests for i, d in demand.items()}
+                                       )[self.instance_id]
+            state.w_tokens = weights(self._instances, {i: d.tokens for i, d in demand.items()}
+                                     )[self.instance_id]
+            state.w_concurrency = weights(
+                self._instances, {i: d.concurrency for i, d in demand.items()})
+            state.month = view.month
+            state.month_used = view.monthly_tokens.get(tenant_id, 0)
+            self._resize(state, now)
+        self._month_totals = dict(view.monthly_tokens)
+        self._view_month = view.month
+
+    # ------------------------------------------------------------------- helpers
+
+    def _state(self, tenant: Tenant, now: float) -> _TenantState:
+        state = self._tenants.get(tenant.id)
+        if state is None:
+            state = _TenantState(quota=tenant.quota, name=tenant.name, last_seen_s=now)
+            if self._view_month == self._month():
+                state.month = self._view_month
+                state.month_used = self._month_totals.get(tenant.id, 0)
+            self._tenants[tenant.id] = state
+            self._resize(state, now)
+        elif state.quota != tenant.quota:  # changed through the admin API: applies at once
+            state.quota = tenant.quota
+            self._resize(state, now)
+        return state
+
+    def _even(self) -> float:
+        return 1.0 / max(len(self._instances), 1)
+
+    def _resize(self, state: _TenantState, now: float) -> None:
+        quota = state.quota
+        if quota.requests_per_min is None:
+            state.requests = None
+        else:
+            w = state.w_requests if state.w_requests is not None else self._even()
+            state.requests = _sized(state.requests, quota.requests_per_min * w, now)
+        if quota.tokens_per_min is None:
+            state.tokens = None
+        else:
+            w = state.w_tokens if state.w_tokens is not None else self._even()
+            state.tokens = _sized(state.tokens, quota.tokens_per_min * w, now)
+
+    def _check_concurrency(self, state: _TenantState, tenant: Tenant) -> None:
+        limit = state.quota.max_concurrent
+        if limit is None:
+            return
+        fractions = state.w_concurrency or {i: self._even() for i in self._instances}
+        if self.instance_id not in fractions:
+            fractions = {i: self._even() for i in self._instances}
+        slots = allocate(limit, fractions, self._epoch)[self.instance_id]
+        if state.in_flight >= slots:
+            raise QuotaExceeded(
+                "max_concurrent",
+                f"rate limit reached for tenant {tenant.name!r}: max_concurrent is {limit} "
+                f"requests in flight at once ({state.in_flight} running here); retry when one "
+                "finishes",
+                1.0,
+            )
+
+    def _check_monthly(self, state: _TenantState, tenant: Tenant) -> None:
+        budget = state.quota.monthly_tokens
+        if budget is None:
+            return
+        month = self._month()
+        used = state.month_used if state.month == month else 0
+        share = state.w_tokens if state.w_tokens is not None else self._even()
+        allowance = max(budget - used, 0) * share
+        if state.spent_since_sync + state.reserved_tokens < allowance:
+            return
+        raise QuotaExceeded(
+            "monthly_tokens",
+            f"monthly token budget exhausted for tenant {tenant.name!r}: monthly_tokens is "
+            f"{budget} and {min(used + state.spent_since_sync, budget)} have been used in {month}",
+            _seconds_to_next_month(self._wall_clock()),
+        )
+
+    def _smooth(self, tenant_id: str, state: _TenantState, elapsed_s: float) -> DemandReport:
+        win, prev = state.window, state.smoothed
+        current = DemandReport(tenant_id, win.requests / elapsed_s, win.tokens / elapsed_s,
+                               float(max(win.concurrency, state.in_flight)), state.in_flight)
+        if prev is not None:
+            current.requests = max(current.requests, prev.requests * _DEMAND_DECAY)
+            current.tokens = max(current.tokens, prev.tokens * _DEMAND_DECAY)
+            current.concurrency = max(current.concurrency, prev.concurrency * _DEMAND_DECAY)
+        state.smoothed = current
+        state.window = _Window()
+        return current
+
+    def _month(self) -> str:
+        return month_key(self._wall_clock())
+
+
+def month_key(when: datetime) -> str:
+    """"YYYY-MM" of *when* in UTC."""
+    return when.astimezone(UTC).strftime("%Y-%m")
+
+
+def _sized(bucket: TokenBucket | None, per_min: float, now: float) -> TokenBucket:
+    if bucket is None:
+        return TokenBucket.full(per_min, per_min / 60.0, now)
+    bucket.resize(per_min, per_min / 60.0, now)
+    return bucket
+
+
+def _over(tenant: Tenant, limit: str, value: int, unit: str, wait_s: float,
+          needed: int | None = None) -> QuotaExceeded:
+    retry = _whole_seconds(wait_s)
+    need = f" (this request needs {needed})" if needed is not None else ""
+    return QuotaExceeded(
+        limit,
+        f"rate limit reached for tenant {tenant.name!r}: {limit} is {value} {unit}{need}; "
+        f"retry after {retry} s",
+        retry,
+    )
+
+
+def _whole_seconds(wait_s: float) -> float:
+    if math.isinf(wait_s):
+        return 60.0
+    return float(max(1, math.ceil(wait_s)))
+
+
+def _seconds_to_next_month(now: datetime) -> float:
+    now = now.astimezone(UTC)
+    start = now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    end = start.replace(year=now.year + (now.month == 12), month=now.month % 12 + 1)
+    return float(max(1, math.ceil((end - now).total_seconds())))
