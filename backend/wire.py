@@ -92,6 +92,8 @@ CONTROL_LENGTHS_PATH = "/length-history"
 """POST a :class:`LengthHistoryPush`: finished output lengths per length-history key."""
 CONTROL_STATS_PATH = "/stats"
 """GET: the in-engine policy's counters (JSON object; see backend.sglang_ext.driver.DriverStats)."""
+CONTROL_STATS_RESET_PATH = "/stats/reset"
+"""POST: zero the counters (a bench starts its measurement window)."""
 CONTROL_HEALTH_PATH = "/health"
 """GET: 200 once the scheduler's control endpoint is up."""
 

@@ -17,6 +17,7 @@ from gateway.api import admin, openai, ops
 from gateway.auth import AuthCache
 from gateway.config import Config
 from gateway.engine_client import EngineClient
+from gateway.engine_control import length_sync
 from gateway.errors import error_middleware
 from gateway.operator import install as install_operator_tools
 from gateway.state import (
@@ -52,6 +53,7 @@ def create_app(config: Config, admin_token: str, model_dir: Path) -> web.Applica
     app.cleanup_ctx.append(_engine_client)
     app.cleanup_ctx.append(_usage_recorder)
     app.cleanup_ctx.append(_background_tasks)
+    app.cleanup_ctx.append(length_sync)  # engine's length histories ← SQL
     install_operator_tools(app)  # quotas, /metrics, dashboard, /openapi.json
     app.add_routes(ops.routes)
     app.add_routes(openai.routes)

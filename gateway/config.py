@@ -96,6 +96,20 @@ class EngineConfig(_Section, frozen=True):
     control_socket: str | None = None
     """Unix socket of the patched engine's control endpoint (length-history pushes,
     statistics); None: tandem-engine-<port>.sock in the system's temporary directory."""
+
+    @property
+    def policy_in_charge(self) -> bool:
+        """True when tandem's policy schedules the engine (patch on and a policy named)."""
+        return self.kind == "sglang" and self.patch and self.policy not in ("", "none")
+
+    @property
+    def control_socket_path(self) -> str:
+        """The Unix socket of the engine's control endpoint."""
+        if self.control_socket:
+            return self.control_socket
+        import tempfile
+
+        return f"{tempfile.gettempdir()}/tandem-engine-{self.port}.sock"
     device: str = "cpu"
     """Torch device of the engine ("cpu" or "cuda")."""
     dtype: str = "float32"

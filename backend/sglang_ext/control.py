@@ -27,6 +27,7 @@ from backend.wire import (
     CONTROL_HEALTH_PATH,
     CONTROL_LENGTHS_PATH,
     CONTROL_STATS_PATH,
+    CONTROL_STATS_RESET_PATH,
     LengthHistoryPush,
 )
 
@@ -45,15 +46,19 @@ class _Handler(BaseHTTPRequestHandler):
     server: _Server
     protocol_version = "HTTP/1.1"
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+    def do_GET(self) -> None:
         if self.path == CONTROL_STATS_PATH:
             self._reply(200, self.server.driver.stats.summary())
         elif self.path == CONTROL_HEALTH_PATH:
-            self._reply(200, {"status": "ok"})
+            self._reply(200, {"status": "ok", "boot_id": self.server.driver.boot_id})
         else:
             self._reply(404, {"error": f"no route GET {self.path}"})
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
+        if self.path == CONTROL_STATS_RESET_PATH:
+            self.server.driver.reset_stats()
+            self._reply(200, {"status": "reset"})
+            return
         if self.path != CONTROL_LENGTHS_PATH:
             self._reply(404, {"error": f"no route POST {self.path}"})
             return
@@ -81,7 +86,7 @@ class _Handler(BaseHTTPRequestHandler):
     def address_string(self) -> str:  # a Unix socket has no client address
         return "unix"
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+    def log_message(self, format: str, *args: Any) -> None:
         logger.debug("control: " + format, *args)
 
 

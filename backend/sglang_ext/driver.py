@@ -29,6 +29,7 @@ import logging
 import math
 import queue
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -89,6 +90,10 @@ class DriverStats(msgspec.Struct, kw_only=True):
     """Length-history pushes applied from the control endpoint."""
     history_lengths: int = 0
     """Output lengths received through those pushes."""
+    peak_running: int = 0
+    """Most requests holding KV at once (running + mid-prefill), seen at planning time."""
+    peak_kv_used_tokens: int = 0
+    """Most KV slots in use at once (requests and prefix cache), seen at planning time."""
     plan_ms: list[float] = msgspec.field(default_factory=list)
     """Recent planning times, ms (the last PLAN_MS_KEPT)."""
 
@@ -122,6 +127,8 @@ class EngineDriver:
         self.clock = clock
         self.mirror = ReqMirror(clock=clock, wall_clock=wall_clock)
         self.stats = DriverStats(policy=policy.name)
+        self.boot_id = uuid.uuid4().hex
+        """Identifies this scheduler process (the gateway re-pushes histories when it changes)."""
         self.plan: Plan | None = None
         """The current iteration's plan (None between iterations or when none was made)."""
         self.planned_tokens: dict[str, int] = {}
@@ -228,7 +235,8 @@ class EngineDriver:
         self.stats.plans += 1
         if self.stats.plans % SWEEP_EVERY == 0:
             self._sweep(sched, running_batch)
-        snap = self.snapshot(sched, list(running_batch.reqs))
+        snap = self.snapshot(sched, list(running_batch.reqs) + self.parked_reqs())
+        self._note_peaks(snap)
         t_plan = self.clock()
         plan = self.policy.plan(snap)
         plan_ms = (self.clock() - t_plan) * 1000.0
@@ -350,6 +358,17 @@ class EngineDriver:
                     lengths.observe("", key, int(value))
                 self.stats.history_lengths += len(values)
             self.stats.history_updates += 1
+
+    def reset_stats(self) -> None:
+        """Thread-safe enough for counters: starts a fresh measurement window (the loop may
+        add to the old object for one more iteration)."""
+        self.stats = DriverStats(policy=self.policy.name)
+
+    def _note_peaks(self, snap: Snapshot) -> None:
+        stats = self.stats
+        stats.peak_running = max(stats.peak_running, len(snap.running))
+        used = snap.kv_capacity_tokens - snap.kv_free_tokens
+        stats.peak_kv_used_tokens = max(stats.peak_kv_used_tokens, used)
 
     def _note_plan_ms(self, plan_ms: float) -> None:
         kept = self.stats.plan_ms

@@ -24,7 +24,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -104,14 +103,12 @@ def server_argv(engine_cfg: EngineConfig, model_path: Path, model_name: str) -> 
 
 def policy_in_charge(engine_cfg: EngineConfig) -> bool:
     """True when tandem's policy schedules the engine (patch on and a policy named)."""
-    return engine_cfg.patch and engine_cfg.policy not in ("", "none")
+    return engine_cfg.policy_in_charge
 
 
 def control_socket_path(engine_cfg: EngineConfig) -> str:
     """The Unix socket of the engine's control endpoint."""
-    if engine_cfg.control_socket:
-        return engine_cfg.control_socket
-    return str(Path(tempfile.gettempdir()) / f"tandem-engine-{engine_cfg.port}.sock")
+    return engine_cfg.control_socket_path
 
 
 def policy_env(engine_cfg: EngineConfig) -> dict[str, str]:
