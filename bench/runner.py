@@ -134,15 +134,21 @@ def resolve_profile(spec: str) -> Path:
 
 
 def registered_policies() -> tuple[str, ...]:
-    """Every policy name the registry knows."""
+    """Every policy name the registry knows, and the BE orderings (bench/batch_order.py)."""
     from backend.policy.registry import POLICY_NAMES
+    from bench.batch_order import BE_ORDERINGS
 
-    return tuple(POLICY_NAMES)
+    return (*POLICY_NAMES, *BE_ORDERINGS)
 
 
 def _make_policy(name: str, latency: LatencyModel) -> Any:
     from backend.policy.registry import make_policy
+    from bench.batch_order import BE_ORDERINGS, ENGINE_POLICY
 
+    if name in BE_ORDERINGS:  # a BE ordering runs on the fcfs engine policy
+        policy = make_policy(ENGINE_POLICY, latency)
+        policy.name = name
+        return policy
     return make_policy(name, latency)
 
 
@@ -214,7 +220,12 @@ def run_policy(name: str, run: BenchRun, latency: LatencyModel, base: SimConfig)
     policy = _make_policy(name, latency)
     include_be = not getattr(policy, "rt_only", False)
     reveal = name == ORACLE or bool(getattr(policy, "reveal_lengths", False))
-    source = SimSource(run.workload.source(run.rt_rate_req_s, include_be), SimRequest)
+    spec_source = run.workload.source(run.rt_rate_req_s, include_be)
+    from bench.batch_order import BE_ORDERINGS, ordered_source
+
+    if name in BE_ORDERINGS:  # dfs / blend: the batch runner's ordered feed
+        spec_source = ordered_source(name, spec_source, run.kv_capacity_tokens)
+    source = SimSource(spec_source, SimRequest)
     span = run.workload.window_s
     # The bar runs to the arrival window; the drain after it stretches the total.
     bar = tqdm(total=round(span) if span else None, desc=f"{run.workload.name} {name}",
@@ -241,7 +252,10 @@ def run_policy(name: str, run: BenchRun, latency: LatencyModel, base: SimConfig)
 
 def _policy_list(config: BenchConfig, workload: Workload) -> tuple[list[str], dict[str, str]]:
     """Policies to run, and the skipped ones with the reason."""
-    names = list(config.policies or registered_policies())
+    from bench.batch_order import BE_ORDERINGS
+
+    # By default every engine policy; the BE orderings (offline jobs only) when asked for.
+    names = list(config.policies or [n for n in registered_policies() if n not in BE_ORDERINGS])
     skipped: dict[str, str] = {}
     if RT_ONLY in names and (not workload.has_be or not workload.has_rt):
         skipped[RT_ONLY] = ("the workload has no BE stream (rt-only would repeat fcfs)"

@@ -237,6 +237,8 @@ class BatchRow(Base):
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"))
+    key_id: Mapped[str | None] = mapped_column(String(32))
+    """The API key that created the batch (its lines' usage records name it)."""
     input_file_id: Mapped[str] = mapped_column(ForeignKey("files.id"))
     endpoint: Mapped[str] = mapped_column(String(64))
     completion_window: Mapped[str] = mapped_column(String(16))

@@ -57,6 +57,7 @@ def upgrade() -> None:
         "batches",
         sa.Column("id", sa.String(40), nullable=False),
         sa.Column("tenant_id", sa.String(32), nullable=False),
+        sa.Column("key_id", sa.String(32), nullable=True),
         sa.Column("input_file_id", sa.String(40), nullable=False),
         sa.Column("endpoint", sa.String(64), nullable=False),
         sa.Column("completion_window", sa.String(16), nullable=False),
