@@ -52,11 +52,16 @@ class TokenBucket:
         self.refill(now_s)
         self.level = min(self.capacity, self.level + amount)
 
-    def resize(self, capacity: float, rate_per_s: float, now_s: float) -> None:
-        """New size and rate from now on; the level never exceeds the new size."""
+    def resize(self, capacity: float, rate_per_s: float, now_s: float, *,
+               grant_growth: bool = False) -> None:
+        """New size and rate from now on; the level never exceeds the new size. With
+        *grant_growth* a larger size also adds the difference to the level (an operator raised
+        the limit: the tenant gets the extra burst at once)."""
         if capacity == self.capacity and rate_per_s == self.rate_per_s:
             return
         self.refill(now_s)
+        if grant_growth and capacity > self.capacity:
+            self.level += capacity - self.capacity
         self.capacity = capacity
         self.rate_per_s = rate_per_s
         self.level = min(self.level, capacity)

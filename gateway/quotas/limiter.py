@@ -92,6 +92,8 @@ class _TenantState:
     reserved_tokens: int = 0
     spent_since_sync: int = 0
     """Tokens used by requests finished since the last sync (not in `month_used` yet)."""
+    pushing: int = 0
+    """Tokens handed to a sync still under way (in `month_used` once it has answered)."""
     month_used: int = 0
     """Tokens used this month by all instances, as of the last sync."""
     month: str = ""
@@ -205,6 +207,7 @@ class QuotaLimiter:
             reports.append(self._smooth(tenant_id, state, elapsed))
         deltas, self._unsynced_month = self._unsynced_month, {}
         for state in self._tenants.values():
+            state.pushing += state.spent_since_sync
             state.spent_since_sync = 0
         return reports, deltas
 
@@ -212,9 +215,9 @@ class QuotaLimiter:
         """Keeps month counts whose write failed, for the next sync."""
         for key, tokens in deltas.items():
             self._unsynced_month[key] = self._unsynced_month.get(key, 0) + tokens
-            state = self._tenants.get(key[0])
-            if state is not None and key[1] == self._month():
-                state.spent_since_sync += tokens
+        for state in self._tenants.values():
+            state.spent_since_sync += state.pushing
+            state.pushing = 0
 
     def apply_sync(self, view: SyncView) -> None:
         """Sets every tenant's share of its limits from the shared view."""
@@ -235,6 +238,7 @@ class QuotaLimiter:
                 self._instances, {i: d.concurrency for i, d in demand.items()})
             state.month = view.month
             state.month_used = view.monthly_tokens.get(tenant_id, 0)
+            state.pushing = 0
             self._resize(state, now)
         self._month_totals = dict(view.monthly_tokens)
         self._view_month = view.month
@@ -252,24 +256,27 @@ class QuotaLimiter:
             self._resize(state, now)
         elif state.quota != tenant.quota:  # changed through the admin API: applies at once
             state.quota = tenant.quota
-            self._resize(state, now)
+            self._resize(state, now, limit_changed=True)
         return state
 
     def _even(self) -> float:
         return 1.0 / max(len(self._instances), 1)
 
-    def _resize(self, state: _TenantState, now: float) -> None:
+    def _resize(self, state: _TenantState, now: float, limit_changed: bool = False) -> None:
+        # a new share (sync) only resizes: growing the level with every share change would let
+        # oscillating shares mint tokens; a raised limit (admin) grants its extra burst at once
         quota = state.quota
         if quota.requests_per_min is None:
             state.requests = None
         else:
             w = state.w_requests if state.w_requests is not None else self._even()
-            state.requests = _sized(state.requests, quota.requests_per_min * w, now)
+            state.requests = _sized(state.requests, quota.requests_per_min * w, now,
+                                    limit_changed)
         if quota.tokens_per_min is None:
             state.tokens = None
         else:
             w = state.w_tokens if state.w_tokens is not None else self._even()
-            state.tokens = _sized(state.tokens, quota.tokens_per_min * w, now)
+            state.tokens = _sized(state.tokens, quota.tokens_per_min * w, now, limit_changed)
 
     def _check_concurrency(self, state: _TenantState, tenant: Tenant) -> None:
         limit = state.quota.max_concurrent
@@ -296,12 +303,13 @@ class QuotaLimiter:
         used = state.month_used if state.month == month else 0
         share = state.w_tokens if state.w_tokens is not None else self._even()
         allowance = max(budget - used, 0) * share
-        if state.spent_since_sync + state.reserved_tokens < allowance:
+        spent_here = state.spent_since_sync + state.pushing
+        if spent_here + state.reserved_tokens < allowance:
             return
         raise QuotaExceeded(
             "monthly_tokens",
             f"monthly token budget exhausted for tenant {tenant.name!r}: monthly_tokens is "
-            f"{budget} and {min(used + state.spent_since_sync, budget)} have been used in {month}",
+            f"{budget} and {min(used + spent_here, budget)} have been used in {month}",
             _seconds_to_next_month(self._wall_clock()),
         )
 
@@ -326,10 +334,11 @@ def month_key(when: datetime) -> str:
     return when.astimezone(UTC).strftime("%Y-%m")
 
 
-def _sized(bucket: TokenBucket | None, per_min: float, now: float) -> TokenBucket:
+def _sized(bucket: TokenBucket | None, per_min: float, now: float, grant_growth: bool
+           ) -> TokenBucket:
     if bucket is None:
         return TokenBucket.full(per_min, per_min / 60.0, now)
-    bucket.resize(per_min, per_min / 60.0, now)
+    bucket.resize(per_min, per_min / 60.0, now, grant_growth=grant_growth)
     return bucket
 
 

@@ -1,0 +1,164 @@
+"""Quotas end to end: the gateway in front of the real engine refuses a tenant over its limits
+with 429, Retry-After and an OpenAI error naming the limit, and serves it again afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from tests.functional.gateway_fixtures import GatewayHandle
+
+pytestmark = pytest.mark.slow
+MODEL = "tandem-tiny"
+
+
+async def tenant_with_quota(gw: GatewayHandle, name: str, **quota: int) -> tuple[str, str]:
+    status, tenant = await gw.admin("POST", "/tenants", {
+        "name": name, "tier": "rt", "slo": {"ttft_ms": 5000, "tpot_ms": 1000}, "quota": quota})
+    assert status == 201, tenant
+    status, key = await gw.admin("POST", f"/tenants/{tenant['id']}/keys")
+    assert status == 201, key
+    return tenant["id"], key["key"]
+
+
+async def chat(gw: GatewayHandle, key: str, max_tokens: int = 1,
+               **extra: Any) -> tuple[int, dict[str, str], Any]:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": max_tokens, "ignore_eos": True, **extra}
+    async with gw.session.post(f"{gw.base_url}/v1/chat/completions", json=body,
+                               headers={"Authorization": f"Bearer {key}"}) as resp:
+        payload = await resp.json() if resp.content_type == "application/json" else None
+        return resp.status, dict(resp.headers), payload
+
+
+def assert_rate_limited(status: int, headers: dict[str, str], body: Any, limit: str) -> int:
+    """The 429 a client sees; returns its Retry-After."""
+    assert status == 429, body
+    error = body["error"]
+    assert error["type"] == "rate_limit_error" and error["code"] == f"{limit}_exceeded"
+    assert limit in error["message"]
+    retry_after = int(headers["Retry-After"])
+    assert retry_after >= 1
+    return retry_after
+
+
+async def test_over_requests_per_min_is_429_then_served_after_retry_after(
+        gateway: GatewayHandle) -> None:
+    tenant_id, key = await tenant_with_quota(gateway, "rpm-tenant", requests_per_min=12)
+    started = time.monotonic()
+    served = 0
+    while True:
+        status, headers, body = await chat(gateway, key)
+        if status != 200:
+            break
+        served += 1
+        assert served <= 20, "the limit never applied"
+    elapsed = time.monotonic() - started
+    retry_after = assert_rate_limited(status, headers, body, "requests_per_min")
+    # the bucket holds 12 and refills 12 per minute: no more than that got through
+    assert 12 <= served <= 12 + int(elapsed * 12 / 60) + 1
+    assert retry_after <= 5  # one request's worth of refill: 60 / 12 s
+    await asyncio.sleep(retry_after)
+    status, _, body = await chat(gateway, key)
+    assert status == 200, body
+    records = await gateway.latest_requests(tenant_id, 50)
+    limited = [r for r in records if r["status"] == "rate_limited"]
+    assert len(limited) == 1 and limited[0]["http_status"] == 429
+    assert limited[0]["slo_met"] is None  # a refusal is not an SLO miss
+
+
+async def test_over_tokens_per_min_is_429_and_unused_tokens_come_back(
+        gateway: GatewayHandle) -> None:
+    _, key = await tenant_with_quota(gateway, "tpm-tenant", tokens_per_min=600)
+    status, _, body = await chat(gateway, key, max_tokens=250)
+    assert status == 200, body
+    used = body["usage"]["total_tokens"]
+    # prompt + 250 were reserved and all used; the next one does not fit in what is left
+    status, headers, body = await chat(gateway, key, max_tokens=250)
+    if status == 200:  # the first request's refill made room: one more, then it must refuse
+        status, headers, body = await chat(gateway, key, max_tokens=250)
+    retry_after = assert_rate_limited(status, headers, body, "tokens_per_min")
+    assert "this request needs" in body["error"]["message"]
+    assert retry_after <= 60
+    # a request larger than the whole limit can never pass: said so, naming max_tokens
+    status, _, body = await chat(gateway, key, max_tokens=700)
+    assert status == 429 and "lower max_tokens" in body["error"]["message"]
+    await asyncio.sleep(retry_after)
+    status, _, body = await chat(gateway, key, max_tokens=250)
+    assert status == 200, body
+    assert used > 250
+
+
+async def test_tokens_reserved_but_not_generated_are_given_back(gateway: GatewayHandle) -> None:
+    _, key = await tenant_with_quota(gateway, "tpm-refund", tokens_per_min=1000)
+    # reserve prompt + 900, read one chunk, hang up: the engine stops and the rest comes back
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 900, "ignore_eos": True, "stream": True}
+    async with gateway.session.post(f"{gateway.base_url}/v1/chat/completions", json=body,
+                                    headers={"Authorization": f"Bearer {key}"}) as resp:
+        assert resp.status == 200
+        await resp.content.readline()
+    for _ in range(50):  # the gateway notices the disconnect and releases the reservation
+        await asyncio.sleep(0.1)
+        status, _, reply = await chat(gateway, key, max_tokens=800)
+        if status == 200:
+            break
+    assert status == 200, reply  # without the refund only ~100 tokens would be left
+
+
+async def test_over_max_concurrent_is_429_until_a_request_finishes(
+        gateway: GatewayHandle) -> None:
+    _, key = await tenant_with_quota(gateway, "conc-tenant", max_concurrent=1)
+    long = asyncio.create_task(chat(gateway, key, max_tokens=150))
+    status = 0
+    for _ in range(100):  # wait until the long request holds the slot
+        await asyncio.sleep(0.05)
+        status, headers, body = await chat(gateway, key)
+        if status == 429:
+            break
+        assert not long.done(), "the long request ended before the limit was seen"
+    assert_rate_limited(status, headers, body, "max_concurrent")
+    status, _, _ = await long
+    assert status == 200
+    status, _, body = await chat(gateway, key)
+    assert status == 200, body
+
+
+async def test_limit_changes_through_the_admin_api_apply_without_restart(
+        gateway: GatewayHandle) -> None:
+    tenant_id, key = await tenant_with_quota(gateway, "patched-tenant", requests_per_min=1)
+    assert (await chat(gateway, key))[0] == 200
+    status, headers, body = await chat(gateway, key)
+    assert_rate_limited(status, headers, body, "requests_per_min")
+    status, patched = await gateway.admin("PATCH", f"/tenants/{tenant_id}",
+                                          {"quota": {"requests_per_min": 600}})
+    assert status == 200 and patched["quota"]["requests_per_min"] == 600
+    for _ in range(5):
+        status, _, body = await chat(gateway, key)
+        assert status == 200, body
+    await gateway.admin("PATCH", f"/tenants/{tenant_id}", {"quota": {"max_concurrent": 0}})
+    status, headers, body = await chat(gateway, key)
+    assert_rate_limited(status, headers, body, "max_concurrent")
+
+
+async def test_a_revoked_key_is_refused_immediately(gateway: GatewayHandle) -> None:
+    tenant_id, key = await tenant_with_quota(gateway, "revoked-tenant", requests_per_min=100)
+    assert (await chat(gateway, key))[0] == 200
+    _, keys = await gateway.admin("GET", f"/tenants/{tenant_id}/keys")
+    status, _ = await gateway.admin("DELETE", f"/keys/{keys['data'][0]['id']}")
+    assert status == 200
+    status, _, body = await chat(gateway, key)
+    assert status == 401 and "revoked" in body["error"]["message"]
+
+
+async def test_monthly_budget_is_429_until_next_month(gateway: GatewayHandle) -> None:
+    _, key = await tenant_with_quota(gateway, "monthly-tenant", monthly_tokens=30)
+    status, _, body = await chat(gateway, key, max_tokens=30)
+    assert status == 200, body
+    status, headers, body = await chat(gateway, key, max_tokens=30)
+    retry_after = assert_rate_limited(status, headers, body, "monthly_tokens")
+    assert retry_after <= 31 * 86_400
+    assert "monthly_tokens is 30 and 30 have been used" in body["error"]["message"]
