@@ -1,0 +1,139 @@
+"""Two gateway processes' worth of gateways (two apps, two quota limiters, two connection pools)
+in front of one engine and one PostgreSQL database: together they hold each tenant's limits."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from sqlalchemy import func, select
+
+from gateway.state import DB_ENGINE, QUOTAS
+from gateway.store.models import GatewayInstanceRow
+from tests.functional.gateway_fixtures import GatewayHandle, start_gateway
+from tests.functional.store_fixtures import PgServer
+from tests.functional.test_quotas import assert_rate_limited, chat
+
+pytestmark = [pytest.mark.slow, pytest.mark.postgres]
+SYNC_S = 0.2
+
+
+@pytest_asyncio.fixture
+async def two_gateways(engine_server: Any, pg_server: PgServer
+                       ) -> AsyncIterator[tuple[GatewayHandle, GatewayHandle]]:
+    url = await pg_server.new_database()
+    env = {"TANDEM_QUOTA__SYNC_INTERVAL_S": str(SYNC_S),
+           "TANDEM_GATEWAY__AUTH_CACHE_TTL_S": "0.5"}
+    started = [await start_gateway(url, engine_server.port, engine_server.model_path, **env)
+               for _ in range(2)]
+    yield started[0][1], started[1][1]
+    for server, handle in started:
+        await handle.session.close()
+        await server.close()
+
+
+async def new_tenant(gw: GatewayHandle, name: str, **quota: int) -> tuple[str, str]:
+    status, tenant = await gw.admin("POST", "/tenants", {
+        "name": name, "tier": "rt", "slo": {"ttft_ms": 5000, "tpot_ms": 1000}, "quota": quota})
+    assert status == 201, tenant
+    status, key = await gw.admin("POST", f"/tenants/{tenant['id']}/keys")
+    assert status == 201, key
+    return tenant["id"], key["key"]
+
+
+async def live_instances(gw: GatewayHandle) -> int:
+    async with gw.app[DB_ENGINE].connect() as conn:
+        return int((await conn.execute(
+            select(func.count()).select_from(GatewayInstanceRow))).scalar_one())
+
+
+async def test_both_instances_register_and_see_each_other(
+        two_gateways: tuple[GatewayHandle, GatewayHandle]) -> None:
+    a, b = two_gateways
+    await asyncio.sleep(3 * SYNC_S)
+    assert await live_instances(a) == 2
+    ids = {a.app[QUOTAS].instance_id, b.app[QUOTAS].instance_id}
+    assert len(ids) == 2
+
+
+async def test_requests_per_min_holds_across_two_gateways(
+        two_gateways: tuple[GatewayHandle, GatewayHandle]) -> None:
+    a, b = two_gateways
+    _, key = await new_tenant(a, "shared-rpm", requests_per_min=10)
+    await asyncio.sleep(3 * SYNC_S)  # both know of each other
+    started = time.monotonic()
+    served = {id(a): 0, id(b): 0}
+    refusals: list[tuple[int, dict[str, str], Any]] = []
+    for gw in (a, b) * 15:
+        status, headers, body = await chat(gw, key)
+        if status == 200:
+            served[id(gw)] += 1
+        else:
+            refusals.append((status, headers, body))
+    elapsed = time.monotonic() - started
+    total = sum(served.values())
+    # one bucket of 10 (+ what 10/min refills while the test runs), whichever gateway serves
+    assert 8 <= total <= 10 + int(elapsed * 10 / 60) + 1, served
+    assert all(n >= 3 for n in served.values()), served  # each got its share
+    assert_rate_limited(*refusals[0], "requests_per_min")
+
+
+async def test_max_concurrent_holds_across_two_gateways(
+        two_gateways: tuple[GatewayHandle, GatewayHandle]) -> None:
+    a, b = two_gateways
+    _, key = await new_tenant(a, "shared-conc", max_concurrent=2)
+    await asyncio.sleep(3 * SYNC_S)
+    results = await asyncio.gather(*(chat(gw, key, max_tokens=120) for gw in (a, b, a, b, a, b)))
+    statuses = sorted(r[0] for r in results)
+    assert statuses.count(200) <= 2 and statuses.count(200) >= 1, statuses
+    for status, headers, body in results:
+        if status != 200:
+            assert_rate_limited(status, headers, body, "max_concurrent")
+    # with the slots free again, each gateway serves
+    for gw in (a, b):
+        status, _, body = await chat(gw, key)
+        assert status == 200, body
+
+
+async def test_monthly_budget_is_shared(
+        two_gateways: tuple[GatewayHandle, GatewayHandle]) -> None:
+    a, b = two_gateways
+    _, key = await new_tenant(a, "shared-month", monthly_tokens=100)
+    status, _, body = await chat(a, key, max_tokens=110)  # uses the whole month on gateway a
+    assert status == 200, body
+    await asyncio.sleep(3 * SYNC_S)  # a has added its tokens to the shared count
+    status, headers, body = await chat(b, key)
+    assert_rate_limited(status, headers, body, "monthly_tokens")
+    assert "have been used in" in body["error"]["message"]
+
+
+async def test_a_limit_changed_on_one_gateway_applies_on_the_other(
+        two_gateways: tuple[GatewayHandle, GatewayHandle]) -> None:
+    a, b = two_gateways
+    tenant_id, key = await new_tenant(a, "shared-patch", max_concurrent=0)
+    status, headers, body = await chat(b, key)
+    assert_rate_limited(status, headers, body, "max_concurrent")
+    status, _ = await a.admin("PATCH", f"/tenants/{tenant_id}", {"quota": {"max_concurrent": 4}})
+    assert status == 200
+    await asyncio.sleep(1.0)  # b's auth cache (0.5 s here) picks up the new quota
+    status, _, body = await chat(b, key)
+    assert status == 200, body
+
+
+async def test_a_stopped_gateway_leaves_the_set(engine_server: Any, pg_server: PgServer) -> None:
+    url = await pg_server.new_database()
+    env = {"TANDEM_QUOTA__SYNC_INTERVAL_S": str(SYNC_S)}
+    server_a, a = await start_gateway(url, engine_server.port, engine_server.model_path, **env)
+    server_b, b = await start_gateway(url, engine_server.port, engine_server.model_path, **env)
+    try:
+        assert await live_instances(a) == 2
+        await b.session.close()
+        await server_b.close()
+        assert await live_instances(a) == 1
+    finally:
+        await a.session.close()
+        await server_a.close()
