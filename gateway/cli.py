@@ -76,6 +76,8 @@ def _parser() -> argparse.ArgumentParser:
     key_revoke = key.add_parser("revoke", parents=[common], help="revoke a key")
     key_revoke.add_argument("key_id")
     key_revoke.set_defaults(func=_cmd_key_revoke)
+    from gateway.usage_cli import add_usage_command
+    add_usage_command(admin, common)
     from bench.cli import add_bench_parser
     add_bench_parser(sub)
     return parser
