@@ -13,6 +13,7 @@ from backend.policy.baselines.sglang_like import SglangLikePolicy
 from backend.policy.baselines.two_phase import FixedOfflinePolicy, StaticChunkPolicy
 from backend.policy.latency import LatencyModel
 from backend.policy.tandem import TandemPolicy
+from backend.policy.tandem.presets import tolerance_5pct
 from backend.policy.types import Policy
 
 
@@ -61,7 +62,32 @@ _FACTORIES: dict[str, Callable[..., Policy]] = {
     "rt-only": _rt_only,
     "tandem": _tandem("tandem"),
     **{name: _tandem(name, **{switch: False}) for name, switch in TANDEM_ABLATIONS.items()},
+    "tandem-tol5": tolerance_5pct,
 }
+
+
+
+def _kv_layout(make: Callable[..., Policy], name: str, layout: str) -> Callable[..., Policy]:
+    """`make` whose policy asks the engine for a KV layout (`kv_layout` attribute, read by the
+    bench runner: "bicache" = BROS's bidirectional blocks with lazy checkpointing, "token" =
+    SGLang's token pool with recompute)."""
+
+    def made(latency: LatencyModel, **options: Any) -> Policy:
+        policy = make(latency, **options)
+        policy.name = name
+        policy.kv_layout = layout  # type: ignore[attr-defined]
+        return policy
+
+    return made
+
+
+TANDEM_KV_LAYOUT = "token"
+"""The config switch of the bicache layout for `tandem` (bench/results/W1-bicache/README.md says
+why it is off); `tandem-bicache` and `tandem-no-bicache` pin it either way."""
+_FACTORIES["tandem"] = _kv_layout(_FACTORIES["tandem"], "tandem", TANDEM_KV_LAYOUT)
+_FACTORIES["tandem-bicache"] = _kv_layout(_tandem("tandem-bicache"), "tandem-bicache", "bicache")
+_FACTORIES["tandem-no-bicache"] = _kv_layout(_tandem("tandem-no-bicache"), "tandem-no-bicache",
+                                             "token")
 
 POLICY_NAMES: tuple[str, ...] = tuple(_FACTORIES)
 """Every name `make_policy` accepts."""

@@ -53,6 +53,14 @@ class LengthModel:
         self._lists.pop(key, None)
         self.forget(rid)
 
+    def replace_history(self, key: str, output_lens: Sequence[int]) -> None:
+        """Sets `key`'s history to `output_lens` (oldest first; the newest `window` kept): the
+        authoritative copy from the gateway's SQL store, which already holds what this engine
+        observed itself."""
+        hist = self.histories[key] = LengthHistory(self.window)
+        hist.extend(int(n) for n in output_lens)
+        self._lists.pop(key, None)
+
     def forget(self, rid: str) -> None:
         self._total.pop(rid, None)
         self._from_prior.discard(rid)

@@ -26,6 +26,8 @@ class TandemBatch(BatchBuilder):
         self.timer = timer
         self.min_chunk_tokens = min_chunk_tokens
         """Chunks shorter than this are not worth a slot (unless they finish the prompt)."""
+        self.first_tokens = 0
+        """RT prompts this batch finishes (each emits its first token when it ends)."""
         self.rt_deadline_s = math.inf
         """Earliest deadline of an RT token this batch emits (the feedback checks it)."""
         self.rt_allowance_s = math.inf

@@ -79,8 +79,10 @@ def be_time_limit(ctx: PlanContext) -> float:
     cfg = ctx.config
     t_rt = ctx.batch.time_s()
     share = ctx.be_frac if ctx.has_rt else 1.0  # the share protects RT; alone, BE takes all
+    if ctx.batch.first_tokens:
+        share *= cfg.first_token_be_frac  # BE time here delays RT first tokens (TTFT)
     limit = t_rt + share * max(0.0, ctx.tau_s - t_rt)
-    limit = max(limit, t_rt + cfg.be_min_share * ctx.tau_s)
+    limit = max(limit, t_rt + cfg.be_min_share * min(ctx.tau_s, ctx.budget_s))
     return min(limit, ctx.hard_s)
 
 

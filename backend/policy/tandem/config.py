@@ -60,6 +60,10 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
     near_miss_frac: float = 0.05
     """An RT token emitted within this fraction of its allowance before its deadline is a
     near miss (the feedback backs off as for a miss)."""
+    first_token_be_frac: float = 1.0
+    """Scales the BE share in an iteration that emits RT first tokens: every second of BE work
+    there is a second of TTFT for each of them (HyGen's mean-TTFT interference); 1 = no
+    difference, 0 = such iterations carry only the BE starvation floor."""
     be_min_share: float = 0.05
     """BE always gets at least this fraction of τ when it has work (starvation freedom under
     sustained RT load), even past τ."""
@@ -68,6 +72,10 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
     be_order_prob: float = 0.8
     """u: probability that the next BE admission follows the caller's order rather than
     oldest-first (HyGen's freshness mix)."""
+    rt_prefill_floor_tokens: int = 0
+    """RT prompts may stretch an iteration past L (never past the RT deadlines' hard cap) until
+    the RT work in it reaches this many tokens (RT decodes count one each, as in the rt-only
+    engine's budget); 0 = τ ≤ L also for RT prompts."""
     min_chunk_tokens: int = 16
     """Smallest prefill chunk worth a slot unless it finishes the prompt, tokens."""
     seed: int = 0
@@ -87,14 +95,21 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("reserve_frac", "rt_headroom_frac", "rt_headroom_max_frac",
-                     "near_miss_frac", "be_min_share",
+                     "near_miss_frac", "be_min_share", "first_token_be_frac",
                      "be_order_prob"):
-            if not 0.0 <= getattr(self, name) < 1.0 + (name == "be_order_prob"):
-                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+            value = getattr(self, name)
+            if name in ("be_order_prob", "first_token_be_frac"):
+                if not 0.0 <= value <= 1.0:
+                    raise ValueError(f"{name} must be in [0, 1], got {value}")
+            elif not 0.0 <= value < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {value}")
         if not 0.0 <= self.eps_min <= self.eps_init <= self.eps_max < 1.0:
             raise ValueError("need 0 ≤ eps_min ≤ eps_init ≤ eps_max < 1")
         if not 0.0 < self.be_frac_reset <= 1.0 or not 0.0 < self.be_frac_init <= 1.0:
             raise ValueError("be_frac_init and be_frac_reset must be in (0, 1]")
+        if self.rt_prefill_floor_tokens < 0:
+            raise ValueError(f"rt_prefill_floor_tokens must be ≥ 0, got "
+                             f"{self.rt_prefill_floor_tokens}")
         for name in ("long_prompt_tokens", "max_long_prefills", "best_fit_candidates",
                      "history_window", "history_min_samples", "min_chunk_tokens"):
             if getattr(self, name) < 1:

@@ -69,7 +69,7 @@ def run_rt_prefills(ctx: PlanContext) -> None:
                            or len(window) >= ctx.config.best_fit_candidates):
                 pending = r  # heads the next window
                 break
-            if b.time_s() >= ctx.tau_s and not window:
+            if _full(ctx) and not window:
                 stop = True  # no room, and nothing behind it is urgent (slack order)
                 break
             window.append((r, s, deadline))
@@ -125,6 +125,7 @@ def _prefill(ctx: PlanContext, r: ReqState, deadline: float, *, urgent: bool,
         return SKIP
     if need_s is not None:
         ctx.tau_s = max(ctx.tau_s, min(need_s, (1 - ctx.eps) * ctx.hard_s))
+    _raise_for_floor(ctx, r)
     if not r.is_running and ctx.config.use_pastfuture and not ctx.admission.admit_rt(r):
         return STOP  # RT alone would overflow KV: later prompts would too
     chunk = b.chunk_for(r, ctx.tau_s)
@@ -132,11 +133,34 @@ def _prefill(ctx: PlanContext, r: ReqState, deadline: float, *, urgent: bool,
     if chunk <= 0:
         return STOP
     b.add_prefill(r, chunk)
+    if chunk >= r.prefill_len - r.prefilled:
+        b.first_tokens += 1
     ctx.started(r, chunk, "rt")
     if not r.is_running:
         ctx.rt_queue.take(r)
     _bound_by(ctx, r, deadline, chunk)
     return DONE
+
+
+def _full(ctx: PlanContext) -> bool:
+    """τ is used up and the RT floor (`rt_prefill_floor_tokens`) too."""
+    b = ctx.batch
+    return (b.time_s() >= ctx.tau_s
+            and b.prefill_tokens + b.num_decode >= ctx.config.rt_prefill_floor_tokens)
+
+
+def _raise_for_floor(ctx: PlanContext, r: ReqState) -> None:
+    """RT work gets at least `rt_prefill_floor_tokens` per iteration — RT decodes one token
+    each, prompt chunks the rest, as the rt-only engine's token budget counts them — τ raised
+    for it within the hard cap: a prompt is not spread over more iterations than it would be
+    without BE (each one a TTFT delay)."""
+    b, floor = ctx.batch, ctx.config.rt_prefill_floor_tokens
+    room = floor - b.prefill_tokens - b.num_decode  # the RT phase runs first: all of it is RT
+    if room <= 0:
+        return
+    want = min(r.prefill_len - r.prefilled, room)
+    need = ctx.timer.with_chunk(b, want, r.prefilled)
+    ctx.tau_s = max(ctx.tau_s, min(need, (1 - ctx.eps) * ctx.hard_s))
 
 
 def _make_room(ctx: PlanContext, r: ReqState, chunk: int, urgent: bool) -> int:
@@ -176,9 +200,8 @@ def _bound_by(ctx: PlanContext, r: ReqState, deadline: float, chunk: int) -> Non
 def _fill_window(ctx: PlanContext, window: list[tuple[ReqState, float, float]]) -> bool:
     """Non-urgent prompts of the window, best fit first, until τ is used up; True when the
     phase should stop (τ used up, or KV/admission refused)."""
-    b = ctx.batch
     while window:
-        if b.time_s() >= ctx.tau_s:
+        if _full(ctx):
             return True
         i = _best_fit(ctx, window)
         r, _, deadline = window.pop(i)

@@ -1,12 +1,15 @@
-"""Profiles the `fixed-offline` baseline's BE admission rate the way HyGen profiles HyGen*
-(../shared/digests/003_hygen.md §4.1 and §2.3): the largest fixed offline rate whose run keeps
-every RT SLO metric of the target within the tolerance of the rt-only run, by binary search.
+"""HyGen's SLO-aware profiling (../shared/digests/003_hygen.md §2.3, §4.1), for both sides of
+its experiment: the largest value of one policy parameter whose run keeps every RT SLO metric
+of the target within the tolerance of the rt-only run, by binary search. HyGen profiles its
+latency budget L this way, and the fixed offline rate of its HyGen* baseline.
 
-    .venv/bin/python bench/results/tandem/profile_fixed_offline.py [W5] [--load 0.75]
-        [--tolerance 0.05] [--hi 4.0] [--steps 10]
+    .venv/bin/python bench/results/tandem/profile_tolerance.py [W5] [--load 0.75]
+        [--policy fixed-offline --param be_rate_req_s --lo 0 --hi 4.0] [--tolerance 0.05]
+        [--steps 10]
+    ... --policy tandem-tol5 --param latency_budget_s --lo 0.005 --hi 0.06
 
-Metrics: P99 TBT and mean TTFT (W5's interference target). Prints every probe and the rate;
-the default of `FixedOfflinePolicy.be_rate_req_s` is the W5 result.
+Metrics: P99 TBT and mean TTFT (W5's interference target). Prints every probe and the value;
+the defaults of `FixedOfflinePolicy.be_rate_req_s` and of `tandem-tol5`'s L are the W5 results.
 """
 
 from __future__ import annotations
@@ -18,9 +21,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from backend.policy.baselines.two_phase import FixedOfflinePolicy  # noqa: E402
-from backend.policy.latency import LatencyModel  # noqa: E402
-from bench import runner  # noqa: E402
+from backend.policy.latency import LatencyModel
+from backend.policy.registry import make_policy
+from bench import runner
 
 METRICS = ("rt_tbt_p99_s", "rt_ttft_mean_s")
 
@@ -30,15 +33,18 @@ def main() -> None:
     ap.add_argument("workload", nargs="?", default="W5")
     ap.add_argument("--load", type=float, default=0.75)
     ap.add_argument("--tolerance", type=float, default=0.05)
-    ap.add_argument("--hi", type=float, default=4.0, help="highest rate tried, req/s")
+    ap.add_argument("--policy", default="fixed-offline")
+    ap.add_argument("--param", default="be_rate_req_s")
+    ap.add_argument("--lo", type=float, default=0.0, help="lowest value (assumed to pass)")
+    ap.add_argument("--hi", type=float, default=4.0, help="highest value tried")
     ap.add_argument("--steps", type=int, default=10)
     args = ap.parse_args()
     rate_box = [0.0]
     original = runner._make_policy
 
     def make(name: str, latency: LatencyModel) -> Any:
-        if name == "fixed-offline":
-            return FixedOfflinePolicy(latency, be_rate_req_s=rate_box[0])
+        if name == args.policy:
+            return make_policy(name, latency, **{args.param: rate_box[0]})
         return original(name, latency)
 
     runner._make_policy = make  # type: ignore[assignment]
@@ -50,16 +56,16 @@ def main() -> None:
     def ok(rate: float) -> bool:
         rate_box[0] = rate
         run = runner.run_bench(runner.BenchConfig(**{**base.__dict__,
-                                                     "policies": ("fixed-offline",)}))
-        m = run.runs["fixed-offline"].metrics
+                                                     "policies": (args.policy,)}))
+        m = run.runs[args.policy].metrics
         ratios = {k: float(m[k]) / float(reference[k]) for k in METRICS}
         good = all(r <= 1 + args.tolerance for r in ratios.values())
-        print(f"rate {rate:.4f} req/s: BE {float(m['be_throughput_tok_s']):.1f} tok/s, "
+        print(f"{args.param} {rate:.4f}: BE {float(m['be_throughput_tok_s']):.1f} tok/s, "
               + ", ".join(f"{k} ×{v:.3f}" for k, v in ratios.items())
               + (" ok" if good else " over"), flush=True)
         return good
 
-    lo, hi = 0.0, args.hi
+    lo, hi = args.lo, args.hi
     if ok(hi):
         lo = hi
     else:
@@ -69,7 +75,7 @@ def main() -> None:
                 lo = mid
             else:
                 hi = mid
-    print(f"profiled rate: {lo:.4f} req/s")
+    print(f"profiled {args.param}: {lo:.4f}")
 
 
 if __name__ == "__main__":
