@@ -65,7 +65,8 @@ def test_registry_names_and_errors() -> None:
     assert POLICY_NAMES == ("fcfs", "priority", "rr", "aggressive", "conservative",
                             "fixed-offline", "static-chunk", "oracle", "rt-only",
                             "tandem", "tandem-no-pastfuture", "tandem-no-slack",
-                            "tandem-no-aimd", "tandem-no-era", "tandem-tol5")
+                            "tandem-no-aimd", "tandem-no-era", "tandem-tol5", "tandem-bicache",
+                            "tandem-no-bicache")
     for name in POLICY_NAMES:
         assert make_policy(name, LATENCY).name == name
     with pytest.raises(ValueError, match="unknown policy 'nope'; valid: fcfs, priority"):
