@@ -101,8 +101,10 @@ CONTROL_HEALTH_PATH = "/health"
 class LengthHistoryPush(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Output lengths the gateway's SQL history holds, for the engine's admission predictor.
 
-    Sent at start-up (each key's most recent window) and whenever the gateway finds the engine
-    restarted; the engine records its own finished requests itself in between."""
+    Each key's newest window, replacing what the engine holds for that key (SQL is the
+    authoritative copy: it includes what the engine saw finish itself). Sent for every key when
+    the gateway first reaches an engine (or finds it restarted), then for the keys that changed;
+    between pushes the engine adds the requests it finishes itself."""
 
     histories: dict[str, list[int]]
     """length key → finished output lengths, oldest first, tokens (each ≥ 0)."""

@@ -2,13 +2,13 @@
 
 The engine's admission predicts output lengths from per-key histories (Past-Future); the gateway
 owns them in SQL (``length_history``). :func:`length_sync` is a cleanup context that keeps the two
-in step: once the engine's control endpoint answers, it pushes every key's newest window
-(``usage.length_history_window``), and it pushes again whenever the endpoint reports a new
-``boot_id`` (the engine restarted and lost its in-memory history). Between pushes the engine
-learns from the requests it finishes itself, so nothing is pushed per request.
-
-Several gateways in front of one engine each push at start-up; the engine takes the lengths as
-observations, so a repeated push only re-weights the window towards recent values.
+in step every ``CHECK_INTERVAL_S``: when the engine's control endpoint first answers (or reports a
+new ``boot_id``: it restarted and lost its memory) every key's newest window
+(``usage.length_history_window``) is pushed; after that only the keys with rows newer than the
+last push. A push replaces the key's history in the engine, and SQL already holds what the engine
+finished itself (the usage recorder writes it), so nothing is counted twice; between pushes the
+engine learns from its own finished requests at once. Several gateways sharing one database push
+the same SQL truth, so their pushes agree.
 """
 
 from __future__ import annotations
@@ -30,11 +30,13 @@ from backend.wire import (
     LengthHistoryPush,
 )
 from gateway.state import CONFIG, STORE
+from gateway.store.repo import Store
 
 logger = logging.getLogger(__name__)
 
-CHECK_INTERVAL_S = 5.0
-"""How often the gateway checks whether the engine (re)started."""
+CHECK_INTERVAL_S = 2.0
+"""How often the gateway syncs: an engine restart or another gateway's writes show up this late
+at most (one indexed query when nothing changed)."""
 REQUEST_TIMEOUT_S = 30.0
 
 
@@ -86,27 +88,43 @@ class EngineControl:
         return body if isinstance(body, dict) else {}
 
 
-async def sync_once(control: EngineControl, app: web.Application,
-                    pushed_to: str | None) -> str | None:
-    """Pushes the SQL histories if the engine is up and has not had them; returns the boot id
-    they were pushed to (or *pushed_to* unchanged)."""
-    boot = await control.boot_id()
-    if boot is None or boot == pushed_to:
-        return pushed_to
-    window = app[CONFIG].usage.length_history_window
-    histories = await app[STORE].all_length_histories(window)
-    await control.push_lengths(histories)
-    logger.info("pushed %d length histories (%d lengths) to engine %s", len(histories),
-                sum(len(v) for v in histories.values()), boot)
-    return boot
+class LengthSync:
+    """What this gateway has pushed to the engine: which engine (boot id) and up to which SQL
+    row; each :meth:`step` sends what changed since."""
+
+    def __init__(self, control: EngineControl, store: Store, window: int) -> None:
+        self.control = control
+        self.store = store
+        self.window = window
+        self.boot_id: str | None = None
+        self.after_id = 0
+
+    async def step(self) -> int:
+        """One sync: everything for a new engine, else the keys that changed; returns the
+        number of keys pushed (0 when the engine is down or nothing changed)."""
+        boot = await self.control.boot_id()
+        if boot is None:
+            return 0
+        if boot != self.boot_id:
+            keys, newest = await self.store.length_keys_changed(0)
+        else:
+            keys, newest = await self.store.length_keys_changed(self.after_id)
+        if keys:
+            histories = await self.store.length_histories(keys, self.window)
+            await self.control.push_lengths(histories)
+            logger.info("pushed %d length histories (%d lengths) to engine %s", len(histories),
+                        sum(len(v) for v in histories.values()), boot)
+        self.boot_id, self.after_id = boot, newest
+        return len(keys)
 
 
 async def _sync_loop(app: web.Application) -> None:
-    async with EngineControl(app[CONFIG].engine.control_socket_path) as control:
-        pushed_to: str | None = None
+    config = app[CONFIG]
+    async with EngineControl(config.engine.control_socket_path) as control:
+        sync = LengthSync(control, app[STORE], config.usage.length_history_window)
         while True:
             try:
-                pushed_to = await sync_once(control, app, pushed_to)
+                await sync.step()
             except Exception:  # the engine or the database may be down: retry later
                 logger.exception("length-history sync failed; retrying")
             await asyncio.sleep(CHECK_INTERVAL_S)

@@ -354,8 +354,7 @@ class EngineDriver:
             if lengths is None:
                 continue  # a policy without a length history (a baseline)
             for key, values in histories.items():
-                for value in values:
-                    lengths.observe("", key, int(value))
+                lengths.replace_history(key, values)
                 self.stats.history_lengths += len(values)
             self.stats.history_updates += 1
 

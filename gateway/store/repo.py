@@ -312,6 +312,25 @@ class Store:
                 histories.setdefault(key, []).append(output_len)
         return histories
 
+    async def length_keys_changed(self, after_id: int) -> tuple[set[str], int]:
+        """The keys with a length row newer than *after_id*, and the newest row id (or
+        *after_id* when none is newer): what a sync has to re-send."""
+        t = _length_table
+        stmt = (
+            select(t.c.length_key, func.max(t.c.id))
+            .where(t.c.id > after_id)
+            .group_by(t.c.length_key)
+        )
+        async with self._sessions() as session:
+            rows = (await session.execute(stmt)).all()
+        newest = max((int(row[1]) for row in rows), default=after_id)
+        return {str(row[0]) for row in rows}, newest
+
+    async def length_histories(self, keys: Iterable[str], limit_per_key: int
+                               ) -> dict[str, list[int]]:
+        """The newest *limit_per_key* output lengths (newest last) of each of *keys*."""
+        return {key: await self.length_history(key, limit_per_key) for key in sorted(set(keys))}
+
 
 # ----------------------------------------------------------------- helpers
 

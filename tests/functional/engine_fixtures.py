@@ -10,6 +10,8 @@ Also here: small stdlib HTTP helpers that speak SGLang's native API (JSON and SS
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import socket
 import urllib.error
@@ -73,21 +75,30 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@pytest.fixture(scope="session")
-def engine_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineServer]:
-    """The patched engine, started once per test session and always stopped."""
-    workdir = tmp_path_factory.mktemp("engine")
+CPU_POLICY_OPTIONS: dict[str, float | int | bool | str] = {
+    "latency_budget_s": 0.1,
+    "idle_budget_s": 0.3,
+}
+"""The tandem policy's time budgets for the tiny model on CPU (as in config.yaml)."""
+
+
+@contextlib.contextmanager
+def running_engine(workdir: Path, **overrides: Any) -> Iterator[EngineServer]:
+    """A patched engine with the tiny model on a free port, stopped on exit (also on errors).
+    *overrides* are EngineConfig fields."""
     model_path = ensure_tiny_model(workdir / "model-cache")
     trace_path = workdir / "scheduler-trace.jsonl"
     log_path = workdir / "engine.log"
-    # Small enough to start fast on 2 cores, big enough for every engine test.
-    cfg = EngineConfig(
-        port=free_port(),
-        patch=True,
-        max_total_tokens=16384,
-        max_running_requests=16,
-        chunked_prefill_size=512,
-    )
+    fields: dict[str, Any] = {
+        "port": free_port(),
+        "patch": True,
+        "max_total_tokens": 16384,
+        "max_running_requests": 16,
+        "chunked_prefill_size": 512,
+        "policy_options": CPU_POLICY_OPTIONS,
+    }
+    fields.update(overrides)
+    cfg = EngineConfig(**fields)
     engine = EngineProcess(
         server_argv(cfg, model_path, MODEL_NAME),
         engine_env(cfg, extra={TRACE_ENV: str(trace_path)}),
@@ -110,6 +121,14 @@ def engine_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineSe
         )
     finally:
         engine.stop()
+
+
+@pytest.fixture(scope="session")
+def engine_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineServer]:
+    """The patched engine (tandem's policy in charge), started once per session, always
+    stopped. Small enough to start fast on 2 cores, big enough for every engine test."""
+    with running_engine(tmp_path_factory.mktemp("engine")) as engine:
+        yield engine
 
 
 def post_json(base_url: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
@@ -154,6 +173,30 @@ def stream_events(base_url: str, path: str, body: dict[str, Any]) -> Iterator[di
             if data == "[DONE]":
                 return
             yield json.loads(data)
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, socket_path: str) -> None:
+        super().__init__("engine", timeout=HTTP_TIMEOUT_S)
+        self.socket_path = socket_path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(HTTP_TIMEOUT_S)
+        sock.connect(self.socket_path)
+        self.sock = sock
+
+
+def control(engine: EngineServer, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    """A request to the engine's control endpoint (Unix socket); (status, parsed body)."""
+    conn = _UnixHTTPConnection(engine.config.control_socket_path)
+    try:
+        data = None if body is None else json.dumps(body).encode()
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, _parse(resp.read())
+    finally:
+        conn.close()
 
 
 def _parse(raw: bytes) -> Any:

@@ -1,0 +1,219 @@
+"""The tandem policy drives the real CPU engine (issue 5), through the gateway.
+
+What a user notices: an RT request that arrives while BE work fills the engine still gets its
+first token within its TTFT target; BE requests whose decodes sat out iterations complete with
+the full, correct output; the engine does not admit more BE work than the KV pool can carry when
+the tenant's history says its outputs are long; every request ends exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.state import STORE
+from tests.functional.engine_fixtures import EngineServer, control, running_engine
+from tests.functional.gateway_fixtures import GatewayHandle, start_gateway
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tandem-tiny"
+
+
+def prompt_ids(seed: int, n: int) -> list[int]:
+    """A prompt of exactly *n* token ids (distinct per seed, so no prefix is shared)."""
+    return [10 + (seed * 131 + i * 17) % 400 for i in range(n)]
+
+
+async def complete(gw: GatewayHandle, key: str, prompt: list[int], max_tokens: int,
+                   **extra: Any) -> dict[str, Any]:
+    """A non-streaming greedy completion; the JSON reply."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, **extra}
+    async with gw.session.post(f"{gw.base_url}/v1/completions", json=body,
+                               headers={"Authorization": f"Bearer {key}"}) as resp:
+        reply = await resp.json()
+        assert resp.status == 200, reply
+        return dict(reply)
+
+
+async def stream_ttft(gw: GatewayHandle, key: str, prompt: list[int], max_tokens: int
+                      ) -> tuple[float, int]:
+    """A streaming completion; (seconds to the first content chunk, chunks with text)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    start = time.perf_counter()
+    first: float | None = None
+    chunks = 0
+    async with gw.session.post(f"{gw.base_url}/v1/completions", json=body,
+                               headers={"Authorization": f"Bearer {key}"}) as resp:
+        assert resp.status == 200, await resp.text()
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if chunk["choices"] and chunk["choices"][0].get("text"):
+                chunks += 1
+                if first is None:
+                    first = time.perf_counter() - start
+    assert first is not None, "no token came back"
+    return first, chunks
+
+
+def stats(engine: EngineServer) -> dict[str, Any]:
+    status, body = control(engine, "GET", "/stats")
+    assert status == 200, body
+    return dict(body)
+
+
+async def test_rt_first_token_within_target_while_be_fills_the_engine(
+        gateway: GatewayHandle, engine_server: EngineServer) -> None:
+    _, be_key = await gateway.new_tenant("colo-fill-be", "be")
+    _, rt_key = await gateway.new_tenant("colo-fill-rt", "rt", ttft_ms=2500, tpot_ms=1000)
+    # 12 BE prompts of 400 tokens: ~10 prefill chunks of 512 ahead of any FCFS newcomer.
+    be = [asyncio.create_task(complete(gateway, be_key, prompt_ids(i, 400), 40))
+          for i in range(12)]
+    await asyncio.sleep(1.0)
+    ttft_s, chunks = await stream_ttft(gateway, rt_key, prompt_ids(100, 64), 16)
+    replies = await asyncio.gather(*be)
+    assert ttft_s < 2.5, f"RT first token after {ttft_s:.2f} s, target 2.5 s"
+    assert chunks >= 1
+    assert [r["usage"]["completion_tokens"] for r in replies] == [40] * 12
+
+
+async def test_be_decodes_that_sat_out_complete_with_the_right_tokens(
+        gateway: GatewayHandle, engine_server: EngineServer) -> None:
+    _, be_key = await gateway.new_tenant("colo-park-be", "be")
+    _, rt_key = await gateway.new_tenant("colo-park-rt", "rt", ttft_ms=1000, tpot_ms=40)
+    # Twelve BE requests with 400-token contexts: their decodes cost more than a tight RT
+    # TPOT leaves once the RT rows are in.
+    prompts = [prompt_ids(200 + i, 400) for i in range(12)]
+    solo = [await complete(gateway, be_key, p, 60) for p in prompts]
+
+    assert control(engine_server, "POST", "/stats/reset")[0] == 200
+    be = [asyncio.create_task(complete(gateway, be_key, p, 60)) for p in prompts]
+    await asyncio.sleep(1.5)
+    # RT streams with a 40 ms TPOT target while BE decodes: the BE rows must make room.
+    await asyncio.gather(*(stream_ttft(gateway, rt_key, prompt_ids(300 + i, 32), 40)
+                           for i in range(4)))
+    together = await asyncio.gather(*be)
+    parked = stats(engine_server)["parked_decodes"]
+    assert parked > 0, "no BE decode sat an iteration out; the test proves nothing"
+    for alone, shared in zip(solo, together, strict=True):
+        assert shared["usage"]["completion_tokens"] == 60
+        assert shared["choices"][0]["text"] == alone["choices"][0]["text"]
+
+
+@pytest.fixture(scope="module")
+def small_engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """An engine whose KV pool holds four 340-token requests but not five."""
+    with running_engine(tmp_path_factory.mktemp("small-engine"), max_total_tokens=1400,
+                        chunked_prefill_size=256, max_running_requests=8) as engine:
+        yield engine
+
+
+async def _run_five(gw: GatewayHandle, engine: EngineServer, key: str) -> dict[str, Any]:
+    """Five BE requests of 60 + 280 tokens at once; the engine's counters for the run."""
+    assert control(engine, "POST", "/stats/reset")[0] == 200
+    replies = await asyncio.gather(*(complete(gw, key, prompt_ids(400 + i, 60), 280)
+                                     for i in range(5)))
+    assert [r["usage"]["completion_tokens"] for r in replies] == [280] * 5
+    return stats(engine)
+
+
+async def test_admission_follows_the_tenants_length_history(
+        small_engine: EngineServer, tmp_path: Path) -> None:
+    db = tmp_path / "tandem.db"
+    server, gw = await start_gateway(f"sqlite:///{db}", small_engine.port,
+                                     small_engine.model_path)
+    try:
+        long_id, long_key = await gw.new_tenant("history-long", "be")
+        short_id, short_key = await gw.new_tenant("history-short", "be")
+        rows = [(long_id, 280, 60)] * 30 + [(short_id, 8, 60)] * 30
+        await gw.app[STORE].append_lengths(rows, window=1000)
+        # The gateway pushes SQL histories to the engine when it first reaches it; start a
+        # fresh sync by waiting for the engine to report them.
+        for _ in range(100):
+            if stats(small_engine)["history_lengths"] >= 60:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            pytest.fail(f"the gateway never pushed the histories: {stats(small_engine)}")
+
+        long_run = await _run_five(gw, small_engine, long_key)
+        # 5 × (60 + 280) = 1700 tokens do not fit in 1400: the history says the outputs are
+        # long, so a request is admitted only when the predicted future peak fits, and no
+        # running request ever has to give its KV back.
+        assert long_run["peak_running"] < 5, long_run
+        assert long_run["peak_kv_used_tokens"] <= 1400, long_run
+        assert long_run["retractions_ordered"] == 0 and long_run["evictions"] == 0, long_run
+
+        short_run = await _run_five(gw, small_engine, short_key)
+        # The same requests from a tenant whose history says 8 tokens: all five admitted at
+        # once, the pool overflows and requests are evicted (and still complete, above).
+        assert short_run["peak_running"] == 5, short_run
+        assert short_run["retractions_ordered"] + short_run["evictions"] > 0, short_run
+    finally:
+        await gw.session.close()
+        await server.close()
+
+
+async def test_every_request_ends_exactly_once(gateway: GatewayHandle,
+                                               engine_server: EngineServer) -> None:
+    be_id, be_key = await gateway.new_tenant("colo-once-be", "be")
+    rt_id, rt_key = await gateway.new_tenant("colo-once-rt", "rt", ttft_ms=3000, tpot_ms=500)
+
+    async def cancelled_stream(i: int) -> None:
+        task = asyncio.create_task(stream_ttft(gateway, rt_key, prompt_ids(500 + i, 40), 200))
+        await asyncio.sleep(1.5)
+        task.cancel()  # the client goes away mid-stream
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    jobs = [complete(gateway, be_key, prompt_ids(600 + i, 150), 30) for i in range(10)]
+    jobs += [stream_ttft(gateway, rt_key, prompt_ids(700 + i, 40), 20) for i in range(6)]
+    jobs += [cancelled_stream(i) for i in range(3)]
+    await asyncio.gather(*jobs)
+
+    be_records = await gateway.latest_requests(be_id, 50)
+    rt_records = await _settled_records(gateway, rt_id, 9)
+    assert len(be_records) == 10 and all(r["status"] == "ok" for r in be_records)
+    assert len({r["request_id"] for r in be_records + rt_records}) == 19
+    statuses = sorted(r["status"] for r in rt_records)
+    assert statuses.count("ok") == 6 and len(statuses) == 9, statuses
+    # The engine created each request once, and holds none of them now.
+    trace_rids = [r["rid"] for r in engine_server.read_trace()]
+    for record in be_records + rt_records:
+        assert sum(rid.startswith(record["request_id"]) for rid in trace_rids) <= 1
+    await _engine_drained(engine_server)
+
+
+async def _settled_records(gw: GatewayHandle, tenant_id: str, count: int) -> list[dict[str, Any]]:
+    """The tenant's records once *count* exist (a disconnect is recorded when the gateway
+    notices it)."""
+    for _ in range(100):
+        records = await gw.latest_requests(tenant_id, 50)
+        if len(records) >= count:
+            return records
+        await asyncio.sleep(0.1)
+    return await gw.latest_requests(tenant_id, 50)
+
+
+async def _engine_drained(engine: EngineServer) -> None:
+    from tests.functional.engine_fixtures import get_json
+
+    for _ in range(100):
+        status, loads = await asyncio.to_thread(get_json, engine.base_url, "/v1/loads")
+        assert status == 200, loads
+        body = loads[0] if isinstance(loads, list) else loads
+        text = json.dumps(body)
+        if '"num_running_reqs": 0' in text and '"num_waiting_reqs": 0' in text:
+            return
+        await asyncio.sleep(0.1)
+    pytest.fail(f"the engine still holds requests: {loads}")
