@@ -17,7 +17,7 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -94,6 +94,8 @@ class GatewayMetrics:
                                         ["tenant", "limit"], registry=r)
         self._slo_window: dict[tuple[str, str], collections.deque[tuple[float, bool]]] = {}
         self.sampler: EngineSampler | None = None
+        self.before_scrape: list[Callable[[], Awaitable[None]]] = []
+        """Refreshes run before each scrape (the tenant list of `tandem_tenant_info`)."""
         self.extra: list[Callable[[], Iterator[GaugeMetricFamily]]] = []
         """More gauges read at scrape time (tenant info, usage recorder, quota sync)."""
         r.register(cast(Collector, _Dynamic(self)))
@@ -326,7 +328,10 @@ METRICS_KEY = web.AppKey("metrics", GatewayMetrics)
 @routes.get("/metrics")
 async def metrics_endpoint(request: web.Request) -> web.Response:
     """Prometheus text format (no auth, like the other operations endpoints)."""
-    body = request.app[METRICS_KEY].render()
+    registry = request.app[METRICS_KEY]
+    for refresh in registry.before_scrape:
+        await refresh()
+    body = registry.render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

@@ -16,7 +16,7 @@ from gateway.dashboard import routes as dashboard_routes
 from gateway.quotas import QuotaLimiter, QuotaSync
 from gateway.state import CONFIG, DB_ENGINE, METRICS, QUOTAS, USAGE
 
-_TENANT_INFO_REFRESH_S = 30.0
+_TENANT_INFO_TIMEOUT_S = 2.0
 
 
 def install(app: web.Application) -> None:
@@ -61,15 +61,11 @@ async def _engine_sampler(app: web.Application) -> AsyncIterator[None]:
         app[USAGE].pending)]))
 
     async def refresh_tenants() -> None:
-        while True:
-            with contextlib.suppress(Exception):  # database down: keep the last list
-                tenants[:] = await metrics.read_tenants(app[DB_ENGINE])
-            await asyncio.sleep(_TENANT_INFO_REFRESH_S)
+        with contextlib.suppress(Exception):  # database down: keep the last list
+            tenants[:] = await asyncio.wait_for(metrics.read_tenants(app[DB_ENGINE]),
+                                                _TENANT_INFO_TIMEOUT_S)
 
+    registry.before_scrape.append(refresh_tenants)
     await sampler.start()
-    task = asyncio.create_task(refresh_tenants(), name="tenant-info")
     yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
     await sampler.close()
