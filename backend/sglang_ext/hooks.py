@@ -1,8 +1,9 @@
 """SGLang glue: the hooks that let :class:`~backend.sglang_ext.driver.EngineDriver` steer the
 scheduler, and the ``PrefillAdder`` subclass that admits exactly the planned prompts.
 
-Every seam is a dotted path in :data:`SEAMS` (``tests/unit/test_sglang_seams.py`` resolves each
-one in the pinned SGLang, so an upgrade that moves one fails loudly). ``SCHED`` below is
+Every seam is a dotted path in ``backend.sglang_ext.seams`` (``tests/unit/test_sglang_seams.py``
+resolves each one in the pinned SGLang, so an upgrade that moves one fails loudly).
+``SCHED`` below is
 ``sglang.srt.managers.scheduler.Scheduler``.
 
 ==========================================  =======  ============================================
@@ -40,33 +41,17 @@ from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
 from sglang.srt.mem_cache.prefill_budget import PrefillBudget
 
 from backend.sglang_ext.driver import EngineDriver
+from backend.sglang_ext.seams import (
+    ADDER_CLASS_SEAM,
+    DEFER_PREFILL_SEAM,
+    IDLE_SEAM,
+    INFLIGHT_SEAM,
+    NEXT_BATCH_SEAM,
+    RESULT_SEAM,
+    RETRACT_ORDER_SEAM,
+)
 
 logger = logging.getLogger(__name__)
-
-SCHED = "sglang.srt.managers.scheduler.Scheduler"
-BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
-NEXT_BATCH_SEAM = f"{SCHED}.get_next_batch_to_run"
-DEFER_PREFILL_SEAM = f"{SCHED}._should_defer_prefill"
-ADDER_CLASS_SEAM = f"{SCHED}.get_prefill_adder_class"
-RESULT_SEAM = f"{SCHED}.process_batch_result"
-RETRACT_ORDER_SEAM = f"{BATCH}._get_decode_retraction_order"
-INFLIGHT_SEAM = f"{SCHED}.collect_inflight_reqs"
-IDLE_SEAM = f"{SCHED}.is_fully_idle"
-ADD_TO_QUEUE = f"{SCHED}._add_request_to_queue"
-
-SEAMS: tuple[str, ...] = (
-    NEXT_BATCH_SEAM, DEFER_PREFILL_SEAM, ADDER_CLASS_SEAM, RESULT_SEAM, RETRACT_ORDER_SEAM,
-    INFLIGHT_SEAM, IDLE_SEAM, ADD_TO_QUEUE,
-    "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req",
-    "sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req",
-    "sglang.srt.managers.schedule_policy.PrefillAdder._get_running_request_total_token_offset",
-    "sglang.srt.managers.schedule_batch.ScheduleBatch.release_req",
-    "sglang.srt.managers.schedule_batch.ScheduleBatch.filter_batch",
-    "sglang.srt.managers.schedule_batch.ScheduleBatch.merge_batch",
-    "sglang.srt.mem_cache.prefill_budget.PrefillBudget.check_prefill",
-    "sglang.srt.mem_cache.prefill_budget.PrefillBudget.reserve",
-)
-"""Every SGLang attribute the co-location hooks touch or rely on."""
 
 _driver: EngineDriver | None = None
 

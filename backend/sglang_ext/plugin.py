@@ -48,6 +48,7 @@ from backend.sglang_ext.request_meta import (
     sched_meta_from_custom_params,
     sched_meta_to_dict,
 )
+from backend.sglang_ext.seams import CREATE_REQ_SEAM, SEAMS
 
 logger = logging.getLogger(__name__)
 
@@ -63,13 +64,9 @@ OPTIONS_ENV = "TANDEM_ENGINE_POLICY_OPTIONS"
 """JSON object of options for the policy's constructor (e.g. {"latency_budget_s": 0.1})."""
 CONTROL_ENV = "TANDEM_CONTROL_SOCKET"
 """Unix socket path of the control endpoint (length-history pushes, statistics)."""
-__all__ = ["REQ_ATTR", "get_meta", "register"]
+__all__ = ["REQ_ATTR", "SEAMS", "get_meta", "register"]
 
 SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
-CREATE_REQ_SEAM = f"{SCHEDULER_MODULE}.Scheduler._create_generation_req"
-
-SEAMS: tuple[str, ...] = (CREATE_REQ_SEAM,)
-"""Every SGLang attribute tandem hooks, as dotted paths (resolved by the seam contract test)."""
 
 # The trace path is read once, at registration (this module is the backend's one place that
 # reads it). None: no trace.

@@ -1,0 +1,36 @@
+"""Every SGLang attribute tandem hooks or relies on, as dotted paths (no sglang import here).
+
+``tests/unit/test_sglang_seams.py`` resolves each one in the pinned SGLang, so an upgrade that
+moves or renames one fails loudly instead of leaving a hook silently unapplied (SGLang's
+``HookRegistry`` only logs a hook it cannot apply). What each hook does:
+``backend.sglang_ext.hooks``.
+"""
+
+from __future__ import annotations
+
+SCHED = "sglang.srt.managers.scheduler.Scheduler"
+BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
+NEXT_BATCH_SEAM = f"{SCHED}.get_next_batch_to_run"
+DEFER_PREFILL_SEAM = f"{SCHED}._should_defer_prefill"
+ADDER_CLASS_SEAM = f"{SCHED}.get_prefill_adder_class"
+RESULT_SEAM = f"{SCHED}.process_batch_result"
+RETRACT_ORDER_SEAM = f"{BATCH}._get_decode_retraction_order"
+INFLIGHT_SEAM = f"{SCHED}.collect_inflight_reqs"
+IDLE_SEAM = f"{SCHED}.is_fully_idle"
+ADD_TO_QUEUE = f"{SCHED}._add_request_to_queue"
+
+CREATE_REQ_SEAM = f"{SCHED}._create_generation_req"
+
+SEAMS: tuple[str, ...] = (
+    CREATE_REQ_SEAM, NEXT_BATCH_SEAM, DEFER_PREFILL_SEAM, ADDER_CLASS_SEAM, RESULT_SEAM,
+    RETRACT_ORDER_SEAM, INFLIGHT_SEAM, IDLE_SEAM, ADD_TO_QUEUE,
+    "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req",
+    "sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req",
+    "sglang.srt.managers.schedule_policy.PrefillAdder._get_running_request_total_token_offset",
+    "sglang.srt.managers.schedule_batch.ScheduleBatch.release_req",
+    "sglang.srt.managers.schedule_batch.ScheduleBatch.filter_batch",
+    "sglang.srt.managers.schedule_batch.ScheduleBatch.merge_batch",
+    "sglang.srt.mem_cache.prefill_budget.PrefillBudget.check_prefill",
+    "sglang.srt.mem_cache.prefill_budget.PrefillBudget.reserve",
+)
+"""Every SGLang attribute the co-location hooks touch or rely on."""

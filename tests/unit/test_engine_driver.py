@@ -1,0 +1,193 @@
+"""The in-engine driver's decisions on plain stand-ins for SGLang's objects (no SGLang here):
+which rows sit out, which prompts go first, who is retracted first, what the policy is told."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from typing import Any
+
+from backend.policy.types import IterationResult, Plan, PrefillChunk, Snapshot
+from backend.sglang_ext.driver import EngineDriver
+from backend.sglang_ext.request_meta import REQ_ATTR, sched_meta_from_custom_params
+from backend.wire import RequestMeta, meta_to_custom_params
+
+
+class FakeReq(SimpleNamespace):
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+
+class FINISH_ABORT:  # noqa: N801 (SGLang's class name, matched by name)
+    pass
+
+
+class FINISH_LENGTH:  # noqa: N801
+    pass
+
+
+def req(rid: str, tier: str, *, prompt: int = 10, out: int = 0, ttft_ms: float | None = None,
+        tpot_ms: float | None = None, arrived_s_ago: float = 0.0, key: str = "k") -> FakeReq:
+    meta = RequestMeta(tier=tier, tenant_id="t", length_key=key,  # type: ignore[arg-type]
+                       arrival_unix_s=time.time() - arrived_s_ago, ttft_ms=ttft_ms,
+                       tpot_ms=tpot_ms, max_tokens=100)
+    r = FakeReq(rid=rid, origin_input_ids=[1] * prompt, output_ids=[2] * out,
+                sampling_params=SimpleNamespace(max_new_tokens=100),
+                kv=SimpleNamespace(kv_allocated_len=prompt + out, cache_protected_len=0),
+                prefix_len=0, finished_reason=None, retraction_count=0)
+    setattr(r, REQ_ATTR, sched_meta_from_custom_params(meta_to_custom_params(meta)))
+    return r
+
+
+class FakeBatch:
+    """ScheduleBatch's row operations the driver uses."""
+
+    def __init__(self, reqs: list[Any]) -> None:
+        self.reqs = list(reqs)
+        self.sampling_info = None
+
+    def filter_batch(self, keep_indices: list[int]) -> None:
+        self.reqs = [self.reqs[i] for i in keep_indices]
+
+    def merge_batch(self, other: FakeBatch) -> None:
+        self.reqs += other.reqs
+
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+
+def sched(waiting: list[Any]) -> SimpleNamespace:
+    return SimpleNamespace(
+        waiting_queue=list(waiting), chunked_req=None, max_total_num_tokens=10_000,
+        token_to_kv_pool_allocator=SimpleNamespace(available_size=lambda: 9_000),
+        tree_cache=SimpleNamespace(evictable_size=lambda: 0), chunked_prefill_size=512,
+        max_prefill_tokens=16384, is_mixed_chunk=True, max_running_requests=64, page_size=1)
+
+
+class ScriptedPolicy:
+    """Returns a fixed plan; records what it was shown and told."""
+
+    name = "scripted"
+
+    def __init__(self, plan: Plan) -> None:
+        self.next_plan = plan
+        self.snapshots: list[Snapshot] = []
+        self.results: list[IterationResult] = []
+        self.lengths = SimpleNamespace(replaced={})
+        self.lengths.replace_history = lambda key, values: self.lengths.replaced.update(
+            {key: list(values)})
+
+    def plan(self, snapshot: Snapshot) -> Plan:
+        self.snapshots.append(snapshot)
+        return self.next_plan
+
+    def observe(self, result: IterationResult) -> None:
+        self.results.append(result)
+
+
+def test_decodes_left_out_of_the_plan_sit_out_and_come_back() -> None:
+    rt, be1, be2 = req("rt", "rt", out=3), req("be1", "be", out=5), req("be2", "be", out=9)
+    policy = ScriptedPolicy(Plan(decodes=["rt", "be2"]))
+    drv = EngineDriver(policy)  # type: ignore[arg-type]
+    batch = FakeBatch([rt, be1, be2])
+    skip_prefill = drv.plan_iteration(sched([]), batch, lambda b, i: None)
+    assert skip_prefill  # the plan prefills nothing
+    assert [r.rid for r in batch.reqs] == ["rt", "be2"]
+    assert [r.rid for r in drv.parked_reqs()] == ["be1"]
+    assert drv.stats.parked_decodes == 1
+    batch = drv.unpark(batch)
+    assert sorted(r.rid for r in batch.reqs) == ["be1", "be2", "rt"] and not drv.parked_reqs()
+
+
+def test_an_empty_plan_parks_nothing_and_a_full_park_keeps_one_row() -> None:
+    a, b = req("a", "be", out=2), req("b", "be", out=7)
+    drv = EngineDriver(ScriptedPolicy(Plan()))  # type: ignore[arg-type]
+    batch = FakeBatch([a, b])
+    drv.plan_iteration(sched([]), batch, lambda b, i: None)
+    assert len(batch.reqs) == 2 and drv.parked is None
+    waiting = req("w", "rt")
+    drv = EngineDriver(ScriptedPolicy(Plan(prefills=[PrefillChunk("w", 10)])))  # type: ignore[arg-type]
+    batch = FakeBatch([a, b])
+    drv.plan_iteration(sched([waiting]), batch, lambda b, i: None)
+    # SGLang needs a non-empty running batch: the most advanced row stays.
+    assert [r.rid for r in batch.reqs] == ["b"] and [r.rid for r in drv.parked_reqs()] == ["a"]
+
+
+def test_planned_prompts_go_first_whole_ones_before_the_cut_one() -> None:
+    w = [req(name, "be", prompt=100) for name in ("x", "y", "z", "v")]
+    s = sched(w)
+    plan = Plan(prefills=[PrefillChunk("x", 40), PrefillChunk("z", 100)])
+    drv = EngineDriver(ScriptedPolicy(plan))  # type: ignore[arg-type]
+    skip_prefill = drv.plan_iteration(s, FakeBatch([]), lambda b, i: None)
+    assert not skip_prefill
+    assert [r.rid for r in s.waiting_queue] == ["z", "x", "y", "v"]
+    assert drv.planned_tokens == {"x": 40, "z": 100}
+
+
+def test_the_plans_evictions_are_carried_out() -> None:
+    rt, be = req("rt", "rt", out=3), req("be", "be", out=5)
+    evicted: list[list[int]] = []
+    drv = EngineDriver(ScriptedPolicy(Plan(decodes=["rt"], evictions=["be"])))  # type: ignore[arg-type]
+    drv.plan_iteration(sched([]), FakeBatch([rt, be]), lambda b, idx: evicted.append(idx))
+    assert evicted == [[1]] and drv.stats.evictions == 1
+
+
+def test_retraction_takes_be_least_progress_first_and_never_urgent_rt() -> None:
+    urgent = req("urgent", "rt", out=4, ttft_ms=100, tpot_ms=50)
+    relaxed = req("relaxed", "rt", out=4, ttft_ms=100, tpot_ms=60_000)
+    young = req("young", "be", out=1)
+    old = req("old", "be", out=80)
+    reqs = [young, urgent, old, relaxed]
+    drv = EngineDriver(ScriptedPolicy(Plan()))  # type: ignore[arg-type]
+    now = drv.clock()  # both RT requests emitted their last token just now
+    drv.mirror.running(urgent, now)
+    drv.mirror.running(relaxed, now)
+    order = [reqs[i].rid for i in drv.retraction_order(reqs)]
+    # SGLang retracts from the end of the list: BE least progress first, then the RT request
+    # with a minute of slack; the one due in 50 ms is the last to go.
+    assert order[::-1] == ["young", "old", "relaxed", "urgent"]
+
+
+def test_finished_lengths_reach_the_policy_but_aborted_ones_do_not() -> None:
+    policy = ScriptedPolicy(Plan(decodes=["a", "b"]))
+    drv = EngineDriver(policy)  # type: ignore[arg-type]
+    a, b = req("a", "be", out=30), req("b", "be", out=7)
+    drv.begin_iteration()
+    drv.plan_iteration(sched([]), FakeBatch([a, b]), lambda b, i: None)
+    drv.batch_started(True, drv.clock())
+    a.finished_reason, b.finished_reason = FINISH_LENGTH(), FINISH_ABORT()
+    drv.note_finished([a, b])
+    drv.note_finished([a])  # processed twice: reported once
+    drv.begin_iteration()
+    (result,) = policy.results
+    assert [(f.rid, f.output_len) for f in result.finished] == [("a", 30)]
+    assert result.duration_s >= 0 and drv.stats.iterations == 1 and len(drv.mirror) == 0
+
+
+def test_a_length_history_push_replaces_the_keys_history_at_the_next_iteration() -> None:
+    policy = ScriptedPolicy(Plan())
+    drv = EngineDriver(policy)  # type: ignore[arg-type]
+    drv.push_lengths({"tenant-a": [5, 6, 7]})
+    assert policy.lengths.replaced == {}  # applied by the scheduler loop, not the caller
+    drv.begin_iteration()
+    assert policy.lengths.replaced == {"tenant-a": [5, 6, 7]}
+    assert drv.stats.history_updates == 1 and drv.stats.history_lengths == 3
+
+
+def test_the_snapshot_carries_deadlines_on_the_engine_clock() -> None:
+    policy = ScriptedPolicy(Plan())
+    drv = EngineDriver(policy)  # type: ignore[arg-type]
+    w = req("w", "rt", ttft_ms=500, tpot_ms=50, arrived_s_ago=0.2)
+    chunked = req("c", "be", prompt=300)
+    chunked.prefix_len = 120
+    s = sched([w])
+    s.chunked_req = chunked
+    drv.plan_iteration(s, FakeBatch([]), lambda b, i: None)
+    (snap,) = policy.snapshots
+    (state,) = snap.waiting
+    assert state.ttft_deadline_s is not None
+    assert abs((state.ttft_deadline_s - snap.now_s) - 0.3) < 0.05
+    assert state.tpot_s == 0.05 and snap.waiting_rt == [state]
+    (partial,) = snap.running
+    assert partial.prefilled == 120 and partial.prompt_left == 180
+    assert snap.max_prefill_tokens == 512 and snap.kv_free_tokens == 9_000
