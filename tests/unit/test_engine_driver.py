@@ -18,11 +18,11 @@ class FakeReq(SimpleNamespace):
         return self.finished_reason is not None
 
 
-class FINISH_ABORT:  # noqa: N801 (SGLang's class name, matched by name)
+class FINISH_ABORT:  # SGLang's class name: the driver matches it by name
     pass
 
 
-class FINISH_LENGTH:  # noqa: N801
+class FINISH_LENGTH:
     pass
 
 
