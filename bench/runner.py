@@ -239,8 +239,9 @@ def run_policy(name: str, run: BenchRun, latency: LatencyModel, base: SimConfig)
 
     started = time.perf_counter()
     try:
-        result = simulate(source, policy, latency, struct_replace(base, reveal_lengths=reveal),
-                          progress=progress)
+        result = simulate(source, policy, latency,
+                          _layout(struct_replace(base, reveal_lengths=reveal), policy,
+                                  run.profile), progress=progress)
     finally:
         bar.close()
     wall = time.perf_counter() - started
@@ -248,6 +249,20 @@ def run_policy(name: str, run: BenchRun, latency: LatencyModel, base: SimConfig)
     metrics = compute_metrics(result, window)
     series = compute_series(result, window if window is not None else result.end_s)
     return PolicyRun(metrics=metrics, series=series, wall_s=wall)
+
+
+def _layout(config: SimConfig, policy: Any, profile: Profile) -> SimConfig:
+    """The engine's KV layout as the policy asks (`kv_layout`, default the token pool); the
+    bicache layout takes its copy cost from the profile (SimConfig's defaults if absent) and
+    models no prefix cache."""
+    if getattr(policy, "kv_layout", "token") != "bicache":
+        return config
+    extra: dict[str, Any] = {}
+    if profile.kv_bytes_per_token:
+        extra["kv_bytes_per_token"] = profile.kv_bytes_per_token
+    if profile.host_copy_gb_s:
+        extra["host_copy_gb_s"] = profile.host_copy_gb_s
+    return struct_replace(config, kv_layout="bicache", prefix_cache=False, **extra)
 
 
 def _policy_list(config: BenchConfig, workload: Workload) -> tuple[list[str], dict[str, str]]:

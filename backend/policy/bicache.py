@@ -28,12 +28,12 @@ device→device move, because the restored tokens simply form a new segment in a
 
 Who may use which free slots:
 
-* RT: the left part of a block without an RT owner. Preference [choice]: its own last block; then
-  the free tail of a BE block, most room first ("borrowing", which leaves whole free blocks to BE,
-  the side that can use nothing else); then free blocks; then, with `steal=True`, slots of a
-  dormant BE request, inner end first, each one checkpointed first.
-* BE: the right part of a block without a (live) BE owner: its own last block, then the free tail
-  of an RT block or a free block, most room first; then the segment of a *dormant* BE request,
+* RT: the left part of a block without an RT owner, as BROS's FindBlock / FindPreemptBlock: its
+  own last block; then free blocks; then the free tail of a BE block, most room first
+  ("borrowing"); then, with `steal=True`, slots of a dormant BE request, inner end first, each one
+  checkpointed first.
+* BE: the right part of a block without a BE owner: its own last block, then free blocks, then
+  the free tail of an RT block, most room first; then the segment of a *dormant* BE request,
   which is checkpointed whole (two BE requests never share a block). BE never overwrites RT.
 
 A BE request is *dormant* between `suspend` (the scheduler evicted it: its KV stays in place
@@ -147,6 +147,8 @@ class BiCache:
         self._dormant: dict[int, None] = {}
         """blocks whose BE owner is dormant"""
         self._where: list[tuple[int, int, bool]] = [(-1, -1, False)] * num_blocks
+        self._pair: list[tuple[tuple[str, int], ...]] = [()] * num_blocks
+        self._shared: dict[str, int] = {}  # rid -> its slots in blocks it shares
         self.used = 0
         """Slots holding a token (of a live or dormant request)."""
         self.dormant_used = 0
@@ -212,6 +214,11 @@ class BiCache:
                 top = blk * b + b - 1
                 out.extend(range(top, top - count, -1))
         return out
+
+    def shared(self, rid: str) -> int:
+        """Its slots in blocks whose other side has an owner too: dropping (RT) or suspending
+        (BE) it does not give those slots to a new request of either tier."""
+        return self._shared.get(rid, 0)
 
     def checkpointed(self, rid: str) -> list[int]:
         """Logical indices of its tokens on the host."""
@@ -306,10 +313,20 @@ class BiCache:
         want = req.on_host if max_tokens is None else min(max_tokens, req.on_host)
         if want <= 0:
             return Restore(rid, ())
-        plan = self._plan_be(rid, req, want, True, grow=False)
-        taken = self._take_over(plan)
+        # plan every host run first (read-only): a request has one segment per block, so each
+        # run goes to blocks no earlier run of this restore uses
+        runs: list[list[tuple[int, int, int, bool]]] = []
+        used: set[int] = set()
+        left = want
+        for blk, count in req.segs:
+            if blk == HOST and left:
+                take = min(count, left)
+                run = self._plan_be(rid, req, take, True, grow=False, exclude=used)
+                used.update(k for k, _, _, _ in run)
+                runs.append(run)
+                left -= take
+        taken = tuple(cp for run in runs for cp in self._take_over(run))
         loads: list[tuple[int, int]] = []
-        places = [(blk, take) for blk, take, _, _ in plan]
         new_segs: list[list[int]] = []
         pos = 0
         left = want
@@ -319,17 +336,12 @@ class BiCache:
                 pos += count
                 continue
             take = min(count, left)
-            for i in range(take):  # one token at a time: places may split the run
-                while places[0][1] == 0:
-                    places.pop(0)
-                dst_blk, room = places[0]
-                places[0] = (dst_blk, room - 1)
-                slot = self._place_be(rid, dst_blk)
-                loads.append((pos + i, slot))
-                if new_segs and new_segs[-1][0] == dst_blk:
-                    new_segs[-1][1] += 1
-                else:
-                    new_segs.append([dst_blk, 1])
+            i = 0
+            for dst_blk, room, _, _ in runs.pop(0):
+                new_segs.append([dst_blk, room])
+                for _ in range(room):
+                    loads.append((pos + i, self._place_be(rid, dst_blk)))
+                    i += 1
             if count > take:
                 new_segs.append([HOST, count - take])
             pos += count
@@ -374,6 +386,7 @@ class BiCache:
             self._index(blk)
         self.on_host -= dropped
         self.discarded_total += dropped
+        self._shared.pop(rid, None)
         return dropped
 
     # --- planning (read-only) and commit --------------------------------------------------------
@@ -392,7 +405,7 @@ class BiCache:
             take = min(left, b - self.be_fill[last] - self.rt_fill[last])
             plan.append((last, take, 0, False))
             left -= take
-        for r in (*range(b - 1, 0, -1), b):  # BE tails, most room first; then free blocks
+        for r in range(b, 0, -1):  # free blocks, then BE tails, most room first
             if left == 0:
                 break
             for k in self._rt_room[r]:
@@ -426,13 +439,14 @@ class BiCache:
                          f"({self.free} free of {self.capacity})")
         return [step for step in plan if step[1] or step[2]]
 
-    def _plan_be(self, rid: str, req: _Req | None, n: int, steal: bool,
-                 *, grow: bool) -> list[tuple[int, int, int, bool]]:
-        """Steps (block, slots taken, 0, take over the dormant segment first) covering n."""
+    def _plan_be(self, rid: str, req: _Req | None, n: int, steal: bool, *, grow: bool,
+                 exclude: set[int] | None = None) -> list[tuple[int, int, int, bool]]:
+        """Steps (block, slots taken, 0, take over the dormant segment first) covering n, in
+        blocks not in `exclude`."""
         b = self.b
         plan: list[tuple[int, int, int, bool]] = []
         left = n
-        used: set[int] = set()
+        used: set[int] = set(exclude or ())
         if grow and req is not None and req.segs:
             last = req.segs[-1][0]
             take = min(left, b - self.be_fill[last] - self.rt_fill[last])
@@ -440,7 +454,7 @@ class BiCache:
                 plan.append((last, take, 0, False))
                 left -= take
             used.add(last)
-        for r in range(b, 0, -1):
+        for r in range(b, 0, -1):  # free blocks, then RT tails, most room first
             if left == 0:
                 break
             for k in self._be_room[r]:
@@ -602,3 +616,15 @@ class BiCache:
         if dormant:
             self._dormant[k] = None
         self._where[k] = (rt, be, dormant)
+        # shared-slot counts: take the block's old contribution out, put the new one in
+        for rid, count in self._pair[k]:
+            if rid in self._shared:
+                self._shared[rid] -= count
+        rt_owner = self.rt_owner[k]
+        if rt_owner is not None and owner is not None:
+            pair = ((rt_owner, self.rt_fill[k]), (owner, self.be_fill[k]))
+            for rid, count in pair:
+                self._shared[rid] = self._shared.get(rid, 0) + count
+            self._pair[k] = pair
+        else:
+            self._pair[k] = ()

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
+
+KvLayout = Literal["token", "bicache"]
 
 
 class SimConfig(msgspec.Struct, frozen=True):
@@ -25,6 +29,18 @@ class SimConfig(msgspec.Struct, frozen=True):
     request has finished."""
     reveal_lengths: bool = False
     """Oracle mode: set ReqState.true_output_len so the policy sees true output lengths."""
+    kv_layout: KvLayout = "token"
+    """"token": SGLang's token-granular pool, an eviction drops the KV (recompute). "bicache":
+    BROS's bidirectional blocks with lazy checkpointing (backend/sim/bikv.py); needs
+    page_size 1 and prefix_cache off (prefix sharing is not modelled with it)."""
+    bicache_block_slots: int = 16
+    """Slots per block of the bicache layout."""
+    kv_bytes_per_token: int = 131072
+    """KV bytes per token over every layer (checkpoint traffic); default Llama-3.1-8B in bf16
+    (2 · 32 layers · 8 KV heads · 128 · 2 B)."""
+    host_copy_gb_s: float = 25.0
+    """Device↔host bandwidth of KV checkpoints and restores, GB/s; default the H100 analytic
+    profile's figure (PCIe Gen5 x16 ≈ 50 GB/s pinned bulk, halved for scattered 2 KiB rows)."""
 
     def __post_init__(self) -> None:
         if self.kv_capacity_tokens < 1:
@@ -38,5 +54,13 @@ class SimConfig(msgspec.Struct, frozen=True):
                 f"prefix_block_tokens ({self.prefix_block_tokens}) must be a positive multiple "
                 f"of page_size ({self.page_size})"
             )
+        if self.kv_layout not in ("token", "bicache"):
+            raise ValueError(f"kv_layout must be 'token' or 'bicache', got {self.kv_layout!r}")
+        if self.kv_layout == "bicache" and (self.page_size != 1 or self.prefix_cache):
+            raise ValueError("kv_layout 'bicache' needs page_size 1 and prefix_cache off")
+        if self.bicache_block_slots < 2 or self.kv_bytes_per_token < 1:
+            raise ValueError("bicache_block_slots must be ≥ 2 and kv_bytes_per_token ≥ 1")
+        if not self.host_copy_gb_s > 0:
+            raise ValueError(f"host_copy_gb_s must be > 0, got {self.host_copy_gb_s}")
         if self.horizon_s is not None and self.horizon_s <= 0:
             raise ValueError(f"horizon_s must be > 0 or None, got {self.horizon_s}")

@@ -25,8 +25,12 @@ from __future__ import annotations
 
 from array import array
 
+import msgspec
+
+from backend.policy.bicache import BiCacheError
 from backend.policy.latency import BatchShape
 from backend.policy.types import Plan, ReqState, Snapshot
+from backend.sim.bikv import BiKv
 from backend.sim.config import SimConfig
 from backend.sim.kv import KvExhausted, KvPool
 from backend.sim.queue import WaitQueue
@@ -100,7 +104,12 @@ class EngineCore:
     def __init__(self, config: SimConfig, policy_name: str) -> None:
         self.config = config
         self.policy_name = policy_name
-        self.kv = KvPool(config.kv_capacity_tokens, config.prefix_block_tokens)
+        self.bikv = None if config.kv_layout != "bicache" else BiKv(
+            config.kv_capacity_tokens, config.bicache_block_slots, config.kv_bytes_per_token,
+            config.host_copy_gb_s * 1e9)
+        """The bidirectional layout (kv_layout "bicache"); None for the token pool."""
+        self.kv: KvPool | BiKv = self.bikv or KvPool(config.kv_capacity_tokens,
+                                                     config.prefix_block_tokens)
         # Σ context² and Σ (prefix + chunk)² of the plan being applied (latency feature F_p)
         self._decode_context_sq = self._prefill_attn_full = 0.0
         self.tracks: dict[str, Track] = {}
@@ -157,6 +166,8 @@ class EngineCore:
                 for t in self._waiters.get(root, {}).values():
                     self._match(t)
             touched.clear()
+        if self.bikv is not None:
+            self.bikv.refresh(self.running)
         cfg = self.config
         return Snapshot(
             now_s=now_s, waiting=self.queue.all, running=self.running,
@@ -214,19 +225,50 @@ class EngineCore:
         prefills, pf_need, shape_pf = self._start_prefills(plan, now_s)
         need += pf_need
         kv = self.kv
-        if need > kv.free + kv.evictable:
+        # the bicache layout's counts are lower bounds; its placement is the real check
+        if need > kv.free + kv.evictable and self.bikv is None:
             raise self._fail(f"needs {need} KV slots, only {kv.free} free + {kv.evictable} "
                              f"evictable (capacity {kv.capacity})")
         try:
             kv.allocate(need)
         except KvExhausted as exc:  # pragma: no cover - guarded by the check above
             raise self._fail(str(exc)) from None
+        if self.bikv is not None:
+            plan, decodes, context = self._place(self.bikv, plan, decodes, prefills, context)
         # the two squared terms feed the F_p feature (backends that recompute prefix attention)
         shape = BatchShape(prefill_tokens=shape_pf[0], num_prefill=len(prefills),
                            prefill_attn=shape_pf[1], prefill_attn_full=self._prefill_attn_full,
                            decode_context=context, num_decode=len(decodes),
                            decode_context_sq=self._decode_context_sq)
         return Batch(plan, now_s, decodes, prefills, shape, len(plan.evictions))
+
+    def _place(self, bikv: BiKv, plan: Plan, decodes: list[Track],
+               prefills: list[tuple[Track, int]], context: int
+               ) -> tuple[Plan, list[Track], int]:
+        """Puts the iteration's new tokens into the bidirectional layout; BE requests the
+        engine retracts there (bikv.py) leave the batch: (plan, decodes, Σ context) as run."""
+        retracted: list[ReqState] = []
+
+        def retract(s: ReqState) -> None:
+            self._evict(self.tracks[s.rid])
+            retracted.append(s)
+
+        try:
+            dropped = bikv.place([t.state for t in decodes],
+                                 [(t.state, n) for t, n in prefills], self.running, retract)
+        except BiCacheError as exc:
+            raise self._fail(f"the bicache layout cannot place it: {exc}") from None
+        if retracted:
+            self.num_evictions += len(retracted)
+            self.running = [s for s in self.running if s.is_running]
+        if dropped:
+            decodes = [t for t in decodes if t.state.rid not in dropped]
+            plan = msgspec.structs.replace(
+                plan, decodes=[r for r in plan.decodes if r not in dropped])
+            contexts = [t.state.prompt_len + t.state.generated for t in decodes]
+            self._decode_context_sq = float(sum([c * c for c in contexts]))
+            context = sum(contexts)
+        return plan, decodes, context
 
     def _check_decodes(self, plan: Plan) -> tuple[list[Track], int, int]:
         """The decode tracks, their KV slots and Σ context (validated, nothing mutated).
@@ -255,7 +297,7 @@ class EngineCore:
         cfg = self.config
         page = cfg.page_size
         out: list[tuple[Track, int]] = []
-        need = tokens_total = 0
+        need = tokens_total = planned = 0
         attn = 0.0
         self._prefill_attn_full = 0.0
         admitted = admitted_rt = 0
@@ -274,14 +316,18 @@ class EngineCore:
                 admitted += 1
                 admitted_rt += s.tier == "rt"
             need += _round_up(t.private + chunk.tokens, page) - _round_up(t.private, page)
-            tokens_total += chunk.tokens
-            attn += chunk.tokens * (s.prefilled + chunk.tokens)
-            self._prefill_attn_full += (s.prefilled + chunk.tokens) ** 2
+            planned += chunk.tokens
+            # tokens restored from a checkpoint are copied, not computed
+            computed = chunk.tokens - (self.bikv.restorable(s, chunk.tokens) if self.bikv else 0)
+            tokens_total += computed
+            attn += computed * (s.prefilled + chunk.tokens)
+            if computed:
+                self._prefill_attn_full += (s.prefilled + chunk.tokens) ** 2
             out.append((t, chunk.tokens))
         if len({c.rid for c in plan.prefills}) != len(out):
             raise self._fail("a request has two prefill chunks")
-        if tokens_total > cfg.max_prefill_tokens:
-            raise self._fail(f"{tokens_total} prefill tokens > max_prefill_tokens "
+        if planned > cfg.max_prefill_tokens:
+            raise self._fail(f"{planned} prefill tokens > max_prefill_tokens "
                              f"{cfg.max_prefill_tokens}")
         if admitted:
             if len(self.running) > cfg.max_running:
@@ -299,6 +345,8 @@ class EngineCore:
         """A waiting request becomes running; its cached prefix blocks are pinned."""
         s = t.state
         self._unwait(t)
+        if self.bikv is not None:
+            self.bikv.admit(s)
         n = s.cached_len // self.config.prefix_block_tokens
         if n:
             t.pinned = list(t.keys[:n])
@@ -376,8 +424,11 @@ class EngineCore:
                 t.pinned.append(h)
         s.kv_shared_tokens = len(t.pinned) * block
 
-    def _release(self, t: Track) -> None:
-        """Frees a request's KV (its pinned blocks stay cached, now maybe evictable)."""
+    def _release(self, t: Track, *, keep: bool = False) -> None:
+        """Frees a request's KV (its pinned blocks stay cached, now maybe evictable). `keep`:
+        the bicache layout keeps it in place (a lazy eviction, see bikv.py)."""
+        if self.bikv is not None and not keep:
+            self.bikv.drop(t.state)
         if t.pinned:
             self.kv.unpin(t.pinned)
             t.pinned = []
@@ -391,10 +442,12 @@ class EngineCore:
         """Frees its KV and re-queues it for recompute of prompt + generated."""
         if self.config.prefix_cache:
             self._publish(t, pinned=False)
-        self._release(t)
+        self._release(t, keep=True)
         s = t.state
         s.num_evictions += 1
         s.prefill_len = s.prompt_len + s.generated
         s.prefilled = s.cached_len = 0
+        if self.bikv is not None:
+            self.bikv.evict(s)  # BE: KV stays (dormant), prefilled = what is still on device
         self._wait(t)
         self.queue.push(s)

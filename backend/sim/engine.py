@@ -103,6 +103,8 @@ def _iterate(core: EngineCore, policy: Policy, latency: LatencyModel, source: Ar
     batch = core.apply(plan, now_s)
     kv_used = core.kv.used
     duration = latency.predict(batch.shape)
+    if core.bikv is not None:  # checkpoint and restore traffic of the bicache layout
+        duration = core.bikv.iteration_s(duration)
     end_s = now_s + duration
     emitted, finished = core.finish(batch, end_s)
     log.append(start_s=now_s, duration_s=duration, predicted_s=plan.predicted_s,
@@ -140,4 +142,5 @@ def _result(core: EngineCore, log: IterationLog, policy_name: str, horizon_s: fl
         policy_name=policy_name, requests=[_record(t) for t in core.arrived], iterations=log,
         horizon_s=horizon_s, end_s=end_s, prefix_reuse_ratio=cached / prompt if prompt else 0.0,
         num_evictions=core.num_evictions,
+        kv_layout_stats=core.bikv.stats() if core.bikv is not None else {},
     )

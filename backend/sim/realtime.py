@@ -107,7 +107,10 @@ class RealtimeEngine:
         if not (plan.decodes or plan.prefills or plan.evictions):
             return False
         batch = core.apply(plan, start)
-        await asyncio.sleep(self.latency.predict(batch.shape) * self.time_scale)
+        duration = self.latency.predict(batch.shape)
+        if core.bikv is not None:  # checkpoint and restore traffic of the bicache layout
+            duration = core.bikv.iteration_s(duration)
+        await asyncio.sleep(duration * self.time_scale)
         end = self.now()
         emitted, finished = core.finish(batch, end)
         for rid in emitted:

@@ -118,3 +118,6 @@ class SimResult(msgspec.Struct, kw_only=True):
     """Σ cached prompt tokens / Σ prompt tokens over admitted requests (first admission)."""
     num_evictions: int = 0
     """Evictions over the run."""
+    kv_layout_stats: dict[str, int] = msgspec.field(default_factory=dict)
+    """Counters of the bicache layout (checkpointed, restored tokens, ...); empty for the token
+    pool."""

@@ -28,13 +28,14 @@ def test_rt_fills_from_the_left_and_be_from_the_right() -> None:
         kv.allocate("x", "be", 1)
 
 
-def test_rt_borrows_the_free_tail_of_a_be_block_before_taking_a_free_block() -> None:
+def test_rt_borrows_the_free_tail_of_a_be_block_when_no_block_is_free() -> None:
     kv = BiCache(num_blocks=2, block_slots=8)
     kv.allocate("x", "be", 3)  # block 0 (both free; first one wins)
-    grant = kv.allocate("a", "rt", 4)
-    assert grant.slots == (0, 1, 2, 3) and not grant.checkpoints
-    assert kv.borrowed_total == 4
-    assert kv.room("be") == 8  # the whole free block is left for BE, which can use nothing else
+    assert kv.allocate("a", "rt", 4).slots == (8, 9, 10, 11)  # a free block first
+    assert kv.borrowed_total == 0
+    grant = kv.allocate("b", "rt", 5)  # no free block left: the tail of x's block
+    assert grant.slots == (0, 1, 2, 3, 4) and not grant.checkpoints
+    assert kv.borrowed_total == 5 and kv.shared("b") == 5 and kv.shared("x") == 3
 
 
 def test_rt_overwrites_only_the_dormant_slots_it_needs_each_checkpointed_first() -> None:
@@ -252,6 +253,30 @@ class BiCacheMachine(RuleBasedStateMachine):
         assert kv.on_host == len(self.host)
         assert kv.checkpointed_total == kv.restored_total + kv.discarded_total + kv.on_host
         assert 0 <= kv.dormant_used <= kv.used
+
+    @invariant()
+    def one_segment_per_request_and_block(self) -> None:
+        """The block table agrees with every request's segments: a request has at most one
+        run per block, and that run is the block's whole side."""
+        kv = self.kv
+        for rid in kv.requests():
+            segs = [(blk, count) for blk, count in kv._reqs[rid].segs if blk != HOST]
+            assert len({blk for blk, _ in segs}) == len(segs), f"{rid}: two runs in a block"
+            owner, fill = (kv.rt_owner, kv.rt_fill) if _tier(rid) == "rt" else (kv.be_owner,
+                                                                                 kv.be_fill)
+            assert all(owner[blk] == rid and fill[blk] == count for blk, count in segs)
+
+    @invariant()
+    def shared_counts_match_the_blocks(self) -> None:
+        kv = self.kv
+        want: dict[str, int] = {}
+        for k in range(kv.num_blocks):
+            rt, be = kv.rt_owner[k], kv.be_owner[k]
+            if rt is not None and be is not None:
+                want[rt] = want.get(rt, 0) + kv.rt_fill[k]
+                want[be] = want.get(be, 0) + kv.be_fill[k]
+        assert {r: kv.shared(r) for r in kv.requests()} == {r: want.get(r, 0)
+                                                             for r in kv.requests()}
 
     @invariant()
     def protected_tokens_stay_on_the_device(self) -> None:
