@@ -1,0 +1,153 @@
+"""The dashboard in a real headless Chromium: the page loads with data from a seeded database
+(and the real engine's load samples), every chart renders, no console error, a screenshot."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import random
+import shutil
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from gateway.metrics import EngineSample
+from gateway.state import METRICS, STORE
+from gateway.store.types import UsageRecord
+from tests.functional.chromium import chromium_page
+from tests.functional.gateway_fixtures import ADMIN_TOKEN, GatewayHandle, start_gateway
+
+pytestmark = pytest.mark.slow
+CHARTS = ["chart-requests", "chart-tokens", "chart-ttft", "chart-tpot", "chart-be-rt", "chart-kv"]
+
+_COLORED_PIXELS_JS = """JSON.stringify([...document.querySelectorAll('canvas')].map(c => {
+  const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+  let colored = 0;
+  for (let i = 0; i < d.length; i += 4) {
+    const [r, g, b, a] = [d[i], d[i + 1], d[i + 2], d[i + 3]];
+    if (a > 0 && Math.max(r, g, b) - Math.min(r, g, b) > 60) colored++;
+  }
+  return {id: c.id, points: Number(c.dataset.points || 0), colored};
+}))"""
+
+
+@pytest_asyncio.fixture
+async def seeded_gateway(engine_server: Any, tmp_path: Path
+                         ) -> AsyncIterator[tuple[GatewayHandle, int]]:
+    """A gateway on a fresh database holding six hours of usage of three tenants."""
+    server, gw = await start_gateway(f"sqlite:///{tmp_path / 'dash.db'}", engine_server.port,
+                                     engine_server.model_path,
+                                     TANDEM_METRICS__ENGINE_POLL_S="0.3")
+    tenants = [await gw.new_tenant("chat-rt", "rt", ttft_ms=300, tpot_ms=50),
+               await gw.new_tenant("agents-rt", "rt", ttft_ms=800, tpot_ms=120),
+               await gw.new_tenant("nightly-be", "be", deadline_s=3600)]
+    rng = random.Random(3)
+    now = datetime.now(UTC)
+    records = []
+    for minute in range(0, 6 * 60, 3):
+        created = now - timedelta(minutes=6 * 60 - minute)
+        for (tenant_id, _), (tier, ttft, tpot) in zip(
+                tenants, [("rt", 180, 35), ("rt", 500, 90), ("be", 4000, 60)], strict=True):
+            for i in range(rng.randint(1, 4)):
+                ok = rng.random() > 0.05
+                t = ttft * rng.uniform(0.5, 1.8) if ok else None
+                records.append(UsageRecord(
+                    request_id=f"seed-{tenant_id}-{minute}-{i}", tenant_id=tenant_id, tier=tier,
+                    model="tandem-tiny", endpoint="chat", prompt_tokens=rng.randint(50, 900),
+                    completion_tokens=rng.randint(20, 400) if ok else 0, ttft_ms=t,
+                    tpot_ms=tpot * rng.uniform(0.6, 1.6) if ok else None,
+                    status="ok" if ok else "engine_error", http_status=200 if ok else 400,
+                    slo_met=ok and (tier == "be" or (t or 0) <= ttft * 1.2),
+                    created_at=created, finished_at=created + timedelta(seconds=2)))
+    await gw.app[STORE].insert_usage(records)
+    sampler = gw.app[METRICS].sampler
+    assert sampler is not None
+    # the engine history of a gateway up for six hours (it lives in memory), then the real
+    # engine's load now
+    sampler.history.clear()
+    start_s = now.timestamp() - 6 * 3600
+    for k in range(0, 6 * 3600, 300):
+        kv = 0.35 + 0.3 * rng.random()
+        sampler.history.append(EngineSample(
+            time_s=start_s + k, up=True, running=rng.randint(2, 30), waiting=rng.randint(0, 12),
+            kv_usage=kv, kv_capacity_tokens=16384, batch_lines_pending=rng.randint(0, 500)))
+    for _ in range(3):
+        assert (await sampler.sample()).up
+    yield gw, len(records)
+    await gw.session.close()
+    await server.close()
+
+
+async def test_dashboard_renders_every_chart_without_console_errors(
+        seeded_gateway: tuple[GatewayHandle, int], tmp_path: Path) -> None:
+    gw, seeded = seeded_gateway
+    async with chromium_page(tmp_path / "chromium-profile", 1400, 1300) as page:
+        await page.send("Network.setExtraHTTPHeaders",
+                        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+        loaded = page.event("Page.loadEventFired")
+        loaded.clear()
+        await page.send("Page.navigate", url=f"{gw.base_url}/admin/v1/dashboard")
+        await _wait(loaded)
+        state = await page.evaluate(
+            "new Promise(resolve => { const s = document.getElementById('status');"
+            " const check = () => s.dataset.state === 'loading' ? setTimeout(check, 50)"
+            " : resolve(s.dataset.state + '|' + s.textContent); check(); })")
+        assert state.startswith("ready|"), state
+        assert f"{seeded} requests" in state  # every seeded record is in the 6-hour window
+        charts = {c["id"]: c for c in json.loads(
+            await page.evaluate(_COLORED_PIXELS_JS))}
+        assert sorted(charts) == sorted(CHARTS)
+        for chart_id in CHARTS:
+            assert charts[chart_id]["points"] > 0, f"{chart_id} drew no data"
+            assert charts[chart_id]["colored"] > 300, f"{chart_id} has no coloured series"
+        names = await page.evaluate(
+            "[...document.querySelectorAll('#tenants tbody tr td:first-child')]"
+            ".map(td => td.textContent)")
+        assert sorted(names) == ["agents-rt", "chat-rt", "nightly-be"]
+        shot = tmp_path / "dashboard.png"
+        await page.screenshot(shot)
+        assert shot.stat().st_size > 20_000
+        if os.environ.get("TANDEM_TEST_ARTIFACTS"):
+            shutil.copy(shot, Path(os.environ["TANDEM_TEST_ARTIFACTS"]) / "dashboard.png")
+        assert page.errors == []
+        # the error collection itself works: a console error on the page is seen
+        await page.evaluate("console.error('probe from the test')")
+        await _until(lambda: bool(page.errors))
+        assert page.errors == ["console: probe from the test"]
+
+
+async def test_dashboard_asks_a_browser_for_the_admin_token(
+        seeded_gateway: tuple[GatewayHandle, int]) -> None:
+    gw, _ = seeded_gateway
+    url = f"{gw.base_url}/admin/v1/dashboard"
+    async with gw.session.get(url) as resp:
+        assert resp.status == 401 and resp.headers["WWW-Authenticate"].startswith("Basic")
+        assert (await resp.json())["error"]["code"] == "invalid_admin_token"
+    async with gw.session.get(url, headers=basic("ops", "wrong-token")) as resp:
+        assert resp.status == 401
+    async with gw.session.get(url, headers=basic("ops", ADMIN_TOKEN)) as resp:
+        assert resp.status == 200 and resp.content_type == "text/html"
+    async with gw.session.get(url + "/data?hours=0", headers=gw.admin_headers) as resp:
+        assert resp.status == 400 and (await resp.json())["error"]["param"] == "hours"
+
+
+def basic(user: str, password: str) -> dict[str, str]:
+    raw = base64.b64encode(f"{user}:{password}".encode()).decode()
+    return {"Authorization": f"Basic {raw}"}
+
+
+async def _wait(event: Any, timeout_s: float = 30.0) -> None:
+    await asyncio.wait_for(event.wait(), timeout_s)
+
+
+async def _until(condition: Any, timeout_s: float = 5.0) -> None:
+    for _ in range(int(timeout_s / 0.05)):
+        if condition():
+            return
+        await asyncio.sleep(0.05)
