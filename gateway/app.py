@@ -13,8 +13,9 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from gateway.api import admin, openai, ops
+from gateway.api import admin, batches, files, openai, ops
 from gateway.auth import AuthCache
+from gateway.batch.app import batch_context
 from gateway.config import Config
 from gateway.engine_client import EngineClient
 from gateway.engine_control import length_sync
@@ -53,11 +54,14 @@ def create_app(config: Config, admin_token: str, model_dir: Path) -> web.Applica
     app.cleanup_ctx.append(_engine_client)
     app.cleanup_ctx.append(_usage_recorder)
     app.cleanup_ctx.append(_background_tasks)
+    app.cleanup_ctx.append(batch_context)  # closes first: its line aborts reach _background_tasks
     app.cleanup_ctx.append(length_sync)  # engine's length histories ← SQL
     install_operator_tools(app)  # quotas, /metrics, dashboard, /openapi.json
     app.add_routes(ops.routes)
     app.add_routes(openai.routes)
     app.add_routes(admin.routes)
+    app.add_routes(files.routes)
+    app.add_routes(batches.routes)
     return app
 
 

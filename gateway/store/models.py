@@ -215,7 +215,7 @@ class FileRow(Base):
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
     purpose: Mapped[str] = mapped_column(String(32))
     filename: Mapped[str] = mapped_column(String(255))
-    bytes: Mapped[int] = mapped_column(BigInteger)
+    size_bytes: Mapped[int] = mapped_column("bytes", BigInteger)
     line_count: Mapped[int | None] = mapped_column(Integer)
     sha256: Mapped[str] = mapped_column(String(64))
     content: Mapped[bytes] = mapped_column(LargeBinary, deferred=True)

@@ -113,6 +113,7 @@ class BatchFeed:
         self._carried = 0.0
         """Footprint in flight from before the current plan, tokens."""
         self._estimates: dict[int, float] = {}
+        self._order: list[int] = []
         self._replans_done = 0
         self.plans = 0
         """How many times the rest was (re)planned."""
@@ -137,6 +138,11 @@ class BatchFeed:
     def estimate(self, index: int) -> float:
         """The current output-length estimate of a line, tokens."""
         return self._estimates.get(index, self.settings.prior_output_len)
+
+    def planned_order(self) -> list[int]:
+        """The lines of the current plan in order (pilot first; then blend: the ρ-sorted units
+        the two scanners read from both ends; dfs/fcfs: the order they are sent in)."""
+        return list(self._pilot) + [i for i in self._order if i not in self._pilot]
 
     # --- decisions ---
     def next(self) -> int | None:
@@ -225,6 +231,7 @@ class BatchFeed:
                 unit.items = [p for p in unit.items if p not in handed_pos]
             units = merge_units([u for u in units if u.items], s.min_unit_items)
             self._scanner = DualScanner(units, footprints, memory, tree.root.rho)
+            self._order = [self._scanner_items[p] for u in units for p in u.items]
         else:
             if s.ordering == "dfs":
                 order = list(dfs_items(tree.root))
@@ -232,6 +239,7 @@ class BatchFeed:
                 order = sorted(range(len(tree.items)), key=lambda p: tree.items[p].index)
             order = [p for p in order if p not in handed_pos]
             self._scanner = SequentialScanner(order, footprints, memory)
+            self._order = [self._scanner_items[p] for p in order]
         self.plans += 1
 
     def _scanner_grow(self, tokens: float) -> None:

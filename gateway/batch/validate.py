@@ -1,0 +1,161 @@
+"""Validating a batch's input file, line by line (OpenAI's `validating` step).
+
+Structural problems — a line that is not a JSON object, a missing or repeated `custom_id`, a
+`method` other than POST, a `url` other than the batch's endpoint, a `body` that is not a valid
+request of that endpoint (wrong types, out-of-range sampling values, another model, `stream`) —
+fail the whole batch, with one error per bad line (`line` is 1-based, as OpenAI reports it), so
+nothing runs until the file is right. Problems only the model can find (a prompt longer than the
+context) fail that line alone, into the error file, while the rest runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from gateway.api.schemas import ChatCompletionRequest, CompletionRequest, check_sampling
+from gateway.batch.types import NewItem
+from gateway.errors import ApiError, validation_error
+
+MAX_REPORTED_ERRORS = 100
+"""Errors listed in the batch object at most (the count of the rest is added)."""
+MAX_CUSTOM_ID_CHARS = 512
+"""Longest custom_id, characters (the column's size)."""
+
+
+class _Line(msgspec.Struct, kw_only=True):
+    custom_id: Any = None
+    method: Any = None
+    url: Any = None
+    body: Any = None
+
+
+def body_type(endpoint_kind: str) -> type[msgspec.Struct]:
+    """The request Struct of an endpoint kind ("chat" or "completions")."""
+    return ChatCompletionRequest if endpoint_kind == "chat" else CompletionRequest
+
+
+def validate_lines(
+    content: bytes, endpoint: str, endpoint_kind: str, model: str
+) -> tuple[list[NewItem], list[dict[str, Any]]]:
+    """The lines as NewItems, and the errors (empty when the file is valid)."""
+    items: list[NewItem] = []
+    errors: list[dict[str, Any]] = []
+    seen: dict[str, int] = {}
+    kind = body_type(endpoint_kind)
+    total_errors = 0
+    for index, raw in enumerate(content.split(b"\n")):
+        if not raw.strip():
+            continue
+        line_no = index + 1
+        try:
+            item = _check_line(raw, line_no, endpoint, kind, model, seen)
+        except _LineError as exc:
+            total_errors += 1
+            if len(errors) < MAX_REPORTED_ERRORS:
+                errors.append(
+                    {"code": exc.code, "message": exc.message, "param": exc.param, "line": line_no}
+                )
+            continue
+        seen[item.custom_id] = line_no
+        items.append(item)
+    if not items and not errors:
+        errors.append(
+            {
+                "code": "empty_file",
+                "message": "the input file has no requests",
+                "param": None,
+                "line": None,
+            }
+        )
+    if total_errors > len(errors):
+        errors.append(
+            {
+                "code": "too_many_errors",
+                "message": f"{total_errors - len(errors)} more invalid lines not listed",
+                "param": None,
+                "line": None,
+            }
+        )
+    return items, errors
+
+
+class _LineError(Exception):
+    def __init__(self, code: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code, self.message, self.param = code, message, param
+
+
+def _check_line(
+    raw: bytes,
+    line_no: int,
+    endpoint: str,
+    kind: type[msgspec.Struct],
+    model: str,
+    seen: dict[str, int],
+) -> NewItem:
+    try:
+        line = msgspec.json.decode(raw, type=_Line)
+    except msgspec.DecodeError as exc:
+        raise _LineError("invalid_json", f"line {line_no} is not valid JSON: {exc}") from None
+    except msgspec.ValidationError:
+        raise _LineError("invalid_json", f"line {line_no} is not a JSON object") from None
+    custom_id = line.custom_id
+    if not isinstance(custom_id, str) or not custom_id:
+        raise _LineError("missing_custom_id", "custom_id must be a non-empty string", "custom_id")
+    if len(custom_id) > MAX_CUSTOM_ID_CHARS:
+        raise _LineError(
+            "invalid_custom_id",
+            f"custom_id is longer than {MAX_CUSTOM_ID_CHARS} characters",
+            "custom_id",
+        )
+    if custom_id in seen:
+        raise _LineError(
+            "duplicate_custom_id",
+            f"custom_id {custom_id!r} was already used on line {seen[custom_id]}",
+            "custom_id",
+        )
+    if line.method != "POST":
+        raise _LineError("invalid_method", f"method must be 'POST', got {line.method!r}", "method")
+    if line.url != endpoint:
+        raise _LineError(
+            "mismatched_url",
+            f"url must be the batch's endpoint {endpoint!r}, got {line.url!r}",
+            "url",
+        )
+    if not isinstance(line.body, dict):
+        raise _LineError("invalid_body", "body must be a JSON object", "body")
+    body = msgspec.json.encode(line.body)
+    parse_body(body, kind, model)
+    return NewItem(
+        line_no=line_no, custom_id=custom_id, method="POST", url=endpoint, body=body.decode()
+    )
+
+
+def parse_body(body: bytes, kind: type[msgspec.Struct], model: str) -> Any:
+    """The request Struct of a line's body; raises _LineError naming the field."""
+    try:
+        request = msgspec.json.decode(body, type=kind)
+        assert isinstance(request, (ChatCompletionRequest, CompletionRequest))
+        check_sampling(request)
+    except msgspec.ValidationError as exc:
+        err = validation_error(exc)
+        raise _LineError(
+            "invalid_body", f"body.{err.message}", f"body.{err.param}" if err.param else "body"
+        ) from None
+    except ApiError as exc:
+        raise _LineError(
+            "invalid_body",
+            f"body.{exc.param}: {exc.message}" if exc.param else exc.message,
+            f"body.{exc.param}" if exc.param else "body",
+        ) from None
+    if request.model != model:
+        raise _LineError(
+            "model_not_found",
+            f"body.model {request.model!r} does not exist; this gateway serves {model!r}",
+            "body.model",
+        )
+    if request.stream:
+        raise _LineError("invalid_body", "body.stream must be false in a batch", "body.stream")
+    return request
