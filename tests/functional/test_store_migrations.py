@@ -20,6 +20,7 @@ from gateway.store.models import Base
 
 TABLES = {"tenants", "api_keys", "slo_contracts", "quotas", "usage_records", "length_history"}
 TABLES |= {"files", "batches", "batch_items"}  # 0002
+TABLES |= {"gateway_instances", "quota_demand", "quota_monthly"}  # 0003
 
 
 async def table_names(url: str) -> set[str]:
