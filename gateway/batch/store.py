@@ -508,6 +508,7 @@ class BatchStore:
                     expires_at=expires_at,
                 )
                 session.add(file_row)
+                await session.flush()  # no ORM relationship orders the file before the batch
                 setattr(row, attr, file_row.id)
             row.status = final_status
             setattr(row, f"{final_status}_at", stamp)

@@ -208,7 +208,7 @@ async def test_cancel_stops_the_batch_and_keeps_what_finished(
     lines = [chat_line(f"c-{i}", f"story {i}", max_tokens=64) for i in range(40)]
     batch = await api.batches.create(input_file_id=await upload(api, jsonl(lines)),
                                      endpoint="/v1/chat/completions", completion_window="24h")
-    await wait_for(api, batch.id, ("in_progress",) + DONE)
+    await wait_for(api, batch.id, ("in_progress", *DONE))
     cancelling = await api.batches.cancel(batch.id)
     assert cancelling.status in ("cancelling", "cancelled")
     done = await wait_for(api, batch.id)
@@ -229,7 +229,7 @@ async def test_a_batch_past_its_window_expires(
     lines = [chat_line(f"x-{i}", f"essay {i}", max_tokens=64) for i in range(30)]
     batch = await api.batches.create(input_file_id=await upload(api, jsonl(lines)),
                                      endpoint="/v1/chat/completions", completion_window="24h")
-    await wait_for(api, batch.id, ("in_progress",) + DONE)
+    await wait_for(api, batch.id, ("in_progress", *DONE))
     # Fast-forward: the 24 h window ends now.
     sessions = session_factory(gateway.app[DB_ENGINE])
     async with sessions.begin() as session:

@@ -75,7 +75,7 @@ def test_the_pilot_goes_first_covers_every_cap_class_and_triggers_re_plans() -> 
 
 
 def test_in_flight_lines_never_exceed_the_bound() -> None:
-    lines, lengths = items(200)
+    lines, _ = items(200)
     feed = BatchFeed(lines, FeedSettings(memory_tokens=1e9, max_inflight=7))
     sent = [feed.next() for _ in range(20)]
     assert len([s for s in sent if s is not None]) == 7
