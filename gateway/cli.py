@@ -80,6 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     add_usage_command(admin, common)
     from bench.cli import add_bench_parser
     add_bench_parser(sub)
+    from gateway.batch.cli import add_batch_parser
+    add_batch_parser(sub, common)
     return parser
 
 
