@@ -116,8 +116,8 @@ def parse_query(params: Mapping[str, str], now: datetime,
                                 f"({end.isoformat()})")
     bucket_s = GROUP_BY_S[group_by]
     if (end - start).total_seconds() / bucket_s > MAX_PERIODS:
-        raise BadQuery("start", f"the range spans more than {MAX_PERIODS} periods of one "
-                                f"{group_by}; narrow it or group by day")
+        raise BadQuery("start", f"the range from start to end spans more than {MAX_PERIODS} "
+                                f"periods of one {group_by}; narrow it or group by day")
     return ReportQuery(start=start, end=end, group_by=group_by, bucket_s=bucket_s,
                        tenant=params.get("tenant") or None, format=fmt)
 
