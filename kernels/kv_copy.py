@@ -35,6 +35,11 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from kernels.kv_copy_ref import gather_slots_reference, scatter_slots_reference
+
+__all__ = ["KvLayers", "gather_slots", "gather_slots_reference", "scatter_slots",
+           "scatter_slots_reference"]
+
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 _TL_WORDS = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
 _BLOCK_WORDS = 256  # words per program iteration: 2 KiB rows (8 KV heads × 128 × bf16) in one
@@ -226,18 +231,3 @@ def scatter_slots(layers: KvLayers | Sequence[torch.Tensor], slots: torch.Tensor
     """`KvLayers(layers).scatter(slots, packed)`."""
     kv = layers if isinstance(layers, KvLayers) else KvLayers(layers)
     kv.scatter(slots, packed, check=check)
-
-
-def gather_slots_reference(layers: Sequence[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
-    """The torch reference of `gather_slots` (index_select per layer, then stack)."""
-    index = slots.to(torch.int64)
-    return torch.stack([t.index_select(0, index) for t in layers])
-
-
-def scatter_slots_reference(layers: Sequence[torch.Tensor], slots: torch.Tensor,
-                            packed: torch.Tensor) -> None:
-    """The torch reference of `scatter_slots` (index_copy_ per layer, on the bytes: torch has
-    no index_copy_ for fp8)."""
-    index = slots.to(torch.int64)
-    for t, rows in zip(layers, packed, strict=True):
-        t.view(torch.uint8).index_copy_(0, index, rows.to(t.device).view(torch.uint8))

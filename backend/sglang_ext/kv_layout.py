@@ -1,0 +1,161 @@
+"""BROS's bidirectional KV layout on SGLang's token pool: the allocator adapter (written for the
+plugin to wire; nothing here patches SGLang by itself).
+
+`BiCacheKvLayout` hands out KV slots the way `backend/policy/bicache.py` lays them out (blocks
+of 16 slots, RT from the left, BE from the right, RT may overwrite dormant BE slots after
+checkpointing them) and does the copies: checkpointed rows go to a host store, and come back
+into fresh slots on restore (`kernels/kv_copy.py` on a GPU, its torch reference on CPU).
+
+Why the attention kernels need no change: with page_size 1, SGLang's attention backends
+(torch_native on CPU, FlashInfer / Triton / FA3 on GPU) read a request's KV through its row of
+`req_to_token` (token position → slot). Which slot a token sits in, and whether a block is
+filled left-to-right or right-to-left, only changes the numbers in that row, never the kernel.
+So the same tokens come out with the layout on or off (a functional test for issue 8 should
+check exactly that once this is wired).
+
+Where it plugs in (SGLang 0.5.23, `sglang/srt/mem_cache/allocation.py`, page_size 1):
+
+* extend: `alloc_for_extend(batch)` calls `alloc_token_slots(batch.tree_cache,
+  batch.extend_num_tokens)` and writes the flat result into `req_to_token` request by request,
+  in `batch.reqs` order, `batch.extend_lens[i]` slots each. Wrap `alloc_for_extend` so that,
+  during the call, `alloc_token_slots` returns `layout.alloc([(rid, tier, extend_len), ...])`
+  (same order and length, so `write_cache_indices` needs no change).
+* decode: `ALLOC_FOR_DECODE_FUNCS[device_type]` (a dict keyed by `batch.device` type, default
+  `alloc_for_decode_default(batch, token_per_req)`) → same wrap, `token_per_req` slots per
+  request.
+* free: `TokenToKVPoolAllocator.free(free_index)` (from `release_kv_cache`, retraction, radix
+  eviction) → `layout.free(free_index)`; `available_size()` → `layout.available_size()`.
+* eviction: where the scheduler retracts a BE request (`ScheduleBatch.retract_decode`), call
+  `layout.suspend(rid)` instead of freeing its slots: they stay until RT needs them. Before a
+  suspended request runs again call `layout.resume_and_restore(rid)` and write the returned
+  slots into its `req_to_token` row (restored tokens moved).
+* radix cache: a BE request's tokens that the tree shares must never be overwritten: call
+  `layout.protect(rid, cached_tokens)` after `cache_unfinished_req` / `cache_finished_req`
+  inserted them. Slots handed to the tree outlive the request; until the plugin tracks tree
+  ownership, run with `--disable-radix-cache` (`free` rejects a partial free of a request, which
+  is how tree-owned slots would show up).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from backend.policy.bicache import DEFAULT_BLOCK_SLOTS, HOST, BiCache, Checkpoint
+from backend.policy.types import Tier
+
+
+class BiCacheKvLayout:
+    """Slots of one KV pool under the bidirectional layout, and the KV copies it implies.
+
+    `layers`: the pool's buffers, K and V of every layer, each `[num_slots, heads, head_dim]`
+    (SGLang's `MHATokenToKVPool.k_buffer` + `v_buffer`). Slots are 0 … num_slots − 1 of those
+    buffers; SGLang's padding slot 0 is kept out by `reserved_slots`."""
+
+    def __init__(self, layers: Sequence[torch.Tensor], *, block_slots: int = DEFAULT_BLOCK_SLOTS,
+                 reserved_slots: int = 1) -> None:
+        num_slots = layers[0].shape[0]
+        self.offset = reserved_slots
+        """Slot of the layout's slot 0 (SGLang keeps slot 0 as the padding slot)."""
+        self.cache = BiCache((num_slots - reserved_slots) // block_slots, block_slots)
+        self.layers = list(layers)
+        self._kernels = None
+        if self.layers[0].is_cuda:  # Triton only where it compiles; torch reference elsewhere
+            from kernels.kv_copy import KvLayers
+
+            self._kernels = KvLayers(self.layers)
+        self.host: dict[tuple[str, int], torch.Tensor] = {}
+        """(rid, token index) → its rows, [num_layers, heads, head_dim], on the host."""
+        self._owner: dict[int, str] = {}  # slot → rid (for free-by-index)
+
+    # --- SGLang's allocator surface -----------------------------------------------------------
+
+    def available_size(self) -> int:
+        """Slots a new request of either tier can take now, without any checkpoint."""
+        return min(self.cache.room("rt"), self.cache.room("be"))
+
+    def alloc(self, requests: Sequence[tuple[str, Tier, int]]) -> torch.Tensor:
+        """Slots for `(rid, tier, tokens)` of every request, concatenated in that order (the
+        order SGLang writes them into req_to_token). Checkpoints the dormant BE rows it
+        overwrites first. Raises bicache.NoRoom when the layout cannot place them (SGLang then
+        retracts, as on an out-of-memory allocation)."""
+        out: list[int] = []
+        for rid, tier, tokens in requests:
+            grant = self.cache.allocate(rid, tier, tokens)
+            self._checkpoint(grant.checkpoints)
+            out.extend(grant.slots)
+            for slot in grant.slots:
+                self._owner[slot] = rid
+        return torch.tensor([s + self.offset for s in out], dtype=torch.int64,
+                            device=self.layers[0].device)
+
+    def free(self, free_index: torch.Tensor) -> None:
+        """Frees whole requests by their slots (what `release_kv_cache` passes without the
+        radix cache); a partial free of a request is rejected."""
+        slots = [int(s) - self.offset for s in free_index.tolist()]
+        rids = {self._owner[s] for s in slots if s in self._owner}
+        freed = set(slots)
+        for rid in rids:
+            mine = [s for s in self.cache.slots(rid) if s != HOST]
+            if not freed.issuperset(mine):
+                raise ValueError(f"partial free of request {rid!r}: the bicache layout frees "
+                                 f"whole requests (run with --disable-radix-cache)")
+            self.release(rid)
+
+    # --- the request life cycle ---------------------------------------------------------------
+
+    def release(self, rid: str) -> None:
+        """A request ended: its slots and host rows go."""
+        for slot in self.cache.slots(rid):
+            self._owner.pop(slot, None)
+        for index in self.cache.checkpointed(rid):
+            self.host.pop((rid, index), None)
+        self.cache.release(rid)
+
+    def suspend(self, rid: str) -> None:
+        """A BE request was evicted: its KV stays until RT needs the slots."""
+        self.cache.suspend(rid)
+
+    def resume_and_restore(self, rid: str) -> list[int]:
+        """Brings a suspended BE request back: copies its checkpointed rows into fresh slots and
+        returns its whole token → slot row (write it into req_to_token)."""
+        self.cache.resume(rid)
+        restore = self.cache.restore(rid)
+        self._checkpoint(restore.checkpoints)
+        if restore.loads:
+            dst = torch.tensor([slot + self.offset for _, slot in restore.loads],
+                               device=self.layers[0].device)
+            rows = torch.stack([self.host.pop((rid, index)) for index, _ in restore.loads],
+                               dim=1)
+            if self._kernels is not None:
+                self._kernels.scatter(dst, rows.pin_memory(), check=False)
+            else:
+                from kernels.kv_copy_ref import scatter_slots_reference
+
+                scatter_slots_reference(self.layers, dst, rows)
+            for _, slot in restore.loads:
+                self._owner[slot] = rid
+        return [s + self.offset for s in self.cache.slots(rid)]
+
+    def protect(self, rid: str, tokens: int) -> None:
+        """Its first `tokens` tokens are shared (radix cache): never overwrite them."""
+        self.cache.protect(rid, tokens)
+
+    def _checkpoint(self, checkpoints: tuple[Checkpoint, ...]) -> None:
+        """Copies the rows about to be overwritten to the host, before the forward pass writes
+        their slots."""
+        if not checkpoints:
+            return
+        src = torch.tensor([c.slot + self.offset for c in checkpoints],
+                           device=self.layers[0].device)
+        if self._kernels is not None:
+            rows = self._kernels.gather(src, check=False)
+            torch.cuda.current_stream().synchronize()  # the forward pass overwrites them next
+        else:
+            from kernels.kv_copy_ref import gather_slots_reference
+
+            rows = gather_slots_reference(self.layers, src)
+        for i, c in enumerate(checkpoints):
+            self.host[(c.rid, c.index)] = rows[:, i].clone()
+            self._owner.pop(c.slot, None)
