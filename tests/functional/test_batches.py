@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -272,3 +275,30 @@ async def test_file_listing_content_and_delete(gateway: GatewayHandle,
     with pytest.raises(openai.NotFoundError):
         await api.files.retrieve(file_id)
     assert gateway.app[BATCH_STORE] is not None
+
+
+async def test_cli_creates_watches_and_downloads(gateway: GatewayHandle,
+                                                 be_tenant: tuple[str, str],
+                                                 tmp_path: Any) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(jsonl([chat_line(f"cli-{i}", "hello") for i in range(4)]))
+    env = {**os.environ, "TANDEM_API_KEY": be_tenant[1]}
+
+    def tandem(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "gateway", "batch", *args, "--url",
+                               gateway.base_url], env=env, capture_output=True, text=True,
+                              timeout=300)
+
+    created = await asyncio.to_thread(tandem, "create", str(source), "--watch")
+    assert created.returncode == 0, created.stderr
+    batch = json.loads(created.stdout)
+    assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 4
+    assert "4/4 lines" in created.stderr and "done" in created.stderr  # the progress bar
+    out = tmp_path / "out.jsonl"
+    got = await asyncio.to_thread(tandem, "results", batch["id"], "--output", str(out))
+    assert got.returncode == 0, got.stderr
+    assert sorted(json.loads(x)["custom_id"] for x in out.read_text().splitlines()) == [
+        f"cli-{i}" for i in range(4)]
+    missing = await asyncio.to_thread(tandem, "get", "batch_nope")
+    assert missing.returncode == 1
+    assert missing.stderr.startswith("tandem: error: 404")
