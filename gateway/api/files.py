@@ -191,6 +191,11 @@ async def file_content(request: web.Request) -> web.Response:
     )
 
 
+def _safe(filename: str) -> str:
+    """The file name for a header: printable ASCII without quotes or backslashes."""
+    return "".join(c if 32 <= ord(c) < 127 and c not in '"\\' else "_" for c in filename)
+
+
 @routes.delete("/v1/files/{file_id}")
 async def delete_file(request: web.Request) -> web.Response:
     info = await _own_file(request)

@@ -71,10 +71,13 @@ class ActiveBatch:
     feed: BatchFeed
     prepared: dict[int, _Prepared]
     custom_ids: dict[int, str]
-    attempts: dict[int, int]
     tasks: dict[int, asyncio.Task[None]] = field(default_factory=dict)
     retry: list[tuple[float, int]] = field(default_factory=list)
     """(monotonic time when it may run again, line) of lines the engine could not take."""
+    failures: dict[int, int] = field(default_factory=dict)
+    """Engine aborts/refusals per line (an unreachable engine does not count)."""
+    down_streak: int = 0
+    """Consecutive lines that found the engine unreachable (backs the retries off)."""
     stopping: str | None = None
     """"expired" or "cancelled" once the batch is being wound down."""
 
@@ -164,6 +167,8 @@ class BatchRunner:
             else:
                 active.info = info
                 await self._maybe_done(active)
+        if active is not None and not active.tasks and active.retry:
+            active.down_streak = 0  # nothing in flight: the next retry probes the engine
 
     # ------------------------------------------------------------------ validation
 
@@ -214,7 +219,6 @@ class BatchRunner:
             feed=feed,
             prepared=prepared,
             custom_ids={p.line_no: p.custom_id for p in pending},
-            attempts={p.line_no: p.attempts for p in pending},
         )
         self._active[info.id] = active
         await self._store.set_order(
@@ -314,7 +318,6 @@ class BatchRunner:
         store = self._store
         if not await store.mark_running(batch_id, line_no):
             return None
-        active.attempts[line_no] = active.attempts.get(line_no, 0) + 1
         prepared = active.prepared[line_no]
         principal = self._principal(active)
         model = self._config.model.name
@@ -370,14 +373,22 @@ class BatchRunner:
         return outcome.completion_tokens
 
     async def _retry_or_fail(self, active: ActiveBatch, line_no: int, exc: ApiError) -> None:
+        """An engine that is down (or restarting) only delays a line, however long it takes;
+        an engine that aborts or refuses it for capacity costs an attempt, and after
+        `batch.max_attempts` the line goes to the error file."""
         cfg = self._config.batch
-        if active.attempts.get(line_no, 0) >= cfg.max_attempts:
-            await self._store.finish_item(
-                active.info.id, line_no, _refusal(active.info, line_no, exc)
-            )
-            return
+        down = exc.code == "engine_unavailable"
+        if not down:
+            active.failures[line_no] = active.failures.get(line_no, 0) + 1
+            if active.failures[line_no] >= cfg.max_attempts:
+                await self._store.finish_item(
+                    active.info.id, line_no, _refusal(active.info, line_no, exc)
+                )
+                return
         await self._store.requeue_item(active.info.id, line_no)
-        active.retry.append((time.monotonic() + cfg.retry_after_s, line_no))
+        active.down_streak = active.down_streak + 1 if down else 0
+        pause = cfg.retry_after_s * (2 ** min(active.down_streak, 4) if down else 1)
+        active.retry.append((time.monotonic() + pause, line_no))
 
     def _principal(self, active: ActiveBatch) -> Principal:
         """The batch's tenant, with the time left to its deadline as the BE deadline."""
