@@ -100,6 +100,8 @@ class _TenantState:
     w_requests: float | None = None
     w_tokens: float | None = None
     w_concurrency: dict[str, float] | None = None
+    slots: int | None = None
+    """Concurrency slots of this instance (None: no max_concurrent), kept with the shares."""
     window: _Window = field(default_factory=_Window)
     smoothed: DemandReport | None = None
     last_seen_s: float = 0.0
@@ -121,6 +123,8 @@ class QuotaLimiter:
         """(tenant id, month) → tokens used here and not yet added to the shared total."""
         self._month_totals: dict[str, int] = {}
         self._view_month = ""
+        self._month_cache = ("", -1.0)
+        """(month key, clock reading until which it is valid): no calendar work per request."""
 
     # ------------------------------------------------------------------ requests
 
@@ -266,6 +270,7 @@ class QuotaLimiter:
         # a new share (sync) only resizes: growing the level with every share change would let
         # oscillating shares mint tokens; a raised limit (admin) grants its extra burst at once
         quota = state.quota
+        state.slots = self._slots(state) if quota.max_concurrent is not None else None
         if quota.requests_per_min is None:
             state.requests = None
         else:
@@ -278,14 +283,18 @@ class QuotaLimiter:
             w = state.w_tokens if state.w_tokens is not None else self._even()
             state.tokens = _sized(state.tokens, quota.tokens_per_min * w, now, limit_changed)
 
-    def _check_concurrency(self, state: _TenantState, tenant: Tenant) -> None:
-        limit = state.quota.max_concurrent
-        if limit is None:
-            return
+    def _slots(self, state: _TenantState) -> int:
+        limit = state.quota.max_concurrent or 0
         fractions = state.w_concurrency or {i: self._even() for i in self._instances}
         if self.instance_id not in fractions:
             fractions = {i: self._even() for i in self._instances}
-        slots = allocate(limit, fractions, self._epoch)[self.instance_id]
+        return allocate(limit, fractions, self._epoch)[self.instance_id]
+
+    def _check_concurrency(self, state: _TenantState, tenant: Tenant) -> None:
+        slots = state.slots
+        if slots is None:
+            return
+        limit = state.quota.max_concurrent
         if state.in_flight >= slots:
             raise QuotaExceeded(
                 "max_concurrent",
@@ -326,7 +335,12 @@ class QuotaLimiter:
         return current
 
     def _month(self) -> str:
-        return month_key(self._wall_clock())
+        month, valid_until = self._month_cache
+        now = self._clock()
+        if now >= valid_until:
+            month = month_key(self._wall_clock())
+            self._month_cache = (month, now + 1.0)
+        return month
 
 
 def month_key(when: datetime) -> str:
