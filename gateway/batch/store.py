@@ -11,10 +11,10 @@ import hashlib
 import secrets
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 import msgspec
-from sqlalchemy import func, select, update
+from sqlalchemy import Table, bindparam, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.batch.types import (
@@ -379,13 +379,16 @@ class BatchStore:
         """Stores each pending line's place in the planned order."""
         if not ranks:
             return
+        table = cast(Table, BatchItemRow.__table__)
+        statement = (
+            update(table)
+            .where(table.c.batch_id == batch_id, table.c.line_no == bindparam("b_line_no"))
+            .values(order_rank=bindparam("b_rank"))
+        )
+        rows = [{"b_line_no": n, "b_rank": r} for n, r in ranks.items()]
         async with self._sessions.begin() as session:
-            for line_no, rank in ranks.items():
-                await session.execute(
-                    update(BatchItemRow)
-                    .where(BatchItemRow.batch_id == batch_id, BatchItemRow.line_no == line_no)
-                    .values(order_rank=rank)
-                )
+            await session.connection()  # one executemany, not one round trip per line
+            await session.execute(statement, rows)
 
     async def mark_running(self, batch_id: str, line_no: int) -> bool:
         """pending → running (one attempt more); False if the line is no longer pending."""

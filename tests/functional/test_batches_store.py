@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -60,6 +61,12 @@ async def test_a_line_exists_once_and_resumes_after_a_crash(
     batches = BatchStore(session_factory(store_engine))
     batch_id = await new_batch(batches, await tenant(store, "carol"), 4)
     assert [p.line_no for p in await batches.pending_items(batch_id)] == [1, 2, 3, 4]
+    await batches.set_order(batch_id, {4: 0, 2: 1, 1: 2, 3: 3})
+    async with session_factory(store_engine)() as session:
+        ranks = (await session.execute(
+            select(BatchItemRow.line_no, BatchItemRow.order_rank)
+            .where(BatchItemRow.batch_id == batch_id).order_by(BatchItemRow.order_rank))).all()
+    assert [tuple(r) for r in ranks] == [(4, 0), (2, 1), (1, 2), (3, 3)]
     assert await batches.mark_running(batch_id, 1)
     assert not await batches.mark_running(batch_id, 1)  # a line runs once at a time
     await batches.finish_item(batch_id, 1, ItemResult(
