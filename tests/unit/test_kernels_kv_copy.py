@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: CPU tensors only
-
-import pytest
 import torch
 
-from kernels.kv_copy import (
+# On a CPU-only machine the whole process may use Triton's interpreter (read when kernels are
+# defined, so before kernels.kv_copy is imported). Not on a GPU machine: tests/gpu needs the
+# compiled kernels, and kv_copy runs CPU tensors in the interpreter either way.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from kernels.kv_copy import (  # noqa: E402
     KvLayers,
     gather_slots,
     gather_slots_reference,
