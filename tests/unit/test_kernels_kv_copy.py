@@ -13,9 +13,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
+import pytest
 
-from kernels.kv_copy import (  # noqa: E402
+from kernels.kv_copy import (
     KvLayers,
     gather_slots,
     gather_slots_reference,
