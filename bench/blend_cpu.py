@@ -1,6 +1,6 @@
 """The batch runner's orderings on the real CPU engine: fcfs (file order) vs dfs vs blend.
 
-    python -m bench.blend_cpu [--requests 160] [--repeats 2] [--out FILE.json]
+    python -m bench.blend_cpu [--requests 96] [--repeats 2] [--out FILE.json]
                               [--engine-url http://127.0.0.1:30000]
 
 Without `--engine-url` it starts stock SGLang (tandem's patch off, so the engine schedules FCFS
@@ -62,11 +62,11 @@ def make_job(n: int, seed: int = 0, vocab: int = 4096) -> list[Line]:
                                           for _ in range(rng.randint(32, 64))]
             lines.append(Line(ids, 2, 2))
         elif u < 0.90:  # chat-like
-            ids = [rng.randrange(10, vocab) for _ in range(rng.randint(64, 512))]
-            lines.append(Line(ids, rng.randint(16, 64), 128))
+            ids = [rng.randrange(10, vocab) for _ in range(rng.randint(64, 384))]
+            lines.append(Line(ids, rng.randint(16, 48), 128))
         else:  # long output ("video-like")
             ids = [rng.randrange(10, vocab) for _ in range(rng.randint(32, 64))]
-            lines.append(Line(ids, rng.randint(256, 512), 640))
+            lines.append(Line(ids, rng.randint(128, 256), 512))
     return lines
 
 
@@ -172,7 +172,7 @@ def _launch(workdir: Path) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.blend_cpu", description=__doc__)
-    parser.add_argument("--requests", type=int, default=160)
+    parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--engine-url", help="a running engine (default: start one)")
     parser.add_argument("--out", type=Path, help="write the results JSON here")
