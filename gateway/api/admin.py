@@ -33,10 +33,19 @@ class SloIn(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class QuotaIn(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    requests_per_min: int | None = None
-    tokens_per_min: int | None = None
-    max_concurrent: int | None = None
-    monthly_tokens: int | None = None
+    """Limits; null = unlimited. In a PATCH a limit left out keeps its current value."""
+
+    requests_per_min: int | msgspec.UnsetType | None = msgspec.UNSET
+    tokens_per_min: int | msgspec.UnsetType | None = msgspec.UNSET
+    max_concurrent: int | msgspec.UnsetType | None = msgspec.UNSET
+    monthly_tokens: int | msgspec.UnsetType | None = msgspec.UNSET
+
+    def over(self, current: Quota) -> Quota:
+        """The limits given here, the others from *current* (unset = keep; null = unlimited)."""
+        fields = msgspec.structs.asdict(current)
+        fields.update({k: v for k, v in msgspec.structs.asdict(self).items()
+                       if v is not msgspec.UNSET})
+        return Quota(**fields)
 
 
 class TenantCreate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -64,7 +73,8 @@ def check_admin(request: web.Request) -> None:
         raise ApiError(401, "invalid admin token", code="invalid_admin_token")
 
 
-def validate_tenant(name: str, tier: str, slo: SloIn, quota: QuotaIn) -> tuple[Slo, Quota]:
+def validate_tenant(name: str, tier: str, slo: SloIn, quota: QuotaIn | Quota
+                    ) -> tuple[Slo, Quota]:
     """Checks a tenant's contract and quota; 422 naming the field."""
     if not name.strip() or len(name) > 100:
         raise _invalid("name", "name must be 1 to 100 characters")
@@ -76,15 +86,15 @@ def validate_tenant(name: str, tier: str, slo: SloIn, quota: QuotaIn) -> tuple[S
         value = getattr(slo, field)
         if value is not None and value <= 0:
             raise _invalid(f"slo.{field}", f"slo.{field} must be positive, got {value}")
+    limits = quota.over(Quota()) if isinstance(quota, QuotaIn) else quota
     for field in ("requests_per_min", "tokens_per_min", "max_concurrent", "monthly_tokens"):
-        value = getattr(quota, field)
+        value = getattr(limits, field)
         if value is not None and value < 0:
             raise _invalid(f"quota.{field}", f"quota.{field} must not be negative, got {value}")
     return (
         Slo(ttft_ms=slo.ttft_ms, tpot_ms=slo.tpot_ms, token_group=slo.token_group,
             deadline_s=slo.deadline_s, allow_rt=slo.allow_rt),
-        Quota(requests_per_min=quota.requests_per_min, tokens_per_min=quota.tokens_per_min,
-              max_concurrent=quota.max_concurrent, monthly_tokens=quota.monthly_tokens),
+        limits,
     )
 
 
@@ -122,7 +132,7 @@ async def patch_tenant(request: web.Request) -> web.Response:
     assert isinstance(body, TenantPatch)
     tier = body.tier or current.tier
     slo_in = body.slo or SloIn(**msgspec.structs.asdict(current.slo))
-    quota_in = body.quota or QuotaIn(**msgspec.structs.asdict(current.quota))
+    quota_in = body.quota.over(current.quota) if body.quota is not None else current.quota
     slo, quota = validate_tenant(body.name or current.name, tier, slo_in, quota_in)
     try:
         tenant = await request.app[STORE].update_tenant(
