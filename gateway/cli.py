@@ -65,6 +65,10 @@ def _parser() -> argparse.ArgumentParser:
     create.add_argument("--deadline-s", type=float, help="BE: job deadline, seconds")
     create.add_argument("--allow-rt", action="store_true",
                         help="BE tenant may ask for tier rt per request (needs RT targets)")
+    for flag, unit in (("requests-per-min", "requests"), ("tokens-per-min", "tokens"),
+                       ("max-concurrent", "requests in flight"),
+                       ("monthly-tokens", "tokens per calendar month")):
+        create.add_argument(f"--{flag}", type=int, help=f"quota: {unit} (default: unlimited)")
     create.set_defaults(func=_cmd_tenant_create)
     tenant.add_parser("list", parents=[common], help="list tenants").set_defaults(
         func=_cmd_tenant_list)
@@ -114,9 +118,12 @@ def _cmd_tenant_create(args: argparse.Namespace) -> int:
     slo_in = SloIn(ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, deadline_s=args.deadline_s,
                    allow_rt=args.allow_rt)
     try:
-        slo, quota = validate_tenant(args.name, args.tier, slo_in, QuotaIn())
+        slo, quota = validate_tenant(args.name, args.tier, slo_in, QuotaIn(
+            requests_per_min=args.requests_per_min, tokens_per_min=args.tokens_per_min,
+            max_concurrent=args.max_concurrent, monthly_tokens=args.monthly_tokens))
     except ApiError as exc:
-        raise CliError(exc.message.replace("slo.", "--").replace("_", "-")) from None
+        raise CliError(exc.message.replace("slo.", "--").replace("quota.", "--")
+                       .replace("_", "-")) from None
 
     async def run(store: Any) -> Any:
         return await store.create_tenant(args.name.strip(), args.tier, slo, quota)

@@ -3,8 +3,14 @@ end in 503 while refused ones are 429): partial changes, removal, validation, im
 
 from __future__ import annotations
 
+import asyncio
+import json
 from typing import Any
 
+import pytest
+
+from gateway.cli import main as tandem
+from gateway.state import CONFIG
 from tests.functional.gateway_fixtures import GatewayHandle
 
 
@@ -60,3 +66,23 @@ async def test_quota_applies_at_once_and_a_raise_lets_the_tenant_back_in(
     records = await gw.latest_requests(tenant_id, 20)
     assert sum(r["status"] == "rate_limited" for r in records) == 2
     assert all(r["slo_met"] is None for r in records if r["status"] == "rate_limited")
+
+
+async def test_cli_creates_a_tenant_with_a_quota(
+        gateway_without_engine: GatewayHandle, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    gw = gateway_without_engine
+    monkeypatch.setenv("TANDEM_DATABASE__URL", gw.app[CONFIG].database.url)
+    code = await asyncio.to_thread(tandem, [
+        "admin", "tenant", "create", "cli-quota", "--tier", "be", "--requests-per-min", "5",
+        "--monthly-tokens", "1000"])
+    assert code == 0
+    created = json.loads(capsys.readouterr().out)
+    assert created["quota"] == {"requests_per_min": 5, "tokens_per_min": None,
+                                "max_concurrent": None, "monthly_tokens": 1000}
+    status, tenant = await gw.admin("GET", f"/tenants/{created['id']}")
+    assert status == 200 and tenant["quota"] == created["quota"]
+    code = await asyncio.to_thread(tandem, [
+        "admin", "tenant", "create", "cli-bad", "--tier", "be", "--max-concurrent", "-1"])
+    assert code == 2
+    assert "--max-concurrent must not be negative" in capsys.readouterr().err
