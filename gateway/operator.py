@@ -36,6 +36,11 @@ async def _quota_sync(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG].quota
     sync = QuotaSync(app[DB_ENGINE], app[QUOTAS], interval_s=config.sync_interval_s,
                      timeout_s=config.instance_timeout_s)
+    app[METRICS].extra.append(lambda: iter([
+        metrics.gauge("tandem_gateway_instances", "Gateway processes sharing the quotas (as of "
+                      "the last quota sync).", app[QUOTAS].instances),
+        metrics.gauge("tandem_quota_sync_failures", "Quota syncs with the database that failed "
+                      "since start.", sync.failures)]))
     await sync.start()
     yield
     await sync.close()

@@ -190,6 +190,11 @@ class QuotaLimiter:
             self._unsynced_month[key] = self._unsynced_month.get(key, 0) + used_tokens
         state.last_seen_s = now
 
+    @property
+    def instances(self) -> int:
+        """Live gateway instances sharing the limits, as of the last sync (this one included)."""
+        return len(self._instances)
+
     def in_flight(self) -> dict[str, int]:
         """Requests in flight per tenant id (tenants with none omitted)."""
         return {t: s.in_flight for t, s in self._tenants.items() if s.in_flight}

@@ -109,3 +109,5 @@ async def test_metrics_expose_requests_latency_slo_engine_and_batches(
     assert value(m, "tandem_batch_lines", status="pending") == 2
     assert value(m, "tandem_batch_progress_ratio", batch=batch_id) == 0.25
     assert value(m, "tandem_usage_records_pending") is not None
+    assert value(m, "tandem_gateway_instances") == 1
+    assert value(m, "tandem_quota_sync_failures") == 0
