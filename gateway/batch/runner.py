@@ -167,8 +167,6 @@ class BatchRunner:
             else:
                 active.info = info
                 await self._maybe_done(active)
-        if active is not None and not active.tasks and active.retry:
-            active.down_streak = 0  # nothing in flight: the next retry probes the engine
 
     # ------------------------------------------------------------------ validation
 
@@ -350,6 +348,7 @@ class BatchRunner:
         finally:
             gen.close(cancelled=cancelled)
         outcome = gen.outcome
+        active.down_streak = 0  # the engine answers: retries need no back-off
         body = completion_body(
             active.kind,
             gen.request.rid,
