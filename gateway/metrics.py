@@ -39,10 +39,38 @@ SLO_WINDOW_S = 300.0
 """Window of the `tandem_slo_attainment_ratio` gauge, seconds."""
 ACTIVE_BATCH_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
 """Batches whose lines still count in the BE backlog."""
-_LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
-                      300.0)
-_TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5,
-                   1.0, 2.5)
+_LATENCY_BUCKETS_S = (
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+)
+_TPOT_BUCKETS_S = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+)
 _DONE_ITEM_STATUSES = ("completed", "failed", "cancelled", "expired", "succeeded", "done")
 
 
@@ -73,25 +101,51 @@ class GatewayMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         tt = ["tenant", "tier"]
-        self.requests = Counter("tandem_requests", "Requests finished, by outcome.",
-                                [*tt, "status"], registry=r)
-        self.tokens = Counter("tandem_tokens", "Tokens processed (prompt, completion).",
-                              [*tt, "kind"], registry=r)
-        self.latency = Histogram("tandem_request_duration_seconds",
-                                 "Arrival to last byte of requests that ran.", tt,
-                                 buckets=_LATENCY_BUCKETS_S, registry=r)
-        self.ttft = Histogram("tandem_ttft_seconds", "Time to first token.", tt,
-                              buckets=_LATENCY_BUCKETS_S, registry=r)
-        self.tpot = Histogram("tandem_tpot_seconds", "Time per output token after the first.",
-                              tt, buckets=_TPOT_BUCKETS_S, registry=r)
-        self.slo = Counter("tandem_slo_requests", "Requests judged against their tenant's SLO.",
-                           [*tt, "result"], registry=r)
-        self.in_flight = Gauge("tandem_requests_in_flight",
-                               "Requests admitted and not finished (the gateway's queue).", tt,
-                               registry=r)
-        self.quota_rejections = Counter("tandem_quota_rejections",
-                                        "Requests refused with 429, by the limit they hit.",
-                                        ["tenant", "limit"], registry=r)
+        self.requests = Counter(
+            "tandem_requests", "Requests finished, by outcome.", [*tt, "status"], registry=r
+        )
+        self.tokens = Counter(
+            "tandem_tokens", "Tokens processed (prompt, completion).", [*tt, "kind"], registry=r
+        )
+        self.latency = Histogram(
+            "tandem_request_duration_seconds",
+            "Arrival to last byte of requests that ran.",
+            tt,
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "tandem_ttft_seconds",
+            "Time to first token.",
+            tt,
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "tandem_tpot_seconds",
+            "Time per output token after the first.",
+            tt,
+            buckets=_TPOT_BUCKETS_S,
+            registry=r,
+        )
+        self.slo = Counter(
+            "tandem_slo_requests",
+            "Requests judged against their tenant's SLO.",
+            [*tt, "result"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "tandem_requests_in_flight",
+            "Requests admitted and not finished (the gateway's queue).",
+            tt,
+            registry=r,
+        )
+        self.quota_rejections = Counter(
+            "tandem_quota_rejections",
+            "Requests refused with 429, by the limit they hit.",
+            ["tenant", "limit"],
+            registry=r,
+        )
         self._slo_window: dict[tuple[str, str], collections.deque[tuple[float, bool]]] = {}
         self.sampler: EngineSampler | None = None
         self.before_scrape: list[Callable[[], Awaitable[None]]] = []
@@ -155,7 +209,8 @@ class _Dynamic:
         slo = GaugeMetricFamily(
             "tandem_slo_attainment_ratio",
             f"Share of requests meeting their SLO over the last {SLO_WINDOW_S:.0f} s.",
-            labels=["tenant", "tier"])
+            labels=["tenant", "tier"],
+        )
         for (tenant, tier), ratio in sorted(self._metrics.slo_attainment().items()):
             slo.add_metric([tenant, tier], ratio)
         yield slo
@@ -169,13 +224,20 @@ class _Dynamic:
 class EngineSampler:
     """Polls the engine's load and the batch backlog; keeps a history for the dashboard."""
 
-    def __init__(self, engine_url: str, db: AsyncEngine, poll_s: float, history_s: float,
-                 be_in_flight: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        engine_url: str,
+        db: AsyncEngine,
+        poll_s: float,
+        history_s: float,
+        be_in_flight: Callable[[], int],
+    ) -> None:
         self._url = engine_url.rstrip("/") + "/v1/loads"
         self._db = db
         self._poll_s = poll_s
         self.history: collections.deque[EngineSample] = collections.deque(
-            maxlen=max(1, int(history_s / poll_s)))
+            maxlen=max(1, int(history_s / poll_s))
+        )
         self._be_in_flight = be_in_flight
         self.batches: dict[str, int] = {}
         """Batches by status."""
@@ -212,12 +274,14 @@ class EngineSampler:
         load = await self._engine_load()
         pending = await self._batch_backlog()
         sample = EngineSample(
-            time_s=time.time(), up=load is not None,
+            time_s=time.time(),
+            up=load is not None,
             running=int((load or {}).get("num_running_reqs", 0)),
             waiting=int((load or {}).get("num_waiting_reqs", 0)),
             kv_usage=_float((load or {}).get("token_usage")),
             kv_capacity_tokens=_int((load or {}).get("max_total_num_tokens")),
-            batch_lines_pending=pending)
+            batch_lines_pending=pending,
+        )
         self.history.append(sample)
         return sample
 
@@ -241,13 +305,15 @@ class EngineSampler:
         try:
             async with self._db.connect() as conn:
                 by_status = await conn.execute(
-                    select(batches.c.status, func.count()).group_by(batches.c.status))
+                    select(batches.c.status, func.count()).group_by(batches.c.status)
+                )
                 self.batches = {s: int(n) for s, n in by_status.all()}
                 rows = await conn.execute(
                     select(items.c.batch_id, items.c.status, func.count())
                     .join(batches, batches.c.id == items.c.batch_id)
                     .where(batches.c.status.in_(ACTIVE_BATCH_STATUSES))
-                    .group_by(items.c.batch_id, items.c.status))
+                    .group_by(items.c.batch_id, items.c.status)
+                )
                 per_batch: dict[str, dict[str, int]] = {}
                 for batch_id, status, n in rows.all():
                     per_batch.setdefault(batch_id, {})[status] = int(n)
@@ -266,49 +332,69 @@ class EngineSampler:
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         last = self.history[-1] if self.history else None
-        yield gauge("tandem_engine_up", "1 when the engine answered the last poll.",
-                     int(last.up) if last else 0)
+        yield gauge(
+            "tandem_engine_up",
+            "1 when the engine answered the last poll.",
+            int(last.up) if last else 0,
+        )
         if last is not None and last.up:
-            yield gauge("tandem_engine_running_requests", "Requests in the engine's batch.",
-                         last.running)
-            yield gauge("tandem_engine_waiting_requests", "Requests in the engine's queue.",
-                         last.waiting)
+            yield gauge(
+                "tandem_engine_running_requests", "Requests in the engine's batch.", last.running
+            )
+            yield gauge(
+                "tandem_engine_waiting_requests", "Requests in the engine's queue.", last.waiting
+            )
             if last.kv_usage is not None:
-                yield gauge("tandem_engine_kv_usage_ratio", "Share of the KV pool in use.",
-                             last.kv_usage)
+                yield gauge(
+                    "tandem_engine_kv_usage_ratio", "Share of the KV pool in use.", last.kv_usage
+                )
             if last.kv_capacity_tokens is not None:
-                yield gauge("tandem_engine_kv_capacity_tokens", "Size of the KV pool, tokens.",
-                             last.kv_capacity_tokens)
+                yield gauge(
+                    "tandem_engine_kv_capacity_tokens",
+                    "Size of the KV pool, tokens.",
+                    last.kv_capacity_tokens,
+                )
         pending = last.batch_lines_pending if last else 0
-        yield gauge("tandem_be_backlog_requests",
-                     "BE work not finished: batch lines pending plus BE requests in flight.",
-                     pending + self._be_in_flight())
+        yield gauge(
+            "tandem_be_backlog_requests",
+            "BE work not finished: batch lines pending plus BE requests in flight.",
+            pending + self._be_in_flight(),
+        )
         batches = GaugeMetricFamily("tandem_batches", "Batches by status.", labels=["status"])
         for status, n in sorted(self.batches.items()):
             batches.add_metric([status], n)
         yield batches
-        items = GaugeMetricFamily("tandem_batch_lines", "Lines of running batches by status.",
-                                  labels=["status"])
+        items = GaugeMetricFamily(
+            "tandem_batch_lines", "Lines of running batches by status.", labels=["status"]
+        )
         for status, n in sorted(self.batch_items.items()):
             items.add_metric([status], n)
         yield items
-        progress = GaugeMetricFamily("tandem_batch_progress_ratio",
-                                     "Share of a running batch's lines finished.",
-                                     labels=["batch"])
+        progress = GaugeMetricFamily(
+            "tandem_batch_progress_ratio",
+            "Share of a running batch's lines finished.",
+            labels=["batch"],
+        )
         for batch_id, ratio in sorted(self.batch_progress.items()):
             progress.add_metric([batch_id], ratio)
         yield progress
 
 
-def tenant_info_collector(tenants: Callable[[], list[tuple[str, str, str]]]
-                          ) -> Callable[[], Iterator[GaugeMetricFamily]]:
+def tenant_info_collector(
+    tenants: Callable[[], list[tuple[str, str, str]]],
+) -> Callable[[], Iterator[GaugeMetricFamily]]:
     """`tandem_tenant_info{tenant,name,tier} 1` from a cached (id, name, tier) list."""
+
     def collect() -> Iterator[GaugeMetricFamily]:
-        info = GaugeMetricFamily("tandem_tenant_info", "A tenant's name and tier (value 1).",
-                                 labels=["tenant", "name", "tier"])
+        info = GaugeMetricFamily(
+            "tandem_tenant_info",
+            "A tenant's name and tier (value 1).",
+            labels=["tenant", "name", "tier"],
+        )
         for tenant_id, name, tier in tenants():
             info.add_metric([tenant_id, name, tier], 1)
         yield info
+
     return collect
 
 
@@ -316,8 +402,9 @@ async def read_tenants(db: AsyncEngine) -> list[tuple[str, str, str]]:
     """(id, name, tier) of live tenants, for `tandem_tenant_info`."""
     t = cast(Table, TenantRow.__table__)
     async with db.connect() as conn:
-        rows = await conn.execute(select(t.c.id, t.c.name, t.c.tier)
-                                  .where(t.c.deleted_at.is_(None)).order_by(t.c.id))
+        rows = await conn.execute(
+            select(t.c.id, t.c.name, t.c.tier).where(t.c.deleted_at.is_(None)).order_by(t.c.id)
+        )
         return [(str(a), str(b), str(c)) for a, b, c in rows.all()]
 
 
@@ -344,12 +431,16 @@ def _sum_ranks(loads: list[dict[str, Any]]) -> dict[str, Any]:
     if len(loads) == 1:
         return loads[0]
     capacity = sum(_int(x.get("max_total_num_tokens")) or 0 for x in loads)
-    used = sum((_float(x.get("token_usage")) or 0.0) * (_int(x.get("max_total_num_tokens")) or 0)
-               for x in loads)
-    return {"num_running_reqs": sum(int(x.get("num_running_reqs", 0)) for x in loads),
-            "num_waiting_reqs": sum(int(x.get("num_waiting_reqs", 0)) for x in loads),
-            "token_usage": used / capacity if capacity else None,
-            "max_total_num_tokens": capacity or None}
+    used = sum(
+        (_float(x.get("token_usage")) or 0.0) * (_int(x.get("max_total_num_tokens")) or 0)
+        for x in loads
+    )
+    return {
+        "num_running_reqs": sum(int(x.get("num_running_reqs", 0)) for x in loads),
+        "num_waiting_reqs": sum(int(x.get("num_waiting_reqs", 0)) for x in loads),
+        "token_usage": used / capacity if capacity else None,
+        "max_total_num_tokens": capacity or None,
+    }
 
 
 def _float(value: Any) -> float | None:

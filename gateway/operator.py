@@ -34,13 +34,28 @@ def install(app: web.Application) -> None:
 
 async def _quota_sync(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG].quota
-    sync = QuotaSync(app[DB_ENGINE], app[QUOTAS], interval_s=config.sync_interval_s,
-                     timeout_s=config.instance_timeout_s)
-    app[METRICS].extra.append(lambda: iter([
-        metrics.gauge("tandem_gateway_instances", "Gateway processes sharing the quotas (as of "
-                      "the last quota sync).", app[QUOTAS].instances),
-        metrics.gauge("tandem_quota_sync_failures", "Quota syncs with the database that failed "
-                      "since start.", sync.failures)]))
+    sync = QuotaSync(
+        app[DB_ENGINE],
+        app[QUOTAS],
+        interval_s=config.sync_interval_s,
+        timeout_s=config.instance_timeout_s,
+    )
+    app[METRICS].extra.append(
+        lambda: iter(
+            [
+                metrics.gauge(
+                    "tandem_gateway_instances",
+                    "Gateway processes sharing the quotas (as of the last quota sync).",
+                    app[QUOTAS].instances,
+                ),
+                metrics.gauge(
+                    "tandem_quota_sync_failures",
+                    "Quota syncs with the database that failed since start.",
+                    sync.failures,
+                ),
+            ]
+        )
+    )
     await sync.start()
     yield
     await sync.close()
@@ -52,23 +67,42 @@ async def _engine_sampler(app: web.Application) -> AsyncIterator[None]:
     engine_url = f"http://{config.engine.host}:{config.engine.port}"
 
     def be_in_flight() -> int:
-        return int(sum(
-            sample.value for metric in registry.in_flight.collect() for sample in metric.samples
-            if sample.labels.get("tier") == "be"))
+        return int(
+            sum(
+                sample.value
+                for metric in registry.in_flight.collect()
+                for sample in metric.samples
+                if sample.labels.get("tier") == "be"
+            )
+        )
 
-    sampler = metrics.EngineSampler(engine_url, app[DB_ENGINE], config.metrics.engine_poll_s,
-                                    config.metrics.history_s, be_in_flight)
+    sampler = metrics.EngineSampler(
+        engine_url,
+        app[DB_ENGINE],
+        config.metrics.engine_poll_s,
+        config.metrics.history_s,
+        be_in_flight,
+    )
     registry.sampler = sampler
     tenants: list[tuple[str, str, str]] = []
     registry.extra.append(metrics.tenant_info_collector(lambda: tenants))
-    registry.extra.append(lambda: iter([metrics.gauge(
-        "tandem_usage_records_pending", "Usage records waiting to be written.",
-        app[USAGE].pending)]))
+    registry.extra.append(
+        lambda: iter(
+            [
+                metrics.gauge(
+                    "tandem_usage_records_pending",
+                    "Usage records waiting to be written.",
+                    app[USAGE].pending,
+                )
+            ]
+        )
+    )
 
     async def refresh_tenants() -> None:
         with contextlib.suppress(Exception):  # database down: keep the last list
-            tenants[:] = await asyncio.wait_for(metrics.read_tenants(app[DB_ENGINE]),
-                                                _TENANT_INFO_TIMEOUT_S)
+            tenants[:] = await asyncio.wait_for(
+                metrics.read_tenants(app[DB_ENGINE]), _TENANT_INFO_TIMEOUT_S
+            )
 
     registry.before_scrape.append(refresh_tenants)
     await sampler.start()

@@ -41,10 +41,24 @@ DEFAULT_SPAN_S = {"day": 30 * 86_400, "hour": 86_400}
 """Span of a report whose `start` is not given: 30 days by day, 24 hours by hour."""
 MAX_PERIODS = 20_000
 """Most periods one report may span (a larger range is refused: ask for days instead)."""
-COLUMNS = ("period_start", "tenant_id", "tenant_name", "requests", "prompt_tokens",
-           "completion_tokens", "total_tokens", "errors", "rate_limited", "ttft_ms_p50",
-           "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "slo_met", "slo_judged",
-           "slo_attainment")
+COLUMNS = (
+    "period_start",
+    "tenant_id",
+    "tenant_name",
+    "requests",
+    "prompt_tokens",
+    "completion_tokens",
+    "total_tokens",
+    "errors",
+    "rate_limited",
+    "ttft_ms_p50",
+    "ttft_ms_p99",
+    "tpot_ms_p50",
+    "tpot_ms_p99",
+    "slo_met",
+    "slo_judged",
+    "slo_attainment",
+)
 """Field order of the JSON rows, the CSV and the CLI table."""
 
 _usage = cast(Table, UsageRow.__table__)
@@ -99,8 +113,9 @@ class BadQuery(ValueError):
         self.param = param
 
 
-def parse_query(params: Mapping[str, str], now: datetime,
-                formats: tuple[str, ...] = ("json", "csv")) -> ReportQuery:
+def parse_query(
+    params: Mapping[str, str], now: datetime, formats: tuple[str, ...] = ("json", "csv")
+) -> ReportQuery:
     """The report asked for by *params* (tenant, start, end, group_by, format)."""
     group_by = params.get("group_by") or "day"
     if group_by not in GROUP_BY_S:
@@ -109,17 +124,30 @@ def parse_query(params: Mapping[str, str], now: datetime,
     if fmt not in formats:
         raise BadQuery("format", f"format must be one of {', '.join(formats)}, got {fmt!r}")
     end = parse_time("end", params["end"]) if params.get("end") else now
-    start = (parse_time("start", params["start"]) if params.get("start")
-             else end - timedelta(seconds=DEFAULT_SPAN_S[group_by]))
+    start = (
+        parse_time("start", params["start"])
+        if params.get("start")
+        else end - timedelta(seconds=DEFAULT_SPAN_S[group_by])
+    )
     if start >= end:
-        raise BadQuery("start", f"start ({start.isoformat()}) must be before end "
-                                f"({end.isoformat()})")
+        raise BadQuery(
+            "start", f"start ({start.isoformat()}) must be before end ({end.isoformat()})"
+        )
     bucket_s = GROUP_BY_S[group_by]
     if (end - start).total_seconds() / bucket_s > MAX_PERIODS:
-        raise BadQuery("start", f"the range from start to end spans more than {MAX_PERIODS} "
-                                f"periods of one {group_by}; narrow it or group by day")
-    return ReportQuery(start=start, end=end, group_by=group_by, bucket_s=bucket_s,
-                       tenant=params.get("tenant") or None, format=fmt)
+        raise BadQuery(
+            "start",
+            f"the range from start to end spans more than {MAX_PERIODS} "
+            f"periods of one {group_by}; narrow it or group by day",
+        )
+    return ReportQuery(
+        start=start,
+        end=end,
+        group_by=group_by,
+        bucket_s=bucket_s,
+        tenant=params.get("tenant") or None,
+        format=fmt,
+    )
 
 
 def parse_time(param: str, text: str) -> datetime:
@@ -127,13 +155,17 @@ def parse_time(param: str, text: str) -> datetime:
     try:
         value = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
     except ValueError:
-        raise BadQuery(param, f"{param} must be an ISO 8601 date or date-time (e.g. "
-                              f"2026-11-21 or 2026-11-21T06:00:00Z), got {text!r}") from None
+        raise BadQuery(
+            param,
+            f"{param} must be an ISO 8601 date or date-time (e.g. "
+            f"2026-11-21 or 2026-11-21T06:00:00Z), got {text!r}",
+        ) from None
     return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
-async def usage_report(db: AsyncEngine, start: datetime, end: datetime, bucket_s: int,
-                       tenant_id: str | None = None) -> list[UsagePeriod]:
+async def usage_report(
+    db: AsyncEngine, start: datetime, end: datetime, bucket_s: int, tenant_id: str | None = None
+) -> list[UsagePeriod]:
     """Usage per tenant and period of *bucket_s* seconds for requests created in [start, end),
     oldest period first, then by tenant id."""
     async with db.connect() as conn:
@@ -156,27 +188,42 @@ def _bucket(dialect: str, bucket_s: int) -> ColumnElement[Any]:
     return (seconds // size) * size
 
 
-def _report_sql(dialect: str, start: datetime, end: datetime, bucket_s: int,
-                tenant_id: str | None) -> Any:
+def _report_sql(
+    dialect: str, start: datetime, end: datetime, bucket_s: int, tenant_id: str | None
+) -> Any:
     u = _usage
     where = [u.c.created_at >= start, u.c.created_at < end]
     if tenant_id is not None:
         where.append(u.c.tenant_id == tenant_id)
-    base = select(
-        u.c.tenant_id, _bucket(dialect, bucket_s).label("bucket"), u.c.ttft_ms, u.c.tpot_ms,
-        u.c.prompt_tokens, u.c.completion_tokens, u.c.status, u.c.slo_met,
-    ).where(*where).cte("base")
+    base = (
+        select(
+            u.c.tenant_id,
+            _bucket(dialect, bucket_s).label("bucket"),
+            u.c.ttft_ms,
+            u.c.tpot_ms,
+            u.c.prompt_tokens,
+            u.c.completion_tokens,
+            u.c.status,
+            u.c.slo_met,
+        )
+        .where(*where)
+        .cte("base")
+    )
     keys = (base.c.tenant_id, base.c.bucket)
-    agg = select(
-        *keys,
-        func.count().label("requests"),
-        func.sum(base.c.prompt_tokens).label("prompt_tokens"),
-        func.sum(base.c.completion_tokens).label("completion_tokens"),
-        func.sum(case((base.c.status != "ok", 1), else_=0)).label("errors"),
-        func.sum(case((base.c.status == "rate_limited", 1), else_=0)).label("rate_limited"),
-        func.sum(case((base.c.slo_met.is_(True), 1), else_=0)).label("slo_met"),
-        func.sum(case((base.c.slo_met.is_not(None), 1), else_=0)).label("slo_judged"),
-    ).group_by(*keys).cte("agg")
+    agg = (
+        select(
+            *keys,
+            func.count().label("requests"),
+            func.sum(base.c.prompt_tokens).label("prompt_tokens"),
+            func.sum(base.c.completion_tokens).label("completion_tokens"),
+            func.sum(case((base.c.status != "ok", 1), else_=0)).label("errors"),
+            func.sum(case((base.c.status == "rate_limited", 1), else_=0)).label("rate_limited"),
+            func.sum(case((base.c.slo_met.is_(True), 1), else_=0)).label("slo_met"),
+            func.sum(case((base.c.slo_met.is_not(None), 1), else_=0)).label("slo_judged"),
+        )
+        .group_by(*keys)
+        .cte("agg")
+    )
     ttft = _percentiles(base, "ttft_ms")
     tpot = _percentiles(base, "tpot_ms")
 
@@ -184,10 +231,19 @@ def _report_sql(dialect: str, start: datetime, end: datetime, bucket_s: int,
         return and_(part.c.tenant_id == agg.c.tenant_id, part.c.bucket == agg.c.bucket)
 
     return (
-        select(agg, ttft.c.ttft_ms_p50, ttft.c.ttft_ms_p99, tpot.c.tpot_ms_p50,
-               tpot.c.tpot_ms_p99, _tenants.c.name.label("tenant_name"))
-        .select_from(agg.outerjoin(ttft, joined(ttft)).outerjoin(tpot, joined(tpot))
-                     .outerjoin(_tenants, _tenants.c.id == agg.c.tenant_id))
+        select(
+            agg,
+            ttft.c.ttft_ms_p50,
+            ttft.c.ttft_ms_p99,
+            tpot.c.tpot_ms_p50,
+            tpot.c.tpot_ms_p99,
+            _tenants.c.name.label("tenant_name"),
+        )
+        .select_from(
+            agg.outerjoin(ttft, joined(ttft))
+            .outerjoin(tpot, joined(tpot))
+            .outerjoin(_tenants, _tenants.c.id == agg.c.tenant_id)
+        )
         .order_by(agg.c.bucket, agg.c.tenant_id)
     )
 
@@ -196,19 +252,31 @@ def _percentiles(base: Any, column: str) -> Any:
     """p50 and p99 (nearest rank) of *column* per tenant and period, NULLs left out."""
     value = base.c[column]
     keys = (base.c.tenant_id, base.c.bucket)
-    ranked = select(
-        *keys, value.label("v"),
-        func.row_number().over(partition_by=keys, order_by=value).label("rn"),
-        func.count().over(partition_by=keys).label("n"),
-    ).where(value.is_not(None)).cte(f"{column}_ranked")
+    ranked = (
+        select(
+            *keys,
+            value.label("v"),
+            func.row_number().over(partition_by=keys, order_by=value).label("rn"),
+            func.count().over(partition_by=keys).label("n"),
+        )
+        .where(value.is_not(None))
+        .cte(f"{column}_ranked")
+    )
     # rank ceil(p·n) in integer arithmetic: (n·p% + 99) // 100
-    return select(
-        ranked.c.tenant_id, ranked.c.bucket,
-        func.min(case((ranked.c.rn == (ranked.c.n * 50 + 99) // 100, ranked.c.v)))
-        .label(f"{column}_p50"),
-        func.min(case((ranked.c.rn == (ranked.c.n * 99 + 99) // 100, ranked.c.v)))
-        .label(f"{column}_p99"),
-    ).group_by(ranked.c.tenant_id, ranked.c.bucket).cte(f"{column}_pct")
+    return (
+        select(
+            ranked.c.tenant_id,
+            ranked.c.bucket,
+            func.min(case((ranked.c.rn == (ranked.c.n * 50 + 99) // 100, ranked.c.v))).label(
+                f"{column}_p50"
+            ),
+            func.min(case((ranked.c.rn == (ranked.c.n * 99 + 99) // 100, ranked.c.v))).label(
+                f"{column}_p99"
+            ),
+        )
+        .group_by(ranked.c.tenant_id, ranked.c.bucket)
+        .cte(f"{column}_pct")
+    )
 
 
 def _period(row: Any) -> UsagePeriod:
@@ -216,13 +284,22 @@ def _period(row: Any) -> UsagePeriod:
     met, judged = int(row["slo_met"] or 0), int(row["slo_judged"] or 0)
     return UsagePeriod(
         period_start=datetime.fromtimestamp(int(row["bucket"]), UTC),
-        tenant_id=row["tenant_id"], tenant_name=row["tenant_name"],
-        requests=int(row["requests"]), prompt_tokens=prompt, completion_tokens=completion,
-        total_tokens=prompt + completion, errors=int(row["errors"] or 0),
+        tenant_id=row["tenant_id"],
+        tenant_name=row["tenant_name"],
+        requests=int(row["requests"]),
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        errors=int(row["errors"] or 0),
         rate_limited=int(row["rate_limited"] or 0),
-        ttft_ms_p50=_opt(row["ttft_ms_p50"]), ttft_ms_p99=_opt(row["ttft_ms_p99"]),
-        tpot_ms_p50=_opt(row["tpot_ms_p50"]), tpot_ms_p99=_opt(row["tpot_ms_p99"]),
-        slo_met=met, slo_judged=judged, slo_attainment=met / judged if judged else None)
+        ttft_ms_p50=_opt(row["ttft_ms_p50"]),
+        ttft_ms_p99=_opt(row["ttft_ms_p99"]),
+        tpot_ms_p50=_opt(row["tpot_ms_p50"]),
+        tpot_ms_p99=_opt(row["tpot_ms_p99"]),
+        slo_met=met,
+        slo_judged=judged,
+        slo_attainment=met / judged if judged else None,
+    )
 
 
 def _opt(value: Any) -> float | None:
@@ -241,19 +318,46 @@ def to_csv(rows: list[UsagePeriod]) -> str:
 
 def to_table(rows: list[UsagePeriod]) -> str:
     """The rows as an aligned text table for a terminal."""
-    header = ("period", "tenant", "requests", "prompt_tok", "compl_tok", "errors", "429s",
-              "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "slo")
+    header = (
+        "period",
+        "tenant",
+        "requests",
+        "prompt_tok",
+        "compl_tok",
+        "errors",
+        "429s",
+        "ttft_p50",
+        "ttft_p99",
+        "tpot_p50",
+        "tpot_p99",
+        "slo",
+    )
     lines = [header]
     for r in rows:
-        lines.append((
-            r.period_start.strftime("%Y-%m-%d %H:%M"), r.tenant_name or r.tenant_id,
-            str(r.requests), str(r.prompt_tokens), str(r.completion_tokens), str(r.errors),
-            str(r.rate_limited), _ms(r.ttft_ms_p50), _ms(r.ttft_ms_p99), _ms(r.tpot_ms_p50),
-            _ms(r.tpot_ms_p99),
-            "-" if r.slo_attainment is None else f"{100 * r.slo_attainment:.1f}%"))
+        lines.append(
+            (
+                r.period_start.strftime("%Y-%m-%d %H:%M"),
+                r.tenant_name or r.tenant_id,
+                str(r.requests),
+                str(r.prompt_tokens),
+                str(r.completion_tokens),
+                str(r.errors),
+                str(r.rate_limited),
+                _ms(r.ttft_ms_p50),
+                _ms(r.ttft_ms_p99),
+                _ms(r.tpot_ms_p50),
+                _ms(r.tpot_ms_p99),
+                "-" if r.slo_attainment is None else f"{100 * r.slo_attainment:.1f}%",
+            )
+        )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    text = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in
-                      enumerate(zip(line, widths, strict=True))) for line in lines]
+    text = [
+        "  ".join(
+            c.ljust(w) if i < 2 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(line, widths, strict=True))
+        )
+        for line in lines
+    ]
     if not rows:
         text.append("(no requests in this range)")
     return "\n".join(text)
@@ -269,8 +373,9 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
-async def tier_series(db: AsyncEngine, start: datetime, end: datetime, bucket_s: int
-                      ) -> list[dict[str, Any]]:
+async def tier_series(
+    db: AsyncEngine, start: datetime, end: datetime, bucket_s: int
+) -> list[dict[str, Any]]:
     """Requests and tokens per tier and period (for "BE throughput against RT load"):
     ``{"t": period start (Unix s), "tier", "requests", "prompt_tokens", "completion_tokens"}``,
     oldest first; failed requests count with the tokens they did produce."""
@@ -278,12 +383,25 @@ async def tier_series(db: AsyncEngine, start: datetime, end: datetime, bucket_s:
     async with db.connect() as conn:
         bucket = _bucket(conn.dialect.name, bucket_s).label("bucket")
         stmt = (
-            select(bucket, u.c.tier, func.count().label("requests"),
-                   func.sum(u.c.prompt_tokens).label("prompt_tokens"),
-                   func.sum(u.c.completion_tokens).label("completion_tokens"))
+            select(
+                bucket,
+                u.c.tier,
+                func.count().label("requests"),
+                func.sum(u.c.prompt_tokens).label("prompt_tokens"),
+                func.sum(u.c.completion_tokens).label("completion_tokens"),
+            )
             .where(u.c.created_at >= start, u.c.created_at < end)
-            .group_by(bucket, u.c.tier).order_by(bucket, u.c.tier)
+            .group_by(bucket, u.c.tier)
+            .order_by(bucket, u.c.tier)
         )
         rows = (await conn.execute(stmt)).all()
-    return [{"t": int(b), "tier": tier, "requests": int(n), "prompt_tokens": int(p or 0),
-             "completion_tokens": int(c or 0)} for b, tier, n, p, c in rows]
+    return [
+        {
+            "t": int(b),
+            "tier": tier,
+            "requests": int(n),
+            "prompt_tokens": int(p or 0),
+            "completion_tokens": int(c or 0),
+        }
+        for b, tier, n, p, c in rows
+    ]

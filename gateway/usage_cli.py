@@ -18,12 +18,17 @@ from gateway.reports import BadQuery, parse_query, to_csv, to_table, usage_repor
 
 def add_usage_command(admin: Any, common: argparse.ArgumentParser) -> None:
     """Adds `usage` to the `tandem admin` sub-commands."""
-    usage = admin.add_parser("usage", parents=[common],
-                             help="usage per tenant and day or hour (requests, tokens, latency "
-                                  "percentiles, SLO attainment, errors)")
+    usage = admin.add_parser(
+        "usage",
+        parents=[common],
+        help="usage per tenant and day or hour (requests, tokens, latency "
+        "percentiles, SLO attainment, errors)",
+    )
     usage.add_argument("--tenant", help="tenant id or name (default: all)")
-    usage.add_argument("--start", help="ISO date or date-time, UTC if no zone (default: 30 days "
-                                       "/ 24 hours before --end)")
+    usage.add_argument(
+        "--start",
+        help="ISO date or date-time, UTC if no zone (default: 30 days / 24 hours before --end)",
+    )
     usage.add_argument("--end", help="ISO date or date-time, exclusive (default: now)")
     usage.add_argument("--group-by", choices=["day", "hour"], default="day")
     usage.add_argument("--format", choices=["table", "json", "csv"], default="table")
@@ -31,15 +36,20 @@ def add_usage_command(admin: Any, common: argparse.ArgumentParser) -> None:
 
 
 def _cmd_usage(args: argparse.Namespace) -> int:
-    params = {"start": args.start or "", "end": args.end or "", "group_by": args.group_by,
-              "format": args.format}
+    params = {
+        "start": args.start or "",
+        "end": args.end or "",
+        "group_by": args.group_by,
+        "format": args.format,
+    }
     try:
         query = parse_query(params, datetime.now(UTC), formats=("table", "json", "csv"))
     except BadQuery as exc:
         raise CliError(str(exc).replace("group_by", "--group-by")) from None
     config = load_config(args.config)
-    rows = asyncio.run(_report(config.database.url, query.start, query.end, query.bucket_s,
-                               args.tenant))
+    rows = asyncio.run(
+        _report(config.database.url, query.start, query.end, query.bucket_s, args.tenant)
+    )
     if query.format == "json":
         print(json.dumps(msgspec.to_builtins(rows), indent=2))
     elif query.format == "csv":
@@ -49,8 +59,9 @@ def _cmd_usage(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _report(url: str, start: datetime, end: datetime, bucket_s: int,
-                  tenant: str | None) -> Any:
+async def _report(
+    url: str, start: datetime, end: datetime, bucket_s: int, tenant: str | None
+) -> Any:
     from gateway.store.db import create_engine, session_factory
     from gateway.store.migrate import current_revision, head_revision
     from gateway.store.repo import Store
@@ -68,8 +79,9 @@ async def _report(url: str, start: datetime, end: datetime, bucket_s: int,
             store = Store(session_factory(engine))
             found = await store.get_tenant(tenant, include_deleted=True)
             if found is None:
-                named = [t for t in await store.list_tenants(include_deleted=True)
-                         if t.name == tenant]
+                named = [
+                    t for t in await store.list_tenants(include_deleted=True) if t.name == tenant
+                ]
                 if not named:
                     raise CliError(f"no tenant with id or name {tenant!r}")
                 found = named[-1]

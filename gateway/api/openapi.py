@@ -22,8 +22,16 @@ from gateway.store.types import ApiKey, Tenant, UsageRecord
 routes = web.RouteTableDef()
 _REF = "#/components/schemas/{name}"
 _STRUCTS: list[type[msgspec.Struct]] = [
-    ChatCompletionRequest, CompletionRequest, TenantCreate, TenantPatch, KeyCreate, Tenant,
-    ApiKey, UsageRecord, UsagePeriod]
+    ChatCompletionRequest,
+    CompletionRequest,
+    TenantCreate,
+    TenantPatch,
+    KeyCreate,
+    Tenant,
+    ApiKey,
+    UsageRecord,
+    UsagePeriod,
+]
 
 Security = list[dict[str, list[str]]]
 TENANT: Security = [{"tenantKey": []}]
@@ -58,14 +66,19 @@ def _ref(name: str) -> dict[str, Any]:
 
 
 def _list_of(name: str) -> dict[str, Any]:
-    return {"type": "object", "properties": {"object": {"const": "list"},
-                                             "data": {"type": "array", "items": _ref(name)}}}
+    return {
+        "type": "object",
+        "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _ref(name)}},
+    }
 
 
 _USAGE_QUERY = [
     ("tenant", "string", "tenant id or name (default: all tenants)"),
-    ("start", "string", "ISO 8601 start (inclusive, UTC if no zone; default: 30 days / 24 hours "
-                        "before end)"),
+    (
+        "start",
+        "string",
+        "ISO 8601 start (inclusive, UTC if no zone; default: 30 days / 24 hours before end)",
+    ),
     ("end", "string", "ISO 8601 end (exclusive; default: now)"),
     ("group_by", "string", "day (default) or hour"),
     ("format", "string", "json (default) or csv"),
@@ -75,110 +88,289 @@ _GEN_ERRORS = (400, 401, 403, 422, 429, 503)
 OPERATIONS: list[Op] = [
     # operations
     Op("GET", "/healthz", "Liveness", "operations", NONE, errors=()),
-    Op("GET", "/health", "Liveness (alias probed by benchmark clients)", "operations", NONE,
-       errors=()),
-    Op("GET", "/readyz", "Readiness: 200 when the engine answers and the database is at the "
-       "newest migration, else 503", "operations", NONE, errors=(503,)),
-    Op("GET", "/metrics", "Prometheus metrics (text format)", "operations", NONE,
-       response={"type": "string"}, response_type="text/plain", errors=()),
+    Op(
+        "GET",
+        "/health",
+        "Liveness (alias probed by benchmark clients)",
+        "operations",
+        NONE,
+        errors=(),
+    ),
+    Op(
+        "GET",
+        "/readyz",
+        "Readiness: 200 when the engine answers and the database is at the "
+        "newest migration, else 503",
+        "operations",
+        NONE,
+        errors=(503,),
+    ),
+    Op(
+        "GET",
+        "/metrics",
+        "Prometheus metrics (text format)",
+        "operations",
+        NONE,
+        response={"type": "string"},
+        response_type="text/plain",
+        errors=(),
+    ),
     Op("GET", "/openapi.json", "This document", "operations", NONE, errors=()),
     # OpenAI-compatible
     Op("GET", "/v1/models", "The served model", "openai", TENANT, errors=(401,)),
-    Op("POST", "/v1/chat/completions", "Chat completion (stream: true gives SSE chunks ending in "
-       "data: [DONE]); over a quota: 429 with Retry-After, the error code names the limit",
-       "openai", TENANT, body="ChatCompletionRequest", errors=_GEN_ERRORS),
-    Op("POST", "/v1/completions", "Text completion (streaming as for chat)", "openai", TENANT,
-       body="CompletionRequest", errors=_GEN_ERRORS),
-    Op("POST", "/v1/files", "Upload a JSONL file (purpose batch)", "batch", TENANT,
-       body_type="multipart/form-data", errors=(400, 401, 413, 422)),
+    Op(
+        "POST",
+        "/v1/chat/completions",
+        "Chat completion (stream: true gives SSE chunks ending in "
+        "data: [DONE]); over a quota: 429 with Retry-After, the error code names the limit",
+        "openai",
+        TENANT,
+        body="ChatCompletionRequest",
+        errors=_GEN_ERRORS,
+    ),
+    Op(
+        "POST",
+        "/v1/completions",
+        "Text completion (streaming as for chat)",
+        "openai",
+        TENANT,
+        body="CompletionRequest",
+        errors=_GEN_ERRORS,
+    ),
+    Op(
+        "POST",
+        "/v1/files",
+        "Upload a JSONL file (purpose batch)",
+        "batch",
+        TENANT,
+        body_type="multipart/form-data",
+        errors=(400, 401, 413, 422),
+    ),
     Op("GET", "/v1/files", "The tenant's files", "batch", TENANT, errors=(401,)),
     Op("GET", "/v1/files/{file_id}", "A file's metadata", "batch", TENANT),
     Op("DELETE", "/v1/files/{file_id}", "Delete a file", "batch", TENANT),
-    Op("GET", "/v1/files/{file_id}/content", "A file's content", "batch", TENANT,
-       response={"type": "string"}, response_type="application/octet-stream"),
-    Op("POST", "/v1/batches", "Create a batch from an uploaded file (OpenAI Batch semantics)",
-       "batch", TENANT, errors=(400, 401, 404, 422, 429)),
-    Op("GET", "/v1/batches", "The tenant's batches, newest first", "batch", TENANT,
-       query=[("limit", "integer", "page size"), ("after", "string", "cursor: a batch id")]),
+    Op(
+        "GET",
+        "/v1/files/{file_id}/content",
+        "A file's content",
+        "batch",
+        TENANT,
+        response={"type": "string"},
+        response_type="application/octet-stream",
+    ),
+    Op(
+        "POST",
+        "/v1/batches",
+        "Create a batch from an uploaded file (OpenAI Batch semantics)",
+        "batch",
+        TENANT,
+        errors=(400, 401, 404, 422, 429),
+    ),
+    Op(
+        "GET",
+        "/v1/batches",
+        "The tenant's batches, newest first",
+        "batch",
+        TENANT,
+        query=[("limit", "integer", "page size"), ("after", "string", "cursor: a batch id")],
+    ),
     Op("GET", "/v1/batches/{batch_id}", "A batch", "batch", TENANT),
     Op("POST", "/v1/batches/{batch_id}/cancel", "Cancel a batch", "batch", TENANT),
     # admin
-    Op("POST", "/admin/v1/tenants", "Create a tenant with its SLO contract and quota", "admin",
-       ADMIN, body="TenantCreate", response=_ref("Tenant"), status=201,
-       errors=(400, 401, 409, 422)),
-    Op("GET", "/admin/v1/tenants", "Live tenants", "admin", ADMIN, response=_list_of("Tenant"),
-       errors=(401,)),
-    Op("GET", "/admin/v1/tenants/{tenant_id}", "A tenant", "admin", ADMIN,
-       response=_ref("Tenant")),
-    Op("PATCH", "/admin/v1/tenants/{tenant_id}", "Change a tenant: name, tier, SLO or quota "
-       "(a new quota applies without restart)", "admin", ADMIN, body="TenantPatch",
-       response=_ref("Tenant"), errors=(400, 401, 404, 409, 422)),
-    Op("DELETE", "/admin/v1/tenants/{tenant_id}", "Delete a tenant (its keys are revoked; its "
-       "usage stays)", "admin", ADMIN),
-    Op("POST", "/admin/v1/tenants/{tenant_id}/keys", "Create an API key; the key is shown only "
-       "in this answer", "admin", ADMIN, body="KeyCreate", status=201),
-    Op("GET", "/admin/v1/tenants/{tenant_id}/keys", "A tenant's keys (prefixes only)", "admin",
-       ADMIN, response=_list_of("ApiKey")),
-    Op("DELETE", "/admin/v1/keys/{key_id}", "Revoke a key (effective immediately)", "admin",
-       ADMIN, response=_ref("ApiKey")),
-    Op("GET", "/admin/v1/usage", "Usage per tenant and day or hour: requests, tokens, TTFT and "
-       "TPOT p50/p99 (nearest rank), SLO attainment, errors; JSON or CSV", "admin", ADMIN,
-       response={"type": "object", "properties": {
-           "object": {"const": "list"}, "group_by": {"enum": ["day", "hour"]},
-           "start": {"type": "string", "format": "date-time"},
-           "end": {"type": "string", "format": "date-time"},
-           "data": {"type": "array", "items": _ref("UsagePeriod")}}},
-       query=_USAGE_QUERY, errors=(400, 401, 404)),
-    Op("GET", "/admin/v1/requests", "The latest usage records, newest first", "admin", ADMIN,
-       response=_list_of("UsageRecord"),
-       query=[("tenant", "string", "tenant id (default: all)"),
-              ("limit", "integer", "1-1000, default 100")], errors=(400, 401)),
-    Op("GET", "/admin/v1/dashboard", "The dashboard (HTML; admin token as bearer or as the "
-       "Basic-auth password)", "admin", DASHBOARD, response={"type": "string"},
-       response_type="text/html", errors=(401,)),
-    Op("GET", "/admin/v1/dashboard/data", "The dashboard's series for the last hours", "admin",
-       DASHBOARD, query=[("hours", "number", "window, (0, 72], default 6")], errors=(400, 401)),
+    Op(
+        "POST",
+        "/admin/v1/tenants",
+        "Create a tenant with its SLO contract and quota",
+        "admin",
+        ADMIN,
+        body="TenantCreate",
+        response=_ref("Tenant"),
+        status=201,
+        errors=(400, 401, 409, 422),
+    ),
+    Op(
+        "GET",
+        "/admin/v1/tenants",
+        "Live tenants",
+        "admin",
+        ADMIN,
+        response=_list_of("Tenant"),
+        errors=(401,),
+    ),
+    Op("GET", "/admin/v1/tenants/{tenant_id}", "A tenant", "admin", ADMIN, response=_ref("Tenant")),
+    Op(
+        "PATCH",
+        "/admin/v1/tenants/{tenant_id}",
+        "Change a tenant: name, tier, SLO or quota (a new quota applies without restart)",
+        "admin",
+        ADMIN,
+        body="TenantPatch",
+        response=_ref("Tenant"),
+        errors=(400, 401, 404, 409, 422),
+    ),
+    Op(
+        "DELETE",
+        "/admin/v1/tenants/{tenant_id}",
+        "Delete a tenant (its keys are revoked; its usage stays)",
+        "admin",
+        ADMIN,
+    ),
+    Op(
+        "POST",
+        "/admin/v1/tenants/{tenant_id}/keys",
+        "Create an API key; the key is shown only in this answer",
+        "admin",
+        ADMIN,
+        body="KeyCreate",
+        status=201,
+    ),
+    Op(
+        "GET",
+        "/admin/v1/tenants/{tenant_id}/keys",
+        "A tenant's keys (prefixes only)",
+        "admin",
+        ADMIN,
+        response=_list_of("ApiKey"),
+    ),
+    Op(
+        "DELETE",
+        "/admin/v1/keys/{key_id}",
+        "Revoke a key (effective immediately)",
+        "admin",
+        ADMIN,
+        response=_ref("ApiKey"),
+    ),
+    Op(
+        "GET",
+        "/admin/v1/usage",
+        "Usage per tenant and day or hour: requests, tokens, TTFT and "
+        "TPOT p50/p99 (nearest rank), SLO attainment, errors; JSON or CSV",
+        "admin",
+        ADMIN,
+        response={
+            "type": "object",
+            "properties": {
+                "object": {"const": "list"},
+                "group_by": {"enum": ["day", "hour"]},
+                "start": {"type": "string", "format": "date-time"},
+                "end": {"type": "string", "format": "date-time"},
+                "data": {"type": "array", "items": _ref("UsagePeriod")},
+            },
+        },
+        query=_USAGE_QUERY,
+        errors=(400, 401, 404),
+    ),
+    Op(
+        "GET",
+        "/admin/v1/requests",
+        "The latest usage records, newest first",
+        "admin",
+        ADMIN,
+        response=_list_of("UsageRecord"),
+        query=[
+            ("tenant", "string", "tenant id (default: all)"),
+            ("limit", "integer", "1-1000, default 100"),
+        ],
+        errors=(400, 401),
+    ),
+    Op(
+        "GET",
+        "/admin/v1/dashboard",
+        "The dashboard (HTML; admin token as bearer or as the Basic-auth password)",
+        "admin",
+        DASHBOARD,
+        response={"type": "string"},
+        response_type="text/html",
+        errors=(401,),
+    ),
+    Op(
+        "GET",
+        "/admin/v1/dashboard/data",
+        "The dashboard's series for the last hours",
+        "admin",
+        DASHBOARD,
+        query=[("hours", "number", "window, (0, 72], default 6")],
+        errors=(400, 401),
+    ),
 ]
 
 
 def _error_response(status: int) -> dict[str, Any]:
-    response: dict[str, Any] = {"description": _ERROR_TEXT.get(status, "error"),
-                                "content": {"application/json": {"schema": _ref("Error")}}}
+    response: dict[str, Any] = {
+        "description": _ERROR_TEXT.get(status, "error"),
+        "content": {"application/json": {"schema": _ref("Error")}},
+    }
     if status in (429, 503):
-        response["headers"] = {"Retry-After": {"schema": {"type": "integer"},
-                                               "description": "seconds to wait before a retry"}}
+        response["headers"] = {
+            "Retry-After": {
+                "schema": {"type": "integer"},
+                "description": "seconds to wait before a retry",
+            }
+        }
     return response
 
 
-_ERROR_TEXT = {400: "bad request", 401: "missing or invalid credentials", 403: "not allowed",
-               404: "not found", 409: "conflict", 413: "body too large",
-               422: "a field of the wrong type or value", 429: "over a quota",
-               503: "the engine is unavailable"}
+_ERROR_TEXT = {
+    400: "bad request",
+    401: "missing or invalid credentials",
+    403: "not allowed",
+    404: "not found",
+    409: "conflict",
+    413: "body too large",
+    422: "a field of the wrong type or value",
+    429: "over a quota",
+    503: "the engine is unavailable",
+}
 
 
 def _operation(op: Op) -> dict[str, Any]:
-    success: dict[str, Any] = {"description": "ok", "content": {
-        op.response_type: {"schema": op.response or {"type": "object"}}}}
+    success: dict[str, Any] = {
+        "description": "ok",
+        "content": {op.response_type: {"schema": op.response or {"type": "object"}}},
+    }
     out: dict[str, Any] = {
-        "summary": op.summary, "tags": [op.tag], "security": op.security,
-        "operationId": f"{op.method.lower()}_{op.path.strip('/').replace('/', '_')}"
-                       .replace("{", "").replace("}", "").replace(".", "_").replace("-", "_"),
+        "summary": op.summary,
+        "tags": [op.tag],
+        "security": op.security,
+        "operationId": f"{op.method.lower()}_{op.path.strip('/').replace('/', '_')}".replace(
+            "{", ""
+        )
+        .replace("}", "")
+        .replace(".", "_")
+        .replace("-", "_"),
         "responses": {str(op.status): success, **{str(s): _error_response(s) for s in op.errors}},
     }
-    params = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
-              for name in _path_params(op.path)]
-    params += [{"name": n, "in": "query", "required": False, "schema": {"type": t},
-                "description": d} for n, t, d in op.query]
+    params = [
+        {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+        for name in _path_params(op.path)
+    ]
+    params += [
+        {"name": n, "in": "query", "required": False, "schema": {"type": t}, "description": d}
+        for n, t, d in op.query
+    ]
     if params:
         out["parameters"] = params
     if op.body is not None:
-        out["requestBody"] = {"required": op.method != "POST" or op.body != "KeyCreate",
-                              "content": {op.body_type: {"schema": _ref(op.body)}}}
+        out["requestBody"] = {
+            "required": op.method != "POST" or op.body != "KeyCreate",
+            "content": {op.body_type: {"schema": _ref(op.body)}},
+        }
     elif op.body_type == "multipart/form-data":
-        out["requestBody"] = {"required": True, "content": {"multipart/form-data": {"schema": {
-            "type": "object", "required": ["file", "purpose"],
-            "properties": {"file": {"type": "string", "format": "binary"},
-                           "purpose": {"const": "batch"}}}}}}
+        out["requestBody"] = {
+            "required": True,
+            "content": {
+                "multipart/form-data": {
+                    "schema": {
+                        "type": "object",
+                        "required": ["file", "purpose"],
+                        "properties": {
+                            "file": {"type": "string", "format": "binary"},
+                            "purpose": {"const": "batch"},
+                        },
+                    }
+                }
+            },
+        }
     return out
 
 
@@ -200,29 +392,56 @@ def document(app: web.Application | None = None) -> dict[str, Any]:
     """The OpenAPI document (of the operations *app* registers, or of all)."""
     served = registered(app) if app is not None else None
     _, schemas = msgspec.json.schema_components(_STRUCTS, ref_template=_REF)
-    schemas["Error"] = {"type": "object", "required": ["error"], "properties": {"error": {
-        "type": "object", "required": ["message", "type"], "properties": {
-            "message": {"type": "string"}, "type": {"type": "string"},
-            "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+    schemas["Error"] = {
+        "type": "object",
+        "required": ["error"],
+        "properties": {
+            "error": {
+                "type": "object",
+                "required": ["message", "type"],
+                "properties": {
+                    "message": {"type": "string"},
+                    "type": {"type": "string"},
+                    "param": {"type": ["string", "null"]},
+                    "code": {"type": ["string", "null"]},
+                },
+            }
+        },
+    }
     paths: dict[str, dict[str, Any]] = {}
     for op in OPERATIONS:
         if served is None or (op.method, op.path) in served:
             paths.setdefault(op.path, {})[op.method.lower()] = _operation(op)
     return {
         "openapi": "3.1.0",
-        "info": {"title": "tandem", "version": "0.1.0",
-                 "description": "SLO-aware gateway for real-time and batch LLM traffic: the "
-                                "OpenAI-compatible API (tenant keys) and the admin API "
-                                "($TANDEM_ADMIN_TOKEN)."},
+        "info": {
+            "title": "tandem",
+            "version": "0.1.0",
+            "description": "SLO-aware gateway for real-time and batch LLM traffic: the "
+            "OpenAI-compatible API (tenant keys) and the admin API "
+            "($TANDEM_ADMIN_TOKEN).",
+        },
         "paths": paths,
-        "components": {"schemas": schemas, "securitySchemes": {
-            "tenantKey": {"type": "http", "scheme": "bearer",
-                          "description": "a tenant's API key"},
-            "adminToken": {"type": "http", "scheme": "bearer",
-                           "description": "TANDEM_ADMIN_TOKEN"},
-            "adminBasic": {"type": "http", "scheme": "basic",
-                           "description": "any user name, TANDEM_ADMIN_TOKEN as the password"},
-        }},
+        "components": {
+            "schemas": schemas,
+            "securitySchemes": {
+                "tenantKey": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "a tenant's API key",
+                },
+                "adminToken": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "TANDEM_ADMIN_TOKEN",
+                },
+                "adminBasic": {
+                    "type": "http",
+                    "scheme": "basic",
+                    "description": "any user name, TANDEM_ADMIN_TOKEN as the password",
+                },
+            },
+        },
     }
 
 

@@ -46,17 +46,24 @@ def check_dashboard_auth(request: web.Request) -> None:
         token = ""
     expected = request.app[ADMIN_TOKEN].encode()
     if not token or not hmac.compare_digest(token.encode(), expected):
-        raise ApiError(401, "the dashboard needs the admin token (bearer, or as the Basic-auth "
-                       "password)", code="invalid_admin_token",
-                       headers={"WWW-Authenticate": 'Basic realm="tandem admin", charset="UTF-8"'})
+        raise ApiError(
+            401,
+            "the dashboard needs the admin token (bearer, or as the Basic-auth password)",
+            code="invalid_admin_token",
+            headers={"WWW-Authenticate": 'Basic realm="tandem admin", charset="UTF-8"'},
+        )
 
 
 @routes.get("/admin/v1/dashboard")
 async def dashboard_page(request: web.Request) -> web.Response:
     """The dashboard page (HTML)."""
     check_dashboard_auth(request)
-    return web.Response(body=PAGE.read_bytes(), content_type="text/html", charset="utf-8",
-                        headers={"Cache-Control": "no-store"})
+    return web.Response(
+        body=PAGE.read_bytes(),
+        content_type="text/html",
+        charset="utf-8",
+        headers={"Cache-Control": "no-store"},
+    )
 
 
 @routes.get("/admin/v1/dashboard/data")
@@ -69,8 +76,12 @@ async def dashboard_data(request: web.Request) -> web.Response:
     except ValueError:
         hours = -1.0
     if not 0 < hours <= MAX_HOURS:
-        raise ApiError(400, f"hours must be a number in (0, {MAX_HOURS}], got {text!r}",
-                       param="hours", code="invalid_value")
+        raise ApiError(
+            400,
+            f"hours must be a number in (0, {MAX_HOURS}], got {text!r}",
+            param="hours",
+            code="invalid_value",
+        )
     bucket_s = max(60, int(hours * 3600 / POINTS) // 60 * 60)
     end = datetime.now(UTC)
     start = datetime.fromtimestamp((end.timestamp() - hours * 3600) // bucket_s * bucket_s, UTC)
@@ -84,15 +95,22 @@ async def dashboard_data(request: web.Request) -> web.Response:
         "start": start,
         "end": end,
         "bucket_s": bucket_s,
-        "tenants": [{"id": t.id, "name": t.name, "tier": t.tier, "slo": t.slo,
-                     "quota": t.quota} for t in tenants if not t.deleted or t.id in seen],
-        "usage": [{**msgspec.structs.asdict(p), "t": int(p.period_start.timestamp())}
-                  for p in periods],
+        "tenants": [
+            {"id": t.id, "name": t.name, "tier": t.tier, "slo": t.slo, "quota": t.quota}
+            for t in tenants
+            if not t.deleted or t.id in seen
+        ],
+        "usage": [
+            {**msgspec.structs.asdict(p), "t": int(p.period_start.timestamp())} for p in periods
+        ],
         "tiers": tiers,
         "engine": _engine_history(request, start.timestamp()),
     }
-    return web.Response(body=_encoder.encode(payload), content_type="application/json",
-                        headers={"Cache-Control": "no-store"})
+    return web.Response(
+        body=_encoder.encode(payload),
+        content_type="application/json",
+        headers={"Cache-Control": "no-store"},
+    )
 
 
 def _engine_history(request: web.Request, since_s: float) -> list[dict[str, Any]]:
@@ -100,6 +118,15 @@ def _engine_history(request: web.Request, since_s: float) -> list[dict[str, Any]
     if sampler is None:
         return []
     cutoff = max(since_s, time.time() - 24 * 3600 * 3)
-    return [{"t": s.time_s, "up": s.up, "kv_usage": s.kv_usage, "running": s.running,
-             "waiting": s.waiting, "batch_lines_pending": s.batch_lines_pending}
-            for s in sampler.history if s.time_s >= cutoff]
+    return [
+        {
+            "t": s.time_s,
+            "up": s.up,
+            "kv_usage": s.kv_usage,
+            "running": s.running,
+            "waiting": s.waiting,
+            "batch_lines_pending": s.batch_lines_pending,
+        }
+        for s in sampler.history
+        if s.time_s >= cutoff
+    ]

@@ -52,8 +52,9 @@ class TokenBucket:
         self.refill(now_s)
         self.level = min(self.capacity, self.level + amount)
 
-    def resize(self, capacity: float, rate_per_s: float, now_s: float, *,
-               grant_growth: bool = False) -> None:
+    def resize(
+        self, capacity: float, rate_per_s: float, now_s: float, *, grant_growth: bool = False
+    ) -> None:
         """New size and rate from now on; the level never exceeds the new size. With
         *grant_growth* a larger size also adds the difference to the level (an operator raised
         the limit: the tenant gets the extra burst at once)."""

@@ -110,8 +110,12 @@ class _TenantState:
 class QuotaLimiter:
     """Admission control for every tenant's quota on this gateway instance."""
 
-    def __init__(self, instance_id: str, clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
+    def __init__(
+        self,
+        instance_id: str,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
         self.instance_id = instance_id
         self._clock = clock
         self._wall_clock = wall_clock
@@ -145,8 +149,9 @@ class QuotaLimiter:
             assert state.requests is not None
             wait = state.requests.wait_s(1, now)
             if wait > 0:
-                raise _over(tenant, "requests_per_min", quota.requests_per_min, "requests per "
-                            "minute", wait)
+                raise _over(
+                    tenant, "requests_per_min", quota.requests_per_min, "requests per minute", wait
+                )
         if quota.tokens_per_min is not None:
             assert state.tokens is not None
             if amount > quota.tokens_per_min:
@@ -159,8 +164,14 @@ class QuotaLimiter:
                 )
             wait = state.tokens.wait_s(amount, now)
             if wait > 0:
-                raise _over(tenant, "tokens_per_min", quota.tokens_per_min, "tokens per minute",
-                            wait, needed=amount)
+                raise _over(
+                    tenant,
+                    "tokens_per_min",
+                    quota.tokens_per_min,
+                    "tokens per minute",
+                    wait,
+                    needed=amount,
+                )
         # every check passed: take from each limit at once (a refusal above takes nothing)
         if state.requests is not None:
             state.requests.take(1)
@@ -239,12 +250,15 @@ class QuotaLimiter:
             demand = view.demand.get(tenant_id, {})
             if state.smoothed is not None:
                 demand = {**demand, self.instance_id: state.smoothed}
-            state.w_requests = weights(self._instances, {i: d.requests for i, d in demand.items()}
-                                       )[self.instance_id]
-            state.w_tokens = weights(self._instances, {i: d.tokens for i, d in demand.items()}
-                                     )[self.instance_id]
+            state.w_requests = weights(self._instances, {i: d.requests for i, d in demand.items()})[
+                self.instance_id
+            ]
+            state.w_tokens = weights(self._instances, {i: d.tokens for i, d in demand.items()})[
+                self.instance_id
+            ]
             state.w_concurrency = weights(
-                self._instances, {i: d.concurrency for i, d in demand.items()})
+                self._instances, {i: d.concurrency for i, d in demand.items()}
+            )
             state.month = view.month
             state.month_used = view.monthly_tokens.get(tenant_id, 0)
             state.pushing = 0
@@ -280,8 +294,7 @@ class QuotaLimiter:
             state.requests = None
         else:
             w = state.w_requests if state.w_requests is not None else self._even()
-            state.requests = _sized(state.requests, quota.requests_per_min * w, now,
-                                    limit_changed)
+            state.requests = _sized(state.requests, quota.requests_per_min * w, now, limit_changed)
         if quota.tokens_per_min is None:
             state.tokens = None
         else:
@@ -329,8 +342,13 @@ class QuotaLimiter:
 
     def _smooth(self, tenant_id: str, state: _TenantState, elapsed_s: float) -> DemandReport:
         win, prev = state.window, state.smoothed
-        current = DemandReport(tenant_id, win.requests / elapsed_s, win.tokens / elapsed_s,
-                               float(max(win.concurrency, state.in_flight)), state.in_flight)
+        current = DemandReport(
+            tenant_id,
+            win.requests / elapsed_s,
+            win.tokens / elapsed_s,
+            float(max(win.concurrency, state.in_flight)),
+            state.in_flight,
+        )
         if prev is not None:
             current.requests = max(current.requests, prev.requests * _DEMAND_DECAY)
             current.tokens = max(current.tokens, prev.tokens * _DEMAND_DECAY)
@@ -349,20 +367,22 @@ class QuotaLimiter:
 
 
 def month_key(when: datetime) -> str:
-    """"YYYY-MM" of *when* in UTC."""
+    """ "YYYY-MM" of *when* in UTC."""
     return when.astimezone(UTC).strftime("%Y-%m")
 
 
-def _sized(bucket: TokenBucket | None, per_min: float, now: float, grant_growth: bool
-           ) -> TokenBucket:
+def _sized(
+    bucket: TokenBucket | None, per_min: float, now: float, grant_growth: bool
+) -> TokenBucket:
     if bucket is None:
         return TokenBucket.full(per_min, per_min / 60.0, now)
     bucket.resize(per_min, per_min / 60.0, now, grant_growth=grant_growth)
     return bucket
 
 
-def _over(tenant: Tenant, limit: str, value: int, unit: str, wait_s: float,
-          needed: int | None = None) -> QuotaExceeded:
+def _over(
+    tenant: Tenant, limit: str, value: int, unit: str, wait_s: float, needed: int | None = None
+) -> QuotaExceeded:
     retry = _whole_seconds(wait_s)
     need = f" (this request needs {needed})" if needed is not None else ""
     return QuotaExceeded(

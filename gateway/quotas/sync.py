@@ -36,9 +36,14 @@ _EPOCH_S = 10
 class QuotaSync:
     """Runs the limiter's sync with the database in the background."""
 
-    def __init__(self, engine: AsyncEngine, limiter: QuotaLimiter, interval_s: float,
-                 timeout_s: float,
-                 wall_clock: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        limiter: QuotaLimiter,
+        interval_s: float,
+        timeout_s: float,
+        wall_clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
         self._engine = engine
         self._limiter = limiter
         self._interval_s = interval_s
@@ -90,64 +95,129 @@ class QuotaSync:
             await asyncio.sleep(self._interval_s)
             await self.sync_once()
 
-    async def _exchange(self, conn: AsyncConnection, reports: Sequence[DemandReport],
-                        deltas: dict[tuple[str, str], int], now: datetime) -> SyncView:
+    async def _exchange(
+        self,
+        conn: AsyncConnection,
+        reports: Sequence[DemandReport],
+        deltas: dict[tuple[str, str], int],
+        now: datetime,
+    ) -> SyncView:
         me = self._limiter.instance_id
         dialect = conn.dialect.name
-        await _upsert(conn, dialect, _instances, [{
-            "id": me, "started_at": self._started_at, "heartbeat_at": now}], ["id"],
-            ["heartbeat_at"])
+        await _upsert(
+            conn,
+            dialect,
+            _instances,
+            [{"id": me, "started_at": self._started_at, "heartbeat_at": now}],
+            ["id"],
+            ["heartbeat_at"],
+        )
         tenant_ids = [r.tenant_id for r in reports]
-        await conn.execute(delete(_demand).where(_demand.c.instance_id == me,
-                                                 _demand.c.tenant_id.not_in(tenant_ids)))
+        await conn.execute(
+            delete(_demand).where(
+                _demand.c.instance_id == me, _demand.c.tenant_id.not_in(tenant_ids)
+            )
+        )
         if reports:
-            await _upsert(conn, dialect, _demand, [{
-                "instance_id": me, "tenant_id": r.tenant_id, "requests": r.requests,
-                "tokens": r.tokens, "concurrency": r.concurrency, "in_flight": r.in_flight,
-                "updated_at": now} for r in reports], ["instance_id", "tenant_id"],
-                ["requests", "tokens", "concurrency", "in_flight", "updated_at"])
+            await _upsert(
+                conn,
+                dialect,
+                _demand,
+                [
+                    {
+                        "instance_id": me,
+                        "tenant_id": r.tenant_id,
+                        "requests": r.requests,
+                        "tokens": r.tokens,
+                        "concurrency": r.concurrency,
+                        "in_flight": r.in_flight,
+                        "updated_at": now,
+                    }
+                    for r in reports
+                ],
+                ["instance_id", "tenant_id"],
+                ["requests", "tokens", "concurrency", "in_flight", "updated_at"],
+            )
         if deltas:
             await _increment_monthly(conn, dialect, deltas, now)
         forget = now - timedelta(seconds=self._timeout_s * _FORGET_INSTANCE_FACTOR)
         await conn.execute(delete(_instances).where(_instances.c.heartbeat_at < forget))
-        await conn.execute(delete(_demand).where(
-            _demand.c.instance_id.not_in(select(_instances.c.id))))
+        await conn.execute(
+            delete(_demand).where(_demand.c.instance_id.not_in(select(_instances.c.id)))
+        )
         live_since = now - timedelta(seconds=self._timeout_s)
-        instances = list((await conn.execute(
-            select(_instances.c.id).where(_instances.c.heartbeat_at >= live_since)
-            .order_by(_instances.c.id))).scalars())
+        instances = list(
+            (
+                await conn.execute(
+                    select(_instances.c.id)
+                    .where(_instances.c.heartbeat_at >= live_since)
+                    .order_by(_instances.c.id)
+                )
+            ).scalars()
+        )
         demand: dict[str, dict[str, DemandReport]] = {}
         if tenant_ids:
-            rows = await conn.execute(select(_demand).where(
-                _demand.c.instance_id.in_(instances), _demand.c.instance_id != me))
+            rows = await conn.execute(
+                select(_demand).where(
+                    _demand.c.instance_id.in_(instances), _demand.c.instance_id != me
+                )
+            )
             for row in rows.mappings():
                 demand.setdefault(row["tenant_id"], {})[row["instance_id"]] = DemandReport(
-                    row["tenant_id"], row["requests"], row["tokens"], row["concurrency"],
-                    row["in_flight"])
+                    row["tenant_id"],
+                    row["requests"],
+                    row["tokens"],
+                    row["concurrency"],
+                    row["in_flight"],
+                )
         month = month_key(now)
         totals = await conn.execute(
-            select(_monthly.c.tenant_id, _monthly.c.tokens).where(_monthly.c.month == month))
-        return SyncView(instances=instances, demand=demand,
-                        monthly_tokens={t: int(n) for t, n in totals.all()}, month=month,
-                        epoch=int(now.timestamp()) // _EPOCH_S)
+            select(_monthly.c.tenant_id, _monthly.c.tokens).where(_monthly.c.month == month)
+        )
+        return SyncView(
+            instances=instances,
+            demand=demand,
+            monthly_tokens={t: int(n) for t, n in totals.all()},
+            month=month,
+            epoch=int(now.timestamp()) // _EPOCH_S,
+        )
 
 
-async def _increment_monthly(conn: AsyncConnection, dialect: str,
-                             deltas: dict[tuple[str, str], int], now: datetime) -> None:
-    rows = [{"tenant_id": t, "month": m, "tokens": n, "updated_at": now}
-            for (t, m), n in sorted(deltas.items())]
+async def _increment_monthly(
+    conn: AsyncConnection, dialect: str, deltas: dict[tuple[str, str], int], now: datetime
+) -> None:
+    rows = [
+        {"tenant_id": t, "month": m, "tokens": n, "updated_at": now}
+        for (t, m), n in sorted(deltas.items())
+    ]
     stmt = _insert(dialect, _monthly)
-    await conn.execute(stmt.on_conflict_do_update(
-        index_elements=["tenant_id", "month"],
-        set_={"tokens": _monthly.c.tokens + stmt.excluded.tokens,
-              "updated_at": stmt.excluded.updated_at}), rows)
+    await conn.execute(
+        stmt.on_conflict_do_update(
+            index_elements=["tenant_id", "month"],
+            set_={
+                "tokens": _monthly.c.tokens + stmt.excluded.tokens,
+                "updated_at": stmt.excluded.updated_at,
+            },
+        ),
+        rows,
+    )
 
 
-async def _upsert(conn: AsyncConnection, dialect: str, table: Table, rows: list[dict[str, Any]],
-                  keys: list[str], columns: list[str]) -> None:
+async def _upsert(
+    conn: AsyncConnection,
+    dialect: str,
+    table: Table,
+    rows: list[dict[str, Any]],
+    keys: list[str],
+    columns: list[str],
+) -> None:
     stmt = _insert(dialect, table)
-    await conn.execute(stmt.on_conflict_do_update(
-        index_elements=keys, set_={c: stmt.excluded[c] for c in columns}), rows)
+    await conn.execute(
+        stmt.on_conflict_do_update(
+            index_elements=keys, set_={c: stmt.excluded[c] for c in columns}
+        ),
+        rows,
+    )
 
 
 def _insert(dialect: str, table: Table) -> Any:

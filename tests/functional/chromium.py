@@ -17,8 +17,15 @@ from typing import Any
 import aiohttp
 import pytest
 
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 """How the issue says to start it (no network of its own, no sandbox: CI runs as root)."""
 _BINARIES = ("chromium", "chromium-browser", "google-chrome")
 _START_TIMEOUT_S = 30.0
@@ -30,8 +37,10 @@ def chromium_binary() -> str:
         path = shutil.which(name)
         if path:
             return path
-    pytest.fail("Chromium is not installed: run scripts/install-chromium (apt-get install "
-                "chromium); .ci/run does it on CI")
+    pytest.fail(
+        "Chromium is not installed: run scripts/install-chromium (apt-get install "
+        "chromium); .ci/run does it on CI"
+    )
 
 
 class Page:
@@ -60,8 +69,9 @@ class Page:
         return self._events.setdefault(method, asyncio.Event())
 
     async def evaluate(self, expression: str) -> Any:
-        result = await self.send("Runtime.evaluate", expression=expression, returnByValue=True,
-                                 awaitPromise=True)
+        result = await self.send(
+            "Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True
+        )
         if "exceptionDetails" in result:
             raise RuntimeError(f"page script failed: {result['exceptionDetails']}")
         return result["result"].get("value")
@@ -103,23 +113,34 @@ class Page:
 
 
 @contextlib.asynccontextmanager
-async def chromium_page(profile_dir: Path, width: int = 1400, height: int = 1000
-                        ) -> AsyncIterator[Page]:
+async def chromium_page(
+    profile_dir: Path, width: int = 1400, height: int = 1000
+) -> AsyncIterator[Page]:
     """A fresh headless Chromium (its own profile in *profile_dir*) and its first page."""
     binary = chromium_binary()
     profile_dir.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(
-        [binary, *FLAGS, "--remote-debugging-port=0", f"--user-data-dir={profile_dir}",
-         f"--window-size={width},{height}", "--hide-scrollbars", "about:blank"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            binary,
+            *FLAGS,
+            "--remote-debugging-port=0",
+            f"--user-data-dir={profile_dir}",
+            f"--window-size={width},{height}",
+            "--hide-scrollbars",
+            "about:blank",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         port = await _devtools_port(profile_dir, proc)
         async with aiohttp.ClientSession() as session:
             async with session.get(f"http://127.0.0.1:{port}/json/list") as resp:
                 targets = await resp.json()
             page_target = next(t for t in targets if t.get("type") == "page")
-            async with session.ws_connect(page_target["webSocketDebuggerUrl"],
-                                          max_msg_size=64 * 1024 * 1024) as ws:
+            async with session.ws_connect(
+                page_target["webSocketDebuggerUrl"], max_msg_size=64 * 1024 * 1024
+            ) as ws:
                 page = Page(ws)
                 try:
                     for domain in ("Runtime", "Log", "Page", "Network"):

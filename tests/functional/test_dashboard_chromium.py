@@ -38,33 +38,50 @@ _COLORED_PIXELS_JS = """JSON.stringify([...document.querySelectorAll('canvas')].
 
 
 @pytest_asyncio.fixture
-async def seeded_gateway(engine_server: Any, tmp_path: Path
-                         ) -> AsyncIterator[tuple[GatewayHandle, int]]:
+async def seeded_gateway(
+    engine_server: Any, tmp_path: Path
+) -> AsyncIterator[tuple[GatewayHandle, int]]:
     """A gateway on a fresh database holding six hours of usage of three tenants."""
-    server, gw = await start_gateway(f"sqlite:///{tmp_path / 'dash.db'}", engine_server.port,
-                                     engine_server.model_path,
-                                     TANDEM_METRICS__ENGINE_POLL_S="0.3")
-    tenants = [await gw.new_tenant("chat-rt", "rt", ttft_ms=300, tpot_ms=50),
-               await gw.new_tenant("agents-rt", "rt", ttft_ms=800, tpot_ms=120),
-               await gw.new_tenant("nightly-be", "be", deadline_s=3600)]
+    server, gw = await start_gateway(
+        f"sqlite:///{tmp_path / 'dash.db'}",
+        engine_server.port,
+        engine_server.model_path,
+        TANDEM_METRICS__ENGINE_POLL_S="0.3",
+    )
+    tenants = [
+        await gw.new_tenant("chat-rt", "rt", ttft_ms=300, tpot_ms=50),
+        await gw.new_tenant("agents-rt", "rt", ttft_ms=800, tpot_ms=120),
+        await gw.new_tenant("nightly-be", "be", deadline_s=3600),
+    ]
     rng = random.Random(3)
     now = datetime.now(UTC)
     records = []
     for minute in range(0, 6 * 60, 3):
         created = now - timedelta(minutes=6 * 60 - minute)
         for (tenant_id, _), (tier, ttft, tpot) in zip(
-                tenants, [("rt", 180, 35), ("rt", 500, 90), ("be", 4000, 60)], strict=True):
+            tenants, [("rt", 180, 35), ("rt", 500, 90), ("be", 4000, 60)], strict=True
+        ):
             for i in range(rng.randint(1, 4)):
                 ok = rng.random() > 0.05
                 t = ttft * rng.uniform(0.5, 1.8) if ok else None
-                records.append(UsageRecord(
-                    request_id=f"seed-{tenant_id}-{minute}-{i}", tenant_id=tenant_id, tier=tier,
-                    model="tandem-tiny", endpoint="chat", prompt_tokens=rng.randint(50, 900),
-                    completion_tokens=rng.randint(20, 400) if ok else 0, ttft_ms=t,
-                    tpot_ms=tpot * rng.uniform(0.6, 1.6) if ok else None,
-                    status="ok" if ok else "engine_error", http_status=200 if ok else 400,
-                    slo_met=ok and (tier == "be" or (t or 0) <= ttft * 1.2),
-                    created_at=created, finished_at=created + timedelta(seconds=2)))
+                records.append(
+                    UsageRecord(
+                        request_id=f"seed-{tenant_id}-{minute}-{i}",
+                        tenant_id=tenant_id,
+                        tier=tier,
+                        model="tandem-tiny",
+                        endpoint="chat",
+                        prompt_tokens=rng.randint(50, 900),
+                        completion_tokens=rng.randint(20, 400) if ok else 0,
+                        ttft_ms=t,
+                        tpot_ms=tpot * rng.uniform(0.6, 1.6) if ok else None,
+                        status="ok" if ok else "engine_error",
+                        http_status=200 if ok else 400,
+                        slo_met=ok and (tier == "be" or (t or 0) <= ttft * 1.2),
+                        created_at=created,
+                        finished_at=created + timedelta(seconds=2),
+                    )
+                )
     await gw.app[STORE].insert_usage(records)
     sampler = gw.app[METRICS].sampler
     assert sampler is not None
@@ -74,9 +91,17 @@ async def seeded_gateway(engine_server: Any, tmp_path: Path
     start_s = now.timestamp() - 6 * 3600
     for k in range(0, 6 * 3600, 300):
         kv = 0.35 + 0.3 * rng.random()
-        sampler.history.append(EngineSample(
-            time_s=start_s + k, up=True, running=rng.randint(2, 30), waiting=rng.randint(0, 12),
-            kv_usage=kv, kv_capacity_tokens=16384, batch_lines_pending=rng.randint(0, 500)))
+        sampler.history.append(
+            EngineSample(
+                time_s=start_s + k,
+                up=True,
+                running=rng.randint(2, 30),
+                waiting=rng.randint(0, 12),
+                kv_usage=kv,
+                kv_capacity_tokens=16384,
+                batch_lines_pending=rng.randint(0, 500),
+            )
+        )
     for _ in range(3):
         assert (await sampler.sample()).up
     yield gw, len(records)
@@ -85,11 +110,13 @@ async def seeded_gateway(engine_server: Any, tmp_path: Path
 
 
 async def test_dashboard_renders_every_chart_without_console_errors(
-        seeded_gateway: tuple[GatewayHandle, int], tmp_path: Path) -> None:
+    seeded_gateway: tuple[GatewayHandle, int], tmp_path: Path
+) -> None:
     gw, seeded = seeded_gateway
     async with chromium_page(tmp_path / "chromium-profile", 1400, 1300) as page:
-        await page.send("Network.setExtraHTTPHeaders",
-                        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+        await page.send(
+            "Network.setExtraHTTPHeaders", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        )
         loaded = page.event("Page.loadEventFired")
         loaded.clear()
         await page.send("Page.navigate", url=f"{gw.base_url}/admin/v1/dashboard")
@@ -97,18 +124,19 @@ async def test_dashboard_renders_every_chart_without_console_errors(
         state = await page.evaluate(
             "new Promise(resolve => { const s = document.getElementById('status');"
             " const check = () => s.dataset.state === 'loading' ? setTimeout(check, 50)"
-            " : resolve(s.dataset.state + '|' + s.textContent); check(); })")
+            " : resolve(s.dataset.state + '|' + s.textContent); check(); })"
+        )
         assert state.startswith("ready|"), state
         assert f"{seeded} requests" in state  # every seeded record is in the 6-hour window
-        charts = {c["id"]: c for c in json.loads(
-            await page.evaluate(_COLORED_PIXELS_JS))}
+        charts = {c["id"]: c for c in json.loads(await page.evaluate(_COLORED_PIXELS_JS))}
         assert sorted(charts) == sorted(CHARTS)
         for chart_id in CHARTS:
             assert charts[chart_id]["points"] > 0, f"{chart_id} drew no data"
             assert charts[chart_id]["colored"] > 300, f"{chart_id} has no coloured series"
         names = await page.evaluate(
             "[...document.querySelectorAll('#tenants tbody tr td:first-child')]"
-            ".map(td => td.textContent)")
+            ".map(td => td.textContent)"
+        )
         assert sorted(names) == ["agents-rt", "chat-rt", "nightly-be"]
         shot = tmp_path / "dashboard.png"
         await page.screenshot(shot)
@@ -123,7 +151,8 @@ async def test_dashboard_renders_every_chart_without_console_errors(
 
 
 async def test_dashboard_asks_a_browser_for_the_admin_token(
-        seeded_gateway: tuple[GatewayHandle, int]) -> None:
+    seeded_gateway: tuple[GatewayHandle, int],
+) -> None:
     gw, _ = seeded_gateway
     url = f"{gw.base_url}/admin/v1/dashboard"
     async with gw.session.get(url) as resp:

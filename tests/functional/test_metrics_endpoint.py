@@ -49,7 +49,8 @@ def _filler(table: Table, given: dict[str, Any]) -> dict[str, Any]:
         except NotImplementedError:  # a type decorator: the type it stores
             kind = getattr(column.type, "impl", column.type).python_type
         row[column.name] = {datetime: now, int: 0, float: 0.0, bool: False, bytes: b""}.get(
-            kind, "x")
+            kind, "x"
+        )
     return row
 
 
@@ -58,20 +59,44 @@ async def seed_batch(gw: GatewayHandle, tenant_id: str) -> str:
     files, batches = cast(Table, FileRow.__table__), cast(Table, BatchRow.__table__)
     items = cast(Table, BatchItemRow.__table__)
     async with gw.app[DB_ENGINE].begin() as conn:
-        await conn.execute(insert(files).values(_filler(files, {
-            "id": "file-metrics", "tenant_id": tenant_id, "purpose": "batch"})))
-        await conn.execute(insert(batches).values(_filler(batches, {
-            "id": "batch_metrics", "tenant_id": tenant_id, "input_file_id": "file-metrics",
-            "status": "in_progress"})))
+        await conn.execute(
+            insert(files).values(
+                _filler(files, {"id": "file-metrics", "tenant_id": tenant_id, "purpose": "batch"})
+            )
+        )
+        await conn.execute(
+            insert(batches).values(
+                _filler(
+                    batches,
+                    {
+                        "id": "batch_metrics",
+                        "tenant_id": tenant_id,
+                        "input_file_id": "file-metrics",
+                        "status": "in_progress",
+                    },
+                )
+            )
+        )
         for i, status in enumerate(["completed", "pending", "pending", "running"]):
-            await conn.execute(insert(items).values(_filler(items, {
-                "batch_id": "batch_metrics", "line_no": i, "custom_id": f"c{i}",
-                "status": status})))
+            await conn.execute(
+                insert(items).values(
+                    _filler(
+                        items,
+                        {
+                            "batch_id": "batch_metrics",
+                            "line_no": i,
+                            "custom_id": f"c{i}",
+                            "status": status,
+                        },
+                    )
+                )
+            )
     return "batch_metrics"
 
 
 async def test_metrics_expose_requests_latency_slo_engine_and_batches(
-        gateway: GatewayHandle) -> None:
+    gateway: GatewayHandle,
+) -> None:
     tenant_id, key = await tenant_with_quota(gateway, "metrics-tenant", requests_per_min=2)
     for _ in range(2):
         status, _, body = await chat(gateway, key, max_tokens=8)
@@ -85,8 +110,9 @@ async def test_metrics_expose_requests_latency_slo_engine_and_batches(
     t = {"tenant": tenant_id, "tier": "rt"}
     assert value(m, "tandem_requests_total", **t, status="ok") == 2
     assert value(m, "tandem_requests_total", **t, status="rate_limited") == 1
-    assert value(m, "tandem_quota_rejections_total", tenant=tenant_id,
-                 limit="requests_per_min") == 1
+    assert (
+        value(m, "tandem_quota_rejections_total", tenant=tenant_id, limit="requests_per_min") == 1
+    )
     assert value(m, "tandem_tokens_total", **t, kind="completion") == 16
     assert value(m, "tandem_tokens_total", **t, kind="prompt") > 0  # type: ignore[operator]
     assert value(m, "tandem_ttft_seconds_count", **t) == 2
@@ -96,8 +122,7 @@ async def test_metrics_expose_requests_latency_slo_engine_and_batches(
     assert value(m, "tandem_slo_requests_total", **t, result="met") == 2  # generous targets
     assert value(m, "tandem_slo_attainment_ratio", **t) == 1.0
     assert value(m, "tandem_requests_in_flight", **t) == 0
-    assert value(m, "tandem_tenant_info", tenant=tenant_id, name="metrics-tenant",
-                 tier="rt") == 1
+    assert value(m, "tandem_tenant_info", tenant=tenant_id, name="metrics-tenant", tier="rt") == 1
     assert value(m, "tandem_engine_up") == 1
     kv = value(m, "tandem_engine_kv_usage_ratio")
     assert kv is not None and 0.0 <= kv <= 1.0

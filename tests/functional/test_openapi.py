@@ -20,12 +20,15 @@ async def test_every_route_of_the_app_is_documented(tiny_model_dir: Path) -> Non
     served = registered(app)
     assert ("POST", "/v1/chat/completions") in served and ("GET", "/metrics") in served
     missing = sorted(served - documented)
-    assert not missing, (f"routes without an OpenAPI description: {missing}; add an Op for each "
-                         "to gateway/api/openapi.py OPERATIONS")
+    assert not missing, (
+        f"routes without an OpenAPI description: {missing}; add an Op for each "
+        "to gateway/api/openapi.py OPERATIONS"
+    )
 
 
 async def test_openapi_json_is_served_and_well_formed(
-        gateway_without_engine: GatewayHandle) -> None:
+    gateway_without_engine: GatewayHandle,
+) -> None:
     gw = gateway_without_engine
     async with gw.session.get(f"{gw.base_url}/openapi.json") as resp:
         assert resp.status == 200
@@ -56,7 +59,11 @@ async def test_openapi_json_is_served_and_well_formed(
     assert {"model", "messages", "max_tokens", "stream", "tier"} <= set(schema["properties"])
     quota = _resolve(doc, "#/components/schemas/Tenant")["properties"]["quota"]
     assert _resolve(doc, quota["$ref"])["properties"].keys() == {
-        "requests_per_min", "tokens_per_min", "max_concurrent", "monthly_tokens"}
+        "requests_per_min",
+        "tokens_per_min",
+        "max_concurrent",
+        "monthly_tokens",
+    }
 
 
 def _resolve(doc: dict[str, Any], ref: str) -> dict[str, Any]:

@@ -16,20 +16,30 @@ MODEL = "tandem-tiny"
 
 
 async def tenant_with_quota(gw: GatewayHandle, name: str, **quota: int) -> tuple[str, str]:
-    status, tenant = await gw.admin("POST", "/tenants", {
-        "name": name, "tier": "rt", "slo": {"ttft_ms": 5000, "tpot_ms": 1000}, "quota": quota})
+    status, tenant = await gw.admin(
+        "POST",
+        "/tenants",
+        {"name": name, "tier": "rt", "slo": {"ttft_ms": 5000, "tpot_ms": 1000}, "quota": quota},
+    )
     assert status == 201, tenant
     status, key = await gw.admin("POST", f"/tenants/{tenant['id']}/keys")
     assert status == 201, key
     return tenant["id"], key["key"]
 
 
-async def chat(gw: GatewayHandle, key: str, max_tokens: int = 1,
-               **extra: Any) -> tuple[int, dict[str, str], Any]:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": max_tokens, "ignore_eos": True, **extra}
-    async with gw.session.post(f"{gw.base_url}/v1/chat/completions", json=body,
-                               headers={"Authorization": f"Bearer {key}"}) as resp:
+async def chat(
+    gw: GatewayHandle, key: str, max_tokens: int = 1, **extra: Any
+) -> tuple[int, dict[str, str], Any]:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        **extra,
+    }
+    async with gw.session.post(
+        f"{gw.base_url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+    ) as resp:
         payload = await resp.json() if resp.content_type == "application/json" else None
         return resp.status, dict(resp.headers), payload
 
@@ -46,7 +56,8 @@ def assert_rate_limited(status: int, headers: dict[str, str], body: Any, limit: 
 
 
 async def test_over_requests_per_min_is_429_then_served_after_retry_after(
-        gateway: GatewayHandle) -> None:
+    gateway: GatewayHandle,
+) -> None:
     tenant_id, key = await tenant_with_quota(gateway, "rpm-tenant", requests_per_min=12)
     started = time.monotonic()
     served = 0
@@ -71,7 +82,8 @@ async def test_over_requests_per_min_is_429_then_served_after_retry_after(
 
 
 async def test_over_tokens_per_min_is_429_and_unused_tokens_come_back(
-        gateway: GatewayHandle) -> None:
+    gateway: GatewayHandle,
+) -> None:
     _, key = await tenant_with_quota(gateway, "tpm-tenant", tokens_per_min=600)
     status, _, body = await chat(gateway, key, max_tokens=250)
     assert status == 200, body
@@ -95,10 +107,18 @@ async def test_over_tokens_per_min_is_429_and_unused_tokens_come_back(
 async def test_tokens_reserved_but_not_generated_are_given_back(gateway: GatewayHandle) -> None:
     _, key = await tenant_with_quota(gateway, "tpm-refund", tokens_per_min=1000)
     # reserve prompt + 900, read one chunk, hang up: the engine stops and the rest comes back
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": 900, "ignore_eos": True, "stream": True}
-    async with gateway.session.post(f"{gateway.base_url}/v1/chat/completions", json=body,
-                                    headers={"Authorization": f"Bearer {key}"}) as resp:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 900,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    async with gateway.session.post(
+        f"{gateway.base_url}/v1/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {key}"},
+    ) as resp:
         assert resp.status == 200
         await resp.content.readline()
     for _ in range(50):  # the gateway notices the disconnect and releases the reservation
@@ -109,8 +129,7 @@ async def test_tokens_reserved_but_not_generated_are_given_back(gateway: Gateway
     assert status == 200, reply  # without the refund only ~100 tokens would be left
 
 
-async def test_over_max_concurrent_is_429_until_a_request_finishes(
-        gateway: GatewayHandle) -> None:
+async def test_over_max_concurrent_is_429_until_a_request_finishes(gateway: GatewayHandle) -> None:
     _, key = await tenant_with_quota(gateway, "conc-tenant", max_concurrent=1)
     long = asyncio.create_task(chat(gateway, key, max_tokens=150))
     status = 0
@@ -128,13 +147,15 @@ async def test_over_max_concurrent_is_429_until_a_request_finishes(
 
 
 async def test_limit_changes_through_the_admin_api_apply_without_restart(
-        gateway: GatewayHandle) -> None:
+    gateway: GatewayHandle,
+) -> None:
     tenant_id, key = await tenant_with_quota(gateway, "patched-tenant", requests_per_min=1)
     assert (await chat(gateway, key))[0] == 200
     status, headers, body = await chat(gateway, key)
     assert_rate_limited(status, headers, body, "requests_per_min")
-    status, patched = await gateway.admin("PATCH", f"/tenants/{tenant_id}",
-                                          {"quota": {"requests_per_min": 600}})
+    status, patched = await gateway.admin(
+        "PATCH", f"/tenants/{tenant_id}", {"quota": {"requests_per_min": 600}}
+    )
     assert status == 200 and patched["quota"]["requests_per_min"] == 600
     for _ in range(5):
         status, _, body = await chat(gateway, key)

@@ -15,27 +15,45 @@ from tests.functional.gateway_fixtures import GatewayHandle
 
 
 async def post_chat(gw: GatewayHandle, key: str) -> tuple[int, dict[str, str], Any]:
-    body = {"model": "tandem-tiny", "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": 4}
-    async with gw.session.post(f"{gw.base_url}/v1/chat/completions", json=body,
-                               headers={"Authorization": f"Bearer {key}"}) as resp:
+    body = {
+        "model": "tandem-tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+    }
+    async with gw.session.post(
+        f"{gw.base_url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+    ) as resp:
         return resp.status, dict(resp.headers), await resp.json()
 
 
 async def test_patching_one_limit_keeps_the_others_and_null_removes_one(
-        gateway_without_engine: GatewayHandle) -> None:
+    gateway_without_engine: GatewayHandle,
+) -> None:
     gw = gateway_without_engine
-    status, tenant = await gw.admin("POST", "/tenants", {
-        "name": "quota-patch", "tier": "be",
-        "quota": {"requests_per_min": 60, "tokens_per_min": 10_000, "max_concurrent": 4}})
+    status, tenant = await gw.admin(
+        "POST",
+        "/tenants",
+        {
+            "name": "quota-patch",
+            "tier": "be",
+            "quota": {"requests_per_min": 60, "tokens_per_min": 10_000, "max_concurrent": 4},
+        },
+    )
     assert status == 201
-    assert tenant["quota"] == {"requests_per_min": 60, "tokens_per_min": 10_000,
-                               "max_concurrent": 4, "monthly_tokens": None}
+    assert tenant["quota"] == {
+        "requests_per_min": 60,
+        "tokens_per_min": 10_000,
+        "max_concurrent": 4,
+        "monthly_tokens": None,
+    }
     path = f"/tenants/{tenant['id']}"
     status, patched = await gw.admin("PATCH", path, {"quota": {"monthly_tokens": 1_000_000}})
     assert status == 200 and patched["quota"] == {
-        "requests_per_min": 60, "tokens_per_min": 10_000, "max_concurrent": 4,
-        "monthly_tokens": 1_000_000}
+        "requests_per_min": 60,
+        "tokens_per_min": 10_000,
+        "max_concurrent": 4,
+        "monthly_tokens": 1_000_000,
+    }
     status, patched = await gw.admin("PATCH", path, {"quota": {"tokens_per_min": None}})
     assert status == 200 and patched["quota"]["tokens_per_min"] is None
     assert patched["quota"]["requests_per_min"] == 60
@@ -49,12 +67,12 @@ async def test_patching_one_limit_keeps_the_others_and_null_removes_one(
 
 
 async def test_quota_applies_at_once_and_a_raise_lets_the_tenant_back_in(
-        gateway_without_engine: GatewayHandle) -> None:
+    gateway_without_engine: GatewayHandle,
+) -> None:
     gw = gateway_without_engine
     tenant_id, key = await gw.new_tenant("quota-live", "be")
     assert (await post_chat(gw, key))[0] == 503  # admitted (the engine is down)
-    status, _ = await gw.admin("PATCH", f"/tenants/{tenant_id}",
-                               {"quota": {"requests_per_min": 2}})
+    status, _ = await gw.admin("PATCH", f"/tenants/{tenant_id}", {"quota": {"requests_per_min": 2}})
     assert status == 200
     statuses = [(await post_chat(gw, key))[0] for _ in range(3)]
     assert statuses == [503, 503, 429]
@@ -69,20 +87,39 @@ async def test_quota_applies_at_once_and_a_raise_lets_the_tenant_back_in(
 
 
 async def test_cli_creates_a_tenant_with_a_quota(
-        gateway_without_engine: GatewayHandle, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
+    gateway_without_engine: GatewayHandle,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     gw = gateway_without_engine
     monkeypatch.setenv("TANDEM_DATABASE__URL", gw.app[CONFIG].database.url)
-    code = await asyncio.to_thread(tandem, [
-        "admin", "tenant", "create", "cli-quota", "--tier", "be", "--requests-per-min", "5",
-        "--monthly-tokens", "1000"])
+    code = await asyncio.to_thread(
+        tandem,
+        [
+            "admin",
+            "tenant",
+            "create",
+            "cli-quota",
+            "--tier",
+            "be",
+            "--requests-per-min",
+            "5",
+            "--monthly-tokens",
+            "1000",
+        ],
+    )
     assert code == 0
     created = json.loads(capsys.readouterr().out)
-    assert created["quota"] == {"requests_per_min": 5, "tokens_per_min": None,
-                                "max_concurrent": None, "monthly_tokens": 1000}
+    assert created["quota"] == {
+        "requests_per_min": 5,
+        "tokens_per_min": None,
+        "max_concurrent": None,
+        "monthly_tokens": 1000,
+    }
     status, tenant = await gw.admin("GET", f"/tenants/{created['id']}")
     assert status == 200 and tenant["quota"] == created["quota"]
-    code = await asyncio.to_thread(tandem, [
-        "admin", "tenant", "create", "cli-bad", "--tier", "be", "--max-concurrent", "-1"])
+    code = await asyncio.to_thread(
+        tandem, ["admin", "tenant", "create", "cli-bad", "--tier", "be", "--max-concurrent", "-1"]
+    )
     assert code == 2
     assert "--max-concurrent must not be negative" in capsys.readouterr().err

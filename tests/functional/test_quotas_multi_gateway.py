@@ -23,13 +23,15 @@ SYNC_S = 0.2
 
 
 @pytest_asyncio.fixture
-async def two_gateways(engine_server: Any, pg_server: PgServer
-                       ) -> AsyncIterator[tuple[GatewayHandle, GatewayHandle]]:
+async def two_gateways(
+    engine_server: Any, pg_server: PgServer
+) -> AsyncIterator[tuple[GatewayHandle, GatewayHandle]]:
     url = await pg_server.new_database()
-    env = {"TANDEM_QUOTA__SYNC_INTERVAL_S": str(SYNC_S),
-           "TANDEM_GATEWAY__AUTH_CACHE_TTL_S": "0.5"}
-    started = [await start_gateway(url, engine_server.port, engine_server.model_path, **env)
-               for _ in range(2)]
+    env = {"TANDEM_QUOTA__SYNC_INTERVAL_S": str(SYNC_S), "TANDEM_GATEWAY__AUTH_CACHE_TTL_S": "0.5"}
+    started = [
+        await start_gateway(url, engine_server.port, engine_server.model_path, **env)
+        for _ in range(2)
+    ]
     yield started[0][1], started[1][1]
     for server, handle in started:
         await handle.session.close()
@@ -37,8 +39,11 @@ async def two_gateways(engine_server: Any, pg_server: PgServer
 
 
 async def new_tenant(gw: GatewayHandle, name: str, **quota: int) -> tuple[str, str]:
-    status, tenant = await gw.admin("POST", "/tenants", {
-        "name": name, "tier": "rt", "slo": {"ttft_ms": 5000, "tpot_ms": 1000}, "quota": quota})
+    status, tenant = await gw.admin(
+        "POST",
+        "/tenants",
+        {"name": name, "tier": "rt", "slo": {"ttft_ms": 5000, "tpot_ms": 1000}, "quota": quota},
+    )
     assert status == 201, tenant
     status, key = await gw.admin("POST", f"/tenants/{tenant['id']}/keys")
     assert status == 201, key
@@ -47,12 +52,14 @@ async def new_tenant(gw: GatewayHandle, name: str, **quota: int) -> tuple[str, s
 
 async def live_instances(gw: GatewayHandle) -> int:
     async with gw.app[DB_ENGINE].connect() as conn:
-        return int((await conn.execute(
-            select(func.count()).select_from(GatewayInstanceRow))).scalar_one())
+        return int(
+            (await conn.execute(select(func.count()).select_from(GatewayInstanceRow))).scalar_one()
+        )
 
 
 async def test_both_instances_register_and_see_each_other(
-        two_gateways: tuple[GatewayHandle, GatewayHandle]) -> None:
+    two_gateways: tuple[GatewayHandle, GatewayHandle],
+) -> None:
     a, b = two_gateways
     await asyncio.sleep(3 * SYNC_S)
     assert await live_instances(a) == 2
@@ -61,7 +68,8 @@ async def test_both_instances_register_and_see_each_other(
 
 
 async def test_requests_per_min_holds_across_two_gateways(
-        two_gateways: tuple[GatewayHandle, GatewayHandle]) -> None:
+    two_gateways: tuple[GatewayHandle, GatewayHandle],
+) -> None:
     a, b = two_gateways
     _, key = await new_tenant(a, "shared-rpm", requests_per_min=10)
     await asyncio.sleep(3 * SYNC_S)  # both know of each other
@@ -83,7 +91,8 @@ async def test_requests_per_min_holds_across_two_gateways(
 
 
 async def test_max_concurrent_holds_across_two_gateways(
-        two_gateways: tuple[GatewayHandle, GatewayHandle]) -> None:
+    two_gateways: tuple[GatewayHandle, GatewayHandle],
+) -> None:
     a, b = two_gateways
     _, key = await new_tenant(a, "shared-conc", max_concurrent=2)
     await asyncio.sleep(3 * SYNC_S)
@@ -104,8 +113,7 @@ async def test_max_concurrent_holds_across_two_gateways(
         assert status == 200, body
 
 
-async def test_monthly_budget_is_shared(
-        two_gateways: tuple[GatewayHandle, GatewayHandle]) -> None:
+async def test_monthly_budget_is_shared(two_gateways: tuple[GatewayHandle, GatewayHandle]) -> None:
     a, b = two_gateways
     _, key = await new_tenant(a, "shared-month", monthly_tokens=100)
     status, _, body = await chat(a, key, max_tokens=110)  # uses the whole month on gateway a
@@ -117,7 +125,8 @@ async def test_monthly_budget_is_shared(
 
 
 async def test_a_limit_changed_on_one_gateway_applies_on_the_other(
-        two_gateways: tuple[GatewayHandle, GatewayHandle]) -> None:
+    two_gateways: tuple[GatewayHandle, GatewayHandle],
+) -> None:
     a, b = two_gateways
     tenant_id, key = await new_tenant(a, "shared-patch", max_concurrent=0)
     status, headers, body = await chat(b, key)

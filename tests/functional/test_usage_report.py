@@ -32,19 +32,39 @@ def make_records(tenants: list[str], seed: int = 7) -> list[UsageRecord]:
         created = DAY + timedelta(hours=10, seconds=rng.uniform(0, 3 * 3600 - 1))
         status = rng.choice(STATUSES)
         ok = status == "ok"
-        records.append(UsageRecord(
-            request_id=f"r{i}", tenant_id=rng.choice(tenants), tier=rng.choice(["rt", "be"]),
-            model="tandem-tiny", endpoint="chat", prompt_tokens=rng.randint(1, 500),
-            completion_tokens=rng.randint(1, 300) if ok else 0,
-            ttft_ms=round(rng.lognormvariate(4, 1), 3) if ok else None,
-            tpot_ms=round(rng.uniform(5, 80), 3) if ok and rng.random() < 0.9 else None,
-            status=status, http_status=200 if ok else 429 if status == "rate_limited" else 400,
-            slo_met=None if status == "rate_limited" else (ok and rng.random() < 0.8),
-            created_at=created, finished_at=created + timedelta(seconds=1)))
-    records.append(UsageRecord(
-        request_id="next-day", tenant_id=tenants[0], tier="rt", model="tandem-tiny",
-        endpoint="chat", prompt_tokens=5, completion_tokens=5, status="ok", http_status=200,
-        created_at=DAY + timedelta(days=1, hours=1), finished_at=DAY + timedelta(days=1, hours=1)))
+        records.append(
+            UsageRecord(
+                request_id=f"r{i}",
+                tenant_id=rng.choice(tenants),
+                tier=rng.choice(["rt", "be"]),
+                model="tandem-tiny",
+                endpoint="chat",
+                prompt_tokens=rng.randint(1, 500),
+                completion_tokens=rng.randint(1, 300) if ok else 0,
+                ttft_ms=round(rng.lognormvariate(4, 1), 3) if ok else None,
+                tpot_ms=round(rng.uniform(5, 80), 3) if ok and rng.random() < 0.9 else None,
+                status=status,
+                http_status=200 if ok else 429 if status == "rate_limited" else 400,
+                slo_met=None if status == "rate_limited" else (ok and rng.random() < 0.8),
+                created_at=created,
+                finished_at=created + timedelta(seconds=1),
+            )
+        )
+    records.append(
+        UsageRecord(
+            request_id="next-day",
+            tenant_id=tenants[0],
+            tier="rt",
+            model="tandem-tiny",
+            endpoint="chat",
+            prompt_tokens=5,
+            completion_tokens=5,
+            status="ok",
+            http_status=200,
+            created_at=DAY + timedelta(days=1, hours=1),
+            finished_at=DAY + timedelta(days=1, hours=1),
+        )
+    )
     return records
 
 
@@ -52,8 +72,9 @@ def nearest_rank(values: list[float], p: float) -> float | None:
     return float(np.percentile(values, p, method="inverted_cdf")) if values else None
 
 
-def expected(records: list[UsageRecord], names: dict[str, str], bucket_s: int,
-             start: datetime, end: datetime) -> list[dict[str, Any]]:
+def expected(
+    records: list[UsageRecord], names: dict[str, str], bucket_s: int, start: datetime, end: datetime
+) -> list[dict[str, Any]]:
     groups: dict[tuple[int, str], list[UsageRecord]] = defaultdict(list)
     for r in records:
         if start <= r.created_at < end:
@@ -67,18 +88,26 @@ def expected(records: list[UsageRecord], names: dict[str, str], bucket_s: int,
         met = sum(1 for r in judged if r.slo_met)
         prompt = sum(r.prompt_tokens for r in rs)
         completion = sum(r.completion_tokens for r in rs)
-        rows.append({
-            "period_start": datetime.fromtimestamp(t, UTC).isoformat().replace("+00:00", "Z"),
-            "tenant_id": tenant, "tenant_name": names[tenant], "requests": len(rs),
-            "prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "errors": sum(1 for r in rs if r.status != "ok"),
-            "rate_limited": sum(1 for r in rs if r.status == "rate_limited"),
-            "ttft_ms_p50": nearest_rank(ttft, 50), "ttft_ms_p99": nearest_rank(ttft, 99),
-            "tpot_ms_p50": nearest_rank(tpot, 50), "tpot_ms_p99": nearest_rank(tpot, 99),
-            "slo_met": met, "slo_judged": len(judged),
-            "slo_attainment": met / len(judged) if judged else None,
-        })
+        rows.append(
+            {
+                "period_start": datetime.fromtimestamp(t, UTC).isoformat().replace("+00:00", "Z"),
+                "tenant_id": tenant,
+                "tenant_name": names[tenant],
+                "requests": len(rs),
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "errors": sum(1 for r in rs if r.status != "ok"),
+                "rate_limited": sum(1 for r in rs if r.status == "rate_limited"),
+                "ttft_ms_p50": nearest_rank(ttft, 50),
+                "ttft_ms_p99": nearest_rank(ttft, 99),
+                "tpot_ms_p50": nearest_rank(tpot, 50),
+                "tpot_ms_p99": nearest_rank(tpot, 99),
+                "slo_met": met,
+                "slo_judged": len(judged),
+                "slo_attainment": met / len(judged) if judged else None,
+            }
+        )
     return rows
 
 
@@ -93,8 +122,9 @@ async def seeded(gw: GatewayHandle) -> tuple[list[UsageRecord], dict[str, str]]:
 
 
 async def get(gw: GatewayHandle, query: str) -> tuple[int, str, str]:
-    async with gw.session.get(f"{gw.base_url}/admin/v1/usage?{query}",
-                              headers=gw.admin_headers) as resp:
+    async with gw.session.get(
+        f"{gw.base_url}/admin/v1/usage?{query}", headers=gw.admin_headers
+    ) as resp:
         return resp.status, resp.content_type, await resp.text()
 
 
@@ -104,7 +134,8 @@ def normalize(row: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.parametrize("group_by", ["hour", "day"])
 async def test_usage_json_and_csv_agree_with_the_records(
-        gateway_without_engine: GatewayHandle, group_by: str) -> None:
+    gateway_without_engine: GatewayHandle, group_by: str
+) -> None:
     gw = gateway_without_engine
     records, names = await seeded(gw)
     start, end = DAY, DAY + timedelta(days=1)
@@ -136,24 +167,29 @@ async def test_usage_of_one_tenant_by_id_or_name(gateway_without_engine: Gateway
     gw = gateway_without_engine
     records, names = await seeded(gw)
     beta = next(t for t, n in names.items() if n == "beta")
-    want = expected([r for r in records if r.tenant_id == beta], names, 86400, DAY,
-                    DAY + timedelta(days=2))
+    want = expected(
+        [r for r in records if r.tenant_id == beta], names, 86400, DAY, DAY + timedelta(days=2)
+    )
     for ident in (beta, "beta"):
         status, _, text = await get(gw, f"tenant={ident}&start=2026-10-05&end=2026-10-07")
         assert status == 200
         assert [normalize(r) for r in json.loads(text)["data"]] == [normalize(r) for r in want]
 
 
-@pytest.mark.parametrize(("query", "status", "param"), [
-    ("group_by=week", 400, "group_by"),
-    ("format=xml", 400, "format"),
-    ("start=yesterday", 400, "start"),
-    ("start=2026-10-06&end=2026-10-05", 400, "start"),
-    ("start=2000-01-01&end=2026-01-01&group_by=hour", 400, "start"),
-    ("tenant=nobody", 404, "tenant"),
-])
+@pytest.mark.parametrize(
+    ("query", "status", "param"),
+    [
+        ("group_by=week", 400, "group_by"),
+        ("format=xml", 400, "format"),
+        ("start=yesterday", 400, "start"),
+        ("start=2026-10-06&end=2026-10-05", 400, "start"),
+        ("start=2000-01-01&end=2026-01-01&group_by=hour", 400, "start"),
+        ("tenant=nobody", 404, "tenant"),
+    ],
+)
 async def test_bad_usage_queries_name_the_parameter(
-        gateway_without_engine: GatewayHandle, query: str, status: int, param: str) -> None:
+    gateway_without_engine: GatewayHandle, query: str, status: int, param: str
+) -> None:
     code, _, text = await get(gateway_without_engine, query)
     assert code == status and json.loads(text)["error"]["param"] == param
 
@@ -165,13 +201,17 @@ async def test_usage_needs_the_admin_token(gateway_without_engine: GatewayHandle
 
 
 async def test_cli_prints_the_report_as_a_table(
-        gateway_without_engine: GatewayHandle, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
+    gateway_without_engine: GatewayHandle,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     gw = gateway_without_engine
     records, names = await seeded(gw)
     monkeypatch.setenv("TANDEM_DATABASE__URL", gw.app[CONFIG].database.url)
-    code = await asyncio.to_thread(tandem, ["admin", "usage", "--group-by", "hour", "--start",
-                                            "2026-10-05", "--end", "2026-10-06"])
+    code = await asyncio.to_thread(
+        tandem,
+        ["admin", "usage", "--group-by", "hour", "--start", "2026-10-05", "--end", "2026-10-06"],
+    )
     out = capsys.readouterr().out
     assert code == 0
     lines = out.strip().splitlines()
@@ -182,7 +222,8 @@ async def test_cli_prints_the_report_as_a_table(
         cells = line.split()
         assert cells[2] == row["tenant_name"] and int(cells[3]) == row["requests"]
         assert int(cells[4]) == row["prompt_tokens"] and int(cells[6]) == row["errors"]
-        assert cells[-1] == ("-" if row["slo_attainment"] is None
-                             else f"{100 * row['slo_attainment']:.1f}%")
+        assert cells[-1] == (
+            "-" if row["slo_attainment"] is None else f"{100 * row['slo_attainment']:.1f}%"
+        )
     code = await asyncio.to_thread(tandem, ["admin", "usage", "--tenant", "nobody"])
     assert code == 2 and "no tenant with id or name 'nobody'" in capsys.readouterr().err

@@ -25,8 +25,15 @@ class Clock:
 
 
 def tenant(name: str = "acme", **quota: int) -> Tenant:
-    return Tenant(id=f"ten_{name}", name=name, tier="rt", slo=Slo(), quota=Quota(**quota),
-                  created_at=T0, updated_at=T0)
+    return Tenant(
+        id=f"ten_{name}",
+        name=name,
+        tier="rt",
+        slo=Slo(),
+        quota=Quota(**quota),
+        created_at=T0,
+        updated_at=T0,
+    )
 
 
 def limiter(clock: Clock, instance: str = "gw_a", wall: datetime = T0) -> QuotaLimiter:
@@ -146,16 +153,23 @@ def test_shares_follow_demand() -> None:
     clock = Clock()
     a = limiter(clock, "gw_a")
     t = tenant(requests_per_min=100)
-    a.apply_sync(SyncView(instances=["gw_a", "gw_b"], demand={}, monthly_tokens={},
-                          month="2026-11"))
+    a.apply_sync(
+        SyncView(instances=["gw_a", "gw_b"], demand={}, monthly_tokens={}, month="2026-11")
+    )
     for _ in range(50):
         a.admit(t, 1, 1)
     assert refused(a, t).limit == "requests_per_min"  # an even split: 50 each
     reports, _ = a.sync_out()
     assert reports[0].requests > 0
     idle_b = DemandReport(t.id, 0.0, 0.0, 0.0, 0)
-    a.apply_sync(SyncView(instances=["gw_a", "gw_b"], demand={t.id: {"gw_b": idle_b}},
-                          monthly_tokens={}, month="2026-11"))
+    a.apply_sync(
+        SyncView(
+            instances=["gw_a", "gw_b"],
+            demand={t.id: {"gw_b": idle_b}},
+            monthly_tokens={},
+            month="2026-11",
+        )
+    )
     clock.now += 60.0  # a full refill at the new share
     served = 0
     while True:
@@ -174,8 +188,9 @@ def test_month_counts_are_handed_to_the_sync_and_kept_when_it_fails() -> None:
     assert deltas == {(t.id, "2026-11"): 15}
     lim.sync_failed(deltas)
     assert lim.sync_out()[1] == deltas
-    lim.apply_sync(SyncView(instances=["gw_a"], demand={}, monthly_tokens={t.id: 9_990},
-                            month="2026-11"))
+    lim.apply_sync(
+        SyncView(instances=["gw_a"], demand={}, monthly_tokens={t.id: 9_990}, month="2026-11")
+    )
     ticket = lim.admit(t, 1, 1)  # 10 left: admitted while any budget is left
     lim.release(ticket, used_tokens=10)
     assert refused(lim, t).limit == "monthly_tokens"
@@ -189,8 +204,10 @@ def test_weights_and_allocation_add_up() -> None:
     for limit in range(0, 12):
         assert sum(allocate(limit, w).values()) == limit
     # one slot, equal demand: who gets it rotates with the epoch
-    winners = {max(allocate(1, {"a": 0.5, "b": 0.5}, e).items(), key=lambda kv: kv[1])[0]
-               for e in range(20)}
+    winners = {
+        max(allocate(1, {"a": 0.5, "b": 0.5}, e).items(), key=lambda kv: kv[1])[0]
+        for e in range(20)
+    }
     assert winners == {"a", "b"}
 
 
