@@ -209,7 +209,7 @@ class BatchRunner:
             )
             for n, p in prepared.items()
         ]
-        feed = BatchFeed(items, self._feed_settings(tenant), known_output=known)
+        feed = BatchFeed(items, await self._feed_settings(tenant), known_output=known)
         active = ActiveBatch(
             info=info,
             tenant=tenant,
@@ -261,12 +261,19 @@ class BatchRunner:
             prepared[item.line_no] = _Prepared(body=body, input_ids=ids, max_tokens=cap)
         return prepared, refused
 
-    def _feed_settings(self, tenant: Tenant) -> FeedSettings:
+    async def _feed_settings(self, tenant: Tenant) -> FeedSettings:
+        """The feed of a batch: the engine's KV pool, and the tenant's output-length history as
+        the prior until the batch's own pilot lines have finished."""
         cfg = self._config.batch
         kv = cfg.engine_kv_tokens or self._config.engine.max_total_tokens
+        history = await self._app[STORE].length_history(
+            tenant.id, self._config.usage.length_history_window
+        )
+        prior = sum(history) / len(history) if history else FeedSettings.prior_output_len
         return FeedSettings(
             ordering="blend",
             memory_tokens=float(kv),
+            prior_output_len=prior,
             max_inflight=cfg.max_inflight,
             pilot_fraction=cfg.pilot_fraction,
             pilot_max_lines=cfg.pilot_max_lines,
@@ -304,6 +311,14 @@ class BatchRunner:
             raise
         except Exception:
             log.exception("batch %s line %d failed unexpectedly", active.info.id, line_no)
+            with contextlib.suppress(Exception):  # the database may be what failed
+                await self._retry_or_fail(
+                    active,
+                    line_no,
+                    ApiError(
+                        500, "internal error while running the request", code="internal_error"
+                    ),
+                )
         finally:
             self._inflight -= 1
             active.tasks.pop(line_no, None)
