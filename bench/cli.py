@@ -168,8 +168,6 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                          f"got {args.kv_scale:g}")
     if args.seed < 0:
         raise ValueError(f"--seed must be ≥ 0, got {args.seed}")
-    if args.engine != "sim":
-        raise ValueError(f"--engine {args.engine}: not supported yet (issue 5)")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = args.out or RESULTS_DIR / f"{name}-{stamp}"
     cfg = BenchConfig(
@@ -192,11 +190,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     try:
         cfg = config_from_args(args)
+        if cfg.engine == "sglang":
+            return _cmd_bench_live(cfg)
         run = run_bench(cfg)
     except ValueError as exc:
         print(f"tandem: error: {exc}", file=sys.stderr)
         return 2
     paths = write_outputs(run, cfg.out_dir)
+    print(f"wrote {', '.join(str(p) for p in paths)}")
+    if run.failed:
+        print(f"tandem: error: policy {', '.join(run.failed)} failed (see report.md)",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cmd_bench_live(cfg: BenchConfig) -> int:
+    """`--engine sglang`: the real engine behind the gateway, and its simulator twin."""
+    from bench.live import live_config, run_live
+    from bench.live_report import write_live_outputs
+
+    cfg = replace(live_config(cfg), command=cfg.command)
+    run = run_live(cfg)
+    paths = write_live_outputs(run, cfg.out_dir)
     print(f"wrote {', '.join(str(p) for p in paths)}")
     if run.failed:
         print(f"tandem: error: policy {', '.join(run.failed)} failed (see report.md)",

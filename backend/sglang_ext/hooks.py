@@ -190,12 +190,14 @@ class TandemPrefillAdder(PrefillAdder):
             return AddReqResult.CONTINUE if self._planned_left > 0 else AddReqResult.OTHER
         self._planned_left -= 1
         extend = len(req.full_untruncated_fill_ids) - req.prefix_len
-        cut = planned < extend
+        saved = self.rem_chunk_tokens
+        # SGLang cuts the prompt to the pass's remaining chunk budget as well as to the plan's.
+        cut = min(planned, saved if saved is not None else planned) < extend
         if cut and (has_chunked_req or self.new_chunked_req is not None):
-            # SGLang tracks one chunked prefill at a time; this prompt waits a pass.
+            # SGLang tracks one chunked prefill at a time (a second one trips its assertion);
+            # this prompt waits for a pass where it can be cut.
             drv.stats.refused_prefills += 1
             return self._next()
-        saved = self.rem_chunk_tokens
         cap = planned if cut else extend
         if saved is not None:
             self.rem_chunk_tokens = min(saved, max(cap, 1))

@@ -1,0 +1,451 @@
+"""`tandem bench WORKLOAD --engine sglang`: the workload against the real engine, through the
+gateway, and the same workload in the simulator beside it.
+
+For each policy a fresh `tandem serve` runs in a subprocess (gateway + engine, SQLite in a temp
+folder), configured as
+
+* ``tandem``   — the patched engine with tandem's policy in charge (engine.policy = tandem);
+* ``fcfs``     — stock SGLang (patch off), its default FCFS scheduling;
+* ``priority`` — stock SGLang with ``--enable-priority-scheduling`` (the gateway's RT/BE
+  priorities: RT 100, BE 0).
+
+Tenants and keys are made through the admin API (one RT tenant per SLO class, one BE tenant);
+the workload's requests are replayed on the wall clock through the OpenAI completions API with
+exact token-id prompts, greedy decoding and ``ignore_eos`` (so every request produces its
+workload length), all streamed: the client stamps each token chunk, which gives TTFT, TBT and
+the BE token times the simulator's metrics code (bench/metrics.py) expects. The RT rate is a
+fraction of λ* measured in the simulator with the same CPU profile and KV pool (the real engine
+is too slow to search λ* on). Then every policy runs in the simulator on the identical workload
+(same seed, RT rate, KV pool, profile, policy options), and the report gives the sim/real ratio
+of each headline metric.
+
+Policies see exact output lengths here (``max_tokens`` = the workload's length with
+``ignore_eos``): a random-weight model cannot be made to stop at a hidden length.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import zlib
+from array import array
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import yaml
+
+from backend.policy.latency import LatencyModel, Profile, load_profile
+from backend.policy.registry import make_policy
+from backend.sim import SimRequest, simulate
+from backend.sim.records import IterationLog, RequestRecord, SimResult
+from bench.metrics import Metrics, compute_metrics
+from bench.runner import BenchConfig, build, measure_rate, resolve_profile, sim_config
+from bench.series import PolicySeries, compute_series
+from bench.workloads import Workload
+from bench.workloads.base import RequestSpec
+from bench.workloads.sources import SimSource
+
+LIVE_POLICIES = ("tandem", "fcfs", "priority")
+"""What `--engine sglang` can run, in run order."""
+DEFAULT_PROFILE = "cpu-tiny"
+DEFAULT_VARIANT = {"W1": "cpu"}
+"""The workload variant sized for the CPU engine, where the workload has one."""
+CPU_POLICY_OPTIONS: dict[str, Any] = {"latency_budget_s": 0.2, "idle_budget_s": 0.5}
+"""tandem's time budgets for the tiny model on CPU (the sim twin uses the same)."""
+MAX_RUNNING = 64
+READY_TIMEOUT_S = 420.0
+DRAIN_TIMEOUT_S = 240.0
+"""How long after the arrival window the replay waits for requests still running."""
+RATIO_KEYS = ("rt_ttft_p50_s", "rt_ttft_p99_s", "rt_tpot_mean_s", "be_throughput_tok_s",
+              "rt_ttft_attainment", "rt_tpot_attainment")
+"""Metrics compared between the simulator and the real engine."""
+
+
+@dataclass
+class LiveRun:
+    """Everything the live report needs."""
+
+    config: BenchConfig
+    workload: Workload
+    profile_name: str
+    kv_capacity_tokens: int
+    rt_capacity_req_s: float | None
+    rt_rate_req_s: float | None
+    policy_options: dict[str, Any]
+    real: dict[str, Metrics] = field(default_factory=dict)
+    sim: dict[str, Metrics] = field(default_factory=dict)
+    series: dict[str, PolicySeries] = field(default_factory=dict)
+    engine_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """tandem's in-engine counters (control endpoint) per policy that has them."""
+    failed: dict[str, str] = field(default_factory=dict)
+    wall_s: dict[str, float] = field(default_factory=dict)
+
+
+def live_config(config: BenchConfig) -> BenchConfig:
+    """The config as the live run uses it: the CPU profile and workload variant unless given,
+    exact output lengths, the three engine policies by default."""
+    profile = config.profile if config.profile != "h100-llama8b-analytic" else DEFAULT_PROFILE
+    variant = config.variant or DEFAULT_VARIANT.get(config.workload)
+    policies = config.policies or LIVE_POLICIES
+    unknown = [p for p in policies if p not in LIVE_POLICIES]
+    if unknown:
+        raise ValueError(f"--engine sglang runs {', '.join(LIVE_POLICIES)}; not "
+                         f"{', '.join(unknown)}")
+    if config.workload not in ("W1", "W5"):
+        raise ValueError(f"--engine sglang runs W1 and W5 (open-loop RT next to BE); "
+                         f"not {config.workload}")
+    return replace(config, profile=profile, variant=variant, policies=tuple(policies),
+                   max_new="exact")
+
+
+def run_live(config: BenchConfig) -> LiveRun:
+    """Every policy on the real engine, then in the simulator; returns the comparison."""
+    config = live_config(config)
+    profile_path = resolve_profile(config.profile)
+    profile = load_profile(profile_path)
+    latency = LatencyModel.fit(profile.samples)
+    workload, kv = build(config, latency, profile)
+    base = sim_config(profile, kv, workload)
+    capacity, _, rate = measure_rate(config, workload, latency, profile_path, base)
+    run = LiveRun(config=config, workload=workload, profile_name=profile_path.stem,
+                  kv_capacity_tokens=kv, rt_capacity_req_s=capacity, rt_rate_req_s=rate,
+                  policy_options=dict(CPU_POLICY_OPTIONS))
+    assert config.policies is not None
+    for name in config.policies:
+        started = time.perf_counter()
+        try:
+            result, stats = run_real(name, run, profile, profile_path)
+        except (RuntimeError, OSError, aiohttp.ClientError) as exc:
+            run.failed[name] = f"{type(exc).__name__}: {exc}"
+            _say(config, f"{name} failed: {run.failed[name]}")
+            continue
+        run.wall_s[name] = time.perf_counter() - started
+        window = workload.window_s
+        run.real[name] = compute_metrics(result, window)
+        run.series[name] = compute_series(result, window or result.end_s)
+        if stats:
+            run.engine_stats[name] = stats
+        sim_result = run_sim(name, run, latency, base)
+        run.sim[name] = compute_metrics(sim_result, window)
+        _say(config, f"{name}: real {_brief(run.real[name])} | sim {_brief(run.sim[name])}")
+    return run
+
+
+# --- the real engine -------------------------------------------------------------------------
+
+
+def engine_section(name: str, run: LiveRun, profile: Profile, profile_path: Path,
+                   port: int, log_file: Path) -> dict[str, Any]:
+    """The `engine:` config of policy *name*."""
+    section: dict[str, Any] = {
+        "kind": "sglang", "port": port, "launch": True, "device": "cpu",
+        "max_total_tokens": run.kv_capacity_tokens, "max_running_requests": MAX_RUNNING,
+        "chunked_prefill_size": profile.max_prefill_tokens, "log_file": str(log_file),
+        "startup_timeout_s": READY_TIMEOUT_S,
+    }
+    if name == "tandem":
+        section.update(patch=True, policy="tandem", profile=str(profile_path),
+                       policy_options=run.policy_options)
+    else:
+        section.update(patch=False, enable_priority_scheduling=name == "priority")
+    return section
+
+
+def run_real(name: str, run: LiveRun, profile: Profile, profile_path: Path
+             ) -> tuple[SimResult, dict[str, Any]]:
+    """One policy on a fresh gateway + engine; its records as a SimResult, and tandem's
+    in-engine counters (empty for stock SGLang)."""
+    workdir = run.config.out_dir / "live" / name
+    workdir.mkdir(parents=True, exist_ok=True)
+    engine_port, gateway_port = _free_port(), _free_port()
+    cfg = {
+        "gateway": {"host": "127.0.0.1", "port": gateway_port},
+        "database": {"url": f"sqlite+aiosqlite:///{workdir / 'tandem.db'}"},
+        "engine": engine_section(name, run, profile, profile_path, engine_port,
+                                 workdir / "engine.log"),
+    }
+    config_path = workdir / "config.yaml"
+    config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    token = secrets.token_hex(16)
+    with served(config_path, token, workdir / "gateway.log", gateway_port) as base_url:
+        records, end_s = asyncio.run(_replay_all(base_url, token, run))
+        stats = _engine_stats(cfg["engine"]) if name == "tandem" else {}
+    result = SimResult(policy_name=name, requests=records,
+                       iterations=IterationLog(run.kv_capacity_tokens), horizon_s=None,
+                       end_s=end_s, prefix_reuse_ratio=0.0)
+    return result, stats
+
+
+@contextmanager
+def served(config_path: Path, admin_token: str, log_path: Path, port: int) -> Iterator[str]:
+    """`tandem serve --config …` in its own process group until the block ends; yields the
+    gateway URL once /readyz answers 200."""
+    env = {**os.environ, "TANDEM_ADMIN_TOKEN": admin_token}
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config",
+                                 str(config_path)], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(proc, base_url, log_path)
+        yield base_url
+    finally:
+        _stop(proc)
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], base_url: str, log_path: Path) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"tandem serve exited ({proc.returncode}): "
+                               f"{log_path.read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(base_url + "/readyz", timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"tandem serve not ready after {READY_TIMEOUT_S:.0f} s: "
+                       f"{log_path.read_text()[-2000:]}")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+def _engine_stats(engine: dict[str, Any]) -> dict[str, Any]:
+    from gateway.config import EngineConfig
+    from gateway.engine_control import EngineControl
+
+    async def fetch() -> dict[str, Any]:
+        path = EngineConfig(port=int(engine["port"])).control_socket_path
+        async with EngineControl(path) as control:
+            return await control.stats()
+
+    try:
+        return asyncio.run(fetch())
+    except (OSError, aiohttp.ClientError) as exc:
+        return {"error": str(exc)}
+
+
+# --- the replay ------------------------------------------------------------------------------
+
+
+class _Keys:
+    """API keys per SLO class (RT) and for BE, made through the admin API."""
+
+    def __init__(self, base_url: str, admin_token: str, session: aiohttp.ClientSession) -> None:
+        self.base_url = base_url
+        self.headers = {"Authorization": f"Bearer {admin_token}"}
+        self.session = session
+        self._keys: dict[tuple[str, float | None, float | None], str] = {}
+
+    async def key_for(self, spec: RequestSpec) -> str:
+        slo = (spec.tier, spec.ttft_s, spec.tpot_s) if spec.tier == "rt" else ("be", None, None)
+        key = self._keys.get(slo)
+        if key is None:
+            key = self._keys[slo] = await self._new_tenant(*slo)
+        return key
+
+    async def _new_tenant(self, tier: str, ttft_s: float | None, tpot_s: float | None) -> str:
+        name = f"{tier}-{len(self._keys)}"
+        slo: dict[str, Any] = {}
+        if tier == "rt":
+            slo = {"ttft_ms": round(1000 * (ttft_s or 1.0), 3),
+                   "tpot_ms": round(1000 * (tpot_s or 1.0), 3)}
+        admin = f"{self.base_url}/admin/v1"
+        async with self.session.post(f"{admin}/tenants", headers=self.headers,
+                                     json={"name": name, "tier": tier, "slo": slo}) as resp:
+            tenant = await resp.json()
+            if resp.status != 201:
+                raise RuntimeError(f"creating tenant {name}: {resp.status} {tenant}")
+        async with self.session.post(f"{admin}/tenants/{tenant['id']}/keys",
+                                     headers=self.headers) as resp:
+            body = await resp.json()
+            if resp.status != 201:
+                raise RuntimeError(f"creating a key for {name}: {resp.status} {body}")
+        return str(body["key"])
+
+
+def prompt_for(spec: RequestSpec) -> list[int]:
+    """The exact prompt of *spec*: token ids from its rid (no prefix shared across requests)."""
+    seed = zlib.crc32(spec.rid.encode())
+    return [10 + (seed + 7919 * j) % 251 for j in range(spec.prompt_len)]
+
+
+async def _replay_all(base_url: str, admin_token: str, run: LiveRun
+                      ) -> tuple[list[RequestRecord], float]:
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=DRAIN_TIMEOUT_S)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=timeout) as session:
+        keys = _Keys(base_url, admin_token, session)
+        # Tenants exist before the clock starts; a warm-up request wakes the engine's caches.
+        warm = RequestSpec(rid="warm-up", tier="be", arrival_s=0.0, prompt_len=16, output_len=4,
+                           max_new_tokens=4)
+        await _send(session, base_url, await keys.key_for(warm), warm, time.perf_counter())
+        return await replay(session, base_url, keys, run)
+
+
+async def replay(session: aiohttp.ClientSession, base_url: str, keys: _Keys, run: LiveRun
+                 ) -> tuple[list[RequestRecord], float]:
+    """Replays the workload on the wall clock; closed-loop sources get each finish at once."""
+    source = run.workload.source(run.rt_rate_req_s, True)
+    window = run.workload.window_s or 0.0
+    t0 = time.perf_counter()
+    pending: dict[asyncio.Task[RequestRecord], RequestSpec] = {}
+    records: list[RequestRecord] = []
+    while True:
+        now = time.perf_counter() - t0
+        for spec in source.pop_due(now):
+            key = await keys.key_for(spec)
+            pending[asyncio.create_task(_send(session, base_url, key, spec, t0))] = spec
+        if source.exhausted and not pending:
+            break
+        if now > window + DRAIN_TIMEOUT_S:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            records += [_unfinished(spec) for spec in pending.values()]
+            break
+        nxt = source.next_arrival_s()
+        wait_s = 0.5 if nxt is None else max(0.0, nxt - now)
+        if not pending:
+            await asyncio.sleep(min(wait_s, 0.5))
+            continue
+        done, _ = await asyncio.wait(list(pending), timeout=min(wait_s, 0.5),
+                                     return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            spec = pending.pop(task)
+            record = task.result()
+            records.append(record)
+            source.on_finish(spec.rid, time.perf_counter() - t0)
+    records.sort(key=lambda r: r.arrival_s)
+    return records, time.perf_counter() - t0
+
+
+async def _send(session: aiohttp.ClientSession, base_url: str, key: str, spec: RequestSpec,
+                t0: float) -> RequestRecord:
+    """One request, streamed; its record (times from the start of the replay)."""
+    body = {"model": "tandem-tiny", "prompt": prompt_for(spec), "max_tokens": spec.output_len,
+            "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    arrival = time.perf_counter() - t0
+    chunk_times: list[float] = []
+    generated = 0
+    async with session.post(f"{base_url}/v1/completions", json=body,
+                            headers={"Authorization": f"Bearer {key}"}) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{spec.rid}: HTTP {resp.status} {await resp.text()}")
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if chunk.get("usage"):
+                generated = int(chunk["usage"]["completion_tokens"])
+            choices = chunk.get("choices") or []
+            if choices and choices[0].get("text"):
+                chunk_times.append(time.perf_counter() - t0)
+    finish = time.perf_counter() - t0
+    return RequestRecord(
+        rid=spec.rid, tier=spec.tier, arrival_s=spec.arrival_s if spec.rid != "warm-up"
+        else arrival, prompt_len=spec.prompt_len, output_len_target=spec.output_len,
+        generated=generated, first_token_s=chunk_times[0] if chunk_times else None,
+        finish_s=finish, token_times=_token_times(chunk_times, generated, finish),
+        evictions=0, cached_tokens=0, ttft_target_s=spec.ttft_s, tpot_target_s=spec.tpot_s,
+        deadline_s=None if spec.deadline_s is None else spec.arrival_s + spec.deadline_s,
+        length_key=spec.length_key, max_new_tokens=spec.max_new_tokens,
+        admitted_s=chunk_times[0] if chunk_times else None)
+
+
+def _token_times(chunk_times: list[float], generated: int, finish_s: float) -> array[float]:
+    """One time per token: the chunk times, and where the gateway merged tokens into one chunk
+    (it holds back bytes of an unfinished UTF-8 character) the missing ones at the time of the
+    chunk that carried them (the last chunks, conservatively)."""
+    times = list(chunk_times[:generated])
+    while len(times) < generated:
+        times.append(times[-1] if times else finish_s)
+    return array("d", sorted(times))
+
+
+def _unfinished(spec: RequestSpec) -> RequestRecord:
+    return RequestRecord(
+        rid=spec.rid, tier=spec.tier, arrival_s=spec.arrival_s, prompt_len=spec.prompt_len,
+        output_len_target=spec.output_len, generated=0, first_token_s=None, finish_s=None,
+        token_times=array("d"), evictions=0, cached_tokens=0, ttft_target_s=spec.ttft_s,
+        tpot_target_s=spec.tpot_s, deadline_s=None, length_key=spec.length_key,
+        max_new_tokens=spec.max_new_tokens)
+
+
+# --- the simulator twin ----------------------------------------------------------------------
+
+
+SIM_POLICY = {"tandem": "tandem", "fcfs": "fcfs", "priority": "priority"}
+"""The simulator's model of each engine policy (registry names)."""
+
+
+def run_sim(name: str, run: LiveRun, latency: LatencyModel, base: Any) -> SimResult:
+    """The identical workload in the simulator (tandem with the engine's policy options)."""
+    options = run.policy_options if name == "tandem" else {}
+    policy = make_policy(SIM_POLICY[name], latency, **options)
+    source = SimSource(run.workload.source(run.rt_rate_req_s, True), SimRequest)
+    return simulate(source, policy, latency, base)
+
+
+def sim_real_ratios(run: LiveRun) -> dict[str, dict[str, float | None]]:
+    """Per policy and metric: simulator ÷ real engine."""
+    out: dict[str, dict[str, float | None]] = {}
+    for name, real in run.real.items():
+        sim = run.sim.get(name, {})
+        out[name] = {key: _ratio(sim.get(key), real.get(key)) for key in RATIO_KEYS}
+    return out
+
+
+def _ratio(a: Any, b: Any) -> float | None:
+    if a is None or b is None or not np.isfinite(a) or not np.isfinite(b) or b == 0:
+        return None
+    return float(a) / float(b)
+
+
+def _brief(m: Metrics) -> str:
+    def f(key: str) -> str:
+        v = m.get(key)
+        return "-" if v is None else f"{v:.3g}"
+
+    return (f"TTFT att {f('rt_ttft_attainment')} TPOT att {f('rt_tpot_attainment')} "
+            f"BE {f('be_throughput_tok_s')} tok/s")
+
+
+def _say(config: BenchConfig, line: str) -> None:
+    if config.progress:
+        print(line, file=sys.stderr, flush=True)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

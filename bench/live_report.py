@@ -1,0 +1,99 @@
+"""results.json, report.md and plots of a live run (`tandem bench … --engine sglang`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from bench.live import RATIO_KEYS, LiveRun, sim_real_ratios
+from bench.metrics import rounded
+from bench.plots import write_plots
+from bench.report import _fmt
+
+LIVE_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("rt_ttft_attainment", "RT TTFT att.", "pct"),
+    ("rt_tpot_attainment", "RT TPOT att.", "pct"),
+    ("rt_ttft_p50_s", "TTFT p50 s", "s"),
+    ("rt_ttft_p99_s", "TTFT p99 s", "s"),
+    ("rt_tpot_mean_s", "TPOT mean s", "s"),
+    ("rt_tbt_p99_s", "TBT p99 s", "s"),
+    ("be_throughput_tok_s", "BE tok/s", "r"),
+    ("be_finished", "BE done", "r"),
+    ("rt_finished", "RT done", "r"),
+    ("goodput_req_s", "goodput req/s", "r"),
+)
+STAT_KEYS = ("iterations", "mean_iteration_ms", "overhead_frac", "plan_ms_p50", "plan_ms_p99",
+             "parked_decodes", "evictions", "retractions_ordered", "admitted_prefills",
+             "refused_prefills", "peak_running", "peak_kv_used_tokens")
+
+
+def results_dict(run: LiveRun) -> dict[str, Any]:
+    """API.md's results.json (real-engine metrics under "policies"), plus the simulator twin's
+    metrics, the sim/real ratios and tandem's in-engine counters."""
+    cfg = run.config
+    return {
+        "workload": cfg.workload, "engine": "sglang", "profile": run.profile_name,
+        "seed": cfg.seed, "load": cfg.load if cfg.rt_rate_req_s is None else None,
+        "variant": cfg.variant, "rt_capacity_req_s": run.rt_capacity_req_s,
+        "rt_rate_req_s": run.rt_rate_req_s, "kv_capacity_tokens": run.kv_capacity_tokens,
+        "policy_options": run.policy_options, "command": cfg.command,
+        "policies": {name: rounded(m) for name, m in run.real.items()},
+        "sim": {name: rounded(m) for name, m in run.sim.items()},
+        "sim_over_real": sim_real_ratios(run),
+        "engine_stats": run.engine_stats, "failed": run.failed,
+        "wall_s": {k: round(v, 1) for k, v in run.wall_s.items()},
+    }
+
+
+def _table(rows: dict[str, dict[str, Any]], columns: tuple[tuple[str, str, str], ...]
+           ) -> list[str]:
+    lines = ["| policy | " + " | ".join(h for _, h, _ in columns) + " |",
+             "|---|" + "---|" * len(columns)]
+    for name, m in rows.items():
+        cells = [_fmt(m.get(key), kind) for key, _, kind in columns]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def report_markdown(run: LiveRun, plots: list[str]) -> str:
+    cfg = run.config
+    lines = [f"`{cfg.command}`", "",
+             f"# {cfg.workload} ({cfg.variant or 'default'}) on the real engine (SGLang 0.5.23, "
+             f"CPU, tiny model) through the gateway", "",
+             f"* RT rate {run.rt_rate_req_s:.3g} req/s = load {cfg.load:g} × the rate share × "
+             f"λ* {run.rt_capacity_req_s:.3g} req/s (λ* measured in the simulator, profile "
+             f"`{run.profile_name}`, same KV pool)" if run.rt_capacity_req_s else
+             f"* RT rate {run.rt_rate_req_s} req/s",
+             f"* KV pool {run.kv_capacity_tokens} tokens; arrival window "
+             f"{run.workload.window_s} s; seed {cfg.seed}; exact output lengths (ignore_eos)",
+             f"* tandem's options: `{json.dumps(run.policy_options)}`", "",
+             "## Real engine", "", *_table(run.real, LIVE_COLUMNS), "",
+             "## Simulator, same workload", "", *_table(run.sim, LIVE_COLUMNS), "",
+             "## Simulator ÷ real", ""]
+    ratios = sim_real_ratios(run)
+    lines += ["| policy | " + " | ".join(RATIO_KEYS) + " |", "|---|" + "---|" * len(RATIO_KEYS)]
+    for name, row in ratios.items():
+        lines.append(f"| {name} | " + " | ".join(_fmt(row[k], "x") for k in RATIO_KEYS) + " |")
+    if run.engine_stats:
+        lines += ["", "## tandem inside the engine (control endpoint `/stats`)", "",
+                  "| policy | " + " | ".join(STAT_KEYS) + " |",
+                  "|---|" + "---|" * len(STAT_KEYS)]
+        for name, stats in run.engine_stats.items():
+            cells = [_fmt(stats.get(k), "x" if k == "overhead_frac" else "r") for k in STAT_KEYS]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if run.failed:
+        lines += ["", "## Failed", ""] + [f"* {k}: {v}" for k, v in run.failed.items()]
+    lines += ["", *[f"![{p}]({p})" for p in plots], ""]
+    return "\n".join(lines)
+
+
+def write_live_outputs(run: LiveRun, out_dir: Path) -> list[Path]:
+    """Writes results.json, report.md and the PNGs; returns the paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots = write_plots(run.series, out_dir, f"{run.workload.name} (real engine)")
+    results = out_dir / "results.json"
+    results.write_text(json.dumps(results_dict(run), indent=1, default=str) + "\n")
+    report = out_dir / "report.md"
+    report.write_text(report_markdown(run, plots))
+    return [results, report, *(out_dir / p for p in plots)]
