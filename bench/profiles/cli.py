@@ -138,7 +138,10 @@ def _engine(args: argparse.Namespace, config: Config) -> Iterator[str]:
         return
     if args.url:
         raise ProfilerError("--launch starts its own engine; leave out --url")
-    engine_cfg = msgspec.structs.replace(config.engine, host="127.0.0.1", port=_free_port())
+    # The probes shape each iteration themselves (batch sizes, prompt lengths): SGLang's own
+    # scheduling runs them, not a policy that would cut chunks or park decodes.
+    engine_cfg = msgspec.structs.replace(config.engine, host="127.0.0.1", port=_free_port(),
+                                         policy="none")
     log_dir = Path(tempfile.mkdtemp(prefix="tandem-profile-"))
     engine = EngineProcess(
         server_argv(engine_cfg, _model_dir(config), config.model.name),
