@@ -50,11 +50,12 @@ from backend.policy.latency import LatencyModel, Profile, load_profile
 from backend.policy.registry import make_policy
 from backend.sim import SimRequest, simulate
 from backend.sim.records import IterationLog, RequestRecord, SimResult
-from bench.metrics import Metrics, compute_metrics
+from bench.capacity import search_capacity
+from bench.metrics import Metrics, compute_metrics, rt_metrics
 from bench.runner import BenchConfig, build, measure_rate, resolve_profile, sim_config
 from bench.series import PolicySeries, compute_series
 from bench.workloads import Workload
-from bench.workloads.base import RequestSpec
+from bench.workloads.base import RequestSpec, SpecSource
 from bench.workloads.sources import SimSource
 
 LIVE_POLICIES = ("tandem", "fcfs", "priority")
@@ -68,6 +69,12 @@ MAX_RUNNING = 64
 READY_TIMEOUT_S = 420.0
 DRAIN_TIMEOUT_S = 240.0
 """How long after the arrival window the replay waits for requests still running."""
+CAPACITY_PROBE_S = 20.0
+"""Arrival window of one λ* probe on the real engine, seconds."""
+CAPACITY_DRAIN_S = 30.0
+"""A probe's requests still running this long after its window count as misses."""
+CAPACITY_TOLERANCE = 0.15
+"""The real λ* search stops when its bracket is this narrow (each probe costs ~a minute)."""
 RATIO_KEYS = ("rt_ttft_p50_s", "rt_ttft_p99_s", "rt_tpot_mean_s", "be_throughput_tok_s",
               "rt_ttft_attainment", "rt_tpot_attainment")
 """Metrics compared between the simulator and the real engine."""
@@ -84,6 +91,10 @@ class LiveRun:
     rt_capacity_req_s: float | None
     rt_rate_req_s: float | None
     policy_options: dict[str, Any]
+    sim_capacity_req_s: float | None = None
+    """λ* of the same workload in the simulator (for comparison; the run uses the real one)."""
+    capacity_probes: list[tuple[float, float]] = field(default_factory=list)
+    """(RT rate, joint attainment) of each probe of the real λ* search."""
     real: dict[str, Metrics] = field(default_factory=dict)
     sim: dict[str, Metrics] = field(default_factory=dict)
     series: dict[str, PolicySeries] = field(default_factory=dict)
@@ -118,10 +129,16 @@ def run_live(config: BenchConfig) -> LiveRun:
     latency = LatencyModel.fit(profile.samples)
     workload, kv = build(config, latency, profile)
     base = sim_config(profile, kv, workload)
-    capacity, _, rate = measure_rate(config, workload, latency, profile_path, base)
+    sim_capacity, _, _ = measure_rate(replace(config, rt_rate_req_s=None), workload, latency,
+                                      profile_path, base)
     run = LiveRun(config=config, workload=workload, profile_name=profile_path.stem,
-                  kv_capacity_tokens=kv, rt_capacity_req_s=capacity, rt_rate_req_s=rate,
-                  policy_options=dict(CPU_POLICY_OPTIONS))
+                  kv_capacity_tokens=kv, rt_capacity_req_s=None, rt_rate_req_s=None,
+                  policy_options=dict(CPU_POLICY_OPTIONS), sim_capacity_req_s=sim_capacity)
+    if config.rt_rate_req_s is not None:
+        run.rt_rate_req_s = config.rt_rate_req_s
+    else:
+        run.rt_capacity_req_s = measure_live_capacity(run, profile, profile_path)
+        run.rt_rate_req_s = workload.rt_rate_share * config.load * run.rt_capacity_req_s
     assert config.policies is not None
     for name in config.policies:
         started = time.perf_counter()
@@ -168,24 +185,35 @@ def run_real(name: str, run: LiveRun, profile: Profile, profile_path: Path
     """One policy on a fresh gateway + engine; its records as a SimResult, and tandem's
     in-engine counters (empty for stock SGLang)."""
     workdir = run.config.out_dir / "live" / name
+    with _stack(name, run, profile, profile_path, workdir) as (base_url, token, engine):
+        records, end_s = asyncio.run(_replay_all(base_url, token, run))
+        stats = _engine_stats(engine) if name == "tandem" else {}
+    result = SimResult(policy_name=name, requests=records,
+                       iterations=IterationLog(run.kv_capacity_tokens), horizon_s=None,
+                       end_s=end_s, prefix_reuse_ratio=0.0)
+    return result, stats
+
+
+@contextmanager
+def _stack(name: str, run: LiveRun, profile: Profile, profile_path: Path, workdir: Path
+           ) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """A fresh `tandem serve` for policy *name*; yields (gateway URL, admin token, engine
+    config section)."""
     workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "tandem.db").unlink(missing_ok=True)  # a rerun into the same folder
     engine_port, gateway_port = _free_port(), _free_port()
+    engine = engine_section(name, run, profile, profile_path, engine_port,
+                            workdir / "engine.log")
     cfg = {
         "gateway": {"host": "127.0.0.1", "port": gateway_port},
         "database": {"url": f"sqlite+aiosqlite:///{workdir / 'tandem.db'}"},
-        "engine": engine_section(name, run, profile, profile_path, engine_port,
-                                 workdir / "engine.log"),
+        "engine": engine,
     }
     config_path = workdir / "config.yaml"
     config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     token = secrets.token_hex(16)
     with served(config_path, token, workdir / "gateway.log", gateway_port) as base_url:
-        records, end_s = asyncio.run(_replay_all(base_url, token, run))
-        stats = _engine_stats(cfg["engine"]) if name == "tandem" else {}
-    result = SimResult(policy_name=name, requests=records,
-                       iterations=IterationLog(run.kv_capacity_tokens), horizon_s=None,
-                       end_s=end_s, prefix_reuse_ratio=0.0)
-    return result, stats
+        yield base_url, token, engine
 
 
 @contextmanager
@@ -250,6 +278,41 @@ def _engine_stats(engine: dict[str, Any]) -> dict[str, Any]:
         return {"error": str(exc)}
 
 
+def measure_live_capacity(run: LiveRun, profile: Profile, profile_path: Path) -> float:
+    """λ* on the real engine: the largest RT-only Poisson rate at which stock SGLang FCFS,
+    behind the gateway, keeps joint TTFT+TPOT attainment ≥ 90 % (bench/capacity.py's
+    definition; short probes on one engine, bracket to CAPACITY_TOLERANCE)."""
+    workdir = run.config.out_dir / "live" / "capacity"
+    rt_poisson = run.workload.rt_poisson
+    assert rt_poisson is not None
+
+    def attainment(session_url: str, token: str) -> Any:
+        def probe(rate: float) -> float:
+            source = rt_poisson(rate, CAPACITY_PROBE_S)
+            records, end_s = asyncio.run(_replay_source(session_url, token, source,
+                                                        CAPACITY_PROBE_S, CAPACITY_DRAIN_S))
+            value = float(rt_metrics(records, end_s, CAPACITY_PROBE_S)["rt_joint_attainment"]
+                          or 0.0)
+            run.capacity_probes.append((rate, value))
+            _say(run.config, f"real λ* search: {rate:.3f} req/s → joint attainment {value:.3f}")
+            time.sleep(3.0)  # let aborted requests leave the engine
+            return value
+
+        return probe
+
+    with _stack("fcfs", run, profile, profile_path, workdir) as (base_url, token, _):
+        return search_capacity(attainment(base_url, token), rel_tolerance=CAPACITY_TOLERANCE)
+
+
+async def _replay_source(base_url: str, admin_token: str, source: SpecSource, window_s: float,
+                         drain_s: float) -> tuple[list[RequestRecord], float]:
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=DRAIN_TIMEOUT_S)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=timeout) as session:
+        keys = _Keys(base_url, admin_token, session)
+        return await replay(session, base_url, keys, source, window_s, drain_s)
+
+
 # --- the replay ------------------------------------------------------------------------------
 
 
@@ -270,7 +333,7 @@ class _Keys:
         return key
 
     async def _new_tenant(self, tier: str, ttft_s: float | None, tpot_s: float | None) -> str:
-        name = f"{tier}-{len(self._keys)}"
+        name = f"{tier}-{len(self._keys)}-{secrets.token_hex(3)}"
         slo: dict[str, Any] = {}
         if tier == "rt":
             slo = {"ttft_ms": round(1000 * (ttft_s or 1.0), 3),
@@ -305,14 +368,17 @@ async def _replay_all(base_url: str, admin_token: str, run: LiveRun
         warm = RequestSpec(rid="warm-up", tier="be", arrival_s=0.0, prompt_len=16, output_len=4,
                            max_new_tokens=4)
         await _send(session, base_url, await keys.key_for(warm), warm, time.perf_counter())
-        return await replay(session, base_url, keys, run)
+        source = run.workload.source(run.rt_rate_req_s, True)
+        return await replay(session, base_url, keys, source, run.workload.window_s or 0.0)
 
 
-async def replay(session: aiohttp.ClientSession, base_url: str, keys: _Keys, run: LiveRun
+async def replay(session: aiohttp.ClientSession, base_url: str, keys: _Keys,
+                 source: SpecSource, window_s: float, drain_timeout_s: float = DRAIN_TIMEOUT_S
                  ) -> tuple[list[RequestRecord], float]:
-    """Replays the workload on the wall clock; closed-loop sources get each finish at once."""
-    source = run.workload.source(run.rt_rate_req_s, True)
-    window = run.workload.window_s or 0.0
+    """Replays *source* on the wall clock (closed-loop sources get each finish at once); a
+    request still running *drain_timeout_s* after the window is cancelled and counted
+    unfinished."""
+    window = window_s
     t0 = time.perf_counter()
     pending: dict[asyncio.Task[RequestRecord], RequestSpec] = {}
     records: list[RequestRecord] = []
@@ -323,7 +389,7 @@ async def replay(session: aiohttp.ClientSession, base_url: str, keys: _Keys, run
             pending[asyncio.create_task(_send(session, base_url, key, spec, t0))] = spec
         if source.exhausted and not pending:
             break
-        if now > window + DRAIN_TIMEOUT_S:
+        if now > window + drain_timeout_s:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)

@@ -37,6 +37,8 @@ def results_dict(run: LiveRun) -> dict[str, Any]:
         "seed": cfg.seed, "load": cfg.load if cfg.rt_rate_req_s is None else None,
         "variant": cfg.variant, "rt_capacity_req_s": run.rt_capacity_req_s,
         "rt_rate_req_s": run.rt_rate_req_s, "kv_capacity_tokens": run.kv_capacity_tokens,
+        "sim_rt_capacity_req_s": run.sim_capacity_req_s,
+        "capacity_probes": [list(p) for p in run.capacity_probes],
         "policy_options": run.policy_options, "command": cfg.command,
         "policies": {name: rounded(m) for name, m in run.real.items()},
         "sim": {name: rounded(m) for name, m in run.sim.items()},
@@ -62,9 +64,12 @@ def report_markdown(run: LiveRun, plots: list[str]) -> str:
              f"# {cfg.workload} ({cfg.variant or 'default'}) on the real engine (SGLang 0.5.23, "
              f"CPU, tiny model) through the gateway", "",
              f"* RT rate {run.rt_rate_req_s:.3g} req/s = load {cfg.load:g} × the rate share × "
-             f"λ* {run.rt_capacity_req_s:.3g} req/s (λ* measured in the simulator, profile "
-             f"`{run.profile_name}`, same KV pool)" if run.rt_capacity_req_s else
-             f"* RT rate {run.rt_rate_req_s} req/s",
+             f"λ* {run.rt_capacity_req_s:.3g} req/s, measured on the real engine (stock FCFS "
+             f"behind the gateway, RT alone, joint attainment ≥ 90 %; probes "
+             f"{_probes(run)}); the simulator's λ* for the same workload and profile is "
+             f"{_num(run.sim_capacity_req_s)} req/s" if run.rt_capacity_req_s else
+             f"* RT rate {run.rt_rate_req_s} req/s (--rt-rate); the simulator's λ* for this "
+             f"workload is {_num(run.sim_capacity_req_s)} req/s",
              f"* KV pool {run.kv_capacity_tokens} tokens; arrival window "
              f"{run.workload.window_s} s; seed {cfg.seed}; exact output lengths (ignore_eos)",
              f"* tandem's options: `{json.dumps(run.policy_options)}`", "",
@@ -86,6 +91,14 @@ def report_markdown(run: LiveRun, plots: list[str]) -> str:
         lines += ["", "## Failed", ""] + [f"* {k}: {v}" for k, v in run.failed.items()]
     lines += ["", *[f"![{p}]({p})" for p in plots], ""]
     return "\n".join(lines)
+
+
+def _num(value: float | None) -> str:
+    return "–" if value is None else f"{value:.3g}"
+
+
+def _probes(run: LiveRun) -> str:
+    return ", ".join(f"{rate:.2f} → {value:.2f}" for rate, value in run.capacity_probes)
 
 
 def write_live_outputs(run: LiveRun, out_dir: Path) -> list[Path]:
