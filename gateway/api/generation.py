@@ -110,8 +110,10 @@ class Generation:
         """Checks the tenant's quota (in memory); over it: 429 with Retry-After, not sent."""
         tenant = self.principal.tenant
         try:
-            self.ticket = self.app[QUOTAS].admit(tenant, len(request.input_ids),
-                                                 request.max_tokens)
+            # Batch-API lines (endpoint "batch/…") count toward the monthly budget only
+            self.ticket = self.app[QUOTAS].admit(
+                tenant, len(request.input_ids), request.max_tokens,
+                interactive=not self.endpoint.startswith("batch/"))
         except QuotaExceeded as exc:
             self._fail("rate_limited", 429, exc.message)
             self.app[METRICS].quota_rejected(tenant.id, exc.limit)

@@ -45,6 +45,8 @@ class Ticket:
     tenant_id: str
     reserved_tokens: int
     """Prompt plus max output tokens, counted against tokens/min at admission."""
+    interactive: bool = True
+    """False for a Batch-API line: it counts toward the monthly budget only."""
     released: bool = False
 
 
@@ -132,13 +134,24 @@ class QuotaLimiter:
 
     # ------------------------------------------------------------------ requests
 
-    def admit(self, tenant: Tenant, prompt_tokens: int, max_tokens: int) -> Ticket:
+    def admit(
+        self, tenant: Tenant, prompt_tokens: int, max_tokens: int, *, interactive: bool = True
+    ) -> Ticket:
         """Admits a request of *tenant* needing up to prompt + max_tokens tokens, or raises
-        QuotaExceeded naming the first limit it is over. Unlimited tenants cost a dict lookup."""
+        QuotaExceeded naming the first limit it is over. Unlimited tenants cost a dict lookup.
+
+        A Batch-API line (*interactive* False) is held to the monthly budget only: like
+        OpenAI's, batches do not draw on the per-minute limits, and the batch runner paces them
+        (and keeps the engine's RT headroom) on its own."""
         now = self._clock()
         state = self._state(tenant, now)
         quota = state.quota
         amount = prompt_tokens + max_tokens
+        if not interactive:
+            self._check_monthly(state, tenant)
+            state.reserved_tokens += amount
+            state.last_seen_s = now
+            return Ticket(tenant_id=tenant.id, reserved_tokens=amount, interactive=False)
         state.window.requests += 1
         state.window.tokens += amount
         state.window.concurrency = max(state.window.concurrency, state.in_flight + 1)
@@ -191,10 +204,11 @@ class QuotaLimiter:
         if state is None:
             return
         now = self._clock()
-        state.in_flight = max(0, state.in_flight - 1)
         state.reserved_tokens = max(0, state.reserved_tokens - ticket.reserved_tokens)
-        if state.tokens is not None:
-            state.tokens.give(ticket.reserved_tokens - used_tokens, now)
+        if ticket.interactive:
+            state.in_flight = max(0, state.in_flight - 1)
+            if state.tokens is not None:
+                state.tokens.give(ticket.reserved_tokens - used_tokens, now)
         if used_tokens > 0:
             state.spent_since_sync += used_tokens
             key = (ticket.tenant_id, self._month())

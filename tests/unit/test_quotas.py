@@ -220,3 +220,17 @@ def test_bucket_resize_keeps_level_unless_growth_is_granted() -> None:
     assert bucket.level == 10
     bucket.resize(5, 1, 0.0)
     assert bucket.level == 5
+
+
+def test_batch_lines_count_toward_the_monthly_budget_only() -> None:
+    lim = limiter(Clock())
+    t = tenant(requests_per_min=1, max_concurrent=1, tokens_per_min=10, monthly_tokens=1000)
+    tickets = [lim.admit(t, 100, 100, interactive=False) for _ in range(3)]
+    assert lim.in_flight() == {}  # batch lines hold no concurrency slot
+    lim.release(lim.admit(t, 2, 2), 4)  # the interactive limits are untouched
+    for ticket in tickets:
+        lim.release(ticket, used_tokens=400)
+    exc = refused(lim, t)
+    assert exc.limit == "monthly_tokens"
+    with pytest.raises(QuotaExceeded):
+        lim.admit(t, 1, 1, interactive=False)
