@@ -1,0 +1,37 @@
+"""`tandem bench W1 --engine sglang`: the real engine behind the gateway and its simulator twin,
+one small run (tandem only, a fixed RT rate: the λ* search on the real engine takes minutes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.cli import main
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_live_run_reports_real_and_simulated_metrics(tmp_path: Path) -> None:
+    out = tmp_path / "live"
+    code = main(["bench", "W1", "--engine", "sglang", "--rt-rate", "1", "--duration-s", "8",
+                 "--policies", "tandem", "--no-progress", "--out", str(out)])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["engine"] == "sglang" and results["variant"] == "cpu"
+    assert results["rt_rate_req_s"] == 1.0
+    real, sim = results["policies"]["tandem"], results["sim"]["tandem"]
+    # Every request of the window came back, from the engine and from the simulator.
+    assert real["rt_finished"] == real["rt_requests"] > 0
+    assert real["be_finished"] == real["be_requests"] > 0
+    assert sim["rt_requests"] == real["rt_requests"]
+    assert 0.0 <= real["rt_ttft_attainment"] <= 1.0 and real["be_throughput_tok_s"] > 0
+    ratios = results["sim_over_real"]["tandem"]
+    assert ratios["be_throughput_tok_s"] is not None and ratios["be_throughput_tok_s"] > 0
+    stats = results["engine_stats"]["tandem"]
+    assert stats["policy"] == "tandem" and stats["iterations"] > 0
+    assert 0.0 <= stats["overhead_frac"] < 1.0
+    report = (out / "report.md").read_text()
+    assert report.startswith("`tandem bench W1 --engine sglang")
+    assert "## Simulator ÷ real" in report
