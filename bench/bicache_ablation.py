@@ -40,7 +40,7 @@ def _marginal_prefill_s(latency: LatencyModel) -> float:
 
 
 def run_cell(workload_name: str, load: float, kv_scale: float, seed: int, profile_name: str,
-             cache_dir: Path) -> list[dict[str, Any]]:
+             cache_dir: Path, report: str = "placeable") -> list[dict[str, Any]]:
     """Both layouts at one (load, kv-scale) point."""
     cfg = BenchConfig(workload=workload_name, out_dir=Path("/dev/null"), load=load,
                       kv_scale=kv_scale, seed=seed, profile=profile_name, progress=False,
@@ -57,7 +57,7 @@ def run_cell(workload_name: str, load: float, kv_scale: float, seed: int, profil
     rows = []
     for layout, name in LAYOUTS.items():
         config = base if layout == "token" else struct_replace(
-            base, kv_layout="bicache", prefix_cache=False,
+            base, kv_layout="bicache", prefix_cache=False, bicache_report=report,
             kv_bytes_per_token=profile.kv_bytes_per_token or base.kv_bytes_per_token,
             host_copy_gb_s=profile.host_copy_gb_s or base.host_copy_gb_s)
         source = SimSource(workload.source(rate, True), SimRequest)
@@ -106,13 +106,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", default=DEFAULT_PROFILE)
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "tandem")
+    p.add_argument("--report", choices=("placeable", "slots"), default="placeable",
+                   help="what the bicache engine reports as free KV (SimConfig.bicache_report)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     rows: list[dict[str, Any]] = []
     for load in args.loads:
         for kv_scale in args.kv_scales:
             rows += run_cell(args.workload, load, kv_scale, args.seed, args.profile,
-                             args.cache_dir)
+                             args.cache_dir, args.report)
             print(f"done load {load:g} kv-scale {kv_scale:g}", file=sys.stderr)
     print(_table(rows))
     if args.json:

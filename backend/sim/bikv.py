@@ -26,18 +26,23 @@ so device→host time adds to the iteration; restores overlap with compute (BROS
 separate streams before dispatch: T = max(T_exec, T_swap)). Iteration time is therefore
 `d2h + max(exec, h2d)`.
 
-What the policy is told (it does not know the layout): `kv_free_tokens` is the smaller of the
-free slots a new RT request and a new BE request could use (a BE request's unused block tail is
-usable by RT only, an RT request's by BE only), `kv_evictable_tokens` the dormant slots RT could
-take over, and a running request's `kv_shared_tokens` its slots in shared blocks (evicting it
-does not hand those to anybody). Slot counts cannot say everything, though: a block hosts one
-request per side, so ten RT requests whose last blocks are full need ten blocks with RT room,
-whatever the slot count says. When the layout cannot place a planned token, the engine does
-what SGLang's scheduler does when a decode does not fit (`retract_decode`) and what BROS's RT
-allocation does: it evicts a running BE request (lazily, so RT may take its slots), one that
-sits this iteration out first, else one whose decode it then drops from the batch, else the BE
-request that does not fit itself. Those engine evictions are counted (`retractions`) and the
-policy sees them as evictions.
+What the policy is told (it does not know the layout), `SimConfig.bicache_report`:
+"placeable" (default) reports lower bounds, the smaller of the free slots a new RT and a new BE
+request could use (a BE request's unused block tail is usable by RT only, an RT request's by BE
+only) as `kv_free_tokens` and the dormant slots RT could take over as `kv_evictable_tokens`;
+"slots" reports every free and every dormant slot, as SGLang's `available_size()` would (then a
+BE prefill the layout cannot place fails the run). Either way a running request's
+`kv_shared_tokens` are its slots in shared blocks (evicting it does not hand those to anybody).
+Slot counts cannot say everything: a block hosts one request per side, so ten RT requests whose
+last blocks are full need ten blocks with RT room, whatever the slot count says.
+
+When the layout cannot place a planned token, the engine does what SGLang's scheduler does when
+a decode does not fit (`retract_decode`) and what BROS's RT allocation does: it evicts a running
+BE request (lazily, so RT may take its slots), one that sits this iteration out first, else one
+whose decode it then drops from the batch; for RT under BROS's "extreme pressure", then another
+RT request (least progress first, recomputed later); last, the decode that does not fit itself.
+A started prefill is never retracted. Those engine evictions are counted (`retractions`) and
+the policy sees them as evictions.
 """
 
 from __future__ import annotations
@@ -52,12 +57,15 @@ class BiKv:
     """The layout, plus this iteration's host traffic and the run's counters."""
 
     def __init__(self, capacity_tokens: int, block_slots: int, kv_bytes_per_token: int,
-                 host_copy_bytes_per_s: float) -> None:
+                 host_copy_bytes_per_s: float, *, report: str = "placeable") -> None:
         blocks = capacity_tokens // block_slots
         if blocks < 1:
             raise ValueError(f"a KV pool of {capacity_tokens} tokens holds no block of "
                              f"{block_slots} slots")
         self.cache = BiCache(blocks, block_slots)
+        self.report = report
+        """"placeable": the policy sees only what a new request of either tier could surely
+        use; "slots": every free and dormant slot (as SGLang's available_size would)."""
         self.seconds_per_token = kv_bytes_per_token / host_copy_bytes_per_s
         """Host-link time of one token's KV (all layers, K and V)."""
         self.d2h_tokens = 0
@@ -83,12 +91,16 @@ class BiKv:
 
     @property
     def free(self) -> int:
-        """Free slots usable by a new request of either tier."""
+        """Free slots ("placeable": usable by a new request of either tier)."""
+        if self.report == "slots":
+            return self.cache.free
         return min(self.cache.room("rt"), self.cache.room("be"))
 
     @property
     def evictable(self) -> int:
-        """Dormant slots an allocation may take over (each checkpointed first)."""
+        """Dormant slots ("placeable": those RT may take over, each checkpointed first)."""
+        if self.report == "slots":
+            return self.cache.dormant_used
         return self.cache.reclaimable("rt")
 
     # --- the count interface of KvPool that EngineCore calls (placement happens in grow) ---

@@ -35,6 +35,12 @@ class SimConfig(msgspec.Struct, frozen=True):
     page_size 1 and prefix_cache off (prefix sharing is not modelled with it)."""
     bicache_block_slots: int = 16
     """Slots per block of the bicache layout."""
+    bicache_report: Literal["slots", "placeable"] = "placeable"
+    """What the bicache layout reports as free/evictable KV: lower bounds on what a new request
+    of either tier surely gets ("placeable"), or every slot ("slots", as SGLang's
+    available_size; a BE prefill the layout then cannot place fails the run, since a started
+    prefill is never retracted). The engine retracts decodes it cannot place either way
+    (backend/sim/bikv.py)."""
     kv_bytes_per_token: int = 131072
     """KV bytes per token over every layer (checkpoint traffic); default Llama-3.1-8B in bf16
     (2 · 32 layers · 8 KV heads · 128 · 2 B)."""
@@ -58,6 +64,9 @@ class SimConfig(msgspec.Struct, frozen=True):
             raise ValueError(f"kv_layout must be 'token' or 'bicache', got {self.kv_layout!r}")
         if self.kv_layout == "bicache" and (self.page_size != 1 or self.prefix_cache):
             raise ValueError("kv_layout 'bicache' needs page_size 1 and prefix_cache off")
+        if self.bicache_report not in ("slots", "placeable"):
+            raise ValueError(f"bicache_report must be 'slots' or 'placeable', got "
+                             f"{self.bicache_report!r}")
         if self.bicache_block_slots < 2 or self.kv_bytes_per_token < 1:
             raise ValueError("bicache_block_slots must be ≥ 2 and kv_bytes_per_token ≥ 1")
         if not self.host_copy_gb_s > 0:

@@ -106,7 +106,7 @@ class EngineCore:
         self.policy_name = policy_name
         self.bikv = None if config.kv_layout != "bicache" else BiKv(
             config.kv_capacity_tokens, config.bicache_block_slots, config.kv_bytes_per_token,
-            config.host_copy_gb_s * 1e9)
+            config.host_copy_gb_s * 1e9, report=config.bicache_report)
         """The bidirectional layout (kv_layout "bicache"); None for the token pool."""
         self.kv: KvPool | BiKv = self.bikv or KvPool(config.kv_capacity_tokens,
                                                      config.prefix_block_tokens)

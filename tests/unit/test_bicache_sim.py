@@ -113,12 +113,31 @@ def test_blocks_are_one_request_per_side_so_the_engine_retracts_be_when_rt_canno
                for r in res.requests)
 
 
+def test_slot_reporting_runs_tandem_and_tells_the_policy_every_free_slot() -> None:
+    seen: list[tuple[int, int, int]] = []
+
+    class Spy(_Checked):
+        def plan(self, snapshot: Snapshot) -> Plan:
+            seen.append((snapshot.kv_free_tokens, snapshot.kv_evictable_tokens,
+                         snapshot.kv_capacity_tokens))
+            return super().plan(snapshot)
+
+    reqs = _mixed_workload(seed=4)
+    res = simulate(ListSource(reqs), Spy(make_policy("tandem", LATENCY)), LATENCY,
+                   _bicache(kv_capacity_tokens=4000, max_prefill_tokens=2048,
+                            bicache_report="slots"))
+    _check_invariants(res, 4000)
+    assert all(r.finish_s is not None for r in res.requests)
+    assert min(free for free, _, _ in seen) < 4000 and max(ev for _, ev, _ in seen) > 0
+
+
 @pytest.mark.parametrize(("fields", "message"), [
     ({"kv_layout": "bicache"}, "page_size 1 and prefix_cache off"),
     ({"kv_layout": "bicache", "prefix_cache": False, "page_size": 16,
       "prefix_block_tokens": 512}, "page_size 1"),
     ({"kv_layout": "paged"}, "kv_layout must be"),
     ({"host_copy_gb_s": 0.0}, "host_copy_gb_s must be > 0"),
+    ({"bicache_report": "all"}, "bicache_report must be"),
 ])
 def test_layout_config_is_validated(fields: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
