@@ -1,9 +1,14 @@
-"""Two gateway processes' worth of gateways (two apps, two quota limiters, two connection pools)
-in front of one engine and one PostgreSQL database: together they hold each tenant's limits."""
+"""Two gateways on one PostgreSQL database in front of one engine hold each tenant's limits
+together: two apps in this process (two quota limiters, two connection pools), and `tandem serve`
+in a child process next to a gateway in this one."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -14,7 +19,7 @@ from sqlalchemy import func, select
 
 from gateway.state import DB_ENGINE, QUOTAS
 from gateway.store.models import GatewayInstanceRow
-from tests.functional.gateway_fixtures import GatewayHandle, start_gateway
+from tests.functional.gateway_fixtures import ADMIN_TOKEN, GatewayHandle, free_port, start_gateway
 from tests.functional.store_fixtures import PgServer
 from tests.functional.test_quotas import assert_rate_limited, chat
 
@@ -151,3 +156,75 @@ async def test_a_stopped_gateway_leaves_the_set(engine_server: Any, pg_server: P
     finally:
         await a.session.close()
         await server_a.close()
+
+
+@pytest_asyncio.fixture
+async def gateway_pair_in_two_processes(
+    engine_server: Any, pg_server: PgServer
+) -> AsyncIterator[tuple[GatewayHandle, GatewayHandle]]:
+    """`tandem serve` (gateway only) in a child process, and a gateway in this one, on one
+    PostgreSQL database in front of the same engine."""
+    url = await pg_server.new_database()
+    port = free_port()
+    env = dict(
+        os.environ,
+        TANDEM_ADMIN_TOKEN=ADMIN_TOKEN,
+        TANDEM_GATEWAY__PORT=str(port),
+        TANDEM_DATABASE__URL=url,
+        TANDEM_ENGINE__LAUNCH="false",
+        TANDEM_ENGINE__PORT=str(engine_server.port),
+        TANDEM_MODEL__PATH=str(engine_server.model_path),
+        TANDEM_QUOTA__SYNC_INTERVAL_S=str(SYNC_S),
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "serve"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    server, local = await start_gateway(
+        url, engine_server.port, engine_server.model_path, TANDEM_QUOTA__SYNC_INTERVAL_S=str(SYNC_S)
+    )
+    child = GatewayHandle(f"http://127.0.0.1:{port}", local.app, local.session)
+    try:
+        for _ in range(600):
+            assert proc.poll() is None, "the child gateway exited at start-up"
+            try:
+                async with local.session.get(f"{child.base_url}/readyz") as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            await asyncio.sleep(0.1)
+        else:
+            pytest.fail("the child gateway never became ready")
+        yield local, child
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        await local.session.close()
+        await server.close()
+
+
+async def test_requests_per_min_holds_across_two_processes(
+    gateway_pair_in_two_processes: tuple[GatewayHandle, GatewayHandle],
+) -> None:
+    local, child = gateway_pair_in_two_processes
+    _, key = await new_tenant(child, "two-process-rpm", requests_per_min=10)
+    await asyncio.sleep(3 * SYNC_S)
+    assert await live_instances(local) == 2
+    started = time.monotonic()
+    served = {"local": 0, "child": 0}
+    for name, gw in (("local", local), ("child", child)) * 15:
+        status, headers, body = await chat(gw, key)
+        if status == 200:
+            served[name] += 1
+        else:
+            assert_rate_limited(status, headers, body, "requests_per_min")
+    elapsed = time.monotonic() - started
+    assert 8 <= sum(served.values()) <= 10 + int(elapsed * 10 / 60) + 1, served
+    assert min(served.values()) >= 3, served
