@@ -13,27 +13,34 @@ filled left-to-right or right-to-left, only changes the numbers in that row, nev
 So the same tokens come out with the layout on or off (a functional test for issue 8 should
 check exactly that once this is wired).
 
-Where it plugs in (SGLang 0.5.23, `sglang/srt/mem_cache/allocation.py`, page_size 1):
+Where it plugs in (SGLang 0.5.23, page_size 1; names checked against the installed package):
 
-* extend: `alloc_for_extend(batch)` calls `alloc_token_slots(batch.tree_cache,
+* extend: `ScheduleBatch.prepare_for_extend` calls `alloc_for_extend(batch)`, which
+  `sglang.srt.managers.schedule_batch` imported by name from `sglang.srt.mem_cache.allocation`
+  (so patch it in schedule_batch's namespace, or patch `allocation.alloc_token_slots`, which
+  `alloc_for_extend` looks up at call time). It calls `alloc_token_slots(batch.tree_cache,
   batch.extend_num_tokens)` and writes the flat result into `req_to_token` request by request,
-  in `batch.reqs` order, `batch.extend_lens[i]` slots each. Wrap `alloc_for_extend` so that,
-  during the call, `alloc_token_slots` returns `layout.alloc([(rid, tier, extend_len), ...])`
-  (same order and length, so `write_cache_indices` needs no change).
-* decode: `ALLOC_FOR_DECODE_FUNCS[device_type]` (a dict keyed by `batch.device` type, default
-  `alloc_for_decode_default(batch, token_per_req)`) → same wrap, `token_per_req` slots per
-  request.
-* free: `TokenToKVPoolAllocator.free(free_index)` (from `release_kv_cache`, retraction, radix
-  eviction) → `layout.free(free_index)`; `available_size()` → `layout.available_size()`.
+  in `batch.reqs` order, `batch.extend_lens[i]` slots each. During the call, return
+  `layout.alloc([(req.rid, tier, extend_len), ...])` instead: same order and length, so
+  `write_cache_indices` needs no change.
+* decode: `ScheduleBatch.prepare_for_decode` → `alloc_for_decode(batch, 1)` →
+  `ALLOC_FOR_DECODE_FUNCS[batch.device type]` (a dict, default `alloc_for_decode_default`, which
+  calls `alloc_token_slots(tree_cache, bs * token_per_req)`): register a function for "cpu" /
+  "cuda" that does the same with `layout.alloc([(req.rid, tier, 1) for req in batch.reqs])`.
+* free: `release_kv_cache` → `tree_cache.free_kv_row(req.kv, [(cache_protected_len,
+  owned_len)])` → `free_kv_row_segments(allocator, …)` → `TokenToKVPoolAllocator.free` (and
+  `free_segments`): route them to `layout.free(indices)`, and `available_size()` to
+  `layout.available_size()`.
 * eviction: where the scheduler retracts a BE request (`ScheduleBatch.retract_decode`), call
   `layout.suspend(rid)` instead of freeing its slots: they stay until RT needs them. Before a
-  suspended request runs again call `layout.resume_and_restore(rid)` and write the returned
-  slots into its `req_to_token` row (restored tokens moved).
-* radix cache: a BE request's tokens that the tree shares must never be overwritten: call
-  `layout.protect(rid, cached_tokens)` after `cache_unfinished_req` / `cache_finished_req`
-  inserted them. Slots handed to the tree outlive the request; until the plugin tracks tree
-  ownership, run with `--disable-radix-cache` (`free` rejects a partial free of a request, which
-  is how tree-owned slots would show up).
+  suspended request runs again, call `layout.resume_and_restore(rid)` and write the returned row
+  into its `req_to_token` row (the restored tokens moved).
+* radix cache: the tree takes a request's KV in `tree_cache.checkpoint(req, up_to=…)` (from
+  `mem_cache.common.checkpoint_kv_cache` and `release_kv_cache(…, checkpoint=True)`). For a BE
+  request, call `layout.protect(rid, up_to)` there: tokens the tree shares are never
+  overwritten. Slots the tree keeps outlive their request, so until the plugin tracks tree
+  ownership, run with `--disable-radix-cache`. `free` rejects a partial free of a request, which
+  is how tree-owned slots would show up.
 """
 
 from __future__ import annotations
