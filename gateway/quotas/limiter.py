@@ -160,7 +160,7 @@ class QuotaLimiter:
         self._check_monthly(state, tenant)
         if quota.requests_per_min is not None:
             assert state.requests is not None
-            wait = state.requests.wait_s(1, now)
+            wait = self._shared_wait(state.requests.wait_s(1, now), 1, quota.requests_per_min)
             if wait > 0:
                 raise _over(
                     tenant, "requests_per_min", quota.requests_per_min, "requests per minute", wait
@@ -175,7 +175,7 @@ class QuotaLimiter:
                     f"tokens_per_min limit of {quota.tokens_per_min}; lower max_tokens",
                     60.0,
                 )
-            wait = state.tokens.wait_s(amount, now)
+            wait = self._shared_wait(state.tokens.wait_s(amount, now), amount, quota.tokens_per_min)
             if wait > 0:
                 raise _over(
                     tenant,
@@ -295,6 +295,13 @@ class QuotaLimiter:
             state.quota = tenant.quota
             self._resize(state, now, limit_changed=True)
         return state
+
+    def _shared_wait(self, wait_s: float, amount: int, per_min: int) -> float:
+        """The Retry-After of a bucket: its own wait when this instance is alone; with others,
+        at most what the whole limit needs to refill *amount* (the shares move meanwhile)."""
+        if wait_s <= 0 or len(self._instances) == 1 or per_min <= 0:
+            return wait_s
+        return min(wait_s, max(60.0 * amount / per_min, 1e-3))
 
     def _even(self) -> float:
         return 1.0 / max(len(self._instances), 1)

@@ -234,3 +234,17 @@ def test_batch_lines_count_toward_the_monthly_budget_only() -> None:
     assert exc.limit == "monthly_tokens"
     with pytest.raises(QuotaExceeded):
         lim.admit(t, 1, 1, interactive=False)
+
+
+def test_retry_after_with_several_instances_is_what_the_whole_limit_needs() -> None:
+    clock = Clock()
+    a = limiter(clock, "gw_a")
+    t = tenant(requests_per_min=60)
+    a.apply_sync(
+        SyncView(instances=["gw_a", "gw_b"], demand={}, monthly_tokens={}, month="2026-11")
+    )
+    for _ in range(30):
+        a.admit(t, 1, 1)
+    # this instance's half refills one request in 2 s; the whole limit does it in 1 s, and the
+    # shares follow the demand at the next sync
+    assert refused(a, t).retry_after_s == 1
