@@ -58,6 +58,16 @@ def summary(results: dict[str, Any], cpu: dict[str, Any] | None) -> str:
             f"{mean['fcfs']['makespan_s']:.1f} s, dfs {mean['dfs']['makespan_s']:.1f} s, blend "
             f"{mean['blend']['makespan_s']:.1f} s.",
         ]
+        if cpu.get("blend_vs_fcfs_tok_per_engine_cpu_s") is not None:
+            lines += [
+                f"* CPU engine, tokens per engine CPU second (the engine's own work; wall time "
+                f"on this shared 2-core box also measures its neighbours): fcfs "
+                f"{mean['fcfs']['total_tok_per_engine_cpu_s']:.0f}, dfs "
+                f"{mean['dfs']['total_tok_per_engine_cpu_s']:.0f}, blend "
+                f"{mean['blend']['total_tok_per_engine_cpu_s']:.0f} → blend / fcfs "
+                f"**{cpu['blend_vs_fcfs_tok_per_engine_cpu_s']:.3f}×**, dfs / fcfs "
+                f"{cpu['dfs_vs_fcfs_tok_per_engine_cpu_s']:.3f}×.",
+            ]
     return "\n".join(lines) + "\n"
 
 
