@@ -145,6 +145,7 @@ async def run_ordering(session: aiohttp.ClientSession, url: str, job: list[Line]
             "total_tok_s": (totals["prompt"] + totals["output"]) / makespan,
             "output_tok_s": totals["output"] / makespan,
             "prefix_reuse_ratio": totals["cached"] / totals["prompt"] if totals["prompt"] else 0,
+            "computed_prompt_tokens": totals["prompt"] - totals["cached"],
             **{f"{k}_tokens": v for k, v in totals.items()}}
 
 
@@ -167,16 +168,22 @@ async def measure(url: str, requests: int, repeats: int, engine_pid: int | None 
     summary: dict[str, Any] = {}
     for ordering in ORDERINGS:
         mine = [r for r in runs if r["ordering"] == ordering]
-        keys = ["total_tok_s", "makespan_s", "prefix_reuse_ratio"]
+        keys = ["total_tok_s", "makespan_s", "prefix_reuse_ratio", "computed_prompt_tokens"]
         if all(r["engine_cpu_s"] for r in mine):
             keys += ["engine_cpu_s", "total_tok_per_engine_cpu_s"]
         summary[ordering] = {k: statistics.fmean(r[k] for r in mine) for k in keys}
+        summary[ordering]["total_tok_s_median"] = statistics.median(r["total_tok_s"] for r in mine)
+        summary[ordering]["total_tok_s_runs"] = [round(r["total_tok_s"], 1) for r in mine]
     fcfs = summary["fcfs"]["total_tok_s"]
     per_cpu = {o: summary[o].get("total_tok_per_engine_cpu_s") for o in ORDERINGS}
     dfs_reuse = summary["dfs"]["prefix_reuse_ratio"]
     return {"requests": requests, "repeats": repeats, "kv_tokens": KV_TOKENS,
             "max_inflight": MAX_RUNNING, "runs": runs, "mean": summary,
             "blend_vs_fcfs_throughput": summary["blend"]["total_tok_s"] / fcfs,
+            "blend_vs_fcfs_throughput_median": summary["blend"]["total_tok_s_median"]
+            / summary["fcfs"]["total_tok_s_median"],
+            "blend_vs_fcfs_computed_prompt_tokens": summary["blend"]["computed_prompt_tokens"]
+            / summary["fcfs"]["computed_prompt_tokens"],
             "dfs_vs_fcfs_throughput": summary["dfs"]["total_tok_s"] / fcfs,
             "blend_vs_fcfs_tok_per_engine_cpu_s": per_cpu["blend"] / per_cpu["fcfs"]
             if per_cpu["blend"] and per_cpu["fcfs"] else None,
