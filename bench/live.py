@@ -64,7 +64,8 @@ DEFAULT_PROFILE = "cpu-tiny"
 DEFAULT_VARIANT = {"W1": "cpu"}
 """The workload variant sized for the CPU engine, where the workload has one."""
 CPU_POLICY_OPTIONS: dict[str, Any] = {"latency_budget_s": 0.2, "idle_budget_s": 0.5}
-"""tandem's time budgets for the tiny model on CPU (the sim twin uses the same)."""
+"""tandem's time budgets for the tiny model on CPU, as in config.yaml (the sim twin uses the
+same)."""
 MAX_RUNNING = 64
 READY_TIMEOUT_S = 420.0
 DRAIN_TIMEOUT_S = 240.0

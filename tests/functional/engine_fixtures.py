@@ -76,8 +76,8 @@ def free_port() -> int:
 
 
 CPU_POLICY_OPTIONS: dict[str, float | int | bool | str] = {
-    "latency_budget_s": 0.1,
-    "idle_budget_s": 0.3,
+    "latency_budget_s": 0.2,
+    "idle_budget_s": 0.5,
 }
 """The tandem policy's time budgets for the tiny model on CPU (as in config.yaml)."""
 
