@@ -90,6 +90,9 @@ class DriverStats(msgspec.Struct, kw_only=True):
     """Length-history pushes applied from the control endpoint."""
     history_lengths: int = 0
     """Output lengths received through those pushes."""
+    stall_fallbacks: int = 0
+    """Iterations where the policy planned nothing for an idle engine with requests waiting, so
+    SGLang's own admission ran instead (an engine must never sit idle on queued work)."""
     peak_running: int = 0
     """Most requests holding KV at once (running + mid-prefill), seen at planning time."""
     peak_kv_used_tokens: int = 0
@@ -133,6 +136,8 @@ class EngineDriver:
         """The current iteration's plan (None between iterations or when none was made)."""
         self.planned_tokens: dict[str, int] = {}
         """rid → chunk length of each planned prefill of the current iteration."""
+        self.fallback = False
+        """True for an iteration where SGLang's own admission runs (see stall_fallbacks)."""
         self.parked: Any = None
         """SGLang ``ScheduleBatch`` of the decode rows sitting this iteration out, or None."""
         self.control: queue.SimpleQueue[dict[str, list[int]]] = queue.SimpleQueue()
@@ -164,6 +169,7 @@ class EngineDriver:
         self._iter_overhead_s = 0.0
         self.plan = None
         self.planned_tokens = {}
+        self.fallback = False
         self._apply_control()
         self._iter_overhead_s += self.clock() - t0
 
@@ -242,6 +248,14 @@ class EngineDriver:
         plan_ms = (self.clock() - t_plan) * 1000.0
         self.plan = plan
         self._note_plan_ms(plan_ms)
+        if not (plan.prefills or plan.decodes or plan.evictions) and snap.waiting \
+                and not snap.running:
+            # A policy that plans nothing for an idle engine with queued work would leave it
+            # idle for good (nothing else changes its state): SGLang admits this time.
+            self.fallback = True
+            self.stats.stall_fallbacks += 1
+            self._iter_overhead_s += self.clock() - t0
+            return False
         rows = {str(req.rid): i for i, req in enumerate(running_batch.reqs)}
         victims = [rows[rid] for rid in plan.evictions if rid in rows]
         if victims:

@@ -163,7 +163,7 @@ class TandemPrefillAdder(PrefillAdder):
         super().__init__(*args, **kwargs)
         self._drv = driver()
         self._planned_left = sum(1 for _ in self._drv.planned_tokens)
-        if type(self.memory_budget) is PrefillBudget:
+        if type(self.memory_budget) is PrefillBudget and not self._drv.fallback:
             # Plain token pool (what CPU and dense GPU models use): charge only what the chunk
             # needs now. Other budgets (SWA, Mamba) keep SGLang's reservation.
             budget = self.memory_budget
@@ -171,9 +171,13 @@ class TandemPrefillAdder(PrefillAdder):
             budget.reserve = _immediate_reserve(budget)
 
     def _get_running_request_total_token_offset(self, req: Any) -> int:
+        if driver().fallback:  # SGLang's own admission, reservation included
+            return int(super()._get_running_request_total_token_offset(req))
         return 0
 
     def add_chunked_req(self, req: Any) -> Any:
+        if self._drv.fallback:
+            return super().add_chunked_req(req)
         rid = str(req.rid)
         self.chunked_req_limit = max(1, self._drv.chunk_for_continuing(rid))
         if rid in self._drv.planned_tokens:
@@ -183,6 +187,8 @@ class TandemPrefillAdder(PrefillAdder):
     def add_one_req(self, req: Any, has_chunked_req: bool,
                     truncation_align_size: int | None) -> AddReqResult:
         drv = self._drv
+        if drv.fallback:
+            return super().add_one_req(req, has_chunked_req, truncation_align_size)
         planned = drv.planned_tokens.get(str(req.rid))
         if planned is None:
             # Not in the plan: skip it and keep scanning (any other result ends the pass),

@@ -191,3 +191,12 @@ def test_the_snapshot_carries_deadlines_on_the_engine_clock() -> None:
     (partial,) = snap.running
     assert partial.prefilled == 120 and partial.prompt_left == 180
     assert snap.max_prefill_tokens == 512 and snap.kv_free_tokens == 9_000
+
+
+def test_an_idle_engine_with_queued_work_never_stays_idle() -> None:
+    drv = EngineDriver(ScriptedPolicy(Plan()))  # type: ignore[arg-type]
+    s = sched([req("w", "be")])
+    skip_prefill = drv.plan_iteration(s, FakeBatch([]), lambda b, i: None)
+    assert not skip_prefill and drv.fallback and drv.stats.stall_fallbacks == 1
+    drv.begin_iteration()
+    assert not drv.fallback  # one iteration at a time
