@@ -19,7 +19,7 @@ from aiohttp import web
 from gateway.api.files import file_not_found, list_params, page
 from gateway.api.openai import authenticate
 from gateway.batch.app import BATCH_STORE, wake_runner
-from gateway.batch.store import now_utc
+from gateway.batch.lines import now_utc
 from gateway.batch.types import ENDPOINTS, BatchInfo
 from gateway.errors import ApiError, validation_error
 from gateway.state import CONFIG

@@ -44,19 +44,27 @@ def add_batch_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
     conn.add_argument("--url", help="gateway base URL (default: from the config)")
     conn.add_argument("--api-key", help=f"tenant API key (default: ${API_KEY_ENV})")
 
-    create = actions.add_parser("create", parents=[conn], help="upload a JSONL file and start "
-                                "a batch")
+    create = actions.add_parser(
+        "create", parents=[conn], help="upload a JSONL file and start a batch"
+    )
     create.add_argument("file", type=Path, help="JSONL input (custom_id, method, url, body)")
-    create.add_argument("--endpoint", default="/v1/chat/completions",
-                        help="/v1/chat/completions (default) or /v1/completions")
-    create.add_argument("--window", default="24h", help="completion window: 24h, or shorter "
-                        "(e.g. 1h) to make it a deadline")
+    create.add_argument(
+        "--endpoint",
+        default="/v1/chat/completions",
+        help="/v1/chat/completions (default) or /v1/completions",
+    )
+    create.add_argument(
+        "--window",
+        default="24h",
+        help="completion window: 24h, or shorter (e.g. 1h) to make it a deadline",
+    )
     create.add_argument("--watch", action="store_true", help="then show progress until done")
     create.set_defaults(func=_entry, batch_action=_create)
-    for name, helptext, func in (("get", "show a batch", _get),
-                                 ("cancel", "cancel a batch", _cancel),
-                                 ("watch", "progress bar with ETA until the batch ends",
-                                  _watch_cmd)):
+    for name, helptext, func in (
+        ("get", "show a batch", _get),
+        ("cancel", "cancel a batch", _cancel),
+        ("watch", "progress bar with ETA until the batch ends", _watch_cmd),
+    ):
         p = actions.add_parser(name, parents=[conn], help=helptext)
         p.add_argument("batch_id", metavar="ID")
         p.set_defaults(func=_entry, batch_action=func)
@@ -65,8 +73,7 @@ def add_batch_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
     listing.set_defaults(func=_entry, batch_action=_list)
     results = actions.add_parser("results", parents=[conn], help="download output and errors")
     results.add_argument("batch_id", metavar="ID")
-    results.add_argument("--output", type=Path, help="write the output file here (default: "
-                         "stdout)")
+    results.add_argument("--output", type=Path, help="write the output file here (default: stdout)")
     results.add_argument("--errors", type=Path, help="write the error file here")
     results.set_defaults(func=_entry, batch_action=_results)
 
@@ -101,11 +108,19 @@ class _Client:
         self.base = base_url.rstrip("/")
         self.key = key
 
-    def request(self, method: str, path: str, body: bytes | None = None,
-                content_type: str = "application/json") -> bytes:
-        req = urllib.request.Request(f"{self.base}{path}", data=body, method=method,
-                                     headers={"Authorization": f"Bearer {self.key}",
-                                              "Content-Type": content_type})
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        content_type: str = "application/json",
+    ) -> bytes:
+        req = urllib.request.Request(
+            f"{self.base}{path}",
+            data=body,
+            method=method,
+            headers={"Authorization": f"Bearer {self.key}", "Content-Type": content_type},
+        )
         try:
             with urllib.request.urlopen(req, timeout=120) as resp:
                 return bytes(resp.read())
@@ -124,13 +139,17 @@ class _Client:
         except OSError as exc:
             raise BatchCliError(f"cannot read {path}: {exc.strerror}", 2) from None
         boundary = f"tandem-{secrets.token_hex(8)}"
-        parts = [f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\n"
-                 f"batch\r\n".encode(),
-                 f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; "
-                 f"filename=\"{path.name}\"\r\nContent-Type: application/jsonl\r\n\r\n".encode(),
-                 content, f"\r\n--{boundary}--\r\n".encode()]
-        raw = self.request("POST", "/v1/files", b"".join(parts),
-                           f"multipart/form-data; boundary={boundary}")
+        parts = [
+            f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\n'
+            f"batch\r\n".encode(),
+            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; '
+            f'filename="{path.name}"\r\nContent-Type: application/jsonl\r\n\r\n'.encode(),
+            content,
+            f"\r\n--{boundary}--\r\n".encode(),
+        ]
+        raw = self.request(
+            "POST", "/v1/files", b"".join(parts), f"multipart/form-data; boundary={boundary}"
+        )
         return dict(json.loads(raw))
 
 
@@ -148,14 +167,22 @@ def _print(payload: Any) -> None:
 
 def _create(client: _Client, args: argparse.Namespace) -> int:
     uploaded = client.upload(args.file)
-    batch = client.json("POST", "/v1/batches", {"input_file_id": uploaded["id"],
-                                                "endpoint": args.endpoint,
-                                                "completion_window": args.window})
+    batch = client.json(
+        "POST",
+        "/v1/batches",
+        {
+            "input_file_id": uploaded["id"],
+            "endpoint": args.endpoint,
+            "completion_window": args.window,
+        },
+    )
     if not args.watch:
         _print(batch)
         return 0
-    print(f"batch {batch['id']} ({uploaded['bytes']} bytes uploaded as {uploaded['id']})",
-          file=sys.stderr)
+    print(
+        f"batch {batch['id']} ({uploaded['bytes']} bytes uploaded as {uploaded['id']})",
+        file=sys.stderr,
+    )
     return _watch(client, batch["id"])
 
 
@@ -173,16 +200,20 @@ def _list(client: _Client, args: argparse.Namespace) -> int:
     page = client.json("GET", f"/v1/batches?limit={args.limit}")
     for b in page["data"]:
         counts = b["request_counts"]
-        print(f"{b['id']}  {b['status']:<11} {counts['completed']}/{counts['total']} done, "
-              f"{counts['failed']} failed")
+        print(
+            f"{b['id']}  {b['status']:<11} {counts['completed']}/{counts['total']} done, "
+            f"{counts['failed']} failed"
+        )
     return 0
 
 
 def _results(client: _Client, args: argparse.Namespace) -> int:
     batch = client.json("GET", f"/v1/batches/{args.batch_id}")
     if batch["status"] not in FINAL:
-        raise BatchCliError(f"batch {args.batch_id} is still {batch['status']}; results come "
-                            f"when it ends (tandem batch watch {args.batch_id})")
+        raise BatchCliError(
+            f"batch {args.batch_id} is still {batch['status']}; results come "
+            f"when it ends (tandem batch watch {args.batch_id})"
+        )
     if batch["output_file_id"]:
         data = client.request("GET", f"/v1/files/{batch['output_file_id']}/content")
         if args.output:
@@ -194,8 +225,11 @@ def _results(client: _Client, args: argparse.Namespace) -> int:
         if args.errors:
             args.errors.write_bytes(data)
         else:
-            print(f"{batch['request_counts']['failed']} failed lines: tandem batch results "
-                  f"{args.batch_id} --errors FILE", file=sys.stderr)
+            print(
+                f"{batch['request_counts']['failed']} failed lines: tandem batch results "
+                f"{args.batch_id} --errors FILE",
+                file=sys.stderr,
+            )
     return 0
 
 
@@ -203,8 +237,9 @@ def _watch_cmd(client: _Client, args: argparse.Namespace) -> int:
     return _watch(client, args.batch_id)
 
 
-def _watch(client: _Client, batch_id: str, interval_s: float = 1.0,
-           out: TextIO = sys.stderr) -> int:
+def _watch(
+    client: _Client, batch_id: str, interval_s: float = 1.0, out: TextIO = sys.stderr
+) -> int:
     """Redraws one progress line until the batch ends; 0 when it completed."""
     started = time.monotonic()
     first_done: int | None = None
@@ -213,8 +248,17 @@ def _watch(client: _Client, batch_id: str, interval_s: float = 1.0,
         counts = batch["request_counts"]
         done = counts["completed"] + counts["failed"]
         first_done = done if first_done is None else first_done
-        out.write("\r" + progress_line(batch["status"], done, counts["failed"], counts["total"],
-                                       done - first_done, time.monotonic() - started))
+        out.write(
+            "\r"
+            + progress_line(
+                batch["status"],
+                done,
+                counts["failed"],
+                counts["total"],
+                done - first_done,
+                time.monotonic() - started,
+            )
+        )
         out.flush()
         if batch["status"] in FINAL:
             out.write("\n")
@@ -223,8 +267,9 @@ def _watch(client: _Client, batch_id: str, interval_s: float = 1.0,
         time.sleep(interval_s)
 
 
-def progress_line(status: str, done: int, failed: int, total: int, done_since_start: int,
-                  elapsed_s: float) -> str:
+def progress_line(
+    status: str, done: int, failed: int, total: int, done_since_start: int, elapsed_s: float
+) -> str:
     """`[#####-----] 12/40 lines (1 failed) 2.0/s ETA 0:00:14 in_progress`."""
     share = done / total if total else 0.0
     filled = round(share * _BAR_WIDTH)
@@ -237,7 +282,7 @@ def progress_line(status: str, done: int, failed: int, total: int, done_since_st
     else:
         eta = "ETA --:--:--"
     failed_text = f" ({failed} failed)" if failed else ""
-    return (f"[{bar}] {done}/{total} lines{failed_text} {rate:.1f}/s {eta} {status:<11}")
+    return f"[{bar}] {done}/{total} lines{failed_text} {rate:.1f}/s {eta} {status:<11}"
 
 
 def _clock(seconds: float) -> str:

@@ -32,18 +32,16 @@ from aiohttp import web
 from gateway.api.generation import Generation, is_cancellation
 from gateway.api.prepare import (
     build_engine_request,
-    chat_prompt_ids,
-    completion_prompt_ids,
-    output_cap,
 )
-from gateway.api.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.auth import Principal
+from gateway.batch.lines import now_utc
 from gateway.batch.order.feed import BatchFeed, FeedSettings
 from gateway.batch.order.tree import OrderItem
 from gateway.batch.output import build_files, completion_body
-from gateway.batch.store import BatchStore, now_utc
-from gateway.batch.types import ENDPOINTS, BatchInfo, ItemResult, PendingItem
-from gateway.batch.validate import _LineError, body_type, parse_body, validate_lines
+from gateway.batch.prepare import PreparedLine, prepare_lines
+from gateway.batch.store import BatchStore
+from gateway.batch.types import ENDPOINTS, BatchInfo, ItemResult
+from gateway.batch.validate import validate_lines
 from gateway.errors import ApiError
 from gateway.state import CONFIG, STORE, TOKENIZER
 from gateway.store.types import Tenant
@@ -51,13 +49,6 @@ from gateway.store.types import Tenant
 log = logging.getLogger(__name__)
 
 _ACTIVE_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
-
-
-@dataclass
-class _Prepared:
-    body: ChatCompletionRequest | CompletionRequest
-    input_ids: list[int]
-    max_tokens: int
 
 
 @dataclass
@@ -69,7 +60,7 @@ class ActiveBatch:
     kind: str
     """"chat" or "completions"."""
     feed: BatchFeed
-    prepared: dict[int, _Prepared]
+    prepared: dict[int, PreparedLine]
     custom_ids: dict[int, str]
     tasks: dict[int, asyncio.Task[None]] = field(default_factory=dict)
     retry: list[tuple[float, int]] = field(default_factory=list)
@@ -199,7 +190,14 @@ class BatchRunner:
         pending = await self._store.pending_items(info.id)
         known = await self._store.finished_lengths(info.id)
         kind = ENDPOINTS[info.endpoint]
-        prepared, refused = await asyncio.to_thread(self._prepare_all, pending, kind)
+        prepared, refused = await asyncio.to_thread(
+            prepare_lines,
+            pending,
+            kind,
+            self._app[TOKENIZER],
+            self._config.model.name,
+            self._config.gateway.default_max_tokens,
+        )
         for line_no, exc in refused.items():  # prompts the model cannot take: error file
             if await self._store.mark_running(info.id, line_no):
                 await self._store.finish_item(info.id, line_no, _refusal(info, line_no, exc))
@@ -230,36 +228,6 @@ class BatchRunner:
             len(feed.pilot),
         )
         await self._maybe_done(active)
-
-    def _prepare_all(
-        self, pending: list[PendingItem], kind: str
-    ) -> tuple[dict[int, _Prepared], dict[int, ApiError]]:
-        """Token ids and output caps of every pending line (in a worker thread)."""
-        tokenizer = self._app[TOKENIZER]
-        default_max = self._config.gateway.default_max_tokens
-        struct = body_type(kind)
-        prepared: dict[int, _Prepared] = {}
-        refused: dict[int, ApiError] = {}
-        for item in pending:
-            try:
-                body = parse_body(item.body.encode(), struct, self._config.model.name)
-                if isinstance(body, ChatCompletionRequest):
-                    ids = chat_prompt_ids(body, tokenizer)
-                    requested = body.max_completion_tokens or body.max_tokens
-                else:
-                    if body.echo:
-                        raise ApiError(400, "echo is not supported", param="echo")
-                    ids = completion_prompt_ids(body, tokenizer)
-                    requested = body.max_tokens
-                cap = output_cap(body, requested, len(ids), tokenizer.context_len, default_max)
-            except ApiError as exc:
-                refused[item.line_no] = exc
-                continue
-            except _LineError as exc:
-                refused[item.line_no] = ApiError(400, exc.message, param=exc.param, code=exc.code)
-                continue
-            prepared[item.line_no] = _Prepared(body=body, input_ids=ids, max_tokens=cap)
-        return prepared, refused
 
     async def _feed_settings(self, tenant: Tenant) -> FeedSettings:
         """The feed of a batch: the engine's KV pool, and the tenant's output-length history as

@@ -51,7 +51,7 @@ def validate_lines(
         line_no = index + 1
         try:
             item = _check_line(raw, line_no, endpoint, kind, model, seen)
-        except _LineError as exc:
+        except LineError as exc:
             total_errors += 1
             if len(errors) < MAX_REPORTED_ERRORS:
                 errors.append(
@@ -81,7 +81,9 @@ def validate_lines(
     return items, errors
 
 
-class _LineError(Exception):
+class LineError(Exception):
+    """A line that cannot run: its error code, message and the field at fault."""
+
     def __init__(self, code: str, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.code, self.message, self.param = code, message, param
@@ -98,34 +100,34 @@ def _check_line(
     try:
         line = msgspec.json.decode(raw, type=_Line)
     except msgspec.DecodeError as exc:
-        raise _LineError("invalid_json", f"line {line_no} is not valid JSON: {exc}") from None
+        raise LineError("invalid_json", f"line {line_no} is not valid JSON: {exc}") from None
     except msgspec.ValidationError:
-        raise _LineError("invalid_json", f"line {line_no} is not a JSON object") from None
+        raise LineError("invalid_json", f"line {line_no} is not a JSON object") from None
     custom_id = line.custom_id
     if not isinstance(custom_id, str) or not custom_id:
-        raise _LineError("missing_custom_id", "custom_id must be a non-empty string", "custom_id")
+        raise LineError("missing_custom_id", "custom_id must be a non-empty string", "custom_id")
     if len(custom_id) > MAX_CUSTOM_ID_CHARS:
-        raise _LineError(
+        raise LineError(
             "invalid_custom_id",
             f"custom_id is longer than {MAX_CUSTOM_ID_CHARS} characters",
             "custom_id",
         )
     if custom_id in seen:
-        raise _LineError(
+        raise LineError(
             "duplicate_custom_id",
             f"custom_id {custom_id!r} was already used on line {seen[custom_id]}",
             "custom_id",
         )
     if line.method != "POST":
-        raise _LineError("invalid_method", f"method must be 'POST', got {line.method!r}", "method")
+        raise LineError("invalid_method", f"method must be 'POST', got {line.method!r}", "method")
     if line.url != endpoint:
-        raise _LineError(
+        raise LineError(
             "mismatched_url",
             f"url must be the batch's endpoint {endpoint!r}, got {line.url!r}",
             "url",
         )
     if not isinstance(line.body, dict):
-        raise _LineError("invalid_body", "body must be a JSON object", "body")
+        raise LineError("invalid_body", "body must be a JSON object", "body")
     body = msgspec.json.encode(line.body)
     parse_body(body, kind, model)
     return NewItem(
@@ -134,28 +136,28 @@ def _check_line(
 
 
 def parse_body(body: bytes, kind: type[msgspec.Struct], model: str) -> Any:
-    """The request Struct of a line's body; raises _LineError naming the field."""
+    """The request Struct of a line's body; raises LineError naming the field."""
     try:
         request = msgspec.json.decode(body, type=kind)
         assert isinstance(request, (ChatCompletionRequest, CompletionRequest))
         check_sampling(request)
     except msgspec.ValidationError as exc:
         err = validation_error(exc)
-        raise _LineError(
+        raise LineError(
             "invalid_body", f"body.{err.message}", f"body.{err.param}" if err.param else "body"
         ) from None
     except ApiError as exc:
-        raise _LineError(
+        raise LineError(
             "invalid_body",
             f"body.{exc.param}: {exc.message}" if exc.param else exc.message,
             f"body.{exc.param}" if exc.param else "body",
         ) from None
     if request.model != model:
-        raise _LineError(
+        raise LineError(
             "model_not_found",
             f"body.model {request.model!r} does not exist; this gateway serves {model!r}",
             "body.model",
         )
     if request.stream:
-        raise _LineError("invalid_body", "body.stream must be false in a batch", "body.stream")
+        raise LineError("invalid_body", "body.stream must be false in a batch", "body.stream")
     return request

@@ -1,0 +1,204 @@
+"""SQL of a batch's lines (batch_items): the per-line state that makes a batch resumable.
+
+A line's life is pending → running → succeeded | failed (or expired / cancelled if it never
+ran); every transition is one short transaction guarded by the expected current status, so a
+line runs once at a time and a crash leaves at most `running` lines, which `reset_running`
+turns back to pending at the next start.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import cast
+
+import msgspec
+from sqlalchemy import Table, bindparam, func, select, update
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from gateway.batch.types import ItemResult, PendingItem
+from gateway.store.models import BatchItemRow, BatchRow
+
+_json = msgspec.json.Encoder()
+
+
+def now_utc() -> datetime:
+    """The current time, timezone-aware UTC (what every timestamp column stores)."""
+    return datetime.now(UTC)
+
+
+class LineQueries:
+    """The line-level half of :class:`gateway.batch.store.BatchStore`."""
+
+    _sessions: async_sessionmaker[AsyncSession]
+
+    async def reset_running(self) -> int:
+        """After a restart: lines left `running` by a dead process go back to `pending`."""
+        async with self._sessions.begin() as session:
+            result = await session.execute(
+                update(BatchItemRow)
+                .where(BatchItemRow.status == "running")
+                .values(status="pending", started_at=None)
+            )
+            return int(getattr(result, "rowcount", 0) or 0)
+
+    async def reset_batch_running(self, batch_id: str) -> int:
+        """One batch's running lines back to pending (their engine requests were stopped)."""
+        async with self._sessions.begin() as session:
+            result = await session.execute(
+                update(BatchItemRow)
+                .where(BatchItemRow.batch_id == batch_id, BatchItemRow.status == "running")
+                .values(status="pending", started_at=None)
+            )
+            return int(getattr(result, "rowcount", 0) or 0)
+
+    async def pending_items(self, batch_id: str) -> list[PendingItem]:
+        """The batch's lines still to run, in file order."""
+        async with self._sessions() as session:
+            rows = (
+                await session.execute(
+                    select(
+                        BatchItemRow.line_no,
+                        BatchItemRow.custom_id,
+                        BatchItemRow.body,
+                        BatchItemRow.attempts,
+                    )
+                    .where(BatchItemRow.batch_id == batch_id, BatchItemRow.status == "pending")
+                    .order_by(BatchItemRow.line_no)
+                )
+            ).all()
+            return [
+                PendingItem(line_no=r[0], custom_id=r[1], body=r[2], attempts=r[3]) for r in rows
+            ]
+
+    async def finished_lengths(self, batch_id: str) -> dict[int, int]:
+        """Output lengths of the batch's succeeded lines, by line (samples after a restart)."""
+        async with self._sessions() as session:
+            rows = (
+                await session.execute(
+                    select(BatchItemRow.line_no, BatchItemRow.completion_tokens).where(
+                        BatchItemRow.batch_id == batch_id,
+                        BatchItemRow.status == "succeeded",
+                        BatchItemRow.completion_tokens.is_not(None),
+                    )
+                )
+            ).all()
+            return {int(r[0]): int(r[1]) for r in rows}
+
+    async def set_order(self, batch_id: str, ranks: dict[int, int]) -> None:
+        """Stores each pending line's place in the planned order."""
+        if not ranks:
+            return
+        table = cast(Table, BatchItemRow.__table__)
+        statement = (
+            update(table)
+            .where(table.c.batch_id == batch_id, table.c.line_no == bindparam("b_line_no"))
+            .values(order_rank=bindparam("b_rank"))
+        )
+        rows = [{"b_line_no": n, "b_rank": r} for n, r in ranks.items()]
+        async with self._sessions.begin() as session:
+            await session.connection()  # one executemany, not one round trip per line
+            await session.execute(statement, rows)
+
+    async def mark_running(self, batch_id: str, line_no: int) -> bool:
+        """pending → running (one attempt more); False if the line is no longer pending."""
+        async with self._sessions.begin() as session:
+            result = await session.execute(
+                update(BatchItemRow)
+                .where(
+                    BatchItemRow.batch_id == batch_id,
+                    BatchItemRow.line_no == line_no,
+                    BatchItemRow.status == "pending",
+                )
+                .values(status="running", started_at=now_utc(), attempts=BatchItemRow.attempts + 1)
+            )
+            return bool(getattr(result, "rowcount", 0))
+
+    async def finish_item(self, batch_id: str, line_no: int, result: ItemResult) -> None:
+        """running → its final status with the response or error, and the batch's usage."""
+        async with self._sessions.begin() as session:
+            await session.execute(
+                update(BatchItemRow)
+                .where(
+                    BatchItemRow.batch_id == batch_id,
+                    BatchItemRow.line_no == line_no,
+                    BatchItemRow.status == "running",
+                )
+                .values(
+                    status=result.status,
+                    finished_at=now_utc(),
+                    response=_json.encode(result.response).decode()
+                    if result.response is not None
+                    else None,
+                    error=_json.encode(result.error).decode() if result.error is not None else None,
+                    prompt_tokens=result.prompt_tokens,
+                    completion_tokens=result.completion_tokens,
+                )
+            )
+            if result.prompt_tokens or result.completion_tokens:
+                await session.execute(
+                    update(BatchRow)
+                    .where(BatchRow.id == batch_id)
+                    .values(
+                        prompt_tokens=BatchRow.prompt_tokens + (result.prompt_tokens or 0),
+                        completion_tokens=BatchRow.completion_tokens
+                        + (result.completion_tokens or 0),
+                    )
+                )
+
+    async def requeue_item(self, batch_id: str, line_no: int) -> None:
+        """running → pending (the engine was unreachable or aborted it; it runs again)."""
+        async with self._sessions.begin() as session:
+            await session.execute(
+                update(BatchItemRow)
+                .where(
+                    BatchItemRow.batch_id == batch_id,
+                    BatchItemRow.line_no == line_no,
+                    BatchItemRow.status == "running",
+                )
+                .values(status="pending", started_at=None)
+            )
+
+    async def end_pending(self, batch_id: str, status: str) -> int:
+        """Every pending line of the batch → `status` (expired or cancelled)."""
+        async with self._sessions.begin() as session:
+            result = await session.execute(
+                update(BatchItemRow)
+                .where(BatchItemRow.batch_id == batch_id, BatchItemRow.status == "pending")
+                .values(status=status, finished_at=now_utc())
+            )
+            return int(getattr(result, "rowcount", 0) or 0)
+
+    async def count_unfinished(self, batch_id: str) -> int:
+        """Lines pending or running."""
+        async with self._sessions() as session:
+            return int(
+                await session.scalar(
+                    select(func.count())
+                    .select_from(BatchItemRow)
+                    .where(
+                        BatchItemRow.batch_id == batch_id,
+                        BatchItemRow.status.in_(("pending", "running")),
+                    )
+                )
+                or 0
+            )
+
+    async def result_lines(
+        self, batch_id: str
+    ) -> list[tuple[int, str, str, str | None, str | None]]:
+        """(line_no, custom_id, status, response JSON, error JSON) of every line, file order."""
+        async with self._sessions() as session:
+            rows = (
+                await session.execute(
+                    select(
+                        BatchItemRow.line_no,
+                        BatchItemRow.custom_id,
+                        BatchItemRow.status,
+                        BatchItemRow.response,
+                        BatchItemRow.error,
+                    )
+                    .where(BatchItemRow.batch_id == batch_id)
+                    .order_by(BatchItemRow.line_no)
+                )
+            ).all()
+            return [(int(r[0]), r[1], r[2], r[3], r[4]) for r in rows]
