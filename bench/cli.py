@@ -196,13 +196,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"tandem: error: {exc}", file=sys.stderr)
         return 2
-    paths = write_outputs(run, cfg.out_dir)
-    print(f"wrote {', '.join(str(p) for p in paths)}")
-    if run.failed:
-        print(f"tandem: error: policy {', '.join(run.failed)} failed (see report.md)",
-              file=sys.stderr)
-        return 1
-    return 0
+    return _finish(write_outputs(run, cfg.out_dir), run.failed)
 
 
 def _cmd_bench_live(cfg: BenchConfig) -> int:
@@ -212,10 +206,14 @@ def _cmd_bench_live(cfg: BenchConfig) -> int:
 
     cfg = replace(live_config(cfg), command=cfg.command)
     run = run_live(cfg)
-    paths = write_live_outputs(run, cfg.out_dir)
+    return _finish(write_live_outputs(run, cfg.out_dir), run.failed)
+
+
+def _finish(paths: Sequence[Path], failed: dict[str, str]) -> int:
+    """Says what was written; exit status 1 when a policy failed."""
     print(f"wrote {', '.join(str(p) for p in paths)}")
-    if run.failed:
-        print(f"tandem: error: policy {', '.join(run.failed)} failed (see report.md)",
+    if failed:
+        print(f"tandem: error: policy {', '.join(failed)} failed (see report.md)",
               file=sys.stderr)
         return 1
     return 0
