@@ -124,6 +124,12 @@ class EngineConfig(_Section, frozen=True):
     """Override of the model's context length, tokens (None: from the model config)."""
     enable_priority_scheduling: bool = False
     """Stock SGLang priority scheduling (a baseline; the tandem policy does not need it)."""
+    kv_layout: Literal["token", "bicache"] = "token"
+    """How the patched engine lays out KV slots: "token" (SGLang's own free list) or "bicache"
+    (BROS's bidirectional blocks: RT fills 16-slot blocks from the left, BE from the right, and
+    RT may take over the slots of a parked BE request after copying them to host memory; needs
+    max_total_tokens a multiple of 16 and runs without the radix cache). Off by default: on this
+    engine it does not pay (bench/results/W1-bicache/README.md)."""
     extra_args: list[str] = msgspec.field(default_factory=list)
     """Further command-line flags for `sglang.launch_server`."""
     startup_timeout_s: float = 300.0

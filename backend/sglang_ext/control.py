@@ -48,7 +48,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         if self.path == CONTROL_STATS_PATH:
-            self._reply(200, self.server.driver.stats.summary())
+            from backend.sglang_ext.kv_layout_engine import stats as kv_layout_stats
+
+            self._reply(200, {**self.server.driver.stats.summary(), **kv_layout_stats()})
         elif self.path == CONTROL_HEALTH_PATH:
             self._reply(200, {"status": "ok", "boot_id": self.server.driver.boot_id})
         else:

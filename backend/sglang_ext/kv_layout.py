@@ -10,8 +10,14 @@ Why the attention kernels need no change: with page_size 1, SGLang's attention b
 (torch_native on CPU, FlashInfer / Triton / FA3 on GPU) read a request's KV through its row of
 `req_to_token` (token position → slot). Which slot a token sits in, and whether a block is
 filled left-to-right or right-to-left, only changes the numbers in that row, never the kernel.
-So the same tokens come out with the layout on or off (a functional test for issue 8 should
-check exactly that once this is wired).
+So the same tokens come out with the layout on or off
+(`tests/functional/test_engine_bicache.py` checks exactly that on the CPU engine). The one thing
+the layout must keep true is that a row never points at a slot another request has taken over:
+when a checkpoint moves a dormant BE token to the host, its entry in that request's row is set to
+SGLang's padding slot 0 (`rows` tells which row), and the restore writes the new slots back
+before the request is scheduled again.
+
+The engine wiring (hooks, allocator routing, statistics) is `kv_layout_engine.py`.
 
 Where it plugs in (SGLang 0.5.23, page_size 1; names checked against the installed package):
 
@@ -45,11 +51,12 @@ Where it plugs in (SGLang 0.5.23, page_size 1; names checked against the install
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import torch
 
-from backend.policy.bicache import DEFAULT_BLOCK_SLOTS, HOST, BiCache, Checkpoint
+from backend.policy.bicache import DEFAULT_BLOCK_SLOTS, HOST, BiCache, BiCacheError, Checkpoint
 from backend.policy.types import Tier
 
 
@@ -75,6 +82,14 @@ class BiCacheKvLayout:
         self.host: dict[tuple[str, int], torch.Tensor] = {}
         """(rid, token index) → its rows, [num_layers, heads, head_dim], on the host."""
         self._owner: dict[int, str] = {}  # slot → rid (for free-by-index)
+        self.req_to_token: torch.Tensor | None = None
+        """SGLang's token → slot table (`ReqToTokenPool.req_to_token`); None in unit tests."""
+        self.rows: dict[str, int] = {}
+        """rid → its row of `req_to_token` (checkpointed tokens' entries are reset there)."""
+        self.suspends = 0
+        """Times a BE request became dormant."""
+        self.restores = 0
+        """Times a dormant BE request was brought back (with or without host rows)."""
 
     # --- SGLang's allocator surface -----------------------------------------------------------
 
@@ -100,7 +115,8 @@ class BiCacheKvLayout:
     def free(self, free_index: torch.Tensor) -> None:
         """Frees whole requests by their slots (what `release_kv_cache` passes without the
         radix cache); a partial free of a request is rejected."""
-        slots = [int(s) - self.offset for s in free_index.tolist()]
+        # Entries of checkpointed tokens point at the padding slot: below the layout, skipped.
+        slots = [int(s) - self.offset for s in free_index.tolist() if int(s) >= self.offset]
         rids = {self._owner[s] for s in slots if s in self._owner}
         freed = set(slots)
         for rid in rids:
@@ -119,9 +135,12 @@ class BiCacheKvLayout:
         for index in self.cache.checkpointed(rid):
             self.host.pop((rid, index), None)
         self.cache.release(rid)
+        self.rows.pop(rid, None)
 
     def suspend(self, rid: str) -> None:
         """A BE request was evicted: its KV stays until RT needs the slots."""
+        if not self.cache.is_dormant(rid):
+            self.suspends += 1
         self.cache.suspend(rid)
 
     def resume_and_restore(self, rid: str) -> list[int]:
@@ -129,6 +148,7 @@ class BiCacheKvLayout:
         returns its whole token → slot row (write it into req_to_token)."""
         self.cache.resume(rid)
         restore = self.cache.restore(rid)
+        self.restores += 1
         self._checkpoint(restore.checkpoints)
         if restore.loads:
             dst = torch.tensor([slot + self.offset for _, slot in restore.loads],
@@ -143,7 +163,51 @@ class BiCacheKvLayout:
                 scatter_slots_reference(self.layers, dst, rows)
             for _, slot in restore.loads:
                 self._owner[slot] = rid
-        return [s + self.offset for s in self.cache.slots(rid)]
+        slots = [s + self.offset for s in self.cache.slots(rid)]
+        row = self.rows.get(rid)
+        if self.req_to_token is not None and row is not None:
+            table = self.req_to_token
+            table[row, :len(slots)] = torch.tensor(slots, dtype=table.dtype, device=table.device)
+        return slots
+
+    def fits(self, requests: Sequence[tuple[str, Tier, int]]) -> bool:
+        """Whether `alloc(requests)` would succeed after every dormant one among them is
+        resumed and restored (in that order: what the decode path does). Exact: a dry run on a
+        copy of the bookkeeping, skipped when free room alone covers a fresh block per
+        request."""
+        b = self.cache.b
+        need_blocks = b * len(requests)
+        if (not any(self.cache.is_dormant(rid) for rid, _, _ in requests)
+                and self.cache.room("rt") >= need_blocks
+                and self.cache.room("be") >= need_blocks):
+            return True  # ≥ len(requests) blocks with room on each side: nothing can fail
+        trial = copy.deepcopy(self.cache)
+        try:
+            for rid, _, _ in requests:
+                if trial.is_dormant(rid):
+                    trial.resume(rid)
+                    trial.restore(rid)
+            for rid, tier, tokens in requests:
+                trial.allocate(rid, tier, tokens)
+        except BiCacheError:
+            return False
+        return True
+
+    def stats(self) -> dict[str, int]:
+        """Counters of the layout since start (the control endpoint's `kv_layout`)."""
+        cache = self.cache
+        return {
+            "capacity_slots": cache.capacity,
+            "used_slots": cache.used,
+            "dormant_slots": cache.dormant_used,
+            "host_tokens": cache.on_host,
+            "checkpointed_tokens": cache.checkpointed_total,
+            "restored_tokens": cache.restored_total,
+            "discarded_tokens": cache.discarded_total,
+            "borrowed_slots": cache.borrowed_total,
+            "suspends": self.suspends,
+            "restores": self.restores,
+        }
 
     def protect(self, rid: str, tokens: int) -> None:
         """Its first `tokens` tokens are shared (radix cache): never overwrite them."""
@@ -166,3 +230,7 @@ class BiCacheKvLayout:
         for i, c in enumerate(checkpoints):
             self.host[(c.rid, c.index)] = rows[:, i].clone()
             self._owner.pop(c.slot, None)
+            row = self.rows.get(c.rid)
+            if self.req_to_token is not None and row is not None:
+                # its slot is someone else's from now on: the row points at the padding slot
+                self.req_to_token[row, c.index] = 0

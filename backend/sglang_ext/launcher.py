@@ -98,6 +98,9 @@ def server_argv(engine_cfg: EngineConfig, model_path: Path, model_name: str) -> 
         # scheduling a batch would still be in flight while the next is planned (SGLang already
         # turns overlap off on CPU; this makes GPUs behave the same).
         argv.append("--disable-overlap-schedule")
+    if engine_cfg.kv_layout == "bicache":
+        # The bicache layout frees whole requests; slots the radix tree kept would outlive them.
+        argv.append("--disable-radix-cache")
     return argv + list(engine_cfg.extra_args)
 
 
@@ -152,6 +155,8 @@ def engine_env(
         plugins.append(PLUGIN_NAME)
     env["SGLANG_PLUGINS"] = ",".join(plugins) or NO_PLUGINS
     env.update(policy_env(engine_cfg))
+    if engine_cfg.kv_layout == "bicache":
+        env["TANDEM_KV_LAYOUT"] = "bicache"
     env.update(extra or {})
     return env
 

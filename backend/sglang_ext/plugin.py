@@ -88,6 +88,10 @@ def register() -> None:
     policy_name = os.environ.get(POLICY_ENV, "").strip()
     if policy_name and policy_name != "none":
         _install_policy(policy_name)
+    if os.environ.get("TANDEM_KV_LAYOUT", "").strip() == "bicache":  # engine.kv_layout
+        from backend.sglang_ext import kv_layout_engine
+
+        kv_layout_engine.install()
     logger.info("tandem plugin registered in pid %d (policy: %s, trace: %s)", os.getpid(),
                 policy_name or "none", _trace_path)
 

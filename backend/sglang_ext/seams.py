@@ -34,3 +34,18 @@ SEAMS: tuple[str, ...] = (
     "sglang.srt.mem_cache.prefill_budget.PrefillBudget.reserve",
 )
 """Every SGLang attribute the co-location hooks touch or rely on."""
+
+KV_INIT_SEAM = f"{SCHED}.init_running_status"
+KV_EXTEND_SEAM = "sglang.srt.managers.schedule_batch.alloc_for_extend"
+KV_DECODE_FUNCS_SEAM = "sglang.srt.mem_cache.allocation.ALLOC_FOR_DECODE_FUNCS"
+_KV_ALLOCATOR = "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator"
+KV_LAYOUT_SEAMS: tuple[str, ...] = (
+    KV_INIT_SEAM, KV_EXTEND_SEAM, KV_DECODE_FUNCS_SEAM,
+    "sglang.srt.mem_cache.allocation.alloc_for_decode_default",
+    f"{_KV_ALLOCATOR}.alloc", f"{_KV_ALLOCATOR}.free", f"{_KV_ALLOCATOR}.available_size",
+    f"{_KV_ALLOCATOR}.check_decode_capacity", f"{_KV_ALLOCATOR}.clear",
+    f"{_KV_ALLOCATOR}.get_kvcache", f"{_KV_ALLOCATOR}._copy_for_free_group",
+    "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool",
+)
+"""What the bicache KV layout (``backend.sglang_ext.kv_layout_engine``) hooks or relies on."""
+SEAMS = SEAMS + KV_LAYOUT_SEAMS

@@ -1,0 +1,242 @@
+"""The bicache KV layout wired into SGLang's scheduler (``engine.kv_layout: bicache``).
+
+Off by default. With ``TANDEM_KV_LAYOUT=bicache`` in the engine's environment (the launcher sets
+it, together with ``--disable-radix-cache``) the plugin calls :func:`install` in the scheduler
+process, and every KV slot of the token pool is handed out by
+:class:`~backend.sglang_ext.kv_layout.BiCacheKvLayout` (blocks of 16 slots, RT from the left,
+BE from the right, dormant BE slots checkpointed to the host before RT or BE takes them over).
+
+Where it hooks (every path is in ``backend.sglang_ext.seams.KV_LAYOUT_SEAMS``):
+
+* AFTER ``Scheduler.init_running_status`` (the pool and the cache exist by then): builds the
+  layout on the pool's K/V buffers and routes the ``TokenToKVPoolAllocator`` instance's
+  ``alloc`` / ``free`` / ``available_size`` / ``check_decode_capacity`` / ``clear`` to it.
+* AROUND ``schedule_batch.alloc_for_extend`` and ``allocation.ALLOC_FOR_DECODE_FUNCS`` (the
+  device's decode allocator): tell the layout which request each of the slots SGLang is about to
+  ask for belongs to (``alloc(n)`` itself carries no request), and which ``req_to_token`` row is
+  whose. The decode path first restores the dormant requests of the batch (their checkpointed
+  rows copied back into fresh slots, their rows rewritten).
+* Dormancy: a BE decode row the policy parks (``EngineDriver.parked``) is suspended at the next
+  allocation; its slots stay in place, and only the ones another request takes over are copied
+  out (lazy checkpointing). It is restored when it decodes again.
+* ``check_decode_capacity`` is exact (a dry run of the restores and the one-slot allocations), so
+  SGLang's own retraction, never an allocation error, handles a pool that cannot take them.
+
+Limits: page size 1 and the plain token pool only (what CPU and dense GPU models use); no radix
+cache (slots the tree keeps would outlive their request: the layout frees whole requests); the
+pool size must be a multiple of the block size.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from backend.policy.bicache import DEFAULT_BLOCK_SLOTS, BiCacheError
+from backend.policy.types import Tier
+from backend.sglang_ext.kv_layout import BiCacheKvLayout
+from backend.sglang_ext.request_meta import get_meta
+from backend.sglang_ext.seams import (
+    KV_DECODE_FUNCS_SEAM,
+    KV_EXTEND_SEAM,
+    KV_INIT_SEAM,
+)
+
+logger = logging.getLogger(__name__)
+
+LAYOUT_ENV = "TANDEM_KV_LAYOUT"
+"""Environment variable selecting the KV layout: "token" (SGLang's own, the default) or
+"bicache"."""
+LAYOUTS = ("token", "bicache")
+"""Valid values of ``TANDEM_KV_LAYOUT``."""
+
+_layout: BiCacheKvLayout | None = None
+_pending: list[tuple[str, Tier, int]] | None = None  # who the next alloc(n) is for
+
+
+def layout_from_env(env: dict[str, str] | None = None) -> str:
+    """The layout ``TANDEM_KV_LAYOUT`` names ("token" when unset); ValueError for others."""
+    value = (os.environ if env is None else env).get(LAYOUT_ENV, "").strip() or "token"
+    if value not in LAYOUTS:
+        raise ValueError(f"{LAYOUT_ENV}={value!r} is not a KV layout; valid: "
+                         f"{', '.join(LAYOUTS)}")
+    return value
+
+
+def install() -> None:
+    """Registers the hooks (call from the plugin's ``register`` in the scheduler process)."""
+    from sglang.srt.mem_cache import allocation
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(KV_INIT_SEAM, after_init_running_status, HookType.AFTER)
+    HookRegistry.register(KV_EXTEND_SEAM, around_alloc_for_extend, HookType.AROUND)
+    funcs = getattr(allocation, KV_DECODE_FUNCS_SEAM.rsplit(".", 1)[1])
+    for device in ("cpu", "cuda"):
+        funcs[device] = _decode_allocator(funcs[device])
+    logger.info("tandem: bicache KV layout installed in pid %d", os.getpid())
+
+
+def layout() -> BiCacheKvLayout | None:
+    """The layout of this scheduler process (None before the pool exists or when off)."""
+    return _layout
+
+
+def stats() -> dict[str, Any]:
+    """``{"kv_layout": {...counters}}`` for the control endpoint; {} when the layout is off."""
+    if _layout is None:
+        return {}
+    return {"kv_layout": {"layout": "bicache", **_layout.stats()}}
+
+
+# --- hooks -------------------------------------------------------------------------------------
+
+
+def after_init_running_status(result: Any, sched: Any, *args: Any, **kwargs: Any) -> None:
+    """The pool exists: build the layout on its buffers and route the allocator to it."""
+    global _layout
+    allocator = sched.token_to_kv_pool_allocator
+    if type(allocator).__name__ != "TokenToKVPoolAllocator" or allocator.page_size != 1:
+        raise RuntimeError(f"tandem: kv_layout=bicache needs the plain token pool with page "
+                           f"size 1, not {type(allocator).__name__} "
+                           f"(page size {allocator.page_size})")
+    if not getattr(sched, "disable_radix_cache", False):
+        raise RuntimeError("tandem: kv_layout=bicache needs --disable-radix-cache (the layout "
+                           "frees whole requests; the radix tree keeps slots past them)")
+    if allocator.size % DEFAULT_BLOCK_SLOTS:
+        raise RuntimeError(f"tandem: kv_layout=bicache needs a KV pool of a multiple of "
+                           f"{DEFAULT_BLOCK_SLOTS} tokens, got {allocator.size} "
+                           f"(engine.max_total_tokens)")
+    kvcache = allocator.get_kvcache()
+    lay = BiCacheKvLayout(list(kvcache.k_buffer) + list(kvcache.v_buffer))
+    lay.req_to_token = sched.req_to_token_pool.req_to_token
+    _layout = lay
+    _route_allocator(allocator, lay)
+    logger.info("tandem: bicache layout on %d slots (%d blocks)", lay.cache.capacity,
+                lay.cache.num_blocks)
+
+
+def around_alloc_for_extend(original: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    """``alloc_for_extend(batch)``: the batch's slots, request by request, in its order."""
+    lay = _layout
+    if lay is None:
+        return original(batch, *args, **kwargs)
+    _suspend_parked(lay)
+    demands = [(str(req.rid), _tier(req), int(n)) for req, n in zip(batch.reqs,
+                                                                   batch.extend_lens)]
+    result = _with_demands(demands, lambda: original(batch, *args, **kwargs))
+    _note_rows(lay, batch.reqs)
+    return result
+
+
+def _decode_allocator(default: Any) -> Any:
+    def alloc_for_decode(batch: Any, token_per_req: int) -> Any:
+        lay = _layout
+        if lay is None:
+            return default(batch, token_per_req)
+        _suspend_parked(lay)
+        for req in batch.reqs:
+            rid = str(req.rid)
+            if lay.cache.is_dormant(rid):
+                lay.rows[rid] = int(req.kv.req_pool_idx)
+                lay.resume_and_restore(rid)  # checked by check_decode_capacity: it fits
+        demands = [(str(req.rid), _tier(req), token_per_req) for req in batch.reqs]
+        result = _with_demands(demands, lambda: default(batch, token_per_req))
+        _note_rows(lay, batch.reqs)
+        return result
+
+    return alloc_for_decode
+
+
+def _route_allocator(allocator: Any, lay: BiCacheKvLayout) -> None:
+    """Instance attributes shadow the class's methods: only this allocator is rerouted."""
+    original_clear = allocator.clear
+
+    def alloc(need_size: int) -> torch.Tensor | None:
+        demands = _pending
+        if demands is None or sum(n for _, _, n in demands) != need_size:
+            raise RuntimeError(f"tandem bicache: an allocation of {need_size} slots outside "
+                               f"the extend/decode paths (demands: {demands})")
+        try:
+            return lay.alloc(demands)
+        except BiCacheError as exc:
+            logger.warning("tandem bicache: %s", exc)
+            return None  # SGLang's out-of-memory path
+
+    def free(free_index: torch.Tensor) -> None:
+        if free_index.numel() == 0:
+            return
+        if allocator.free_group is not None:  # SGLang batches frees between begin/end
+            allocator.free_group.append(allocator._copy_for_free_group(free_index))
+            return
+        lay.free(free_index)
+
+    def available_size() -> int:
+        # Either tier's next request can use these, counting dormant slots it may take over
+        # after a checkpoint. Rows parked since the last allocation become dormant first (the
+        # prefill pass asks this right after the plan parked them).
+        _suspend_parked(lay)
+        cache = lay.cache
+        return min(cache.room("rt") + cache.reclaimable("rt"),
+                   cache.room("be") + cache.reclaimable("be"))
+
+    def check_decode_capacity(*, num_tokens: int, tree_cache: Any, requests: Any = None,
+                              spec_algorithm: Any = None) -> bool:
+        _suspend_parked(lay)
+        reqs = list(requests or [])
+        if not reqs:
+            return bool(available_size() >= num_tokens)
+        per_req = max(1, num_tokens // len(reqs))
+        return lay.fits([(str(r.rid), _tier(r), per_req) for r in reqs])
+
+    def clear() -> None:
+        original_clear()
+        fresh = BiCacheKvLayout(lay.layers)
+        lay.cache, lay.host, lay._owner, lay.rows = fresh.cache, {}, {}, {}
+
+    allocator.alloc = alloc
+    allocator.free = free
+    allocator.available_size = available_size
+    allocator.check_decode_capacity = check_decode_capacity
+    allocator.clear = clear
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+
+def _with_demands(demands: list[tuple[str, Tier, int]], call: Any) -> Any:
+    global _pending
+    _pending = demands
+    try:
+        return call()
+    finally:
+        _pending = None
+
+
+def _note_rows(lay: BiCacheKvLayout, reqs: Sequence[Any]) -> None:
+    for req in reqs:
+        rid = str(req.rid)
+        if rid in lay.cache:
+            lay.rows[rid] = int(req.kv.req_pool_idx)
+
+
+def _tier(req: Any) -> Tier:
+    meta = get_meta(req)
+    return "be" if meta is not None and meta.tier == "be" else "rt"
+
+
+def _suspend_parked(lay: BiCacheKvLayout) -> None:
+    """BE rows the policy parked are dormant: their slots may be taken over (checkpointed)."""
+    from backend.sglang_ext import hooks
+
+    try:
+        parked = hooks.driver().parked_reqs()
+    except RuntimeError:  # no policy in charge: nothing is ever parked
+        return
+    for req in parked:
+        rid = str(req.rid)
+        if _tier(req) == "be" and rid in lay.cache and not lay.cache.is_dormant(rid):
+            lay.suspend(rid)

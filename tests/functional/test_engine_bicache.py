@@ -1,0 +1,117 @@
+"""The bicache KV layout in the real CPU engine (issue 8): RT and BE requests share 16-slot
+blocks, RT takes over the slots of parked BE requests after checkpointing them to host memory,
+and the BE requests come back with exactly the output they would have had alone.
+
+What a user notices: with ``engine.kv_layout: bicache`` every completion is the same text as with
+SGLang's own layout (greedy decoding), and the engine's ``GET /stats`` shows the checkpoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from tests.functional.engine_fixtures import EngineServer, control, post_json, running_engine
+from tests.functional.gateway_fixtures import GatewayHandle, start_gateway
+from tests.functional.test_engine_colocation import complete, prompt_ids, stream_ttft
+
+pytestmark = pytest.mark.slow
+
+POOL_TOKENS = 1600
+"""KV pool of the bicache engine: 100 blocks of 16; four BE requests of 340 tokens and the RT
+streams below do not fit beside each other without taking over BE slots."""
+
+
+@pytest.fixture(scope="module")
+def bicache_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineServer]:
+    with running_engine(tmp_path_factory.mktemp("bicache-engine"), kv_layout="bicache",
+                        max_total_tokens=POOL_TOKENS, chunked_prefill_size=256,
+                        max_running_requests=8) as engine:
+        yield engine
+
+
+@pytest_asyncio.fixture(scope="module")
+async def bicache_gateway(bicache_engine: EngineServer,
+                          tmp_path_factory: pytest.TempPathFactory
+                          ) -> AsyncIterator[GatewayHandle]:
+    db = tmp_path_factory.mktemp("bicache-gateway") / "tandem.db"
+    server, handle = await start_gateway(f"sqlite:///{db}", bicache_engine.port,
+                                         bicache_engine.model_path)
+    yield handle
+    await handle.session.close()
+    await server.close()
+
+
+def layout_stats(engine: EngineServer) -> dict[str, Any]:
+    status, body = control(engine, "GET", "/stats")
+    assert status == 200, body
+    assert "kv_layout" in body, f"the engine runs without the bicache layout: {body}"
+    return dict(body["kv_layout"])
+
+
+def generate(engine: EngineServer, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """A greedy completion straight from the engine (no gateway): its output token ids."""
+    status, body = post_json(engine.base_url, "/generate", {
+        "input_ids": prompt,
+        "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens,
+                            "ignore_eos": True, "sampling_seed": 7},
+    })
+    assert status == 200, body
+    return list(body["output_ids"])
+
+
+async def test_rt_takes_over_parked_be_slots_and_be_outputs_stay_correct(
+        bicache_gateway: GatewayHandle, bicache_engine: EngineServer) -> None:
+    gw = bicache_gateway
+    _, be_key = await gw.new_tenant("bicache-be", "be")
+    _, rt_key = await gw.new_tenant("bicache-rt", "rt", ttft_ms=1500, tpot_ms=40)
+    prompts = [prompt_ids(700 + i, 300) for i in range(4)]
+    solo = [await complete(gw, be_key, p, 40) for p in prompts]
+
+    before = layout_stats(bicache_engine)
+    assert control(bicache_engine, "POST", "/stats/reset")[0] == 200
+    be = [asyncio.create_task(complete(gw, be_key, p, 40)) for p in prompts]
+    await asyncio.sleep(1.5)
+    # RT streams with a 40 ms TPOT target: the policy parks the BE decodes, and the RT prompts
+    # need more than the free slots, so they take over parked BE slots.
+    await asyncio.gather(*(stream_ttft(gw, rt_key, prompt_ids(800 + i, 100), 30)
+                           for i in range(4)))
+    together = await asyncio.gather(*be)
+    after = layout_stats(bicache_engine)
+
+    checkpointed = after["checkpointed_tokens"] - before["checkpointed_tokens"]
+    assert checkpointed > 0, f"no BE slot was checkpointed; the test proves nothing: {after}"
+    assert after["restored_tokens"] > before["restored_tokens"], after
+    assert after["borrowed_slots"] > before["borrowed_slots"], after
+    for alone, shared in zip(solo, together, strict=True):
+        assert shared["usage"]["completion_tokens"] == 40
+        assert shared["choices"][0]["text"] == alone["choices"][0]["text"]
+    # every request ended: nothing left in the pool, nothing left on the host
+    assert after["used_slots"] == 0 and after["host_tokens"] == 0, after
+
+
+async def test_the_layout_does_not_change_the_tokens(bicache_engine: EngineServer,
+                                                     engine_server: EngineServer) -> None:
+    """Greedy decoding with the layout on gives the same tokens as with SGLang's own layout
+    (the session engine): attention reads KV through req_to_token, whatever the slots."""
+    prompts = [prompt_ids(900 + i, 90 + 37 * i) for i in range(3)]
+
+    async def run_all(engine: EngineServer) -> list[list[int]]:
+        return list(await asyncio.gather(*(asyncio.to_thread(generate, engine, p, 24)
+                                           for p in prompts)))
+
+    on = await run_all(bicache_engine)
+    off = await run_all(engine_server)
+    assert [len(ids) for ids in on] == [24, 24, 24]
+    assert on == off
+
+
+def test_an_engine_with_a_pool_off_the_block_size_refuses_to_start(tmp_path: Path) -> None:
+    with pytest.raises(Exception, match="multiple of 16"):
+        with running_engine(tmp_path, kv_layout="bicache", max_total_tokens=1000):
+            pass
