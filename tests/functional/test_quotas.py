@@ -81,27 +81,44 @@ async def test_over_requests_per_min_is_429_then_served_after_retry_after(
     assert limited[0]["slo_met"] is None  # a refusal is not an SLO miss
 
 
-async def test_over_tokens_per_min_is_429_and_unused_tokens_come_back(
+async def test_over_tokens_per_min_is_429_then_served_after_retry_after(
     gateway: GatewayHandle,
 ) -> None:
     _, key = await tenant_with_quota(gateway, "tpm-tenant", tokens_per_min=600)
-    status, _, body = await chat(gateway, key, max_tokens=250)
+    status, _, body = await chat(gateway, key, max_tokens=1)
     assert status == 200, body
-    used = body["usage"]["total_tokens"]
-    # prompt + 250 were reserved and all used; the next one does not fit in what is left
-    status, headers, body = await chat(gateway, key, max_tokens=250)
-    if status == 200:  # the first request's refill made room: one more, then it must refuse
-        status, headers, body = await chat(gateway, key, max_tokens=250)
-    retry_after = assert_rate_limited(status, headers, body, "tokens_per_min")
-    assert "this request needs" in body["error"]["message"]
-    assert retry_after <= 60
+    per_request = body["usage"]["prompt_tokens"] + 40  # what a max_tokens=40 request reserves
+    await asyncio.sleep(1.0)  # the probe's token back
+    # a burst: each request is charged prompt + max_tokens when admitted, so the bucket of 600
+    # admits 600 // per_request of them at once and refuses the rest
+    results = await asyncio.gather(*(chat(gateway, key, max_tokens=40) for _ in range(16)))
+    admitted = [r for r in results if r[0] == 200]
+    refused = [r for r in results if r[0] != 200]
+    assert len(admitted) in (600 // per_request, 600 // per_request + 1), len(admitted)
+    retry_after = assert_rate_limited(*refused[0], "tokens_per_min")
+    assert "this request needs" in refused[0][2]["error"]["message"]
+    assert retry_after <= 60 * per_request / 600 + 1
+    await asyncio.sleep(retry_after)
+    status, _, body = await chat(gateway, key, max_tokens=40)
+    assert status == 200, body
     # a request larger than the whole limit can never pass: said so, naming max_tokens
     status, _, body = await chat(gateway, key, max_tokens=700)
     assert status == 429 and "lower max_tokens" in body["error"]["message"]
-    await asyncio.sleep(retry_after)
-    status, _, body = await chat(gateway, key, max_tokens=250)
+
+
+async def test_tokens_are_corrected_when_a_request_ends_early(gateway: GatewayHandle) -> None:
+    _, key = await tenant_with_quota(gateway, "tpm-correction", tokens_per_min=700)
+    # max_tokens 600 is reserved, but the stop string ("w": every word of the tiny model) ends the
+    # answer early; the tokens not generated go back to the bucket when the request ends
+    status, _, body = await chat(gateway, key, max_tokens=600, ignore_eos=False, stop=["w"])
     assert status == 200, body
-    assert used > 250
+    assert body["choices"][0]["finish_reason"] == "stop"
+    used = body["usage"]["total_tokens"]
+    assert used < 200
+    status, _, body = await chat(gateway, key, max_tokens=600)
+    # admitted only because the ~600 - used tokens came back (the refill alone, 700 per minute,
+    # gives ~12 per second: the first answer would have to take ~40 s)
+    assert status == 200, body
 
 
 async def test_tokens_reserved_but_not_generated_are_given_back(gateway: GatewayHandle) -> None:
