@@ -123,7 +123,7 @@ async def test_monthly_budget_is_shared(two_gateways: tuple[GatewayHandle, Gatew
     _, key = await new_tenant(a, "shared-month", monthly_tokens=100)
     status, _, body = await chat(a, key, max_tokens=110)  # uses the whole month on gateway a
     assert status == 200, body
-    await asyncio.sleep(3 * SYNC_S)  # a has added its tokens to the shared count
+    await asyncio.sleep(5 * SYNC_S)  # a has added its tokens to the shared count, b read it
     status, headers, body = await chat(b, key)
     assert_rate_limited(status, headers, body, "monthly_tokens")
     assert "have been used in" in body["error"]["message"]
