@@ -23,16 +23,19 @@ How it works
   largest remainder (`shares.allocate`), so they too sum to the limit. Month tokens are added
   to ``quota_monthly`` with an atomic upsert-increment and each process may spend its share of
   what is left of the budget.
+* **Batch-API lines** count toward the monthly budget only: like OpenAI's batches they do not
+  draw on the per-minute or concurrency limits (the batch runner paces them itself).
 * **Bounds.** One process alone enforces the limits exactly. With several, a limit can be
   exceeded only while the shares are out of date: for at most one sync interval after a process
   starts, stops or its traffic moves, by at most what the moving shares allow in that interval.
-  Shares following demand means a tenant whose traffic sticks to one process still gets (nearly)
-  its whole limit there after one sync; a process that has seen no traffic for a tenant keeps
-  only the floor, so its first requests may be refused with ``Retry-After: 1`` until the next
-  sync. A crashed process stops counting after ``quota.instance_timeout_s``. The monthly budget
-  may be overrun by the requests in flight when it runs out (a request is admitted while any
-  budget is left). Clocks of the processes are assumed in sync (NTP), as the heartbeats compare
-  wall-clock times.
+  A tenant whose traffic sticks to one process gets (nearly) the whole rate there after one
+  sync; its burst refills at that rate (a growing share never adds tokens at once, or shares
+  swinging back and forth would mint them). A process that has seen no traffic for a tenant
+  keeps only the floor, so its first requests may be refused until the next sync
+  (``Retry-After`` then says what the whole limit needs, not this process's share). A crashed
+  process stops counting after ``quota.instance_timeout_s``. The monthly budget may be overrun
+  by the requests in flight when it runs out (a request is admitted while any budget is left).
+  The processes' clocks are assumed in sync (NTP): heartbeats compare wall-clock times.
 """
 
 from gateway.quotas.limiter import QuotaExceeded, QuotaLimiter, Ticket
