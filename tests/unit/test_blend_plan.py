@@ -80,9 +80,12 @@ def test_merge_never_reorders_and_reaches_the_minimum_size() -> None:
 
 def test_partition_reproduces_the_papers_example_and_edge_cases() -> None:
     assert partition(60.0, 3.73, 0.096, 1.27) == pytest.approx(19.38, abs=0.01)
-    assert partition(60.0, 1.0, 0.5, 1.5) == 60.0  # clamped
-    assert partition(60.0, 1.0, 0.5, 0.1) == 0.0
+    assert partition(60.0, 1.0, 0.5, 1.5, min_share=0.0) == 60.0  # clamped as in the paper
+    assert partition(60.0, 1.0, 0.5, 0.1, min_share=0.0) == 0.0
     assert partition(60.0, 2.0, 2.0, 2.0) == 30.0  # equal densities: half each
+    # by default neither stream drops below a tenth of the memory
+    assert partition(60.0, 1.0, 0.5, 1.5) == pytest.approx(54.0)
+    assert partition(60.0, 70.0, 0.4, 0.9) == pytest.approx(6.0)
 
 
 def test_dual_scanner_hands_out_everything_once_from_both_ends_within_memory() -> None:

@@ -31,12 +31,25 @@ def footprint_tokens(prompt_len: float, output_len: float) -> float:
     return prompt_len + output_len / 2.0
 
 
-def partition(memory: float, rho_left: float, rho_right: float, rho_target: float) -> float:
-    """M_L, the left scanner's share of `memory` (digest §2.8, edge cases 1–2)."""
+MIN_SHARE = 0.1
+"""Least share of M either scanner keeps while both have work. The paper clamps M_L to [0, M];
+with very dense units (2-token answers: ρ in the tens) that leaves the dense stream one line at a
+time, so its prefix is evicted between two lines of one subject on a small pool, and it stalls."""
+
+
+def partition(
+    memory: float,
+    rho_left: float,
+    rho_right: float,
+    rho_target: float,
+    min_share: float = MIN_SHARE,
+) -> float:
+    """M_L, the left scanner's share of `memory` (digest §2.8, edge cases 1–2), kept within
+    [min_share·M, (1 − min_share)·M]."""
     if abs(rho_left - rho_right) <= _RHO_EQUAL * max(1.0, abs(rho_left)):
         return memory / 2.0
     share = memory * (rho_target - rho_right) / (rho_left - rho_right)
-    return min(memory, max(0.0, share))
+    return min(memory * (1.0 - min_share), max(memory * min_share, share))
 
 
 @dataclass
