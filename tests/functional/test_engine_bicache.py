@@ -22,8 +22,8 @@ from tests.functional.test_engine_colocation import complete, prompt_ids, stream
 
 pytestmark = pytest.mark.slow
 
-POOL_TOKENS = 1600
-"""KV pool of the bicache engine: 100 blocks of 16; four BE requests of 340 tokens and the RT
+POOL_TOKENS = 1440
+"""KV pool of the bicache engine: 90 blocks of 16; four BE requests of 340 tokens and the RT
 streams below do not fit beside each other without taking over BE slots."""
 
 
@@ -65,34 +65,55 @@ def generate(engine: EngineServer, prompt: list[int], max_new_tokens: int) -> li
     return list(body["output_ids"])
 
 
+async def _round(gw: GatewayHandle, engine: EngineServer, be_key: str, rt_key: str,
+                 n: int) -> int:
+    """Four BE requests decode; RT streams arrive that need more than the free slots. Asserts
+    every BE output is what the same prompt gives alone; returns the tokens checkpointed."""
+    prompts = [prompt_ids(720 + 10 * n + i, 300) for i in range(4)]
+    solo = [await complete(gw, be_key, p, 40) for p in prompts]
+    before = layout_stats(engine)
+    be = [asyncio.create_task(complete(gw, be_key, p, 40)) for p in prompts]
+    await asyncio.sleep(2.5)  # the BE prompts are in, their decodes run
+    # A first RT stream with a 40 ms TPOT target: the policy parks the BE decodes (dormant in
+    # the layout). RT prompts then arrive that need more than the free slots: they take over
+    # parked BE slots, each checkpointed to host memory first.
+    first = asyncio.create_task(stream_ttft(gw, rt_key, prompt_ids(852 + n, 16), 60))
+    await asyncio.sleep(1.0)
+    await asyncio.gather(first, *(stream_ttft(gw, rt_key, prompt_ids(820 + 10 * n + i, 120),
+                                              20) for i in range(4)))
+    together = await asyncio.gather(*be)
+    for alone, shared in zip(solo, together, strict=True):
+        assert shared["usage"]["completion_tokens"] == 40
+        assert shared["choices"][0]["text"] == alone["choices"][0]["text"]
+    after = layout_stats(engine)
+    for _ in range(50):  # the last request's slots go back right after its last token
+        if after["used_slots"] == 0:
+            break
+        await asyncio.sleep(0.1)
+        after = layout_stats(engine)
+    # every request ended: nothing left in the pool, nothing left on the host, and every
+    # checkpointed token came back (none was dropped: every BE request ran to its end)
+    assert after["used_slots"] == 0 and after["host_tokens"] == 0, after
+    checkpointed = int(after["checkpointed_tokens"] - before["checkpointed_tokens"])
+    assert after["restored_tokens"] - before["restored_tokens"] == checkpointed, after
+    assert after["discarded_tokens"] == before["discarded_tokens"], after
+    return checkpointed
+
+
 async def test_rt_takes_over_parked_be_slots_and_be_outputs_stay_correct(
         bicache_gateway: GatewayHandle, bicache_engine: EngineServer) -> None:
     gw = bicache_gateway
     _, be_key = await gw.new_tenant("bicache-be", "be")
     _, rt_key = await gw.new_tenant("bicache-rt", "rt", ttft_ms=1500, tpot_ms=40)
-    prompts = [prompt_ids(700 + i, 300) for i in range(4)]
-    solo = [await complete(gw, be_key, p, 40) for p in prompts]
-
-    before = layout_stats(bicache_engine)
-    assert control(bicache_engine, "POST", "/stats/reset")[0] == 200
-    be = [asyncio.create_task(complete(gw, be_key, p, 40)) for p in prompts]
-    await asyncio.sleep(1.5)
-    # RT streams with a 40 ms TPOT target: the policy parks the BE decodes, and the RT prompts
-    # need more than the free slots, so they take over parked BE slots.
-    await asyncio.gather(*(stream_ttft(gw, rt_key, prompt_ids(800 + i, 100), 30)
-                           for i in range(4)))
-    together = await asyncio.gather(*be)
-    after = layout_stats(bicache_engine)
-
-    checkpointed = after["checkpointed_tokens"] - before["checkpointed_tokens"]
-    assert checkpointed > 0, f"no BE slot was checkpointed; the test proves nothing: {after}"
-    assert after["restored_tokens"] > before["restored_tokens"], after
-    assert after["borrowed_slots"] > before["borrowed_slots"], after
-    for alone, shared in zip(solo, together, strict=True):
-        assert shared["usage"]["completion_tokens"] == 40
-        assert shared["choices"][0]["text"] == alone["choices"][0]["text"]
-    # every request ended: nothing left in the pool, nothing left on the host
-    assert after["used_slots"] == 0 and after["host_tokens"] == 0, after
+    # Whether the RT prompts arrive while the BE rows sit parked depends on CPU timing: up to
+    # three rounds, each checked in full, until one of them checkpoints.
+    checkpointed = 0
+    for n in range(3):
+        checkpointed += await _round(gw, bicache_engine, be_key, rt_key, n)
+        if checkpointed:
+            break
+    assert checkpointed > 0, f"no BE slot was checkpointed: {layout_stats(bicache_engine)}"
+    assert layout_stats(bicache_engine)["borrowed_slots"] > 0
 
 
 async def test_the_layout_does_not_change_the_tokens(bicache_engine: EngineServer,
