@@ -1,5 +1,5 @@
-"""BROS's bidirectional KV layout on SGLang's token pool: the allocator adapter (written for the
-plugin to wire; nothing here patches SGLang by itself).
+"""BROS's bidirectional KV layout on SGLang's token pool: the allocator adapter (nothing here
+patches SGLang by itself; `kv_layout_engine.py` wires it in when `engine.kv_layout` is bicache).
 
 `BiCacheKvLayout` hands out KV slots the way `backend/policy/bicache.py` lays them out (blocks
 of 16 slots, RT from the left, BE from the right, RT may overwrite dormant BE slots after
@@ -19,34 +19,25 @@ before the request is scheduled again.
 
 The engine wiring (hooks, allocator routing, statistics) is `kv_layout_engine.py`.
 
-Where it plugs in (SGLang 0.5.23, page_size 1; names checked against the installed package):
+Where it plugs in (SGLang 0.5.23, page_size 1; `kv_layout_engine.py` does each of these):
 
-* extend: `ScheduleBatch.prepare_for_extend` calls `alloc_for_extend(batch)`, which
-  `sglang.srt.managers.schedule_batch` imported by name from `sglang.srt.mem_cache.allocation`
-  (so patch it in schedule_batch's namespace, or patch `allocation.alloc_token_slots`, which
-  `alloc_for_extend` looks up at call time). It calls `alloc_token_slots(batch.tree_cache,
-  batch.extend_num_tokens)` and writes the flat result into `req_to_token` request by request,
-  in `batch.reqs` order, `batch.extend_lens[i]` slots each. During the call, return
-  `layout.alloc([(req.rid, tier, extend_len), ...])` instead: same order and length, so
-  `write_cache_indices` needs no change.
-* decode: `ScheduleBatch.prepare_for_decode` → `alloc_for_decode(batch, 1)` →
-  `ALLOC_FOR_DECODE_FUNCS[batch.device type]` (a dict, default `alloc_for_decode_default`, which
-  calls `alloc_token_slots(tree_cache, bs * token_per_req)`): register a function for "cpu" /
-  "cuda" that does the same with `layout.alloc([(req.rid, tier, 1) for req in batch.reqs])`.
-* free: `release_kv_cache` → `tree_cache.free_kv_row(req.kv, [(cache_protected_len,
-  owned_len)])` → `free_kv_row_segments(allocator, …)` → `TokenToKVPoolAllocator.free` (and
-  `free_segments`): route them to `layout.free(indices)`, and `available_size()` to
-  `layout.available_size()`.
-* eviction: where the scheduler retracts a BE request (`ScheduleBatch.retract_decode`), call
-  `layout.suspend(rid)` instead of freeing its slots: they stay until RT needs them. Before a
-  suspended request runs again, call `layout.resume_and_restore(rid)` and write the returned row
-  into its `req_to_token` row (the restored tokens moved).
-* radix cache: the tree takes a request's KV in `tree_cache.checkpoint(req, up_to=…)` (from
-  `mem_cache.common.checkpoint_kv_cache` and `release_kv_cache(…, checkpoint=True)`). For a BE
-  request, call `layout.protect(rid, up_to)` there: tokens the tree shares are never
-  overwritten. Slots the tree keeps outlive their request, so until the plugin tracks tree
-  ownership, run with `--disable-radix-cache`. `free` rejects a partial free of a request, which
-  is how tree-owned slots would show up.
+* extend: `alloc_for_extend(batch)` (imported by name into `schedule_batch`) asks the allocator
+  for `batch.extend_num_tokens` slots and writes them into `req_to_token` request by request, in
+  `batch.reqs` order; the layout answers `alloc([(rid, tier, extend_len), ...])`, same order and
+  length, so `write_cache_indices` needs no change.
+* decode: `ALLOC_FOR_DECODE_FUNCS[device]` restores the batch's dormant requests
+  (`resume_and_restore`, which rewrites their rows), then `alloc([(rid, tier, 1), ...])`.
+  `check_decode_capacity` (SGLang's gate before it, which retracts on False) is `fits`.
+* free: `release_kv_cache` → `free_kv_row` → `TokenToKVPoolAllocator.free` → `free` here
+  (whole requests only); `available_size` counts free room plus dormant slots either tier may
+  take over.
+* dormancy: a BE decode row the policy parks is `suspend`ed; its slots stay until another
+  request takes them over (each copied to the host first: lazy checkpointing).
+* radix cache: a BE token the tree shares as a prefix must never be overwritten: `protect(rid,
+  tokens)` marks it, and the bookkeeping then neither steals it (RT) nor takes its segment over
+  (BE) (`tests/unit/test_bicache_kv_layout.py`). The engine wiring runs with
+  `--disable-radix-cache` (the launcher adds it): slots the tree keeps would outlive their
+  request, and `free` rejects the partial free of a request that would show it.
 """
 
 from __future__ import annotations

@@ -67,3 +67,68 @@ def test_a_live_be_request_is_never_overwritten() -> None:
     kv.alloc([("x", "be", 30)])
     with pytest.raises(NoRoom):
         kv.alloc([("r", "rt", 3)])
+
+
+
+def test_a_be_prefix_cached_by_the_radix_tree_is_never_overwritten() -> None:
+    """The radix-cache rule: a protected BE prefix is neither stolen by RT nor taken over by
+    BE, even while its request is dormant; only the tokens after it may be checkpointed."""
+    layers = _pool(1 + 64)  # 4 blocks of 16
+    kv = BiCacheKvLayout(layers)
+    x = kv.alloc([("x", "be", 28)])  # a whole block, and 12 slots of a second one
+    _write(layers, x, 1000.0)
+    kv.protect("x", 20)  # the tree shares x's first 20 tokens
+    kv.suspend("x")
+    with pytest.raises(NoRoom):
+        kv.alloc([("r", "rt", 45)])  # 36 free + 8 unprotected: one slot short
+    assert kv.cache.host_tokens("x") == 0  # the failed attempt changed nothing
+    rt = kv.alloc([("r", "rt", 44)])
+    _write(layers, rt, 5000.0)
+    assert kv.cache.checkpointed("x") == list(range(20, 28))
+    with pytest.raises(NoRoom):
+        kv.alloc([("y", "be", 1)])  # BE may not take over a segment holding prefix tokens
+    prefix = [s + kv.offset for s in kv.cache.slots("x")[:20]]
+    assert _read(layers, prefix, 1000.0)  # the shared prefix is intact, in place
+    kv.release("r")
+    row = kv.resume_and_restore("x")
+    assert row[:20] == prefix and _read(layers, row, 1000.0)
+
+
+def test_rows_never_point_at_a_slot_someone_else_took_over() -> None:
+    """SGLang's req_to_token row of a dormant BE request: checkpointed entries point at the
+    padding slot until the restore writes the new slots; freeing the row frees the request."""
+    kv = BiCacheKvLayout(_pool(1 + 64))
+    table = torch.zeros(4, 64, dtype=torch.int32)
+    kv.req_to_token = table
+    x = kv.alloc([("x", "be", 30)])
+    kv.rows["x"] = 2
+    table[2, :30] = x.to(torch.int32)
+    kv.suspend("x")
+    rt = kv.alloc([("r", "rt", 40)])  # 34 free, then 6 of x's slots
+    assert table[2, 24:30].tolist() == [0] * 6
+    assert not set(rt.tolist()) & set(table[2, :30].tolist())
+    kv.release("r")
+    row = kv.resume_and_restore("x")
+    assert table[2, :30].tolist() == row and 0 not in row
+    stats = kv.stats()
+    assert stats["checkpointed_tokens"] == stats["restored_tokens"] == 6
+    assert stats["suspends"] == stats["restores"] == 1
+    kv.suspend("x")
+    kv.alloc([("s", "rt", kv.cache.room("rt") + 3)])  # checkpoints 3 of x's tokens again
+    kv.free(table[2, :30].to(torch.int64))  # x aborted while dormant: its row has zeros
+    assert "x" not in kv.cache and not kv.host and kv.stats()["discarded_tokens"] == 3
+
+
+def test_fits_is_an_exact_dry_run() -> None:
+    kv = BiCacheKvLayout(_pool(1 + 64))
+    kv.alloc([("x", "be", 20)])  # a whole block and 4 slots of a second
+    kv.suspend("x")
+    kv.alloc([("r", "rt", 48)])  # 44 free, then x's 4 slots there (checkpointed)
+    used = kv.cache.used
+    assert not kv.fits([("x", "be", 1)])  # no block without a BE owner for x's 4 host tokens
+    assert kv.cache.used == used and kv.cache.is_dormant("x")  # the dry run changed nothing
+    assert kv.cache.host_tokens("x") == 4
+    kv.release("r")
+    assert kv.fits([("x", "be", 1), ("a", "rt", 30)])
+    assert not kv.fits([("x", "be", 1), ("a", "rt", 44)])
+    assert kv.cache.is_dormant("x") and kv.cache.host_tokens("x") == 4
