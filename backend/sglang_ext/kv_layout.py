@@ -58,8 +58,13 @@ class BiCacheKvLayout:
     (SGLang's `MHATokenToKVPool.k_buffer` + `v_buffer`). Slots are 0 … num_slots − 1 of those
     buffers; SGLang's padding slot 0 is kept out by `reserved_slots`."""
 
-    def __init__(self, layers: Sequence[torch.Tensor], *, block_slots: int = DEFAULT_BLOCK_SLOTS,
-                 reserved_slots: int = 1) -> None:
+    def __init__(
+        self,
+        layers: Sequence[torch.Tensor],
+        *,
+        block_slots: int = DEFAULT_BLOCK_SLOTS,
+        reserved_slots: int = 1,
+    ) -> None:
         num_slots = layers[0].shape[0]
         self.offset = reserved_slots
         """Slot of the layout's slot 0 (SGLang keeps slot 0 as the padding slot)."""
@@ -100,8 +105,9 @@ class BiCacheKvLayout:
             out.extend(grant.slots)
             for slot in grant.slots:
                 self._owner[slot] = rid
-        return torch.tensor([s + self.offset for s in out], dtype=torch.int64,
-                            device=self.layers[0].device)
+        return torch.tensor(
+            [s + self.offset for s in out], dtype=torch.int64, device=self.layers[0].device
+        )
 
     def free(self, free_index: torch.Tensor) -> None:
         """Frees whole requests by their slots (what `release_kv_cache` passes without the
@@ -113,8 +119,10 @@ class BiCacheKvLayout:
         for rid in rids:
             mine = [s for s in self.cache.slots(rid) if s != HOST]
             if not freed.issuperset(mine):
-                raise ValueError(f"partial free of request {rid!r}: the bicache layout frees "
-                                 f"whole requests (run with --disable-radix-cache)")
+                raise ValueError(
+                    f"partial free of request {rid!r}: the bicache layout frees "
+                    f"whole requests (run with --disable-radix-cache)"
+                )
             self.release(rid)
 
     # --- the request life cycle ---------------------------------------------------------------
@@ -142,10 +150,10 @@ class BiCacheKvLayout:
         self.restores += 1
         self._checkpoint(restore.checkpoints)
         if restore.loads:
-            dst = torch.tensor([slot + self.offset for _, slot in restore.loads],
-                               device=self.layers[0].device)
-            rows = torch.stack([self.host.pop((rid, index)) for index, _ in restore.loads],
-                               dim=1)
+            dst = torch.tensor(
+                [slot + self.offset for _, slot in restore.loads], device=self.layers[0].device
+            )
+            rows = torch.stack([self.host.pop((rid, index)) for index, _ in restore.loads], dim=1)
             if self._kernels is not None:
                 self._kernels.scatter(dst, rows.pin_memory(), check=False)
             else:
@@ -158,7 +166,7 @@ class BiCacheKvLayout:
         row = self.rows.get(rid)
         if self.req_to_token is not None and row is not None:
             table = self.req_to_token
-            table[row, :len(slots)] = torch.tensor(slots, dtype=table.dtype, device=table.device)
+            table[row, : len(slots)] = torch.tensor(slots, dtype=table.dtype, device=table.device)
         return slots
 
     def fits(self, requests: Sequence[tuple[str, Tier, int]]) -> bool:
@@ -168,9 +176,11 @@ class BiCacheKvLayout:
         request."""
         b = self.cache.b
         need_blocks = b * len(requests)
-        if (not any(self.cache.is_dormant(rid) for rid, _, _ in requests)
-                and self.cache.room("rt") >= need_blocks
-                and self.cache.room("be") >= need_blocks):
+        if (
+            not any(self.cache.is_dormant(rid) for rid, _, _ in requests)
+            and self.cache.room("rt") >= need_blocks
+            and self.cache.room("be") >= need_blocks
+        ):
             return True  # ≥ len(requests) blocks with room on each side: nothing can fail
         trial = copy.deepcopy(self.cache)
         try:
@@ -209,8 +219,9 @@ class BiCacheKvLayout:
         their slots."""
         if not checkpoints:
             return
-        src = torch.tensor([c.slot + self.offset for c in checkpoints],
-                           device=self.layers[0].device)
+        src = torch.tensor(
+            [c.slot + self.offset for c in checkpoints], device=self.layers[0].device
+        )
         if self._kernels is not None:
             rows = self._kernels.gather(src, check=False)
             torch.cuda.current_stream().synchronize()  # the forward pass overwrites them next

@@ -62,8 +62,7 @@ def layout_from_env(env: dict[str, str] | None = None) -> str:
     """The layout ``TANDEM_KV_LAYOUT`` names ("token" when unset); ValueError for others."""
     value = (os.environ if env is None else env).get(LAYOUT_ENV, "").strip() or "token"
     if value not in LAYOUTS:
-        raise ValueError(f"{LAYOUT_ENV}={value!r} is not a KV layout; valid: "
-                         f"{', '.join(LAYOUTS)}")
+        raise ValueError(f"{LAYOUT_ENV}={value!r} is not a KV layout; valid: {', '.join(LAYOUTS)}")
     return value
 
 
@@ -100,23 +99,30 @@ def after_init_running_status(result: Any, sched: Any, *args: Any, **kwargs: Any
     global _layout
     allocator = sched.token_to_kv_pool_allocator
     if type(allocator).__name__ != "TokenToKVPoolAllocator" or allocator.page_size != 1:
-        raise RuntimeError(f"tandem: kv_layout=bicache needs the plain token pool with page "
-                           f"size 1, not {type(allocator).__name__} "
-                           f"(page size {allocator.page_size})")
+        raise RuntimeError(
+            f"tandem: kv_layout=bicache needs the plain token pool with page "
+            f"size 1, not {type(allocator).__name__} "
+            f"(page size {allocator.page_size})"
+        )
     if not getattr(sched, "disable_radix_cache", False):
-        raise RuntimeError("tandem: kv_layout=bicache needs --disable-radix-cache (the layout "
-                           "frees whole requests; the radix tree keeps slots past them)")
+        raise RuntimeError(
+            "tandem: kv_layout=bicache needs --disable-radix-cache (the layout "
+            "frees whole requests; the radix tree keeps slots past them)"
+        )
     if allocator.size % DEFAULT_BLOCK_SLOTS:
-        raise RuntimeError(f"tandem: kv_layout=bicache needs a KV pool of a multiple of "
-                           f"{DEFAULT_BLOCK_SLOTS} tokens, got {allocator.size} "
-                           f"(engine.max_total_tokens)")
+        raise RuntimeError(
+            f"tandem: kv_layout=bicache needs a KV pool of a multiple of "
+            f"{DEFAULT_BLOCK_SLOTS} tokens, got {allocator.size} "
+            f"(engine.max_total_tokens)"
+        )
     kvcache = allocator.get_kvcache()
     lay = BiCacheKvLayout(list(kvcache.k_buffer) + list(kvcache.v_buffer))
     lay.req_to_token = sched.req_to_token_pool.req_to_token
     _layout = lay
     _route_allocator(allocator, lay)
-    logger.info("tandem: bicache layout on %d slots (%d blocks)", lay.cache.capacity,
-                lay.cache.num_blocks)
+    logger.info(
+        "tandem: bicache layout on %d slots (%d blocks)", lay.cache.capacity, lay.cache.num_blocks
+    )
 
 
 def around_alloc_for_extend(original: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
@@ -125,8 +131,10 @@ def around_alloc_for_extend(original: Any, batch: Any, *args: Any, **kwargs: Any
     if lay is None:
         return original(batch, *args, **kwargs)
     _suspend_parked(lay)
-    demands = [(str(req.rid), _tier(req), int(n)) for req, n in zip(batch.reqs,
-                                                                   batch.extend_lens)]
+    demands = [
+        (str(req.rid), _tier(req), int(n))
+        for req, n in zip(batch.reqs, batch.extend_lens, strict=True)
+    ]
     result = _with_demands(demands, lambda: original(batch, *args, **kwargs))
     _note_rows(lay, batch.reqs)
     return result
@@ -158,8 +166,10 @@ def _route_allocator(allocator: Any, lay: BiCacheKvLayout) -> None:
     def alloc(need_size: int) -> torch.Tensor | None:
         demands = _pending
         if demands is None or sum(n for _, _, n in demands) != need_size:
-            raise RuntimeError(f"tandem bicache: an allocation of {need_size} slots outside "
-                               f"the extend/decode paths (demands: {demands})")
+            raise RuntimeError(
+                f"tandem bicache: an allocation of {need_size} slots outside "
+                f"the extend/decode paths (demands: {demands})"
+            )
         try:
             return lay.alloc(demands)
         except BiCacheError as exc:
@@ -180,11 +190,13 @@ def _route_allocator(allocator: Any, lay: BiCacheKvLayout) -> None:
         # prefill pass asks this right after the plan parked them).
         _suspend_parked(lay)
         cache = lay.cache
-        return min(cache.room("rt") + cache.reclaimable("rt"),
-                   cache.room("be") + cache.reclaimable("be"))
+        return min(
+            cache.room("rt") + cache.reclaimable("rt"), cache.room("be") + cache.reclaimable("be")
+        )
 
-    def check_decode_capacity(*, num_tokens: int, tree_cache: Any, requests: Any = None,
-                              spec_algorithm: Any = None) -> bool:
+    def check_decode_capacity(
+        *, num_tokens: int, tree_cache: Any, requests: Any = None, spec_algorithm: Any = None
+    ) -> bool:
         _suspend_parked(lay)
         reqs = list(requests or [])
         if not reqs:

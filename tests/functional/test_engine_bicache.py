@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
+from backend.sglang_ext.launcher import EngineStartError
 from tests.functional.engine_fixtures import EngineServer, control, post_json, running_engine
 from tests.functional.gateway_fixtures import GatewayHandle, start_gateway
 from tests.functional.test_engine_colocation import complete, prompt_ids, stream_ttft
@@ -29,19 +30,24 @@ streams below do not fit beside each other without taking over BE slots."""
 
 @pytest.fixture(scope="module")
 def bicache_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineServer]:
-    with running_engine(tmp_path_factory.mktemp("bicache-engine"), kv_layout="bicache",
-                        max_total_tokens=POOL_TOKENS, chunked_prefill_size=256,
-                        max_running_requests=8) as engine:
+    with running_engine(
+        tmp_path_factory.mktemp("bicache-engine"),
+        kv_layout="bicache",
+        max_total_tokens=POOL_TOKENS,
+        chunked_prefill_size=256,
+        max_running_requests=8,
+    ) as engine:
         yield engine
 
 
 @pytest_asyncio.fixture(scope="module")
-async def bicache_gateway(bicache_engine: EngineServer,
-                          tmp_path_factory: pytest.TempPathFactory
-                          ) -> AsyncIterator[GatewayHandle]:
+async def bicache_gateway(
+    bicache_engine: EngineServer, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[GatewayHandle]:
     db = tmp_path_factory.mktemp("bicache-gateway") / "tandem.db"
-    server, handle = await start_gateway(f"sqlite:///{db}", bicache_engine.port,
-                                         bicache_engine.model_path)
+    server, handle = await start_gateway(
+        f"sqlite:///{db}", bicache_engine.port, bicache_engine.model_path
+    )
     yield handle
     await handle.session.close()
     await server.close()
@@ -56,17 +62,24 @@ def layout_stats(engine: EngineServer) -> dict[str, Any]:
 
 def generate(engine: EngineServer, prompt: list[int], max_new_tokens: int) -> list[int]:
     """A greedy completion straight from the engine (no gateway): its output token ids."""
-    status, body = post_json(engine.base_url, "/generate", {
-        "input_ids": prompt,
-        "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens,
-                            "ignore_eos": True, "sampling_seed": 7},
-    })
+    status, body = post_json(
+        engine.base_url,
+        "/generate",
+        {
+            "input_ids": prompt,
+            "sampling_params": {
+                "temperature": 0,
+                "max_new_tokens": max_new_tokens,
+                "ignore_eos": True,
+                "sampling_seed": 7,
+            },
+        },
+    )
     assert status == 200, body
     return list(body["output_ids"])
 
 
-async def _round(gw: GatewayHandle, engine: EngineServer, be_key: str, rt_key: str,
-                 n: int) -> int:
+async def _round(gw: GatewayHandle, engine: EngineServer, be_key: str, rt_key: str, n: int) -> int:
     """Four BE requests decode; RT streams arrive that need more than the free slots. Asserts
     every BE output is what the same prompt gives alone; returns the tokens checkpointed."""
     prompts = [prompt_ids(720 + 10 * n + i, 300) for i in range(4)]
@@ -79,8 +92,9 @@ async def _round(gw: GatewayHandle, engine: EngineServer, be_key: str, rt_key: s
     # parked BE slots, each checkpointed to host memory first.
     first = asyncio.create_task(stream_ttft(gw, rt_key, prompt_ids(852 + n, 16), 60))
     await asyncio.sleep(1.0)
-    await asyncio.gather(first, *(stream_ttft(gw, rt_key, prompt_ids(820 + 10 * n + i, 120),
-                                              20) for i in range(4)))
+    await asyncio.gather(
+        first, *(stream_ttft(gw, rt_key, prompt_ids(820 + 10 * n + i, 120), 20) for i in range(4))
+    )
     together = await asyncio.gather(*be)
     for alone, shared in zip(solo, together, strict=True):
         assert shared["usage"]["completion_tokens"] == 40
@@ -101,7 +115,8 @@ async def _round(gw: GatewayHandle, engine: EngineServer, be_key: str, rt_key: s
 
 
 async def test_rt_takes_over_parked_be_slots_and_be_outputs_stay_correct(
-        bicache_gateway: GatewayHandle, bicache_engine: EngineServer) -> None:
+    bicache_gateway: GatewayHandle, bicache_engine: EngineServer
+) -> None:
     gw = bicache_gateway
     _, be_key = await gw.new_tenant("bicache-be", "be")
     _, rt_key = await gw.new_tenant("bicache-rt", "rt", ttft_ms=1500, tpot_ms=40)
@@ -116,15 +131,17 @@ async def test_rt_takes_over_parked_be_slots_and_be_outputs_stay_correct(
     assert layout_stats(bicache_engine)["borrowed_slots"] > 0
 
 
-async def test_the_layout_does_not_change_the_tokens(bicache_engine: EngineServer,
-                                                     engine_server: EngineServer) -> None:
+async def test_the_layout_does_not_change_the_tokens(
+    bicache_engine: EngineServer, engine_server: EngineServer
+) -> None:
     """Greedy decoding with the layout on gives the same tokens as with SGLang's own layout
     (the session engine): attention reads KV through req_to_token, whatever the slots."""
     prompts = [prompt_ids(900 + i, 90 + 37 * i) for i in range(3)]
 
     async def run_all(engine: EngineServer) -> list[list[int]]:
-        return list(await asyncio.gather(*(asyncio.to_thread(generate, engine, p, 24)
-                                           for p in prompts)))
+        return list(
+            await asyncio.gather(*(asyncio.to_thread(generate, engine, p, 24) for p in prompts))
+        )
 
     on = await run_all(bicache_engine)
     off = await run_all(engine_server)
@@ -133,6 +150,8 @@ async def test_the_layout_does_not_change_the_tokens(bicache_engine: EngineServe
 
 
 def test_an_engine_with_a_pool_off_the_block_size_refuses_to_start(tmp_path: Path) -> None:
-    with pytest.raises(Exception, match="multiple of 16"):
-        with running_engine(tmp_path, kv_layout="bicache", max_total_tokens=1000):
-            pass
+    with (
+        pytest.raises(EngineStartError, match="multiple of 16"),
+        running_engine(tmp_path, kv_layout="bicache", max_total_tokens=1000),
+    ):
+        pass

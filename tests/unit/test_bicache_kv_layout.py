@@ -25,8 +25,11 @@ def _write(layers: list[torch.Tensor], slots: torch.Tensor, tag: float) -> None:
 
 
 def _read(layers: list[torch.Tensor], slots: list[int], tag: float) -> bool:
-    return all(torch.all(t[slot] == tag + i + layer / 100).item()
-               for layer, t in enumerate(layers) for i, slot in enumerate(slots))
+    return all(
+        torch.all(t[slot] == tag + i + layer / 100).item()
+        for layer, t in enumerate(layers)
+        for i, slot in enumerate(slots)
+    )
 
 
 def test_be_kv_survives_rt_overwriting_it_and_comes_back_intact() -> None:
@@ -67,7 +70,6 @@ def test_a_live_be_request_is_never_overwritten() -> None:
     kv.alloc([("x", "be", 30)])
     with pytest.raises(NoRoom):
         kv.alloc([("r", "rt", 3)])
-
 
 
 def test_a_be_prefix_cached_by_the_radix_tree_is_never_overwritten() -> None:
