@@ -25,8 +25,9 @@ Where it plugs in (SGLang 0.5.23, page_size 1; `kv_layout_engine.py` does each o
   for `batch.extend_num_tokens` slots and writes them into `req_to_token` request by request, in
   `batch.reqs` order; the layout answers `alloc([(rid, tier, extend_len), ...])`, same order and
   length, so `write_cache_indices` needs no change.
-* decode: `ALLOC_FOR_DECODE_FUNCS[device]` restores the batch's dormant requests
-  (`resume_and_restore`, which rewrites their rows), then `alloc([(rid, tier, 1), ...])`.
+* decode: `alloc_for_decode(batch, 1)` (imported by name into `schedule_batch` too) restores
+  the batch's dormant requests (`resume_and_restore`, which rewrites their rows), then
+  `alloc([(rid, tier, 1), ...])`.
   `check_decode_capacity` (SGLang's gate before it, which retracts on False) is `fits`.
 * free: `release_kv_cache` → `free_kv_row` → `TokenToKVPoolAllocator.free` → `free` here
   (whole requests only); `available_size` counts free room plus dormant slots either tier may

@@ -11,11 +11,11 @@ Where it hooks (every path is in ``backend.sglang_ext.seams.KV_LAYOUT_SEAMS``):
 * AFTER ``Scheduler.init_running_status`` (the pool and the cache exist by then): builds the
   layout on the pool's K/V buffers and routes the ``TokenToKVPoolAllocator`` instance's
   ``alloc`` / ``free`` / ``available_size`` / ``check_decode_capacity`` / ``clear`` to it.
-* AROUND ``schedule_batch.alloc_for_extend`` and ``allocation.ALLOC_FOR_DECODE_FUNCS`` (the
-  device's decode allocator): tell the layout which request each of the slots SGLang is about to
-  ask for belongs to (``alloc(n)`` itself carries no request), and which ``req_to_token`` row is
-  whose. The decode path first restores the dormant requests of the batch (their checkpointed
-  rows copied back into fresh slots, their rows rewritten).
+* AROUND ``schedule_batch.alloc_for_extend`` and ``schedule_batch.alloc_for_decode`` (both
+  imported there by name from ``mem_cache.allocation``): tell the layout which request each of
+  the slots SGLang is about to ask for belongs to (``alloc(n)`` itself carries no request), and
+  which ``req_to_token`` row is whose. The decode path first restores the dormant requests of
+  the batch (their checkpointed rows copied back into fresh slots, their rows rewritten).
 * Dormancy: a BE decode row the policy parks (``EngineDriver.parked``) is suspended at the next
   allocation; its slots stay in place, and only the ones another request takes over are copied
   out (lazy checkpointing). It is restored when it decodes again.
@@ -41,7 +41,7 @@ from backend.policy.types import Tier
 from backend.sglang_ext.kv_layout import BiCacheKvLayout
 from backend.sglang_ext.request_meta import get_meta
 from backend.sglang_ext.seams import (
-    KV_DECODE_FUNCS_SEAM,
+    KV_DECODE_SEAM,
     KV_EXTEND_SEAM,
     KV_INIT_SEAM,
 )
@@ -68,14 +68,11 @@ def layout_from_env(env: dict[str, str] | None = None) -> str:
 
 def install() -> None:
     """Registers the hooks (call from the plugin's ``register`` in the scheduler process)."""
-    from sglang.srt.mem_cache import allocation
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(KV_INIT_SEAM, after_init_running_status, HookType.AFTER)
     HookRegistry.register(KV_EXTEND_SEAM, around_alloc_for_extend, HookType.AROUND)
-    funcs = getattr(allocation, KV_DECODE_FUNCS_SEAM.rsplit(".", 1)[1])
-    for device in ("cpu", "cuda"):
-        funcs[device] = _decode_allocator(funcs[device])
+    HookRegistry.register(KV_DECODE_SEAM, around_alloc_for_decode, HookType.AROUND)
     logger.info("tandem: bicache KV layout installed in pid %d", os.getpid())
 
 
@@ -140,23 +137,24 @@ def around_alloc_for_extend(original: Any, batch: Any, *args: Any, **kwargs: Any
     return result
 
 
-def _decode_allocator(default: Any) -> Any:
-    def alloc_for_decode(batch: Any, token_per_req: int) -> Any:
-        lay = _layout
-        if lay is None:
-            return default(batch, token_per_req)
-        _suspend_parked(lay)
-        for req in batch.reqs:
-            rid = str(req.rid)
-            if lay.cache.is_dormant(rid):
-                lay.rows[rid] = int(req.kv.req_pool_idx)
-                lay.resume_and_restore(rid)  # checked by check_decode_capacity: it fits
-        demands = [(str(req.rid), _tier(req), token_per_req) for req in batch.reqs]
-        result = _with_demands(demands, lambda: default(batch, token_per_req))
-        _note_rows(lay, batch.reqs)
-        return result
-
-    return alloc_for_decode
+def around_alloc_for_decode(
+    original: Any, batch: Any, token_per_req: int, *args: Any, **kwargs: Any
+) -> Any:
+    """``alloc_for_decode(batch, token_per_req)``: the batch's dormant requests are restored
+    first (``check_decode_capacity`` made sure they fit), then each gets its slots."""
+    lay = _layout
+    if lay is None:
+        return original(batch, token_per_req, *args, **kwargs)
+    _suspend_parked(lay)
+    for req in batch.reqs:
+        rid = str(req.rid)
+        if lay.cache.is_dormant(rid):
+            lay.rows[rid] = int(req.kv.req_pool_idx)
+            lay.resume_and_restore(rid)
+    demands = [(str(req.rid), _tier(req), token_per_req) for req in batch.reqs]
+    result = _with_demands(demands, lambda: original(batch, token_per_req, *args, **kwargs))
+    _note_rows(lay, batch.reqs)
+    return result
 
 
 def _route_allocator(allocator: Any, lay: BiCacheKvLayout) -> None:

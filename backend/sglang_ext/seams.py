@@ -37,10 +37,10 @@ SEAMS: tuple[str, ...] = (
 
 KV_INIT_SEAM = f"{SCHED}.init_running_status"
 KV_EXTEND_SEAM = "sglang.srt.managers.schedule_batch.alloc_for_extend"
-KV_DECODE_FUNCS_SEAM = "sglang.srt.mem_cache.allocation.ALLOC_FOR_DECODE_FUNCS"
+KV_DECODE_SEAM = "sglang.srt.managers.schedule_batch.alloc_for_decode"
 _KV_ALLOCATOR = "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator"
 KV_LAYOUT_SEAMS: tuple[str, ...] = (
-    KV_INIT_SEAM, KV_EXTEND_SEAM, KV_DECODE_FUNCS_SEAM,
+    KV_INIT_SEAM, KV_EXTEND_SEAM, KV_DECODE_SEAM,
     "sglang.srt.mem_cache.allocation.alloc_for_decode_default",
     f"{_KV_ALLOCATOR}.alloc", f"{_KV_ALLOCATOR}.free", f"{_KV_ALLOCATOR}.available_size",
     f"{_KV_ALLOCATOR}.check_decode_capacity", f"{_KV_ALLOCATOR}.clear",
