@@ -241,6 +241,9 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
             raise ConfigError("batch.pilot_fraction must be in [0, 1]")
         if self.gateway.port > 65535 or self.engine.port > 65535:
             raise ConfigError("gateway.port and engine.port must be at most 65535")
+        if self.engine.kv_layout == "bicache" and self.engine.max_total_tokens % 16:
+            raise ConfigError("engine.max_total_tokens must be a multiple of 16 with "
+                              "engine.kv_layout bicache (blocks of 16 slots)")
         if not self.database.url.split(":", 1)[0].startswith(("sqlite", "postgresql")):
             raise ConfigError(
                 f"database.url: unsupported database {self.database.url.split(':', 1)[0]!r} "
