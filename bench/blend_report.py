@@ -64,8 +64,8 @@ def summary(results: dict[str, Any], cpu: dict[str, Any] | None) -> str:
             f"  * total tok/s per run (wall clock): fcfs {runs('fcfs')}; dfs {runs('dfs')}; blend "
             f"{runs('blend')} → median blend / fcfs "
             f"**{cpu['blend_vs_fcfs_throughput_median']:.2f}×** (means "
-            f"{cpu['blend_vs_fcfs_throughput']:.2f}×). The spread is the machine, not the "
-            f"order: other jobs shared its 2 cores, and SGLang's scheduler busy-polls, so even "
+            f"{cpu['blend_vs_fcfs_throughput']:.2f}×). Much of the spread is the machine: "
+            f"other jobs shared its 2 cores, and SGLang's scheduler busy-polls, so even "
             f"the engine's CPU seconds follow wall time.",
         ]
     return "\n".join(lines) + "\n"
