@@ -24,7 +24,13 @@ Where it hooks (every path is in ``backend.sglang_ext.seams.KV_LAYOUT_SEAMS``):
 
 Limits: page size 1 and the plain token pool only (what CPU and dense GPU models use); no radix
 cache (slots the tree keeps would outlive their request: the layout frees whole requests); the
-pool size must be a multiple of the block size.
+pool size must be a multiple of the block size. A BE request the policy *evicts* is freed and
+recomputed as without the layout (only parked rows go dormant): resuming it from its
+checkpointed KV would need SGLang's re-admission to take the restored slots as its prefix.
+Prefill admission sees one number (``available_size``), but each request's last block keeps its
+unused RT (or BE) side to itself, so a prefill batch of k prompts may find up to (k − 1) × 15
+slots fewer than that number; the allocation then fails like SGLang's own out-of-memory prefill
+(the functional tests have not hit it; a pool with room to spare never does).
 """
 
 from __future__ import annotations
