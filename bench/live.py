@@ -296,13 +296,33 @@ def measure_live_capacity(run: LiveRun, profile: Profile, profile_path: Path) ->
                           or 0.0)
             run.capacity_probes.append((rate, value))
             _say(run.config, f"real λ* search: {rate:.3f} req/s → joint attainment {value:.3f}")
-            time.sleep(3.0)  # let aborted requests leave the engine
+            _wait_idle(engine_url)  # the next probe starts on an empty engine
             return value
 
         return probe
 
-    with _stack("fcfs", run, profile, profile_path, workdir) as (base_url, token, _):
+    with _stack("fcfs", run, profile, profile_path, workdir) as (base_url, token, engine):
+        engine_url = f"http://127.0.0.1:{engine['port']}"
         return search_capacity(attainment(base_url, token), rel_tolerance=CAPACITY_TOLERANCE)
+
+
+def _wait_idle(engine_url: str, timeout_s: float = 120.0) -> None:
+    """Waits until the engine runs and queues nothing (requests a probe gave up on are aborted
+    by the gateway, but the engine needs a moment to drop them)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(engine_url + "/v1/loads", timeout=5) as resp:
+                loads = json.loads(resp.read())
+        except OSError:
+            return
+        rows = loads.get("loads", []) if isinstance(loads, dict) else loads
+        busy = sum(int(r.get("num_running_reqs", 0) or 0) + int(r.get("num_waiting_reqs", 0)
+                                                              or 0) for r in rows
+                   if isinstance(r, dict))
+        if busy == 0:
+            return
+        time.sleep(1.0)
 
 
 async def _replay_source(base_url: str, admin_token: str, source: SpecSource, window_s: float,
