@@ -94,4 +94,8 @@ def test_usage_record_needs_only_the_essential_fields() -> None:
 
 
 def test_head_revision_is_read_from_the_migrations_folder() -> None:
-    assert head_revision() == "0001"
+    from pathlib import Path
+
+    versions = Path(__file__).resolve().parents[2] / "migrations" / "versions"
+    newest = max(p.name.split("_", 1)[0] for p in versions.glob("[0-9]*_*.py"))
+    assert head_revision() == newest == "0003"
