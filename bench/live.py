@@ -45,6 +45,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 import yaml
+from msgspec.structs import replace as struct_replace
 
 from backend.policy.latency import LatencyModel, Profile, load_profile
 from backend.policy.registry import make_policy
@@ -498,7 +499,8 @@ def run_sim(name: str, run: LiveRun, latency: LatencyModel, base: Any) -> SimRes
     options = run.policy_options if name == "tandem" else {}
     policy = make_policy(SIM_POLICY[name], latency, **options)
     source = SimSource(run.workload.source(run.rt_rate_req_s, True), SimRequest)
-    return simulate(source, policy, latency, base)
+    # the engine's request cap, as the real engine has it
+    return simulate(source, policy, latency, struct_replace(base, max_running=MAX_RUNNING))
 
 
 def sim_real_ratios(run: LiveRun) -> dict[str, dict[str, float | None]]:

@@ -84,6 +84,8 @@ class BatchBuilder:
         """Prefill tokens the engine still accepts this iteration."""
         self.running_slots = snapshot.max_running - snapshot.num_running
         """Admissions the engine cap still allows."""
+        self.max_running = snapshot.max_running
+        """The engine's cap on admitted requests."""
         self.decodes: list[str] = []
         self.prefills: list[PrefillChunk] = []
         self.evictions: list[str] = []

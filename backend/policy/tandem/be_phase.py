@@ -86,6 +86,14 @@ def be_time_limit(ctx: PlanContext) -> float:
     return min(limit, ctx.hard_s)
 
 
+def rt_slots_kept(frac: float, max_running: int) -> int:
+    """Request slots BE admissions leave to RT: `frac` of a finite engine cap (an engine that
+    reports no cap, 2**20 or more, keeps none)."""
+    if max_running >= 1 << 20:
+        return 0
+    return math.ceil(frac * max_running)
+
+
 def cap_for_be_deadlines(ctx: PlanContext) -> None:
     """Lowers τ to the tightest per-iteration allowance of a running BE request with a
     deadline (AccelGen's JCT conversion), but never below the decodes' own time plus
@@ -148,8 +156,9 @@ def _decode_be(ctx: PlanContext, limit: float) -> None:
 def _admit_be(ctx: PlanContext, limit: float) -> None:
     """Admissions in BE queue order while time, KV and the future peak allow."""
     b, cfg = ctx.batch, ctx.config
+    slots_kept = rt_slots_kept(cfg.rt_slot_reserve_frac, b.max_running)
     for r in ctx.be_queue.candidates(ctx.now_s):
-        if b.time_s() >= limit or b.running_slots < 1:
+        if b.time_s() >= limit or b.running_slots <= slots_kept:
             break
         if ctx.era_blocked(r, "be"):
             continue

@@ -78,6 +78,9 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
     engine's budget); 0 = τ ≤ L also for RT prompts."""
     min_chunk_tokens: int = 16
     """Smallest prefill chunk worth a slot unless it finishes the prompt, tokens."""
+    rt_slot_reserve_frac: float = 0.1
+    """Share of the engine's request slots (max_running) that BE admissions leave free, so an
+    RT arrival is never kept waiting by the request cap alone (engines with a finite cap)."""
     seed: int = 0
     """Seed of the policy's random draws (length samples, BE order mix)."""
     use_pastfuture: bool = True
@@ -96,7 +99,7 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("reserve_frac", "rt_headroom_frac", "rt_headroom_max_frac",
                      "near_miss_frac", "be_min_share", "first_token_be_frac",
-                     "be_order_prob"):
+                     "rt_slot_reserve_frac", "be_order_prob"):
             value = getattr(self, name)
             if name in ("be_order_prob", "first_token_be_frac"):
                 if not 0.0 <= value <= 1.0:
