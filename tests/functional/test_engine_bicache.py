@@ -89,12 +89,18 @@ async def _round(
     solo = [await complete(gw, be_key, p, 40) for p in prompts]
     before = layout_stats(engine)
     be = [asyncio.create_task(complete(gw, be_key, p, 40)) for p in prompts]
-    await asyncio.sleep(2.5)  # the BE prompts are in, their decodes run
+    # RT must arrive while the BE requests decode (40 tokens take about a second on an idle
+    # machine): wait until their prompts hold KV, not a fixed time.
+    for _ in range(200):
+        if layout_stats(engine)["used_slots"] >= 3 * 300:
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.1)
     # A first RT stream with a 40 ms TPOT target: the policy parks the BE decodes (dormant in
     # the layout). RT prompts then arrive that need more than the free slots: they take over
     # parked BE slots, each checkpointed to host memory first.
     first = asyncio.create_task(stream_ttft(gw, rt_key, prompt_ids(852 + n, 16), 60))
-    await asyncio.sleep(1.0)
+    await asyncio.sleep(0.3)
     await asyncio.gather(
         first, *(stream_ttft(gw, rt_key, prompt_ids(820 + 10 * n + i, 120), 20) for i in range(4))
     )
