@@ -34,8 +34,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-import zlib
-from array import array
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -52,11 +50,12 @@ from backend.policy.registry import make_policy
 from backend.sim import SimRequest, simulate
 from backend.sim.records import IterationLog, RequestRecord, SimResult
 from bench.capacity import search_capacity
+from bench.live_client import DRAIN_TIMEOUT_S, TenantKeys, replay, replay_source, send
 from bench.metrics import Metrics, compute_metrics, rt_metrics
 from bench.runner import BenchConfig, build, measure_rate, resolve_profile, sim_config
 from bench.series import PolicySeries, compute_series
 from bench.workloads import Workload
-from bench.workloads.base import RequestSpec, SpecSource
+from bench.workloads.base import RequestSpec
 from bench.workloads.sources import SimSource
 
 LIVE_POLICIES = ("tandem", "fcfs", "priority")
@@ -69,8 +68,6 @@ CPU_POLICY_OPTIONS: dict[str, Any] = {"latency_budget_s": 0.2, "idle_budget_s": 
 same)."""
 MAX_RUNNING = 64
 READY_TIMEOUT_S = 420.0
-DRAIN_TIMEOUT_S = 240.0
-"""How long after the arrival window the replay waits for requests still running."""
 CAPACITY_PROBE_S = 20.0
 """Arrival window of one λ* probe on the real engine, seconds."""
 CAPACITY_DRAIN_S = 30.0
@@ -291,7 +288,7 @@ def measure_live_capacity(run: LiveRun, profile: Profile, profile_path: Path) ->
     def attainment(session_url: str, token: str) -> Any:
         def probe(rate: float) -> float:
             source = rt_poisson(rate, CAPACITY_PROBE_S)
-            records, end_s = asyncio.run(_replay_source(session_url, token, source,
+            records, end_s = asyncio.run(replay_source(session_url, token, source,
                                                         CAPACITY_PROBE_S, CAPACITY_DRAIN_S))
             value = float(rt_metrics(records, end_s, CAPACITY_PROBE_S)["rt_joint_attainment"]
                           or 0.0)
@@ -326,165 +323,18 @@ def _wait_idle(engine_url: str, timeout_s: float = 120.0) -> None:
         time.sleep(1.0)
 
 
-async def _replay_source(base_url: str, admin_token: str, source: SpecSource, window_s: float,
-                         drain_s: float) -> tuple[list[RequestRecord], float]:
-    timeout = aiohttp.ClientTimeout(total=None, sock_read=DRAIN_TIMEOUT_S)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                     timeout=timeout) as session:
-        keys = _Keys(base_url, admin_token, session)
-        return await replay(session, base_url, keys, source, window_s, drain_s)
-
-
-# --- the replay ------------------------------------------------------------------------------
-
-
-class _Keys:
-    """API keys per SLO class (RT) and for BE, made through the admin API."""
-
-    def __init__(self, base_url: str, admin_token: str, session: aiohttp.ClientSession) -> None:
-        self.base_url = base_url
-        self.headers = {"Authorization": f"Bearer {admin_token}"}
-        self.session = session
-        self._keys: dict[tuple[str, float | None, float | None], str] = {}
-
-    async def key_for(self, spec: RequestSpec) -> str:
-        slo = (spec.tier, spec.ttft_s, spec.tpot_s) if spec.tier == "rt" else ("be", None, None)
-        key = self._keys.get(slo)
-        if key is None:
-            key = self._keys[slo] = await self._new_tenant(*slo)
-        return key
-
-    async def _new_tenant(self, tier: str, ttft_s: float | None, tpot_s: float | None) -> str:
-        name = f"{tier}-{len(self._keys)}-{secrets.token_hex(3)}"
-        slo: dict[str, Any] = {}
-        if tier == "rt":
-            slo = {"ttft_ms": round(1000 * (ttft_s or 1.0), 3),
-                   "tpot_ms": round(1000 * (tpot_s or 1.0), 3)}
-        admin = f"{self.base_url}/admin/v1"
-        async with self.session.post(f"{admin}/tenants", headers=self.headers,
-                                     json={"name": name, "tier": tier, "slo": slo}) as resp:
-            tenant = await resp.json()
-            if resp.status != 201:
-                raise RuntimeError(f"creating tenant {name}: {resp.status} {tenant}")
-        async with self.session.post(f"{admin}/tenants/{tenant['id']}/keys",
-                                     headers=self.headers) as resp:
-            body = await resp.json()
-            if resp.status != 201:
-                raise RuntimeError(f"creating a key for {name}: {resp.status} {body}")
-        return str(body["key"])
-
-
-def prompt_for(spec: RequestSpec) -> list[int]:
-    """The exact prompt of *spec*: token ids from its rid (no prefix shared across requests)."""
-    seed = zlib.crc32(spec.rid.encode())
-    return [10 + (seed + 7919 * j) % 251 for j in range(spec.prompt_len)]
-
-
 async def _replay_all(base_url: str, admin_token: str, run: LiveRun
                       ) -> tuple[list[RequestRecord], float]:
     timeout = aiohttp.ClientTimeout(total=None, sock_read=DRAIN_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      timeout=timeout) as session:
-        keys = _Keys(base_url, admin_token, session)
+        keys = TenantKeys(base_url, admin_token, session)
         # Tenants exist before the clock starts; a warm-up request wakes the engine's caches.
         warm = RequestSpec(rid="warm-up", tier="be", arrival_s=0.0, prompt_len=16, output_len=4,
                            max_new_tokens=4)
-        await _send(session, base_url, await keys.key_for(warm), warm, time.perf_counter())
+        await send(session, base_url, await keys.key_for(warm), warm, time.perf_counter())
         source = run.workload.source(run.rt_rate_req_s, True)
         return await replay(session, base_url, keys, source, run.workload.window_s or 0.0)
-
-
-async def replay(session: aiohttp.ClientSession, base_url: str, keys: _Keys,
-                 source: SpecSource, window_s: float, drain_timeout_s: float = DRAIN_TIMEOUT_S
-                 ) -> tuple[list[RequestRecord], float]:
-    """Replays *source* on the wall clock (closed-loop sources get each finish at once); a
-    request still running *drain_timeout_s* after the window is cancelled and counted
-    unfinished."""
-    window = window_s
-    t0 = time.perf_counter()
-    pending: dict[asyncio.Task[RequestRecord], RequestSpec] = {}
-    records: list[RequestRecord] = []
-    while True:
-        now = time.perf_counter() - t0
-        for spec in source.pop_due(now):
-            key = await keys.key_for(spec)
-            pending[asyncio.create_task(_send(session, base_url, key, spec, t0))] = spec
-        if source.exhausted and not pending:
-            break
-        if now > window + drain_timeout_s:
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-            records += [_unfinished(spec) for spec in pending.values()]
-            break
-        nxt = source.next_arrival_s()
-        wait_s = 0.5 if nxt is None else max(0.0, nxt - now)
-        if not pending:
-            await asyncio.sleep(min(wait_s, 0.5))
-            continue
-        done, _ = await asyncio.wait(list(pending), timeout=min(wait_s, 0.5),
-                                     return_when=asyncio.FIRST_COMPLETED)
-        for task in done:
-            spec = pending.pop(task)
-            record = task.result()
-            records.append(record)
-            source.on_finish(spec.rid, time.perf_counter() - t0)
-    records.sort(key=lambda r: r.arrival_s)
-    return records, time.perf_counter() - t0
-
-
-async def _send(session: aiohttp.ClientSession, base_url: str, key: str, spec: RequestSpec,
-                t0: float) -> RequestRecord:
-    """One request, streamed; its record (times from the start of the replay)."""
-    body = {"model": "tandem-tiny", "prompt": prompt_for(spec), "max_tokens": spec.output_len,
-            "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
-    arrival = time.perf_counter() - t0
-    chunk_times: list[float] = []
-    generated = 0
-    async with session.post(f"{base_url}/v1/completions", json=body,
-                            headers={"Authorization": f"Bearer {key}"}) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"{spec.rid}: HTTP {resp.status} {await resp.text()}")
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data:") or line == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            if chunk.get("usage"):
-                generated = int(chunk["usage"]["completion_tokens"])
-            choices = chunk.get("choices") or []
-            if choices and choices[0].get("text"):
-                chunk_times.append(time.perf_counter() - t0)
-    finish = time.perf_counter() - t0
-    return RequestRecord(
-        rid=spec.rid, tier=spec.tier, arrival_s=spec.arrival_s if spec.rid != "warm-up"
-        else arrival, prompt_len=spec.prompt_len, output_len_target=spec.output_len,
-        generated=generated, first_token_s=chunk_times[0] if chunk_times else None,
-        finish_s=finish, token_times=_token_times(chunk_times, generated, finish),
-        evictions=0, cached_tokens=0, ttft_target_s=spec.ttft_s, tpot_target_s=spec.tpot_s,
-        deadline_s=None if spec.deadline_s is None else spec.arrival_s + spec.deadline_s,
-        length_key=spec.length_key, max_new_tokens=spec.max_new_tokens,
-        admitted_s=chunk_times[0] if chunk_times else None)
-
-
-def _token_times(chunk_times: list[float], generated: int, finish_s: float) -> array[float]:
-    """One time per token: the chunk times, and where the gateway merged tokens into one chunk
-    (it holds back bytes of an unfinished UTF-8 character) the missing ones at the time of the
-    chunk that carried them (the last chunks, conservatively)."""
-    times = list(chunk_times[:generated])
-    while len(times) < generated:
-        times.append(times[-1] if times else finish_s)
-    return array("d", sorted(times))
-
-
-def _unfinished(spec: RequestSpec) -> RequestRecord:
-    return RequestRecord(
-        rid=spec.rid, tier=spec.tier, arrival_s=spec.arrival_s, prompt_len=spec.prompt_len,
-        output_len_target=spec.output_len, generated=0, first_token_s=None, finish_s=None,
-        token_times=array("d"), evictions=0, cached_tokens=0, ttft_target_s=spec.ttft_s,
-        tpot_target_s=spec.tpot_s, deadline_s=None, length_key=spec.length_key,
-        max_new_tokens=spec.max_new_tokens)
 
 
 # --- the simulator twin ----------------------------------------------------------------------

@@ -1,0 +1,169 @@
+"""The live bench's client: tenants through the admin API, the workload replayed on the wall
+clock through the OpenAI completions API, one `RequestRecord` per request (bench/live.py).
+
+Every request is streamed with exact token-id prompts, greedy decoding and ``ignore_eos``; the
+client stamps each text chunk, which gives TTFT, TBT and the token times the simulator's metrics
+code expects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import zlib
+from array import array
+from typing import Any
+
+import aiohttp
+
+from backend.sim.records import RequestRecord
+from bench.workloads.base import RequestSpec, SpecSource
+
+DRAIN_TIMEOUT_S = 240.0
+"""How long after the arrival window the replay waits for requests still running."""
+
+
+class TenantKeys:
+    """API keys per SLO class (RT) and for BE, made through the admin API."""
+
+    def __init__(self, base_url: str, admin_token: str, session: aiohttp.ClientSession) -> None:
+        self.base_url = base_url
+        self.headers = {"Authorization": f"Bearer {admin_token}"}
+        self.session = session
+        self._keys: dict[tuple[str, float | None, float | None], str] = {}
+
+    async def key_for(self, spec: RequestSpec) -> str:
+        slo = (spec.tier, spec.ttft_s, spec.tpot_s) if spec.tier == "rt" else ("be", None, None)
+        key = self._keys.get(slo)
+        if key is None:
+            key = self._keys[slo] = await self._new_tenant(*slo)
+        return key
+
+    async def _new_tenant(self, tier: str, ttft_s: float | None, tpot_s: float | None) -> str:
+        name = f"{tier}-{len(self._keys)}-{secrets.token_hex(3)}"
+        slo: dict[str, Any] = {}
+        if tier == "rt":
+            slo = {"ttft_ms": round(1000 * (ttft_s or 1.0), 3),
+                   "tpot_ms": round(1000 * (tpot_s or 1.0), 3)}
+        admin = f"{self.base_url}/admin/v1"
+        async with self.session.post(f"{admin}/tenants", headers=self.headers,
+                                     json={"name": name, "tier": tier, "slo": slo}) as resp:
+            tenant = await resp.json()
+            if resp.status != 201:
+                raise RuntimeError(f"creating tenant {name}: {resp.status} {tenant}")
+        async with self.session.post(f"{admin}/tenants/{tenant['id']}/keys",
+                                     headers=self.headers) as resp:
+            body = await resp.json()
+            if resp.status != 201:
+                raise RuntimeError(f"creating a key for {name}: {resp.status} {body}")
+        return str(body["key"])
+
+
+def prompt_for(spec: RequestSpec) -> list[int]:
+    """The exact prompt of *spec*: token ids from its rid (no prefix shared across requests)."""
+    seed = zlib.crc32(spec.rid.encode())
+    return [10 + (seed + 7919 * j) % 251 for j in range(spec.prompt_len)]
+
+
+async def replay(session: aiohttp.ClientSession, base_url: str, keys: TenantKeys,
+                 source: SpecSource, window_s: float, drain_timeout_s: float = DRAIN_TIMEOUT_S
+                 ) -> tuple[list[RequestRecord], float]:
+    """Replays *source* on the wall clock (closed-loop sources get each finish at once); a
+    request still running *drain_timeout_s* after the window is cancelled and counted
+    unfinished."""
+    window = window_s
+    t0 = time.perf_counter()
+    pending: dict[asyncio.Task[RequestRecord], RequestSpec] = {}
+    records: list[RequestRecord] = []
+    while True:
+        now = time.perf_counter() - t0
+        for spec in source.pop_due(now):
+            key = await keys.key_for(spec)
+            pending[asyncio.create_task(send(session, base_url, key, spec, t0))] = spec
+        if source.exhausted and not pending:
+            break
+        if now > window + drain_timeout_s:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            records += [_unfinished(spec) for spec in pending.values()]
+            break
+        nxt = source.next_arrival_s()
+        wait_s = 0.5 if nxt is None else max(0.0, nxt - now)
+        if not pending:
+            await asyncio.sleep(min(wait_s, 0.5))
+            continue
+        done, _ = await asyncio.wait(list(pending), timeout=min(wait_s, 0.5),
+                                     return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            spec = pending.pop(task)
+            record = task.result()
+            records.append(record)
+            source.on_finish(spec.rid, time.perf_counter() - t0)
+    records.sort(key=lambda r: r.arrival_s)
+    return records, time.perf_counter() - t0
+
+
+async def send(session: aiohttp.ClientSession, base_url: str, key: str, spec: RequestSpec,
+                t0: float) -> RequestRecord:
+    """One request, streamed; its record (times from the start of the replay)."""
+    body = {"model": "tandem-tiny", "prompt": prompt_for(spec), "max_tokens": spec.output_len,
+            "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    arrival = time.perf_counter() - t0
+    chunk_times: list[float] = []
+    generated = 0
+    async with session.post(f"{base_url}/v1/completions", json=body,
+                            headers={"Authorization": f"Bearer {key}"}) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{spec.rid}: HTTP {resp.status} {await resp.text()}")
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if chunk.get("usage"):
+                generated = int(chunk["usage"]["completion_tokens"])
+            choices = chunk.get("choices") or []
+            if choices and choices[0].get("text"):
+                chunk_times.append(time.perf_counter() - t0)
+    finish = time.perf_counter() - t0
+    return RequestRecord(
+        rid=spec.rid, tier=spec.tier, arrival_s=spec.arrival_s if spec.rid != "warm-up"
+        else arrival, prompt_len=spec.prompt_len, output_len_target=spec.output_len,
+        generated=generated, first_token_s=chunk_times[0] if chunk_times else None,
+        finish_s=finish, token_times=_token_times(chunk_times, generated, finish),
+        evictions=0, cached_tokens=0, ttft_target_s=spec.ttft_s, tpot_target_s=spec.tpot_s,
+        deadline_s=None if spec.deadline_s is None else spec.arrival_s + spec.deadline_s,
+        length_key=spec.length_key, max_new_tokens=spec.max_new_tokens,
+        admitted_s=chunk_times[0] if chunk_times else None)
+
+
+def _token_times(chunk_times: list[float], generated: int, finish_s: float) -> array[float]:
+    """One time per token: the chunk times, and where the gateway merged tokens into one chunk
+    (it holds back bytes of an unfinished UTF-8 character) the missing ones at the time of the
+    chunk that carried them (the last chunks, conservatively)."""
+    times = list(chunk_times[:generated])
+    while len(times) < generated:
+        times.append(times[-1] if times else finish_s)
+    return array("d", sorted(times))
+
+
+def _unfinished(spec: RequestSpec) -> RequestRecord:
+    return RequestRecord(
+        rid=spec.rid, tier=spec.tier, arrival_s=spec.arrival_s, prompt_len=spec.prompt_len,
+        output_len_target=spec.output_len, generated=0, first_token_s=None, finish_s=None,
+        token_times=array("d"), evictions=0, cached_tokens=0, ttft_target_s=spec.ttft_s,
+        tpot_target_s=spec.tpot_s, deadline_s=None, length_key=spec.length_key,
+        max_new_tokens=spec.max_new_tokens)
+
+
+async def replay_source(base_url: str, admin_token: str, source: SpecSource, window_s: float,
+                         drain_s: float) -> tuple[list[RequestRecord], float]:
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=DRAIN_TIMEOUT_S)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=timeout) as session:
+        keys = TenantKeys(base_url, admin_token, session)
+        return await replay(session, base_url, keys, source, window_s, drain_s)
