@@ -91,7 +91,7 @@ def meta_from_custom_params(custom_params: dict[str, Any] | None) -> RequestMeta
 CONTROL_LENGTHS_PATH = "/length-history"
 """POST a :class:`LengthHistoryPush`: finished output lengths per length-history key."""
 CONTROL_STATS_PATH = "/stats"
-"""GET: the in-engine policy's counters (JSON object; see backend.sglang_ext.driver.DriverStats)."""
+"""GET: the in-engine policy's counters (JSON object; see backend.sglang_ext.driver_stats)."""
 CONTROL_STATS_RESET_PATH = "/stats/reset"
 """POST: zero the counters (a bench starts its measurement window)."""
 CONTROL_HEALTH_PATH = "/health"

@@ -1,0 +1,72 @@
+"""The in-engine driver's counters (served by the control endpoint's ``GET /stats``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+PLAN_MS_KEPT = 2048
+"""Most recent per-iteration planning times kept for the statistics."""
+
+
+class DriverStats(msgspec.Struct, kw_only=True):
+    """What the driver did since start (served by the control endpoint's ``GET /stats``)."""
+
+    policy: str = ""
+    """Name of the policy in charge."""
+    iterations: int = 0
+    """Iterations that ran a batch."""
+    busy_s: float = 0.0
+    """Total duration of those iterations (scheduler loop time, start to start), seconds."""
+    overhead_s: float = 0.0
+    """Of `busy_s`, time spent in tandem's code (snapshot, plan, carrying it out), seconds."""
+    plans: int = 0
+    """Plans made."""
+    parked_decodes: int = 0
+    """Decode rows that sat an iteration out (kept their KV)."""
+    evictions: int = 0
+    """Requests the plan evicted (KV freed, re-queued, resumed later)."""
+    retractions_ordered: int = 0
+    """Times SGLang's out-of-memory retraction asked the policy for its victim order."""
+    planned_prefills: int = 0
+    """Prefill chunks planned."""
+    admitted_prefills: int = 0
+    """Planned chunks SGLang's prefill pass actually took."""
+    refused_prefills: int = 0
+    """Planned chunks the engine could not take (SGLang's one-chunked-request rule, KV)."""
+    finished: int = 0
+    """Requests that finished (their output length went into the length history)."""
+    history_updates: int = 0
+    """Length-history pushes applied from the control endpoint."""
+    history_lengths: int = 0
+    """Output lengths received through those pushes."""
+    stall_fallbacks: int = 0
+    """Iterations where the policy planned nothing for an idle engine with requests waiting, so
+    SGLang's own admission ran instead (an engine must never sit idle on queued work)."""
+    peak_running: int = 0
+    """Most requests holding KV at once (running + mid-prefill), seen at planning time."""
+    peak_kv_used_tokens: int = 0
+    """Most KV slots in use at once (requests and prefix cache), seen at planning time."""
+    plan_ms: list[float] = msgspec.field(default_factory=list)
+    """Recent planning times, ms (the last PLAN_MS_KEPT)."""
+
+    @property
+    def mean_iteration_ms(self) -> float:
+        return 1000.0 * self.busy_s / self.iterations if self.iterations else 0.0
+
+    @property
+    def overhead_frac(self) -> float:
+        """Share of the busy time spent in tandem's code."""
+        return self.overhead_s / self.busy_s if self.busy_s > 0 else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        """The counters plus derived figures, JSON-ready."""
+        out: dict[str, Any] = msgspec.structs.asdict(self)
+        plan_ms = sorted(out.pop("plan_ms"))
+        out["plan_ms_p50"] = plan_ms[len(plan_ms) // 2] if plan_ms else None
+        out["plan_ms_p99"] = plan_ms[min(len(plan_ms) - 1, int(0.99 * len(plan_ms)))] \
+            if plan_ms else None
+        out["mean_iteration_ms"] = self.mean_iteration_ms
+        out["overhead_frac"] = self.overhead_frac
+        return out
