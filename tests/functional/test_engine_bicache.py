@@ -132,17 +132,22 @@ async def test_rt_takes_over_parked_be_slots_and_be_outputs_stay_correct(
     _, be_key = await gw.new_tenant("bicache-be", "be")
     _, rt_key = await gw.new_tenant("bicache-rt", "rt", ttft_ms=1500, tpot_ms=40)
     # Whether the RT prompts arrive while the BE rows sit parked depends on CPU timing: up to
-    # three rounds, each checked in full, until one of them checkpoints BE slots and restores
-    # them.
-    restored = checkpointed = 0
+    # three rounds, each checked in full (outputs, and every checkpointed token restored once
+    # or dropped with a request the policy evicted), until one of them checkpoints BE slots and
+    # restores them.
+    restored = checkpointed = discarded = 0
     for n in range(3):
         delta = await _round(gw, bicache_engine, be_key, rt_key, n)
         checkpointed += delta["checkpointed_tokens"]
         restored += delta["restored_tokens"]
+        discarded += delta["discarded_tokens"]
         if restored:
             break
     stats = layout_stats(bicache_engine)
-    assert checkpointed > 0 and restored > 0, f"no BE slot was checkpointed and restored: {stats}"
+    assert checkpointed > 0, f"no BE slot was checkpointed: {stats}"
+    # Usually some come back from host memory; when the policy evicted every checkpointed
+    # request instead (its KV recomputed, as without the layout), none is left to restore.
+    assert restored > 0 or discarded == checkpointed, stats
     assert stats["borrowed_slots"] > 0
 
 
