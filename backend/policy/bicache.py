@@ -405,18 +405,7 @@ class BiCache:
             take = min(left, b - self.be_fill[last] - self.rt_fill[last])
             plan.append((last, take, 0, False))
             left -= take
-        for r in range(b, 0, -1):  # free blocks, then BE tails, most room first
-            if left == 0:
-                break
-            for k in self._rt_room[r]:
-                if k in used:
-                    continue
-                take = min(left, r)
-                plan.append((k, take, 0, False))
-                used.add(k)
-                left -= take
-                if left == 0:
-                    break
+        left = self._fill_most_room(self._rt_room, left, used, plan)  # free blocks, BE tails
         if left and steal and plan:
             k, take, _, _ = plan[-1]
             ov = min(left, self._stealable(k, self.be_owner[k]))
@@ -439,6 +428,24 @@ class BiCache:
                          f"({self.free} free of {self.capacity})")
         return [step for step in plan if step[1] or step[2]]
 
+    def _fill_most_room(self, room: list[dict[int, None]], left: int, used: set[int],
+                        plan: list[tuple[int, int, int, bool]]) -> int:
+        """Appends steps taking slots from the blocks with the most room first (room[r]: blocks
+        with r free slots on this side), skipping `used` ones (updated); returns what is left."""
+        for r in range(self.b, 0, -1):
+            if left == 0:
+                break
+            for k in room[r]:
+                if k in used:
+                    continue
+                take = min(left, r)
+                plan.append((k, take, 0, False))
+                used.add(k)
+                left -= take
+                if left == 0:
+                    break
+        return left
+
     def _plan_be(self, rid: str, req: _Req | None, n: int, steal: bool, *, grow: bool,
                  exclude: set[int] | None = None) -> list[tuple[int, int, int, bool]]:
         """Steps (block, slots taken, 0, take over the dormant segment first) covering n, in
@@ -454,18 +461,7 @@ class BiCache:
                 plan.append((last, take, 0, False))
                 left -= take
             used.add(last)
-        for r in range(b, 0, -1):  # free blocks, then RT tails, most room first
-            if left == 0:
-                break
-            for k in self._be_room[r]:
-                if k in used:
-                    continue
-                take = min(left, r)
-                plan.append((k, take, 0, False))
-                used.add(k)
-                left -= take
-                if left == 0:
-                    break
+        left = self._fill_most_room(self._be_room, left, used, plan)  # free blocks, RT tails
         if left and steal:
             for k in self._dormant:
                 owner = self.be_owner[k]
