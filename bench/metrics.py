@@ -206,6 +206,22 @@ def iteration_metrics(log: IterationLog) -> Metrics:
     }
 
 
+def time_share_metrics(log: IterationLog, window_s: float) -> Metrics:
+    """Where the engine's time in the window went: busy at all, busy with RT work (what the
+    iterations would have taken with only their RT work, fixed costs included), and the rest —
+    BE's marginal cost. Iterations are clipped at the window's end."""
+    start = _col(log, "start_s")
+    dur = _col(log, "duration_s")
+    rt = _col(log, "rt_part_s")
+    inside = np.clip(np.minimum(start + dur, window_s) - start, 0.0, None)
+    busy = float(inside.sum()) / window_s
+    if not rt.size or np.isnan(rt).any():
+        return {"engine_busy_frac": busy, "rt_busy_frac": None, "be_busy_frac": None}
+    scale = np.divide(inside, dur, out=np.zeros_like(dur), where=dur > 0)
+    rt_busy = float((rt * scale).sum()) / window_s
+    return {"engine_busy_frac": busy, "rt_busy_frac": rt_busy, "be_busy_frac": busy - rt_busy}
+
+
 def eviction_metrics(records: Sequence[RequestRecord]) -> Metrics:
     """Share of requests evicted at least once (all, RT, BE) and evictions in total."""
     def rate(tier: str | None) -> float | None:
@@ -226,6 +242,7 @@ def compute_metrics(result: SimResult, window_s: float | None) -> Metrics:
     out.update(goodput_metrics(records, rt, window))
     out.update(eviction_metrics(records))
     out.update(iteration_metrics(result.iterations))
+    out.update(time_share_metrics(result.iterations, window))
     out["prefix_reuse_ratio"] = result.prefix_reuse_ratio
     out["window_s"] = window
     out["sim_end_s"] = result.end_s

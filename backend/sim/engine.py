@@ -11,10 +11,10 @@ import math
 import time
 from collections.abc import Callable
 
-from backend.policy.latency import LatencyModel
+from backend.policy.latency import BatchShape, LatencyModel
 from backend.policy.types import FinishedRequest, IterationResult, Policy
 from backend.sim.config import SimConfig
-from backend.sim.core import EngineCore, Track
+from backend.sim.core import Batch, EngineCore, Track
 from backend.sim.records import IterationLog, RequestRecord, SimResult
 from backend.sim.source import ArrivalSource
 
@@ -105,13 +105,14 @@ def _iterate(core: EngineCore, policy: Policy, latency: LatencyModel, source: Ar
     duration = latency.predict(batch.shape)
     if core.bikv is not None:  # checkpoint and restore traffic of the bicache layout
         duration = core.bikv.iteration_s(duration)
+    rt_part_s = _rt_part_s(latency, batch, duration)
     end_s = now_s + duration
     emitted, finished = core.finish(batch, end_s)
     log.append(start_s=now_s, duration_s=duration, predicted_s=plan.predicted_s,
                plan_ms=plan_ms, num_prefill=len(batch.prefills), num_decode=len(batch.decodes),
                prefill_tokens=batch.shape.prefill_tokens, kv_used_tokens=kv_used,
                num_running=num_running, num_waiting=num_waiting,
-               num_evictions=batch.num_evictions)
+               num_evictions=batch.num_evictions, rt_part_s=rt_part_s)
     done = [FinishedRequest(t.state.rid, t.state.tier, t.state.length_key, t.state.generated)
             for t in finished]
     for t in finished:
@@ -119,6 +120,29 @@ def _iterate(core: EngineCore, policy: Policy, latency: LatencyModel, source: Ar
     policy.observe(IterationResult(start_s=now_s, duration_s=duration, plan=plan,
                                    emitted=emitted, finished=done))
     return duration
+
+
+def _rt_part_s(latency: LatencyModel, batch: Batch, duration_s: float) -> float:
+    """What `batch` would have taken with only its RT decodes and RT prompt chunks — the
+    iteration's fixed cost included — or 0 when it ran no RT work: summed over a run, the engine
+    time RT occupies (the rest of each iteration is BE's marginal cost). Called after `apply`,
+    before `finish`: `prefilled` already counts this iteration's chunks, `generated` does not
+    count its decodes yet."""
+    decodes = [t.state for t in batch.decodes if t.state.tier == "rt"]
+    chunks = [(t.state, n) for t, n in batch.prefills if t.state.tier == "rt"]
+    if not decodes and not chunks:
+        return 0.0
+    if len(decodes) == len(batch.decodes) and len(chunks) == len(batch.prefills):
+        return duration_s  # nothing but RT work
+    contexts = [s.prompt_len + s.generated for s in decodes]
+    ends = [s.prefilled for s, _ in chunks]  # prefix + chunk
+    shape = BatchShape(
+        prefill_tokens=sum(n for _, n in chunks), num_prefill=len(chunks),
+        prefill_attn=float(sum(n * end for (_, n), end in zip(chunks, ends, strict=True))),
+        prefill_attn_full=float(sum(end * end for end in ends)),
+        decode_context=sum(contexts), num_decode=len(decodes),
+        decode_context_sq=float(sum(c * c for c in contexts)))
+    return min(duration_s, latency.predict(shape))
 
 
 def _record(t: Track) -> RequestRecord:

@@ -46,7 +46,7 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     """When it was first admitted (queueing delay = admitted_s − arrival_s)."""
 
 
-_FLOAT_COLUMNS = ("start_s", "duration_s", "predicted_s", "plan_ms")
+_FLOAT_COLUMNS = ("start_s", "duration_s", "predicted_s", "plan_ms", "rt_part_s")
 _INT_COLUMNS = ("num_prefill", "num_decode", "prefill_tokens", "kv_used_tokens",
                 "num_running", "num_waiting", "num_evictions")
 
@@ -57,6 +57,8 @@ class IterationLog:
     start_s, duration_s: when the iteration started and how long it took (simulated s).
     predicted_s: the policy's `plan.predicted_s` (NaN when it gave none).
     plan_ms: wall time spent in `policy.plan`, ms.
+    rt_part_s: what the iteration would have taken with only its RT work (its fixed cost
+    included; 0 when it ran no RT work, NaN when not computed), simulated s.
     num_prefill, num_decode: requests with a prefill chunk / a decode.
     prefill_tokens: prefill tokens computed (cache hits excluded).
     kv_used_tokens: KV slots in use during the iteration (after its allocations, before its
@@ -71,6 +73,7 @@ class IterationLog:
         self.duration_s = array("d")
         self.predicted_s = array("d")
         self.plan_ms = array("d")
+        self.rt_part_s = array("d")
         self.num_prefill = array("q")
         self.num_decode = array("q")
         self.prefill_tokens = array("q")
@@ -85,11 +88,12 @@ class IterationLog:
     def append(self, *, start_s: float, duration_s: float, predicted_s: float | None,
                plan_ms: float, num_prefill: int, num_decode: int, prefill_tokens: int,
                kv_used_tokens: int, num_running: int, num_waiting: int,
-               num_evictions: int) -> None:
+               num_evictions: int, rt_part_s: float | None = None) -> None:
         self.start_s.append(start_s)
         self.duration_s.append(duration_s)
         self.predicted_s.append(math.nan if predicted_s is None else predicted_s)
         self.plan_ms.append(plan_ms)
+        self.rt_part_s.append(math.nan if rt_part_s is None else rt_part_s)
         self.num_prefill.append(num_prefill)
         self.num_decode.append(num_decode)
         self.prefill_tokens.append(prefill_tokens)

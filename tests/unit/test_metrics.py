@@ -10,7 +10,7 @@ import pytest
 
 from backend.sim.records import IterationLog, RequestRecord, SimResult
 from bench.capacity import CODE_PACKAGES, code_digest, search_capacity
-from bench.metrics import compute_metrics, interference, rounded
+from bench.metrics import compute_metrics, interference, rounded, time_share_metrics
 
 WINDOW_S = 10.0
 END_S = 12.0
@@ -145,3 +145,23 @@ def test_code_digest_changes_with_the_code(tmp_path: Path) -> None:
     assert code_digest(tmp_path) == before
     (tmp_path / CODE_PACKAGES[0] / "a.py").write_text("x = 2\n")
     assert code_digest(tmp_path) != before
+
+
+def test_time_shares_split_the_window_into_rt_be_and_idle() -> None:
+    log = IterationLog(kv_capacity_tokens=100)
+    # 0–0.1 s RT alone; 0.1–0.4 s mixed (RT part 0.1 s); idle until 0.9; 0.9–1.1 s BE alone,
+    # of which only 0.1 s lies inside the 1-s window
+    for start, dur, rt_part in ((0.0, 0.1, 0.1), (0.1, 0.3, 0.1), (0.9, 0.2, 0.0)):
+        log.append(start_s=start, duration_s=dur, predicted_s=dur, plan_ms=0.1, num_prefill=1,
+                   num_decode=1, prefill_tokens=1, kv_used_tokens=1, num_running=1,
+                   num_waiting=0, num_evictions=0, rt_part_s=rt_part)
+    m = time_share_metrics(log, 1.0)
+    assert m["engine_busy_frac"] == pytest.approx(0.5)
+    assert m["rt_busy_frac"] == pytest.approx(0.2)
+    assert m["be_busy_frac"] == pytest.approx(0.3)
+
+
+def test_time_shares_without_rt_parts_leave_the_split_open() -> None:
+    m = time_share_metrics(iteration_log(), 1.0)  # logged without rt_part_s
+    assert m["engine_busy_frac"] == pytest.approx(0.4)
+    assert m["rt_busy_frac"] is None and m["be_busy_frac"] is None
