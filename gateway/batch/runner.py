@@ -5,6 +5,7 @@ Durability: a line's life is a row (pending → running → succeeded | failed).
 committed one by one, and the output file is built only at the end from the rows, in file order,
 one line per row (unique per custom_id), so a crash at any point loses at most the lines that
 were running (they go back to pending at start-up and run again) and can never duplicate one.
+Running one line and committing its result (or its retry) is gateway/batch/execute.py.
 
 Backpressure: at most `batch.max_inflight` lines are on the engine at once (all batches
 together), and each batch's feed (gateway/batch/order/feed.py) keeps its lines' estimated KV
@@ -22,25 +23,18 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
-from datetime import datetime, timedelta
-from typing import Any
+from datetime import timedelta
 
-import msgspec
 from aiohttp import web
 
-from gateway.api.generation import Generation, is_cancellation
-from gateway.api.prepare import (
-    build_engine_request,
-)
-from gateway.auth import Principal
+from gateway.batch.execute import ActiveBatch, execute_line, refusal, retry_or_fail
 from gateway.batch.lines import now_utc
 from gateway.batch.order.feed import BatchFeed, FeedSettings
 from gateway.batch.order.tree import OrderItem
-from gateway.batch.output import build_files, completion_body
-from gateway.batch.prepare import PreparedLine, prepare_lines
+from gateway.batch.output import build_files
+from gateway.batch.prepare import prepare_lines
 from gateway.batch.store import BatchStore
-from gateway.batch.types import ENDPOINTS, BatchInfo, ItemResult
+from gateway.batch.types import ENDPOINTS, BatchInfo
 from gateway.batch.validate import validate_lines
 from gateway.errors import ApiError
 from gateway.state import CONFIG, STORE, TOKENIZER
@@ -49,34 +43,6 @@ from gateway.store.types import Tenant
 log = logging.getLogger(__name__)
 
 _ACTIVE_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
-
-
-@dataclass
-class ActiveBatch:
-    """An in_progress batch the runner is feeding."""
-
-    info: BatchInfo
-    tenant: Tenant
-    kind: str
-    """"chat" or "completions"."""
-    feed: BatchFeed
-    prepared: dict[int, PreparedLine]
-    custom_ids: dict[int, str]
-    tasks: dict[int, asyncio.Task[None]] = field(default_factory=dict)
-    retry: list[tuple[float, int]] = field(default_factory=list)
-    """(monotonic time when it may run again, line) of lines the engine could not take."""
-    failures: dict[int, int] = field(default_factory=dict)
-    """Engine aborts/refusals per line (an unreachable engine does not count)."""
-    down_streak: int = 0
-    """Consecutive lines that found the engine unreachable (backs the retries off)."""
-    stopping: str | None = None
-    """"expired" or "cancelled" once the batch is being wound down."""
-
-    @property
-    def priority(self) -> tuple[datetime, datetime]:
-        """Earliest deadline first, then earliest expiry."""
-        deadline = self.info.deadline_at or self.info.expires_at
-        return deadline, self.info.expires_at
 
 
 class BatchRunner:
@@ -200,7 +166,7 @@ class BatchRunner:
         )
         for line_no, exc in refused.items():  # prompts the model cannot take: error file
             if await self._store.mark_running(info.id, line_no):
-                await self._store.finish_item(info.id, line_no, _refusal(info, line_no, exc))
+                await self._store.finish_item(info.id, line_no, refusal(info, line_no, exc))
         items = [
             OrderItem(
                 index=n, path=p.input_ids, prompt_len=len(p.input_ids), max_output_len=p.max_tokens
@@ -274,13 +240,15 @@ class BatchRunner:
     async def _run_line(self, active: ActiveBatch, line_no: int) -> None:
         output_len: int | None = None
         try:
-            output_len = await self._execute(active, line_no)
+            output_len = await execute_line(self._app, self._store, active, line_no)
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("batch %s line %d failed unexpectedly", active.info.id, line_no)
             with contextlib.suppress(Exception):  # the database may be what failed
-                await self._retry_or_fail(
+                await retry_or_fail(
+                    self._store,
+                    self._config.batch,
                     active,
                     line_no,
                     ApiError(
@@ -292,102 +260,6 @@ class BatchRunner:
             active.tasks.pop(line_no, None)
             active.feed.finished(line_no, output_len)  # retries bypass the feed
             self._wake.set()
-
-    async def _execute(self, active: ActiveBatch, line_no: int) -> int | None:
-        """Runs one line; returns its output length when it succeeded."""
-        batch_id = active.info.id
-        store = self._store
-        if not await store.mark_running(batch_id, line_no):
-            return None
-        prepared = active.prepared[line_no]
-        principal = self._principal(active)
-        model = self._config.model.name
-        gen = Generation(
-            app=self._app,
-            principal=principal,
-            endpoint=f"batch/{active.kind}",
-            model=model,
-            stream=False,
-        )
-        cancelled = False
-        try:
-            gen.request = build_engine_request(
-                prepared.body, prepared.input_ids, prepared.max_tokens, principal, "be"
-            )
-            parts: list[str] = []
-            async for chunk in gen.chunks():
-                parts.append(chunk.text_delta)
-            if gen.outcome.status == "aborted":
-                raise ApiError(503, "the engine aborted the request", code="engine_aborted")
-        except ApiError as exc:
-            if exc.status in (429, 503):
-                await self._retry_or_fail(active, line_no, exc)
-                return None
-            await store.finish_item(batch_id, line_no, _refusal(active.info, line_no, exc))
-            return None
-        except BaseException as exc:
-            cancelled = is_cancellation(exc)
-            raise
-        finally:
-            gen.close(cancelled=cancelled)
-        outcome = gen.outcome
-        active.down_streak = 0  # the engine answers: retries need no back-off
-        body = completion_body(
-            active.kind,
-            gen.request.rid,
-            model,
-            "".join(parts),
-            outcome.finish_reason,
-            outcome.prompt_tokens,
-            outcome.completion_tokens,
-        )
-        response = {"status_code": 200, "request_id": gen.request.rid, "body": body}
-        await store.finish_item(
-            batch_id,
-            line_no,
-            ItemResult(
-                status="succeeded",
-                response=response,
-                prompt_tokens=outcome.prompt_tokens,
-                completion_tokens=outcome.completion_tokens,
-            ),
-        )
-        return outcome.completion_tokens
-
-    async def _retry_or_fail(self, active: ActiveBatch, line_no: int, exc: ApiError) -> None:
-        """An engine that is down (or restarting) only delays a line, however long it takes;
-        an engine that aborts or refuses it for capacity costs an attempt, and after
-        `batch.max_attempts` the line goes to the error file."""
-        cfg = self._config.batch
-        down = exc.code == "engine_unavailable"
-        if not down:
-            active.failures[line_no] = active.failures.get(line_no, 0) + 1
-            if active.failures[line_no] >= cfg.max_attempts:
-                await self._store.finish_item(
-                    active.info.id, line_no, _refusal(active.info, line_no, exc)
-                )
-                return
-        await self._store.requeue_item(active.info.id, line_no)
-        active.down_streak = active.down_streak + 1 if down else 0
-        pause = cfg.retry_after_s * (2 ** min(active.down_streak, 4) if down else 1)
-        active.retry.append((time.monotonic() + pause, line_no))
-
-    def _principal(self, active: ActiveBatch) -> Principal:
-        """The batch's tenant, with the time left to its deadline as the BE deadline."""
-        tenant = active.tenant
-        deadline = active.info.deadline_at
-        if deadline is not None:
-            left = max(1.0, (deadline - now_utc()).total_seconds())
-            tenant = msgspec.structs.replace(
-                tenant, slo=msgspec.structs.replace(tenant.slo, deadline_s=left)
-            )
-        elif tenant.slo.deadline_s is not None:
-            # The contract's deadline is per job: it counts from the batch's creation.
-            left = tenant.slo.deadline_s - (now_utc() - active.info.created_at).total_seconds()
-            tenant = msgspec.structs.replace(
-                tenant, slo=msgspec.structs.replace(tenant.slo, deadline_s=max(1.0, left))
-            )
-        return Principal(tenant=tenant, key_id=active.info.key_id or "", key_prefix="batch")
 
     # ------------------------------------------------------------------ endings
 
@@ -421,9 +293,3 @@ class BatchRunner:
         self._active.pop(batch_id, None)
         if done:
             log.info("batch %s %s: %d output lines, %d error lines", batch_id, final, n_out, n_err)
-
-
-def _refusal(info: BatchInfo, line_no: int, exc: ApiError) -> ItemResult:
-    """A line the API refused: an error-file line with the status and error body."""
-    response: dict[str, Any] = {"status_code": exc.status, "request_id": None, "body": exc.body()}
-    return ItemResult(status="failed", response=response)
