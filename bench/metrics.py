@@ -74,6 +74,8 @@ class RtStats:
     mtpot_met: bool
     """Largest gap within the TPOT target (and finished)."""
     tokens_in_deadline: int
+    late_s: np.ndarray
+    """Emission times of the tokens that missed their deadline."""
     finished: bool
 
 
@@ -89,21 +91,41 @@ def rt_stats(rec: RequestRecord, end_s: float) -> RtStats:
     ttft_met = rec.first_token_s is not None and ttft <= ttft_target + _EPS
     tpot_met = finished and tpot is not None and tpot <= tpot_target + _EPS
     mtpot_met = finished and (not gaps.size or float(gaps.max()) <= tpot_target + _EPS)
-    in_deadline = 0
+    late = times[:0]
     if times.size:
         deadlines = np.empty(times.size)
         deadlines[0] = rec.arrival_s + ttft_target
         deadlines[1:] = times[:-1] + tpot_target
-        in_deadline = int(np.count_nonzero(times <= deadlines + _EPS))
+        late = times[times > deadlines + _EPS]
     return RtStats(ttft_s=ttft, gaps=gaps, tpot_s=tpot, ttft_met=ttft_met, tpot_met=tpot_met,
-                   mtpot_met=mtpot_met, tokens_in_deadline=in_deadline, finished=finished)
+                   mtpot_met=mtpot_met, tokens_in_deadline=int(times.size - late.size),
+                   late_s=late, finished=finished)
+
+
+def iteration_attainment(rt: Sequence[RequestRecord], stats: Sequence[RtStats],
+                         log: IterationLog) -> float | None:
+    """AccelGen's iteration-level (batch-level) SLO attainment: of the iterations that emitted
+    RT tokens, the share in which every RT token met its deadline. Tokens are placed in the
+    iteration whose end emitted them; None without an iteration log (live runs, where token
+    times are the client's)."""
+    if not len(log) or not rt:
+        return None
+    ends = np.asarray(log.start_s, dtype=float) + np.asarray(log.duration_s, dtype=float)
+    emitted = np.concatenate([token_times(r) for r in rt])
+    if not emitted.size:
+        return None
+    late = np.concatenate([s.late_s for s in stats])
+    with_rt = np.unique(np.searchsorted(ends, emitted - _EPS))
+    missed = np.unique(np.searchsorted(ends, late - _EPS))
+    return 1.0 - missed.size / with_rt.size
 
 
 def _share(flags: Sequence[bool]) -> float | None:
     return sum(flags) / len(flags) if flags else None
 
 
-def rt_metrics(records: Sequence[RequestRecord], end_s: float, window_s: float) -> Metrics:
+def rt_metrics(records: Sequence[RequestRecord], end_s: float, window_s: float,
+               log: IterationLog | None = None) -> Metrics:
     """RT tier: TTFT/TPOT/TBT statistics, SLO attainment in every form, normalised latency."""
     rt = [r for r in records if r.tier == "rt"]
     stats = [rt_stats(r, end_s) for r in rt]
@@ -124,6 +146,8 @@ def rt_metrics(records: Sequence[RequestRecord], end_s: float, window_s: float) 
         "rt_joint_attainment": _share([s.ttft_met and s.tpot_met for s in stats]),
         "rt_strict_attainment": _share([s.ttft_met and s.mtpot_met for s in stats]),
         "rt_token_attainment": in_deadline / target_tokens if target_tokens else None,
+        "rt_iteration_attainment": (iteration_attainment(rt, stats, log)
+                                    if log is not None else None),
         "rt_ttft_mean_s": mean(ttft),
         "rt_ttft_p50_s": percentile(ttft, 50),
         "rt_ttft_p90_s": percentile(ttft, 90),
@@ -237,7 +261,7 @@ def compute_metrics(result: SimResult, window_s: float | None) -> Metrics:
     """Every metric of one policy's run. `window_s`: the arrival window (None: the run's end)."""
     window = window_s if window_s is not None and window_s > 0 else max(result.end_s, _EPS)
     records = result.requests
-    rt = rt_metrics(records, result.end_s, window)
+    rt = rt_metrics(records, result.end_s, window, result.iterations)
     out: Metrics = {**rt, **be_metrics(records, result.end_s, window)}
     out.update(goodput_metrics(records, rt, window))
     out.update(eviction_metrics(records))

@@ -23,6 +23,7 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("rt_tpot_attainment", "RT TPOT att.", "pct"),
     ("rt_joint_attainment", "RT joint att.", "pct"),
     ("rt_token_attainment", "RT token att.", "pct"),
+    ("rt_iteration_attainment", "RT iter. att.", "pct"),
     ("rt_ttft_p50_s", "TTFT p50 s", "s"),
     ("rt_ttft_p99_s", "TTFT p99 s", "s"),
     ("rt_tbt_p99_s", "TBT p99 s", "s"),
@@ -123,7 +124,8 @@ def report_markdown(run: BenchRun, plots: list[str]) -> str:
     wall = ", ".join(f"{name} {r.wall_s:.1f} s" for name, r in run.runs.items())
     lines = [f"# {run.workload.name} on {run.config.engine}", "",
              f"Command: `{run.config.command}`", "", *_parameters(run), "", *_table(run), "",
-             "Attainments are shares of RT requests (token att.: of RT tokens); rates are per "
+             "Attainments are shares of RT requests (token att.: of RT tokens; iter. att.: of "
+             "iterations emitting RT tokens, all of them on time); rates are per "
              "second of the measurement window; `–` = not applicable. Every metric, with its "
              "definition and unit, is in results.json and explained in bench/README.md.", "",
              f"Wall-clock time per policy: {wall}.", ""]

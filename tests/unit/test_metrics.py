@@ -165,3 +165,31 @@ def test_time_shares_without_rt_parts_leave_the_split_open() -> None:
     m = time_share_metrics(iteration_log(), 1.0)  # logged without rt_part_s
     assert m["engine_busy_frac"] == pytest.approx(0.4)
     assert m["rt_busy_frac"] is None and m["be_busy_frac"] is None
+
+
+def test_iteration_attainment_counts_iterations_with_any_late_rt_token() -> None:
+    # five iterations ending at 0.1 … 0.5 s; the third emits nothing for RT
+    log = IterationLog(kv_capacity_tokens=100)
+    for start in (0.0, 0.1, 0.2, 0.3, 0.4):
+        log.append(start_s=start, duration_s=0.1, predicted_s=0.1, plan_ms=0.1, num_prefill=0,
+                   num_decode=1, prefill_tokens=0, kv_used_tokens=1, num_running=1,
+                   num_waiting=0, num_evictions=0)
+    rt = [
+        # on time in every iteration it emits in (0.1, 0.2, 0.4)
+        make_record("a", times=(0.1, 0.2, 0.4), tpot=0.25),
+        # first token on time at 0.1; the next one 0.4 s later, at 0.5, is late
+        make_record("b", times=(0.1, 0.5), tpot=0.25),
+        make_record("c", "be", times=(0.3,)),  # BE tokens do not count
+    ]
+    result = SimResult(policy_name="x", requests=rt, iterations=log, horizon_s=None, end_s=0.5,
+                       prefix_reuse_ratio=0.0)
+    m = compute_metrics(result, 1.0)
+    # RT tokens came out of iterations ending 0.1, 0.2, 0.4, 0.5; only 0.5 had a late one
+    assert m["rt_iteration_attainment"] == pytest.approx(3 / 4)
+    assert m["rt_token_attainment"] == pytest.approx(4 / 5)
+
+
+def test_iteration_attainment_needs_an_iteration_log() -> None:
+    result = SimResult(policy_name="x", requests=records(), iterations=IterationLog(1),
+                       horizon_s=None, end_s=END_S, prefix_reuse_ratio=0.0)
+    assert compute_metrics(result, WINDOW_S)["rt_iteration_attainment"] is None
