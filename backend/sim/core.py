@@ -19,83 +19,32 @@ A prefill that completes `prefill_len` emits a token (the first, or after an evi
 one); every decode allocates one slot and emits one token. An evicted request frees everything
 and waits again with prefill_len = prompt_len + generated (recompute); the full prompt blocks it
 computed stay in the prefix cache (evictable), so its re-admission hits them.
+
+The per-request records (`Track`, `Batch`) live in `track.py`, the prefix-cache matching of
+waiting requests and the publishing of computed blocks in `prefix.py`.
 """
 
 from __future__ import annotations
 
-from array import array
-
 import msgspec
 
 from backend.policy.bicache import BiCacheError
+from backend.policy.common import round_up
 from backend.policy.latency import BatchShape
 from backend.policy.types import Plan, ReqState, Snapshot
 from backend.sim.bikv import BiKv
 from backend.sim.config import SimConfig
 from backend.sim.kv import KvExhausted, KvPool
+from backend.sim.prefix import PrefixMatcher
 from backend.sim.queue import WaitQueue
 from backend.sim.source import SimRequest
+from backend.sim.track import Batch, Track
+
+__all__ = ["Batch", "EngineCore", "InfeasiblePlanError", "Track"]
 
 
 class InfeasiblePlanError(RuntimeError):
     """A policy returned a plan the engine cannot execute (a policy bug)."""
-
-
-class Track:
-    """Engine-private bookkeeping of one request (the policy sees only `state`)."""
-
-    __slots__ = ("admitted_s", "finish_s", "first_cached", "keys", "pinned", "private", "req",
-                 "state", "target", "times", "usable_blocks")
-
-    def __init__(self, req: SimRequest, state: ReqState, usable_blocks: int) -> None:
-        self.req = req
-        self.state = state
-        self.target = max(1, min(req.output_len, req.max_new_tokens))
-        """Tokens it generates before it finishes."""
-        self.times: array[float] = array("d")
-        """Emission time of every token."""
-        self.private = 0
-        """Private KV tokens (not in pinned blocks)."""
-        self.pinned: list[int] = []
-        """Hashes of the leading prefix blocks it references."""
-        self.usable_blocks = usable_blocks
-        """Full prompt blocks that carry a hash (cacheable)."""
-        self.keys = _chain(req.prefix_hashes[:usable_blocks])
-        """Cache keys of those blocks: key i names the whole prefix up to block i, so equal keys
-        mean equal prefixes even when the workload's hashes are not chained."""
-        self.first_cached: int | None = None
-        """Prompt tokens served from the cache at its first admission."""
-        self.admitted_s: float | None = None
-        self.finish_s: float | None = None
-
-
-class Batch:
-    """What `apply` decided to run: the tracks involved and the shape to time."""
-
-    __slots__ = ("decodes", "num_evictions", "plan", "prefills", "shape", "start_s")
-
-    def __init__(self, plan: Plan, start_s: float, decodes: list[Track],
-                 prefills: list[tuple[Track, int]], shape: BatchShape,
-                 num_evictions: int) -> None:
-        self.plan = plan
-        self.start_s = start_s
-        self.decodes = decodes
-        self.prefills = prefills
-        self.shape = shape
-        self.num_evictions = num_evictions
-
-
-def _chain(hashes: tuple[int, ...]) -> tuple[int, ...]:
-    keys: list[int] = []
-    key = 0
-    for h in hashes:
-        key = hash((key, h))
-        keys.append(key)
-    return tuple(keys)
-
-
-def _round_up(tokens: int, page: int) -> int:
-    return -(-tokens // page) * page
 
 
 class EngineCore:
@@ -121,7 +70,8 @@ class EngineCore:
         self.running: list[ReqState] = []
         self.last_iteration_s: float | None = None
         self.num_evictions = 0
-        self._waiters: dict[int, dict[str, Track]] = {}  # prefix root hash -> waiting tracks
+        self.prefix = PrefixMatcher(self.kv, config.prefix_block_tokens)
+        """Waiting requests' prefix-cache hits, and the blocks requests offer to the cache."""
 
     @property
     def waiting(self) -> list[ReqState]:
@@ -154,18 +104,13 @@ class EngineCore:
             state.true_output_len = track.target
         self.tracks[req.rid] = track
         self.arrived.append(track)
-        self._wait(track)
+        self.prefix.wait(track)
         self.queue.push(state)
         return track
 
     def snapshot(self, now_s: float) -> Snapshot:
         """The state a policy plans from (request objects by reference)."""
-        touched = self.kv.touched
-        if touched:  # blocks came or went: re-match the waiting requests under those prefixes
-            for root in touched:
-                for t in self._waiters.get(root, {}).values():
-                    self._match(t)
-            touched.clear()
+        self.prefix.rematch_touched()  # blocks came or went: re-match the requests under them
         if self.bikv is not None:
             self.bikv.refresh(self.running)
         cfg = self.config
@@ -177,26 +122,6 @@ class EngineCore:
             max_running=cfg.max_running, max_prefill_tokens=cfg.max_prefill_tokens,
             page_size=cfg.page_size,
         )
-
-    def _wait(self, t: Track) -> None:
-        """Registers a request that enters the queue for prefix re-matching, and matches it."""
-        if t.usable_blocks:
-            self._waiters.setdefault(t.keys[0], {})[t.state.rid] = t
-            self._match(t)
-
-    def _unwait(self, t: Track) -> None:
-        if t.usable_blocks:
-            waiters = self._waiters[t.keys[0]]
-            del waiters[t.state.rid]
-            if not waiters:
-                del self._waiters[t.keys[0]]
-
-    def _match(self, t: Track) -> None:
-        """A waiting request's prefix-cache hit (at least one token is always computed)."""
-        s = t.state
-        block = self.config.prefix_block_tokens
-        n = self.kv.match(t.keys, min(t.usable_blocks, (s.prefill_len - 1) // block))
-        s.cached_len = s.prefilled = n * block
 
     # --- executing a plan -------------------------------------------------------------------
 
@@ -315,7 +240,7 @@ class EngineCore:
                 self._admit(t, now_s)
                 admitted += 1
                 admitted_rt += s.tier == "rt"
-            need += _round_up(t.private + chunk.tokens, page) - _round_up(t.private, page)
+            need += round_up(t.private + chunk.tokens, page) - round_up(t.private, page)
             planned += chunk.tokens
             # tokens restored from a checkpoint are copied, not computed
             computed = chunk.tokens - (self.bikv.restorable(s, chunk.tokens) if self.bikv else 0)
@@ -344,7 +269,7 @@ class EngineCore:
     def _admit(self, t: Track, now_s: float) -> None:
         """A waiting request becomes running; its cached prefix blocks are pinned."""
         s = t.state
-        self._unwait(t)
+        self.prefix.unwait(t)
         if self.bikv is not None:
             self.bikv.admit(s)
         n = s.cached_len // self.config.prefix_block_tokens
@@ -378,7 +303,7 @@ class EngineCore:
             s = t.state
             if s.prefilled < s.prefill_len:
                 continue
-            self._publish(t, pinned=True)
+            self.prefix.publish(t, pinned=True)
             s.generated += 1
             s.last_token_s = end_s
             if s.first_token_s is None:
@@ -405,24 +330,9 @@ class EngineCore:
             self._release(t)
             self.running = [s for s in self.running if s.is_running]
         else:
-            self._unwait(t)
+            self.prefix.unwait(t)
             self.queue.remove(t.state)
         return t
-
-    def _publish(self, t: Track, *, pinned: bool) -> None:
-        """Offers the full prompt blocks it computed to the prefix cache. Pinned: it keeps
-        referencing them (prefill just completed); else they are left evictable (eviction)."""
-        s = t.state
-        block = self.config.prefix_block_tokens
-        upto = min(t.usable_blocks, s.prefilled // block)
-        for i in range(len(t.pinned), upto):
-            h = t.keys[i]
-            if not self.kv.publish(h, t.keys[0], pinned=pinned):
-                self.kv.release(block)  # a duplicate of a cached block: free our copy
-            t.private -= block
-            if pinned:
-                t.pinned.append(h)
-        s.kv_shared_tokens = len(t.pinned) * block
 
     def _release(self, t: Track, *, keep: bool = False) -> None:
         """Frees a request's KV (its pinned blocks stay cached, now maybe evictable). `keep`:
@@ -432,7 +342,7 @@ class EngineCore:
         if t.pinned:
             self.kv.unpin(t.pinned)
             t.pinned = []
-        self.kv.release(_round_up(t.private, self.config.page_size))
+        self.kv.release(round_up(t.private, self.config.page_size))
         t.private = 0
         s = t.state
         s.kv_tokens = s.kv_shared_tokens = 0
@@ -441,7 +351,7 @@ class EngineCore:
     def _evict(self, t: Track) -> None:
         """Frees its KV and re-queues it for recompute of prompt + generated."""
         if self.config.prefix_cache:
-            self._publish(t, pinned=False)
+            self.prefix.publish(t, pinned=False)
         self._release(t, keep=True)
         s = t.state
         s.num_evictions += 1
@@ -449,5 +359,5 @@ class EngineCore:
         s.prefilled = s.cached_len = 0
         if self.bikv is not None:
             self.bikv.evict(s)  # BE: KV stays (dormant), prefilled = what is still on device
-        self._wait(t)
+        self.prefix.wait(t)
         self.queue.push(s)
