@@ -59,7 +59,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("workload", metavar="WORKLOAD", help="W1…W5, or trace (then FILE.jsonl)")
     p.add_argument("trace_file", nargs="?", metavar="FILE.jsonl", help="trace to replay")
     p.add_argument("--engine", choices=ENGINES, default="sim", help="engine (default sim)")
-    p.add_argument("--policies", help="comma-separated policy names (default: all)")
+    p.add_argument("--policies", help="comma-separated policy names, each optionally with "
+                   "constructor options as NAME:KEY=VALUE[:KEY=VALUE] (default: all)")
     rate = p.add_mutually_exclusive_group()
     rate.add_argument("--load", type=float, help="RT rate as a fraction of λ* (default 0.75; "
                       "W3: fraction of the heaviest client count; W5: peak of the burst)")
@@ -114,17 +115,21 @@ def _workload_name(args: argparse.Namespace) -> str:
 
 
 def _policies(spec: str | None) -> tuple[str, ...] | None:
+    """The --policies list: registry names, each optionally with options
+    (`bench/policy_spec.py`: NAME[:KEY=VALUE…])."""
     if spec is None:
         return None
     names = tuple(n.strip() for n in spec.split(",") if n.strip())
     if not names:
         raise ValueError("--policies is empty")
+    from bench.policy_spec import parse_policy_spec
     from bench.runner import registered_policies
 
     known = registered_policies()
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise ValueError(f"unknown policy {unknown[0]!r} (choose from {', '.join(known)})")
+    for name in names:
+        base, _ = parse_policy_spec(name)
+        if base not in known:
+            raise ValueError(f"unknown policy {base!r} (choose from {', '.join(known)})")
     if len(set(names)) != len(names):
         raise ValueError("--policies names a policy twice")
     return names

@@ -25,8 +25,8 @@ probes, so nothing is served from cache unless a probe asks for it):
   iteration prefills P tokens attending to it (the engine's ``cached_tokens`` says how many).
 
 Every point is measured `repeats` times (fresh requests; more, up to 2·repeats + 1, until
-`repeats` runs lie within ±15 % of their median) and the median run kept. The engine's KV pool, batch size, chunk
-size and context bound the grid; points outside are skipped.
+`repeats` runs lie within ±15 % of their median) and the median run kept. The engine's KV pool,
+batch size, chunk size and context bound the grid; points outside are skipped.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from backend.sim import (
 from bench import capacity as cap
 from bench.defaults import DEFAULT_DATA_DIR, DEFAULT_PROFILE, PROFILES_DIR
 from bench.metrics import Metrics, compute_metrics, interference
+from bench.policy_spec import base_name, parse_policy_spec
 from bench.series import PolicySeries, compute_series
 from bench.trace import DEFAULT_TPOT_S, DEFAULT_TTFT_S, build_trace_workload
 from bench.workloads import BuildContext, Workload, WorkloadParams, build_workload
@@ -141,15 +142,20 @@ def registered_policies() -> tuple[str, ...]:
     return (*POLICY_NAMES, *BE_ORDERINGS)
 
 
-def _make_policy(name: str, latency: LatencyModel) -> Any:
+def _make_policy(spec: str, latency: LatencyModel) -> Any:
+    """The policy a --policies entry names (`bench/policy_spec.py`: NAME[:KEY=VALUE…]);
+    ValueError for a bad name or option."""
     from backend.policy.registry import make_policy
     from bench.batch_order import BE_ORDERINGS, ENGINE_POLICY
 
+    name, options = parse_policy_spec(spec)
     if name in BE_ORDERINGS:  # a BE ordering runs on the fcfs engine policy
+        if options:
+            raise ValueError(f"policy spec {spec!r}: the BE ordering {name!r} takes no options")
         policy = make_policy(ENGINE_POLICY, latency)
         policy.name = name
         return policy
-    return make_policy(name, latency)
+    return make_policy(name, latency, **options)
 
 
 def build(config: BenchConfig, latency: LatencyModel, profile: Profile) -> tuple[Workload, int]:
@@ -219,7 +225,7 @@ def run_policy(name: str, run: BenchRun, latency: LatencyModel, base: SimConfig)
     """One policy on a fresh copy of the workload."""
     policy = _make_policy(name, latency)
     include_be = not getattr(policy, "rt_only", False)
-    reveal = name == ORACLE or bool(getattr(policy, "reveal_lengths", False))
+    reveal = base_name(name) == ORACLE or bool(getattr(policy, "reveal_lengths", False))
     spec_source = run.workload.source(run.rt_rate_req_s, include_be)
     from bench.batch_order import BE_ORDERINGS, ordered_source
 
@@ -289,8 +295,10 @@ def run_bench(config: BenchConfig,
     latency = LatencyModel.fit(profile.samples)
     workload, kv = build(config, latency, profile)
     base = sim_config(profile, kv, workload)
-    capacity, source, rate = measure_rate(config, workload, latency, profile_path, base)
     names, skipped = _policy_list(config, workload)
+    for name in names:  # a bad option fails now, not after the λ* search and other policies
+        _make_policy(name, latency)
+    capacity, source, rate = measure_rate(config, workload, latency, profile_path, base)
     run = BenchRun(config=config, workload=workload, profile=profile, kv_capacity_tokens=kv,
                    rt_capacity_req_s=capacity, capacity_source=source, rt_rate_req_s=rate,
                    skipped=skipped)

@@ -87,6 +87,19 @@ def test_load_measures_capacity_once_then_uses_the_cache(tmp_path: Path) -> None
     assert (tmp_path / "cache" / "capacity.json").is_file()
 
 
+def test_one_run_compares_settings_of_one_policy(tmp_path: Path) -> None:
+    out = tmp_path / "specs"
+    code = main(["bench", "W1", "--policies", "static-chunk,static-chunk:chunk_tokens=2048",
+                 "--rt-rate", "8", "--duration-s", "4", "--kv-scale", "20", "--out", str(out),
+                 "--no-progress"])
+    assert code == 0
+    runs = json.loads((out / "results.json").read_text())["policies"]
+    assert set(runs) == {"static-chunk", "static-chunk:chunk_tokens=2048"}
+    # a four times larger token budget runs the same work in fewer iterations
+    assert runs["static-chunk:chunk_tokens=2048"]["iterations"] < runs["static-chunk"]["iterations"]
+    assert "static-chunk:chunk_tokens=2048" in (out / "report.md").read_text()
+
+
 def test_trace_replay_end_to_end(tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
     lines = [{"t_ms": 100 * i, "input_len": 300 + 7 * i, "output_len": 20 + i % 5,

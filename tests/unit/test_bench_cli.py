@@ -36,6 +36,14 @@ def one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     (["bench", "W1", "--bogus"], "unrecognized arguments: --bogus"),
     (["bench", "W1", "--policies", "fcfs,nope"], "unknown policy 'nope'"),
     (["bench", "W1", "--policies", "fcfs,fcfs"], "twice"),
+    (["bench", "W1", "--policies", "tandem:latency_budget_s"], "expected KEY=VALUE"),
+    (["bench", "W1", "--policies", "nope:x=1"], "unknown policy 'nope'"),
+    (["bench", "W1", "--policies", "tandem:eps_min=0.1:eps_min=0.2"], "given twice"),
+    (["bench", "W1", "--policies", "tandem:no_such_knob=1", "--rt-rate", "1"],
+     "bad options for policy 'tandem'"),
+    (["bench", "W1", "--policies", "tandem:latency_budget_s=-1", "--rt-rate", "1"],
+     "latency_budget_s must be > 0"),
+    (["bench", "W4", "--policies", "blend:x=1"], "takes no options"),
     (["bench", "W1", "--rate-scale", "2"], "only for `bench trace`"),
     (["bench", "W1", "extra.jsonl"], "only `bench trace` takes a file"),
     (["bench", "trace"], "needs a FILE.jsonl"),
@@ -105,3 +113,14 @@ def test_convert_azure_writes_a_valid_trace(tmp_path: Path) -> None:
     assert len(rows) == 5 and rows[0]["t_ms"] == 0.0 and {r["tier"] for r in rows} == {"be"}
     first = json.loads(out.read_text().splitlines()[0])
     assert first["input_len"] == 374 and first["output_len"] == 44
+
+
+def test_policy_spec_reads_numbers_booleans_and_strings() -> None:
+    from bench.policy_spec import base_name, parse_policy_spec
+
+    spec = "tandem:max_long_prefills=2:latency_budget_s=0.035:use_aimd=false:kv_layout=bicache"
+    assert parse_policy_spec(spec) == ("tandem", {"max_long_prefills": 2,
+                                                  "latency_budget_s": 0.035, "use_aimd": False,
+                                                  "kv_layout": "bicache"})
+    assert parse_policy_spec("fcfs") == ("fcfs", {})
+    assert base_name(spec) == "tandem"
