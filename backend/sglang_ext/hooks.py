@@ -40,6 +40,7 @@ from typing import Any
 from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
 from sglang.srt.mem_cache.prefill_budget import PrefillBudget
 
+from backend.sglang_ext import kv_layout_engine
 from backend.sglang_ext.driver import EngineDriver
 from backend.sglang_ext.seams import (
     ADDER_CLASS_SEAM,
@@ -167,8 +168,9 @@ class TandemPrefillAdder(PrefillAdder):
             # Plain token pool (what CPU and dense GPU models use): charge only what the chunk
             # needs now. Other budgets (SWA, Mamba) keep SGLang's reservation.
             budget = self.memory_budget
-            budget.check_prefill = _immediate_check(budget)
-            budget.reserve = _immediate_reserve(budget)
+            slack = kv_layout_engine.prompt_slack_tokens()
+            budget.check_prefill = _immediate_check(budget, slack)
+            budget.reserve = _immediate_reserve(budget, slack)
 
     def _get_running_request_total_token_offset(self, req: Any) -> int:
         if driver().fallback:  # SGLang's own admission, reservation included
@@ -229,23 +231,28 @@ class TandemPrefillAdder(PrefillAdder):
         return AddReqResult.CONTINUE if state == AddReqResult.NO_TOKEN else state
 
 
-def _immediate_check(budget: PrefillBudget) -> Any:
-    """``PrefillBudget.check_prefill`` that asks only for the KV the prompt needs now."""
+def _immediate_check(budget: PrefillBudget, slack_tokens: int = 0) -> Any:
+    """``PrefillBudget.check_prefill`` that asks only for the KV the prompt needs now (plus
+    `slack_tokens` the KV layout may lose to it: ``kv_layout_engine.prompt_slack_tokens``)."""
 
     def check_prefill(*, extend_input_len: int, total_tokens: int, max_new_tokens: int,
                       input_tokens: int, swa_host_hit_length: int, chunk_limit: int | None,
                       auxiliary_swa_host_hit_length: int = 0) -> tuple[bool, int | None]:
         need = budget.ceil_paged_tokens(min(extend_input_len, chunk_limit or extend_input_len))
+        need += slack_tokens
         fits = need + budget.page_size <= budget.remaining_current
         return (True, chunk_limit) if fits else (False, None)
 
     return check_prefill
 
 
-def _immediate_reserve(budget: PrefillBudget) -> Any:
+def _immediate_reserve(budget: PrefillBudget, slack_tokens: int = 0) -> Any:
+    """``PrefillBudget.reserve`` without the future tokens (tandem's admission decided), with
+    `slack_tokens` more per prompt (see `_immediate_check`)."""
     original = budget.reserve
 
     def reserve(extend_input_len: int, max_new_tokens: int, **kwargs: Any) -> None:
+        kwargs["extra_tokens"] = kwargs.get("extra_tokens", 0) + slack_tokens
         original(extend_input_len, 0, **kwargs)
 
     return reserve

@@ -29,8 +29,9 @@ recomputed as without the layout (only parked rows go dormant): resuming it from
 checkpointed KV would need SGLang's re-admission to take the restored slots as its prefix.
 Prefill admission sees one number (``available_size``), but each request's last block keeps its
 unused RT (or BE) side to itself, so a prefill batch of k prompts may find up to (k − 1) × 15
-slots fewer than that number; the allocation then fails like SGLang's own out-of-memory prefill
-(the functional tests have not hit it; a pool with room to spare never does).
+slots fewer than that number. tandem's prefill adder charges every prompt those 15 slots
+(:func:`prompt_slack_tokens`), so its batches fit; with ``engine.policy: none`` SGLang's own
+adder reserves room for future tokens, which covers them unless the pool is nearly full.
 """
 
 from __future__ import annotations
@@ -92,6 +93,15 @@ def stats() -> dict[str, Any]:
     if _layout is None:
         return {}
     return {"kv_layout": {"layout": "bicache", **_layout.stats()}}
+
+
+def prompt_slack_tokens() -> int:
+    """KV slots a prompt may cost beyond its own tokens: with the bicache layout its last block
+    keeps the unused part of its side (at most block − 1 slots, which ``available_size`` still
+    counts as free); 0 with SGLang's own pool. Prefill admission charges it per prompt so a
+    prefill batch never asks the layout for more than it can place (an allocation failure there
+    is SGLang's fatal out-of-memory prefill)."""
+    return DEFAULT_BLOCK_SLOTS - 1 if _layout is not None else 0
 
 
 # --- hooks -------------------------------------------------------------------------------------
