@@ -23,7 +23,8 @@ LIVE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("rt_finished", "RT done", "r"),
     ("goodput_req_s", "goodput req/s", "r"),
 )
-STAT_KEYS = ("iterations", "mean_iteration_ms", "overhead_frac", "plan_ms_p50", "plan_ms_p99",
+STAT_KEYS = ("iterations", "mean_iteration_ms", "overhead_frac", "rt_time_frac", "plan_ms_p50",
+             "plan_ms_p99",
              "parked_decodes", "evictions", "retractions_ordered", "admitted_prefills",
              "refused_prefills", "peak_running", "peak_kv_used_tokens")
 
@@ -85,7 +86,7 @@ def report_markdown(run: LiveRun, plots: list[str]) -> str:
                   "| policy | " + " | ".join(STAT_KEYS) + " |",
                   "|---|" + "---|" * len(STAT_KEYS)]
         for name, stats in run.engine_stats.items():
-            cells = [_fmt(stats.get(k), "x" if k == "overhead_frac" else "r") for k in STAT_KEYS]
+            cells = [_fmt(stats.get(k), "x" if k.endswith("_frac") else "r") for k in STAT_KEYS]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     if run.failed:
         lines += ["", "## Failed", ""] + [f"* {k}: {v}" for k, v in run.failed.items()]

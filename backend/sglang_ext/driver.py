@@ -35,6 +35,7 @@ from typing import Any
 
 from backend.policy.tandem import slack
 from backend.policy.tandem.victims import victim_order
+from backend.policy.time_share import plan_times_s
 from backend.policy.types import (
     FinishedRequest,
     IterationResult,
@@ -79,6 +80,7 @@ class EngineDriver:
         self._iter_start_s: float | None = None
         self._iter_plan: Plan | None = None
         self._iter_overhead_s = 0.0
+        self._iter_rt_frac = 0.0
         self._finished: list[FinishedRequest] = []
         self._reported: set[str] = set()
         self._last_iteration_s: float | None = None
@@ -93,6 +95,7 @@ class EngineDriver:
             self._last_iteration_s = duration
             self.stats.iterations += 1
             self.stats.busy_s += duration
+            self.stats.rt_busy_s += duration * self._iter_rt_frac
             self.stats.overhead_s += self._iter_overhead_s
             self.policy.observe(IterationResult(
                 start_s=self._iter_start_s, duration_s=duration, plan=self._iter_plan,
@@ -101,6 +104,7 @@ class EngineDriver:
         self._iter_start_s = None
         self._iter_plan = None
         self._iter_overhead_s = 0.0
+        self._iter_rt_frac = 0.0
         self.plan = None
         self.planned_tokens = {}
         self.fallback = False
@@ -195,6 +199,7 @@ class EngineDriver:
         if victims:
             evict(running_batch, victims)
             self.stats.evictions += len(victims)
+        self._iter_rt_frac = self._rt_frac(plan, snap)
         self._park(running_batch, set(plan.decodes), bool(plan.prefills))
         self.planned_tokens = {c.rid: c.tokens for c in plan.prefills}
         self.stats.planned_prefills += len(plan.prefills)
@@ -203,6 +208,17 @@ class EngineDriver:
         chunked = sched.chunked_req
         chunked_planned = chunked is not None and str(chunked.rid) in self.planned_tokens
         return not (plan.prefills or chunked_planned)
+
+    def _rt_frac(self, plan: Plan, snap: Snapshot) -> float:
+        """Share of this iteration's predicted time that its RT work alone would take
+        (`backend.policy.time_share`); 0 for a policy without a latency model."""
+        latency = getattr(self.policy, "latency", None)
+        if latency is None:
+            return 0.0
+        states = {r.rid: r for r in snap.running}
+        states.update((r.rid, r) for r in snap.waiting)
+        full_s, rt_s = plan_times_s(latency, plan, states)
+        return rt_s / full_s if full_s > 0 else 0.0
 
     def chunk_for_continuing(self, rid: str) -> int:
         """Chunk length for SGLang's in-progress chunked prefill this pass."""

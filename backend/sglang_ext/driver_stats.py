@@ -19,6 +19,10 @@ class DriverStats(msgspec.Struct, kw_only=True):
     """Iterations that ran a batch."""
     busy_s: float = 0.0
     """Total duration of those iterations (scheduler loop time, start to start), seconds."""
+    rt_busy_s: float = 0.0
+    """Of `busy_s`, the share RT work accounts for: each iteration's duration × what the policy's
+    latency model predicts for its RT work alone over the whole plan (fixed costs included;
+    iterations where SGLang's own admission ran count none)."""
     overhead_s: float = 0.0
     """Of `busy_s`, time spent in tandem's code (snapshot, plan, carrying it out), seconds."""
     plans: int = 0
@@ -60,6 +64,11 @@ class DriverStats(msgspec.Struct, kw_only=True):
         """Share of the busy time spent in tandem's code."""
         return self.overhead_s / self.busy_s if self.busy_s > 0 else 0.0
 
+    @property
+    def rt_time_frac(self) -> float:
+        """Share of the busy time RT work accounts for (the rest is BE's marginal cost)."""
+        return self.rt_busy_s / self.busy_s if self.busy_s > 0 else 0.0
+
     def summary(self) -> dict[str, Any]:
         """The counters plus derived figures, JSON-ready."""
         out: dict[str, Any] = msgspec.structs.asdict(self)
@@ -69,4 +78,5 @@ class DriverStats(msgspec.Struct, kw_only=True):
             if plan_ms else None
         out["mean_iteration_ms"] = self.mean_iteration_ms
         out["overhead_frac"] = self.overhead_frac
+        out["rt_time_frac"] = self.rt_time_frac
         return out

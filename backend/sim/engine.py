@@ -11,7 +11,8 @@ import math
 import time
 from collections.abc import Callable
 
-from backend.policy.latency import BatchShape, LatencyModel
+from backend.policy.latency import LatencyModel
+from backend.policy.time_share import shape_of
 from backend.policy.types import FinishedRequest, IterationResult, Policy
 from backend.sim.config import SimConfig
 from backend.sim.core import Batch, EngineCore, Track
@@ -124,24 +125,17 @@ def _iterate(core: EngineCore, policy: Policy, latency: LatencyModel, source: Ar
 
 def _rt_part_s(latency: LatencyModel, batch: Batch, duration_s: float) -> float:
     """What `batch` would have taken with only its RT decodes and RT prompt chunks — the
-    iteration's fixed cost included — or 0 when it ran no RT work: summed over a run, the engine
-    time RT occupies (the rest of each iteration is BE's marginal cost). Called after `apply`,
-    before `finish`: `prefilled` already counts this iteration's chunks, `generated` does not
-    count its decodes yet."""
+    iteration's fixed cost included — or 0 when it ran no RT work (`backend.policy.time_share`).
+    Called after `apply`, before `finish`: `prefilled` already counts this iteration's chunks,
+    `generated` does not count its decodes yet."""
     decodes = [t.state for t in batch.decodes if t.state.tier == "rt"]
     chunks = [(t.state, n) for t, n in batch.prefills if t.state.tier == "rt"]
     if not decodes and not chunks:
         return 0.0
     if len(decodes) == len(batch.decodes) and len(chunks) == len(batch.prefills):
         return duration_s  # nothing but RT work
-    contexts = [s.prompt_len + s.generated for s in decodes]
-    ends = [s.prefilled for s, _ in chunks]  # prefix + chunk
-    shape = BatchShape(
-        prefill_tokens=sum(n for _, n in chunks), num_prefill=len(chunks),
-        prefill_attn=float(sum(n * end for (_, n), end in zip(chunks, ends, strict=True))),
-        prefill_attn_full=float(sum(end * end for end in ends)),
-        decode_context=sum(contexts), num_decode=len(decodes),
-        decode_context_sq=float(sum(c * c for c in contexts)))
+    shape = shape_of((s.prompt_len + s.generated for s in decodes),
+                     ((n, s.prefilled - n) for s, n in chunks))
     return min(duration_s, latency.predict(shape))
 
 

@@ -7,6 +7,8 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from backend.policy.types import IterationResult, Plan, PrefillChunk, Snapshot
 from backend.sglang_ext.driver import EngineDriver
 from backend.sglang_ext.request_meta import REQ_ATTR, sched_meta_from_custom_params
@@ -200,3 +202,46 @@ def test_an_idle_engine_with_queued_work_never_stays_idle() -> None:
     assert not skip_prefill and drv.fallback and drv.stats.stall_fallbacks == 1
     drv.begin_iteration()
     assert not drv.fallback  # one iteration at a time
+
+
+def run_one_iteration(policy: Any, batch: FakeBatch, waiting: list[Any],
+                      duration_s: float) -> EngineDriver:
+    now = [100.0]
+    drv = EngineDriver(policy, clock=lambda: now[0])
+    drv.begin_iteration()
+    drv.plan_iteration(sched(waiting), batch, lambda b, i: None)
+    drv.batch_started(True, now[0])
+    now[0] += duration_s
+    drv.begin_iteration()
+    return drv
+
+
+def test_rt_time_share_counts_what_the_rt_work_alone_would_take() -> None:
+    from backend.policy.time_share import plan_times_s
+    from tests.unit.sim_factories import LATENCY
+
+    rt, be = req("rt", "rt", prompt=100, out=3), req("be", "be", prompt=200, out=5)
+    new_be = req("new", "be", prompt=300)
+    plan = Plan(decodes=["rt", "be"], prefills=[PrefillChunk("new", 300)])
+    policy = ScriptedPolicy(plan)
+    policy.latency = LATENCY  # type: ignore[attr-defined]
+    drv = run_one_iteration(policy, FakeBatch([rt, be]), [new_be], duration_s=0.05)
+    states = {r.rid: r for r in policy.snapshots[0].running + policy.snapshots[0].waiting}
+    full_s, rt_s = plan_times_s(LATENCY, plan, states)
+    assert 0 < rt_s < full_s  # the fixed cost is RT's; the BE prompt and decode are not
+    assert drv.stats.rt_busy_s == pytest.approx(0.05 * rt_s / full_s)
+    assert drv.stats.summary()["rt_time_frac"] == pytest.approx(rt_s / full_s)
+
+
+def test_rt_time_share_is_all_or_nothing_for_single_tier_iterations() -> None:
+    from tests.unit.sim_factories import LATENCY
+
+    for tier, share in (("rt", 1.0), ("be", 0.0)):
+        policy = ScriptedPolicy(Plan(decodes=["a"]))
+        policy.latency = LATENCY  # type: ignore[attr-defined]
+        drv = run_one_iteration(policy, FakeBatch([req("a", tier, out=2)]), [], 0.02)
+        assert drv.stats.rt_time_frac == pytest.approx(share)
+    # a policy without a latency model (none of tandem's) counts no RT time
+    drv = run_one_iteration(ScriptedPolicy(Plan(decodes=["a"])),
+                            FakeBatch([req("a", "rt", out=2)]), [], 0.02)
+    assert drv.stats.rt_time_frac == 0.0 and drv.stats.busy_s == pytest.approx(0.02)
