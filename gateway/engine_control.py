@@ -29,7 +29,8 @@ from backend.wire import (
     CONTROL_STATS_PATH,
     LengthHistoryPush,
 )
-from gateway.state import CONFIG, STORE
+from gateway.engine_stats import EngineStatsWindow
+from gateway.state import CONFIG, METRICS, STORE
 from gateway.store.repo import Store
 
 logger = logging.getLogger(__name__)
@@ -98,11 +99,14 @@ class LengthSync:
         self.window = window
         self.boot_id: str | None = None
         self.after_id = 0
+        self.engine_up = False
+        """Whether the engine's control endpoint answered the last step."""
 
     async def step(self) -> int:
         """One sync: everything for a new engine, else the keys that changed; returns the
         number of keys pushed (0 when the engine is down or nothing changed)."""
         boot = await self.control.boot_id()
+        self.engine_up = boot is not None
         if boot is None:
             return 0
         if boot != self.boot_id:
@@ -118,23 +122,29 @@ class LengthSync:
         return len(keys)
 
 
-async def _sync_loop(app: web.Application) -> None:
+async def _sync_loop(app: web.Application, window: EngineStatsWindow) -> None:
     config = app[CONFIG]
     async with EngineControl(config.engine.control_socket_path) as control:
         sync = LengthSync(control, app[STORE], config.usage.length_history_window)
         while True:
             try:
                 await sync.step()
+                if sync.engine_up:
+                    window.add(await control.stats())
             except Exception:  # the engine or the database may be down: retry later
-                logger.exception("length-history sync failed; retrying")
+                logger.exception("engine control sync failed; retrying")
             await asyncio.sleep(CHECK_INTERVAL_S)
 
 
 async def length_sync(app: web.Application) -> AsyncIterator[None]:
-    """Cleanup context: keeps the engine's length histories in step with SQL."""
+    """Cleanup context: keeps the engine's length histories in step with SQL, and its counters
+    on ``/metrics`` (`gateway.engine_stats`)."""
     task = None
     if app[CONFIG].engine.policy_in_charge:
-        task = asyncio.create_task(_sync_loop(app), name="tandem-length-sync")
+        window = EngineStatsWindow()
+        if METRICS in app:
+            app[METRICS].extra.append(window.collect)
+        task = asyncio.create_task(_sync_loop(app, window), name="tandem-length-sync")
     yield
     if task is not None:
         task.cancel()

@@ -1,0 +1,47 @@
+"""The engine's control-endpoint counters as /metrics gauges: each covers the interval between
+the last two readings, and an engine restart starts over."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.engine_stats import EngineStatsWindow
+
+
+def reading(busy_s: float, rt_busy_s: float, overhead_s: float = 0.0) -> dict[str, float]:
+    return {"busy_s": busy_s, "rt_busy_s": rt_busy_s, "overhead_s": overhead_s,
+            "iterations": 10}
+
+
+def gauges(window: EngineStatsWindow) -> dict[str, float]:
+    return {m.name: m.samples[0].value for m in window.collect()}
+
+
+def test_no_gauges_before_the_engine_was_busy() -> None:
+    window = EngineStatsWindow()
+    assert gauges(window) == {}
+    window.add(reading(0.0, 0.0))
+    assert gauges(window) == {}
+
+
+def test_shares_cover_the_last_interval_not_the_whole_run() -> None:
+    window = EngineStatsWindow()
+    window.add(reading(10.0, 9.0, 0.1))  # since start: 90 % RT
+    assert gauges(window)["tandem_engine_rt_time_share"] == pytest.approx(0.9)
+    window.add(reading(12.0, 9.5, 0.3))  # the last 2 s: 0.5 of 2 s RT, 0.2 s overhead
+    assert gauges(window) == pytest.approx({"tandem_engine_rt_time_share": 0.25,
+                                            "tandem_engine_scheduler_overhead_share": 0.1})
+
+
+def test_a_restarted_engine_starts_a_new_interval() -> None:
+    window = EngineStatsWindow()
+    window.add(reading(100.0, 50.0))
+    window.add(reading(4.0, 3.0))  # counters went down: a new engine
+    assert gauges(window)["tandem_engine_rt_time_share"] == pytest.approx(0.75)
+
+
+def test_an_idle_interval_keeps_no_share() -> None:
+    window = EngineStatsWindow()
+    window.add(reading(5.0, 1.0))
+    window.add(reading(5.0, 1.0))  # no iteration since the last reading
+    assert gauges(window) == {}
