@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from backend.policy.latency import BatchShape, Profile, ProfileSample, save_profile
@@ -279,8 +279,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.profiles.analytic",
                                      description="write the analytic H100 profile")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="profile file to write")
+    parser.add_argument("--overhead-ms", type=float, default=None,
+                        help="fixed cost of every iteration, ms (sensitivity studies; default "
+                             f"{Hardware.overhead_s * 1e3:g})")
+    parser.add_argument("--overhead-per-request-us", type=float, default=None,
+                        help="per-request cost in an iteration, µs (default "
+                             f"{Hardware.overhead_per_request_s * 1e6:g})")
     args = parser.parse_args(argv)
-    profile = build_profile()
+    hw = Hardware()
+    if args.overhead_ms is not None or args.overhead_per_request_us is not None:
+        if min(v for v in (args.overhead_ms, args.overhead_per_request_us, 0.0)
+               if v is not None) < 0:
+            parser.error("overheads must be ≥ 0")
+        hw = replace(hw, overhead_s=hw.overhead_s if args.overhead_ms is None
+                     else args.overhead_ms / 1e3,
+                     overhead_per_request_s=hw.overhead_per_request_s
+                     if args.overhead_per_request_us is None
+                     else args.overhead_per_request_us / 1e6)
+        if args.out == DEFAULT_OUT:
+            parser.error("--out is required with a changed overhead (the default file is the "
+                         "committed profile)")
+    profile = build_profile(hw=hw)
+    if hw != Hardware():
+        profile.name = args.out.stem
     save_profile(profile, args.out)
     print(f"wrote {args.out}: {len(profile.samples)} samples, "
           f"KV capacity {profile.kv_capacity_tokens} tokens")
