@@ -43,9 +43,15 @@ PILOT_MAX_LINES = 64
 
 def order_items(specs: Sequence[RequestSpec]) -> list[OrderItem]:
     """The specs as OrderItems (index = position in `specs`)."""
-    return [OrderItem(index=i, path=(*s.prefix_hashes, stable_hash("leaf", s.rid)),
-                      prompt_len=s.prompt_len, max_output_len=s.max_new_tokens)
-            for i, s in enumerate(specs)]
+    return [
+        OrderItem(
+            index=i,
+            path=(*s.prefix_hashes, stable_hash("leaf", s.rid)),
+            prompt_len=s.prompt_len,
+            max_output_len=s.max_new_tokens,
+        )
+        for i, s in enumerate(specs)
+    ]
 
 
 class OrderedFeedSource:
@@ -90,19 +96,24 @@ def feed_settings(ordering: str, kv_capacity_tokens: int) -> FeedSettings:
     """The simulated runner's settings: the gateway's defaults, the simulated KV pool."""
     if ordering not in BE_ORDERINGS:
         raise ValueError(f"unknown BE ordering {ordering!r}; valid: {', '.join(BE_ORDERINGS)}")
-    return FeedSettings(ordering=ordering,  # type: ignore[arg-type]
-                        memory_tokens=kv_capacity_tokens * OVERCOMMIT,
-                        max_inflight=MAX_INFLIGHT, pilot_fraction=PILOT_FRACTION,
-                        pilot_max_lines=PILOT_MAX_LINES, tokens_per_element=BLOCK_TOKENS)
+    return FeedSettings(
+        ordering=ordering,  # type: ignore[arg-type]
+        memory_tokens=kv_capacity_tokens * OVERCOMMIT,
+        max_inflight=MAX_INFLIGHT,
+        pilot_fraction=PILOT_FRACTION,
+        pilot_max_lines=PILOT_MAX_LINES,
+        tokens_per_element=BLOCK_TOKENS,
+    )
 
 
-def ordered_source(ordering: str, source: SpecSource, kv_capacity_tokens: int
-                   ) -> OrderedFeedSource:
+def ordered_source(ordering: str, source: SpecSource, kv_capacity_tokens: int) -> OrderedFeedSource:
     """Wraps a workload's (offline, BE) source in the simulated runner feed."""
     specs = _drain_now(source)
     if any(s.tier != "be" for s in specs) or any(s.arrival_s != specs[0].arrival_s for s in specs):
-        raise ValueError(f"{ordering} orders one offline BE job (W4, or a BE trace submitted at "
-                         f"one time); this workload has RT or timed arrivals")
+        raise ValueError(
+            f"{ordering} orders one offline BE job (W4, or a BE trace submitted at "
+            f"one time); this workload has RT or timed arrivals"
+        )
     return OrderedFeedSource(specs, feed_settings(ordering, kv_capacity_tokens))
 
 

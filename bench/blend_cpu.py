@@ -65,8 +65,9 @@ def make_job(n: int, seed: int = 0, vocab: int = 4096) -> list[Line]:
     for _ in range(n):
         u = rng.random()
         if u < 0.35:  # MMLU-like: shared few-shot prefix, 2-token answer
-            ids = rng.choice(prefixes) + [rng.randrange(10, vocab)
-                                          for _ in range(rng.randint(32, 64))]
+            ids = rng.choice(prefixes) + [
+                rng.randrange(10, vocab) for _ in range(rng.randint(32, 64))
+            ]
             lines.append(Line(ids, 2, 2))
         elif u < 0.90:  # chat-like
             ids = [rng.randrange(10, vocab) for _ in range(rng.randint(64, 384))]
@@ -96,25 +97,47 @@ def engine_cpu_s(pid: int | None) -> float | None:
     return total / tick
 
 
-async def run_ordering(session: aiohttp.ClientSession, url: str, job: list[Line],
-                       ordering: str, engine_pid: int | None = None) -> dict[str, Any]:
+async def run_ordering(
+    session: aiohttp.ClientSession,
+    url: str,
+    job: list[Line],
+    ordering: str,
+    engine_pid: int | None = None,
+) -> dict[str, Any]:
     """Feeds the job in `ordering`; returns its measurements."""
     async with session.post(f"{url}/flush_cache") as resp:
         await resp.read()
-    items = [OrderItem(index=i, path=line.input_ids, prompt_len=len(line.input_ids),
-                       max_output_len=line.cap) for i, line in enumerate(job)]
-    feed = BatchFeed(items, FeedSettings(ordering=ordering,  # type: ignore[arg-type]
-                                         memory_tokens=KV_TOKENS, max_inflight=MAX_RUNNING,
-                                         pilot_fraction=0.05, pilot_max_lines=8))
+    items = [
+        OrderItem(
+            index=i, path=line.input_ids, prompt_len=len(line.input_ids), max_output_len=line.cap
+        )
+        for i, line in enumerate(job)
+    ]
+    feed = BatchFeed(
+        items,
+        FeedSettings(
+            ordering=ordering,  # type: ignore[arg-type]
+            memory_tokens=KV_TOKENS,
+            max_inflight=MAX_RUNNING,
+            pilot_fraction=0.05,
+            pilot_max_lines=8,
+        ),
+    )
     done = asyncio.Event()
     totals = {"prompt": 0, "cached": 0, "output": 0}
     running: set[asyncio.Task[None]] = set()
 
     async def one(index: int) -> None:
         line = job[index]
-        body = {"input_ids": line.input_ids, "stream": False,
-                "sampling_params": {"max_new_tokens": line.output_len, "ignore_eos": True,
-                                    "temperature": 0.0}}
+        body = {
+            "input_ids": line.input_ids,
+            "stream": False,
+            "sampling_params": {
+                "max_new_tokens": line.output_len,
+                "ignore_eos": True,
+                "temperature": 0.0,
+            },
+        }
         async with session.post(f"{url}/generate", json=body) as resp:
             out = await resp.json()
         meta = out["meta_info"]
@@ -140,31 +163,40 @@ async def run_ordering(session: aiohttp.ClientSession, url: str, job: list[Line]
     cpu_after = engine_cpu_s(engine_pid)
     cpu = None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
     tokens = totals["prompt"] + totals["output"]
-    return {"ordering": ordering, "makespan_s": makespan, "engine_cpu_s": cpu,
-            "total_tok_per_engine_cpu_s": tokens / cpu if cpu else None,
-            "total_tok_s": (totals["prompt"] + totals["output"]) / makespan,
-            "output_tok_s": totals["output"] / makespan,
-            "prefix_reuse_ratio": totals["cached"] / totals["prompt"] if totals["prompt"] else 0,
-            "computed_prompt_tokens": totals["prompt"] - totals["cached"],
-            **{f"{k}_tokens": v for k, v in totals.items()}}
+    return {
+        "ordering": ordering,
+        "makespan_s": makespan,
+        "engine_cpu_s": cpu,
+        "total_tok_per_engine_cpu_s": tokens / cpu if cpu else None,
+        "total_tok_s": (totals["prompt"] + totals["output"]) / makespan,
+        "output_tok_s": totals["output"] / makespan,
+        "prefix_reuse_ratio": totals["cached"] / totals["prompt"] if totals["prompt"] else 0,
+        "computed_prompt_tokens": totals["prompt"] - totals["cached"],
+        **{f"{k}_tokens": v for k, v in totals.items()},
+    }
 
 
-async def measure(url: str, requests: int, repeats: int, engine_pid: int | None = None
-                  ) -> dict[str, Any]:
+async def measure(
+    url: str, requests: int, repeats: int, engine_pid: int | None = None
+) -> dict[str, Any]:
     job = make_job(requests)
     runs: list[dict[str, Any]] = []
     timeout = aiohttp.ClientTimeout(total=3600)
-    async with aiohttp.ClientSession(timeout=timeout,
-                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+    async with aiohttp.ClientSession(
+        timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+    ) as session:
         await run_ordering(session, url, job[:8], "fcfs", engine_pid)  # warm-up
         for rep in range(repeats):
             for ordering in ORDERINGS:
                 result = await run_ordering(session, url, job, ordering, engine_pid)
                 result["repeat"] = rep
                 runs.append(result)
-                print(f"{ordering:<6} rep {rep}: {result['total_tok_s']:.0f} tok/s, makespan "
-                      f"{result['makespan_s']:.1f} s, engine CPU {result['engine_cpu_s']} s, "
-                      f"prefix reuse {result['prefix_reuse_ratio']:.1%}", file=sys.stderr)
+                print(
+                    f"{ordering:<6} rep {rep}: {result['total_tok_s']:.0f} tok/s, makespan "
+                    f"{result['makespan_s']:.1f} s, engine CPU {result['engine_cpu_s']} s, "
+                    f"prefix reuse {result['prefix_reuse_ratio']:.1%}",
+                    file=sys.stderr,
+                )
     summary: dict[str, Any] = {}
     for ordering in ORDERINGS:
         mine = [r for r in runs if r["ordering"] == ordering]
@@ -177,20 +209,29 @@ async def measure(url: str, requests: int, repeats: int, engine_pid: int | None 
     fcfs = summary["fcfs"]["total_tok_s"]
     per_cpu = {o: summary[o].get("total_tok_per_engine_cpu_s") for o in ORDERINGS}
     dfs_reuse = summary["dfs"]["prefix_reuse_ratio"]
-    return {"requests": requests, "repeats": repeats, "kv_tokens": KV_TOKENS,
-            "max_inflight": MAX_RUNNING, "runs": runs, "mean": summary,
-            "blend_vs_fcfs_throughput": summary["blend"]["total_tok_s"] / fcfs,
-            "blend_vs_fcfs_throughput_median": summary["blend"]["total_tok_s_median"]
-            / summary["fcfs"]["total_tok_s_median"],
-            "blend_vs_fcfs_computed_prompt_tokens": summary["blend"]["computed_prompt_tokens"]
-            / summary["fcfs"]["computed_prompt_tokens"],
-            "dfs_vs_fcfs_throughput": summary["dfs"]["total_tok_s"] / fcfs,
-            "blend_vs_fcfs_tok_per_engine_cpu_s": per_cpu["blend"] / per_cpu["fcfs"]
-            if per_cpu["blend"] and per_cpu["fcfs"] else None,
-            "dfs_vs_fcfs_tok_per_engine_cpu_s": per_cpu["dfs"] / per_cpu["fcfs"]
-            if per_cpu["dfs"] and per_cpu["fcfs"] else None,
-            "blend_reuse_vs_dfs": summary["blend"]["prefix_reuse_ratio"] / dfs_reuse
-            if dfs_reuse else None}
+    return {
+        "requests": requests,
+        "repeats": repeats,
+        "kv_tokens": KV_TOKENS,
+        "max_inflight": MAX_RUNNING,
+        "runs": runs,
+        "mean": summary,
+        "blend_vs_fcfs_throughput": summary["blend"]["total_tok_s"] / fcfs,
+        "blend_vs_fcfs_throughput_median": summary["blend"]["total_tok_s_median"]
+        / summary["fcfs"]["total_tok_s_median"],
+        "blend_vs_fcfs_computed_prompt_tokens": summary["blend"]["computed_prompt_tokens"]
+        / summary["fcfs"]["computed_prompt_tokens"],
+        "dfs_vs_fcfs_throughput": summary["dfs"]["total_tok_s"] / fcfs,
+        "blend_vs_fcfs_tok_per_engine_cpu_s": per_cpu["blend"] / per_cpu["fcfs"]
+        if per_cpu["blend"] and per_cpu["fcfs"]
+        else None,
+        "dfs_vs_fcfs_tok_per_engine_cpu_s": per_cpu["dfs"] / per_cpu["fcfs"]
+        if per_cpu["dfs"] and per_cpu["fcfs"]
+        else None,
+        "blend_reuse_vs_dfs": summary["blend"]["prefix_reuse_ratio"] / dfs_reuse
+        if dfs_reuse
+        else None,
+    }
 
 
 def _launch(workdir: Path) -> Any:
@@ -207,10 +248,19 @@ def _launch(workdir: Path) -> Any:
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])
     model = ensure_tiny_model(workdir / "model-cache")
-    cfg = EngineConfig(port=port, patch=False, max_total_tokens=KV_TOKENS,
-                       max_running_requests=MAX_RUNNING, chunked_prefill_size=512)
-    engine = EngineProcess(server_argv(cfg, model, "tandem-tiny"), engine_env(cfg),
-                           base_url=engine_base_url(cfg), log_path=str(workdir / "engine.log"))
+    cfg = EngineConfig(
+        port=port,
+        patch=False,
+        max_total_tokens=KV_TOKENS,
+        max_running_requests=MAX_RUNNING,
+        chunked_prefill_size=512,
+    )
+    engine = EngineProcess(
+        server_argv(cfg, model, "tandem-tiny"),
+        engine_env(cfg),
+        base_url=engine_base_url(cfg),
+        log_path=str(workdir / "engine.log"),
+    )
     engine.start()
     engine.wait_ready_sync(300)
     return engine
@@ -229,8 +279,9 @@ def main(argv: list[str] | None = None) -> int:
             engine = _launch(Path(tmp))
         url = args.engine_url if engine is None else str(engine.base_url)
         try:
-            result = asyncio.run(measure(url, args.requests, args.repeats,
-                                         None if engine is None else engine.pid))
+            result = asyncio.run(
+                measure(url, args.requests, args.repeats, None if engine is None else engine.pid)
+            )
         finally:
             if engine is not None:
                 engine.stop()

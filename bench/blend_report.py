@@ -29,7 +29,8 @@ def summary(results: dict[str, Any], cpu: dict[str, Any] | None) -> str:
     if all(name in pol for name in ("fcfs", "dfs", "blend")):
         f, d, b = pol["fcfs"], pol["dfs"], pol["blend"]
         lines += [
-            "| | fcfs | dfs | blend |", "|---|---:|---:|---:|",
+            "| | fcfs | dfs | blend |",
+            "|---|---:|---:|---:|",
             f"| total tok/s (prompt + output, over the makespan) | {f['be_total_tok_s']:.0f} | "
             f"{d['be_total_tok_s']:.0f} | {b['be_total_tok_s']:.0f} |",
             f"| makespan s | {f['be_makespan_s']:.1f} | {d['be_makespan_s']:.1f} | "
@@ -80,14 +81,16 @@ def main(argv: list[str] | None = None) -> int:
     results = json.loads((args.dir / "results.json").read_text())
     cpu = json.loads(args.cpu.read_text()) if args.cpu else None
     report = (args.dir / "report.md").read_text()
-    command = next(line.split("`")[1] for line in report.splitlines()
-                   if line.startswith("Command: `"))
+    command = next(
+        line.split("`")[1] for line in report.splitlines() if line.startswith("Command: `")
+    )
     body = report.split(MARK)[0].rstrip() + "\n"
     if not body.startswith(command):
         body = f"{command}\n\n{body}"
     notes = args.notes.read_text() if args.notes else ""
-    (args.dir / "report.md").write_text(body + "\n" + summary(results, cpu)
-                                        + ("\n" + notes if notes else ""))
+    (args.dir / "report.md").write_text(
+        body + "\n" + summary(results, cpu) + ("\n" + notes if notes else "")
+    )
     return 0
 
 

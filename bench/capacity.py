@@ -45,9 +45,11 @@ class CapacityKey:
     code_digest: str = ""
 
     def __str__(self) -> str:
-        return (f"{self.workload}/{self.variant}|{self.profile}@{self.profile_digest[:12]}|"
-                f"seed={self.seed}|kv={self.kv_capacity_tokens}|run={self.run_s:g}s|"
-                f"code@{self.code_digest[:12]}")
+        return (
+            f"{self.workload}/{self.variant}|{self.profile}@{self.profile_digest[:12]}|"
+            f"seed={self.seed}|kv={self.kv_capacity_tokens}|run={self.run_s:g}s|"
+            f"code@{self.code_digest[:12]}"
+        )
 
 
 def file_digest(path: Path) -> str:
@@ -92,8 +94,10 @@ class CapacityCache:
     def put(self, key: CapacityKey, capacity: float, probes: list[tuple[float, float]]) -> None:
         """Stores λ* (best effort: an unwritable cache folder is not an error)."""
         data = self._load()
-        data[str(key)] = {"rt_capacity_req_s": capacity,
-                          "probes": [[round(r, 6), round(a, 6)] for r, a in probes]}
+        data[str(key)] = {
+            "rt_capacity_req_s": capacity,
+            "probes": [[round(r, 6), round(a, 6)] for r, a in probes],
+        }
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
@@ -104,8 +108,15 @@ class CapacityCache:
 PolicyFactory = Callable[[], object]
 
 
-def joint_attainment(workload: Workload, rate: float, *, make_fcfs: PolicyFactory,
-                     latency: LatencyModel, config: SimConfig, run_s: float = RUN_S) -> float:
+def joint_attainment(
+    workload: Workload,
+    rate: float,
+    *,
+    make_fcfs: PolicyFactory,
+    latency: LatencyModel,
+    config: SimConfig,
+    run_s: float = RUN_S,
+) -> float:
     """RT joint attainment of the workload's Poisson RT stream at `rate` (fcfs, no BE)."""
     if workload.rt_poisson is None:
         raise ValueError(f"{workload.name} has no open-loop RT stream (λ* does not apply)")
@@ -117,11 +128,16 @@ def joint_attainment(workload: Workload, rate: float, *, make_fcfs: PolicyFactor
     return float(value) if value is not None else 1.0
 
 
-def search_capacity(attainment: Callable[[float], float], *,
-                    target: float = TARGET_ATTAINMENT, rel_tolerance: float = REL_TOLERANCE,
-                    on_probe: Callable[[float, float], None] | None = None) -> float:
+def search_capacity(
+    attainment: Callable[[float], float],
+    *,
+    target: float = TARGET_ATTAINMENT,
+    rel_tolerance: float = REL_TOLERANCE,
+    on_probe: Callable[[float, float], None] | None = None,
+) -> float:
     """The largest rate with attainment(rate) ≥ target, assuming attainment falls with the
     rate: bracket by doubling/halving from 1 req/s, then bisect to rel_tolerance."""
+
     def probe(rate: float) -> bool:
         value = attainment(rate)
         if on_probe is not None:
@@ -156,9 +172,16 @@ def search_capacity(attainment: Callable[[float], float], *,
     return lo
 
 
-def rt_capacity(workload: Workload, key: CapacityKey, cache: CapacityCache, *,
-                make_fcfs: PolicyFactory, latency: LatencyModel, config: SimConfig,
-                report: Callable[[str], None] | None = None) -> tuple[float, bool]:
+def rt_capacity(
+    workload: Workload,
+    key: CapacityKey,
+    cache: CapacityCache,
+    *,
+    make_fcfs: PolicyFactory,
+    latency: LatencyModel,
+    config: SimConfig,
+    report: Callable[[str], None] | None = None,
+) -> tuple[float, bool]:
     """(λ*, was_cached): from the cache, or measured and stored."""
     cached = cache.get(key)
     if cached is not None:
@@ -171,7 +194,10 @@ def rt_capacity(workload: Workload, key: CapacityKey, cache: CapacityCache, *,
             report(f"λ* search {workload.name}: {rate:.3f} req/s → joint attainment {value:.3f}")
 
     capacity = search_capacity(
-        lambda r: joint_attainment(workload, r, make_fcfs=make_fcfs, latency=latency,
-                                   config=config, run_s=key.run_s), on_probe=on_probe)
+        lambda r: joint_attainment(
+            workload, r, make_fcfs=make_fcfs, latency=latency, config=config, run_s=key.run_s
+        ),
+        on_probe=on_probe,
+    )
     cache.put(key, capacity, probes)
     return capacity, False

@@ -36,7 +36,7 @@ class _OneLineParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
     def parse_known_args(  # type: ignore[override]
-            self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
         parsed, extras = super().parse_known_args(args, namespace)
         if extras:
@@ -53,39 +53,62 @@ def _default_cache_dir() -> Path:
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Adds `bench` to a subparsers object (from ArgumentParser.add_subparsers)."""
     p: argparse.ArgumentParser = subparsers.add_parser(
-        "bench", help="run a workload against every policy; write report.md, results.json, "
-        "PNG plots", description=__doc__)
+        "bench",
+        help="run a workload against every policy; write report.md, results.json, PNG plots",
+        description=__doc__,
+    )
     p.__class__ = _OneLineParser
     p.add_argument("workload", metavar="WORKLOAD", help="W1…W5, or trace (then FILE.jsonl)")
     p.add_argument("trace_file", nargs="?", metavar="FILE.jsonl", help="trace to replay")
     p.add_argument("--engine", choices=ENGINES, default="sim", help="engine (default sim)")
-    p.add_argument("--policies", help="comma-separated policy names, each optionally with "
-                   "constructor options as NAME:KEY=VALUE[:KEY=VALUE] (default: all)")
+    p.add_argument(
+        "--policies",
+        help="comma-separated policy names, each optionally with "
+        "constructor options as NAME:KEY=VALUE[:KEY=VALUE] (default: all)",
+    )
     rate = p.add_mutually_exclusive_group()
-    rate.add_argument("--load", type=float, help="RT rate as a fraction of λ* (default 0.75; "
-                      "W3: fraction of the heaviest client count; W5: peak of the burst)")
+    rate.add_argument(
+        "--load",
+        type=float,
+        help="RT rate as a fraction of λ* (default 0.75; "
+        "W3: fraction of the heaviest client count; W5: peak of the burst)",
+    )
     rate.add_argument("--rt-rate", type=float, help="fixed RT arrival rate, req/s")
-    p.add_argument("--profile", default=DEFAULT_PROFILE,
-                   help=f"latency profile: NAME in bench/profiles/ or a FILE (default "
-                   f"{DEFAULT_PROFILE})")
+    p.add_argument(
+        "--profile",
+        default=DEFAULT_PROFILE,
+        help=f"latency profile: NAME in bench/profiles/ or a FILE (default {DEFAULT_PROFILE})",
+    )
     p.add_argument("--kv-scale", type=float, help="KV pool = F × the longest prompt")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
-    p.add_argument("--out", type=Path, help="output folder (default "
-                   "bench/results/<workload>-<timestamp>)")
-    p.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR,
-                   help="folder of the Azure trace CSVs (default ../shared/data)")
+    p.add_argument(
+        "--out", type=Path, help="output folder (default bench/results/<workload>-<timestamp>)"
+    )
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=DEFAULT_DATA_DIR,
+        help="folder of the Azure trace CSVs (default ../shared/data)",
+    )
     p.add_argument("--scale", type=float, help="fraction of the full-size workload")
     p.add_argument("--duration-s", type=float, help="arrival window, simulated seconds")
     p.add_argument("--variant", help="W1 class|hetero, W3 d1|d2|d3, W4 p35|p5")
-    p.add_argument("--max-new", choices=("exact", "cap"), default="cap",
-                   help="max_new_tokens policies see: exact (= output length) or cap")
-    p.add_argument("--rate-scale", type=float, help="trace only: replay speed (2 = twice the "
-                   "rate)")
+    p.add_argument(
+        "--max-new",
+        choices=("exact", "cap"),
+        default="cap",
+        help="max_new_tokens policies see: exact (= output length) or cap",
+    )
+    p.add_argument("--rate-scale", type=float, help="trace only: replay speed (2 = twice the rate)")
     p.add_argument("--ttft-s", type=float, help="trace only: RT TTFT target (default 0.4)")
     p.add_argument("--tpot-s", type=float, help="trace only: RT TPOT target (default 0.2)")
     p.add_argument("--cache-dir", type=Path, help="λ* cache folder (default ~/.cache/tandem)")
-    p.add_argument("--capacity-run-s", type=float, default=60.0,
-                   help="simulated seconds per λ* search run (default 60)")
+    p.add_argument(
+        "--capacity-run-s",
+        type=float,
+        default=60.0,
+        help="simulated seconds per λ* search run (default 60)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_bench)
     return p
@@ -99,15 +122,16 @@ def _positive(name: str, value: float | None) -> None:
 def _workload_name(args: argparse.Namespace) -> str:
     name = args.workload.upper() if args.workload.lower() != "trace" else "trace"
     if name not in (*WORKLOAD_NAMES, "trace"):
-        raise ValueError(f"unknown workload {args.workload!r} (choose from "
-                         f"{', '.join(WORKLOAD_NAMES)}, trace)")
+        raise ValueError(
+            f"unknown workload {args.workload!r} (choose from {', '.join(WORKLOAD_NAMES)}, trace)"
+        )
     if name == "trace" and args.trace_file is None:
         raise ValueError("bench trace needs a FILE.jsonl")
     if name != "trace" and args.trace_file is not None:
-        raise ValueError(f"unexpected argument {args.trace_file!r} (only `bench trace` takes "
-                         f"a file)")
-    trace_only = {"--rate-scale": args.rate_scale, "--ttft-s": args.ttft_s,
-                  "--tpot-s": args.tpot_s}
+        raise ValueError(
+            f"unexpected argument {args.trace_file!r} (only `bench trace` takes a file)"
+        )
+    trace_only = {"--rate-scale": args.rate_scale, "--ttft-s": args.ttft_s, "--tpot-s": args.tpot_s}
     given = [flag for flag, value in trace_only.items() if value is not None]
     if name != "trace" and given:
         raise ValueError(f"{', '.join(given)}: only for `bench trace`")
@@ -143,16 +167,26 @@ def _command(cfg: BenchConfig) -> str:
     words += ["--engine", cfg.engine]
     if cfg.policies:
         words += ["--policies", ",".join(cfg.policies)]
-    words += (["--rt-rate", f"{cfg.rt_rate_req_s:g}"] if cfg.rt_rate_req_s is not None
-              else ["--load", f"{cfg.load:g}"])
+    words += (
+        ["--rt-rate", f"{cfg.rt_rate_req_s:g}"]
+        if cfg.rt_rate_req_s is not None
+        else ["--load", f"{cfg.load:g}"]
+    )
     words += ["--profile", cfg.profile, "--seed", str(cfg.seed)]
     if cfg.capacity_run_s != 60.0:
         words += ["--capacity-run-s", f"{cfg.capacity_run_s:g}"]
-    optional = {"--kv-scale": cfg.kv_scale, "--scale": cfg.scale,
-                "--duration-s": cfg.duration_s, "--variant": cfg.variant}
-    words += [w for flag, v in optional.items() if v is not None for w in (flag, f"{v:g}"
-                                                                           if isinstance(v, float)
-                                                                           else str(v))]
+    optional = {
+        "--kv-scale": cfg.kv_scale,
+        "--scale": cfg.scale,
+        "--duration-s": cfg.duration_s,
+        "--variant": cfg.variant,
+    }
+    words += [
+        w
+        for flag, v in optional.items()
+        if v is not None
+        for w in (flag, f"{v:g}" if isinstance(v, float) else str(v))
+    ]
     if cfg.max_new != "cap":
         words += ["--max-new", cfg.max_new]
     if cfg.workload == "trace":
@@ -165,26 +199,49 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     from bench.runner import BenchConfig
 
     name = _workload_name(args)
-    for flag in ("load", "rt_rate", "kv_scale", "scale", "duration_s", "rate_scale", "ttft_s",
-                 "tpot_s", "capacity_run_s"):
+    for flag in (
+        "load",
+        "rt_rate",
+        "kv_scale",
+        "scale",
+        "duration_s",
+        "rate_scale",
+        "ttft_s",
+        "tpot_s",
+        "capacity_run_s",
+    ):
         _positive("--" + flag.replace("_", "-"), getattr(args, flag))
     if args.kv_scale is not None and args.kv_scale <= 1:
-        raise ValueError(f"--kv-scale must be > 1 (the pool must hold the longest prompt), "
-                         f"got {args.kv_scale:g}")
+        raise ValueError(
+            f"--kv-scale must be > 1 (the pool must hold the longest prompt), got {args.kv_scale:g}"
+        )
     if args.seed < 0:
         raise ValueError(f"--seed must be ≥ 0, got {args.seed}")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = args.out or RESULTS_DIR / f"{name}-{stamp}"
     cfg = BenchConfig(
-        workload=name, out_dir=out, engine=args.engine, policies=_policies(args.policies),
-        load=args.load if args.load is not None else 0.75, rt_rate_req_s=args.rt_rate,
-        profile=args.profile, kv_scale=args.kv_scale, seed=args.seed, data_dir=args.data_dir,
-        scale=args.scale, duration_s=args.duration_s, variant=args.variant,
+        workload=name,
+        out_dir=out,
+        engine=args.engine,
+        policies=_policies(args.policies),
+        load=args.load if args.load is not None else 0.75,
+        rt_rate_req_s=args.rt_rate,
+        profile=args.profile,
+        kv_scale=args.kv_scale,
+        seed=args.seed,
+        data_dir=args.data_dir,
+        scale=args.scale,
+        duration_s=args.duration_s,
+        variant=args.variant,
         max_new=args.max_new,
         trace_file=Path(args.trace_file) if args.trace_file else None,
-        rate_scale=args.rate_scale or 1.0, trace_ttft_s=args.ttft_s or 0.4,
-        trace_tpot_s=args.tpot_s or 0.2, cache_dir=args.cache_dir or _default_cache_dir(),
-        capacity_run_s=args.capacity_run_s, progress=not args.no_progress)
+        rate_scale=args.rate_scale or 1.0,
+        trace_ttft_s=args.ttft_s or 0.4,
+        trace_tpot_s=args.tpot_s or 0.2,
+        cache_dir=args.cache_dir or _default_cache_dir(),
+        capacity_run_s=args.capacity_run_s,
+        progress=not args.no_progress,
+    )
     return replace(cfg, command=_command(cfg))
 
 
@@ -218,8 +275,7 @@ def _finish(paths: Sequence[Path], failed: dict[str, str]) -> int:
     """Says what was written; exit status 1 when a policy failed."""
     print(f"wrote {', '.join(str(p) for p in paths)}")
     if failed:
-        print(f"tandem: error: policy {', '.join(failed)} failed (see report.md)",
-              file=sys.stderr)
+        print(f"tandem: error: policy {', '.join(failed)} failed (see report.md)", file=sys.stderr)
         return 1
     return 0
 

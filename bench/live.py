@@ -74,8 +74,14 @@ CAPACITY_DRAIN_S = 30.0
 """A probe's requests still running this long after its window count as misses."""
 CAPACITY_TOLERANCE = 0.15
 """The real λ* search stops when its bracket is this narrow (each probe costs ~a minute)."""
-RATIO_KEYS = ("rt_ttft_p50_s", "rt_ttft_p99_s", "rt_tpot_mean_s", "be_throughput_tok_s",
-              "rt_ttft_attainment", "rt_tpot_attainment")
+RATIO_KEYS = (
+    "rt_ttft_p50_s",
+    "rt_ttft_p99_s",
+    "rt_tpot_mean_s",
+    "be_throughput_tok_s",
+    "rt_ttft_attainment",
+    "rt_tpot_attainment",
+)
 """Metrics compared between the simulator and the real engine."""
 
 
@@ -111,13 +117,16 @@ def live_config(config: BenchConfig) -> BenchConfig:
     policies = config.policies or LIVE_POLICIES
     unknown = [p for p in policies if p not in LIVE_POLICIES]
     if unknown:
-        raise ValueError(f"--engine sglang runs {', '.join(LIVE_POLICIES)}; not "
-                         f"{', '.join(unknown)}")
+        raise ValueError(
+            f"--engine sglang runs {', '.join(LIVE_POLICIES)}; not {', '.join(unknown)}"
+        )
     if config.workload not in ("W1", "W5"):
-        raise ValueError(f"--engine sglang runs W1 and W5 (open-loop RT next to BE); "
-                         f"not {config.workload}")
-    return replace(config, profile=profile, variant=variant, policies=tuple(policies),
-                   max_new="exact")
+        raise ValueError(
+            f"--engine sglang runs W1 and W5 (open-loop RT next to BE); not {config.workload}"
+        )
+    return replace(
+        config, profile=profile, variant=variant, policies=tuple(policies), max_new="exact"
+    )
 
 
 def run_live(config: BenchConfig) -> LiveRun:
@@ -128,11 +137,19 @@ def run_live(config: BenchConfig) -> LiveRun:
     latency = LatencyModel.fit(profile.samples)
     workload, kv = build(config, latency, profile)
     base = sim_config(profile, kv, workload)
-    sim_capacity, _, _ = measure_rate(replace(config, rt_rate_req_s=None), workload, latency,
-                                      profile_path, base)
-    run = LiveRun(config=config, workload=workload, profile_name=profile_path.stem,
-                  kv_capacity_tokens=kv, rt_capacity_req_s=None, rt_rate_req_s=None,
-                  policy_options=dict(CPU_POLICY_OPTIONS), sim_capacity_req_s=sim_capacity)
+    sim_capacity, _, _ = measure_rate(
+        replace(config, rt_rate_req_s=None), workload, latency, profile_path, base
+    )
+    run = LiveRun(
+        config=config,
+        workload=workload,
+        profile_name=profile_path.stem,
+        kv_capacity_tokens=kv,
+        rt_capacity_req_s=None,
+        rt_rate_req_s=None,
+        policy_options=dict(CPU_POLICY_OPTIONS),
+        sim_capacity_req_s=sim_capacity,
+    )
     if config.rt_rate_req_s is not None:
         run.rt_rate_req_s = config.rt_rate_req_s
     else:
@@ -162,47 +179,63 @@ def run_live(config: BenchConfig) -> LiveRun:
 # --- the real engine -------------------------------------------------------------------------
 
 
-def engine_section(name: str, run: LiveRun, profile: Profile, profile_path: Path,
-                   port: int, log_file: Path) -> dict[str, Any]:
+def engine_section(
+    name: str, run: LiveRun, profile: Profile, profile_path: Path, port: int, log_file: Path
+) -> dict[str, Any]:
     """The `engine:` config of policy *name*."""
     section: dict[str, Any] = {
-        "kind": "sglang", "port": port, "launch": True, "device": "cpu",
-        "max_total_tokens": run.kv_capacity_tokens, "max_running_requests": MAX_RUNNING,
-        "chunked_prefill_size": profile.max_prefill_tokens, "log_file": str(log_file),
+        "kind": "sglang",
+        "port": port,
+        "launch": True,
+        "device": "cpu",
+        "max_total_tokens": run.kv_capacity_tokens,
+        "max_running_requests": MAX_RUNNING,
+        "chunked_prefill_size": profile.max_prefill_tokens,
+        "log_file": str(log_file),
         "startup_timeout_s": READY_TIMEOUT_S,
     }
     if name == "tandem":
-        section.update(patch=True, policy="tandem", profile=str(profile_path),
-                       policy_options=run.policy_options)
+        section.update(
+            patch=True,
+            policy="tandem",
+            profile=str(profile_path),
+            policy_options=run.policy_options,
+        )
     else:
         section.update(patch=False, enable_priority_scheduling=name == "priority")
     return section
 
 
-def run_real(name: str, run: LiveRun, profile: Profile, profile_path: Path
-             ) -> tuple[SimResult, dict[str, Any]]:
+def run_real(
+    name: str, run: LiveRun, profile: Profile, profile_path: Path
+) -> tuple[SimResult, dict[str, Any]]:
     """One policy on a fresh gateway + engine; its records as a SimResult, and tandem's
     in-engine counters (empty for stock SGLang)."""
     workdir = run.config.out_dir / "live" / name
     with _stack(name, run, profile, profile_path, workdir) as (base_url, token, engine):
         records, end_s = asyncio.run(_replay_all(base_url, token, run))
         stats = _engine_stats(engine) if name == "tandem" else {}
-    result = SimResult(policy_name=name, requests=records,
-                       iterations=IterationLog(run.kv_capacity_tokens), horizon_s=None,
-                       end_s=end_s, prefix_reuse_ratio=0.0)
+    result = SimResult(
+        policy_name=name,
+        requests=records,
+        iterations=IterationLog(run.kv_capacity_tokens),
+        horizon_s=None,
+        end_s=end_s,
+        prefix_reuse_ratio=0.0,
+    )
     return result, stats
 
 
 @contextmanager
-def _stack(name: str, run: LiveRun, profile: Profile, profile_path: Path, workdir: Path
-           ) -> Iterator[tuple[str, str, dict[str, Any]]]:
+def _stack(
+    name: str, run: LiveRun, profile: Profile, profile_path: Path, workdir: Path
+) -> Iterator[tuple[str, str, dict[str, Any]]]:
     """A fresh `tandem serve` for policy *name*; yields (gateway URL, admin token, engine
     config section)."""
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "tandem.db").unlink(missing_ok=True)  # a rerun into the same folder
     engine_port, gateway_port = _free_port(), _free_port()
-    engine = engine_section(name, run, profile, profile_path, engine_port,
-                            workdir / "engine.log")
+    engine = engine_section(name, run, profile, profile_path, engine_port, workdir / "engine.log")
     cfg = {
         "gateway": {"host": "127.0.0.1", "port": gateway_port},
         "database": {"url": f"sqlite+aiosqlite:///{workdir / 'tandem.db'}"},
@@ -221,9 +254,13 @@ def served(config_path: Path, admin_token: str, log_path: Path, port: int) -> It
     gateway URL once /readyz answers 200."""
     env = {**os.environ, "TANDEM_ADMIN_TOKEN": admin_token}
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config",
-                                 str(config_path)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "serve", "--config", str(config_path)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     base_url = f"http://127.0.0.1:{port}"
     try:
         _wait_ready(proc, base_url, log_path)
@@ -236,8 +273,9 @@ def _wait_ready(proc: subprocess.Popen[bytes], base_url: str, log_path: Path) ->
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"tandem serve exited ({proc.returncode}): "
-                               f"{log_path.read_text()[-2000:]}")
+            raise RuntimeError(
+                f"tandem serve exited ({proc.returncode}): {log_path.read_text()[-2000:]}"
+            )
         try:
             with urllib.request.urlopen(base_url + "/readyz", timeout=5) as resp:
                 if resp.status == 200:
@@ -245,8 +283,9 @@ def _wait_ready(proc: subprocess.Popen[bytes], base_url: str, log_path: Path) ->
         except OSError:
             pass
         time.sleep(1.0)
-    raise RuntimeError(f"tandem serve not ready after {READY_TIMEOUT_S:.0f} s: "
-                       f"{log_path.read_text()[-2000:]}")
+    raise RuntimeError(
+        f"tandem serve not ready after {READY_TIMEOUT_S:.0f} s: {log_path.read_text()[-2000:]}"
+    )
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -288,10 +327,12 @@ def measure_live_capacity(run: LiveRun, profile: Profile, profile_path: Path) ->
     def attainment(session_url: str, token: str) -> Any:
         def probe(rate: float) -> float:
             source = rt_poisson(rate, CAPACITY_PROBE_S)
-            records, end_s = asyncio.run(replay_source(session_url, token, source,
-                                                        CAPACITY_PROBE_S, CAPACITY_DRAIN_S))
-            value = float(rt_metrics(records, end_s, CAPACITY_PROBE_S)["rt_joint_attainment"]
-                          or 0.0)
+            records, end_s = asyncio.run(
+                replay_source(session_url, token, source, CAPACITY_PROBE_S, CAPACITY_DRAIN_S)
+            )
+            value = float(
+                rt_metrics(records, end_s, CAPACITY_PROBE_S)["rt_joint_attainment"] or 0.0
+            )
             run.capacity_probes.append((rate, value))
             _say(run.config, f"real λ* search: {rate:.3f} req/s → joint attainment {value:.3f}")
             _wait_idle(engine_url)  # the next probe starts on an empty engine
@@ -315,23 +356,28 @@ def _wait_idle(engine_url: str, timeout_s: float = 120.0) -> None:
         except OSError:
             return
         rows = loads.get("loads", []) if isinstance(loads, dict) else loads
-        busy = sum(int(r.get("num_running_reqs", 0) or 0) + int(r.get("num_waiting_reqs", 0)
-                                                              or 0) for r in rows
-                   if isinstance(r, dict))
+        busy = sum(
+            int(r.get("num_running_reqs", 0) or 0) + int(r.get("num_waiting_reqs", 0) or 0)
+            for r in rows
+            if isinstance(r, dict)
+        )
         if busy == 0:
             return
         time.sleep(1.0)
 
 
-async def _replay_all(base_url: str, admin_token: str, run: LiveRun
-                      ) -> tuple[list[RequestRecord], float]:
+async def _replay_all(
+    base_url: str, admin_token: str, run: LiveRun
+) -> tuple[list[RequestRecord], float]:
     timeout = aiohttp.ClientTimeout(total=None, sock_read=DRAIN_TIMEOUT_S)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                     timeout=timeout) as session:
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), timeout=timeout
+    ) as session:
         keys = TenantKeys(base_url, admin_token, session)
         # Tenants exist before the clock starts; a warm-up request wakes the engine's caches.
-        warm = RequestSpec(rid="warm-up", tier="be", arrival_s=0.0, prompt_len=16, output_len=4,
-                           max_new_tokens=4)
+        warm = RequestSpec(
+            rid="warm-up", tier="be", arrival_s=0.0, prompt_len=16, output_len=4, max_new_tokens=4
+        )
         await send(session, base_url, await keys.key_for(warm), warm, time.perf_counter())
         source = run.workload.source(run.rt_rate_req_s, True)
         return await replay(session, base_url, keys, source, run.workload.window_s or 0.0)
@@ -373,8 +419,10 @@ def _brief(m: Metrics) -> str:
         v = m.get(key)
         return "-" if v is None else f"{v:.3g}"
 
-    return (f"TTFT att {f('rt_ttft_attainment')} TPOT att {f('rt_tpot_attainment')} "
-            f"BE {f('be_throughput_tok_s')} tok/s")
+    return (
+        f"TTFT att {f('rt_ttft_attainment')} TPOT att {f('rt_tpot_attainment')} "
+        f"BE {f('be_throughput_tok_s')} tok/s"
+    )
 
 
 def _say(config: BenchConfig, line: str) -> None:

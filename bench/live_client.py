@@ -45,16 +45,20 @@ class TenantKeys:
         name = f"{tier}-{len(self._keys)}-{secrets.token_hex(3)}"
         slo: dict[str, Any] = {}
         if tier == "rt":
-            slo = {"ttft_ms": round(1000 * (ttft_s or 1.0), 3),
-                   "tpot_ms": round(1000 * (tpot_s or 1.0), 3)}
+            slo = {
+                "ttft_ms": round(1000 * (ttft_s or 1.0), 3),
+                "tpot_ms": round(1000 * (tpot_s or 1.0), 3),
+            }
         admin = f"{self.base_url}/admin/v1"
-        async with self.session.post(f"{admin}/tenants", headers=self.headers,
-                                     json={"name": name, "tier": tier, "slo": slo}) as resp:
+        async with self.session.post(
+            f"{admin}/tenants", headers=self.headers, json={"name": name, "tier": tier, "slo": slo}
+        ) as resp:
             tenant = await resp.json()
             if resp.status != 201:
                 raise RuntimeError(f"creating tenant {name}: {resp.status} {tenant}")
-        async with self.session.post(f"{admin}/tenants/{tenant['id']}/keys",
-                                     headers=self.headers) as resp:
+        async with self.session.post(
+            f"{admin}/tenants/{tenant['id']}/keys", headers=self.headers
+        ) as resp:
             body = await resp.json()
             if resp.status != 201:
                 raise RuntimeError(f"creating a key for {name}: {resp.status} {body}")
@@ -67,9 +71,14 @@ def prompt_for(spec: RequestSpec) -> list[int]:
     return [10 + (seed + 7919 * j) % 251 for j in range(spec.prompt_len)]
 
 
-async def replay(session: aiohttp.ClientSession, base_url: str, keys: TenantKeys,
-                 source: SpecSource, window_s: float, drain_timeout_s: float = DRAIN_TIMEOUT_S
-                 ) -> tuple[list[RequestRecord], float]:
+async def replay(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    keys: TenantKeys,
+    source: SpecSource,
+    window_s: float,
+    drain_timeout_s: float = DRAIN_TIMEOUT_S,
+) -> tuple[list[RequestRecord], float]:
     """Replays *source* on the wall clock (closed-loop sources get each finish at once); a
     request still running *drain_timeout_s* after the window is cancelled and counted
     unfinished."""
@@ -95,8 +104,9 @@ async def replay(session: aiohttp.ClientSession, base_url: str, keys: TenantKeys
         if not pending:
             await asyncio.sleep(min(wait_s, 0.5))
             continue
-        done, _ = await asyncio.wait(list(pending), timeout=min(wait_s, 0.5),
-                                     return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(
+            list(pending), timeout=min(wait_s, 0.5), return_when=asyncio.FIRST_COMPLETED
+        )
         for task in done:
             spec = pending.pop(task)
             record = task.result()
@@ -106,17 +116,25 @@ async def replay(session: aiohttp.ClientSession, base_url: str, keys: TenantKeys
     return records, time.perf_counter() - t0
 
 
-async def send(session: aiohttp.ClientSession, base_url: str, key: str, spec: RequestSpec,
-                t0: float) -> RequestRecord:
+async def send(
+    session: aiohttp.ClientSession, base_url: str, key: str, spec: RequestSpec, t0: float
+) -> RequestRecord:
     """One request, streamed; its record (times from the start of the replay)."""
-    body = {"model": "tandem-tiny", "prompt": prompt_for(spec), "max_tokens": spec.output_len,
-            "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": "tandem-tiny",
+        "prompt": prompt_for(spec),
+        "max_tokens": spec.output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     arrival = time.perf_counter() - t0
     chunk_times: list[float] = []
     generated = 0
-    async with session.post(f"{base_url}/v1/completions", json=body,
-                            headers={"Authorization": f"Bearer {key}"}) as resp:
+    async with session.post(
+        f"{base_url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+    ) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{spec.rid}: HTTP {resp.status} {await resp.text()}")
         async for raw in resp.content:
@@ -131,14 +149,24 @@ async def send(session: aiohttp.ClientSession, base_url: str, key: str, spec: Re
                 chunk_times.append(time.perf_counter() - t0)
     finish = time.perf_counter() - t0
     return RequestRecord(
-        rid=spec.rid, tier=spec.tier, arrival_s=spec.arrival_s if spec.rid != "warm-up"
-        else arrival, prompt_len=spec.prompt_len, output_len_target=spec.output_len,
-        generated=generated, first_token_s=chunk_times[0] if chunk_times else None,
-        finish_s=finish, token_times=_token_times(chunk_times, generated, finish),
-        evictions=0, cached_tokens=0, ttft_target_s=spec.ttft_s, tpot_target_s=spec.tpot_s,
+        rid=spec.rid,
+        tier=spec.tier,
+        arrival_s=spec.arrival_s if spec.rid != "warm-up" else arrival,
+        prompt_len=spec.prompt_len,
+        output_len_target=spec.output_len,
+        generated=generated,
+        first_token_s=chunk_times[0] if chunk_times else None,
+        finish_s=finish,
+        token_times=_token_times(chunk_times, generated, finish),
+        evictions=0,
+        cached_tokens=0,
+        ttft_target_s=spec.ttft_s,
+        tpot_target_s=spec.tpot_s,
         deadline_s=None if spec.deadline_s is None else spec.arrival_s + spec.deadline_s,
-        length_key=spec.length_key, max_new_tokens=spec.max_new_tokens,
-        admitted_s=chunk_times[0] if chunk_times else None)
+        length_key=spec.length_key,
+        max_new_tokens=spec.max_new_tokens,
+        admitted_s=chunk_times[0] if chunk_times else None,
+    )
 
 
 def _token_times(chunk_times: list[float], generated: int, finish_s: float) -> array[float]:
@@ -153,17 +181,31 @@ def _token_times(chunk_times: list[float], generated: int, finish_s: float) -> a
 
 def _unfinished(spec: RequestSpec) -> RequestRecord:
     return RequestRecord(
-        rid=spec.rid, tier=spec.tier, arrival_s=spec.arrival_s, prompt_len=spec.prompt_len,
-        output_len_target=spec.output_len, generated=0, first_token_s=None, finish_s=None,
-        token_times=array("d"), evictions=0, cached_tokens=0, ttft_target_s=spec.ttft_s,
-        tpot_target_s=spec.tpot_s, deadline_s=None, length_key=spec.length_key,
-        max_new_tokens=spec.max_new_tokens)
+        rid=spec.rid,
+        tier=spec.tier,
+        arrival_s=spec.arrival_s,
+        prompt_len=spec.prompt_len,
+        output_len_target=spec.output_len,
+        generated=0,
+        first_token_s=None,
+        finish_s=None,
+        token_times=array("d"),
+        evictions=0,
+        cached_tokens=0,
+        ttft_target_s=spec.ttft_s,
+        tpot_target_s=spec.tpot_s,
+        deadline_s=None,
+        length_key=spec.length_key,
+        max_new_tokens=spec.max_new_tokens,
+    )
 
 
-async def replay_source(base_url: str, admin_token: str, source: SpecSource, window_s: float,
-                         drain_s: float) -> tuple[list[RequestRecord], float]:
+async def replay_source(
+    base_url: str, admin_token: str, source: SpecSource, window_s: float, drain_s: float
+) -> tuple[list[RequestRecord], float]:
     timeout = aiohttp.ClientTimeout(total=None, sock_read=DRAIN_TIMEOUT_S)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                     timeout=timeout) as session:
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), timeout=timeout
+    ) as session:
         keys = TenantKeys(base_url, admin_token, session)
         return await replay(session, base_url, keys, source, window_s, drain_s)

@@ -23,10 +23,21 @@ LIVE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("rt_finished", "RT done", "r"),
     ("goodput_req_s", "goodput req/s", "r"),
 )
-STAT_KEYS = ("iterations", "mean_iteration_ms", "overhead_frac", "rt_time_frac", "plan_ms_p50",
-             "plan_ms_p99",
-             "parked_decodes", "evictions", "retractions_ordered", "admitted_prefills",
-             "refused_prefills", "peak_running", "peak_kv_used_tokens")
+STAT_KEYS = (
+    "iterations",
+    "mean_iteration_ms",
+    "overhead_frac",
+    "rt_time_frac",
+    "plan_ms_p50",
+    "plan_ms_p99",
+    "parked_decodes",
+    "evictions",
+    "retractions_ordered",
+    "admitted_prefills",
+    "refused_prefills",
+    "peak_running",
+    "peak_kv_used_tokens",
+)
 
 
 def results_dict(run: LiveRun) -> dict[str, Any]:
@@ -34,25 +45,33 @@ def results_dict(run: LiveRun) -> dict[str, Any]:
     metrics, the sim/real ratios and tandem's in-engine counters."""
     cfg = run.config
     return {
-        "workload": cfg.workload, "engine": "sglang", "profile": run.profile_name,
-        "seed": cfg.seed, "load": cfg.load if cfg.rt_rate_req_s is None else None,
-        "variant": cfg.variant, "rt_capacity_req_s": run.rt_capacity_req_s,
-        "rt_rate_req_s": run.rt_rate_req_s, "kv_capacity_tokens": run.kv_capacity_tokens,
+        "workload": cfg.workload,
+        "engine": "sglang",
+        "profile": run.profile_name,
+        "seed": cfg.seed,
+        "load": cfg.load if cfg.rt_rate_req_s is None else None,
+        "variant": cfg.variant,
+        "rt_capacity_req_s": run.rt_capacity_req_s,
+        "rt_rate_req_s": run.rt_rate_req_s,
+        "kv_capacity_tokens": run.kv_capacity_tokens,
         "sim_rt_capacity_req_s": run.sim_capacity_req_s,
         "capacity_probes": [list(p) for p in run.capacity_probes],
-        "policy_options": run.policy_options, "command": cfg.command,
+        "policy_options": run.policy_options,
+        "command": cfg.command,
         "policies": {name: rounded(m) for name, m in run.real.items()},
         "sim": {name: rounded(m) for name, m in run.sim.items()},
         "sim_over_real": sim_real_ratios(run),
-        "engine_stats": run.engine_stats, "failed": run.failed,
+        "engine_stats": run.engine_stats,
+        "failed": run.failed,
         "wall_s": {k: round(v, 1) for k, v in run.wall_s.items()},
     }
 
 
-def _table(rows: dict[str, dict[str, Any]], columns: tuple[tuple[str, str, str], ...]
-           ) -> list[str]:
-    lines = ["| policy | " + " | ".join(h for _, h, _ in columns) + " |",
-             "|---|" + "---|" * len(columns)]
+def _table(rows: dict[str, dict[str, Any]], columns: tuple[tuple[str, str, str], ...]) -> list[str]:
+    lines = [
+        "| policy | " + " | ".join(h for _, h, _ in columns) + " |",
+        "|---|" + "---|" * len(columns),
+    ]
     for name, m in rows.items():
         cells = [_fmt(m.get(key), kind) for key, _, kind in columns]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -61,30 +80,47 @@ def _table(rows: dict[str, dict[str, Any]], columns: tuple[tuple[str, str, str],
 
 def report_markdown(run: LiveRun, plots: list[str]) -> str:
     cfg = run.config
-    lines = [f"`{cfg.command}`", "",
-             f"# {cfg.workload} ({cfg.variant or 'default'}) on the real engine (SGLang 0.5.23, "
-             f"CPU, tiny model) through the gateway", "",
-             f"* RT rate {run.rt_rate_req_s:.3g} req/s = load {cfg.load:g} × the rate share × "
-             f"λ* {run.rt_capacity_req_s:.3g} req/s, measured on the real engine (stock FCFS "
-             f"behind the gateway, RT alone, joint attainment ≥ 90 %; probes "
-             f"{_probes(run)}); the simulator's λ* for the same workload and profile is "
-             f"{_num(run.sim_capacity_req_s)} req/s" if run.rt_capacity_req_s else
-             f"* RT rate {run.rt_rate_req_s} req/s (--rt-rate); the simulator's λ* for this "
-             f"workload is {_num(run.sim_capacity_req_s)} req/s",
-             f"* KV pool {run.kv_capacity_tokens} tokens; arrival window "
-             f"{run.workload.window_s} s; seed {cfg.seed}; exact output lengths (ignore_eos)",
-             f"* tandem's options: `{json.dumps(run.policy_options)}`", "",
-             "## Real engine", "", *_table(run.real, LIVE_COLUMNS), "",
-             "## Simulator, same workload", "", *_table(run.sim, LIVE_COLUMNS), "",
-             "## Simulator ÷ real", ""]
+    lines = [
+        f"`{cfg.command}`",
+        "",
+        f"# {cfg.workload} ({cfg.variant or 'default'}) on the real engine (SGLang 0.5.23, "
+        f"CPU, tiny model) through the gateway",
+        "",
+        f"* RT rate {run.rt_rate_req_s:.3g} req/s = load {cfg.load:g} × the rate share × "
+        f"λ* {run.rt_capacity_req_s:.3g} req/s, measured on the real engine (stock FCFS "
+        f"behind the gateway, RT alone, joint attainment ≥ 90 %; probes "
+        f"{_probes(run)}); the simulator's λ* for the same workload and profile is "
+        f"{_num(run.sim_capacity_req_s)} req/s"
+        if run.rt_capacity_req_s
+        else f"* RT rate {run.rt_rate_req_s} req/s (--rt-rate); the simulator's λ* for this "
+        f"workload is {_num(run.sim_capacity_req_s)} req/s",
+        f"* KV pool {run.kv_capacity_tokens} tokens; arrival window "
+        f"{run.workload.window_s} s; seed {cfg.seed}; exact output lengths (ignore_eos)",
+        f"* tandem's options: `{json.dumps(run.policy_options)}`",
+        "",
+        "## Real engine",
+        "",
+        *_table(run.real, LIVE_COLUMNS),
+        "",
+        "## Simulator, same workload",
+        "",
+        *_table(run.sim, LIVE_COLUMNS),
+        "",
+        "## Simulator ÷ real",
+        "",
+    ]
     ratios = sim_real_ratios(run)
     lines += ["| policy | " + " | ".join(RATIO_KEYS) + " |", "|---|" + "---|" * len(RATIO_KEYS)]
     for name, row in ratios.items():
         lines.append(f"| {name} | " + " | ".join(_fmt(row[k], "x") for k in RATIO_KEYS) + " |")
     if run.engine_stats:
-        lines += ["", "## tandem inside the engine (control endpoint `/stats`)", "",
-                  "| policy | " + " | ".join(STAT_KEYS) + " |",
-                  "|---|" + "---|" * len(STAT_KEYS)]
+        lines += [
+            "",
+            "## tandem inside the engine (control endpoint `/stats`)",
+            "",
+            "| policy | " + " | ".join(STAT_KEYS) + " |",
+            "|---|" + "---|" * len(STAT_KEYS),
+        ]
         for name, stats in run.engine_stats.items():
             cells = [_fmt(stats.get(k), "x" if k.endswith("_frac") else "r") for k in STAT_KEYS]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")

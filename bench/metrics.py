@@ -97,13 +97,22 @@ def rt_stats(rec: RequestRecord, end_s: float) -> RtStats:
         deadlines[0] = rec.arrival_s + ttft_target
         deadlines[1:] = times[:-1] + tpot_target
         late = times[times > deadlines + _EPS]
-    return RtStats(ttft_s=ttft, gaps=gaps, tpot_s=tpot, ttft_met=ttft_met, tpot_met=tpot_met,
-                   mtpot_met=mtpot_met, tokens_in_deadline=int(times.size - late.size),
-                   late_s=late, finished=finished)
+    return RtStats(
+        ttft_s=ttft,
+        gaps=gaps,
+        tpot_s=tpot,
+        ttft_met=ttft_met,
+        tpot_met=tpot_met,
+        mtpot_met=mtpot_met,
+        tokens_in_deadline=int(times.size - late.size),
+        late_s=late,
+        finished=finished,
+    )
 
 
-def iteration_attainment(rt: Sequence[RequestRecord], stats: Sequence[RtStats],
-                         log: IterationLog) -> float | None:
+def iteration_attainment(
+    rt: Sequence[RequestRecord], stats: Sequence[RtStats], log: IterationLog
+) -> float | None:
     """AccelGen's iteration-level (batch-level) SLO attainment: of the iterations that emitted
     RT tokens, the share in which every RT token met its deadline. Tokens are placed in the
     iteration whose end emitted them; None without an iteration log (live runs, where token
@@ -124,18 +133,25 @@ def _share(flags: Sequence[bool]) -> float | None:
     return sum(flags) / len(flags) if flags else None
 
 
-def rt_metrics(records: Sequence[RequestRecord], end_s: float, window_s: float,
-               log: IterationLog | None = None) -> Metrics:
+def rt_metrics(
+    records: Sequence[RequestRecord], end_s: float, window_s: float, log: IterationLog | None = None
+) -> Metrics:
     """RT tier: TTFT/TPOT/TBT statistics, SLO attainment in every form, normalised latency."""
     rt = [r for r in records if r.tier == "rt"]
     stats = [rt_stats(r, end_s) for r in rt]
     ttft = [s.ttft_s for s in stats]
-    tpots = [s.tpot_s for s, r in zip(stats, rt, strict=True)
-             if s.tpot_s is not None and r.generated >= 2]
+    tpots = [
+        s.tpot_s
+        for s, r in zip(stats, rt, strict=True)
+        if s.tpot_s is not None and r.generated >= 2
+    ]
     gaps = np.concatenate([s.gaps for s in stats]) if stats else np.zeros(0)
     mtpot = [float(s.gaps.max()) for s in stats if s.gaps.size]
-    norm = [(r.finish_s - r.arrival_s) / r.generated for r in rt
-            if r.finish_s is not None and r.generated > 0]
+    norm = [
+        (r.finish_s - r.arrival_s) / r.generated
+        for r in rt
+        if r.finish_s is not None and r.generated > 0
+    ]
     target_tokens = sum(r.output_len_target for r in rt)
     in_deadline = sum(s.tokens_in_deadline for s in stats)
     return {
@@ -146,8 +162,9 @@ def rt_metrics(records: Sequence[RequestRecord], end_s: float, window_s: float,
         "rt_joint_attainment": _share([s.ttft_met and s.tpot_met for s in stats]),
         "rt_strict_attainment": _share([s.ttft_met and s.mtpot_met for s in stats]),
         "rt_token_attainment": in_deadline / target_tokens if target_tokens else None,
-        "rt_iteration_attainment": (iteration_attainment(rt, stats, log)
-                                    if log is not None else None),
+        "rt_iteration_attainment": (
+            iteration_attainment(rt, stats, log) if log is not None else None
+        ),
         "rt_ttft_mean_s": mean(ttft),
         "rt_ttft_p50_s": percentile(ttft, 50),
         "rt_ttft_p90_s": percentile(ttft, 90),
@@ -180,24 +197,39 @@ def be_metrics(records: Sequence[RequestRecord], end_s: float, window_s: float) 
         "be_max_wait_s": max(waits) if waits else None,
         "be_wait_p99_s": percentile(waits, 99),
         "be_jct_mean_s": mean(jct),
-        "be_jct_attainment": _share([r.finish_s is not None and r.deadline_s is not None
-                                     and r.finish_s <= r.deadline_s + _EPS
-                                     for r in with_deadline]),
-        "be_makespan_s": (max(finishes) - min(r.arrival_s for r in be)
-                          if be and len(finishes) == len(be) else None),
+        "be_jct_attainment": _share(
+            [
+                r.finish_s is not None
+                and r.deadline_s is not None
+                and r.finish_s <= r.deadline_s + _EPS
+                for r in with_deadline
+            ]
+        ),
+        "be_makespan_s": (
+            max(finishes) - min(r.arrival_s for r in be)
+            if be and len(finishes) == len(be)
+            else None
+        ),
     }
 
 
 def goodput_metrics(records: Sequence[RequestRecord], rt: Metrics, window_s: float) -> Metrics:
     """Whole system: SLO-good RT requests plus completed BE requests (within their deadline,
     if any), per second of the window; strict variant with MTPOT for RT."""
-    be_good = sum(1 for r in records if r.tier == "be" and r.finish_s is not None
-                  and r.finish_s <= window_s + _EPS
-                  and (r.deadline_s is None or r.finish_s <= r.deadline_s + _EPS))
+    be_good = sum(
+        1
+        for r in records
+        if r.tier == "be"
+        and r.finish_s is not None
+        and r.finish_s <= window_s + _EPS
+        and (r.deadline_s is None or r.finish_s <= r.deadline_s + _EPS)
+    )
     rt_good = float(rt["rt_good_req_s"] or 0.0)
     strict = (rt["rt_strict_attainment"] or 0.0) * int(rt["rt_requests"] or 0) / window_s
-    return {"goodput_req_s": rt_good + be_good / window_s,
-            "goodput_strict_req_s": strict + be_good / window_s}
+    return {
+        "goodput_req_s": rt_good + be_good / window_s,
+        "goodput_strict_req_s": strict + be_good / window_s,
+    }
 
 
 def _col(log: IterationLog, name: str) -> np.ndarray:
@@ -223,10 +255,14 @@ def iteration_metrics(log: IterationLog) -> Metrics:
         "plan_ms_p99": percentile(plan, 99),
         "plan_ms_mean": mean(plan),
         "plan_overhead_frac": float(plan.sum() / 1000.0 / total) if total > 0 else None,
-        "over_predicted_frac": (float(np.mean(dur[has_pred] > pred[has_pred] * (1 + 1e-9)))
-                                if has_pred.any() else None),
-        "latency_mape": (float(np.mean(np.abs(pred[has_pred] - dur[has_pred]) / dur[has_pred]))
-                         if has_pred.any() else None),
+        "over_predicted_frac": (
+            float(np.mean(dur[has_pred] > pred[has_pred] * (1 + 1e-9))) if has_pred.any() else None
+        ),
+        "latency_mape": (
+            float(np.mean(np.abs(pred[has_pred] - dur[has_pred]) / dur[has_pred]))
+            if has_pred.any()
+            else None
+        ),
     }
 
 
@@ -248,13 +284,17 @@ def time_share_metrics(log: IterationLog, window_s: float) -> Metrics:
 
 def eviction_metrics(records: Sequence[RequestRecord]) -> Metrics:
     """Share of requests evicted at least once (all, RT, BE) and evictions in total."""
+
     def rate(tier: str | None) -> float | None:
         chosen = [r for r in records if tier is None or r.tier == tier]
         return _share([r.evictions > 0 for r in chosen])
 
-    return {"eviction_rate": rate(None), "rt_eviction_rate": rate("rt"),
-            "be_eviction_rate": rate("be"),
-            "evictions_total": sum(r.evictions for r in records)}
+    return {
+        "eviction_rate": rate(None),
+        "rt_eviction_rate": rate("rt"),
+        "be_eviction_rate": rate("be"),
+        "evictions_total": sum(r.evictions for r in records),
+    }
 
 
 def compute_metrics(result: SimResult, window_s: float | None) -> Metrics:
@@ -279,8 +319,11 @@ def interference(metrics: Metrics, baseline: Metrics) -> Metrics:
     out: Metrics = {}
     for key, source in INTERFERENCE_KEYS.items():
         value, base = metrics.get(source), baseline.get(source)
-        out[key] = (float(value) / float(base)
-                    if value is not None and base is not None and base > 0 else None)
+        out[key] = (
+            float(value) / float(base)
+            if value is not None and base is not None and base > 0
+            else None
+        )
     return out
 
 

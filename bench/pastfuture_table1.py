@@ -79,14 +79,22 @@ def pastfuture_admit(reserve: float, oracle: bool = False) -> Admit:
             gen = np.broadcast_to(state.generated[run], (lists, run.size))
             remaining = history.sample_total(rng, gen, MAX_OUTPUT) - gen
         check = PeakAdmission(state.current(run), remaining, MEM * (1 - reserve))
-        return _admit_while(state, lambda i: _candidate_fits(check, state, i, rng, history,
-                                                             lists, oracle))
+        return _admit_while(
+            state, lambda i: _candidate_fits(check, state, i, rng, history, lists, oracle)
+        )
 
     return admit
 
 
-def _candidate_fits(check: PeakAdmission, state: _State, i: int, rng: np.random.Generator,
-                    history: LengthHistory, lists: int, oracle: bool) -> bool:
+def _candidate_fits(
+    check: PeakAdmission,
+    state: _State,
+    i: int,
+    rng: np.random.Generator,
+    history: LengthHistory,
+    lists: int,
+    oracle: bool,
+) -> bool:
     gen = state.generated[i]
     if oracle:
         rem = np.array([state.output[i] - gen])
@@ -146,13 +154,13 @@ def _admit_while(state: _State, fits: Callable[[int], bool]) -> int:
     return admitted
 
 
-def simulate(dist: str, admit: Admit, seed: int = 0, num_requests: int = NUM_REQUESTS
-             ) -> Table1Row:
+def simulate(dist: str, admit: Admit, seed: int = 0, num_requests: int = NUM_REQUESTS) -> Table1Row:
     """Runs the protocol for one distribution and one admission rule."""
     rng = np.random.default_rng(seed)
     (plo, phi), (olo, ohi) = DISTRIBUTIONS[dist]
-    state = _State(rng.integers(plo, phi + 1, num_requests),
-                   rng.integers(olo, ohi + 1, num_requests))
+    state = _State(
+        rng.integers(plo, phi + 1, num_requests), rng.integers(olo, ohi + 1, num_requests)
+    )
     history = LengthHistory(1000, prior=[512] * 500)
     steps, evictions, finished = 0, 0, 0
     mem_sum, future_sum, rounds = 0.0, 0.0, 0
@@ -179,9 +187,12 @@ def simulate(dist: str, admit: Admit, seed: int = 0, num_requests: int = NUM_REQ
                 state.queue.insert(0, victim)
                 evictions += 1
             mem_sum += used / MEM
-    return Table1Row(steps=steps, current_memory=mem_sum / max(steps, 1),
-                     future_memory=future_sum / max(rounds, 1) / MEM,
-                     evicted=evictions / num_requests)
+    return Table1Row(
+        steps=steps,
+        current_memory=mem_sum / max(steps, 1),
+        future_memory=future_sum / max(rounds, 1) / MEM,
+        evicted=evictions / num_requests,
+    )
 
 
 SCHEDULERS: dict[str, Admit] = {
@@ -206,8 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     for dist in args.dist or sorted(DISTRIBUTIONS):
         for name in args.scheduler or list(SCHEDULERS):
             row = simulate(dist, SCHEDULERS[name], seed=args.seed)
-            print(f"| {dist} | {name} | {row.steps:,} | {row.current_memory:.2%} | "
-                  f"{row.future_memory:.2%} | {row.evicted:.2%} |", flush=True)
+            print(
+                f"| {dist} | {name} | {row.steps:,} | {row.current_memory:.2%} | "
+                f"{row.future_memory:.2%} | {row.evicted:.2%} |",
+                flush=True,
+            )
     return 0
 
 

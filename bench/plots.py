@@ -70,10 +70,10 @@ def _time_plot(series: dict[str, PolicySeries], path: Path, *, be: bool, title: 
 def write_plots(series: dict[str, PolicySeries], out_dir: Path, label: str) -> list[str]:
     """Writes the four PNGs into out_dir; returns their file names."""
     out_dir = Path(out_dir)
-    _cdf_plot(series, "ttft_q", f"{label}: RT time to first token (CDF)",
-              out_dir / PLOT_FILES[0])
+    _cdf_plot(series, "ttft_q", f"{label}: RT time to first token (CDF)", out_dir / PLOT_FILES[0])
     _cdf_plot(series, "tbt_q", f"{label}: RT time between tokens (CDF)", out_dir / PLOT_FILES[1])
-    _time_plot(series, out_dir / PLOT_FILES[2], be=True,
-               title=f"{label}: BE throughput vs RT arrival rate")
+    _time_plot(
+        series, out_dir / PLOT_FILES[2], be=True, title=f"{label}: BE throughput vs RT arrival rate"
+    )
     _time_plot(series, out_dir / PLOT_FILES[3], be=False, title=f"{label}: KV use over time")
     return list(PLOT_FILES)

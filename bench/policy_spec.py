@@ -24,8 +24,9 @@ def parse_policy_spec(spec: str) -> tuple[str, dict[str, Any]]:
     for pair in pairs:
         key, eq, text = pair.partition("=")
         if not eq or not key or not text:
-            raise ValueError(f"policy spec {spec!r}: expected KEY=VALUE after {SEPARATOR!r}, "
-                             f"got {pair!r}")
+            raise ValueError(
+                f"policy spec {spec!r}: expected KEY=VALUE after {SEPARATOR!r}, got {pair!r}"
+            )
         if key in options:
             raise ValueError(f"policy spec {spec!r}: option {key!r} given twice")
         options[key] = _value(text)

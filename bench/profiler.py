@@ -89,14 +89,27 @@ class ProfileGrid:
     @classmethod
     def quick(cls) -> ProfileGrid:
         """A small grid (about 20 s on the CPU tiny engine) for tests and smoke runs."""
-        return cls(decode_batches=(1, 8), decode_contexts=(32, 512), prefill_tokens=(16, 256, 512),
-                   prefill_prefixes=(0, 1024), mixed_prefill_tokens=(128,), repeats=1,
-                   decode_steps=8)
+        return cls(
+            decode_batches=(1, 8),
+            decode_contexts=(32, 512),
+            prefill_tokens=(16, 256, 512),
+            prefill_prefixes=(0, 1024),
+            mixed_prefill_tokens=(128,),
+            repeats=1,
+            decode_steps=8,
+        )
 
 
-async def profile_engine(base_url: str, *, grid: ProfileGrid, name: str,
-                         progress: Progress | None = None, vocab_size: int | None = None,
-                         command: str | None = None, quiet_wait_s: float = 0.0) -> Profile:
+async def profile_engine(
+    base_url: str,
+    *,
+    grid: ProfileGrid,
+    name: str,
+    progress: Progress | None = None,
+    vocab_size: int | None = None,
+    command: str | None = None,
+    quiet_wait_s: float = 0.0,
+) -> Profile:
     """Measures the engine at *base_url* over *grid* and returns the profile (not saved).
 
     *vocab_size* overrides what the engine reports; *command* goes into the description.
@@ -113,22 +126,25 @@ async def profile_engine(base_url: str, *, grid: ProfileGrid, name: str,
         await prober.settle()
         busy = await cpu_busy_share()
         if busy is not None and busy > QuietGate.threshold:
-            say(f"warning: the CPUs are {busy:.0%} busy with the engine idle: other work on "
-                "this machine distorts the timings")
+            say(
+                f"warning: the CPUs are {busy:.0%} busy with the engine idle: other work on "
+                "this machine distorts the timings"
+            )
         if quiet_wait_s > 0:
             prober.before_probe = gate.wait
         await _warm_up(prober)
         rtt, rtt_source = await _round_trip(prober, grid)
-        say(f"engine {base_url}: {_facts_line(facts)}; round trip {rtt * 1e3:.1f} ms "
-            f"(1-token TTFT minus its {rtt_source})")
+        say(
+            f"engine {base_url}: {_facts_line(facts)}; round trip {rtt * 1e3:.1f} ms "
+            f"(1-token TTFT minus its {rtt_source})"
+        )
         samples = await _prefill_points(prober, grid, rtt, say)
         samples += await _decode_points(prober, grid, say)
         await prober.settle()
     elapsed = time.monotonic() - started
     return Profile(
         name=name,
-        description=_description(base_url, grid, facts, (rtt, rtt_source), elapsed, command,
-                                 gate),
+        description=_description(base_url, grid, facts, (rtt, rtt_source), elapsed, command, gate),
         model=facts.model,
         hardware={**machine_facts(), "http_round_trip_ms": round(rtt * 1e3, 2)},
         kv_capacity_tokens=facts.kv_capacity_tokens,
@@ -178,8 +194,9 @@ async def _round_trip(prober: Prober, grid: ProfileGrid) -> tuple[float, str]:
     return statistics.median(values), max(set(sources), key=sources.count)
 
 
-async def _prefill_points(prober: Prober, grid: ProfileGrid, rtt: float, say: Progress
-                          ) -> list[ProfileSample]:
+async def _prefill_points(
+    prober: Prober, grid: ProfileGrid, rtt: float, say: Progress
+) -> list[ProfileSample]:
     facts = prober.facts
     samples = []
     for prefix in grid.prefill_prefixes:
@@ -187,16 +204,18 @@ async def _prefill_points(prober: Prober, grid: ProfileGrid, rtt: float, say: Pr
             if tokens > facts.chunked_prefill_size or not _fits(facts, prefix + tokens + 1):
                 say(f"skip prefill {tokens} after {prefix}: beyond the engine's limits")
                 continue
-            runs = await repeat_until_stable(partial(_prefill_once, prober, tokens, prefix, rtt),
-                                 grid.repeats, _run_seconds)
+            runs = await repeat_until_stable(
+                partial(_prefill_once, prober, tokens, prefix, rtt), grid.repeats, _run_seconds
+            )
             shape, seconds = median_run(runs)
             samples.append(ProfileSample(shape=shape, seconds=seconds))
             say(f"prefill {shape.prefill_tokens:5d} after {prefix:5d}: {seconds * 1e3:7.2f} ms")
     return samples
 
 
-async def _prefill_once(prober: Prober, tokens: int, prefix: int, rtt: float
-                        ) -> tuple[BatchShape, float]:
+async def _prefill_once(
+    prober: Prober, tokens: int, prefix: int, rtt: float
+) -> tuple[BatchShape, float]:
     await prober.settle()
     prompt: list[int] = []
     if prefix:  # run the prefix once so the probe finds it in the prefix cache
@@ -212,8 +231,7 @@ async def _prefill_once(prober: Prober, tokens: int, prefix: int, rtt: float
     return shape, max(1e-5, stream.ttft_s - rtt)
 
 
-async def _decode_points(prober: Prober, grid: ProfileGrid, say: Progress
-                         ) -> list[ProfileSample]:
+async def _decode_points(prober: Prober, grid: ProfileGrid, say: Progress) -> list[ProfileSample]:
     facts = prober.facts
     samples = []
     for batch in grid.decode_batches:
@@ -223,22 +241,28 @@ async def _decode_points(prober: Prober, grid: ProfileGrid, say: Progress
             # Slack: each mixed probe lets the decodes run on for its round trip (aborted after).
             max_new = WARMUP_TOKENS + grid.decode_steps + 24 * len(mixed) + 32
             if batch > facts.max_running_requests or not _fits(
-                    facts, batch * (context + max_new) + max(mixed, default=0), context + max_new):
+                facts, batch * (context + max_new) + max(mixed, default=0), context + max_new
+            ):
                 say(f"skip decode {batch} x {context}: beyond the engine's limits")
                 continue
             runs = await repeat_until_stable(
                 partial(_decode_session, prober, grid, batch, context, mixed, max_new),
-                grid.repeats, lambda points: _run_seconds(points[0]))
+                grid.repeats,
+                lambda points: _run_seconds(points[0]),
+            )
             for point in zip(*runs, strict=True):  # the decode sample, then one per mixed P
                 shape, seconds = median_run(list(point))
                 samples.append(ProfileSample(shape=shape, seconds=seconds))
-            say(f"decode {batch:3d} x {context:5d}: "
-                + ", ".join(f"{s.seconds * 1e3:.2f} ms" for s in samples[-len(runs[0]):]))
+            say(
+                f"decode {batch:3d} x {context:5d}: "
+                + ", ".join(f"{s.seconds * 1e3:.2f} ms" for s in samples[-len(runs[0]) :])
+            )
     return samples
 
 
-async def _decode_session(prober: Prober, grid: ProfileGrid, batch: int, context: int,
-                          mixed: Sequence[int], max_new: int) -> list[tuple[BatchShape, float]]:
+async def _decode_session(
+    prober: Prober, grid: ProfileGrid, batch: int, context: int, mixed: Sequence[int], max_new: int
+) -> list[tuple[BatchShape, float]]:
     """One run of B decode streams: the steady decode point, then one mixed point per P."""
     await prober.settle()
     started = [prober.start(prober.random_prompt(context), max_new) for _ in range(batch)]
@@ -246,8 +270,11 @@ async def _decode_session(prober: Prober, grid: ProfileGrid, batch: int, context
     tasks = [t for _, t in started]
     end = WARMUP_TOKENS + grid.decode_steps
     try:
-        await prober.wait_until(lambda: all(s.tokens >= end or s.is_done for s in streams),
-                                WAIT_S, f"{batch} decode streams")
+        await prober.wait_until(
+            lambda: all(s.tokens >= end or s.is_done for s in streams),
+            WAIT_S,
+            f"{batch} decode streams",
+        )
         for task in tasks:
             _check(task, streams, end, still_running=True)
         gap = steady_gap(streams, WARMUP_TOKENS, end)
@@ -260,8 +287,9 @@ async def _decode_session(prober: Prober, grid: ProfileGrid, batch: int, context
         await prober.abort(streams, tasks)
 
 
-async def _mixed_once(prober: Prober, streams: list[Stream], tokens: int, context: int
-                      ) -> tuple[BatchShape, float]:
+async def _mixed_once(
+    prober: Prober, streams: list[Stream], tokens: int, context: int
+) -> tuple[BatchShape, float]:
     """Injects a P-token prefill into running decodes; the decode gap of the iteration that
     ran it.
 
@@ -275,14 +303,22 @@ async def _mixed_once(prober: Prober, streams: list[Stream], tokens: int, contex
     _check(task, [probe], 1)
     t_first = probe.arrivals[0][0]
     await prober.wait_until(
-        lambda: all(any(t > t_first + MIXED_TOLERANCE_S for t, _ in s.arrivals) or s.is_done
-                    for s in streams), WAIT_S, "decodes after a mixed prefill")
+        lambda: all(
+            any(t > t_first + MIXED_TOLERANCE_S for t, _ in s.arrivals) or s.is_done
+            for s in streams
+        ),
+        WAIT_S,
+        "decodes after a mixed prefill",
+    )
     gaps, contexts = [], []
     for stream in streams:
         arr = stream.arrivals
         last = max(j for j in range(len(arr)) if arr[j][0] <= t_first + MIXED_TOLERANCE_S)
-        candidates = [(arr[i][0] - arr[i - 1][0], i) for i in (last, last - 1)
-                      if i > 0 and arr[i][0] > probe.sent_at and arr[i][1] - arr[i - 1][1] == 1]
+        candidates = [
+            (arr[i][0] - arr[i - 1][0], i)
+            for i in (last, last - 1)
+            if i > 0 and arr[i][0] > probe.sent_at and arr[i][1] - arr[i - 1][1] == 1
+        ]
         if candidates:  # one iteration per chunk, ending after the prefill was sent
             gap, i = max(candidates)
             gaps.append(gap)
@@ -318,24 +354,36 @@ def _fits(facts: EngineFacts, kv_tokens: int, seq_len: int = 0) -> bool:
     return facts.context_length is None or max(seq_len, 0) <= facts.context_length
 
 
-def _check(task: asyncio.Task[None], streams: Sequence[Stream], tokens: int,
-           still_running: bool = False) -> None:
+def _check(
+    task: asyncio.Task[None], streams: Sequence[Stream], tokens: int, still_running: bool = False
+) -> None:
     """Raises the stream task's error, or ProfilerError when a stream fell short."""
     if task.done() and not task.cancelled() and task.exception() is not None:
         raise task.exception()  # type: ignore[misc]
     if any(s.tokens < tokens for s in streams):
         what = "ended early" if not still_running else "stopped before the window ended"
-        raise ProfilerError(f"a probe stream {what} ({min(s.tokens for s in streams)} of "
-                            f"{tokens} tokens): is the KV pool too small for the grid?")
+        raise ProfilerError(
+            f"a probe stream {what} ({min(s.tokens for s in streams)} of "
+            f"{tokens} tokens): is the KV pool too small for the grid?"
+        )
 
 
 def _facts_line(facts: EngineFacts) -> str:
-    return (f"vocab {facts.vocab_size}, KV {facts.kv_capacity_tokens} tokens, chunk "
-            f"{facts.chunked_prefill_size}, batch ≤ {facts.max_running_requests}")
+    return (
+        f"vocab {facts.vocab_size}, KV {facts.kv_capacity_tokens} tokens, chunk "
+        f"{facts.chunked_prefill_size}, batch ≤ {facts.max_running_requests}"
+    )
 
 
-def _description(base_url: str, grid: ProfileGrid, facts: EngineFacts, rtt: tuple[float, str],
-                 elapsed: float, command: str | None, gate: QuietGate) -> str:
+def _description(
+    base_url: str,
+    grid: ProfileGrid,
+    facts: EngineFacts,
+    rtt: tuple[float, str],
+    elapsed: float,
+    command: str | None,
+    gate: QuietGate,
+) -> str:
     machine = machine_facts()
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     return (
@@ -355,10 +403,12 @@ def _description(base_url: str, grid: ProfileGrid, facts: EngineFacts, rtt: tupl
 def add_profile_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Adds `profile` to a `tandem` sub-command parser (argparse's add_subparsers result)."""
     parser: argparse.ArgumentParser = subparsers.add_parser(
-        "profile", help="measure the engine's iteration latency, write a profile",
+        "profile",
+        help="measure the engine's iteration latency, write a profile",
         description="Measures a running engine's iteration latency over a grid of batch "
-                    "shapes (HTTP only) and writes the profile the latency model and the "
-                    "simulator use.")
+        "shapes (HTTP only) and writes the profile the latency model and the "
+        "simulator use.",
+    )
     from bench.profiles.cli import add_arguments, run_profile_command
 
     add_arguments(parser)

@@ -73,13 +73,15 @@ def results_dict(run: BenchRun) -> dict[str, Any]:
         "kv_scale": cfg.kv_scale,
         "window_s": run.workload.window_s,
         "workload_params": run.workload.params,
-        "capacity_criterion": (f"RT alone, Poisson, fcfs: joint TTFT+TPOT attainment ≥ "
-                               f"{TARGET_ATTAINMENT:.0%} over {cfg.capacity_run_s:g} s runs"),
+        "capacity_criterion": (
+            f"RT alone, Poisson, fcfs: joint TTFT+TPOT attainment ≥ "
+            f"{TARGET_ATTAINMENT:.0%} over {cfg.capacity_run_s:g} s runs"
+        ),
         "skipped_policies": run.skipped,
         "failed_policies": run.failed,
         "run_info": {
             "note": "differs between identical runs: wall-clock values and cache provenance; "
-                    f"so do the policies' {', '.join(sorted(WALL_CLOCK_KEYS))}",
+            f"so do the policies' {', '.join(sorted(WALL_CLOCK_KEYS))}",
             "capacity_source": run.capacity_source,
             "policy_wall_s": {name: round(r.wall_s, 3) for name, r in run.runs.items()},
         },
@@ -89,8 +91,10 @@ def results_dict(run: BenchRun) -> dict[str, Any]:
 def _table(run: BenchRun) -> list[str]:
     metrics = {name: r.metrics for name, r in run.runs.items()}
     cols = [c for c in COLUMNS if any(m.get(c[0]) is not None for m in metrics.values())]
-    lines = ["| policy | " + " | ".join(header for _, header, _ in cols) + " |",
-             "|---|" + "---:|" * len(cols)]
+    lines = [
+        "| policy | " + " | ".join(header for _, header, _ in cols) + " |",
+        "|---|" + "---:|" * len(cols),
+    ]
     for name, m in metrics.items():
         cells = [_fmt(m.get(key), kind) for key, _, kind in cols]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -99,11 +103,17 @@ def _table(run: BenchRun) -> list[str]:
 
 def _parameters(run: BenchRun) -> list[str]:
     cfg = run.config
-    rate = ("–" if run.rt_rate_req_s is None else f"{run.rt_rate_req_s:.3f} req/s")
-    capacity = ("–" if run.rt_capacity_req_s is None
-                else f"{run.rt_capacity_req_s:.3f} req/s ({run.capacity_source})")
-    window = (f"{run.workload.window_s:g} s" if run.workload.window_s is not None
-              else "the whole run (offline / closed loop)")
+    rate = "–" if run.rt_rate_req_s is None else f"{run.rt_rate_req_s:.3f} req/s"
+    capacity = (
+        "–"
+        if run.rt_capacity_req_s is None
+        else f"{run.rt_capacity_req_s:.3f} req/s ({run.capacity_source})"
+    )
+    window = (
+        f"{run.workload.window_s:g} s"
+        if run.workload.window_s is not None
+        else "the whole run (offline / closed loop)"
+    )
     params = ", ".join(f"{k}={v}" for k, v in run.workload.params.items())
     lines = [
         f"* workload: **{run.workload.name}** — {run.workload.description}",
@@ -122,13 +132,23 @@ def _parameters(run: BenchRun) -> list[str]:
 def report_markdown(run: BenchRun, plots: list[str]) -> str:
     """report.md."""
     wall = ", ".join(f"{name} {r.wall_s:.1f} s" for name, r in run.runs.items())
-    lines = [f"# {run.workload.name} on {run.config.engine}", "",
-             f"Command: `{run.config.command}`", "", *_parameters(run), "", *_table(run), "",
-             "Attainments are shares of RT requests (token att.: of RT tokens; iter. att.: of "
-             "iterations emitting RT tokens, all of them on time); rates are per "
-             "second of the measurement window; `–` = not applicable. Every metric, with its "
-             "definition and unit, is in results.json and explained in bench/README.md.", "",
-             f"Wall-clock time per policy: {wall}.", ""]
+    lines = [
+        f"# {run.workload.name} on {run.config.engine}",
+        "",
+        f"Command: `{run.config.command}`",
+        "",
+        *_parameters(run),
+        "",
+        *_table(run),
+        "",
+        "Attainments are shares of RT requests (token att.: of RT tokens; iter. att.: of "
+        "iterations emitting RT tokens, all of them on time); rates are per "
+        "second of the measurement window; `–` = not applicable. Every metric, with its "
+        "definition and unit, is in results.json and explained in bench/README.md.",
+        "",
+        f"Wall-clock time per policy: {wall}.",
+        "",
+    ]
     lines += [f"![{name}]({name})" for name in plots]
     return "\n".join(lines) + "\n"
 

@@ -129,8 +129,9 @@ def resolve_profile(spec: str) -> Path:
     named = PROFILES_DIR / f"{spec}.json"
     if not named.is_file():
         known = sorted(p.stem for p in PROFILES_DIR.glob("*.json"))
-        raise ValueError(f"unknown profile {spec!r} (known: {', '.join(known) or 'none'}; "
-                         f"or give a .json file)")
+        raise ValueError(
+            f"unknown profile {spec!r} (known: {', '.join(known) or 'none'}; or give a .json file)"
+        )
     return named
 
 
@@ -160,18 +161,30 @@ def _make_policy(spec: str, latency: LatencyModel) -> Any:
 
 def build(config: BenchConfig, latency: LatencyModel, profile: Profile) -> tuple[Workload, int]:
     """The workload and the KV pool size of the run."""
-    params = WorkloadParams(seed=config.seed, load=config.load,
-                            rt_rate_req_s=config.rt_rate_req_s, scale=config.scale,
-                            duration_s=config.duration_s, data_dir=config.data_dir,
-                            variant=config.variant, max_new=config.max_new)  # type: ignore[arg-type]
+    params = WorkloadParams(
+        seed=config.seed,
+        load=config.load,
+        rt_rate_req_s=config.rt_rate_req_s,
+        scale=config.scale,
+        duration_s=config.duration_s,
+        data_dir=config.data_dir,
+        variant=config.variant,
+        max_new=config.max_new,
+    )  # type: ignore[arg-type]
 
     def make(kv: int) -> Workload:
         if config.workload == "trace":
             assert config.trace_file is not None
-            return build_trace_workload(config.trace_file, params, rate_scale=config.rate_scale,
-                                        ttft_s=config.trace_ttft_s, tpot_s=config.trace_tpot_s)
-        ctx = BuildContext(latency=latency, kv_capacity_tokens=kv,
-                           max_prefill_tokens=profile.max_prefill_tokens)
+            return build_trace_workload(
+                config.trace_file,
+                params,
+                rate_scale=config.rate_scale,
+                ttft_s=config.trace_ttft_s,
+                tpot_s=config.trace_tpot_s,
+            )
+        ctx = BuildContext(
+            latency=latency, kv_capacity_tokens=kv, max_prefill_tokens=profile.max_prefill_tokens
+        )
         return build_workload(config.workload, params, ctx)
 
     kv = profile.kv_capacity_tokens
@@ -180,16 +193,22 @@ def build(config: BenchConfig, latency: LatencyModel, profile: Profile) -> tuple
         kv = int(config.kv_scale * workload.longest_prompt)
         workload = make(kv)
     if kv <= workload.longest_prompt:
-        raise ValueError(f"KV pool of {kv} tokens cannot hold the longest prompt "
-                         f"({workload.longest_prompt} tokens): raise --kv-scale")
+        raise ValueError(
+            f"KV pool of {kv} tokens cannot hold the longest prompt "
+            f"({workload.longest_prompt} tokens): raise --kv-scale"
+        )
     return workload, kv
 
 
 def sim_config(profile: Profile, kv: int, workload: Workload) -> SimConfig:
     """The simulated engine of a run (a generous horizon guards against a runaway policy)."""
     horizon = None if workload.window_s is None else 20 * workload.window_s + 3600.0
-    return SimConfig(kv_capacity_tokens=kv, page_size=profile.page_size,
-                     max_prefill_tokens=profile.max_prefill_tokens, horizon_s=horizon)
+    return SimConfig(
+        kv_capacity_tokens=kv,
+        page_size=profile.page_size,
+        max_prefill_tokens=profile.max_prefill_tokens,
+        horizon_s=horizon,
+    )
 
 
 def _say(config: BenchConfig, line: str) -> None:
@@ -197,26 +216,47 @@ def _say(config: BenchConfig, line: str) -> None:
         tqdm.write(line, file=sys.stderr)
 
 
-def measure_rate(config: BenchConfig, workload: Workload, latency: LatencyModel,
-                 profile_path: Path, base: SimConfig) -> tuple[float | None, str, float | None]:
+def measure_rate(
+    config: BenchConfig,
+    workload: Workload,
+    latency: LatencyModel,
+    profile_path: Path,
+    base: SimConfig,
+) -> tuple[float | None, str, float | None]:
     """(λ*, how it was obtained, RT rate of the run)."""
     if workload.rt_poisson is None:
         if config.rt_rate_req_s is not None:
-            raise ValueError(f"{workload.name} has no open-loop RT stream: use --load, "
-                             f"not --rt-rate")
+            raise ValueError(
+                f"{workload.name} has no open-loop RT stream: use --load, not --rt-rate"
+            )
         return None, "n/a (no open-loop RT stream)", None
-    key = cap.CapacityKey(workload=workload.name, variant=str(config.variant or "default"),
-                          profile=profile_path.stem, profile_digest=cap.file_digest(profile_path),
-                          seed=config.seed, kv_capacity_tokens=base.kv_capacity_tokens,
-                          run_s=config.capacity_run_s, code_digest=cap.code_digest())
+    key = cap.CapacityKey(
+        workload=workload.name,
+        variant=str(config.variant or "default"),
+        profile=profile_path.stem,
+        profile_digest=cap.file_digest(profile_path),
+        seed=config.seed,
+        kv_capacity_tokens=base.kv_capacity_tokens,
+        run_s=config.capacity_run_s,
+        code_digest=cap.code_digest(),
+    )
     cache = cap.CapacityCache(config.cache_dir)
     if config.rt_rate_req_s is not None:
         cached = cache.get(key)
-        return cached, "cached" if cached is not None else "not measured (--rt-rate)", \
-            config.rt_rate_req_s
+        return (
+            cached,
+            "cached" if cached is not None else "not measured (--rt-rate)",
+            config.rt_rate_req_s,
+        )
     capacity, was_cached = cap.rt_capacity(
-        workload, key, cache, make_fcfs=lambda: _make_policy("fcfs", latency), latency=latency,
-        config=struct_replace(base, horizon_s=None), report=lambda line: _say(config, line))
+        workload,
+        key,
+        cache,
+        make_fcfs=lambda: _make_policy("fcfs", latency),
+        latency=latency,
+        config=struct_replace(base, horizon_s=None),
+        report=lambda line: _say(config, line),
+    )
     rate = workload.rt_rate_share * config.load * capacity
     return capacity, "cached" if was_cached else "measured", rate
 
@@ -234,9 +274,14 @@ def run_policy(name: str, run: BenchRun, latency: LatencyModel, base: SimConfig)
     source = SimSource(spec_source, SimRequest)
     span = run.workload.window_s
     # The bar runs to the arrival window; the drain after it stretches the total.
-    bar = tqdm(total=round(span) if span else None, desc=f"{run.workload.name} {name}",
-               unit="sim-s", file=sys.stderr, disable=None if run.config.progress else True,
-               bar_format="{desc:<22} {n:.0f}/{total_fmt} sim-s |{bar}| {elapsed}")
+    bar = tqdm(
+        total=round(span) if span else None,
+        desc=f"{run.workload.name} {name}",
+        unit="sim-s",
+        file=sys.stderr,
+        disable=None if run.config.progress else True,
+        bar_format="{desc:<22} {n:.0f}/{total_fmt} sim-s |{bar}| {elapsed}",
+    )
 
     def progress(now_s: float) -> None:
         if bar.total is not None and now_s > bar.total:
@@ -245,9 +290,13 @@ def run_policy(name: str, run: BenchRun, latency: LatencyModel, base: SimConfig)
 
     started = time.perf_counter()
     try:
-        result = simulate(source, policy, latency,
-                          _layout(struct_replace(base, reveal_lengths=reveal), policy,
-                                  run.profile), progress=progress)
+        result = simulate(
+            source,
+            policy,
+            latency,
+            _layout(struct_replace(base, reveal_lengths=reveal), policy, run.profile),
+            progress=progress,
+        )
     finally:
         bar.close()
     wall = time.perf_counter() - started
@@ -279,14 +328,18 @@ def _policy_list(config: BenchConfig, workload: Workload) -> tuple[list[str], di
     names = list(config.policies or [n for n in registered_policies() if n not in BE_ORDERINGS])
     skipped: dict[str, str] = {}
     if RT_ONLY in names and (not workload.has_be or not workload.has_rt):
-        skipped[RT_ONLY] = ("the workload has no BE stream (rt-only would repeat fcfs)"
-                            if not workload.has_be else "the workload has no RT stream")
+        skipped[RT_ONLY] = (
+            "the workload has no BE stream (rt-only would repeat fcfs)"
+            if not workload.has_be
+            else "the workload has no RT stream"
+        )
         names.remove(RT_ONLY)
     return names, skipped
 
 
-def run_bench(config: BenchConfig,
-              on_policy_done: Callable[[str, PolicyRun], None] | None = None) -> BenchRun:
+def run_bench(
+    config: BenchConfig, on_policy_done: Callable[[str, PolicyRun], None] | None = None
+) -> BenchRun:
     """Runs every policy; returns what the report writes (does not write files)."""
     if config.engine != "sim":
         raise ValueError(f"--engine {config.engine}: not supported yet (issue 5)")
@@ -299,9 +352,16 @@ def run_bench(config: BenchConfig,
     for name in names:  # a bad option fails now, not after the λ* search and other policies
         _make_policy(name, latency)
     capacity, source, rate = measure_rate(config, workload, latency, profile_path, base)
-    run = BenchRun(config=config, workload=workload, profile=profile, kv_capacity_tokens=kv,
-                   rt_capacity_req_s=capacity, capacity_source=source, rt_rate_req_s=rate,
-                   skipped=skipped)
+    run = BenchRun(
+        config=config,
+        workload=workload,
+        profile=profile,
+        kv_capacity_tokens=kv,
+        rt_capacity_req_s=capacity,
+        capacity_source=source,
+        rt_rate_req_s=rate,
+        skipped=skipped,
+    )
     for name in names:
         try:
             run.runs[name] = run_policy(name, run, latency, base)

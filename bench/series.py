@@ -41,12 +41,15 @@ def compute_series(result: SimResult, span_s: float) -> PolicySeries:
     bin_s = span / NUM_BINS
     edges = np.linspace(0.0, span, NUM_BINS + 1)
     rt = [r for r in result.requests if r.tier == "rt"]
-    ttft = np.array([(r.first_token_s if r.first_token_s is not None else result.end_s)
-                     - r.arrival_s for r in rt])
+    ttft = np.array(
+        [
+            (r.first_token_s if r.first_token_s is not None else result.end_s) - r.arrival_s
+            for r in rt
+        ]
+    )
     gaps = [np.diff(np.asarray(r.token_times, dtype=float)) for r in rt]
     tbt = np.concatenate(gaps) if gaps else np.zeros(0)
-    be_times = [np.asarray(r.token_times, dtype=float) for r in result.requests
-                if r.tier == "be"]
+    be_times = [np.asarray(r.token_times, dtype=float) for r in result.requests if r.tier == "be"]
     be_all = np.concatenate(be_times) if be_times else np.zeros(0)
     be_hist = np.histogram(be_all, bins=edges)[0] / bin_s
     rt_hist = np.histogram([r.arrival_s for r in rt], bins=edges)[0] / bin_s
@@ -58,6 +61,11 @@ def compute_series(result: SimResult, span_s: float) -> PolicySeries:
     kv_sum = np.histogram(start, bins=edges, weights=dur * kv)[0]
     with np.errstate(invalid="ignore", divide="ignore"):
         kv_bins = np.where(weight > 0, kv_sum / np.maximum(weight, 1e-12), np.nan)
-    return PolicySeries(ttft_q=_quantiles(ttft), tbt_q=_quantiles(tbt), bin_s=bin_s,
-                        be_tok_s=be_hist.tolist(), rt_arrival_req_s=rt_hist.tolist(),
-                        kv_util=kv_bins.tolist())
+    return PolicySeries(
+        ttft_q=_quantiles(ttft),
+        tbt_q=_quantiles(tbt),
+        bin_s=bin_s,
+        be_tok_s=be_hist.tolist(),
+        rt_arrival_req_s=rt_hist.tolist(),
+        kv_util=kv_bins.tolist(),
+    )

@@ -45,28 +45,41 @@ def _check_line(obj: Any, where: str) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     t_ms = obj.get("t_ms")
-    if (not isinstance(t_ms, int | float) or isinstance(t_ms, bool) or not math.isfinite(t_ms)
-            or t_ms < 0):
+    if (
+        not isinstance(t_ms, int | float)
+        or isinstance(t_ms, bool)
+        or not math.isfinite(t_ms)
+        or t_ms < 0
+    ):
         raise TraceError(f"{where}: field 't_ms' must be a number ≥ 0, got {t_ms!r}")
     for name in ("input_len", "output_len"):
         if not _is_int(obj.get(name)) or obj[name] < 1:
-            raise TraceError(f"{where}: field {name!r} must be an integer ≥ 1, "
-                             f"got {obj.get(name)!r}")
+            raise TraceError(
+                f"{where}: field {name!r} must be an integer ≥ 1, got {obj.get(name)!r}"
+            )
     tier = obj.get("tier", "rt")
     if tier not in ("rt", "be"):
-        raise TraceError(f"{where}: field 'tier' must be \"rt\" or \"be\", got {tier!r}")
+        raise TraceError(f'{where}: field \'tier\' must be "rt" or "be", got {tier!r}')
     hashes = obj.get("prefix_hashes", [])
     if not isinstance(hashes, list) or not all(_is_int(h) for h in hashes):
         raise TraceError(f"{where}: field 'prefix_hashes' must be a list of integers")
     if len(hashes) > math.ceil(obj["input_len"] / BLOCK_TOKENS):
-        raise TraceError(f"{where}: field 'prefix_hashes' has {len(hashes)} hashes, more than "
-                         f"the {math.ceil(obj['input_len'] / BLOCK_TOKENS)} blocks of "
-                         f"{BLOCK_TOKENS} tokens in input_len {obj['input_len']}")
+        raise TraceError(
+            f"{where}: field 'prefix_hashes' has {len(hashes)} hashes, more than "
+            f"the {math.ceil(obj['input_len'] / BLOCK_TOKENS)} blocks of "
+            f"{BLOCK_TOKENS} tokens in input_len {obj['input_len']}"
+        )
     tenant = obj.get("tenant")
     if tenant is not None and not isinstance(tenant, str):
         raise TraceError(f"{where}: field 'tenant' must be a string, got {tenant!r}")
-    return {"t_ms": float(t_ms), "input_len": obj["input_len"], "output_len": obj["output_len"],
-            "tier": tier, "prefix_hashes": tuple(hashes), "tenant": tenant}
+    return {
+        "t_ms": float(t_ms),
+        "input_len": obj["input_len"],
+        "output_len": obj["output_len"],
+        "tier": tier,
+        "prefix_hashes": tuple(hashes),
+        "tenant": tenant,
+    }
 
 
 def read_trace(path: str | Path) -> list[dict[str, Any]]:
@@ -91,9 +104,14 @@ def read_trace(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def trace_requests(rows: Sequence[dict[str, Any]], params: WorkloadParams, *,
-                   rate_scale: float = 1.0, ttft_s: float = DEFAULT_TTFT_S,
-                   tpot_s: float = DEFAULT_TPOT_S) -> list[RequestSpec]:
+def trace_requests(
+    rows: Sequence[dict[str, Any]],
+    params: WorkloadParams,
+    *,
+    rate_scale: float = 1.0,
+    ttft_s: float = DEFAULT_TTFT_S,
+    tpot_s: float = DEFAULT_TPOT_S,
+) -> list[RequestSpec]:
     """The trace's requests; arrival = t_ms / 1000 / rate_scale (rate_scale 2 = twice as fast),
     relative to the earliest line. RT requests get the given TTFT/TPOT targets."""
     if rate_scale <= 0:
@@ -102,20 +120,32 @@ def trace_requests(rows: Sequence[dict[str, Any]], params: WorkloadParams, *,
     specs = []
     for row in rows:
         rt = row["tier"] == "rt"
-        specs.append(RequestSpec(
-            rid=f"{row['tier']}-{row['line']:06d}", tier=row["tier"],
-            arrival_s=(row["t_ms"] - t0) / 1000.0 / rate_scale, prompt_len=row["input_len"],
-            output_len=row["output_len"],
-            max_new_tokens=max_new_for(params, row["output_len"], OUTPUT_CAP),
-            ttft_s=ttft_s if rt else None, tpot_s=tpot_s if rt else None,
-            length_key=row["tenant"] or row["tier"], order_key=float(row["line"]),
-            prefix_hashes=row["prefix_hashes"]))
+        specs.append(
+            RequestSpec(
+                rid=f"{row['tier']}-{row['line']:06d}",
+                tier=row["tier"],
+                arrival_s=(row["t_ms"] - t0) / 1000.0 / rate_scale,
+                prompt_len=row["input_len"],
+                output_len=row["output_len"],
+                max_new_tokens=max_new_for(params, row["output_len"], OUTPUT_CAP),
+                ttft_s=ttft_s if rt else None,
+                tpot_s=tpot_s if rt else None,
+                length_key=row["tenant"] or row["tier"],
+                order_key=float(row["line"]),
+                prefix_hashes=row["prefix_hashes"],
+            )
+        )
     return specs
 
 
-def build_trace_workload(path: str | Path, params: WorkloadParams, *, rate_scale: float = 1.0,
-                         ttft_s: float = DEFAULT_TTFT_S,
-                         tpot_s: float = DEFAULT_TPOT_S) -> Workload:
+def build_trace_workload(
+    path: str | Path,
+    params: WorkloadParams,
+    *,
+    rate_scale: float = 1.0,
+    ttft_s: float = DEFAULT_TTFT_S,
+    tpot_s: float = DEFAULT_TPOT_S,
+) -> Workload:
     """A replay of the trace file as a Workload (no λ*: the trace sets the rate)."""
     rows = read_trace(path)
     specs = trace_requests(rows, params, rate_scale=rate_scale, ttft_s=ttft_s, tpot_s=tpot_s)
@@ -126,18 +156,31 @@ def build_trace_workload(path: str | Path, params: WorkloadParams, *, rate_scale
         return TimedSource(s for s in specs if include_be or s.tier == "rt")
 
     return Workload(
-        name="trace", description=f"trace replay of {Path(path).name} ({len(specs)} requests, "
-        f"rate × {rate_scale:g})", make_source=make_source,
-        longest_prompt=max(s.prompt_len for s in specs), window_s=span if span > 0 else None,
-        rt_poisson=None, has_rt=rt_count > 0, has_be=rt_count < len(specs),
-        params={"trace_file": str(path), "requests": len(specs), "rt_requests": rt_count,
-                "rate_scale": rate_scale, "span_s": span,
-                "rt_mean_rate_req_s": rt_count / span if span > 0 else None,
-                "rt_ttft_s": ttft_s, "rt_tpot_s": tpot_s})
+        name="trace",
+        description=f"trace replay of {Path(path).name} ({len(specs)} requests, "
+        f"rate × {rate_scale:g})",
+        make_source=make_source,
+        longest_prompt=max(s.prompt_len for s in specs),
+        window_s=span if span > 0 else None,
+        rt_poisson=None,
+        has_rt=rt_count > 0,
+        has_be=rt_count < len(specs),
+        params={
+            "trace_file": str(path),
+            "requests": len(specs),
+            "rt_requests": rt_count,
+            "rate_scale": rate_scale,
+            "span_s": span,
+            "rt_mean_rate_req_s": rt_count / span if span > 0 else None,
+            "rt_ttft_s": ttft_s,
+            "rt_tpot_s": tpot_s,
+        },
+    )
 
 
-def convert_azure(csv_path: str | Path, out_path: str | Path, *, tier: str = "rt",
-                  limit: int | None = None) -> int:
+def convert_azure(
+    csv_path: str | Path, out_path: str | Path, *, tier: str = "rt", limit: int | None = None
+) -> int:
     """Writes an Azure trace CSV as trace JSONL (tenant = the file's stem); returns the number
     of lines written."""
     trace = load_trace(Path(csv_path))
@@ -145,17 +188,28 @@ def convert_azure(csv_path: str | Path, out_path: str | Path, *, tier: str = "rt
     tenant = Path(csv_path).stem
     with open(out_path, "w") as fh:
         for i in range(count):
-            fh.write(json.dumps({"t_ms": round(float(trace.times_s[i]) * 1000.0, 3),
-                                 "input_len": int(trace.prompt_lens[i]),
-                                 "output_len": int(trace.output_lens[i]),
-                                 "tier": tier, "tenant": tenant}) + "\n")
+            fh.write(
+                json.dumps(
+                    {
+                        "t_ms": round(float(trace.times_s[i]) * 1000.0, 3),
+                        "input_len": int(trace.prompt_lens[i]),
+                        "output_len": int(trace.output_lens[i]),
+                        "tier": tier,
+                        "tenant": tenant,
+                    }
+                )
+                + "\n"
+            )
     return count
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m bench.trace convert-azure CSV OUT.jsonl [--tier rt|be] [--limit N]`."""
-    parser = argparse.ArgumentParser(prog="python -m bench.trace", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.trace",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     conv = sub.add_parser("convert-azure", help="Azure LLM trace CSV → trace JSONL")
     conv.add_argument("csv", help="e.g. ../shared/data/azure_llm_2023_conv.csv")

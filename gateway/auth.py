@@ -86,6 +86,4 @@ def bearer_token(request: web.Request) -> str:
 
 
 def _unauthorized(message: str) -> ApiError:
-    return ApiError(
-        401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
-    )
+    return ApiError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})

@@ -48,12 +48,13 @@ def _parser() -> argparse.ArgumentParser:
 
     db = sub.add_parser("db", help="database schema").add_subparsers(metavar="ACTION")
     db.add_parser("upgrade", parents=[common], help="migrate to the newest schema").set_defaults(
-        func=_cmd_db_upgrade)
+        func=_cmd_db_upgrade
+    )
 
     model = sub.add_parser("model", help="the served model").add_subparsers(metavar="ACTION")
-    model.add_parser("path", parents=[common],
-                     help="print the model directory (creates the built-in model)"
-                     ).set_defaults(func=_cmd_model_path)
+    model.add_parser(
+        "path", parents=[common], help="print the model directory (creates the built-in model)"
+    ).set_defaults(func=_cmd_model_path)
 
     admin = sub.add_parser("admin", help="tenants and keys").add_subparsers(metavar="OBJECT")
     tenant = admin.add_parser("tenant", help="tenants").add_subparsers(metavar="ACTION")
@@ -63,15 +64,22 @@ def _parser() -> argparse.ArgumentParser:
     create.add_argument("--ttft-ms", type=float, help="RT: time-to-first-token target, ms")
     create.add_argument("--tpot-ms", type=float, help="RT: time-per-output-token target, ms")
     create.add_argument("--deadline-s", type=float, help="BE: job deadline, seconds")
-    create.add_argument("--allow-rt", action="store_true",
-                        help="BE tenant may ask for tier rt per request (needs RT targets)")
-    for flag, unit in (("requests-per-min", "requests"), ("tokens-per-min", "tokens"),
-                       ("max-concurrent", "requests in flight"),
-                       ("monthly-tokens", "tokens per calendar month")):
+    create.add_argument(
+        "--allow-rt",
+        action="store_true",
+        help="BE tenant may ask for tier rt per request (needs RT targets)",
+    )
+    for flag, unit in (
+        ("requests-per-min", "requests"),
+        ("tokens-per-min", "tokens"),
+        ("max-concurrent", "requests in flight"),
+        ("monthly-tokens", "tokens per calendar month"),
+    ):
         create.add_argument(f"--{flag}", type=int, help=f"quota: {unit} (default: unlimited)")
     create.set_defaults(func=_cmd_tenant_create)
     tenant.add_parser("list", parents=[common], help="list tenants").set_defaults(
-        func=_cmd_tenant_list)
+        func=_cmd_tenant_list
+    )
     key = admin.add_parser("key", help="API keys").add_subparsers(metavar="ACTION")
     key_create = key.add_parser("create", parents=[common], help="create a key (shown once)")
     key_create.add_argument("tenant", help="tenant id or name")
@@ -81,10 +89,13 @@ def _parser() -> argparse.ArgumentParser:
     key_revoke.add_argument("key_id")
     key_revoke.set_defaults(func=_cmd_key_revoke)
     from gateway.usage_cli import add_usage_command
+
     add_usage_command(admin, common)
     from bench.cli import add_bench_parser
+
     add_bench_parser(sub)
     from gateway.batch.cli import add_batch_parser
+
     add_batch_parser(sub, common)
     return parser
 
@@ -115,15 +126,28 @@ def _cmd_tenant_create(args: argparse.Namespace) -> int:
     from gateway.api.admin import QuotaIn, SloIn, validate_tenant
     from gateway.errors import ApiError
 
-    slo_in = SloIn(ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, deadline_s=args.deadline_s,
-                   allow_rt=args.allow_rt)
+    slo_in = SloIn(
+        ttft_ms=args.ttft_ms,
+        tpot_ms=args.tpot_ms,
+        deadline_s=args.deadline_s,
+        allow_rt=args.allow_rt,
+    )
     try:
-        slo, quota = validate_tenant(args.name, args.tier, slo_in, QuotaIn(
-            requests_per_min=args.requests_per_min, tokens_per_min=args.tokens_per_min,
-            max_concurrent=args.max_concurrent, monthly_tokens=args.monthly_tokens))
+        slo, quota = validate_tenant(
+            args.name,
+            args.tier,
+            slo_in,
+            QuotaIn(
+                requests_per_min=args.requests_per_min,
+                tokens_per_min=args.tokens_per_min,
+                max_concurrent=args.max_concurrent,
+                monthly_tokens=args.monthly_tokens,
+            ),
+        )
     except ApiError as exc:
-        raise CliError(exc.message.replace("slo.", "--").replace("quota.", "--")
-                       .replace("_", "-")) from None
+        raise CliError(
+            exc.message.replace("slo.", "--").replace("quota.", "--").replace("_", "-")
+        ) from None
 
     async def run(store: Any) -> Any:
         return await store.create_tenant(args.name.strip(), args.tier, slo, quota)
@@ -185,8 +209,7 @@ def _with_store(args: argparse.Namespace, action: Any) -> Any:
     try:
         return asyncio.run(run())
     except OSError as exc:
-        raise CliError(f"cannot reach the database {_redact(config.database.url)}: {exc}"
-                       ) from None
+        raise CliError(f"cannot reach the database {_redact(config.database.url)}: {exc}") from None
 
 
 def _print(payload: Any) -> None:

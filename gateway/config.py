@@ -110,6 +110,7 @@ class EngineConfig(_Section, frozen=True):
         import tempfile
 
         return f"{tempfile.gettempdir()}/tandem-engine-{self.port}.sock"
+
     device: str = "cpu"
     """Torch device of the engine ("cpu" or "cuda")."""
     dtype: str = "float32"
@@ -242,8 +243,10 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
         if self.gateway.port > 65535 or self.engine.port > 65535:
             raise ConfigError("gateway.port and engine.port must be at most 65535")
         if self.engine.kv_layout == "bicache" and self.engine.max_total_tokens % 16:
-            raise ConfigError("engine.max_total_tokens must be a multiple of 16 with "
-                              "engine.kv_layout bicache (blocks of 16 slots)")
+            raise ConfigError(
+                "engine.max_total_tokens must be a multiple of 16 with "
+                "engine.kv_layout bicache (blocks of 16 slots)"
+            )
         if not self.database.url.split(":", 1)[0].startswith(("sqlite", "postgresql")):
             raise ConfigError(
                 f"database.url: unsupported database {self.database.url.split(':', 1)[0]!r} "
@@ -256,9 +259,7 @@ def _check_positive(key: str, value: float) -> None:
         raise ConfigError(f"{key} must be positive, got {value}")
 
 
-def load_config(
-    path: str | Path | None = None, environ: Mapping[str, str] | None = None
-) -> Config:
+def load_config(path: str | Path | None = None, environ: Mapping[str, str] | None = None) -> Config:
     """Reads *path* (default: the repository's config.yaml), applies ``TANDEM_*`` overrides."""
     env = os.environ if environ is None else environ
     raw = _read_yaml(Path(path) if path else DEFAULT_CONFIG_PATH)

@@ -51,7 +51,8 @@ class EngineControl:
     async def __aenter__(self) -> EngineControl:
         self._session = aiohttp.ClientSession(
             connector=aiohttp.UnixConnector(path=self.socket_path),
-            timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S))
+            timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S),
+        )
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -75,11 +76,16 @@ class EngineControl:
         """Sends output-length histories (raises on an error reply)."""
         body = msgspec.json.encode(LengthHistoryPush(histories=histories))
         assert self._session is not None
-        async with self._session.post(f"http://engine{CONTROL_LENGTHS_PATH}", data=body,
-                                      headers={"Content-Type": "application/json"}) as resp:
+        async with self._session.post(
+            f"http://engine{CONTROL_LENGTHS_PATH}",
+            data=body,
+            headers={"Content-Type": "application/json"},
+        ) as resp:
             if resp.status != 202:
-                raise RuntimeError(f"engine refused the length-history push: HTTP {resp.status}"
-                                   f" {await resp.text()}")
+                raise RuntimeError(
+                    f"engine refused the length-history push: HTTP {resp.status}"
+                    f" {await resp.text()}"
+                )
 
     async def _get(self, path: str) -> dict[str, Any]:
         assert self._session is not None
@@ -116,8 +122,12 @@ class LengthSync:
         if keys:
             histories = await self.store.length_histories(keys, self.window)
             await self.control.push_lengths(histories)
-            logger.info("pushed %d length histories (%d lengths) to engine %s", len(histories),
-                        sum(len(v) for v in histories.values()), boot)
+            logger.info(
+                "pushed %d length histories (%d lengths) to engine %s",
+                len(histories),
+                sum(len(v) for v in histories.values()),
+                boot,
+            )
         self.boot_id, self.after_id = boot, newest
         return len(keys)
 

@@ -15,12 +15,18 @@ from typing import Any
 from prometheus_client.core import GaugeMetricFamily
 
 _SHARES = (
-    ("tandem_engine_rt_time_share", "rt_busy_s",
-     "Share of the engine's busy time that RT work accounted for (the rest is BE's marginal "
-     "cost) over the last control-endpoint interval."),
-    ("tandem_engine_scheduler_overhead_share", "overhead_s",
-     "Share of the engine's busy time spent in tandem's scheduling code over the last "
-     "control-endpoint interval."),
+    (
+        "tandem_engine_rt_time_share",
+        "rt_busy_s",
+        "Share of the engine's busy time that RT work accounted for (the rest is BE's marginal "
+        "cost) over the last control-endpoint interval.",
+    ),
+    (
+        "tandem_engine_scheduler_overhead_share",
+        "overhead_s",
+        "Share of the engine's busy time spent in tandem's scheduling code over the last "
+        "control-endpoint interval.",
+    ),
 )
 
 

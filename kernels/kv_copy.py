@@ -37,8 +37,13 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from kernels.kv_copy_ref import gather_slots_reference, scatter_slots_reference
 
-__all__ = ["KvLayers", "gather_slots", "gather_slots_reference", "scatter_slots",
-           "scatter_slots_reference"]
+__all__ = [
+    "KvLayers",
+    "gather_slots",
+    "gather_slots_reference",
+    "scatter_slots",
+    "scatter_slots_reference",
+]
 
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 _TL_WORDS = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
@@ -46,8 +51,16 @@ _BLOCK_WORDS = 256  # words per program iteration: 2 KiB rows (8 KV heads × 128
 
 
 @triton.jit
-def _gather_kernel(table_ptr, slots_ptr, out_ptr, n, row_words, row_stride_words,
-                   WORD: tl.constexpr, BLOCK: tl.constexpr):
+def _gather_kernel(
+    table_ptr,
+    slots_ptr,
+    out_ptr,
+    n,
+    row_words,
+    row_stride_words,
+    WORD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     i = tl.program_id(0)
     layer = tl.program_id(1)
     base = tl.load(table_ptr + layer).to(tl.pointer_type(WORD))
@@ -61,8 +74,16 @@ def _gather_kernel(table_ptr, slots_ptr, out_ptr, n, row_words, row_stride_words
 
 
 @triton.jit
-def _scatter_kernel(table_ptr, slots_ptr, src_ptr, n, row_words, row_stride_words,
-                    WORD: tl.constexpr, BLOCK: tl.constexpr):
+def _scatter_kernel(
+    table_ptr,
+    slots_ptr,
+    src_ptr,
+    n,
+    row_words,
+    row_stride_words,
+    WORD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     i = tl.program_id(0)
     layer = tl.program_id(1)
     base = tl.load(table_ptr + layer).to(tl.pointer_type(WORD))
@@ -78,8 +99,9 @@ def _scatter_kernel(table_ptr, slots_ptr, src_ptr, n, row_words, row_stride_word
 _interpreted: dict[object, Any] = {}
 
 
-def _launch(kernel: Any, grid: tuple[int, int], device: torch.device, *args: Any,
-            **meta: Any) -> None:
+def _launch(
+    kernel: Any, grid: tuple[int, int], device: torch.device, *args: Any, **meta: Any
+) -> None:
     """Runs a kernel: compiled on a GPU, in Triton's interpreter on CPU tensors."""
     if device.type == "cpu" and not isinstance(kernel, InterpretedFunction):
         fn = _interpreted.get(kernel)
@@ -99,16 +121,21 @@ class KvLayers:
             raise ValueError("KvLayers needs at least one layer buffer")
         first = layers[0]
         if first.dim() < 2:
-            raise ValueError(f"a layer buffer must be [num_slots, ...], got shape "
-                             f"{tuple(first.shape)}")
+            raise ValueError(
+                f"a layer buffer must be [num_slots, ...], got shape {tuple(first.shape)}"
+            )
         for i, t in enumerate(layers):
             if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
-                raise ValueError(f"layer {i} is {tuple(t.shape)} {t.dtype} on {t.device}; "
-                                 f"layer 0 is {tuple(first.shape)} {first.dtype} on "
-                                 f"{first.device}: every layer must match")
+                raise ValueError(
+                    f"layer {i} is {tuple(t.shape)} {t.dtype} on {t.device}; "
+                    f"layer 0 is {tuple(first.shape)} {first.dtype} on "
+                    f"{first.device}: every layer must match"
+                )
             if t.stride() != first.stride() or not t[0].is_contiguous():
-                raise ValueError(f"layer {i}: each slot's row must be contiguous, with the same "
-                                 f"strides in every layer")
+                raise ValueError(
+                    f"layer {i}: each slot's row must be contiguous, with the same "
+                    f"strides in every layer"
+                )
         self.layers = list(layers)
         self.num_layers = len(layers)
         self.num_slots = first.shape[0]
@@ -120,16 +147,18 @@ class KvLayers:
         row_bytes = self.row_elems * itemsize
         stride_bytes = first.stride(0) * itemsize
         word = 8
-        while word > 1 and any(x % word for x in (row_bytes, stride_bytes,
-                                                    *(t.data_ptr() for t in layers))):
+        while word > 1 and any(
+            x % word for x in (row_bytes, stride_bytes, *(t.data_ptr() for t in layers))
+        ):
             word //= 2
         self.word_bytes = word
         """Bytes per copied word: the largest power of two ≤ 8 dividing every base address,
         the row size and the row stride."""
         self.row_words = row_bytes // word
         self.row_stride_words = stride_bytes // word
-        self.table = torch.tensor([t.data_ptr() for t in layers], dtype=torch.int64,
-                                  device=self.device)
+        self.table = torch.tensor(
+            [t.data_ptr() for t in layers], dtype=torch.int64, device=self.device
+        )
         """Base address of every layer buffer, on the buffers' device."""
 
     @property
@@ -158,8 +187,7 @@ class KvLayers:
             # a device→host sync on a GPU: pass check=False on hot paths with trusted indices
             lo, hi = int(slots.min()), int(slots.max())
             if lo < 0 or hi >= self.num_slots:
-                raise ValueError(f"slot {lo if lo < 0 else hi} out of range "
-                                 f"[0, {self.num_slots})")
+                raise ValueError(f"slot {lo if lo < 0 else hi} out of range [0, {self.num_slots})")
             if unique and torch.unique(slots).numel() != slots.numel():
                 raise ValueError("slots repeat: a scatter would write one slot twice")
         return slots
@@ -173,20 +201,25 @@ class KvLayers:
         if not packed.is_contiguous():
             raise ValueError(f"{what} must be contiguous")
         if packed.data_ptr() % self.word_bytes:
-            raise ValueError(f"{what} must be aligned to {self.word_bytes} bytes (the pool's "
-                             f"copy word)")
+            raise ValueError(
+                f"{what} must be aligned to {self.word_bytes} bytes (the pool's copy word)"
+            )
         if packed.device != self.device:
-            host_ok = (self.device.type == "cuda" and packed.device.type == "cpu"
-                       and packed.is_pinned())
+            host_ok = (
+                self.device.type == "cuda" and packed.device.type == "cpu" and packed.is_pinned()
+            )
             if not host_ok:
-                raise ValueError(f"{what} is on {packed.device}, the pool on {self.device} "
-                                 f"(a host buffer must be pinned memory)")
+                raise ValueError(
+                    f"{what} is on {packed.device}, the pool on {self.device} "
+                    f"(a host buffer must be pinned memory)"
+                )
 
     def _words(self, packed: torch.Tensor) -> torch.Tensor:
         return packed.view(-1).view(torch.uint8).view(_WORDS[self.word_bytes])
 
-    def gather(self, slots: torch.Tensor, out: torch.Tensor | None = None, *,
-               check: bool = True) -> torch.Tensor:
+    def gather(
+        self, slots: torch.Tensor, out: torch.Tensor | None = None, *, check: bool = True
+    ) -> torch.Tensor:
         """Copies the rows of `slots` (every layer) into `out` ([num_layers, n, *row_shape];
         a new host buffer, pinned on a GPU, when None) and returns it. `check` validates
         the slot range (a sync on a GPU)."""
@@ -196,10 +229,19 @@ class KvLayers:
             out = self.empty_packed(n)
         self._check_packed(out, n, "out")
         if n:
-            _launch(_gather_kernel, (n, self.num_layers), self.device,
-                    self.table, slots, self._words(out), n, self.row_words,
-                    self.row_stride_words, WORD=_TL_WORDS[self.word_bytes],
-                    BLOCK=_block(self.row_words))
+            _launch(
+                _gather_kernel,
+                (n, self.num_layers),
+                self.device,
+                self.table,
+                slots,
+                self._words(out),
+                n,
+                self.row_words,
+                self.row_stride_words,
+                WORD=_TL_WORDS[self.word_bytes],
+                BLOCK=_block(self.row_words),
+            )
         return out
 
     def scatter(self, slots: torch.Tensor, packed: torch.Tensor, *, check: bool = True) -> None:
@@ -209,25 +251,44 @@ class KvLayers:
         n = slots.numel()
         self._check_packed(packed, n, "packed")
         if n:
-            _launch(_scatter_kernel, (n, self.num_layers), self.device,
-                    self.table, slots, self._words(packed), n, self.row_words,
-                    self.row_stride_words, WORD=_TL_WORDS[self.word_bytes],
-                    BLOCK=_block(self.row_words))
+            _launch(
+                _scatter_kernel,
+                (n, self.num_layers),
+                self.device,
+                self.table,
+                slots,
+                self._words(packed),
+                n,
+                self.row_words,
+                self.row_stride_words,
+                WORD=_TL_WORDS[self.word_bytes],
+                BLOCK=_block(self.row_words),
+            )
 
 
 def _block(row_words: int) -> int:
     return min(_BLOCK_WORDS, triton.next_power_of_2(max(row_words, 16)))
 
 
-def gather_slots(layers: KvLayers | Sequence[torch.Tensor], slots: torch.Tensor,
-                 out: torch.Tensor | None = None, *, check: bool = True) -> torch.Tensor:
+def gather_slots(
+    layers: KvLayers | Sequence[torch.Tensor],
+    slots: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    check: bool = True,
+) -> torch.Tensor:
     """`KvLayers(layers).gather(slots, out)` (build the KvLayers once on hot paths)."""
     kv = layers if isinstance(layers, KvLayers) else KvLayers(layers)
     return kv.gather(slots, out, check=check)
 
 
-def scatter_slots(layers: KvLayers | Sequence[torch.Tensor], slots: torch.Tensor,
-                  packed: torch.Tensor, *, check: bool = True) -> None:
+def scatter_slots(
+    layers: KvLayers | Sequence[torch.Tensor],
+    slots: torch.Tensor,
+    packed: torch.Tensor,
+    *,
+    check: bool = True,
+) -> None:
     """`KvLayers(layers).scatter(slots, packed)`."""
     kv = layers if isinstance(layers, KvLayers) else KvLayers(layers)
     kv.scatter(slots, packed, check=check)

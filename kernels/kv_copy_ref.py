@@ -14,8 +14,9 @@ def gather_slots_reference(layers: Sequence[torch.Tensor], slots: torch.Tensor) 
     return torch.stack([t.index_select(0, index) for t in layers])
 
 
-def scatter_slots_reference(layers: Sequence[torch.Tensor], slots: torch.Tensor,
-                            packed: torch.Tensor) -> None:
+def scatter_slots_reference(
+    layers: Sequence[torch.Tensor], slots: torch.Tensor, packed: torch.Tensor
+) -> None:
     """The torch reference of `scatter_slots` (index_copy_ per layer, on the bytes: torch has
     no index_copy_ for fp8)."""
     index = slots.to(torch.int64)

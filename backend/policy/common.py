@@ -119,8 +119,12 @@ class BatchBuilder:
         (for an admission) the running cap allow."""
         cost = prefill_cost(req, tokens, self.page)
         is_new = not req.is_running
-        if (tokens < 1 or cost > self.kv_avail or tokens > self.prefill_left
-                or (is_new and self.running_slots < 1)):
+        if (
+            tokens < 1
+            or cost > self.kv_avail
+            or tokens > self.prefill_left
+            or (is_new and self.running_slots < 1)
+        ):
             return False
         self.kv_avail -= cost
         self.prefill_left -= tokens
@@ -144,8 +148,9 @@ class BatchBuilder:
     def max_chunk(self, req: ReqState, budget_tokens: int) -> int:
         """The longest aligned chunk of `req` within `budget_tokens`, the prefill cap and the
         KV still available (0 if none)."""
-        limit = min(budget_tokens, self.prefill_left,
-                    affordable_chunk(req, self.kv_avail, self.page))
+        limit = min(
+            budget_tokens, self.prefill_left, affordable_chunk(req, self.kv_avail, self.page)
+        )
         return align_chunk(req, limit, self.page)
 
     def evict(self, req: ReqState) -> None:
@@ -156,22 +161,34 @@ class BatchBuilder:
 
     def shape(self) -> BatchShape:
         """The latency-model shape of the batch so far."""
-        return BatchShape(prefill_tokens=self.prefill_tokens, num_prefill=self.num_prefill,
-                          prefill_attn=self.prefill_attn,
-                          prefill_attn_full=self.prefill_attn_full,
-                          decode_context_sq=self.decode_context_sq,
-                          decode_context=self.decode_context,
-                          num_decode=self.num_decode)
+        return BatchShape(
+            prefill_tokens=self.prefill_tokens,
+            num_prefill=self.num_prefill,
+            prefill_attn=self.prefill_attn,
+            prefill_attn_full=self.prefill_attn_full,
+            decode_context_sq=self.decode_context_sq,
+            decode_context=self.decode_context,
+            num_decode=self.num_decode,
+        )
 
     def plan(self, latency: LatencyModel | None = None) -> Plan:
         """The finished plan, with its predicted duration when a model is given."""
         predicted = latency.predict(self.shape()) if latency is not None else None
-        return Plan(decodes=self.decodes, prefills=self.prefills, evictions=self.evictions,
-                    predicted_s=predicted)
+        return Plan(
+            decodes=self.decodes,
+            prefills=self.prefills,
+            evictions=self.evictions,
+            predicted_s=predicted,
+        )
 
 
-def choose_victims(kv_avail: int, need_tokens: int, victims: Iterable[ReqState], page: int,
-                   skip: set[str] | frozenset[str] = frozenset()) -> list[ReqState] | None:
+def choose_victims(
+    kv_avail: int,
+    need_tokens: int,
+    victims: Iterable[ReqState],
+    page: int,
+    skip: set[str] | frozenset[str] = frozenset(),
+) -> list[ReqState] | None:
     """The shortest prefix of `victims` (running requests not in `skip`) whose eviction makes
     `need_tokens` fit; [] if it fits already; None if evicting them all would not do."""
     chosen: list[ReqState] = []
@@ -233,8 +250,9 @@ def future_peak(items: Sequence[tuple[int, int]]) -> int:
     if not items:
         return 0
     current, remaining = zip(*items, strict=True)
-    return pastfuture.future_peak(np.asarray(current, dtype=np.int64),
-                                  np.asarray(remaining, dtype=np.int64))
+    return pastfuture.future_peak(
+        np.asarray(current, dtype=np.int64), np.asarray(remaining, dtype=np.int64)
+    )
 
 
 class LengthPredictor(Protocol):

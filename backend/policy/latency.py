@@ -151,8 +151,17 @@ def features(shape: BatchShape) -> list[float]:
     """The regression features of a shape (scaled to thousands of tokens)."""
     sp = shape.prefill_tokens / _K
     sd = shape.decode_context / _K
-    return [1.0, sp, sd, sp * sp, sd * sd, float(shape.num_prefill), float(shape.num_decode),
-            shape.prefill_attn / (_K * _K), _full_square(shape) / (_K * _K)]
+    return [
+        1.0,
+        sp,
+        sd,
+        sp * sp,
+        sd * sd,
+        float(shape.num_prefill),
+        float(shape.num_decode),
+        shape.prefill_attn / (_K * _K),
+        _full_square(shape) / (_K * _K),
+    ]
 
 
 def _full_square(shape: BatchShape) -> float:
@@ -168,12 +177,14 @@ class LatencyModel:
     piece, and the prediction is the larger of the two (compute- vs memory-bound regimes).
     """
 
-    def __init__(self, weights: Sequence[float],
-                 second_weights: Sequence[float] | None = None) -> None:
+    def __init__(
+        self, weights: Sequence[float], second_weights: Sequence[float] | None = None
+    ) -> None:
         self.weights = _full_length(weights)
         self.second_weights = None if second_weights is None else _full_length(second_weights)
-        self._pieces = [self.weights] + ([] if self.second_weights is None
-                                         else [self.second_weights])
+        self._pieces = [self.weights] + (
+            [] if self.second_weights is None else [self.second_weights]
+        )
 
     @classmethod
     def fit(cls, samples: Iterable[ProfileSample], *, max_pieces: int = 2) -> LatencyModel:
@@ -210,8 +221,9 @@ class LatencyModel:
         f = features(shape)
         return max(sum(w * v for w, v in zip(piece, f, strict=True)) for piece in self._pieces)
 
-    def max_chunk(self, shape: BatchShape, time_limit_s: float, *, prefix: int, cap: int,
-                  page_size: int = 1) -> int:
+    def max_chunk(
+        self, shape: BatchShape, time_limit_s: float, *, prefix: int, cap: int, page_size: int = 1
+    ) -> int:
         """Largest chunk l ≤ cap (a multiple of page_size unless l == cap) such that
         predict(shape + chunk l after `prefix` tokens) ≤ time_limit_s; 0 when none fits.
         Binary search: the prediction grows monotonically with l (non-negative weights)."""
@@ -264,8 +276,9 @@ def _rel_sse(pieces: Sequence[np.ndarray], x: np.ndarray, y: np.ndarray) -> floa
     return float(np.sum((pred / np.maximum(y, 1e-9) - 1.0) ** 2))
 
 
-def _best_two_pieces(x: np.ndarray, y: np.ndarray, scale: np.ndarray, linear: np.ndarray
-                     ) -> tuple[np.ndarray, np.ndarray] | None:
+def _best_two_pieces(
+    x: np.ndarray, y: np.ndarray, scale: np.ndarray, linear: np.ndarray
+) -> tuple[np.ndarray, np.ndarray] | None:
     """The best max-affine pair over several initial splits (None when none is feasible).
 
     Splits tried: above/below the linear fit, each feature above/below its median, and
@@ -283,16 +296,16 @@ def _best_two_pieces(x: np.ndarray, y: np.ndarray, scale: np.ndarray, linear: np
     return best
 
 
-def _alternate(x: np.ndarray, y: np.ndarray, scale: np.ndarray, first: np.ndarray,
-               max_rounds: int = 50) -> tuple[np.ndarray, np.ndarray] | None:
+def _alternate(
+    x: np.ndarray, y: np.ndarray, scale: np.ndarray, first: np.ndarray, max_rounds: int = 50
+) -> tuple[np.ndarray, np.ndarray] | None:
     """Max-affine fit from an initial split: fit each piece on its samples, give each sample to
     the piece that predicts more, repeat until the split is stable."""
     pair: tuple[np.ndarray, np.ndarray] | None = None
     for _ in range(max_rounds):
         if first.sum() < 3 or (~first).sum() < 3:
             return pair
-        pair = (_nnls(x[first], y[first], scale[first]),
-                _nnls(x[~first], y[~first], scale[~first]))
+        pair = (_nnls(x[first], y[first], scale[first]), _nnls(x[~first], y[~first], scale[~first]))
         now_first = x @ pair[0] >= x @ pair[1]
         if np.array_equal(now_first, first):
             break
@@ -302,13 +315,13 @@ def _alternate(x: np.ndarray, y: np.ndarray, scale: np.ndarray, first: np.ndarra
 
 def mape(model: LatencyModel, samples: Iterable[ProfileSample]) -> float:
     """Mean absolute percentage error of `model` on `samples`, as a fraction."""
-    errors = [abs(model.predict(s.shape) - s.seconds) / s.seconds for s in samples
-              if s.seconds > 0]
+    errors = [abs(model.predict(s.shape) - s.seconds) / s.seconds for s in samples if s.seconds > 0]
     return sum(errors) / len(errors) if errors else math.nan
 
 
-def holdout_mape(profile: Profile, holdout_fraction: float = 0.2, seed: int = 0, *,
-                 max_pieces: int = 2) -> tuple[LatencyModel, float]:
+def holdout_mape(
+    profile: Profile, holdout_fraction: float = 0.2, seed: int = 0, *, max_pieces: int = 2
+) -> tuple[LatencyModel, float]:
     """Fits on a random (1 − holdout_fraction) of the samples; MAPE on the rest.
     `max_pieces` as in :meth:`LatencyModel.fit` (1: the plain linear form)."""
     samples = list(profile.samples)

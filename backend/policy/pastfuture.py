@@ -58,12 +58,14 @@ class LengthHistory:
 
     def sorted_values(self) -> np.ndarray:
         if self._sorted is None:
-            self._sorted = np.sort(np.fromiter(self._values, dtype=np.int64,
-                                               count=len(self._values)))
+            self._sorted = np.sort(
+                np.fromiter(self._values, dtype=np.int64, count=len(self._values))
+            )
         return self._sorted
 
-    def sample_total(self, rng: np.random.Generator, generated: np.ndarray,
-                     max_len: np.ndarray | int) -> np.ndarray:
+    def sample_total(
+        self, rng: np.random.Generator, generated: np.ndarray, max_len: np.ndarray | int
+    ) -> np.ndarray:
         """Predicted final lengths of requests that have produced `generated` tokens each.
 
         The inverse CDF of the history values above `generated`, made piecewise linear between
@@ -89,8 +91,14 @@ class LengthHistory:
         return clipped
 
 
-def _point(hist: np.ndarray, gen: np.ndarray, top: np.ndarray, pos: np.ndarray,
-           n_points: np.ndarray, j: np.ndarray) -> np.ndarray:
+def _point(
+    hist: np.ndarray,
+    gen: np.ndarray,
+    top: np.ndarray,
+    pos: np.ndarray,
+    n_points: np.ndarray,
+    j: np.ndarray,
+) -> np.ndarray:
     """The j-th point of each request's range [gen] + hist[pos:] + [top]."""
     inner = hist[np.clip(pos + j - 1, 0, hist.size - 1)]
     return np.where(j == 0, gen, np.where(j == n_points - 1, top, inner))
@@ -179,8 +187,9 @@ class PeakAdmission:
     peaks fit.
     """
 
-    def __init__(self, current: np.ndarray, remaining_lists: np.ndarray, limit_tokens: float
-                 ) -> None:
+    def __init__(
+        self, current: np.ndarray, remaining_lists: np.ndarray, limit_tokens: float
+    ) -> None:
         self.limit_tokens = limit_tokens
         cur = np.asarray(current, dtype=np.int64)
         lists = np.atleast_2d(np.asarray(remaining_lists, dtype=np.int64))
@@ -198,8 +207,7 @@ class PeakAdmission:
     def peak_with(self, current: int, remaining: np.ndarray) -> int:
         """The peak if a request with `current` tokens and `remaining[l]` (per list) joined."""
         rem = np.broadcast_to(np.asarray(remaining, dtype=np.int64), (len(self._trackers),))
-        return max(t.peak_with((int(current), int(rem[i])))
-                   for i, t in enumerate(self._trackers))
+        return max(t.peak_with((int(current), int(rem[i]))) for i, t in enumerate(self._trackers))
 
     def try_admit(self, current: int, remaining: np.ndarray | int) -> bool:
         """Admits (and remembers) the candidate if the peak stays within the limit."""

@@ -66,7 +66,6 @@ _FACTORIES: dict[str, Callable[..., Policy]] = {
 }
 
 
-
 def _kv_layout(make: Callable[..., Policy], name: str, layout: str) -> Callable[..., Policy]:
     """`make` whose policy asks the engine for a KV layout (`kv_layout` attribute, read by the
     bench runner: "bicache" = BROS's bidirectional blocks with lazy checkpointing, "token" =
@@ -86,8 +85,9 @@ TANDEM_KV_LAYOUT = "token"
 why it is off); `tandem-bicache` and `tandem-no-bicache` pin it either way."""
 _FACTORIES["tandem"] = _kv_layout(_FACTORIES["tandem"], "tandem", TANDEM_KV_LAYOUT)
 _FACTORIES["tandem-bicache"] = _kv_layout(_tandem("tandem-bicache"), "tandem-bicache", "bicache")
-_FACTORIES["tandem-no-bicache"] = _kv_layout(_tandem("tandem-no-bicache"), "tandem-no-bicache",
-                                             "token")
+_FACTORIES["tandem-no-bicache"] = _kv_layout(
+    _tandem("tandem-no-bicache"), "tandem-no-bicache", "token"
+)
 
 POLICY_NAMES: tuple[str, ...] = tuple(_FACTORIES)
 """Every name `make_policy` accepts."""

@@ -20,16 +20,19 @@ def shape_of(decode_contexts: Iterable[int], chunks: Iterable[tuple[int, int]]) 
     pairs = list(chunks)
     ends = [prefix + tokens for tokens, prefix in pairs]
     return BatchShape(
-        prefill_tokens=sum(tokens for tokens, _ in pairs), num_prefill=len(pairs),
-        prefill_attn=float(sum(tokens * end for (tokens, _), end in zip(pairs, ends,
-                                                                         strict=True))),
+        prefill_tokens=sum(tokens for tokens, _ in pairs),
+        num_prefill=len(pairs),
+        prefill_attn=float(sum(tokens * end for (tokens, _), end in zip(pairs, ends, strict=True))),
         prefill_attn_full=float(sum(end * end for end in ends)),
-        decode_context=sum(contexts), num_decode=len(contexts),
-        decode_context_sq=float(sum(c * c for c in contexts)))
+        decode_context=sum(contexts),
+        num_decode=len(contexts),
+        decode_context_sq=float(sum(c * c for c in contexts)),
+    )
 
 
-def plan_times_s(latency: LatencyModel, plan: Plan,
-                 states: Mapping[str, ReqState]) -> tuple[float, float]:
+def plan_times_s(
+    latency: LatencyModel, plan: Plan, states: Mapping[str, ReqState]
+) -> tuple[float, float]:
     """(predicted time of the whole plan, of its RT work alone), seconds; `states` are the
     requests as they stood when the plan was made (requests it names that are missing are left
     out)."""
@@ -37,14 +40,21 @@ def plan_times_s(latency: LatencyModel, plan: Plan,
     chunks = [(states[c.rid], c.tokens) for c in plan.prefills if c.rid in states]
     if not decodes and not chunks:
         return 0.0, 0.0
-    full = latency.predict(shape_of((s.prompt_len + s.generated for s in decodes),
-                                    ((n, s.prefilled) for s, n in chunks)))
+    full = latency.predict(
+        shape_of(
+            (s.prompt_len + s.generated for s in decodes), ((n, s.prefilled) for s, n in chunks)
+        )
+    )
     rt_decodes = [s for s in decodes if s.tier == "rt"]
     rt_chunks = [(s, n) for s, n in chunks if s.tier == "rt"]
     if not rt_decodes and not rt_chunks:
         return full, 0.0
     if len(rt_decodes) == len(decodes) and len(rt_chunks) == len(chunks):
         return full, full
-    rt = latency.predict(shape_of((s.prompt_len + s.generated for s in rt_decodes),
-                                  ((n, s.prefilled) for s, n in rt_chunks)))
+    rt = latency.predict(
+        shape_of(
+            (s.prompt_len + s.generated for s in rt_decodes),
+            ((n, s.prefilled) for s, n in rt_chunks),
+        )
+    )
     return full, min(full, rt)

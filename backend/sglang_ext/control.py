@@ -74,8 +74,10 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(400, {"error": f"bad length-history push: {exc}"})
             return
         self.server.driver.push_lengths(push.histories)
-        self._reply(202, {"keys": len(push.histories),
-                          "lengths": sum(len(v) for v in push.histories.values())})
+        self._reply(
+            202,
+            {"keys": len(push.histories), "lengths": sum(len(v) for v in push.histories.values())},
+        )
 
     def _reply(self, status: int, body: dict[str, Any]) -> None:
         data = json.dumps(body).encode()

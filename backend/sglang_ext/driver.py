@@ -56,11 +56,17 @@ MIN_CHUNK_TOKENS = 16
 others: SGLang cannot pause it in a prefill pass (one chunked request at a time, and the pass
 accounts for it), so it advances by this little."""
 
+
 class EngineDriver:
     """Runs a policy inside SGLang's scheduler loop (one per scheduler process)."""
 
-    def __init__(self, policy: Policy, *, clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
         self.policy = policy
         self.clock = clock
         self.mirror = ReqMirror(clock=clock, wall_clock=wall_clock)
@@ -97,9 +103,14 @@ class EngineDriver:
             self.stats.busy_s += duration
             self.stats.rt_busy_s += duration * self._iter_rt_frac
             self.stats.overhead_s += self._iter_overhead_s
-            self.policy.observe(IterationResult(
-                start_s=self._iter_start_s, duration_s=duration, plan=self._iter_plan,
-                finished=self._finished))
+            self.policy.observe(
+                IterationResult(
+                    start_s=self._iter_start_s,
+                    duration_s=duration,
+                    plan=self._iter_plan,
+                    finished=self._finished,
+                )
+            )
         self._finished = []
         self._iter_start_s = None
         self._iter_plan = None
@@ -130,9 +141,14 @@ class EngineDriver:
             self._reported.add(rid)
             state = self.mirror.get(rid)
             if state is not None and not _is_abort(req):
-                self._finished.append(FinishedRequest(
-                    rid=rid, tier=state.tier, length_key=state.length_key,
-                    output_len=len(req.output_ids)))
+                self._finished.append(
+                    FinishedRequest(
+                        rid=rid,
+                        tier=state.tier,
+                        length_key=state.length_key,
+                        output_len=len(req.output_ids),
+                    )
+                )
                 self.stats.finished += 1
             self.mirror.forget(rid)
         if len(self._reported) > 100_000:  # rids are unique; only the recent ones can repeat
@@ -159,7 +175,9 @@ class EngineDriver:
         if sched.is_mixed_chunk:
             chunk_cap -= num_decode  # SGLang charges mixed decode rows to the chunk budget
         return Snapshot(
-            now_s=now, waiting=waiting, running=running,
+            now_s=now,
+            waiting=waiting,
+            running=running,
             waiting_rt=[r for r in waiting if r.tier == "rt"],
             waiting_be=[r for r in waiting if r.tier == "be"],
             kv_capacity_tokens=int(sched.max_total_num_tokens),
@@ -168,10 +186,12 @@ class EngineDriver:
             last_iteration_s=self._last_iteration_s,
             max_running=int(sched.max_running_requests),
             max_prefill_tokens=max(1, int(chunk_cap)),
-            page_size=int(sched.page_size))
+            page_size=int(sched.page_size),
+        )
 
-    def plan_iteration(self, sched: Any, running_batch: Any,
-                       evict: Callable[[Any, list[int]], None]) -> bool:
+    def plan_iteration(
+        self, sched: Any, running_batch: Any, evict: Callable[[Any, list[int]], None]
+    ) -> bool:
         """Plans this iteration and carries out the parts that happen before SGLang builds its
         batches; returns True when SGLang should skip its prefill pass (the plan prefills
         nothing). *evict(batch, indices)* retracts rows of *running_batch* (SGLang glue)."""
@@ -186,8 +206,11 @@ class EngineDriver:
         plan_ms = (self.clock() - t_plan) * 1000.0
         self.plan = plan
         self._note_plan_ms(plan_ms)
-        if not (plan.prefills or plan.decodes or plan.evictions) and snap.waiting \
-                and not snap.running:
+        if (
+            not (plan.prefills or plan.decodes or plan.evictions)
+            and snap.waiting
+            and not snap.running
+        ):
             # A policy that plans nothing for an idle engine with queued work would leave it
             # idle for good (nothing else changes its state): SGLang admits this time.
             self.fallback = True
@@ -268,8 +291,9 @@ class EngineDriver:
         """Moves the decode rows the plan leaves out into ``self.parked`` (KV kept)."""
         if self.plan is None or (not self.plan.decodes and not has_prefill):
             return  # an empty plan: let SGLang decode as it would
-        orchestrator = getattr(getattr(batch, "sampling_info", None), "penalizer_orchestrator",
-                               None)
+        orchestrator = getattr(
+            getattr(batch, "sampling_info", None), "penalizer_orchestrator", None
+        )
         if orchestrator is not None and getattr(orchestrator, "is_required", False):
             # Penalizers keep per-row state in one shared object that a split would corrupt;
             # such batches decode whole (rare: frequency/presence penalties, min_new_tokens).
@@ -376,4 +400,3 @@ def _shallow_copy(batch: Any) -> Any:
     if getattr(batch, "sampling_info", None) is not None:
         parked.sampling_info = copy.copy(batch.sampling_info)
     return parked
-

@@ -74,8 +74,9 @@ class DriverStats(msgspec.Struct, kw_only=True):
         out: dict[str, Any] = msgspec.structs.asdict(self)
         plan_ms = sorted(out.pop("plan_ms"))
         out["plan_ms_p50"] = plan_ms[len(plan_ms) // 2] if plan_ms else None
-        out["plan_ms_p99"] = plan_ms[min(len(plan_ms) - 1, int(0.99 * len(plan_ms)))] \
-            if plan_ms else None
+        out["plan_ms_p99"] = (
+            plan_ms[min(len(plan_ms) - 1, int(0.99 * len(plan_ms)))] if plan_ms else None
+        )
         out["mean_iteration_ms"] = self.mean_iteration_ms
         out["overhead_frac"] = self.overhead_frac
         out["rt_time_frac"] = self.rt_time_frac

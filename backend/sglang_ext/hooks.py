@@ -104,8 +104,9 @@ def replace_get_prefill_adder_class(sched: Any) -> type[PrefillAdder]:
     return TandemPrefillAdder
 
 
-def after_process_batch_result(result: Any, sched: Any, batch: Any, *args: Any,
-                               **kwargs: Any) -> None:
+def after_process_batch_result(
+    result: Any, sched: Any, batch: Any, *args: Any, **kwargs: Any
+) -> None:
     drv = driver()
     drv.note_finished(batch.reqs)
     if drv.parked is not None:
@@ -116,8 +117,9 @@ def replace_retraction_order(reqs: list[Any]) -> list[int]:
     return driver().retraction_order(reqs)
 
 
-def after_collect_inflight_reqs(result: set[Any], sched: Any, *args: Any,
-                                **kwargs: Any) -> set[Any]:
+def after_collect_inflight_reqs(
+    result: set[Any], sched: Any, *args: Any, **kwargs: Any
+) -> set[Any]:
     parked = driver().parked_reqs()
     return result | set(parked) if parked else result
 
@@ -150,8 +152,9 @@ def _evict(sched: Any, batch: Any, indices: list[int]) -> None:
     for req in released:
         sched._add_request_to_queue(req, is_retracted=True)
     if len(released) < len(victims):
-        logger.warning("tandem: %d evicted requests had no way to resume",
-                       len(victims) - len(released))
+        logger.warning(
+            "tandem: %d evicted requests had no way to resume", len(victims) - len(released)
+        )
 
 
 class TandemPrefillAdder(PrefillAdder):
@@ -186,8 +189,9 @@ class TandemPrefillAdder(PrefillAdder):
             self._planned_left -= 1
         return super().add_chunked_req(req)
 
-    def add_one_req(self, req: Any, has_chunked_req: bool,
-                    truncation_align_size: int | None) -> AddReqResult:
+    def add_one_req(
+        self, req: Any, has_chunked_req: bool, truncation_align_size: int | None
+    ) -> AddReqResult:
         drv = self._drv
         if drv.fallback:
             return super().add_one_req(req, has_chunked_req, truncation_align_size)
@@ -235,9 +239,16 @@ def _immediate_check(budget: PrefillBudget, slack_tokens: int = 0) -> Any:
     """``PrefillBudget.check_prefill`` that asks only for the KV the prompt needs now (plus
     `slack_tokens` the KV layout may lose to it: ``kv_layout_engine.prompt_slack_tokens``)."""
 
-    def check_prefill(*, extend_input_len: int, total_tokens: int, max_new_tokens: int,
-                      input_tokens: int, swa_host_hit_length: int, chunk_limit: int | None,
-                      auxiliary_swa_host_hit_length: int = 0) -> tuple[bool, int | None]:
+    def check_prefill(
+        *,
+        extend_input_len: int,
+        total_tokens: int,
+        max_new_tokens: int,
+        input_tokens: int,
+        swa_host_hit_length: int,
+        chunk_limit: int | None,
+        auxiliary_swa_host_hit_length: int = 0,
+    ) -> tuple[bool, int | None]:
         need = budget.ceil_paged_tokens(min(extend_input_len, chunk_limit or extend_input_len))
         need += slack_tokens
         fits = need + budget.page_size <= budget.remaining_current

@@ -123,8 +123,10 @@ def policy_env(engine_cfg: EngineConfig) -> dict[str, str]:
     from backend.sim.launch import resolve_profile
 
     if engine_cfg.policy not in POLICY_NAMES:
-        raise ValueError(f"engine.policy {engine_cfg.policy!r} is not a policy; valid: "
-                         f"none, {', '.join(POLICY_NAMES)}")
+        raise ValueError(
+            f"engine.policy {engine_cfg.policy!r} is not a policy; valid: "
+            f"none, {', '.join(POLICY_NAMES)}"
+        )
     return {
         "TANDEM_ENGINE_POLICY": engine_cfg.policy,
         "TANDEM_ENGINE_PROFILE": str(resolve_profile(engine_cfg.profile)),

@@ -38,8 +38,12 @@ from backend.sglang_ext.request_meta import get_meta
 class ReqMirror:
     """``ReqState`` per live request id, refreshed from SGLang's ``Req`` on demand."""
 
-    def __init__(self, *, clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
         self._clock = clock
         self._wall_clock = wall_clock
         self._states: dict[str, ReqState] = {}
@@ -88,8 +92,9 @@ class ReqMirror:
         state.generated = len(req.output_ids)
         kv = getattr(req, "kv", None)
         state.kv_tokens = int(getattr(kv, "kv_allocated_len", 0) or 0)
-        state.kv_shared_tokens = min(int(getattr(kv, "cache_protected_len", 0) or 0),
-                                     state.kv_tokens)
+        state.kv_shared_tokens = min(
+            int(getattr(kv, "cache_protected_len", 0) or 0), state.kv_tokens
+        )
         state.cached_len = min(int(getattr(req, "cached_tokens", 0) or 0), state.prefilled)
         state.num_evictions = int(getattr(req, "retraction_count", 0))
         state.is_running = True
@@ -125,16 +130,27 @@ class ReqMirror:
             # No tandem metadata (SGLang's own /health probe, a client talking to the engine
             # directly): latency-sensitive but without targets, so never starved behind BE and
             # never urgent.
-            return ReqState(rid=rid, tier="rt", arrival_s=now_s, prompt_len=prompt_len,
-                            max_new_tokens=max_new, prefill_len=prompt_len)
+            return ReqState(
+                rid=rid,
+                tier="rt",
+                arrival_s=now_s,
+                prompt_len=prompt_len,
+                max_new_tokens=max_new,
+                prefill_len=prompt_len,
+            )
         arrival_s = min(self.to_engine_s(meta.arrival_unix_s), now_s)
         return ReqState(
-            rid=rid, tier=meta.tier, arrival_s=arrival_s, prompt_len=prompt_len,
-            max_new_tokens=max_new, length_key=meta.length_key,
+            rid=rid,
+            tier=meta.tier,
+            arrival_s=arrival_s,
+            prompt_len=prompt_len,
+            max_new_tokens=max_new,
+            length_key=meta.length_key,
             ttft_deadline_s=_engine_time(self, meta.ttft_deadline_unix_s),
             tpot_s=meta.tpot_target_s,
             be_deadline_s=_engine_time(self, meta.be_deadline_unix_s),
-            prefill_len=prompt_len)
+            prefill_len=prompt_len,
+        )
 
     def _note_tokens(self, state: ReqState, now_s: float) -> None:
         """First/last token times, observed at iteration granularity (when the count grows)."""

@@ -92,8 +92,12 @@ def register() -> None:
         from backend.sglang_ext import kv_layout_engine
 
         kv_layout_engine.install()
-    logger.info("tandem plugin registered in pid %d (policy: %s, trace: %s)", os.getpid(),
-                policy_name or "none", _trace_path)
+    logger.info(
+        "tandem plugin registered in pid %d (policy: %s, trace: %s)",
+        os.getpid(),
+        policy_name or "none",
+        _trace_path,
+    )
 
 
 def _install_policy(policy_name: str) -> None:

@@ -22,8 +22,15 @@ ADD_TO_QUEUE = f"{SCHED}._add_request_to_queue"
 CREATE_REQ_SEAM = f"{SCHED}._create_generation_req"
 
 SEAMS: tuple[str, ...] = (
-    CREATE_REQ_SEAM, NEXT_BATCH_SEAM, DEFER_PREFILL_SEAM, ADDER_CLASS_SEAM, RESULT_SEAM,
-    RETRACT_ORDER_SEAM, INFLIGHT_SEAM, IDLE_SEAM, ADD_TO_QUEUE,
+    CREATE_REQ_SEAM,
+    NEXT_BATCH_SEAM,
+    DEFER_PREFILL_SEAM,
+    ADDER_CLASS_SEAM,
+    RESULT_SEAM,
+    RETRACT_ORDER_SEAM,
+    INFLIGHT_SEAM,
+    IDLE_SEAM,
+    ADD_TO_QUEUE,
     "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req",
     "sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req",
     "sglang.srt.managers.schedule_policy.PrefillAdder._get_running_request_total_token_offset",
@@ -40,11 +47,17 @@ KV_EXTEND_SEAM = "sglang.srt.managers.schedule_batch.alloc_for_extend"
 KV_DECODE_SEAM = "sglang.srt.managers.schedule_batch.alloc_for_decode"
 _KV_ALLOCATOR = "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator"
 KV_LAYOUT_SEAMS: tuple[str, ...] = (
-    KV_INIT_SEAM, KV_EXTEND_SEAM, KV_DECODE_SEAM,
+    KV_INIT_SEAM,
+    KV_EXTEND_SEAM,
+    KV_DECODE_SEAM,
     "sglang.srt.mem_cache.allocation.alloc_for_decode_default",
-    f"{_KV_ALLOCATOR}.alloc", f"{_KV_ALLOCATOR}.free", f"{_KV_ALLOCATOR}.available_size",
-    f"{_KV_ALLOCATOR}.check_decode_capacity", f"{_KV_ALLOCATOR}.clear",
-    f"{_KV_ALLOCATOR}.get_kvcache", f"{_KV_ALLOCATOR}._copy_for_free_group",
+    f"{_KV_ALLOCATOR}.alloc",
+    f"{_KV_ALLOCATOR}.free",
+    f"{_KV_ALLOCATOR}.available_size",
+    f"{_KV_ALLOCATOR}.check_decode_capacity",
+    f"{_KV_ALLOCATOR}.clear",
+    f"{_KV_ALLOCATOR}.get_kvcache",
+    f"{_KV_ALLOCATOR}._copy_for_free_group",
     "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool",
 )
 """What the bicache KV layout (``backend.sglang_ext.kv_layout_engine``) hooks or relies on."""

@@ -56,12 +56,20 @@ from backend.policy.types import ReqState
 class BiKv:
     """The layout, plus this iteration's host traffic and the run's counters."""
 
-    def __init__(self, capacity_tokens: int, block_slots: int, kv_bytes_per_token: int,
-                 host_copy_bytes_per_s: float, *, report: str = "placeable") -> None:
+    def __init__(
+        self,
+        capacity_tokens: int,
+        block_slots: int,
+        kv_bytes_per_token: int,
+        host_copy_bytes_per_s: float,
+        *,
+        report: str = "placeable",
+    ) -> None:
         blocks = capacity_tokens // block_slots
         if blocks < 1:
-            raise ValueError(f"a KV pool of {capacity_tokens} tokens holds no block of "
-                             f"{block_slots} slots")
+            raise ValueError(
+                f"a KV pool of {capacity_tokens} tokens holds no block of {block_slots} slots"
+            )
         self.cache = BiCache(blocks, block_slots)
         self.report = report
         """"placeable": the policy sees only what a new request of either tier could surely
@@ -179,8 +187,13 @@ class BiKv:
             grant = self.cache.allocate(rid, s.tier, tokens - restore)
             self._checkpointed(grant.checkpoints)
 
-    def place(self, decodes: Sequence[ReqState], prefills: Sequence[tuple[ReqState, int]],
-              running: Sequence[ReqState], retract: Callable[[ReqState], None]) -> set[str]:
+    def place(
+        self,
+        decodes: Sequence[ReqState],
+        prefills: Sequence[tuple[ReqState, int]],
+        running: Sequence[ReqState],
+        retract: Callable[[ReqState], None],
+    ) -> set[str]:
         """Places an iteration's tokens (RT first), retracting BE requests where the layout
         cannot place one (see the module docstring). Returns the rids whose decode was dropped.
         Raises NoRoom when even that does not help."""
@@ -210,18 +223,23 @@ class BiKv:
                         dropped.add(victim.rid)
         return dropped
 
-    def _victim(self, needy: ReqState, running: Sequence[ReqState], in_batch: set[str],
-                exclude: set[str]) -> ReqState | None:
+    def _victim(
+        self, needy: ReqState, running: Sequence[ReqState], in_batch: set[str], exclude: set[str]
+    ) -> ReqState | None:
         """Whom to retract for `needy` (never a request with a prefill chunk in the batch):
         a BE request, one sitting this iteration out first, the one whose retraction gives
         `needy`'s tier the most slots; for RT, then another RT request (out of the batch first,
         least progress first: SGLang's retract order), BROS's "extreme pressure" case; last,
         `needy` itself if it is a decode."""
         shared = self.cache.shared
-        live = [s for s in running if s.is_running and s is not needy and s.rid not in exclude
-                and s.rid in self.cache]
+        live = [
+            s
+            for s in running
+            if s.is_running and s is not needy and s.rid not in exclude and s.rid in self.cache
+        ]
         be = [s for s in live if s.tier == "be"]
         if be:
+
             def gain(s: ReqState) -> tuple[bool, int]:
                 usable = s.kv_tokens - (shared(s.rid) if needy.tier == "rt" else 0)
                 return (s.rid not in in_batch, usable)
@@ -254,7 +272,11 @@ class BiKv:
     def stats(self) -> dict[str, int]:
         """Run counters for the report."""
         c = self.cache
-        return {"checkpointed_tokens": c.checkpointed_total, "restored_tokens": c.restored_total,
-                "discarded_checkpoint_tokens": c.discarded_total,
-                "rt_tokens_in_be_blocks": c.borrowed_total,
-                "lazy_evictions": self.lazy_evictions, "engine_retractions": self.retractions}
+        return {
+            "checkpointed_tokens": c.checkpointed_total,
+            "restored_tokens": c.restored_total,
+            "discarded_checkpoint_tokens": c.discarded_total,
+            "rt_tokens_in_be_blocks": c.borrowed_total,
+            "lazy_evictions": self.lazy_evictions,
+            "engine_retractions": self.retractions,
+        }

@@ -65,8 +65,9 @@ class SimConfig(msgspec.Struct, frozen=True):
         if self.kv_layout == "bicache" and (self.page_size != 1 or self.prefix_cache):
             raise ValueError("kv_layout 'bicache' needs page_size 1 and prefix_cache off")
         if self.bicache_report not in ("slots", "placeable"):
-            raise ValueError(f"bicache_report must be 'slots' or 'placeable', got "
-                             f"{self.bicache_report!r}")
+            raise ValueError(
+                f"bicache_report must be 'slots' or 'placeable', got {self.bicache_report!r}"
+            )
         if self.bicache_block_slots < 2 or self.kv_bytes_per_token < 1:
             raise ValueError("bicache_block_slots must be ≥ 2 and kv_bytes_per_token ≥ 1")
         if not self.host_copy_gb_s > 0:

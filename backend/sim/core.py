@@ -53,12 +53,21 @@ class EngineCore:
     def __init__(self, config: SimConfig, policy_name: str) -> None:
         self.config = config
         self.policy_name = policy_name
-        self.bikv = None if config.kv_layout != "bicache" else BiKv(
-            config.kv_capacity_tokens, config.bicache_block_slots, config.kv_bytes_per_token,
-            config.host_copy_gb_s * 1e9, report=config.bicache_report)
+        self.bikv = (
+            None
+            if config.kv_layout != "bicache"
+            else BiKv(
+                config.kv_capacity_tokens,
+                config.bicache_block_slots,
+                config.kv_bytes_per_token,
+                config.host_copy_gb_s * 1e9,
+                report=config.bicache_report,
+            )
+        )
         """The bidirectional layout (kv_layout "bicache"); None for the token pool."""
-        self.kv: KvPool | BiKv = self.bikv or KvPool(config.kv_capacity_tokens,
-                                                     config.prefix_block_tokens)
+        self.kv: KvPool | BiKv = self.bikv or KvPool(
+            config.kv_capacity_tokens, config.prefix_block_tokens
+        )
         # Σ context² and Σ (prefix + chunk)² of the plan being applied (latency feature F_p)
         self._decode_context_sq = self._prefill_attn_full = 0.0
         self.tracks: dict[str, Track] = {}
@@ -88,12 +97,17 @@ class EngineCore:
             raise ValueError(f"request {req.rid!r}: prompt_len must be ≥ 1")
         cfg = self.config
         state = ReqState(
-            rid=req.rid, tier=req.tier, arrival_s=req.arrival_s, prompt_len=req.prompt_len,
-            max_new_tokens=req.max_new_tokens, length_key=req.length_key,
+            rid=req.rid,
+            tier=req.tier,
+            arrival_s=req.arrival_s,
+            prompt_len=req.prompt_len,
+            max_new_tokens=req.max_new_tokens,
+            length_key=req.length_key,
             ttft_deadline_s=None if req.ttft_s is None else req.arrival_s + req.ttft_s,
             tpot_s=req.tpot_s,
             be_deadline_s=None if req.deadline_s is None else req.arrival_s + req.deadline_s,
-            order_key=req.order_key, prefix_hashes=req.prefix_hashes,
+            order_key=req.order_key,
+            prefix_hashes=req.prefix_hashes,
             prefill_len=req.prompt_len,
         )
         usable = 0
@@ -115,19 +129,26 @@ class EngineCore:
             self.bikv.refresh(self.running)
         cfg = self.config
         return Snapshot(
-            now_s=now_s, waiting=self.queue.all, running=self.running,
-            waiting_rt=self.queue.rt, waiting_be=self.queue.be,
-            kv_capacity_tokens=cfg.kv_capacity_tokens, kv_free_tokens=self.kv.free,
-            kv_evictable_tokens=self.kv.evictable, last_iteration_s=self.last_iteration_s,
-            max_running=cfg.max_running, max_prefill_tokens=cfg.max_prefill_tokens,
+            now_s=now_s,
+            waiting=self.queue.all,
+            running=self.running,
+            waiting_rt=self.queue.rt,
+            waiting_be=self.queue.be,
+            kv_capacity_tokens=cfg.kv_capacity_tokens,
+            kv_free_tokens=self.kv.free,
+            kv_evictable_tokens=self.kv.evictable,
+            last_iteration_s=self.last_iteration_s,
+            max_running=cfg.max_running,
+            max_prefill_tokens=cfg.max_prefill_tokens,
             page_size=cfg.page_size,
         )
 
     # --- executing a plan -------------------------------------------------------------------
 
     def _fail(self, message: str) -> InfeasiblePlanError:
-        return InfeasiblePlanError(f"policy {self.policy_name!r} made an infeasible plan: "
-                                   f"{message}")
+        return InfeasiblePlanError(
+            f"policy {self.policy_name!r} made an infeasible plan: {message}"
+        )
 
     def _live(self, rid: str, what: str) -> Track:
         t = self.tracks.get(rid)
@@ -152,8 +173,10 @@ class EngineCore:
         kv = self.kv
         # the bicache layout's counts are lower bounds; its placement is the real check
         if need > kv.free + kv.evictable and self.bikv is None:
-            raise self._fail(f"needs {need} KV slots, only {kv.free} free + {kv.evictable} "
-                             f"evictable (capacity {kv.capacity})")
+            raise self._fail(
+                f"needs {need} KV slots, only {kv.free} free + {kv.evictable} "
+                f"evictable (capacity {kv.capacity})"
+            )
         try:
             kv.allocate(need)
         except KvExhausted as exc:  # pragma: no cover - guarded by the check above
@@ -161,15 +184,25 @@ class EngineCore:
         if self.bikv is not None:
             plan, decodes, context = self._place(self.bikv, plan, decodes, prefills, context)
         # the two squared terms feed the F_p feature (backends that recompute prefix attention)
-        shape = BatchShape(prefill_tokens=shape_pf[0], num_prefill=len(prefills),
-                           prefill_attn=shape_pf[1], prefill_attn_full=self._prefill_attn_full,
-                           decode_context=context, num_decode=len(decodes),
-                           decode_context_sq=self._decode_context_sq)
+        shape = BatchShape(
+            prefill_tokens=shape_pf[0],
+            num_prefill=len(prefills),
+            prefill_attn=shape_pf[1],
+            prefill_attn_full=self._prefill_attn_full,
+            decode_context=context,
+            num_decode=len(decodes),
+            decode_context_sq=self._decode_context_sq,
+        )
         return Batch(plan, now_s, decodes, prefills, shape, len(plan.evictions))
 
-    def _place(self, bikv: BiKv, plan: Plan, decodes: list[Track],
-               prefills: list[tuple[Track, int]], context: int
-               ) -> tuple[Plan, list[Track], int]:
+    def _place(
+        self,
+        bikv: BiKv,
+        plan: Plan,
+        decodes: list[Track],
+        prefills: list[tuple[Track, int]],
+        context: int,
+    ) -> tuple[Plan, list[Track], int]:
         """Puts the iteration's new tokens into the bidirectional layout; BE requests the
         engine retracts there (bikv.py) leave the batch: (plan, decodes, Σ context) as run."""
         retracted: list[ReqState] = []
@@ -179,8 +212,12 @@ class EngineCore:
             retracted.append(s)
 
         try:
-            dropped = bikv.place([t.state for t in decodes],
-                                 [(t.state, n) for t, n in prefills], self.running, retract)
+            dropped = bikv.place(
+                [t.state for t in decodes],
+                [(t.state, n) for t, n in prefills],
+                self.running,
+                retract,
+            )
         except BiCacheError as exc:
             raise self._fail(f"the bicache layout cannot place it: {exc}") from None
         if retracted:
@@ -189,7 +226,8 @@ class EngineCore:
         if dropped:
             decodes = [t for t in decodes if t.state.rid not in dropped]
             plan = msgspec.structs.replace(
-                plan, decodes=[r for r in plan.decodes if r not in dropped])
+                plan, decodes=[r for r in plan.decodes if r not in dropped]
+            )
             contexts = [t.state.prompt_len + t.state.generated for t in decodes]
             self._decode_context_sq = float(sum([c * c for c in contexts]))
             context = sum(contexts)
@@ -215,8 +253,9 @@ class EngineCore:
         need = len(out) if page == 1 else page * sum([t.private % page == 0 for t in out])
         return out, need, sum(contexts)
 
-    def _start_prefills(self, plan: Plan, now_s: float
-                        ) -> tuple[list[tuple[Track, int]], int, tuple[int, float]]:
+    def _start_prefills(
+        self, plan: Plan, now_s: float
+    ) -> tuple[list[tuple[Track, int]], int, tuple[int, float]]:
         """Validates the chunks, admits new requests (pinning their cached prefix) and returns
         (chunks, KV slots needed, (prefill tokens, prefill attention work))."""
         cfg = self.config
@@ -231,11 +270,14 @@ class EngineCore:
             s = t.state
             left = s.prefill_len - s.prefilled
             if not 1 <= chunk.tokens <= left:
-                raise self._fail(f"prefill of {chunk.rid!r}: {chunk.tokens} tokens, "
-                                 f"{left} left to prefill")
+                raise self._fail(
+                    f"prefill of {chunk.rid!r}: {chunk.tokens} tokens, {left} left to prefill"
+                )
             if chunk.tokens < left and chunk.tokens % page:
-                raise self._fail(f"prefill of {chunk.rid!r}: chunk {chunk.tokens} is not a "
-                                 f"multiple of page_size {page}")
+                raise self._fail(
+                    f"prefill of {chunk.rid!r}: chunk {chunk.tokens} is not a "
+                    f"multiple of page_size {page}"
+                )
             if not s.is_running:
                 self._admit(t, now_s)
                 admitted += 1
@@ -252,12 +294,12 @@ class EngineCore:
         if len({c.rid for c in plan.prefills}) != len(out):
             raise self._fail("a request has two prefill chunks")
         if planned > cfg.max_prefill_tokens:
-            raise self._fail(f"{planned} prefill tokens > max_prefill_tokens "
-                             f"{cfg.max_prefill_tokens}")
+            raise self._fail(
+                f"{planned} prefill tokens > max_prefill_tokens {cfg.max_prefill_tokens}"
+            )
         if admitted:
             if len(self.running) > cfg.max_running:
-                raise self._fail(f"{len(self.running)} running > max_running "
-                                 f"{cfg.max_running}")
+                raise self._fail(f"{len(self.running)} running > max_running {cfg.max_running}")
             self.queue.drop_admitted(admitted_rt, admitted - admitted_rt)
         for t, tokens in out:
             s = t.state

@@ -35,8 +35,14 @@ class _Clock:
         self.horizon_s = math.inf if horizon_s is None else horizon_s
 
 
-def simulate(source: ArrivalSource, policy: Policy, latency: LatencyModel, config: SimConfig,
-             *, progress: Callable[[float], None] | None = None) -> SimResult:
+def simulate(
+    source: ArrivalSource,
+    policy: Policy,
+    latency: LatencyModel,
+    config: SimConfig,
+    *,
+    progress: Callable[[float], None] | None = None,
+) -> SimResult:
     """Runs `policy` on the simulated engine until every request finished (or the horizon).
 
     `progress(now_s)` is called about once per simulated second. Raises InfeasiblePlanError
@@ -63,13 +69,16 @@ def simulate(source: ArrivalSource, policy: Policy, latency: LatencyModel, confi
                 raise StalledPolicyError(
                     f"policy {policy.name!r} runs nothing with {len(core.waiting)} waiting and "
                     f"{len(core.running)} running requests at t={clock.now_s:.3f}s and no "
-                    f"arrival to come")
+                    f"arrival to come"
+                )
             continue
         clock.now_s += duration
         idle_plans = idle_plans + 1 if duration <= 0.0 else 0
         if idle_plans > _MAX_IDLE_PLANS:
-            raise StalledPolicyError(f"policy {policy.name!r}: {idle_plans} plans in a row "
-                                     f"advanced no time at t={clock.now_s:.3f}s")
+            raise StalledPolicyError(
+                f"policy {policy.name!r}: {idle_plans} plans in a row "
+                f"advanced no time at t={clock.now_s:.3f}s"
+            )
         if progress is not None and clock.now_s >= next_progress:
             progress(min(clock.now_s, clock.horizon_s))
             next_progress = math.floor(clock.now_s) + 1.0
@@ -90,8 +99,14 @@ def _jump_to_arrival(source: ArrivalSource, clock: _Clock) -> bool:
     return True
 
 
-def _iterate(core: EngineCore, policy: Policy, latency: LatencyModel, source: ArrivalSource,
-             log: IterationLog, now_s: float) -> float | None:
+def _iterate(
+    core: EngineCore,
+    policy: Policy,
+    latency: LatencyModel,
+    source: ArrivalSource,
+    log: IterationLog,
+    now_s: float,
+) -> float | None:
     """Plans and runs one iteration at `now_s`; its duration, or None when the plan was
     empty."""
     num_running, num_waiting = len(core.running), len(core.waiting)
@@ -109,17 +124,31 @@ def _iterate(core: EngineCore, policy: Policy, latency: LatencyModel, source: Ar
     rt_part_s = _rt_part_s(latency, batch, duration)
     end_s = now_s + duration
     emitted, finished = core.finish(batch, end_s)
-    log.append(start_s=now_s, duration_s=duration, predicted_s=plan.predicted_s,
-               plan_ms=plan_ms, num_prefill=len(batch.prefills), num_decode=len(batch.decodes),
-               prefill_tokens=batch.shape.prefill_tokens, kv_used_tokens=kv_used,
-               num_running=num_running, num_waiting=num_waiting,
-               num_evictions=batch.num_evictions, rt_part_s=rt_part_s)
-    done = [FinishedRequest(t.state.rid, t.state.tier, t.state.length_key, t.state.generated)
-            for t in finished]
+    log.append(
+        start_s=now_s,
+        duration_s=duration,
+        predicted_s=plan.predicted_s,
+        plan_ms=plan_ms,
+        num_prefill=len(batch.prefills),
+        num_decode=len(batch.decodes),
+        prefill_tokens=batch.shape.prefill_tokens,
+        kv_used_tokens=kv_used,
+        num_running=num_running,
+        num_waiting=num_waiting,
+        num_evictions=batch.num_evictions,
+        rt_part_s=rt_part_s,
+    )
+    done = [
+        FinishedRequest(t.state.rid, t.state.tier, t.state.length_key, t.state.generated)
+        for t in finished
+    ]
     for t in finished:
         source.on_finish(t.state.rid, end_s)
-    policy.observe(IterationResult(start_s=now_s, duration_s=duration, plan=plan,
-                                   emitted=emitted, finished=done))
+    policy.observe(
+        IterationResult(
+            start_s=now_s, duration_s=duration, plan=plan, emitted=emitted, finished=done
+        )
+    )
     return duration
 
 
@@ -134,31 +163,48 @@ def _rt_part_s(latency: LatencyModel, batch: Batch, duration_s: float) -> float:
         return 0.0
     if len(decodes) == len(batch.decodes) and len(chunks) == len(batch.prefills):
         return duration_s  # nothing but RT work
-    shape = shape_of((s.prompt_len + s.generated for s in decodes),
-                     ((n, s.prefilled - n) for s, n in chunks))
+    shape = shape_of(
+        (s.prompt_len + s.generated for s in decodes), ((n, s.prefilled - n) for s, n in chunks)
+    )
     return min(duration_s, latency.predict(shape))
 
 
 def _record(t: Track) -> RequestRecord:
     s, req = t.state, t.req
     return RequestRecord(
-        rid=s.rid, tier=s.tier, arrival_s=s.arrival_s, prompt_len=s.prompt_len,
-        output_len_target=t.target, generated=s.generated, first_token_s=s.first_token_s,
-        finish_s=t.finish_s, token_times=t.times, evictions=s.num_evictions,
-        cached_tokens=t.first_cached or 0, ttft_target_s=req.ttft_s, tpot_target_s=req.tpot_s,
-        deadline_s=s.be_deadline_s, length_key=s.length_key, max_new_tokens=s.max_new_tokens,
+        rid=s.rid,
+        tier=s.tier,
+        arrival_s=s.arrival_s,
+        prompt_len=s.prompt_len,
+        output_len_target=t.target,
+        generated=s.generated,
+        first_token_s=s.first_token_s,
+        finish_s=t.finish_s,
+        token_times=t.times,
+        evictions=s.num_evictions,
+        cached_tokens=t.first_cached or 0,
+        ttft_target_s=req.ttft_s,
+        tpot_target_s=req.tpot_s,
+        deadline_s=s.be_deadline_s,
+        length_key=s.length_key,
+        max_new_tokens=s.max_new_tokens,
         admitted_s=t.admitted_s,
     )
 
 
-def _result(core: EngineCore, log: IterationLog, policy_name: str, horizon_s: float | None,
-            end_s: float) -> SimResult:
+def _result(
+    core: EngineCore, log: IterationLog, policy_name: str, horizon_s: float | None, end_s: float
+) -> SimResult:
     admitted = [t for t in core.arrived if t.first_cached is not None]
     prompt = sum(t.state.prompt_len for t in admitted)
     cached = sum(t.first_cached or 0 for t in admitted)
     return SimResult(
-        policy_name=policy_name, requests=[_record(t) for t in core.arrived], iterations=log,
-        horizon_s=horizon_s, end_s=end_s, prefix_reuse_ratio=cached / prompt if prompt else 0.0,
+        policy_name=policy_name,
+        requests=[_record(t) for t in core.arrived],
+        iterations=log,
+        horizon_s=horizon_s,
+        end_s=end_s,
+        prefix_reuse_ratio=cached / prompt if prompt else 0.0,
         num_evictions=core.num_evictions,
         kv_layout_stats=core.bikv.stats() if core.bikv is not None else {},
     )

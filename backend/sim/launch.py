@@ -30,12 +30,19 @@ def resolve_profile(name_or_path: str) -> Path:
 def sim_argv(engine_cfg: EngineConfig, model_name: str) -> list[str]:
     """`python -m backend.sim.server …` for this engine config."""
     argv = [
-        sys.executable, "-m", "backend.sim.server",
-        "--profile", str(resolve_profile(engine_cfg.sim_profile)),
-        "--host", engine_cfg.host,
-        "--port", str(engine_cfg.port),
-        "--policy", engine_cfg.sim_policy,
-        "--model-name", model_name,
+        sys.executable,
+        "-m",
+        "backend.sim.server",
+        "--profile",
+        str(resolve_profile(engine_cfg.sim_profile)),
+        "--host",
+        engine_cfg.host,
+        "--port",
+        str(engine_cfg.port),
+        "--policy",
+        engine_cfg.sim_policy,
+        "--model-name",
+        model_name,
     ]
     if engine_cfg.sim_kv_tokens is not None:
         argv += ["--kv-tokens", str(engine_cfg.sim_kv_tokens)]

@@ -29,7 +29,7 @@ def _drop_running(reqs: list[ReqState], n: int) -> list[ReqState]:
             continue
         seen += 1
         if seen == n:
-            return head + reqs[i + 1:]
+            return head + reqs[i + 1 :]
     return head
 
 

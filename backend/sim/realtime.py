@@ -49,8 +49,9 @@ class Stream:
 class RealtimeEngine:
     """EngineCore driven by `policy` on the wall clock (seconds since start)."""
 
-    def __init__(self, policy: Policy, latency: LatencyModel, config: SimConfig, *,
-                 time_scale: float = 1.0) -> None:
+    def __init__(
+        self, policy: Policy, latency: LatencyModel, config: SimConfig, *, time_scale: float = 1.0
+    ) -> None:
         self.policy = policy
         self.latency = latency
         self.config = config
@@ -124,8 +125,11 @@ class RealtimeEngine:
             stream = self.streams.pop(s.rid, None)
             if stream is not None:
                 stream.end({"type": "length", "length": s.generated})
-        self.policy.observe(IterationResult(start_s=start, duration_s=end - start, plan=plan,
-                                            emitted=emitted, finished=done))
+        self.policy.observe(
+            IterationResult(
+                start_s=start, duration_s=end - start, plan=plan, emitted=emitted, finished=done
+            )
+        )
         return True
 
     def _apply_aborts(self) -> None:

@@ -47,8 +47,15 @@ class RequestRecord(msgspec.Struct, kw_only=True):
 
 
 _FLOAT_COLUMNS = ("start_s", "duration_s", "predicted_s", "plan_ms", "rt_part_s")
-_INT_COLUMNS = ("num_prefill", "num_decode", "prefill_tokens", "kv_used_tokens",
-                "num_running", "num_waiting", "num_evictions")
+_INT_COLUMNS = (
+    "num_prefill",
+    "num_decode",
+    "prefill_tokens",
+    "kv_used_tokens",
+    "num_running",
+    "num_waiting",
+    "num_evictions",
+)
 
 
 class IterationLog:
@@ -85,10 +92,22 @@ class IterationLog:
     def __len__(self) -> int:
         return len(self.start_s)
 
-    def append(self, *, start_s: float, duration_s: float, predicted_s: float | None,
-               plan_ms: float, num_prefill: int, num_decode: int, prefill_tokens: int,
-               kv_used_tokens: int, num_running: int, num_waiting: int,
-               num_evictions: int, rt_part_s: float | None = None) -> None:
+    def append(
+        self,
+        *,
+        start_s: float,
+        duration_s: float,
+        predicted_s: float | None,
+        plan_ms: float,
+        num_prefill: int,
+        num_decode: int,
+        prefill_tokens: int,
+        kv_used_tokens: int,
+        num_running: int,
+        num_waiting: int,
+        num_evictions: int,
+        rt_part_s: float | None = None,
+    ) -> None:
         self.start_s.append(start_s)
         self.duration_s.append(duration_s)
         self.predicted_s.append(math.nan if predicted_s is None else predicted_s)

@@ -34,8 +34,26 @@ from backend.wire import PRIORITY_RT, RequestMeta, meta_from_custom_params
 
 ENGINE = web.AppKey("sim_engine", RealtimeEngine)
 MODEL_NAME = web.AppKey("sim_model_name", str)
-WORDS = ("lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit", "sed",
-         "do", "eiusmod", "tempor", "incididunt", "ut", "labore", "et", "dolore", "magna")
+WORDS = (
+    "lorem",
+    "ipsum",
+    "dolor",
+    "sit",
+    "amet",
+    "consectetur",
+    "adipiscing",
+    "elit",
+    "sed",
+    "do",
+    "eiusmod",
+    "tempor",
+    "incididunt",
+    "ut",
+    "labore",
+    "et",
+    "dolore",
+    "magna",
+)
 DEFAULT_MAX_NEW_TOKENS = 128
 
 
@@ -50,8 +68,14 @@ class GenerateBody(msgspec.Struct):
     priority: int | None = None
 
 
-def create_sim_app(policy: Policy, latency: LatencyModel, config: SimConfig, *,
-                   model_name: str = "tandem-sim", time_scale: float = 1.0) -> web.Application:
+def create_sim_app(
+    policy: Policy,
+    latency: LatencyModel,
+    config: SimConfig,
+    *,
+    model_name: str = "tandem-sim",
+    time_scale: float = 1.0,
+) -> web.Application:
     """The HTTP app serving `policy` on the simulated engine (the engine loop runs while the app
     does)."""
     app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -66,15 +90,17 @@ def create_sim_app(policy: Policy, latency: LatencyModel, config: SimConfig, *,
         await asyncio.gather(task, return_exceptions=True)
 
     app.cleanup_ctx.append(engine_loop)
-    app.add_routes([
-        web.post("/generate", generate),
-        web.post("/abort_request", abort_request),
-        web.get("/health", health),
-        web.get("/health_generate", health),
-        web.get("/model_info", model_info),
-        web.get("/get_model_info", model_info),
-        web.get("/v1/loads", loads),
-    ])
+    app.add_routes(
+        [
+            web.post("/generate", generate),
+            web.post("/abort_request", abort_request),
+            web.get("/health", health),
+            web.get("/health_generate", health),
+            web.get("/model_info", model_info),
+            web.get("/get_model_info", model_info),
+            web.get("/v1/loads", loads),
+        ]
+    )
     return app
 
 
@@ -102,8 +128,12 @@ def _sim_request(body: GenerateBody, arrival_s: float) -> SimRequest:
         raise ValueError(f"bad custom_params: {exc}") from None
     late_s = 0.0 if meta is None else max(0.0, time.time() - meta.arrival_unix_s)
     return SimRequest(
-        rid=body.rid or uuid.uuid4().hex, tier=_tier(meta, body.priority), arrival_s=arrival_s,
-        prompt_len=prompt_len, output_len=max_new, max_new_tokens=max_new,
+        rid=body.rid or uuid.uuid4().hex,
+        tier=_tier(meta, body.priority),
+        arrival_s=arrival_s,
+        prompt_len=prompt_len,
+        output_len=max_new,
+        max_new_tokens=max_new,
         ttft_s=_left(meta.ttft_ms, 1e-3, late_s) if meta else None,
         tpot_s=meta.tpot_ms / 1000.0 if meta and meta.tpot_ms is not None else None,
         deadline_s=_left(meta.deadline_s, 1.0, late_s) if meta else None,
@@ -128,7 +158,7 @@ def _block_hashes(ids: list[int], block: int) -> tuple[int, ...]:
     out: list[int] = []
     h = 0
     for start in range(0, len(ids) - block + 1, block):
-        h = hash((h, tuple(ids[start:start + block])))
+        h = hash((h, tuple(ids[start : start + block])))
         out.append(h)
     return tuple(out)
 
@@ -179,10 +209,12 @@ async def _next_change(stream: Stream) -> None:
     stream.changed.clear()
 
 
-async def _stream(request: web.Request, engine: RealtimeEngine,
-                  stream: Stream) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                       "Cache-Control": "no-cache"})
+async def _stream(
+    request: web.Request, engine: RealtimeEngine, stream: Stream
+) -> web.StreamResponse:
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
     await resp.prepare(request)
     sent = 0
     while True:
@@ -219,9 +251,15 @@ async def health(request: web.Request) -> web.Response:
 async def model_info(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     name = request.app[MODEL_NAME]
-    return web.json_response({"model_path": name, "tokenizer_path": name,
-                              "is_generation": True, "engine": "tandem-sim",
-                              "policy": engine.policy.name})
+    return web.json_response(
+        {
+            "model_path": name,
+            "tokenizer_path": name,
+            "is_generation": True,
+            "engine": "tandem-sim",
+            "policy": engine.policy.name,
+        }
+    )
 
 
 async def loads(request: web.Request) -> web.Response:
@@ -235,11 +273,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--policy", default="fcfs", help="policy name (backend.policy.registry)")
-    parser.add_argument("--kv-tokens", type=int, default=None,
-                        help="KV pool size, tokens (default: the profile's)")
+    parser.add_argument(
+        "--kv-tokens", type=int, default=None, help="KV pool size, tokens (default: the profile's)"
+    )
     parser.add_argument("--model-name", default="tandem-sim")
-    parser.add_argument("--time-scale", type=float, default=1.0,
-                        help="multiply every iteration's duration (0.1: ten times faster)")
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="multiply every iteration's duration (0.1: ten times faster)",
+    )
     args = parser.parse_args(argv)
     profile = load_profile(args.profile)
     latency = LatencyModel.fit(profile.samples)
@@ -247,11 +290,15 @@ def main(argv: list[str] | None = None) -> None:
     if kv_tokens < 1:
         parser.error("the profile has no kv_capacity_tokens; pass --kv-tokens")
     policy = make_policy(args.policy, latency)
-    config = SimConfig(kv_capacity_tokens=kv_tokens, page_size=profile.page_size,
-                       max_prefill_tokens=profile.max_prefill_tokens,
-                       reveal_lengths=getattr(policy, "needs_true_lengths", False))
-    app = create_sim_app(policy, latency, config, model_name=args.model_name,
-                         time_scale=args.time_scale)
+    config = SimConfig(
+        kv_capacity_tokens=kv_tokens,
+        page_size=profile.page_size,
+        max_prefill_tokens=profile.max_prefill_tokens,
+        reveal_lengths=getattr(policy, "needs_true_lengths", False),
+    )
+    app = create_sim_app(
+        policy, latency, config, model_name=args.model_name, time_scale=args.time_scale
+    )
     web.run_app(app, host=args.host, port=args.port)
 
 

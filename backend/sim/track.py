@@ -14,8 +14,19 @@ from backend.sim.source import SimRequest
 class Track:
     """Engine-private bookkeeping of one request (the policy sees only `state`)."""
 
-    __slots__ = ("admitted_s", "finish_s", "first_cached", "keys", "pinned", "private", "req",
-                 "state", "target", "times", "usable_blocks")
+    __slots__ = (
+        "admitted_s",
+        "finish_s",
+        "first_cached",
+        "keys",
+        "pinned",
+        "private",
+        "req",
+        "state",
+        "target",
+        "times",
+        "usable_blocks",
+    )
 
     def __init__(self, req: SimRequest, state: ReqState, usable_blocks: int) -> None:
         self.req = req
@@ -44,9 +55,15 @@ class Batch:
 
     __slots__ = ("decodes", "num_evictions", "plan", "prefills", "shape", "start_s")
 
-    def __init__(self, plan: Plan, start_s: float, decodes: list[Track],
-                 prefills: list[tuple[Track, int]], shape: BatchShape,
-                 num_evictions: int) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        start_s: float,
+        decodes: list[Track],
+        prefills: list[tuple[Track, int]],
+        shape: BatchShape,
+        num_evictions: int,
+    ) -> None:
         self.plan = plan
         self.start_s = start_s
         self.decodes = decodes

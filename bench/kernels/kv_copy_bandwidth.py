@@ -32,8 +32,12 @@ import torch
 
 from kernels.kv_copy import KvLayers, gather_slots_reference
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
-          "fp8": torch.float8_e4m3fn}
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+    "fp8": torch.float8_e4m3fn,
+}
 
 
 def _time_ms(fn: Callable[[], None], repeats: int, device: torch.device) -> float:
@@ -59,8 +63,9 @@ def _time_ms(fn: Callable[[], None], repeats: int, device: torch.device) -> floa
     return statistics.median(samples)
 
 
-def _methods(kv: KvLayers, slots: torch.Tensor, pin: bool
-             ) -> dict[str, dict[str, Callable[[], None]]]:
+def _methods(
+    kv: KvLayers, slots: torch.Tensor, pin: bool
+) -> dict[str, dict[str, Callable[[], None]]]:
     """The four ways to move n slots, per direction (buffers allocated once, here)."""
     layers = kv.layers
     n = slots.numel()
@@ -70,8 +75,9 @@ def _methods(kv: KvLayers, slots: torch.Tensor, pin: bool
     flat_dev = torch.empty(nbytes, dtype=torch.uint8, device=kv.device)
     flat_host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
     kv.gather(slots, host)
-    if not torch.equal(host.view(torch.uint8).cpu(),
-                       gather_slots_reference(layers, slots).view(torch.uint8).cpu()):
+    if not torch.equal(
+        host.view(torch.uint8).cpu(), gather_slots_reference(layers, slots).view(torch.uint8).cpu()
+    ):
         raise SystemExit(f"gather of {n} slots differs from the torch reference")
 
     def torch_d2h() -> None:
@@ -105,18 +111,28 @@ def _methods(kv: KvLayers, slots: torch.Tensor, pin: bool
         kv.scatter(slots, staging, check=False)
 
     return {
-        "d2h": {"torch copy": torch_d2h, "index_select + copy": index_select_d2h,
-                "triton direct": direct_d2h, "triton staged": staged_d2h},
-        "h2d": {"torch copy": torch_h2d, "index_select + copy": index_copy_h2d,
-                "triton direct": direct_h2d, "triton staged": staged_h2d},
+        "d2h": {
+            "torch copy": torch_d2h,
+            "index_select + copy": index_select_d2h,
+            "triton direct": direct_d2h,
+            "triton staged": staged_d2h,
+        },
+        "h2d": {
+            "torch copy": torch_h2d,
+            "index_select + copy": index_copy_h2d,
+            "triton direct": direct_h2d,
+            "triton staged": staged_h2d,
+        },
     }
 
 
 def run(args: argparse.Namespace) -> list[dict[str, object]]:
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = DTYPES[args.dtype]
-    layers = [torch.randn(args.pool_slots, args.kv_heads, args.head_dim, device=device)
-              .to(dtype) for _ in range(2 * args.layers)]
+    layers = [
+        torch.randn(args.pool_slots, args.kv_heads, args.head_dim, device=device).to(dtype)
+        for _ in range(2 * args.layers)
+    ]
     kv = KvLayers(layers)
     gen = torch.Generator().manual_seed(0)
     rows: list[dict[str, object]] = []
@@ -127,38 +143,59 @@ def run(args: argparse.Namespace) -> list[dict[str, object]]:
             times = {name: _time_ms(fn, args.repeats, device) for name, fn in fns.items()}
             base = times["torch copy"]
             for name, ms in times.items():
-                rows.append({"direction": direction, "tokens": n, "bytes": nbytes,
-                             "method": name, "ms": ms, "gb_s": nbytes / ms / 1e6,
-                             "of_torch_copy": base / ms})
+                rows.append(
+                    {
+                        "direction": direction,
+                        "tokens": n,
+                        "bytes": nbytes,
+                        "method": name,
+                        "ms": ms,
+                        "gb_s": nbytes / ms / 1e6,
+                        "of_torch_copy": base / ms,
+                    }
+                )
     return rows
 
 
 def _table(rows: list[dict[str, object]]) -> str:
-    out = ["| direction | tokens | MB | method | ms | GB/s | ÷ torch copy |",
-           "|---|---:|---:|---|---:|---:|---:|"]
+    out = [
+        "| direction | tokens | MB | method | ms | GB/s | ÷ torch copy |",
+        "|---|---:|---:|---|---:|---:|---:|",
+    ]
     for r in rows:
-        out.append(f"| {r['direction']} | {r['tokens']} | {int(r['bytes']) / 1e6:.1f} | "  # type: ignore[call-overload]
-                   f"{r['method']} | {float(r['ms']):.3f} | {float(r['gb_s']):.1f} | "  # type: ignore[arg-type]
-                   f"{float(r['of_torch_copy']):.2f} |")  # type: ignore[arg-type]
+        out.append(
+            f"| {r['direction']} | {r['tokens']} | {int(r['bytes']) / 1e6:.1f} | "  # type: ignore[call-overload]
+            f"{r['method']} | {float(r['ms']):.3f} | {float(r['gb_s']):.1f} | "  # type: ignore[arg-type]
+            f"{float(r['of_torch_copy']):.2f} |"
+        )  # type: ignore[arg-type]
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.kernels.kv_copy_bandwidth",
-                                description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.kernels.kv_copy_bandwidth",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--layers", type=int, default=32, help="model layers (K and V each: 2×)")
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--pool-slots", type=int, default=200_000, help="slots per layer buffer")
-    p.add_argument("--tokens", type=int, nargs="+", default=[16, 128, 1024, 8192],
-                   help="scattered slots per copy")
+    p.add_argument(
+        "--tokens",
+        type=int,
+        nargs="+",
+        default=[16, 128, 1024, 8192],
+        help="scattered slots per copy",
+    )
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--json", type=Path, help="also write the rows as JSON")
-    p.add_argument("--smoke", action="store_true",
-                   help="tiny sizes on CPU (Triton interpreter): checks the script, times nothing "
-                   "meaningful")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny sizes on CPU (Triton interpreter): checks the script, times nothing meaningful",
+    )
     args = p.parse_args(argv)
     if args.smoke:
         args.layers, args.pool_slots, args.repeats = 2, 64, 1
@@ -171,8 +208,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows = run(args)
     name = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.smoke else "cpu"
-    print(f"device: {name}; {2 * args.layers} layer buffers × {args.kv_heads} heads × "
-          f"{args.head_dim} × {args.dtype}\n")
+    print(
+        f"device: {name}; {2 * args.layers} layer buffers × {args.kv_heads} heads × "
+        f"{args.head_dim} × {args.dtype}\n"
+    )
     print(_table(rows))
     if args.json:
         args.json.write_text(json.dumps({"device": name, "rows": rows}, indent=1))

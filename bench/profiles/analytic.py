@@ -160,16 +160,20 @@ def kv_capacity_tokens(model: ModelShape, hw: Hardware) -> int:
     return tokens - tokens % hw.page_size
 
 
-def iteration(model: ModelShape, hw: Hardware, chunks: Sequence[tuple[int, int]],
-              contexts: Sequence[int]) -> Roofline:
+def iteration(
+    model: ModelShape, hw: Hardware, chunks: Sequence[tuple[int, int]], contexts: Sequence[int]
+) -> Roofline:
     """The roofline of one iteration: prefill `chunks` as (chunk, prefix) pairs, and one decode
     for each KV length in `contexts`."""
     tokens = sum(chunk for chunk, _ in chunks) + len(contexts)
     sampled = len(chunks) + len(contexts)
     keys = sum(chunk * prefix + chunk * (chunk + 1) // 2 for chunk, prefix in chunks)
     keys += sum(contexts)
-    flops = (2 * model.layer_params * tokens + 2 * model.lm_head_params * sampled
-             + model.attn_flops_per_key * keys)
+    flops = (
+        2 * model.layer_params * tokens
+        + 2 * model.lm_head_params * sampled
+        + model.attn_flops_per_key * keys
+    )
     kv_read = sum(contexts) + sum(prefix for _, prefix in chunks)
     nbytes = model.streamed_weight_bytes + model.kv_bytes_per_token * (kv_read + tokens)
     return Roofline(
@@ -204,6 +208,7 @@ TWO_CHUNK_TOTALS = (256, 1024, 4096, 8192)
 
 def grid(capacity: int) -> Iterator[tuple[list[tuple[int, int]], list[int]]]:
     """Every sampled iteration as (chunks, decode contexts), in a fixed order."""
+
     def fits(chunks: list[tuple[int, int]], contexts: list[int]) -> bool:
         return sum(c + p for c, p in chunks) + sum(contexts) <= capacity
 
@@ -253,17 +258,22 @@ def build_profile(model: ModelShape | None = None, hw: Hardware | None = None) -
     hw = hw or Hardware()
     capacity = kv_capacity_tokens(model, hw)
     samples = [
-        ProfileSample(shape=to_shape(chunks, contexts),
-                      seconds=round(iteration(model, hw, chunks, contexts).seconds, 9))
+        ProfileSample(
+            shape=to_shape(chunks, contexts),
+            seconds=round(iteration(model, hw, chunks, contexts).seconds, 9),
+        )
         for chunks, contexts in grid(capacity)
     ]
-    hardware = {k: v for k, v in asdict(hw).items() if k not in ("page_size",
-                                                                 "max_prefill_tokens")}
+    hardware = {k: v for k, v in asdict(hw).items() if k not in ("page_size", "max_prefill_tokens")}
     return Profile(
         name=PROFILE_NAME,
         description=description(model, hw),
-        model={"architecture": "LlamaForCausalLM", **asdict(model), "dtype": "bfloat16",
-               "params": model.total_params},
+        model={
+            "architecture": "LlamaForCausalLM",
+            **asdict(model),
+            "dtype": "bfloat16",
+            "params": model.total_params,
+        },
         hardware=hardware,
         kv_capacity_tokens=capacity,
         page_size=hw.page_size,
@@ -276,35 +286,52 @@ def build_profile(model: ModelShape | None = None, hw: Hardware | None = None) -
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Writes the profile and prints a one-line summary."""
-    parser = argparse.ArgumentParser(prog="python -m bench.profiles.analytic",
-                                     description="write the analytic H100 profile")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.profiles.analytic", description="write the analytic H100 profile"
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="profile file to write")
-    parser.add_argument("--overhead-ms", type=float, default=None,
-                        help="fixed cost of every iteration, ms (sensitivity studies; default "
-                             f"{Hardware.overhead_s * 1e3:g})")
-    parser.add_argument("--overhead-per-request-us", type=float, default=None,
-                        help="per-request cost in an iteration, µs (default "
-                             f"{Hardware.overhead_per_request_s * 1e6:g})")
+    parser.add_argument(
+        "--overhead-ms",
+        type=float,
+        default=None,
+        help="fixed cost of every iteration, ms (sensitivity studies; default "
+        f"{Hardware.overhead_s * 1e3:g})",
+    )
+    parser.add_argument(
+        "--overhead-per-request-us",
+        type=float,
+        default=None,
+        help="per-request cost in an iteration, µs (default "
+        f"{Hardware.overhead_per_request_s * 1e6:g})",
+    )
     args = parser.parse_args(argv)
     hw = Hardware()
     if args.overhead_ms is not None or args.overhead_per_request_us is not None:
-        if min(v for v in (args.overhead_ms, args.overhead_per_request_us, 0.0)
-               if v is not None) < 0:
+        if (
+            min(v for v in (args.overhead_ms, args.overhead_per_request_us, 0.0) if v is not None)
+            < 0
+        ):
             parser.error("overheads must be ≥ 0")
-        hw = replace(hw, overhead_s=hw.overhead_s if args.overhead_ms is None
-                     else args.overhead_ms / 1e3,
-                     overhead_per_request_s=hw.overhead_per_request_s
-                     if args.overhead_per_request_us is None
-                     else args.overhead_per_request_us / 1e6)
+        hw = replace(
+            hw,
+            overhead_s=hw.overhead_s if args.overhead_ms is None else args.overhead_ms / 1e3,
+            overhead_per_request_s=hw.overhead_per_request_s
+            if args.overhead_per_request_us is None
+            else args.overhead_per_request_us / 1e6,
+        )
         if args.out == DEFAULT_OUT:
-            parser.error("--out is required with a changed overhead (the default file is the "
-                         "committed profile)")
+            parser.error(
+                "--out is required with a changed overhead (the default file is the "
+                "committed profile)"
+            )
     profile = build_profile(hw=hw)
     if hw != Hardware():
         profile.name = args.out.stem
     save_profile(profile, args.out)
-    print(f"wrote {args.out}: {len(profile.samples)} samples, "
-          f"KV capacity {profile.kv_capacity_tokens} tokens")
+    print(
+        f"wrote {args.out}: {len(profile.samples)} samples, "
+        f"KV capacity {profile.kv_capacity_tokens} tokens"
+    )
     return 0
 
 

@@ -34,8 +34,9 @@ def _int_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}"
-                                         ) from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
     if any(v < 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected non-negative integers, got {text!r}")
     return values
@@ -43,26 +44,53 @@ def _int_list(text: str) -> list[int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `profile` options: target, output, grid."""
-    parser.add_argument("--out", type=Path, default=Path(DEFAULT_OUT),
-                        help=f"profile file to write (default: {DEFAULT_OUT})")
-    parser.add_argument("--url", help="engine base URL (default: engine host and port of the "
-                                      "config)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(DEFAULT_OUT),
+        help=f"profile file to write (default: {DEFAULT_OUT})",
+    )
+    parser.add_argument(
+        "--url", help="engine base URL (default: engine host and port of the config)"
+    )
     parser.add_argument("--config", default=None, help="config file (default: config.yaml)")
-    parser.add_argument("--quick", action="store_true",
-                        help="a small grid (about 20 s on the CPU tiny engine)")
-    parser.add_argument("--launch", action="store_true",
-                        help="start the configured engine on a free port, profile it, stop it")
+    parser.add_argument(
+        "--quick", action="store_true", help="a small grid (about 20 s on the CPU tiny engine)"
+    )
+    parser.add_argument(
+        "--launch",
+        action="store_true",
+        help="start the configured engine on a free port, profile it, stop it",
+    )
     parser.add_argument("--name", help="profile name (default: the output file's stem)")
-    parser.add_argument("--vocab-size", type=int, help="draw prompt ids below this (default: "
-                                                       "the model config's vocab_size)")
-    parser.add_argument("--quiet-wait", type=float, default=30.0, metavar="S",
-                        help="before each probe wait up to S seconds for this machine's CPUs "
-                             "to be idle (default 30; 0: never)")
-    parser.add_argument("--report", nargs="+", type=Path, metavar="FILE",
-                        help="print held-out MAPE and weights of profile files; measure nothing")
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        help="draw prompt ids below this (default: the model config's vocab_size)",
+    )
+    parser.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="before each probe wait up to S seconds for this machine's CPUs "
+        "to be idle (default 30; 0: never)",
+    )
+    parser.add_argument(
+        "--report",
+        nargs="+",
+        type=Path,
+        metavar="FILE",
+        help="print held-out MAPE and weights of profile files; measure nothing",
+    )
     grid = parser.add_argument_group("grid (comma-separated token or request counts)")
-    for flag in ("decode-batches", "decode-contexts", "prefill-tokens", "prefill-prefixes",
-                 "mixed-prefill-tokens"):
+    for flag in (
+        "decode-batches",
+        "decode-contexts",
+        "prefill-tokens",
+        "prefill-prefixes",
+        "mixed-prefill-tokens",
+    ):
         grid.add_argument(f"--{flag}", type=_int_list, metavar="N,N,...")
     grid.add_argument("--repeats", type=int, help="runs per point (median kept)")
     grid.add_argument("--decode-steps", type=int, help="decode tokens per steady window")
@@ -100,20 +128,34 @@ def _measure(args: argparse.Namespace) -> int:
     command = getattr(args, "command_line", None) or "tandem " + shlex.join(sys.argv[1:])
     started = time.monotonic()
     with _engine(args, config) as base_url:
-        profile = asyncio.run(profile_engine(
-            base_url, grid=grid, name=name, vocab_size=args.vocab_size, command=command,
-            quiet_wait_s=args.quiet_wait,
-            progress=lambda line: print(f"  {line}", file=sys.stderr)))
+        profile = asyncio.run(
+            profile_engine(
+                base_url,
+                grid=grid,
+                name=name,
+                vocab_size=args.vocab_size,
+                command=command,
+                quiet_wait_s=args.quiet_wait,
+                progress=lambda line: print(f"  {line}", file=sys.stderr),
+            )
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     save_profile(profile, args.out)
     kinds = {"prefill": 0, "decode": 0, "mixed": 0}
     for sample in profile.samples:
         shape = sample.shape
-        kinds["mixed" if shape.num_prefill and shape.num_decode else
-              "prefill" if shape.num_prefill else "decode"] += 1
-    print(f"wrote {args.out}: {len(profile.samples)} samples "
-          f"({', '.join(f'{n} {k}' for k, n in kinds.items())}) in "
-          f"{time.monotonic() - started:.0f} s")
+        kinds[
+            "mixed"
+            if shape.num_prefill and shape.num_decode
+            else "prefill"
+            if shape.num_prefill
+            else "decode"
+        ] += 1
+    print(
+        f"wrote {args.out}: {len(profile.samples)} samples "
+        f"({', '.join(f'{n} {k}' for k, n in kinds.items())}) in "
+        f"{time.monotonic() - started:.0f} s"
+    )
     if len(profile.samples) >= 5:
         _, error = holdout_mape(profile)
         n_test = max(1, int(len(profile.samples) * 0.2))
@@ -140,8 +182,9 @@ def _engine(args: argparse.Namespace, config: Config) -> Iterator[str]:
         raise ProfilerError("--launch starts its own engine; leave out --url")
     # The probes shape each iteration themselves (batch sizes, prompt lengths): SGLang's own
     # scheduling runs them, not a policy that would cut chunks or park decodes.
-    engine_cfg = msgspec.structs.replace(config.engine, host="127.0.0.1", port=_free_port(),
-                                         policy="none")
+    engine_cfg = msgspec.structs.replace(
+        config.engine, host="127.0.0.1", port=_free_port(), policy="none"
+    )
     log_dir = Path(tempfile.mkdtemp(prefix="tandem-profile-"))
     engine = EngineProcess(
         server_argv(engine_cfg, _model_dir(config), config.model.name),
@@ -181,8 +224,13 @@ def grid_from_args(args: argparse.Namespace) -> ProfileGrid:
 
     grid = ProfileGrid.quick() if args.quick else ProfileGrid()
     overrides: dict[str, Any] = {}
-    for key in ("decode_batches", "decode_contexts", "prefill_tokens", "prefill_prefixes",
-                "mixed_prefill_tokens"):
+    for key in (
+        "decode_batches",
+        "decode_contexts",
+        "prefill_tokens",
+        "prefill_prefixes",
+        "mixed_prefill_tokens",
+    ):
         if getattr(args, key, None) is not None:
             overrides[key] = tuple(getattr(args, key))
     for key in ("repeats", "decode_steps", "seed"):

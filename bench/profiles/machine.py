@@ -46,13 +46,16 @@ class QuietGate:
         """One phrase for the description."""
         if not self.probes:
             return "no wait for idle CPUs"
-        return (f"each probe waited for idle CPUs (up to {self.max_wait_s:.0f} s; "
-                f"{self.waited_s:.0f} s in all; {self.busy_starts} of {self.probes} started "
-                f"busy)")
+        return (
+            f"each probe waited for idle CPUs (up to {self.max_wait_s:.0f} s; "
+            f"{self.waited_s:.0f} s in all; {self.busy_starts} of {self.probes} started "
+            f"busy)"
+        )
 
 
 async def cpu_busy_share(window_s: float = 1.0) -> float | None:
     """Share of all CPUs busy over *window_s* (Linux /proc/stat), None elsewhere."""
+
     def idle_total() -> tuple[int, int]:
         fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
         return fields[3] + fields[4], sum(fields)  # idle + iowait, all
@@ -76,5 +79,9 @@ def machine_facts() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    return {"device": "cpu", "cpu": cpu, "cpu_count": os.cpu_count(),
-            "platform": platform.platform()}
+    return {
+        "device": "cpu",
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+    }

@@ -80,33 +80,49 @@ async def get_json(session: aiohttp.ClientSession, url: str) -> dict[str, Any] |
     return body if isinstance(body, dict) else None
 
 
-async def discover(session: aiohttp.ClientSession, base_url: str,
-                   vocab_size: int | None = None) -> EngineFacts:
+async def discover(
+    session: aiohttp.ClientSession, base_url: str, vocab_size: int | None = None
+) -> EngineFacts:
     """Reads the engine's facts; raises ProfilerError when nothing answers at *base_url*."""
     try:
         model_info = await get_json(session, base_url + "/model_info") or {}
         server = await get_json(session, base_url + "/server_info")
         loads = await get_json(session, base_url + "/v1/loads") if server is None else None
     except (aiohttp.ClientError, OSError, TimeoutError):
-        raise ProfilerError(f"engine not reachable at {base_url} (is it running? `tandem "
-                            "serve` starts it; or pass --url, or --launch)") from None
+        raise ProfilerError(
+            f"engine not reachable at {base_url} (is it running? `tandem "
+            "serve` starts it; or pass --url, or --launch)"
+        ) from None
     server = server or {}
     if loads and isinstance(loads.get("loads"), list) and loads["loads"]:
         server = {**loads["loads"][0], **server}
     config = _model_config(model_info.get("model_path"))
-    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "intermediate_size", "vocab_size")
+    keys = (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "vocab_size",
+    )
     model: dict[str, Any] = {k: config[k] for k in keys if k in config}
     if "head_dim" in config or ("hidden_size" in config and "num_attention_heads" in config):
         model["head_dim"] = config.get("head_dim") or (
-            config["hidden_size"] // config["num_attention_heads"])
-    model.update({k: model_info[k] for k in ("model_type", "architectures", "served_model_name")
-                  if model_info.get(k) is not None})
+            config["hidden_size"] // config["num_attention_heads"]
+        )
+    model.update(
+        {
+            k: model_info[k]
+            for k in ("model_type", "architectures", "served_model_name")
+            if model_info.get(k) is not None
+        }
+    )
     vocab = vocab_size or config.get("vocab_size") or DEFAULT_VOCAB
     return EngineFacts(
         vocab_size=int(vocab),
-        kv_capacity_tokens=int(server.get("max_total_num_tokens") or
-                               server.get("max_total_tokens") or 0),
+        kv_capacity_tokens=int(
+            server.get("max_total_num_tokens") or server.get("max_total_tokens") or 0
+        ),
         max_running_requests=int(server.get("max_running_requests") or 16),
         chunked_prefill_size=int(server.get("chunked_prefill_size") or 512),
         page_size=int(server.get("page_size") or 1),
@@ -158,8 +174,9 @@ class Stream:
 class Prober:
     """Sends generations with random prompts and records when their tokens arrive."""
 
-    def __init__(self, session: aiohttp.ClientSession, base_url: str, facts: EngineFacts,
-                 seed: int) -> None:
+    def __init__(
+        self, session: aiohttp.ClientSession, base_url: str, facts: EngineFacts, seed: int
+    ) -> None:
         self.session = session
         self.base_url = base_url
         self.facts = facts
@@ -176,11 +193,19 @@ class Prober:
 
     def start(self, prompt: list[int], max_new_tokens: int) -> tuple[Stream, asyncio.Task[None]]:
         """Sends one streamed generation; returns its record and the task that fills it."""
-        stream = Stream(rid=f"profile-{uuid.uuid4().hex}", prompt_len=len(prompt),
-                        sent_at=time.perf_counter())
-        body = {"rid": stream.rid, "input_ids": prompt, "stream": True,
-                "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True,
-                                    "temperature": 0.0}}
+        stream = Stream(
+            rid=f"profile-{uuid.uuid4().hex}", prompt_len=len(prompt), sent_at=time.perf_counter()
+        )
+        body = {
+            "rid": stream.rid,
+            "input_ids": prompt,
+            "stream": True,
+            "sampling_params": {
+                "max_new_tokens": max_new_tokens,
+                "ignore_eos": True,
+                "temperature": 0.0,
+            },
+        }
         return stream, asyncio.create_task(self._run(stream, body))
 
     async def _run(self, stream: Stream, body: dict[str, Any]) -> None:
@@ -211,8 +236,7 @@ class Prober:
         async with self.changed:
             self.changed.notify_all()
 
-    async def wait_until(self, predicate: Callable[[], bool], timeout_s: float,
-                         what: str) -> None:
+    async def wait_until(self, predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
         """Waits until *predicate* holds (re-checked on every chunk); ProfilerError on timeout."""
         try:
             async with asyncio.timeout(timeout_s), self.changed:
@@ -238,8 +262,9 @@ class Prober:
         for stream in streams:
             if not stream.is_done:
                 try:
-                    async with self.session.post(self.base_url + "/abort_request",
-                                                 json={"rid": stream.rid}):
+                    async with self.session.post(
+                        self.base_url + "/abort_request", json={"rid": stream.rid}
+                    ):
                         pass
                 except aiohttp.ClientError:
                     pass  # disconnecting below aborts it too
@@ -275,8 +300,9 @@ def client_session() -> aiohttp.ClientSession:
     return aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
 
 
-async def repeat_until_stable(run: Callable[[], Awaitable[T]], repeats: int,
-                              seconds: Callable[[T], float]) -> list[T]:
+async def repeat_until_stable(
+    run: Callable[[], Awaitable[T]], repeats: int, seconds: Callable[[T], float]
+) -> list[T]:
     """`repeats` runs of a probe, and more (up to 2·repeats + 1) until `repeats` of them lie
     within ±(SPREAD_LIMIT − 1)/2 of their median: a burst of other work on the machine then
     cannot carry the median."""

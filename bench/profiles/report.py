@@ -18,8 +18,17 @@ from backend.policy.latency import FEATURES, holdout_mape, load_profile
 PROFILES_DIR = Path(__file__).resolve().parent
 HOLDOUT_FRACTION = 0.2
 SEED = 0
-UNITS = ("ms", "ms/Ktok", "ms/Ktok", "ms/Ktok²", "ms/Ktok²", "ms/req", "ms/req", "ms/Ktok²",
-         "ms/Ktok²")
+UNITS = (
+    "ms",
+    "ms/Ktok",
+    "ms/Ktok",
+    "ms/Ktok²",
+    "ms/Ktok²",
+    "ms/req",
+    "ms/req",
+    "ms/Ktok²",
+    "ms/Ktok²",
+)
 
 
 def report_lines(path: str | Path) -> list[str]:
@@ -29,19 +38,25 @@ def report_lines(path: str | Path) -> list[str]:
     _, linear_error = holdout_mape(profile, HOLDOUT_FRACTION, SEED, max_pieces=1)
     n_test = max(1, int(len(profile.samples) * HOLDOUT_FRACTION))
     form = "max of 2 linear pieces" if len(model.pieces) == 2 else "linear"
-    lines = [f"{profile.name}: {len(profile.samples)} samples, held-out MAPE {error:.1%} on "
-             f"{n_test} points ({form}; linear form alone {linear_error:.1%})"]
+    lines = [
+        f"{profile.name}: {len(profile.samples)} samples, held-out MAPE {error:.1%} on "
+        f"{n_test} points ({form}; linear form alone {linear_error:.1%})"
+    ]
     for i, piece in enumerate(model.pieces, 1):
-        terms = ", ".join(f"{name}={w * 1e3:.4g} {unit}" for name, w, unit
-                          in zip(FEATURES, piece, UNITS, strict=True) if w)
+        terms = ", ".join(
+            f"{name}={w * 1e3:.4g} {unit}"
+            for name, w, unit in zip(FEATURES, piece, UNITS, strict=True)
+            if w
+        )
         lines.append(f"  piece {i}: {terms}")
     return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Prints the report for the given profiles (all committed ones by default)."""
-    parser = argparse.ArgumentParser(prog="python -m bench.profiles.report",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.profiles.report", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("files", nargs="*", type=Path, help="profile files")
     args = parser.parse_args(argv)
     for path in args.files or sorted(PROFILES_DIR.glob("*.json")):

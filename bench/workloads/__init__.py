@@ -27,10 +27,18 @@ def build_workload(name: str, params: WorkloadParams, ctx: BuildContext) -> Work
     try:
         builder = BUILDERS[name.upper()]
     except KeyError:
-        raise ValueError(f"unknown workload {name!r} (choose from "
-                         f"{', '.join(WORKLOAD_NAMES)}, trace)") from None
+        raise ValueError(
+            f"unknown workload {name!r} (choose from {', '.join(WORKLOAD_NAMES)}, trace)"
+        ) from None
     return builder(params, ctx)
 
 
-__all__ = ["WORKLOAD_NAMES", "BuildContext", "RequestSpec", "SpecSource", "Workload",
-           "WorkloadParams", "build_workload"]
+__all__ = [
+    "WORKLOAD_NAMES",
+    "BuildContext",
+    "RequestSpec",
+    "SpecSource",
+    "Workload",
+    "WorkloadParams",
+    "build_workload",
+]

@@ -39,8 +39,10 @@ def trace_path(data_dir: Path, kind: str = "conv") -> Path:
     """The trace file in `data_dir`; ValueError with what to do when it is missing."""
     path = Path(data_dir) / FILES[kind]
     if not path.is_file():
-        raise ValueError(f"Azure trace not found: {path} (point --data-dir at the folder "
-                         f"holding {FILES[kind]}, e.g. ../shared/data)")
+        raise ValueError(
+            f"Azure trace not found: {path} (point --data-dir at the folder "
+            f"holding {FILES[kind]}, e.g. ../shared/data)"
+        )
     return path
 
 
@@ -53,7 +55,8 @@ def load_trace(path: Path) -> AzureTrace:
         with open(path, newline="") as fh:
             reader = csv.DictReader(fh)
             missing = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} - set(
-                reader.fieldnames or ())
+                reader.fieldnames or ()
+            )
             if missing:
                 raise ValueError(f"{path}: missing column(s) {', '.join(sorted(missing))}")
             for row_no, row in enumerate(reader, start=2):
@@ -69,6 +72,9 @@ def load_trace(path: Path) -> AzureTrace:
         raise ValueError(f"{path}: no rows")
     t = np.array(times)
     order = np.argsort(t, kind="stable")
-    return AzureTrace(path=Path(path), times_s=t[order] - t[order][0],
-                      prompt_lens=np.maximum(1, np.array(prompts, dtype=np.int64)[order]),
-                      output_lens=np.maximum(1, np.array(outputs, dtype=np.int64)[order]))
+    return AzureTrace(
+        path=Path(path),
+        times_s=t[order] - t[order][0],
+        prompt_lens=np.maximum(1, np.array(prompts, dtype=np.int64)[order]),
+        output_lens=np.maximum(1, np.array(outputs, dtype=np.int64)[order]),
+    )

@@ -133,7 +133,8 @@ class BuildContext:
         points = min(samples, decodes)
         step_total = sum(
             self.latency.predict(BatchShape().with_decode(prompt_len + 1 + (i * decodes) // points))
-            for i in range(points))
+            for i in range(points)
+        )
         return self.prefill_s(prompt_len) + step_total * decodes / points
 
 

@@ -35,8 +35,9 @@ def lognormal_params(mean: float, std: float) -> tuple[float, float]:
     return math.log(mean) - sigma2 / 2.0, math.sqrt(sigma2)
 
 
-def lognormal_ints(rng: np.random.Generator, mean: float, std: float, n: int, *,
-                   low: int, high: int) -> np.ndarray:
+def lognormal_ints(
+    rng: np.random.Generator, mean: float, std: float, n: int, *, low: int, high: int
+) -> np.ndarray:
     """n integers from the lognormal with this mean/std, rounded and clipped to [low, high]."""
     mu, sigma = lognormal_params(mean, std)
     return np.clip(np.rint(rng.lognormal(mu, sigma, n)), low, high).astype(np.int64)
@@ -54,8 +55,9 @@ def log_uniform_ints(rng: np.random.Generator, low: int, high: int, n: int) -> n
     return out
 
 
-def binned_ints(rng: np.random.Generator, bins: Sequence[tuple[float, int, int]], n: int, *,
-                log: bool) -> np.ndarray:
+def binned_ints(
+    rng: np.random.Generator, bins: Sequence[tuple[float, int, int]], n: int, *, log: bool
+) -> np.ndarray:
     """n integers from a mixture of bins (weight, low, high): a bin is chosen by weight, then a
     value inside it, log-uniform (log=True) or uniform. A bin with low == high is a point mass.
     Value i uses draws 2i and 2i+1 only, so the first k values are the same for every n ≥ k."""
@@ -90,5 +92,6 @@ def poisson_times(rng: np.random.Generator, rate: float, duration_s: float) -> n
 
 def unique_block_hashes(rid: str, prompt_len: int, start_block: int = 0) -> tuple[int, ...]:
     """Hashes of a prompt's full blocks from `start_block` on that no other request shares."""
-    return tuple(stable_hash("block", rid, i)
-                 for i in range(start_block, prompt_len // BLOCK_TOKENS))
+    return tuple(
+        stable_hash("block", rid, i) for i in range(start_block, prompt_len // BLOCK_TOKENS)
+    )

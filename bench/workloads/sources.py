@@ -33,7 +33,7 @@ class TimedSource:
         start = self._next
         while self._next < len(self._specs) and self._specs[self._next].arrival_s <= now_s:
             self._next += 1
-        return self._specs[start:self._next]
+        return self._specs[start : self._next]
 
     def on_finish(self, rid: str, now_s: float) -> None:
         """Open loop: finishes change nothing."""
@@ -82,8 +82,13 @@ class ClosedLoopSource(_Feedback):
     `make(c, j, arrival_s)`, so the same requests come in the same per-client order whatever
     the policy."""
 
-    def __init__(self, clients: int, make: Callable[[int, int, float], RequestSpec],
-                 stop_s: float, start_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        clients: int,
+        make: Callable[[int, int, float], RequestSpec],
+        stop_s: float,
+        start_s: float = 0.0,
+    ) -> None:
         super().__init__(stop_s)
         self._make = make
         self._owner: dict[str, tuple[int, int]] = {}
@@ -109,8 +114,12 @@ class BatchSource(_Feedback):
     """BE batches: batch 0 at start_s; batch k+1 is submitted when every request of batch k has
     finished. `make(k, arrival_s)` returns batch k's requests."""
 
-    def __init__(self, make: Callable[[int, float], Sequence[RequestSpec]], stop_s: float,
-                 start_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        make: Callable[[int, float], Sequence[RequestSpec]],
+        stop_s: float,
+        start_s: float = 0.0,
+    ) -> None:
         super().__init__(stop_s)
         self._make = make
         self._batch = 0
@@ -166,15 +175,19 @@ def merge(sources: Sequence[SpecSource]) -> SpecSource:
     return sources[0] if len(sources) == 1 else MergedSource(sources)
 
 
-def drain(source: SpecSource, *, finish_after_s: float | None = 0.0,
-          limit: int = 1_000_000) -> list[RequestSpec]:
+def drain(
+    source: SpecSource, *, finish_after_s: float | None = 0.0, limit: int = 1_000_000
+) -> list[RequestSpec]:
     """Every request a source submits when each request finishes `finish_after_s` after it
     arrives (None: never finishes). For tests and for inspecting a workload."""
     out: list[RequestSpec] = []
     pending: list[tuple[float, str]] = []
     while len(out) < limit:
-        candidates = [t for t in (source.next_arrival_s(),
-                                  pending[0][0] if pending else None) if t is not None]
+        candidates = [
+            t
+            for t in (source.next_arrival_s(), pending[0][0] if pending else None)
+            if t is not None
+        ]
         if not candidates:
             break
         now = min(candidates)
@@ -204,12 +217,23 @@ class SimSource:
         return self._source.next_arrival_s()
 
     def pop_due(self, now_s: float) -> list[Any]:
-        return [self._make(rid=s.rid, tier=s.tier, arrival_s=s.arrival_s,
-                           prompt_len=s.prompt_len, output_len=s.output_len,
-                           max_new_tokens=s.max_new_tokens, ttft_s=s.ttft_s, tpot_s=s.tpot_s,
-                           deadline_s=s.deadline_s, length_key=s.length_key,
-                           order_key=s.order_key, prefix_hashes=s.prefix_hashes)
-                for s in self._source.pop_due(now_s)]
+        return [
+            self._make(
+                rid=s.rid,
+                tier=s.tier,
+                arrival_s=s.arrival_s,
+                prompt_len=s.prompt_len,
+                output_len=s.output_len,
+                max_new_tokens=s.max_new_tokens,
+                ttft_s=s.ttft_s,
+                tpot_s=s.tpot_s,
+                deadline_s=s.deadline_s,
+                length_key=s.length_key,
+                order_key=s.order_key,
+                prefix_hashes=s.prefix_hashes,
+            )
+            for s in self._source.pop_due(now_s)
+        ]
 
     def on_finish(self, rid: str, now_s: float) -> None:
         self._source.on_finish(rid, now_s)

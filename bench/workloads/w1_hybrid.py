@@ -62,16 +62,35 @@ class Shape:
     tpot_s: float
 
 
-FULL_SHAPE = Shape(rt_prompt=(RT_PROMPT_MEAN, RT_PROMPT_STD, RT_PROMPT_MAX),
-                   rt_output=(RT_OUTPUT_MEAN, RT_OUTPUT_STD, RT_OUTPUT_MAX),
-                   be_batch_size=BE_BATCH_SIZE, be_prompt=BE_PROMPT, be_output=BE_OUTPUT,
-                   ttft_s=TTFT_S, tpot_s=TPOT_S)
-CPU_SHAPE = Shape(rt_prompt=(56.0, 64.0, 1024), rt_output=(59.0, 67.0, 512), be_batch_size=32,
-                  be_prompt=(128, 256), be_output=(8, 32), ttft_s=1.5, tpot_s=0.25)
+FULL_SHAPE = Shape(
+    rt_prompt=(RT_PROMPT_MEAN, RT_PROMPT_STD, RT_PROMPT_MAX),
+    rt_output=(RT_OUTPUT_MEAN, RT_OUTPUT_STD, RT_OUTPUT_MAX),
+    be_batch_size=BE_BATCH_SIZE,
+    be_prompt=BE_PROMPT,
+    be_output=BE_OUTPUT,
+    ttft_s=TTFT_S,
+    tpot_s=TPOT_S,
+)
+CPU_SHAPE = Shape(
+    rt_prompt=(56.0, 64.0, 1024),
+    rt_output=(59.0, 67.0, 512),
+    be_batch_size=32,
+    be_prompt=(128, 256),
+    be_output=(8, 32),
+    ttft_s=1.5,
+    tpot_s=0.25,
+)
 
 
-def rt_requests(params: WorkloadParams, rate: float, duration_s: float, *, hetero: bool,
-                label: str = "w1", shape: Shape = FULL_SHAPE) -> list[RequestSpec]:
+def rt_requests(
+    params: WorkloadParams,
+    rate: float,
+    duration_s: float,
+    *,
+    hetero: bool,
+    label: str = "w1",
+    shape: Shape = FULL_SHAPE,
+) -> list[RequestSpec]:
     """The RT chat stream at `rate` req/s over [0, duration_s). Lengths and SLO scales come
     from streams independent of the rate: request i is the same at every rate."""
     times = poisson_times(rng_for(params.seed, label, "rt-gaps"), rate, duration_s)
@@ -79,34 +98,54 @@ def rt_requests(params: WorkloadParams, rate: float, duration_s: float, *, heter
     # one generator per field, so that request i is the same whatever n is
     p_mean, p_std, p_max = shape.rt_prompt
     o_mean, o_std, o_max = shape.rt_output
-    prompts = lognormal_ints(rng_for(params.seed, label, "rt-prompt"), p_mean, p_std, n, low=4,
-                             high=p_max)
-    outputs = lognormal_ints(rng_for(params.seed, label, "rt-output"), o_mean, o_std, n, low=1,
-                             high=o_max)
+    prompts = lognormal_ints(
+        rng_for(params.seed, label, "rt-prompt"), p_mean, p_std, n, low=4, high=p_max
+    )
+    outputs = lognormal_ints(
+        rng_for(params.seed, label, "rt-output"), o_mean, o_std, n, low=1, high=o_max
+    )
     ttft = np.full(n, shape.ttft_s)
     tpot = np.full(n, shape.tpot_s)
     if hetero:
         ttft = shape.ttft_s * rng_for(params.seed, label, "rt-ttft").uniform(*TTFT_SCALE, n)
         tpot = shape.tpot_s * rng_for(params.seed, label, "rt-tpot").uniform(*TPOT_SCALE, n)
-    return [RequestSpec(rid=f"rt-{i:06d}", tier="rt", arrival_s=float(times[i]),
-                        prompt_len=int(prompts[i]), output_len=int(outputs[i]),
-                        max_new_tokens=max_new_for(params, int(outputs[i]), o_max),
-                        ttft_s=float(ttft[i]), tpot_s=float(tpot[i]), length_key="rt-chat")
-            for i in range(n)]
+    return [
+        RequestSpec(
+            rid=f"rt-{i:06d}",
+            tier="rt",
+            arrival_s=float(times[i]),
+            prompt_len=int(prompts[i]),
+            output_len=int(outputs[i]),
+            max_new_tokens=max_new_for(params, int(outputs[i]), o_max),
+            ttft_s=float(ttft[i]),
+            tpot_s=float(tpot[i]),
+            length_key="rt-chat",
+        )
+        for i in range(n)
+    ]
 
 
-def be_batch(params: WorkloadParams, index: int, arrival_s: float,
-             shape: Shape = FULL_SHAPE) -> list[RequestSpec]:
+def be_batch(
+    params: WorkloadParams, index: int, arrival_s: float, shape: Shape = FULL_SHAPE
+) -> list[RequestSpec]:
     """BE batch `index` (the same lengths whenever it is submitted)."""
     rng = rng_for(params.seed, "w1", "be-batch", index)
     size = shape.be_batch_size
     prompts = uniform_ints(rng, *shape.be_prompt, size)
     outputs = uniform_ints(rng, *shape.be_output, size)
-    return [RequestSpec(rid=f"be-{index:04d}-{j:03d}", tier="be", arrival_s=arrival_s,
-                        prompt_len=int(prompts[j]), output_len=int(outputs[j]),
-                        max_new_tokens=max_new_for(params, int(outputs[j]), shape.be_output[1]),
-                        length_key="be-batch", order_key=float(j))
-            for j in range(size)]
+    return [
+        RequestSpec(
+            rid=f"be-{index:04d}-{j:03d}",
+            tier="be",
+            arrival_s=arrival_s,
+            prompt_len=int(prompts[j]),
+            output_len=int(outputs[j]),
+            max_new_tokens=max_new_for(params, int(outputs[j]), shape.be_output[1]),
+            length_key="be-batch",
+            order_key=float(j),
+        )
+        for j in range(size)
+    ]
 
 
 def build(params: WorkloadParams, ctx: BuildContext) -> Workload:
@@ -118,19 +157,27 @@ def build(params: WorkloadParams, ctx: BuildContext) -> Workload:
 
     def make_source(rate: float | None, include_be: bool) -> SpecSource:
         sources: list[SpecSource] = [
-            TimedSource(rt_requests(params, rate or 0.0, duration, hetero=hetero, shape=shape))]
+            TimedSource(rt_requests(params, rate or 0.0, duration, hetero=hetero, shape=shape))
+        ]
         if include_be:
-            sources.append(BatchSource(lambda k, t: be_batch(params, k, t, shape),
-                                       stop_s=duration))
+            sources.append(BatchSource(lambda k, t: be_batch(params, k, t, shape), stop_s=duration))
         return merge(sources)
 
     def rt_poisson(rate: float, length_s: float) -> SpecSource:
         return TimedSource(rt_requests(params, rate, length_s, hetero=hetero, shape=shape))
 
     return Workload(
-        name="W1", description="hybrid: Poisson ShareGPT-like RT chat + BE batches of 256",
+        name="W1",
+        description="hybrid: Poisson ShareGPT-like RT chat + BE batches of 256",
         make_source=make_source,
         longest_prompt=max(shape.rt_prompt[2], shape.be_prompt[1]),
-        window_s=duration, rt_poisson=rt_poisson,
-        params={"duration_s": duration, "slo": variant, "be_batch_size": shape.be_batch_size,
-                "rt_ttft_s": shape.ttft_s, "rt_tpot_s": shape.tpot_s})
+        window_s=duration,
+        rt_poisson=rt_poisson,
+        params={
+            "duration_s": duration,
+            "slo": variant,
+            "be_batch_size": shape.be_batch_size,
+            "rt_ttft_s": shape.ttft_s,
+            "rt_tpot_s": shape.tpot_s,
+        },
+    )

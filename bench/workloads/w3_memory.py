@@ -41,16 +41,25 @@ def clients_for(load: float) -> int:
     return max(1, round(load * MAX_CLIENTS))
 
 
-def client_request(params: WorkloadParams, dist: str, client: int, seq: int,
-                   arrival_s: float) -> RequestSpec:
+def client_request(
+    params: WorkloadParams, dist: str, client: int, seq: int, arrival_s: float
+) -> RequestSpec:
     """Client `client`'s `seq`-th request (its lengths depend only on seed, client and seq)."""
     (p_lo, p_hi), (o_lo, o_hi) = DISTRIBUTIONS[dist]
     rng = rng_for(params.seed, "w3", dist, client, seq)
     prompt = int(rng.integers(p_lo, p_hi + 1))
     output = min(int(rng.integers(o_lo, o_hi + 1)), MAX_NEW_TOKENS)
-    return RequestSpec(rid=f"c{client:03d}-{seq:04d}", tier="rt", arrival_s=arrival_s,
-                       prompt_len=prompt, output_len=output, max_new_tokens=MAX_NEW_TOKENS,
-                       ttft_s=TTFT_SLA_S, tpot_s=MTPOT_SLA_S, length_key=f"w3-{dist}")
+    return RequestSpec(
+        rid=f"c{client:03d}-{seq:04d}",
+        tier="rt",
+        arrival_s=arrival_s,
+        prompt_len=prompt,
+        output_len=output,
+        max_new_tokens=MAX_NEW_TOKENS,
+        ttft_s=TTFT_SLA_S,
+        tpot_s=MTPOT_SLA_S,
+        length_key=f"w3-{dist}",
+    )
 
 
 def build(params: WorkloadParams, ctx: BuildContext) -> Workload:
@@ -61,13 +70,23 @@ def build(params: WorkloadParams, ctx: BuildContext) -> Workload:
 
     def make_source(rate: float | None, include_be: bool) -> SpecSource:
         return ClosedLoopSource(
-            clients, lambda c, j, t: client_request(params, dist, c, j, t), stop_s=duration)
+            clients, lambda c, j, t: client_request(params, dist, c, j, t), stop_s=duration
+        )
 
     return Workload(
-        name="W3", description=f"memory stress: {clients} closed-loop clients, Past-Future "
-        f"{dist.upper()}", make_source=make_source,
-        longest_prompt=DISTRIBUTIONS[dist][0][1], window_s=None, rt_poisson=None,
+        name="W3",
+        description=f"memory stress: {clients} closed-loop clients, Past-Future {dist.upper()}",
+        make_source=make_source,
+        longest_prompt=DISTRIBUTIONS[dist][0][1],
+        window_s=None,
+        rt_poisson=None,
         has_be=False,
-        params={"duration_s": duration, "distribution": dist, "clients": clients,
-                "max_new_tokens": MAX_NEW_TOKENS, "ttft_sla_s": TTFT_SLA_S,
-                "mtpot_sla_s": MTPOT_SLA_S})
+        params={
+            "duration_s": duration,
+            "distribution": dist,
+            "clients": clients,
+            "max_new_tokens": MAX_NEW_TOKENS,
+            "ttft_sla_s": TTFT_SLA_S,
+            "mtpot_sla_s": MTPOT_SLA_S,
+        },
+    )

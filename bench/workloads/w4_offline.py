@@ -66,10 +66,12 @@ def requests(params: WorkloadParams, n: int, prefix_share: float) -> list[Reques
     """The whole job, in submission order."""
     classes = _classes(params, n, prefix_share)
     rng = rng_for(params.seed, "w4", "lengths")
-    chat_p = lognormal_ints(rng, CHAT_PROMPT[0], CHAT_PROMPT[1], n, low=CHAT_PROMPT[2],
-                            high=CHAT_PROMPT[3])
-    chat_o = lognormal_ints(rng, CHAT_OUTPUT[0], CHAT_OUTPUT[1], n, low=CHAT_OUTPUT[2],
-                            high=CHAT_OUTPUT[3])
+    chat_p = lognormal_ints(
+        rng, CHAT_PROMPT[0], CHAT_PROMPT[1], n, low=CHAT_PROMPT[2], high=CHAT_PROMPT[3]
+    )
+    chat_o = lognormal_ints(
+        rng, CHAT_OUTPUT[0], CHAT_OUTPUT[1], n, low=CHAT_OUTPUT[2], high=CHAT_OUTPUT[3]
+    )
     video_p, video_o = uniform_ints(rng, *VIDEO_PROMPT, n), uniform_ints(rng, *VIDEO_OUTPUT, n)
     question, subject = uniform_ints(rng, *QUESTION, n), rng.integers(0, SUBJECTS, n)
     order = rng_for(params.seed, "w4", "order").permutation(n)
@@ -82,15 +84,25 @@ def requests(params: WorkloadParams, n: int, prefix_share: float) -> list[Reques
             shared = tuple(stable_hash("mmlu", int(subject[i]), b) for b in range(2))
             hashes = shared + unique_block_hashes(rid, prompt, start_block=2)
         else:
-            prompt, output, cap, key = ((int(chat_p[i]), int(chat_o[i]), CHAT_OUTPUT[3], "chat")
-                                        if kind == 0 else
-                                        (int(video_p[i]), int(video_o[i]), 8192, "video"))
+            prompt, output, cap, key = (
+                (int(chat_p[i]), int(chat_o[i]), CHAT_OUTPUT[3], "chat")
+                if kind == 0
+                else (int(video_p[i]), int(video_o[i]), 8192, "video")
+            )
             hashes = unique_block_hashes(rid, prompt)
-        specs.append(RequestSpec(rid=rid, tier="be", arrival_s=0.0, prompt_len=prompt,
-                                 output_len=output, max_new_tokens=max_new_for(params, output,
-                                                                               cap),
-                                 length_key=f"w4-{key}", order_key=float(position),
-                                 prefix_hashes=hashes))
+        specs.append(
+            RequestSpec(
+                rid=rid,
+                tier="be",
+                arrival_s=0.0,
+                prompt_len=prompt,
+                output_len=output,
+                max_new_tokens=max_new_for(params, output, cap),
+                length_key=f"w4-{key}",
+                order_key=float(position),
+                prefix_hashes=hashes,
+            )
+        )
     return specs
 
 
@@ -105,8 +117,19 @@ def build(params: WorkloadParams, ctx: BuildContext) -> Workload:
         return TimedSource(requests(params, n, share) if include_be else [])
 
     return Workload(
-        name="W4", description=f"offline blend: {n} BE requests (chat, long-output, MMLU-like "
-        f"shared prefixes {share:.0%} of prompt tokens)", make_source=make_source,
-        longest_prompt=CHAT_PROMPT[3], window_s=None, rt_poisson=None, has_rt=False,
-        params={"requests": n, "prefix_share": share, "mmlu_share": round(mmlu_share(share), 4),
-                "video_share": VIDEO_SHARE, "subjects": SUBJECTS})
+        name="W4",
+        description=f"offline blend: {n} BE requests (chat, long-output, MMLU-like "
+        f"shared prefixes {share:.0%} of prompt tokens)",
+        make_source=make_source,
+        longest_prompt=CHAT_PROMPT[3],
+        window_s=None,
+        rt_poisson=None,
+        has_rt=False,
+        params={
+            "requests": n,
+            "prefix_share": share,
+            "mmlu_share": round(mmlu_share(share), 4),
+            "video_share": VIDEO_SHARE,
+            "subjects": SUBJECTS,
+        },
+    )

@@ -46,8 +46,9 @@ BE_OUTPUT = (128, 512)
 MAX_BACKLOG = 256
 
 
-def rate_schedule(params: WorkloadParams, peak: float, duration_s: float
-                  ) -> list[tuple[float, float, float]]:
+def rate_schedule(
+    params: WorkloadParams, peak: float, duration_s: float
+) -> list[tuple[float, float, float]]:
     """Segments (start_s, end_s, rate) covering [0, duration_s]: low first, then alternating."""
     rng = rng_for(params.seed, "w5", "dwell")
     low = peak / SWING
@@ -87,22 +88,33 @@ def _op_times(trace: AzureTrace, rows: np.ndarray) -> np.ndarray:
     return np.concatenate([[0.0], np.cumsum(gaps[rows][:-1])]) / trace.mean_gap_s
 
 
-def _rt_specs(params: WorkloadParams, ctx: BuildContext, trace: AzureTrace,
-              times: np.ndarray) -> list[RequestSpec]:
+def _rt_specs(
+    params: WorkloadParams, ctx: BuildContext, trace: AzureTrace, times: np.ndarray
+) -> list[RequestSpec]:
     rows = _rows(trace, params, len(times))
     base = functools.cache(lambda bucket: ttft_base_s(ctx, bucket * 512))
     specs = []
     for i, (t, row) in enumerate(zip(times, rows, strict=True)):
         prompt, output = int(trace.prompt_lens[row]), int(trace.output_lens[row])
-        specs.append(RequestSpec(
-            rid=f"rt-{i:06d}", tier="rt", arrival_s=float(t), prompt_len=prompt,
-            output_len=output, max_new_tokens=max_new_for(params, output, RT_OUTPUT_CAP),
-            ttft_s=base(math.ceil(prompt / 512)), tpot_s=TPOT_S, length_key="rt-azure-conv"))
+        specs.append(
+            RequestSpec(
+                rid=f"rt-{i:06d}",
+                tier="rt",
+                arrival_s=float(t),
+                prompt_len=prompt,
+                output_len=output,
+                max_new_tokens=max_new_for(params, output, RT_OUTPUT_CAP),
+                ttft_s=base(math.ceil(prompt / 512)),
+                tpot_s=TPOT_S,
+                length_key="rt-azure-conv",
+            )
+        )
     return specs
 
 
-def rt_modulated(params: WorkloadParams, ctx: BuildContext, trace: AzureTrace, peak: float,
-                 duration_s: float) -> list[RequestSpec]:
+def rt_modulated(
+    params: WorkloadParams, ctx: BuildContext, trace: AzureTrace, peak: float, duration_s: float
+) -> list[RequestSpec]:
     """The bursty RT stream with peak rate `peak` req/s over [0, duration_s)."""
     if peak <= 0:
         return []
@@ -119,16 +131,23 @@ def backlog_depth(ctx: BuildContext) -> int:
     return int(min(MAX_BACKLOG, max(8, math.ceil(1.5 * ctx.kv_capacity_tokens / mean_tokens))))
 
 
-def be_request(params: WorkloadParams, client: int, seq: int, arrival_s: float,
-               depth: int) -> RequestSpec:
+def be_request(
+    params: WorkloadParams, client: int, seq: int, arrival_s: float, depth: int
+) -> RequestSpec:
     """Backlog slot `client`'s `seq`-th long document."""
     rng = rng_for(params.seed, "w5", "be", client, seq)
     prompt = int(np.clip(round(rng.lognormal(math.log(BE_MEDIAN), BE_SIGMA)), *BE_PROMPT_RANGE))
     output = int(rng.integers(BE_OUTPUT[0], BE_OUTPUT[1] + 1))
-    return RequestSpec(rid=f"be-{client:03d}-{seq:05d}", tier="be", arrival_s=arrival_s,
-                       prompt_len=prompt, output_len=output,
-                       max_new_tokens=max_new_for(params, output, BE_OUTPUT[1]),
-                       length_key="be-longdoc", order_key=float(seq * depth + client))
+    return RequestSpec(
+        rid=f"be-{client:03d}-{seq:05d}",
+        tier="be",
+        arrival_s=arrival_s,
+        prompt_len=prompt,
+        output_len=output,
+        max_new_tokens=max_new_for(params, output, BE_OUTPUT[1]),
+        length_key="be-longdoc",
+        order_key=float(seq * depth + client),
+    )
 
 
 def build(params: WorkloadParams, ctx: BuildContext) -> Workload:
@@ -140,10 +159,14 @@ def build(params: WorkloadParams, ctx: BuildContext) -> Workload:
 
     def make_source(peak: float | None, include_be: bool) -> SpecSource:
         sources: list[SpecSource] = [
-            TimedSource(rt_modulated(params, ctx, trace, peak or 0.0, duration))]
+            TimedSource(rt_modulated(params, ctx, trace, peak or 0.0, duration))
+        ]
         if include_be:
-            sources.append(ClosedLoopSource(
-                depth, lambda c, j, t: be_request(params, c, j, t, depth), stop_s=duration))
+            sources.append(
+                ClosedLoopSource(
+                    depth, lambda c, j, t: be_request(params, c, j, t, depth), stop_s=duration
+                )
+            )
         return merge(sources)
 
     def rt_poisson(rate: float, length_s: float) -> SpecSource:
@@ -151,9 +174,19 @@ def build(params: WorkloadParams, ctx: BuildContext) -> Workload:
         return TimedSource(_rt_specs(params, ctx, trace, times))
 
     return Workload(
-        name="W5", description="bursty Azure-conversation RT (3× swing, ≈60 s dwell) + "
-        "always-backlogged long-document BE", make_source=make_source,
+        name="W5",
+        description="bursty Azure-conversation RT (3× swing, ≈60 s dwell) + "
+        "always-backlogged long-document BE",
+        make_source=make_source,
         longest_prompt=max(int(trace.prompt_lens.max()), BE_PROMPT_RANGE[1]),
-        window_s=duration, rt_poisson=rt_poisson,
-        params={"duration_s": duration, "swing": SWING, "dwell_s": list(DWELL_S),
-                "be_backlog": depth, "trace": trace.path.name, "rt_tpot_s": TPOT_S})
+        window_s=duration,
+        rt_poisson=rt_poisson,
+        params={
+            "duration_s": duration,
+            "swing": SWING,
+            "dwell_s": list(DWELL_S),
+            "be_backlog": depth,
+            "trace": trace.path.name,
+            "rt_tpot_s": TPOT_S,
+        },
+    )

@@ -43,8 +43,9 @@ class QuotaIn(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def over(self, current: Quota) -> Quota:
         """The limits given here, the others from *current* (unset = keep; null = unlimited)."""
         fields = msgspec.structs.asdict(current)
-        fields.update({k: v for k, v in msgspec.structs.asdict(self).items()
-                       if v is not msgspec.UNSET})
+        fields.update(
+            {k: v for k, v in msgspec.structs.asdict(self).items() if v is not msgspec.UNSET}
+        )
         return Quota(**fields)
 
 
@@ -73,8 +74,7 @@ def check_admin(request: web.Request) -> None:
         raise ApiError(401, "invalid admin token", code="invalid_admin_token")
 
 
-def validate_tenant(name: str, tier: str, slo: SloIn, quota: QuotaIn | Quota
-                    ) -> tuple[Slo, Quota]:
+def validate_tenant(name: str, tier: str, slo: SloIn, quota: QuotaIn | Quota) -> tuple[Slo, Quota]:
     """Checks a tenant's contract and quota; 422 naming the field."""
     if not name.strip() or len(name) > 100:
         raise _invalid("name", "name must be 1 to 100 characters")
@@ -92,8 +92,13 @@ def validate_tenant(name: str, tier: str, slo: SloIn, quota: QuotaIn | Quota
         if value is not None and value < 0:
             raise _invalid(f"quota.{field}", f"quota.{field} must not be negative, got {value}")
     return (
-        Slo(ttft_ms=slo.ttft_ms, tpot_ms=slo.tpot_ms, token_group=slo.token_group,
-            deadline_s=slo.deadline_s, allow_rt=slo.allow_rt),
+        Slo(
+            ttft_ms=slo.ttft_ms,
+            tpot_ms=slo.tpot_ms,
+            token_group=slo.token_group,
+            deadline_s=slo.deadline_s,
+            allow_rt=slo.allow_rt,
+        ),
         limits,
     )
 
@@ -136,8 +141,12 @@ async def patch_tenant(request: web.Request) -> web.Response:
     slo, quota = validate_tenant(body.name or current.name, tier, slo_in, quota_in)
     try:
         tenant = await request.app[STORE].update_tenant(
-            current.id, name=body.name.strip() if body.name else None, tier=body.tier,
-            slo=slo, quota=quota)
+            current.id,
+            name=body.name.strip() if body.name else None,
+            tier=body.tier,
+            slo=slo,
+            quota=quota,
+        )
     except Conflict as exc:
         raise ApiError(409, str(exc), param="name", code="tenant_exists") from None
     request.app[AUTH].invalidate()
@@ -165,8 +174,17 @@ async def create_key(request: web.Request) -> web.Response:
         key, secret = await request.app[STORE].create_key(tenant.id, name=body.name)
     except NotFound:
         raise _not_found("tenant", tenant.id) from None
-    return _json({"id": key.id, "key": secret, "prefix": key.prefix, "tenant_id": tenant.id,
-                  "name": key.name, "created_at": key.created_at}, status=201)
+    return _json(
+        {
+            "id": key.id,
+            "key": secret,
+            "prefix": key.prefix,
+            "tenant_id": tenant.id,
+            "name": key.name,
+            "created_at": key.created_at,
+        },
+        status=201,
+    )
 
 
 @routes.get(f"{PREFIX}/tenants/{{tenant_id}}/keys")
@@ -193,8 +211,12 @@ async def latest_requests(request: web.Request) -> web.Response:
     tenant_id = request.query.get("tenant") or None
     limit_text = request.query.get("limit", "100")
     if not limit_text.isdigit() or not 1 <= int(limit_text) <= _MAX_REQUESTS_LIMIT:
-        raise ApiError(400, f"limit must be an integer in [1, {_MAX_REQUESTS_LIMIT}]",
-                       param="limit", code="invalid_value")
+        raise ApiError(
+            400,
+            f"limit must be an integer in [1, {_MAX_REQUESTS_LIMIT}]",
+            param="limit",
+            code="invalid_value",
+        )
     records = await request.app[STORE].latest_requests(tenant_id, int(limit_text))
     return _json({"object": "list", "data": records})
 
@@ -210,13 +232,24 @@ async def usage(request: web.Request) -> web.Response:
     tenant_id = None
     if query.tenant is not None:
         tenant_id = await _resolve_tenant(request, query.tenant)
-    rows = await usage_report(request.app[DB_ENGINE], query.start, query.end, query.bucket_s,
-                              tenant_id)
+    rows = await usage_report(
+        request.app[DB_ENGINE], query.start, query.end, query.bucket_s, tenant_id
+    )
     if query.format == "csv":
-        return web.Response(text=to_csv(rows), content_type="text/csv", headers={
-            "Content-Disposition": 'attachment; filename="usage.csv"'})
-    return _json({"object": "list", "group_by": query.group_by, "start": query.start,
-                  "end": query.end, "data": rows})
+        return web.Response(
+            text=to_csv(rows),
+            content_type="text/csv",
+            headers={"Content-Disposition": 'attachment; filename="usage.csv"'},
+        )
+    return _json(
+        {
+            "object": "list",
+            "group_by": query.group_by,
+            "start": query.start,
+            "end": query.end,
+            "data": rows,
+        }
+    )
 
 
 async def _resolve_tenant(request: web.Request, ident: str) -> str:
@@ -227,8 +260,7 @@ async def _resolve_tenant(request: web.Request, ident: str) -> str:
         return tenant.id
     named = [t for t in await store.list_tenants(include_deleted=True) if t.name == ident]
     if not named:
-        raise ApiError(404, f"tenant {ident!r} not found", param="tenant",
-                       code="tenant_not_found")
+        raise ApiError(404, f"tenant {ident!r} not found", param="tenant", code="tenant_not_found")
     live = [t for t in named if not t.deleted]
     return (live or named)[-1].id
 
@@ -242,8 +274,9 @@ async def _tenant_or_404(request: web.Request) -> Tenant:
 
 
 def _json(payload: object, status: int = 200) -> web.Response:
-    return web.Response(body=_encoder.encode(payload), status=status,
-                        content_type="application/json")
+    return web.Response(
+        body=_encoder.encode(payload), status=status, content_type="application/json"
+    )
 
 
 def _invalid(param: str, message: str) -> ApiError:

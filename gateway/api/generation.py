@@ -72,7 +72,8 @@ class Generation:
         except EngineUnavailable as exc:
             self._fail("engine_unavailable", 503, str(exc))
             raise ApiError(
-                503, "the inference engine is unavailable; retry later",
+                503,
+                "the inference engine is unavailable; retry later",
                 code="engine_unavailable",
                 headers={"Retry-After": str(config.gateway.engine_retry_after_s)},
             ) from None
@@ -83,8 +84,12 @@ class Generation:
             ) from None
         if not self._finished:
             self._fail("engine_error", 502, "engine stream ended without a finish reason")
-            raise ApiError(503, "the engine ended the stream early; retry later",
-                           code="engine_error", headers={"Retry-After": "1"})
+            raise ApiError(
+                503,
+                "the engine ended the stream early; retry later",
+                code="engine_error",
+                headers={"Retry-After": "1"},
+            )
         if self.outcome.finish_reason == "abort":
             self._fail("aborted", 503, "the engine aborted the request")
 
@@ -102,8 +107,9 @@ class Generation:
         if self.ticket is not None:
             o = self.outcome
             ran = o.completion_tokens > 0 or o.status == "ok"
-            self.app[QUOTAS].release(self.ticket, o.prompt_tokens + o.completion_tokens
-                                     if ran else 0)
+            self.app[QUOTAS].release(
+                self.ticket, o.prompt_tokens + o.completion_tokens if ran else 0
+            )
         self._record()
 
     def _admit(self, request: EngineRequest) -> None:
@@ -112,13 +118,20 @@ class Generation:
         try:
             # Batch-API lines (endpoint "batch/…") count toward the monthly budget only
             self.ticket = self.app[QUOTAS].admit(
-                tenant, len(request.input_ids), request.max_tokens,
-                interactive=not self.endpoint.startswith("batch/"))
+                tenant,
+                len(request.input_ids),
+                request.max_tokens,
+                interactive=not self.endpoint.startswith("batch/"),
+            )
         except QuotaExceeded as exc:
             self._fail("rate_limited", 429, exc.message)
             self.app[METRICS].quota_rejected(tenant.id, exc.limit)
-            raise ApiError(429, exc.message, code=f"{exc.limit}_exceeded",
-                           headers={"Retry-After": str(int(exc.retry_after_s))}) from None
+            raise ApiError(
+                429,
+                exc.message,
+                code=f"{exc.limit}_exceeded",
+                headers={"Retry-After": str(int(exc.retry_after_s))},
+            ) from None
         self.app[METRICS].request_started(tenant.id, request.meta.tier)
 
     def _fail(self, status: str, http_status: int, error: str) -> None:
@@ -151,7 +164,9 @@ class Generation:
             status=self.outcome.status,
             http_status=self.outcome.http_status,
             error=self.outcome.error,
-            slo_met=None if self.request is None or self.ticket is None else slo_met(
+            slo_met=None
+            if self.request is None or self.ticket is None
+            else slo_met(
                 tier=tier,
                 ttft_target_ms=meta.ttft_ms if meta else None,
                 tpot_target_ms=meta.tpot_ms if meta else None,

@@ -43,8 +43,13 @@ async def authenticate(request: web.Request) -> Principal:
 async def list_models(request: web.Request) -> web.Response:
     await authenticate(request)
     config = request.app[CONFIG]
-    model = {"id": config.model.name, "object": "model", "created": 0, "owned_by": "tandem",
-             "max_model_len": request.app[TOKENIZER].context_len}
+    model = {
+        "id": config.model.name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "tandem",
+        "max_model_len": request.app[TOKENIZER].context_len,
+    }
     return web.json_response({"object": "list", "data": [model]})
 
 
@@ -61,8 +66,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
     principal = await authenticate(request)
     app = request.app
-    gen = Generation(app=app, principal=principal, endpoint=endpoint,
-                     model=app[CONFIG].model.name, stream=False)
+    gen = Generation(
+        app=app, principal=principal, endpoint=endpoint, model=app[CONFIG].model.name, stream=False
+    )
     cancelled = False
     try:
         body = await _prepare(request, gen, endpoint)
@@ -104,8 +110,13 @@ async def _prepare(request: web.Request, gen: Generation, endpoint: str) -> Samp
         if body.echo:
             raise ApiError(400, "echo is not supported", param="echo")
         input_ids = completion_prompt_ids(body, tokenizer)
-    max_tokens = output_cap(body, requested, len(input_ids), tokenizer.context_len,
-                            app[CONFIG].gateway.default_max_tokens)
+    max_tokens = output_cap(
+        body,
+        requested,
+        len(input_ids),
+        tokenizer.context_len,
+        app[CONFIG].gateway.default_max_tokens,
+    )
     tier = resolve_tier(gen.principal.tenant, body.tier)
     gen.request = build_engine_request(body, input_ids, max_tokens, gen.principal, tier)
     return body
@@ -113,8 +124,12 @@ async def _prepare(request: web.Request, gen: Generation, endpoint: str) -> Samp
 
 def _check_model(model: str, served: str) -> None:
     if model != served:
-        raise ApiError(400, f"model {model!r} does not exist; this gateway serves {served!r}",
-                       param="model", code="model_not_found")
+        raise ApiError(
+            400,
+            f"model {model!r} does not exist; this gateway serves {served!r}",
+            param="model",
+            code="model_not_found",
+        )
 
 
 Renderer = Callable[[EngineChunk | None, bool], dict[str, Any]]
@@ -129,21 +144,35 @@ def _chat_renderer(gen: Generation) -> Renderer:
         if final:  # non-streaming: one message with the whole text (`chunk` carries it)
             assert chunk is not None
             choice: dict[str, Any] = {
-                "index": 0, "message": {"role": "assistant", "content": chunk.text_delta},
-                "finish_reason": _finish(chunk), "logprobs": None,
+                "index": 0,
+                "message": {"role": "assistant", "content": chunk.text_delta},
+                "finish_reason": _finish(chunk),
+                "logprobs": None,
             }
-            return {"id": rid, "object": "chat.completion", "created": created,
-                    "model": gen.model, "choices": [choice], "usage": _usage(gen)}
+            return {
+                "id": rid,
+                "object": "chat.completion",
+                "created": created,
+                "model": gen.model,
+                "choices": [choice],
+                "usage": _usage(gen),
+            }
         choices = []
         if chunk is not None:
             delta: dict[str, Any] = {"content": chunk.text_delta}
             if first[0]:
                 delta["role"] = "assistant"
                 first[0] = False
-            choices.append({"index": 0, "delta": delta, "logprobs": None,
-                            "finish_reason": _finish(chunk)})
-        return {"id": rid, "object": "chat.completion.chunk", "created": created,
-                "model": gen.model, "choices": choices}
+            choices.append(
+                {"index": 0, "delta": delta, "logprobs": None, "finish_reason": _finish(chunk)}
+            )
+        return {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": gen.model,
+            "choices": choices,
+        }
 
     return render
 
@@ -155,10 +184,21 @@ def _completion_renderer(gen: Generation) -> Renderer:
     def render(chunk: EngineChunk | None, final: bool) -> dict[str, Any]:
         choices = []
         if chunk is not None:
-            choices.append({"index": 0, "text": chunk.text_delta, "logprobs": None,
-                            "finish_reason": _finish(chunk)})
-        out: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created,
-                               "model": gen.model, "choices": choices}
+            choices.append(
+                {
+                    "index": 0,
+                    "text": chunk.text_delta,
+                    "logprobs": None,
+                    "finish_reason": _finish(chunk),
+                }
+            )
+        out: dict[str, Any] = {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": gen.model,
+            "choices": choices,
+        }
         if final:
             out["usage"] = _usage(gen)
         return out
@@ -183,8 +223,13 @@ async def _stream(
 ) -> web.StreamResponse:
     chunks = gen.chunks()
     first = await anext(chunks)  # engine failures surface here, before any header is sent
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                       "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    resp = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+        }
+    )
     await resp.prepare(request)
     try:
         async for chunk in _prepend(first, chunks):
@@ -203,8 +248,9 @@ async def _stream(
     return resp
 
 
-async def _prepend(first: EngineChunk, rest: AsyncIterator[EngineChunk]
-                   ) -> AsyncIterator[EngineChunk]:
+async def _prepend(
+    first: EngineChunk, rest: AsyncIterator[EngineChunk]
+) -> AsyncIterator[EngineChunk]:
     yield first
     async for chunk in rest:
         yield chunk
@@ -216,8 +262,12 @@ async def _send(resp: web.StreamResponse, payload: dict[str, Any]) -> None:
 
 def _raise_if_aborted(gen: Generation) -> None:
     if gen.outcome.status == "aborted":
-        raise ApiError(503, "the engine aborted the request; retry later", code="engine_aborted",
-                       headers={"Retry-After": "1"})
+        raise ApiError(
+            503,
+            "the engine aborted the request; retry later",
+            code="engine_aborted",
+            headers={"Retry-After": "1"},
+        )
 
 
 def _finish(chunk: EngineChunk) -> str | None:
@@ -228,5 +278,8 @@ def _finish(chunk: EngineChunk) -> str | None:
 
 def _usage(gen: Generation) -> dict[str, int]:
     o = gen.outcome
-    return {"prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
-            "total_tokens": o.prompt_tokens + o.completion_tokens}
+    return {
+        "prompt_tokens": o.prompt_tokens,
+        "completion_tokens": o.completion_tokens,
+        "total_tokens": o.prompt_tokens + o.completion_tokens,
+    }

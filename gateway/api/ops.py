@@ -32,5 +32,7 @@ async def readyz(request: web.Request) -> web.Response:
         "database": "ok" if database_ok else f"at revision {revision}, head is {head}",
     }
     ready = engine_ok and database_ok
-    return web.json_response({"status": "ready" if ready else "not_ready", "checks": checks},
-                             status=200 if ready else 503)
+    return web.json_response(
+        {"status": "ready" if ready else "not_ready", "checks": checks},
+        status=200 if ready else 503,
+    )

@@ -57,22 +57,33 @@ def completion_prompt_ids(req: CompletionRequest, tokenizer: ModelTokenizer) -> 
     elif prompt and all(isinstance(p, str) for p in prompt):
         if len(prompt) != 1:
             raise ApiError(
-                400, "only one prompt per request is supported", param="prompt",
+                400,
+                "only one prompt per request is supported",
+                param="prompt",
                 code="invalid_value",
             )
         ids = tokenizer.encode(str(prompt[0]))
     elif all(isinstance(p, int) and p >= 0 for p in prompt):
         ids = [int(p) for p in prompt]
     else:
-        raise ApiError(400, "prompt must be a string or a list of token ids (ints >= 0)",
-                       param="prompt", code="invalid_value")
+        raise ApiError(
+            400,
+            "prompt must be a string or a list of token ids (ints >= 0)",
+            param="prompt",
+            code="invalid_value",
+        )
     if not ids:
         raise ApiError(400, "prompt must not be empty", param="prompt", code="invalid_value")
     return ids
 
 
-def output_cap(req: SamplingFields, requested: int | None, prompt_len: int, context_len: int,
-               default_max_tokens: int) -> int:
+def output_cap(
+    req: SamplingFields,
+    requested: int | None,
+    prompt_len: int,
+    context_len: int,
+    default_max_tokens: int,
+) -> int:
     """The request's max output tokens; 400 naming `max_tokens` when it cannot fit."""
     room = context_len - prompt_len
     if room < 1:
@@ -111,8 +122,12 @@ def resolve_tier(tenant: Tenant, requested: Tier | None) -> Tier:
 
 
 def build_engine_request(
-    req: SamplingFields, input_ids: list[int], max_tokens: int, principal: Principal,
-    tier: Tier, arrival_unix_s: float | None = None,
+    req: SamplingFields,
+    input_ids: list[int],
+    max_tokens: int,
+    principal: Principal,
+    tier: Tier,
+    arrival_unix_s: float | None = None,
 ) -> EngineRequest:
     """The `/generate` payload with sampling parameters and the scheduler metadata."""
     slo = principal.tenant.slo
@@ -134,8 +149,9 @@ def build_engine_request(
         "priority": meta.sglang_priority,
         "stream": True,
     }
-    return EngineRequest(rid=rid, input_ids=input_ids, max_tokens=max_tokens, meta=meta,
-                         payload=payload)
+    return EngineRequest(
+        rid=rid, input_ids=input_ids, max_tokens=max_tokens, meta=meta, payload=payload
+    )
 
 
 def _sampling_params(req: SamplingFields, max_tokens: int, meta: RequestMeta) -> dict[str, Any]:
@@ -168,8 +184,10 @@ def _message_dict(index: int, message: ChatMessage) -> dict[str, Any]:
         for part in content:
             if part.type != "text" or part.text is None:
                 raise ApiError(
-                    400, f"content part of type {part.type!r} is not supported (text only)",
-                    param=f"messages[{index}].content", code="invalid_value",
+                    400,
+                    f"content part of type {part.type!r} is not supported (text only)",
+                    param=f"messages[{index}].content",
+                    code="invalid_value",
                 )
             texts.append(part.text)
         content = "".join(texts)

@@ -326,8 +326,9 @@ class Store:
         newest = max((int(row[1]) for row in rows), default=after_id)
         return {str(row[0]) for row in rows}, newest
 
-    async def length_histories(self, keys: Iterable[str], limit_per_key: int
-                               ) -> dict[str, list[int]]:
+    async def length_histories(
+        self, keys: Iterable[str], limit_per_key: int
+    ) -> dict[str, list[int]]:
         """The newest *limit_per_key* output lengths (newest last) of each of *keys*."""
         return {key: await self.length_history(key, limit_per_key) for key in sorted(set(keys))}
 

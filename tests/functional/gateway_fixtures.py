@@ -40,14 +40,16 @@ class GatewayHandle:
         return {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
     async def admin(self, method: str, path: str, json: Any = None) -> tuple[int, Any]:
-        async with self.session.request(method, f"{self.base_url}/admin/v1{path}", json=json,
-                                        headers=self.admin_headers) as resp:
+        async with self.session.request(
+            method, f"{self.base_url}/admin/v1{path}", json=json, headers=self.admin_headers
+        ) as resp:
             return resp.status, await resp.json()
 
     async def new_tenant(self, name: str, tier: str, **slo: Any) -> tuple[str, str]:
         """Creates a tenant and a key; returns (tenant id, key)."""
-        status, tenant = await self.admin("POST", "/tenants",
-                                          {"name": name, "tier": tier, "slo": slo})
+        status, tenant = await self.admin(
+            "POST", "/tenants", {"name": name, "tier": tier, "slo": slo}
+        )
         assert status == 201, tenant
         status, key = await self.admin("POST", f"/tenants/{tenant['id']}/keys")
         assert status == 201, key
@@ -69,8 +71,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-async def start_gateway(db_url: str, engine_port: int, model_dir: Path,
-                        **env: str) -> tuple[TestServer, GatewayHandle]:
+async def start_gateway(
+    db_url: str, engine_port: int, model_dir: Path, **env: str
+) -> tuple[TestServer, GatewayHandle]:
     environ = {
         "TANDEM_DATABASE__URL": db_url,
         "TANDEM_ENGINE__PORT": str(engine_port),
@@ -90,8 +93,9 @@ async def start_gateway(db_url: str, engine_port: int, model_dir: Path,
 @pytest_asyncio.fixture(scope="session")
 async def gateway(engine_server: Any, tmp_path_factory: Any) -> AsyncIterator[GatewayHandle]:
     db = tmp_path_factory.mktemp("gateway") / "tandem.db"
-    server, handle = await start_gateway(f"sqlite:///{db}", engine_server.port,
-                                         engine_server.model_path)
+    server, handle = await start_gateway(
+        f"sqlite:///{db}", engine_server.port, engine_server.model_path
+    )
     yield handle
     await handle.session.close()
     await server.close()
@@ -103,8 +107,9 @@ async def tiny_model_dir(tmp_path_factory: Any) -> Path:
 
 
 @pytest_asyncio.fixture
-async def gateway_without_engine(empty_db_url: str, tiny_model_dir: Path
-                                 ) -> AsyncIterator[GatewayHandle]:
+async def gateway_without_engine(
+    empty_db_url: str, tiny_model_dir: Path
+) -> AsyncIterator[GatewayHandle]:
     """A gateway whose engine is down (nothing listens on its port)."""
     server, handle = await start_gateway(empty_db_url, free_port(), tiny_model_dir)
     yield handle

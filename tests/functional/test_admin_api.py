@@ -17,9 +17,16 @@ async def test_admin_needs_the_admin_token(gateway_without_engine: GatewayHandle
 
 async def test_tenant_lifecycle(gateway_without_engine: GatewayHandle) -> None:
     gw = gateway_without_engine
-    status, tenant = await gw.admin("POST", "/tenants", {
-        "name": "chat-app", "tier": "rt", "slo": {"ttft_ms": 300, "tpot_ms": 60},
-        "quota": {"requests_per_min": 600, "max_concurrent": 8}})
+    status, tenant = await gw.admin(
+        "POST",
+        "/tenants",
+        {
+            "name": "chat-app",
+            "tier": "rt",
+            "slo": {"ttft_ms": 300, "tpot_ms": 60},
+            "quota": {"requests_per_min": 600, "max_concurrent": 8},
+        },
+    )
     assert status == 201
     assert tenant["id"].startswith("ten_") and tenant["slo"]["ttft_ms"] == 300
     assert tenant["quota"]["max_concurrent"] == 8
@@ -27,8 +34,9 @@ async def test_tenant_lifecycle(gateway_without_engine: GatewayHandle) -> None:
     status, body = await gw.admin("GET", "/tenants")
     assert status == 200 and [t["name"] for t in body["data"]] == ["chat-app"]
 
-    status, patched = await gw.admin("PATCH", f"/tenants/{tenant['id']}",
-                                     {"slo": {"ttft_ms": 200, "tpot_ms": 40}})
+    status, patched = await gw.admin(
+        "PATCH", f"/tenants/{tenant['id']}", {"slo": {"ttft_ms": 200, "tpot_ms": 40}}
+    )
     assert status == 200 and patched["slo"]["ttft_ms"] == 200
     assert patched["quota"]["max_concurrent"] == 8  # untouched parts stay
 
@@ -38,18 +46,24 @@ async def test_tenant_lifecycle(gateway_without_engine: GatewayHandle) -> None:
     assert status == 404 and body["error"]["code"] == "tenant_not_found"
 
 
-@pytest.mark.parametrize(("payload", "status", "param"), [
-    ({"name": "x", "tier": "rt"}, 422, "slo"),
-    ({"name": "x", "tier": "gold"}, 422, "tier"),
-    ({"name": "", "tier": "be"}, 422, "name"),
-    ({"name": "x", "tier": "be", "slo": {"deadline_s": -1}}, 422, "slo.deadline_s"),
-    ({"name": "x", "tier": "be", "quota": {"max_concurrent": "many"}}, 422,
-     "quota.max_concurrent"),
-    ({"name": "x", "tier": "be", "colour": "red"}, 422, "colour"),
-])
+@pytest.mark.parametrize(
+    ("payload", "status", "param"),
+    [
+        ({"name": "x", "tier": "rt"}, 422, "slo"),
+        ({"name": "x", "tier": "gold"}, 422, "tier"),
+        ({"name": "", "tier": "be"}, 422, "name"),
+        ({"name": "x", "tier": "be", "slo": {"deadline_s": -1}}, 422, "slo.deadline_s"),
+        (
+            {"name": "x", "tier": "be", "quota": {"max_concurrent": "many"}},
+            422,
+            "quota.max_concurrent",
+        ),
+        ({"name": "x", "tier": "be", "colour": "red"}, 422, "colour"),
+    ],
+)
 async def test_bad_tenants_are_refused_naming_the_field(
-        gateway_without_engine: GatewayHandle, payload: dict[str, object], status: int,
-        param: str) -> None:
+    gateway_without_engine: GatewayHandle, payload: dict[str, object], status: int, param: str
+) -> None:
     code, body = await gateway_without_engine.admin("POST", "/tenants", payload)
     assert code == status and body["error"]["param"] == param
 
@@ -62,7 +76,8 @@ async def test_duplicate_name_is_a_conflict(gateway_without_engine: GatewayHandl
 
 
 async def test_keys_are_shown_once_and_revocation_is_immediate(
-        gateway_without_engine: GatewayHandle) -> None:
+    gateway_without_engine: GatewayHandle,
+) -> None:
     gw = gateway_without_engine
     tenant_id, key = await gw.new_tenant("batchco", "be")
     models_url = f"{gw.base_url}/v1/models"
@@ -93,25 +108,35 @@ async def test_unknown_ids_are_404(gateway_without_engine: GatewayHandle) -> Non
 async def test_public_api_auth_errors(gateway_without_engine: GatewayHandle) -> None:
     gw = gateway_without_engine
     body = {"model": "tandem-tiny", "messages": [{"role": "user", "content": "hi"}]}
-    for headers in ({}, {"Authorization": "Bearer tdm_0123456789ab_" + "x" * 43},
-                    {"Authorization": "Basic abc"}):
-        async with gw.session.post(f"{gw.base_url}/v1/chat/completions", json=body,
-                                   headers=headers) as resp:
+    for headers in (
+        {},
+        {"Authorization": "Bearer tdm_0123456789ab_" + "x" * 43},
+        {"Authorization": "Basic abc"},
+    ):
+        async with gw.session.post(
+            f"{gw.base_url}/v1/chat/completions", json=body, headers=headers
+        ) as resp:
             assert resp.status == 401
             error = (await resp.json())["error"]
             assert error["type"] == "authentication_error" and error["message"]
 
 
 async def test_engine_down_is_503_with_retry_after_and_recorded(
-        gateway_without_engine: GatewayHandle) -> None:
+    gateway_without_engine: GatewayHandle,
+) -> None:
     gw = gateway_without_engine
     tenant_id, key = await gw.new_tenant("rt-down", "rt", ttft_ms=500, tpot_ms=100)
-    body = {"model": "tandem-tiny", "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": 4}
+    body = {
+        "model": "tandem-tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+    }
     for stream in (False, True):
-        async with gw.session.post(f"{gw.base_url}/v1/chat/completions",
-                                   json=dict(body, stream=stream),
-                                   headers={"Authorization": f"Bearer {key}"}) as resp:
+        async with gw.session.post(
+            f"{gw.base_url}/v1/chat/completions",
+            json=dict(body, stream=stream),
+            headers={"Authorization": f"Bearer {key}"},
+        ) as resp:
             assert resp.status == 503
             assert int(resp.headers["Retry-After"]) > 0
             assert (await resp.json())["error"]["code"] == "engine_unavailable"
@@ -135,10 +160,10 @@ async def test_oversized_body_is_413(gateway_without_engine: GatewayHandle) -> N
     gw = gateway_without_engine
     _, key = await gw.new_tenant("big", "be")
     data = b'{"model": "tandem-tiny", "prompt": "' + b"a" * (5 * 1024 * 1024) + b'"}'
-    async with gw.session.post(f"{gw.base_url}/v1/completions", data=data,
-                               headers={"Authorization": f"Bearer {key}",
-                                        "Content-Type": "application/json"}) as resp:
+    async with gw.session.post(
+        f"{gw.base_url}/v1/completions",
+        data=data,
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+    ) as resp:
         assert resp.status == 413
         assert (await resp.json())["error"]["code"] == "request_too_large"
-
-

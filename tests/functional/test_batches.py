@@ -34,9 +34,18 @@ def client(gw: GatewayHandle, key: str) -> openai.AsyncOpenAI:
 
 
 def chat_line(custom_id: str, text: str, max_tokens: int = 6, **body: Any) -> dict[str, Any]:
-    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": MODEL, "messages": [{"role": "user", "content": text}],
-                     "max_tokens": max_tokens, "ignore_eos": True, **body}}
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            **body,
+        },
+    }
 
 
 def jsonl(lines: list[dict[str, Any]]) -> bytes:
@@ -44,13 +53,16 @@ def jsonl(lines: list[dict[str, Any]]) -> bytes:
 
 
 async def upload(api: openai.AsyncOpenAI, content: bytes) -> str:
-    created = await api.files.create(file=("input.jsonl", io.BytesIO(content)),
-                                     purpose="batch")
+    created = await api.files.create(file=("input.jsonl", io.BytesIO(content)), purpose="batch")
     return created.id
 
 
-async def wait_for(api: openai.AsyncOpenAI, batch_id: str, statuses: tuple[str, ...] = DONE,
-                   timeout_s: float = 180.0) -> Any:
+async def wait_for(
+    api: openai.AsyncOpenAI,
+    batch_id: str,
+    statuses: tuple[str, ...] = DONE,
+    timeout_s: float = 180.0,
+) -> Any:
     deadline = time.monotonic() + timeout_s
     while True:
         batch = await api.batches.retrieve(batch_id)
@@ -78,22 +90,30 @@ async def other_tenant(gateway: GatewayHandle) -> tuple[str, str]:
 
 
 async def test_openai_client_runs_a_batch_to_completion(
-        gateway: GatewayHandle, be_tenant: tuple[str, str], engine_server: EngineServer) -> None:
+    gateway: GatewayHandle, be_tenant: tuple[str, str], engine_server: EngineServer
+) -> None:
     api = client(gateway, be_tenant[1])
     prompts = {f"req-{i}": f"Question {i}: name a colour." for i in range(8)}
     file_id = await upload(api, jsonl([chat_line(cid, text) for cid, text in prompts.items()]))
     info = await api.files.retrieve(file_id)
     assert info.purpose == "batch" and info.bytes > 0 and info.filename == "input.jsonl"
 
-    batch = await api.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
-                                     completion_window="24h", metadata={"job": "colours"})
+    batch = await api.batches.create(
+        input_file_id=file_id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata={"job": "colours"},
+    )
     assert batch.status == "validating" and batch.metadata == {"job": "colours"}
     done = await wait_for(api, batch.id)
 
     assert done.status == "completed", done
     assert done.request_counts is not None
-    assert (done.request_counts.total, done.request_counts.completed,
-            done.request_counts.failed) == (8, 8, 0)
+    assert (
+        done.request_counts.total,
+        done.request_counts.completed,
+        done.request_counts.failed,
+    ) == (8, 8, 0)
     assert done.in_progress_at and done.completed_at and done.output_file_id
     assert done.error_file_id is None
     out = await read_lines(api, done.output_file_id)
@@ -114,14 +134,19 @@ async def test_openai_client_runs_a_batch_to_completion(
 
 
 async def test_lines_the_model_cannot_take_go_to_the_error_file(
-        gateway: GatewayHandle, be_tenant: tuple[str, str]) -> None:
+    gateway: GatewayHandle, be_tenant: tuple[str, str]
+) -> None:
     api = client(gateway, be_tenant[1])
     too_long = "word " * 5000  # beyond the tiny model's context
-    lines = [chat_line("ok-1", "hello"), chat_line("too-long", too_long),
-             chat_line("ok-2", "hi there")]
+    lines = [
+        chat_line("ok-1", "hello"),
+        chat_line("too-long", too_long),
+        chat_line("ok-2", "hi there"),
+    ]
     file_id = await upload(api, jsonl(lines))
-    batch = await api.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
-                                     completion_window="24h")
+    batch = await api.batches.create(
+        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
     done = await wait_for(api, batch.id)
     assert done.status == "completed"
     assert done.request_counts is not None
@@ -136,20 +161,29 @@ async def test_lines_the_model_cannot_take_go_to_the_error_file(
 
 
 async def test_an_invalid_file_fails_validation_naming_each_bad_line(
-        gateway: GatewayHandle, be_tenant: tuple[str, str]) -> None:
+    gateway: GatewayHandle, be_tenant: tuple[str, str]
+) -> None:
     api = client(gateway, be_tenant[1])
     good = chat_line("a", "hi")
-    content = b"\n".join([
-        json.dumps(good).encode(),
-        b"{not json",
-        json.dumps(chat_line("a", "again")).encode(),  # duplicate custom_id
-        json.dumps({**chat_line("c", "x"), "url": "/v1/embeddings"}).encode(),
-        json.dumps(chat_line("d", "x", temperature=9)).encode(),
-        json.dumps({**chat_line("e", "x"), "body": {"model": "gpt-4", "messages": []}}).encode(),
-    ]) + b"\n"
+    content = (
+        b"\n".join(
+            [
+                json.dumps(good).encode(),
+                b"{not json",
+                json.dumps(chat_line("a", "again")).encode(),  # duplicate custom_id
+                json.dumps({**chat_line("c", "x"), "url": "/v1/embeddings"}).encode(),
+                json.dumps(chat_line("d", "x", temperature=9)).encode(),
+                json.dumps(
+                    {**chat_line("e", "x"), "body": {"model": "gpt-4", "messages": []}}
+                ).encode(),
+            ]
+        )
+        + b"\n"
+    )
     file_id = await upload(api, content)
-    batch = await api.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
-                                     completion_window="24h")
+    batch = await api.batches.create(
+        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
     done = await wait_for(api, batch.id)
     assert done.status == "failed" and done.failed_at
     assert done.errors is not None and done.errors.data is not None
@@ -164,16 +198,23 @@ async def test_an_invalid_file_fails_validation_naming_each_bad_line(
 
 
 async def test_create_batch_refuses_bad_requests_naming_the_field(
-        gateway: GatewayHandle, be_tenant: tuple[str, str]) -> None:
+    gateway: GatewayHandle, be_tenant: tuple[str, str]
+) -> None:
     api = client(gateway, be_tenant[1])
     file_id = await upload(api, jsonl([chat_line("a", "hi")]))
-    cases = [({"endpoint": "/v1/embeddings"}, "endpoint"),
-             ({"completion_window": "48h"}, "completion_window"),
-             ({"completion_window": "soon"}, "completion_window"),
-             ({"input_file_id": "file-nope"}, "file_id")]
+    cases = [
+        ({"endpoint": "/v1/embeddings"}, "endpoint"),
+        ({"completion_window": "48h"}, "completion_window"),
+        ({"completion_window": "soon"}, "completion_window"),
+        ({"input_file_id": "file-nope"}, "file_id"),
+    ]
     for change, param in cases:
-        args = {"input_file_id": file_id, "endpoint": "/v1/chat/completions",
-                "completion_window": "24h", **change}
+        args = {
+            "input_file_id": file_id,
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+            **change,
+        }
         with pytest.raises(openai.APIStatusError) as err:
             await api.batches.create(**args)  # type: ignore[arg-type]
         assert err.value.status_code in (400, 404)
@@ -181,18 +222,23 @@ async def test_create_batch_refuses_bad_requests_naming_the_field(
 
 
 async def test_tenants_see_only_their_own_files_and_batches(
-        gateway: GatewayHandle, be_tenant: tuple[str, str],
-        other_tenant: tuple[str, str]) -> None:
+    gateway: GatewayHandle, be_tenant: tuple[str, str], other_tenant: tuple[str, str]
+) -> None:
     mine, theirs = client(gateway, be_tenant[1]), client(gateway, other_tenant[1])
     file_id = await upload(mine, jsonl([chat_line("a", "hi")]))
-    batch = await mine.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
-                                      completion_window="24h")
-    for call in (theirs.files.retrieve(file_id), theirs.files.content(file_id),
-                 theirs.files.delete(file_id), theirs.batches.retrieve(batch.id),
-                 theirs.batches.cancel(batch.id),
-                 theirs.batches.create(input_file_id=file_id,
-                                       endpoint="/v1/chat/completions",
-                                       completion_window="24h")):
+    batch = await mine.batches.create(
+        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    for call in (
+        theirs.files.retrieve(file_id),
+        theirs.files.content(file_id),
+        theirs.files.delete(file_id),
+        theirs.batches.retrieve(batch.id),
+        theirs.batches.cancel(batch.id),
+        theirs.batches.create(
+            input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+        ),
+    ):
         with pytest.raises(openai.NotFoundError):
             await call
     assert file_id not in [f.id for f in (await theirs.files.list()).data]
@@ -206,11 +252,15 @@ async def test_tenants_see_only_their_own_files_and_batches(
 
 
 async def test_cancel_stops_the_batch_and_keeps_what_finished(
-        gateway: GatewayHandle, be_tenant: tuple[str, str]) -> None:
+    gateway: GatewayHandle, be_tenant: tuple[str, str]
+) -> None:
     api = client(gateway, be_tenant[1])
     lines = [chat_line(f"c-{i}", f"story {i}", max_tokens=64) for i in range(40)]
-    batch = await api.batches.create(input_file_id=await upload(api, jsonl(lines)),
-                                     endpoint="/v1/chat/completions", completion_window="24h")
+    batch = await api.batches.create(
+        input_file_id=await upload(api, jsonl(lines)),
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+    )
     await wait_for(api, batch.id, ("in_progress", *DONE))
     cancelling = await api.batches.cancel(batch.id)
     assert cancelling.status in ("cancelling", "cancelled")
@@ -227,32 +277,40 @@ async def test_cancel_stops_the_batch_and_keeps_what_finished(
 
 
 async def test_a_batch_past_its_window_expires(
-        gateway: GatewayHandle, be_tenant: tuple[str, str]) -> None:
+    gateway: GatewayHandle, be_tenant: tuple[str, str]
+) -> None:
     api = client(gateway, be_tenant[1])
     lines = [chat_line(f"x-{i}", f"essay {i}", max_tokens=64) for i in range(30)]
-    batch = await api.batches.create(input_file_id=await upload(api, jsonl(lines)),
-                                     endpoint="/v1/chat/completions", completion_window="24h")
+    batch = await api.batches.create(
+        input_file_id=await upload(api, jsonl(lines)),
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+    )
     await wait_for(api, batch.id, ("in_progress", *DONE))
     # Fast-forward: the 24 h window ends now.
     sessions = session_factory(gateway.app[DB_ENGINE])
     async with sessions.begin() as session:
-        await session.execute(update(BatchRow).where(BatchRow.id == batch.id)
-                              .values(expires_at=BatchRow.created_at))
+        await session.execute(
+            update(BatchRow).where(BatchRow.id == batch.id).values(expires_at=BatchRow.created_at)
+        )
     done = await wait_for(api, batch.id)
     assert done.status == "expired" and done.expired_at
     out = await read_lines(api, done.output_file_id)
     errors = await read_lines(api, done.error_file_id)
     assert sorted(line["custom_id"] for line in out + errors) == sorted(
-        line["custom_id"] for line in lines)
+        line["custom_id"] for line in lines
+    )
     assert errors and all(e["error"]["code"] == "batch_expired" for e in errors)
 
 
 async def test_a_short_window_is_a_deadline_passed_to_the_engine(
-        gateway: GatewayHandle, be_tenant: tuple[str, str], engine_server: EngineServer) -> None:
+    gateway: GatewayHandle, be_tenant: tuple[str, str], engine_server: EngineServer
+) -> None:
     api = client(gateway, be_tenant[1])
     file_id = await upload(api, jsonl([chat_line(f"d-{i}", "hi") for i in range(3)]))
-    batch = await api.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
-                                     completion_window="30m")
+    batch = await api.batches.create(
+        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="30m"
+    )
     created = batch.created_at
     done = await wait_for(api, batch.id)
     assert done.status == "completed"
@@ -263,8 +321,9 @@ async def test_a_short_window_is_a_deadline_passed_to_the_engine(
         assert abs(meta["be_deadline_unix_s"] - (created + 1800)) < 5
 
 
-async def test_file_listing_content_and_delete(gateway: GatewayHandle,
-                                               be_tenant: tuple[str, str]) -> None:
+async def test_file_listing_content_and_delete(
+    gateway: GatewayHandle, be_tenant: tuple[str, str]
+) -> None:
     api = client(gateway, be_tenant[1])
     content = jsonl([chat_line("z", "hi")])
     file_id = await upload(api, content)
@@ -277,17 +336,21 @@ async def test_file_listing_content_and_delete(gateway: GatewayHandle,
     assert gateway.app[BATCH_STORE] is not None
 
 
-async def test_cli_creates_watches_and_downloads(gateway: GatewayHandle,
-                                                 be_tenant: tuple[str, str],
-                                                 tmp_path: Any) -> None:
+async def test_cli_creates_watches_and_downloads(
+    gateway: GatewayHandle, be_tenant: tuple[str, str], tmp_path: Any
+) -> None:
     source = tmp_path / "in.jsonl"
     source.write_bytes(jsonl([chat_line(f"cli-{i}", "hello") for i in range(4)]))
     env = {**os.environ, "TANDEM_API_KEY": be_tenant[1]}
 
     def tandem(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "gateway", "batch", *args, "--url",
-                               gateway.base_url], env=env, capture_output=True, text=True,
-                              timeout=300)
+        return subprocess.run(
+            [sys.executable, "-m", "gateway", "batch", *args, "--url", gateway.base_url],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
 
     created = await asyncio.to_thread(tandem, "create", str(source), "--watch")
     assert created.returncode == 0, created.stderr
@@ -298,7 +361,8 @@ async def test_cli_creates_watches_and_downloads(gateway: GatewayHandle,
     got = await asyncio.to_thread(tandem, "results", batch["id"], "--output", str(out))
     assert got.returncode == 0, got.stderr
     assert sorted(json.loads(x)["custom_id"] for x in out.read_text().splitlines()) == [
-        f"cli-{i}" for i in range(4)]
+        f"cli-{i}" for i in range(4)
+    ]
     missing = await asyncio.to_thread(tandem, "get", "batch_nope")
     assert missing.returncode == 1
     assert missing.stderr.startswith("tandem: error: 404")

@@ -16,36 +16,48 @@ from tests.functional.gateway_fixtures import GatewayHandle, free_port, start_ga
 
 
 def line(i: int) -> dict[str, Any]:
-    return {"custom_id": f"l{i}", "method": "POST", "url": "/v1/completions",
-            "body": {"model": "tandem-tiny", "prompt": f"count to {i}", "max_tokens": 4}}
+    return {
+        "custom_id": f"l{i}",
+        "method": "POST",
+        "url": "/v1/completions",
+        "body": {"model": "tandem-tiny", "prompt": f"count to {i}", "max_tokens": 4},
+    }
 
 
 async def upload(gw: GatewayHandle, key: str, content: bytes) -> tuple[int, Any]:
     form = aiohttp.FormData()
     form.add_field("purpose", "batch")
     form.add_field("file", content, filename="in.jsonl", content_type="application/jsonl")
-    async with gw.session.post(f"{gw.base_url}/v1/files", data=form,
-                               headers={"Authorization": f"Bearer {key}"}) as resp:
+    async with gw.session.post(
+        f"{gw.base_url}/v1/files", data=form, headers={"Authorization": f"Bearer {key}"}
+    ) as resp:
         return resp.status, await resp.json()
 
 
-async def call(gw: GatewayHandle, key: str, method: str, path: str,
-               body: Any = None) -> tuple[int, Any]:
-    async with gw.session.request(method, f"{gw.base_url}{path}", json=body,
-                                  headers={"Authorization": f"Bearer {key}"}) as resp:
+async def call(
+    gw: GatewayHandle, key: str, method: str, path: str, body: Any = None
+) -> tuple[int, Any]:
+    async with gw.session.request(
+        method, f"{gw.base_url}{path}", json=body, headers={"Authorization": f"Bearer {key}"}
+    ) as resp:
         return resp.status, await resp.json()
 
 
 async def test_engine_down_delays_lines_without_failing_them(
-        gateway_without_engine: GatewayHandle) -> None:
+    gateway_without_engine: GatewayHandle,
+) -> None:
     gw = gateway_without_engine
     _, key = await gw.new_tenant("waiting-be", "be")
     content = b"".join(json.dumps(line(i)).encode() + b"\n" for i in range(5))
     status, file = await upload(gw, key, content)
     assert status == 200, file
-    status, batch = await call(gw, key, "POST", "/v1/batches", {
-        "input_file_id": file["id"], "endpoint": "/v1/completions",
-        "completion_window": "24h"})
+    status, batch = await call(
+        gw,
+        key,
+        "POST",
+        "/v1/batches",
+        {"input_file_id": file["id"], "endpoint": "/v1/completions", "completion_window": "24h"},
+    )
     assert status == 200, batch
     for _ in range(100):
         status, batch = await call(gw, key, "GET", f"/v1/batches/{batch['id']}")
@@ -64,8 +76,10 @@ async def test_engine_down_delays_lines_without_failing_them(
             break
         await asyncio.sleep(0.1)
     assert batch["status"] == "cancelled" and batch["output_file_id"] is None
-    async with gw.session.get(f"{gw.base_url}/v1/files/{batch['error_file_id']}/content",
-                              headers={"Authorization": f"Bearer {key}"}) as resp:
+    async with gw.session.get(
+        f"{gw.base_url}/v1/files/{batch['error_file_id']}/content",
+        headers={"Authorization": f"Bearer {key}"},
+    ) as resp:
         errors = [json.loads(x) for x in (await resp.text()).splitlines()]
     assert sorted(e["custom_id"] for e in errors) == [f"l{i}" for i in range(5)]
     assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
@@ -74,16 +88,21 @@ async def test_engine_down_delays_lines_without_failing_them(
 @pytest.fixture
 async def limited_gateway(tmp_path: Path, tiny_model_dir: Path) -> AsyncIterator[GatewayHandle]:
     """A gateway (engine down) taking files of at most 1000 bytes and 3 lines."""
-    server, handle = await start_gateway(f"sqlite:///{tmp_path / 'limits.db'}", free_port(),
-                                         tiny_model_dir, TANDEM_BATCH__MAX_FILE_BYTES="1000",
-                                         TANDEM_BATCH__MAX_LINES="3")
+    server, handle = await start_gateway(
+        f"sqlite:///{tmp_path / 'limits.db'}",
+        free_port(),
+        tiny_model_dir,
+        TANDEM_BATCH__MAX_FILE_BYTES="1000",
+        TANDEM_BATCH__MAX_LINES="3",
+    )
     yield handle
     await handle.session.close()
     await server.close()
 
 
 async def test_upload_limits_and_purpose_are_enforced_with_clear_errors(
-        limited_gateway: GatewayHandle) -> None:
+    limited_gateway: GatewayHandle,
+) -> None:
     gw = limited_gateway
     _, key = await gw.new_tenant("uploader", "be")
     status, body = await upload(gw, key, b"x" * 5000)
@@ -101,8 +120,9 @@ async def test_upload_limits_and_purpose_are_enforced_with_clear_errors(
     form = aiohttp.FormData()
     form.add_field("purpose", "fine-tune")
     form.add_field("file", b"{}\n", filename="x.jsonl")
-    async with gw.session.post(f"{gw.base_url}/v1/files", data=form,
-                               headers={"Authorization": f"Bearer {key}"}) as resp:
+    async with gw.session.post(
+        f"{gw.base_url}/v1/files", data=form, headers={"Authorization": f"Bearer {key}"}
+    ) as resp:
         body = await resp.json()
         assert resp.status == 400 and body["error"]["param"] == "purpose"
     async with gw.session.post(f"{gw.base_url}/v1/files", data=form) as resp:

@@ -32,12 +32,17 @@ class GatewayProcess:
 
     def __init__(self, engine: EngineServer, db: Path, log: Path) -> None:
         self.port = free_port()
-        self.env = {**os.environ, "TANDEM_ADMIN_TOKEN": ADMIN_TOKEN,
-                    "TANDEM_DATABASE__URL": f"sqlite:///{db}",
-                    "TANDEM_ENGINE__LAUNCH": "false", "TANDEM_ENGINE__PORT": str(engine.port),
-                    "TANDEM_MODEL__PATH": str(engine.model_path),
-                    "TANDEM_GATEWAY__PORT": str(self.port),
-                    "TANDEM_BATCH__MAX_INFLIGHT": "3", "TANDEM_BATCH__POLL_INTERVAL_S": "0.2"}
+        self.env = {
+            **os.environ,
+            "TANDEM_ADMIN_TOKEN": ADMIN_TOKEN,
+            "TANDEM_DATABASE__URL": f"sqlite:///{db}",
+            "TANDEM_ENGINE__LAUNCH": "false",
+            "TANDEM_ENGINE__PORT": str(engine.port),
+            "TANDEM_MODEL__PATH": str(engine.model_path),
+            "TANDEM_GATEWAY__PORT": str(self.port),
+            "TANDEM_BATCH__MAX_INFLIGHT": "3",
+            "TANDEM_BATCH__POLL_INTERVAL_S": "0.2",
+        }
         self.log = log
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -47,8 +52,12 @@ class GatewayProcess:
 
     def start(self) -> None:
         with self.log.open("ab") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve"],
-                                         env=self.env, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "gateway", "serve"],
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.log.read_text()[-3000:]
@@ -76,9 +85,11 @@ class GatewayProcess:
 
     def admin(self, path: str, body: dict[str, Any] | None = None) -> Any:
         request = urllib.request.Request(
-            f"{self.url}/admin/v1{path}", data=json.dumps(body or {}).encode(), method="POST",
-            headers={"Authorization": f"Bearer {ADMIN_TOKEN}",
-                     "Content-Type": "application/json"})
+            f"{self.url}/admin/v1{path}",
+            data=json.dumps(body or {}).encode(),
+            method="POST",
+            headers={"Authorization": f"Bearer {ADMIN_TOKEN}", "Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(request, timeout=30) as resp:
             return json.loads(resp.read())
 
@@ -96,20 +107,32 @@ def _counts(api: openai.OpenAI, batch_id: str) -> tuple[str, int]:
 
 
 def test_killed_gateway_resumes_the_batch_without_losing_or_duplicating_a_line(
-        gateway_process: GatewayProcess, tmp_path: Path) -> None:
+    gateway_process: GatewayProcess, tmp_path: Path
+) -> None:
     gw = gateway_process
     gw.start()
     tenant = gw.admin("/tenants", {"name": "restart-be", "tier": "be"})
     key = gw.admin(f"/tenants/{tenant['id']}/keys")["key"]
-    lines = [{"custom_id": f"line-{i:02d}", "method": "POST", "url": "/v1/chat/completions",
-              "body": {"model": "tandem-tiny", "max_tokens": 48, "ignore_eos": True,
-                       "messages": [{"role": "user", "content": f"Tell story number {i}."}]}}
-             for i in range(LINES)]
+    lines = [
+        {
+            "custom_id": f"line-{i:02d}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "tandem-tiny",
+                "max_tokens": 48,
+                "ignore_eos": True,
+                "messages": [{"role": "user", "content": f"Tell story number {i}."}],
+            },
+        }
+        for i in range(LINES)
+    ]
     content = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
     api = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0)
     file_id = api.files.create(file=("in.jsonl", io.BytesIO(content)), purpose="batch").id
-    batch_id = api.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
-                                  completion_window="24h").id
+    batch_id = api.batches.create(
+        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+    ).id
 
     deadline = time.monotonic() + 300
     status, completed = _counts(api, batch_id)
@@ -129,8 +152,12 @@ def test_killed_gateway_resumes_the_batch_without_losing_or_duplicating_a_line(
     gw.start()  # same database, new process
     api = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0)
     deadline = time.monotonic() + 600
-    while (batch := api.batches.retrieve(batch_id)).status not in ("completed", "failed",
-                                                                    "expired", "cancelled"):
+    while (batch := api.batches.retrieve(batch_id)).status not in (
+        "completed",
+        "failed",
+        "expired",
+        "cancelled",
+    ):
         assert time.monotonic() < deadline, f"batch still {batch.status}"
         time.sleep(0.3)
     assert batch.status == "completed"

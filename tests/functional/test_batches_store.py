@@ -23,16 +23,27 @@ async def tenant(store: Store, name: str) -> str:
 
 
 def items(n: int) -> list[NewItem]:
-    return [NewItem(line_no=i + 1, custom_id=f"c{i}", method="POST",
-                    url="/v1/chat/completions", body="{}") for i in range(n)]
+    return [
+        NewItem(
+            line_no=i + 1, custom_id=f"c{i}", method="POST", url="/v1/chat/completions", body="{}"
+        )
+        for i in range(n)
+    ]
 
 
 async def new_batch(batches: BatchStore, tenant_id: str, n: int) -> str:
     file = await batches.create_file(tenant_id, "batch", "in.jsonl", b"x\n" * n, n)
     batch = await batches.create_batch(
-        tenant_id=tenant_id, key_id=None, input_file_id=file.id,
-        endpoint="/v1/chat/completions", completion_window="24h", window=timedelta(hours=24),
-        deadline_at=None, metadata={"k": "v"}, request_total=n)
+        tenant_id=tenant_id,
+        key_id=None,
+        input_file_id=file.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        window=timedelta(hours=24),
+        deadline_at=None,
+        metadata={"k": "v"},
+        request_total=n,
+    )
     assert batch.status == "validating" and batch.metadata == {"k": "v"}
     assert await batches.start(batch.id, items(n), "tandem-tiny", None) == "in_progress"
     return batch.id
@@ -41,8 +52,9 @@ async def new_batch(batches: BatchStore, tenant_id: str, n: int) -> str:
 async def test_files_belong_to_their_tenant(store: Store, store_engine: AsyncEngine) -> None:
     batches = BatchStore(session_factory(store_engine))
     alice, bob = await tenant(store, "alice"), await tenant(store, "bob")
-    ids = [(await batches.create_file(alice, "batch", f"f{i}.jsonl", b"{}\n", 1)).id
-           for i in range(3)]
+    ids = [
+        (await batches.create_file(alice, "batch", f"f{i}.jsonl", b"{}\n", 1)).id for i in range(3)
+    ]
     assert await batches.get_file(bob, ids[0]) is None
     assert await batches.file_content(bob, ids[0]) is None
     assert await batches.file_content(alice, ids[0]) == b"{}\n"
@@ -57,21 +69,33 @@ async def test_files_belong_to_their_tenant(store: Store, store_engine: AsyncEng
 
 
 async def test_a_line_exists_once_and_resumes_after_a_crash(
-        store: Store, store_engine: AsyncEngine) -> None:
+    store: Store, store_engine: AsyncEngine
+) -> None:
     batches = BatchStore(session_factory(store_engine))
     batch_id = await new_batch(batches, await tenant(store, "carol"), 4)
     assert [p.line_no for p in await batches.pending_items(batch_id)] == [1, 2, 3, 4]
     await batches.set_order(batch_id, {4: 0, 2: 1, 1: 2, 3: 3})
     async with session_factory(store_engine)() as session:
-        ranks = (await session.execute(
-            select(BatchItemRow.line_no, BatchItemRow.order_rank)
-            .where(BatchItemRow.batch_id == batch_id).order_by(BatchItemRow.order_rank))).all()
+        ranks = (
+            await session.execute(
+                select(BatchItemRow.line_no, BatchItemRow.order_rank)
+                .where(BatchItemRow.batch_id == batch_id)
+                .order_by(BatchItemRow.order_rank)
+            )
+        ).all()
     assert [tuple(r) for r in ranks] == [(4, 0), (2, 1), (1, 2), (3, 3)]
     assert await batches.mark_running(batch_id, 1)
     assert not await batches.mark_running(batch_id, 1)  # a line runs once at a time
-    await batches.finish_item(batch_id, 1, ItemResult(
-        status="succeeded", response={"status_code": 200, "request_id": "r", "body": {}},
-        prompt_tokens=5, completion_tokens=7))
+    await batches.finish_item(
+        batch_id,
+        1,
+        ItemResult(
+            status="succeeded",
+            response={"status_code": 200, "request_id": "r", "body": {}},
+            prompt_tokens=5,
+            completion_tokens=7,
+        ),
+    )
     assert await batches.mark_running(batch_id, 2)  # in flight when the process dies
     assert await batches.reset_running() == 1  # the next process starts
     pending = await batches.pending_items(batch_id)
@@ -83,24 +107,48 @@ async def test_a_line_exists_once_and_resumes_after_a_crash(
     # the same custom_id cannot be inserted twice into one batch
     with pytest.raises(IntegrityError):
         async with session_factory(store_engine).begin() as session:
-            session.add(BatchItemRow(batch_id=batch_id, line_no=9, custom_id="c0",
-                                     method="POST", url="/v1/chat/completions", body="{}",
-                                     status="pending", attempts=0))
+            session.add(
+                BatchItemRow(
+                    batch_id=batch_id,
+                    line_no=9,
+                    custom_id="c0",
+                    method="POST",
+                    url="/v1/chat/completions",
+                    body="{}",
+                    status="pending",
+                    attempts=0,
+                )
+            )
     assert await batches.start(batch_id, items(4), None, None) == "in_progress"  # no re-insert
 
 
 async def test_finalize_writes_each_line_once_into_output_or_error_file(
-        store: Store, store_engine: AsyncEngine) -> None:
+    store: Store, store_engine: AsyncEngine
+) -> None:
     batches = BatchStore(session_factory(store_engine))
     owner = await tenant(store, "dave")
     batch_id = await new_batch(batches, owner, 3)
     await batches.mark_running(batch_id, 1)
-    await batches.finish_item(batch_id, 1, ItemResult(
-        status="succeeded", response={"status_code": 200, "request_id": "r1", "body": {}}))
+    await batches.finish_item(
+        batch_id,
+        1,
+        ItemResult(
+            status="succeeded", response={"status_code": 200, "request_id": "r1", "body": {}}
+        ),
+    )
     await batches.mark_running(batch_id, 2)
-    await batches.finish_item(batch_id, 2, ItemResult(
-        status="failed", response={"status_code": 400, "request_id": None,
-                                   "body": {"error": {"message": "bad"}}}))
+    await batches.finish_item(
+        batch_id,
+        2,
+        ItemResult(
+            status="failed",
+            response={
+                "status_code": 400,
+                "request_id": None,
+                "body": {"error": {"message": "bad"}},
+            },
+        ),
+    )
     assert await batches.end_pending(batch_id, "cancelled") == 1
     lines = await batches.result_lines(batch_id)
     out, n_out, err, n_err = build_files(batch_id, lines)
@@ -120,15 +168,21 @@ async def test_finalize_writes_each_line_once_into_output_or_error_file(
     assert [b.id for b in page] == [batch_id] and not more
 
 
-async def test_validation_failure_keeps_the_errors(store: Store,
-                                                  store_engine: AsyncEngine) -> None:
+async def test_validation_failure_keeps_the_errors(store: Store, store_engine: AsyncEngine) -> None:
     batches = BatchStore(session_factory(store_engine))
     owner = await tenant(store, "frank")
     file = await batches.create_file(owner, "batch", "in.jsonl", b"x\n", 1)
     batch = await batches.create_batch(
-        tenant_id=owner, key_id=None, input_file_id=file.id, endpoint="/v1/completions",
-        completion_window="1h", window=timedelta(hours=1), deadline_at=None, metadata=None,
-        request_total=1)
+        tenant_id=owner,
+        key_id=None,
+        input_file_id=file.id,
+        endpoint="/v1/completions",
+        completion_window="1h",
+        window=timedelta(hours=1),
+        deadline_at=None,
+        metadata=None,
+        request_total=1,
+    )
     errors = [{"code": "invalid_json", "message": "no", "param": None, "line": 1}]
     assert await batches.start(batch.id, [], None, errors) == "failed"
     info = await batches.get_batch(batch.id)

@@ -15,8 +15,23 @@ pytestmark = pytest.mark.slow
 
 def test_a_live_run_reports_real_and_simulated_metrics(tmp_path: Path) -> None:
     out = tmp_path / "live"
-    code = main(["bench", "W1", "--engine", "sglang", "--rt-rate", "1", "--duration-s", "8",
-                 "--policies", "tandem", "--no-progress", "--out", str(out)])
+    code = main(
+        [
+            "bench",
+            "W1",
+            "--engine",
+            "sglang",
+            "--rt-rate",
+            "1",
+            "--duration-s",
+            "8",
+            "--policies",
+            "tandem",
+            "--no-progress",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     results = json.loads((out / "results.json").read_text())
     assert results["engine"] == "sglang" and results["variant"] == "cpu"

@@ -15,21 +15,69 @@ from bench.plots import PLOT_FILES
 from gateway.cli import main
 
 POLICIES = ("fcfs", "priority", "rt-only")
-TOP_KEYS = ("workload", "engine", "profile", "seed", "load", "rt_capacity_req_s",
-            "rt_rate_req_s", "policies")
-POLICY_KEYS = ("rt_ttft_attainment", "rt_tpot_attainment", "rt_ttft_p50_s", "rt_ttft_p99_s",
-               "rt_tpot_mean_s", "rt_tbt_p99_s", "rt_normalized_latency_s",
-               "rt_token_attainment", "be_throughput_tok_s", "be_throughput_req_s",
-               "be_max_wait_s", "goodput_req_s", "eviction_rate", "kv_utilization_mean",
-               "prefix_reuse_ratio", "plan_ms_p50", "plan_ms_p99")
-FRACTIONS = ("rt_ttft_attainment", "rt_tpot_attainment", "rt_token_attainment",
-             "eviction_rate", "kv_utilization_mean", "prefix_reuse_ratio")
+TOP_KEYS = (
+    "workload",
+    "engine",
+    "profile",
+    "seed",
+    "load",
+    "rt_capacity_req_s",
+    "rt_rate_req_s",
+    "policies",
+)
+POLICY_KEYS = (
+    "rt_ttft_attainment",
+    "rt_tpot_attainment",
+    "rt_ttft_p50_s",
+    "rt_ttft_p99_s",
+    "rt_tpot_mean_s",
+    "rt_tbt_p99_s",
+    "rt_normalized_latency_s",
+    "rt_token_attainment",
+    "be_throughput_tok_s",
+    "be_throughput_req_s",
+    "be_max_wait_s",
+    "goodput_req_s",
+    "eviction_rate",
+    "kv_utilization_mean",
+    "prefix_reuse_ratio",
+    "plan_ms_p50",
+    "plan_ms_p99",
+)
+FRACTIONS = (
+    "rt_ttft_attainment",
+    "rt_tpot_attainment",
+    "rt_token_attainment",
+    "eviction_rate",
+    "kv_utilization_mean",
+    "prefix_reuse_ratio",
+)
 
 
 def run_w1(out: Path, cache: Path) -> dict[str, Any]:
-    code = main(["bench", "W1", "--engine", "sim", "--policies", ",".join(POLICIES),
-                 "--rt-rate", "8", "--duration-s", "4", "--seed", "3", "--kv-scale", "20",
-                 "--out", str(out), "--cache-dir", str(cache), "--no-progress"])
+    code = main(
+        [
+            "bench",
+            "W1",
+            "--engine",
+            "sim",
+            "--policies",
+            ",".join(POLICIES),
+            "--rt-rate",
+            "8",
+            "--duration-s",
+            "4",
+            "--seed",
+            "3",
+            "--kv-scale",
+            "20",
+            "--out",
+            str(out),
+            "--cache-dir",
+            str(cache),
+            "--no-progress",
+        ]
+    )
     assert code == 0
     return json.loads((out / "results.json").read_text())  # type: ignore[no-any-return]
 
@@ -37,8 +85,10 @@ def run_w1(out: Path, cache: Path) -> dict[str, Any]:
 def deterministic(results: dict[str, Any]) -> dict[str, Any]:
     """results.json without what depends on the wall clock."""
     out = {k: v for k, v in results.items() if k != "run_info"}
-    out["policies"] = {name: {k: v for k, v in m.items() if k not in WALL_CLOCK_KEYS}
-                       for name, m in results["policies"].items()}
+    out["policies"] = {
+        name: {k: v for k, v in m.items() if k not in WALL_CLOCK_KEYS}
+        for name, m in results["policies"].items()
+    }
     return out
 
 
@@ -74,8 +124,21 @@ def test_same_command_twice_gives_identical_results(tmp_path: Path) -> None:
 
 
 def test_load_measures_capacity_once_then_uses_the_cache(tmp_path: Path) -> None:
-    argv = ["bench", "W1", "--policies", "fcfs", "--load", "0.5", "--duration-s", "2",
-            "--capacity-run-s", "3", "--cache-dir", str(tmp_path / "cache"), "--no-progress"]
+    argv = [
+        "bench",
+        "W1",
+        "--policies",
+        "fcfs",
+        "--load",
+        "0.5",
+        "--duration-s",
+        "2",
+        "--capacity-run-s",
+        "3",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--no-progress",
+    ]
     assert main([*argv, "--out", str(tmp_path / "a")]) == 0
     assert main([*argv, "--out", str(tmp_path / "b")]) == 0
     first, second = (json.loads((tmp_path / d / "results.json").read_text()) for d in "ab")
@@ -89,9 +152,23 @@ def test_load_measures_capacity_once_then_uses_the_cache(tmp_path: Path) -> None
 
 def test_one_run_compares_settings_of_one_policy(tmp_path: Path) -> None:
     out = tmp_path / "specs"
-    code = main(["bench", "W1", "--policies", "static-chunk,static-chunk:chunk_tokens=2048",
-                 "--rt-rate", "8", "--duration-s", "4", "--kv-scale", "20", "--out", str(out),
-                 "--no-progress"])
+    code = main(
+        [
+            "bench",
+            "W1",
+            "--policies",
+            "static-chunk,static-chunk:chunk_tokens=2048",
+            "--rt-rate",
+            "8",
+            "--duration-s",
+            "4",
+            "--kv-scale",
+            "20",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert code == 0
     runs = json.loads((out / "results.json").read_text())["policies"]
     assert set(runs) == {"static-chunk", "static-chunk:chunk_tokens=2048"}
@@ -102,12 +179,32 @@ def test_one_run_compares_settings_of_one_policy(tmp_path: Path) -> None:
 
 def test_trace_replay_end_to_end(tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
-    lines = [{"t_ms": 100 * i, "input_len": 300 + 7 * i, "output_len": 20 + i % 5,
-              "tier": "be" if i % 4 == 0 else "rt", "tenant": "t"} for i in range(60)]
+    lines = [
+        {
+            "t_ms": 100 * i,
+            "input_len": 300 + 7 * i,
+            "output_len": 20 + i % 5,
+            "tier": "be" if i % 4 == 0 else "rt",
+            "tenant": "t",
+        }
+        for i in range(60)
+    ]
     trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
     out = tmp_path / "trace"
-    code = main(["bench", "trace", str(trace), "--policies", "fcfs,static-chunk",
-                 "--rate-scale", "2", "--out", str(out), "--no-progress"])
+    code = main(
+        [
+            "bench",
+            "trace",
+            str(trace),
+            "--policies",
+            "fcfs,static-chunk",
+            "--rate-scale",
+            "2",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert code == 0
     results = json.loads((out / "results.json").read_text())
     assert results["workload"] == "trace" and results["rt_capacity_req_s"] is None

@@ -13,8 +13,13 @@ import pytest
 
 def tandem(*args: str, db: Path, check: bool = True) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, TANDEM_DATABASE__URL=f"sqlite:///{db}")
-    result = subprocess.run([sys.executable, "-m", "gateway", *args], env=env, text=True,
-                            capture_output=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway", *args],
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=120,
+    )
     if check:
         assert result.returncode == 0, result.stderr
     return result
@@ -29,8 +34,21 @@ def db(tmp_path: Path) -> Path:
 
 
 def test_tenant_and_key_creation(db: Path) -> None:
-    tenant = json.loads(tandem("admin", "tenant", "create", "chat", "--tier", "rt",
-                               "--ttft-ms", "300", "--tpot-ms", "50", db=db).stdout)
+    tenant = json.loads(
+        tandem(
+            "admin",
+            "tenant",
+            "create",
+            "chat",
+            "--tier",
+            "rt",
+            "--ttft-ms",
+            "300",
+            "--tpot-ms",
+            "50",
+            db=db,
+        ).stdout
+    )
     assert tenant["id"].startswith("ten_") and tenant["slo"]["ttft_ms"] == 300
     by_name = json.loads(tandem("admin", "key", "create", "chat", db=db).stdout)
     by_id = json.loads(tandem("admin", "key", "create", tenant["id"], db=db).stdout)
@@ -42,11 +60,14 @@ def test_tenant_and_key_creation(db: Path) -> None:
     assert revoked["revoked_at"] is not None
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["admin", "tenant", "create", "x", "--tier", "rt"], "--ttft-ms"),
-    (["admin", "key", "create", "nobody"], "no tenant with id or name 'nobody'"),
-    (["admin", "key", "revoke", "key_nope"], "no key with id 'key_nope'"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["admin", "tenant", "create", "x", "--tier", "rt"], "--ttft-ms"),
+        (["admin", "key", "create", "nobody"], "no tenant with id or name 'nobody'"),
+        (["admin", "key", "revoke", "key_nope"], "no key with id 'key_nope'"),
+    ],
+)
 def test_bad_input_is_one_clear_line(db: Path, args: list[str], message: str) -> None:
     result = tandem(*args, db=db, check=False)
     assert result.returncode == 2
@@ -68,6 +89,11 @@ def test_unmigrated_database_says_what_to_do(tmp_path: Path) -> None:
 
 def test_bad_config_value_names_the_key(tmp_path: Path) -> None:
     env = dict(os.environ, TANDEM_GATEWAY__PORT="eighty")
-    result = subprocess.run([sys.executable, "-m", "gateway", "db", "upgrade"], env=env,
-                            text=True, capture_output=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway", "db", "upgrade"],
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and "gateway.port" in result.stderr

@@ -30,28 +30,44 @@ def prompt_ids(seed: int, n: int) -> list[int]:
     return [10 + (seed * 131 + i * 17) % 400 for i in range(n)]
 
 
-async def complete(gw: GatewayHandle, key: str, prompt: list[int], max_tokens: int,
-                   **extra: Any) -> dict[str, Any]:
+async def complete(
+    gw: GatewayHandle, key: str, prompt: list[int], max_tokens: int, **extra: Any
+) -> dict[str, Any]:
     """A non-streaming greedy completion; the JSON reply."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, **extra}
-    async with gw.session.post(f"{gw.base_url}/v1/completions", json=body,
-                               headers={"Authorization": f"Bearer {key}"}) as resp:
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        **extra,
+    }
+    async with gw.session.post(
+        f"{gw.base_url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+    ) as resp:
         reply = await resp.json()
         assert resp.status == 200, reply
         return dict(reply)
 
 
-async def stream_ttft(gw: GatewayHandle, key: str, prompt: list[int], max_tokens: int
-                      ) -> tuple[float, int]:
+async def stream_ttft(
+    gw: GatewayHandle, key: str, prompt: list[int], max_tokens: int
+) -> tuple[float, int]:
     """A streaming completion; (seconds to the first content chunk, chunks with text)."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     start = time.perf_counter()
     first: float | None = None
     chunks = 0
-    async with gw.session.post(f"{gw.base_url}/v1/completions", json=body,
-                               headers={"Authorization": f"Bearer {key}"}) as resp:
+    async with gw.session.post(
+        f"{gw.base_url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+    ) as resp:
         assert resp.status == 200, await resp.text()
         async for raw in resp.content:
             line = raw.decode().strip()
@@ -73,12 +89,12 @@ def stats(engine: EngineServer) -> dict[str, Any]:
 
 
 async def test_rt_first_token_within_target_while_be_fills_the_engine(
-        gateway: GatewayHandle, engine_server: EngineServer) -> None:
+    gateway: GatewayHandle, engine_server: EngineServer
+) -> None:
     _, be_key = await gateway.new_tenant("colo-fill-be", "be")
     _, rt_key = await gateway.new_tenant("colo-fill-rt", "rt", ttft_ms=2500, tpot_ms=1000)
     # 12 BE prompts of 400 tokens: ~10 prefill chunks of 512 ahead of any FCFS newcomer.
-    be = [asyncio.create_task(complete(gateway, be_key, prompt_ids(i, 400), 40))
-          for i in range(12)]
+    be = [asyncio.create_task(complete(gateway, be_key, prompt_ids(i, 400), 40)) for i in range(12)]
     await asyncio.sleep(1.0)
     ttft_s, chunks = await stream_ttft(gateway, rt_key, prompt_ids(100, 64), 16)
     replies = await asyncio.gather(*be)
@@ -88,7 +104,8 @@ async def test_rt_first_token_within_target_while_be_fills_the_engine(
 
 
 async def test_be_decodes_that_sat_out_complete_with_the_right_tokens(
-        gateway: GatewayHandle, engine_server: EngineServer) -> None:
+    gateway: GatewayHandle, engine_server: EngineServer
+) -> None:
     _, be_key = await gateway.new_tenant("colo-park-be", "be")
     # A 5 ms TPOT target is tighter than any CPU iteration: every iteration that carries RT
     # tokens leaves BE only its minimum share, whatever the machine's speed.
@@ -102,8 +119,9 @@ async def test_be_decodes_that_sat_out_complete_with_the_right_tokens(
     be = [asyncio.create_task(complete(gateway, be_key, p, 150)) for p in prompts]
     await asyncio.sleep(1.0)
     # RT streams while BE decodes: the BE rows must make room.
-    await asyncio.gather(*(stream_ttft(gateway, rt_key, prompt_ids(300 + i, 32), 80)
-                           for i in range(4)))
+    await asyncio.gather(
+        *(stream_ttft(gateway, rt_key, prompt_ids(300 + i, 32), 80) for i in range(4))
+    )
     together = await asyncio.gather(*be)
     counters = stats(engine_server)
     assert counters["parked_decodes"] > 0, f"no BE decode sat an iteration out: {counters}"
@@ -117,25 +135,30 @@ async def test_be_decodes_that_sat_out_complete_with_the_right_tokens(
 @pytest.fixture(scope="module")
 def small_engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """An engine whose KV pool holds four 340-token requests but not five."""
-    with running_engine(tmp_path_factory.mktemp("small-engine"), max_total_tokens=1400,
-                        chunked_prefill_size=256, max_running_requests=8) as engine:
+    with running_engine(
+        tmp_path_factory.mktemp("small-engine"),
+        max_total_tokens=1400,
+        chunked_prefill_size=256,
+        max_running_requests=8,
+    ) as engine:
         yield engine
 
 
 async def _run_five(gw: GatewayHandle, engine: EngineServer, key: str) -> dict[str, Any]:
     """Five BE requests of 60 + 280 tokens at once; the engine's counters for the run."""
     assert control(engine, "POST", "/stats/reset")[0] == 200
-    replies = await asyncio.gather(*(complete(gw, key, prompt_ids(400 + i, 60), 280)
-                                     for i in range(5)))
+    replies = await asyncio.gather(
+        *(complete(gw, key, prompt_ids(400 + i, 60), 280) for i in range(5))
+    )
     assert [r["usage"]["completion_tokens"] for r in replies] == [280] * 5
     return stats(engine)
 
 
 async def test_admission_follows_the_tenants_length_history(
-        small_engine: EngineServer, tmp_path: Path) -> None:
+    small_engine: EngineServer, tmp_path: Path
+) -> None:
     db = tmp_path / "tandem.db"
-    server, gw = await start_gateway(f"sqlite:///{db}", small_engine.port,
-                                     small_engine.model_path)
+    server, gw = await start_gateway(f"sqlite:///{db}", small_engine.port, small_engine.model_path)
     try:
         long_id, long_key = await gw.new_tenant("history-long", "be")
         short_id, short_key = await gw.new_tenant("history-short", "be")
@@ -168,8 +191,9 @@ async def test_admission_follows_the_tenants_length_history(
         await server.close()
 
 
-async def test_every_request_ends_exactly_once(gateway: GatewayHandle,
-                                               engine_server: EngineServer) -> None:
+async def test_every_request_ends_exactly_once(
+    gateway: GatewayHandle, engine_server: EngineServer
+) -> None:
     be_id, be_key = await gateway.new_tenant("colo-once-be", "be")
     rt_id, rt_key = await gateway.new_tenant("colo-once-rt", "rt", ttft_ms=3000, tpot_ms=500)
 

@@ -46,8 +46,11 @@ def assert_timed(record: dict[str, Any], completion_tokens: int) -> None:
 async def test_chat_non_streaming(gateway: GatewayHandle, rt_tenant: tuple[str, str]) -> None:
     tenant_id, key = rt_tenant
     reply = await client(gateway, key).chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Say hello to tandem."}],
-        max_tokens=12, extra_body={"ignore_eos": True})
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say hello to tandem."}],
+        max_tokens=12,
+        extra_body={"ignore_eos": True},
+    )
     assert reply.object == "chat.completion"
     assert reply.choices[0].message.role == "assistant"
     assert isinstance(reply.choices[0].message.content, str)
@@ -62,12 +65,18 @@ async def test_chat_non_streaming(gateway: GatewayHandle, rt_tenant: tuple[str, 
     assert 12 in await gateway.app[STORE].length_history(tenant_id, 100)
 
 
-async def test_chat_streaming_with_usage(gateway: GatewayHandle,
-                                         rt_tenant: tuple[str, str]) -> None:
+async def test_chat_streaming_with_usage(
+    gateway: GatewayHandle, rt_tenant: tuple[str, str]
+) -> None:
     tenant_id, key = rt_tenant
     stream = await client(gateway, key).chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Stream please."}], max_tokens=10,
-        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        model=MODEL,
+        messages=[{"role": "user", "content": "Stream please."}],
+        max_tokens=10,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     texts, finish, usage = [], None, None
     async for chunk in stream:
         if chunk.usage is not None:
@@ -82,43 +91,64 @@ async def test_chat_streaming_with_usage(gateway: GatewayHandle,
     assert_timed(record, 10)
 
 
-async def test_text_completion_both_ways(gateway: GatewayHandle,
-                                         rt_tenant: tuple[str, str]) -> None:
+async def test_text_completion_both_ways(
+    gateway: GatewayHandle, rt_tenant: tuple[str, str]
+) -> None:
     _, key = rt_tenant
     c = client(gateway, key)
-    reply = await c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8,
-                                       extra_body={"ignore_eos": True})
+    reply = await c.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=8, extra_body={"ignore_eos": True}
+    )
     assert reply.object == "text_completion" and reply.usage is not None
     assert reply.usage.completion_tokens == 8 and reply.choices[0].finish_reason == "length"
-    pieces = [chunk.choices[0].text async for chunk in await c.completions.create(
-        model=MODEL, prompt="Once upon a time", max_tokens=8, stream=True,
-        extra_body={"ignore_eos": True}) if chunk.choices]
+    pieces = [
+        chunk.choices[0].text
+        async for chunk in await c.completions.create(
+            model=MODEL,
+            prompt="Once upon a time",
+            max_tokens=8,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        if chunk.choices
+    ]
     assert len(pieces) >= 2
 
 
 async def test_continuous_usage_stats(gateway: GatewayHandle, rt_tenant: tuple[str, str]) -> None:
     _, key = rt_tenant
     stream = await client(gateway, key).completions.create(
-        model=MODEL, prompt="count", max_tokens=6, stream=True,
-        extra_body={"ignore_eos": True, "stream_options": {"continuous_usage_stats": True}})
+        model=MODEL,
+        prompt="count",
+        max_tokens=6,
+        stream=True,
+        extra_body={"ignore_eos": True, "stream_options": {"continuous_usage_stats": True}},
+    )
     counts = [chunk.usage.completion_tokens async for chunk in stream if chunk.usage]
     assert counts == sorted(counts) and counts[-1] == 6 and len(counts) >= 2
 
 
 async def test_rt_and_be_tenants_side_by_side(
-        gateway: GatewayHandle, rt_tenant: tuple[str, str], be_tenant: tuple[str, str],
-        engine_server: Any) -> None:
+    gateway: GatewayHandle,
+    rt_tenant: tuple[str, str],
+    be_tenant: tuple[str, str],
+    engine_server: Any,
+) -> None:
     (rt_id, rt_key), (be_id, be_key) = rt_tenant, be_tenant
 
     async def ask(key: str, n: int) -> int:
         reply = await client(gateway, key).chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": f"request {n}"}], max_tokens=16,
-            extra_body={"ignore_eos": True})
+            model=MODEL,
+            messages=[{"role": "user", "content": f"request {n}"}],
+            max_tokens=16,
+            extra_body={"ignore_eos": True},
+        )
         assert reply.usage is not None
         return reply.usage.completion_tokens
 
-    done = await asyncio.gather(*(ask(be_key, i) for i in range(3)),
-                                *(ask(rt_key, i) for i in range(3)))
+    done = await asyncio.gather(
+        *(ask(be_key, i) for i in range(3)), *(ask(rt_key, i) for i in range(3))
+    )
     assert done == [16] * 6
     be_records = await gateway.latest_requests(be_id, 3)
     rt_records = await gateway.latest_requests(rt_id, 3)
@@ -137,33 +167,58 @@ async def test_rt_and_be_tenants_side_by_side(
     assert traced[be_records[0]["request_id"]]["meta"]["deadline_s"] == 3600
 
 
-async def test_explicit_be_tier_from_an_rt_tenant(gateway: GatewayHandle,
-                                                  rt_tenant: tuple[str, str]) -> None:
+async def test_explicit_be_tier_from_an_rt_tenant(
+    gateway: GatewayHandle, rt_tenant: tuple[str, str]
+) -> None:
     tenant_id, key = rt_tenant
     await client(gateway, key).completions.create(
-        model=MODEL, prompt="batch me", max_tokens=2, extra_body={"tier": "be"})
+        model=MODEL, prompt="batch me", max_tokens=2, extra_body={"tier": "be"}
+    )
     assert (await gateway.latest_requests(tenant_id, 1))[0]["tier"] == "be"
 
 
-@pytest.mark.parametrize(("body", "status", "param"), [
-    ({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, 400, "model"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": "many"},
-     422, "max_tokens"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 100000},
-     400, "max_tokens"),
-    ({"model": MODEL, "messages": "hello"}, 422, "messages"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": 9},
-     400, "temperature"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tier": "be"}, None, None),
-])
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, 400, "model"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": "many"},
+            422,
+            "max_tokens",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 100000},
+            400,
+            "max_tokens",
+        ),
+        ({"model": MODEL, "messages": "hello"}, 422, "messages"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": 9},
+            400,
+            "temperature",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tier": "be"},
+            None,
+            None,
+        ),
+    ],
+)
 async def test_bad_requests_name_the_field_and_are_recorded(
-        gateway: GatewayHandle, be_tenant: tuple[str, str], body: dict[str, Any],
-        status: int | None, param: str | None) -> None:
+    gateway: GatewayHandle,
+    be_tenant: tuple[str, str],
+    body: dict[str, Any],
+    status: int | None,
+    param: str | None,
+) -> None:
     _, key = be_tenant
     if status is None:  # a valid request for comparison: BE tenant asking for BE is fine
         body = dict(body, max_tokens=1)
-    async with gateway.session.post(f"{gateway.base_url}/v1/chat/completions", json=body,
-                                    headers={"Authorization": f"Bearer {key}"}) as resp:
+    async with gateway.session.post(
+        f"{gateway.base_url}/v1/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {key}"},
+    ) as resp:
         payload = await resp.json()
         if status is None:
             assert resp.status == 200, payload
@@ -173,22 +228,31 @@ async def test_bad_requests_name_the_field_and_are_recorded(
         assert "Traceback" not in json.dumps(payload)
 
 
-async def test_be_tenant_cannot_ask_for_rt(gateway: GatewayHandle,
-                                           be_tenant: tuple[str, str]) -> None:
+async def test_be_tenant_cannot_ask_for_rt(
+    gateway: GatewayHandle, be_tenant: tuple[str, str]
+) -> None:
     _, key = be_tenant
     with pytest.raises(openai.PermissionDeniedError) as info:
         await client(gateway, key).completions.create(
-            model=MODEL, prompt="x", max_tokens=1, extra_body={"tier": "rt"})
+            model=MODEL, prompt="x", max_tokens=1, extra_body={"tier": "rt"}
+        )
     assert "tier" in str(info.value)
 
 
 async def test_client_disconnect_aborts_the_engine_request(
-        gateway: GatewayHandle, rt_tenant: tuple[str, str], engine_server: Any) -> None:
+    gateway: GatewayHandle, rt_tenant: tuple[str, str], engine_server: Any
+) -> None:
     tenant_id, key = rt_tenant
-    body = {"model": MODEL, "prompt": "a long story", "max_tokens": 3000, "stream": True,
-            "ignore_eos": True}
-    async with gateway.session.post(f"{gateway.base_url}/v1/completions", json=body,
-                                    headers={"Authorization": f"Bearer {key}"}) as resp:
+    body = {
+        "model": MODEL,
+        "prompt": "a long story",
+        "max_tokens": 3000,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    async with gateway.session.post(
+        f"{gateway.base_url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+    ) as resp:
         assert resp.status == 200
         await resp.content.readline()  # the first token arrived; now hang up
         resp.connection.transport.abort()  # type: ignore[union-attr]
@@ -209,8 +273,10 @@ def _num_running(loads: Any) -> int:
     if isinstance(loads, dict) and "loads" in loads:
         loads = loads["loads"]
     items = loads if isinstance(loads, list) else [loads]
-    return sum(int(item.get("num_running_reqs", 0)) + int(item.get("num_waiting_reqs", 0))
-               for item in items)
+    return sum(
+        int(item.get("num_running_reqs", 0)) + int(item.get("num_waiting_reqs", 0))
+        for item in items
+    )
 
 
 def _scheduler_trace(path: Path) -> dict[str, dict[str, Any]]:

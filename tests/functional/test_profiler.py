@@ -19,8 +19,13 @@ def kinds(profile: Profile) -> dict[str, int]:
     counts = {"prefill": 0, "decode": 0, "mixed": 0}
     for sample in profile.samples:
         shape = sample.shape
-        counts["mixed" if shape.num_prefill and shape.num_decode else
-               "prefill" if shape.num_prefill else "decode"] += 1
+        counts[
+            "mixed"
+            if shape.num_prefill and shape.num_decode
+            else "prefill"
+            if shape.num_prefill
+            else "decode"
+        ] += 1
     return counts
 
 
@@ -34,8 +39,9 @@ def run_cli(argv: list[str]) -> int:
 @pytest.mark.slow
 async def test_quick_profile_of_the_real_engine(engine_server: EngineServer) -> None:
     lines: list[str] = []
-    profile = await profile_engine(engine_server.base_url, grid=ProfileGrid.quick(),
-                                   name="quick", progress=lines.append)
+    profile = await profile_engine(
+        engine_server.base_url, grid=ProfileGrid.quick(), name="quick", progress=lines.append
+    )
     counts = kinds(profile)
     assert all(counts.values()), counts
     assert all(0 < s.seconds < 10 for s in profile.samples)
@@ -45,7 +51,7 @@ async def test_quick_profile_of_the_real_engine(engine_server: EngineServer) -> 
     assert profile.model["num_hidden_layers"] == 4
     assert profile.kv_bytes_per_token is not None and profile.kv_bytes_per_token > 0
     # Prefix probes really were served from the prefix cache.
-    assert any(s.shape.prefill_attn > s.shape.prefill_tokens ** 2 for s in profile.samples)
+    assert any(s.shape.prefill_attn > s.shape.prefill_tokens**2 for s in profile.samples)
     assert any("round trip" in line for line in lines)
     model = LatencyModel.fit(profile.samples)
     assert mape(model, profile.samples) < 0.5
@@ -53,13 +59,30 @@ async def test_quick_profile_of_the_real_engine(engine_server: EngineServer) -> 
 
 @pytest.mark.slow
 def test_profile_command_writes_the_file_and_reports_the_fit(
-        engine_server: EngineServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    engine_server: EngineServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "tiny.json"
-    status = run_cli(["--url", engine_server.base_url, "--out", str(out), "--quick",
-                      "--quiet-wait", "0",
-                      "--decode-batches", "1", "--decode-contexts", "32",
-                      "--prefill-tokens", "16,128,512", "--prefill-prefixes", "0",
-                      "--mixed-prefill-tokens", "64"])
+    status = run_cli(
+        [
+            "--url",
+            engine_server.base_url,
+            "--out",
+            str(out),
+            "--quick",
+            "--quiet-wait",
+            "0",
+            "--decode-batches",
+            "1",
+            "--decode-contexts",
+            "32",
+            "--prefill-tokens",
+            "16,128,512",
+            "--prefill-prefixes",
+            "0",
+            "--mixed-prefill-tokens",
+            "64",
+        ]
+    )
     captured = capsys.readouterr()
     assert status == 0, captured.err
     profile = load_profile(out)
@@ -69,8 +92,7 @@ def test_profile_command_writes_the_file_and_reports_the_fit(
     assert "held-out MAPE" in captured.out
 
 
-def test_unreachable_engine_is_one_line(tmp_path: Path,
-                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_unreachable_engine_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "never.json"
     status = run_cli(["--url", f"http://127.0.0.1:{free_port()}", "--out", str(out)])
     err = capsys.readouterr().err.strip()
@@ -89,8 +111,12 @@ def test_report_prints_the_committed_profiles_fit(capsys: pytest.CaptureFixture[
 
 
 def test_steady_gap_spreads_a_multi_token_chunk_over_its_tokens() -> None:
-    stream = Stream(rid="r", prompt_len=8, sent_at=0.0,
-                    arrivals=[(1.00, 1), (1.01, 2), (1.02, 3), (1.06, 5), (1.07, 6)])
+    stream = Stream(
+        rid="r",
+        prompt_len=8,
+        sent_at=0.0,
+        arrivals=[(1.00, 1), (1.01, 2), (1.02, 3), (1.06, 5), (1.07, 6)],
+    )
     # Gaps per token: 10 ms, 10 ms, then 40 ms over two tokens = 20 ms twice, then 10 ms.
     assert steady_gap([stream], 1, 6) == pytest.approx(0.010)
     assert steady_gap([stream], 3, 6) == pytest.approx(0.020)

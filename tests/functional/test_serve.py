@@ -21,22 +21,32 @@ ADMIN = "serve-test-admin-token"
 
 
 def engine_pids(port: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", f"sglang.launch_server.*--port {port}"],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        ["pgrep", "-f", f"sglang.launch_server.*--port {port}"], capture_output=True, text=True
+    )
     return [int(p) for p in out.stdout.split()]
 
 
 def run_serve_and_chat(tmp_path: Path, **env_overrides: str) -> None:
     """Starts `tandem serve`, chats through it, stops it with SIGINT; asserts a clean exit."""
     gw_port = free_port()
-    env = dict(os.environ, TANDEM_ADMIN_TOKEN=ADMIN, TANDEM_GATEWAY__PORT=str(gw_port),
-               TANDEM_ENGINE__PORT=str(free_port()),
-               TANDEM_DATABASE__URL=f"sqlite:///{tmp_path / 'serve.db'}",
-               TANDEM_MODEL__CACHE_DIR=str(tmp_path / "cache"),
-               TANDEM_ENGINE__LOG_FILE=str(tmp_path / "engine.log"))
+    env = dict(
+        os.environ,
+        TANDEM_ADMIN_TOKEN=ADMIN,
+        TANDEM_GATEWAY__PORT=str(gw_port),
+        TANDEM_ENGINE__PORT=str(free_port()),
+        TANDEM_DATABASE__URL=f"sqlite:///{tmp_path / 'serve.db'}",
+        TANDEM_MODEL__CACHE_DIR=str(tmp_path / "cache"),
+        TANDEM_ENGINE__LOG_FILE=str(tmp_path / "engine.log"),
+    )
     env.update(env_overrides)
-    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "serve"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     base = f"http://127.0.0.1:{gw_port}"
     try:
         deadline = time.monotonic() + 240
@@ -50,12 +60,15 @@ def run_serve_and_chat(tmp_path: Path, **env_overrides: str) -> None:
             assert time.monotonic() < deadline, "gateway never became ready"
             time.sleep(1)
         admin = {"Authorization": f"Bearer {ADMIN}"}
-        tenant = httpx.post(f"{base}/admin/v1/tenants", headers=admin,
-                            json={"name": "smoke", "tier": "rt",
-                                  "slo": {"ttft_ms": 5000, "tpot_ms": 1000}}).json()
+        tenant = httpx.post(
+            f"{base}/admin/v1/tenants",
+            headers=admin,
+            json={"name": "smoke", "tier": "rt", "slo": {"ttft_ms": 5000, "tpot_ms": 1000}},
+        ).json()
         key = httpx.post(f"{base}/admin/v1/tenants/{tenant['id']}/keys", headers=admin).json()
         reply = openai.OpenAI(base_url=f"{base}/v1", api_key=key["key"]).chat.completions.create(
-            model="tandem-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+            model="tandem-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
         assert reply.usage is not None and reply.usage.completion_tokens >= 1
     finally:
         proc.send_signal(signal.SIGINT)

@@ -25,19 +25,37 @@ KV_TOKENS = 5000
 
 @pytest.fixture
 async def client() -> AsyncIterator[TestClient[Any, Any]]:
-    app = create_sim_app(make_policy("fcfs", LATENCY), LATENCY,
-                         SimConfig(kv_capacity_tokens=KV_TOKENS), time_scale=0.05)
+    app = create_sim_app(
+        make_policy("fcfs", LATENCY),
+        LATENCY,
+        SimConfig(kv_capacity_tokens=KV_TOKENS),
+        time_scale=0.05,
+    )
     async with TestClient(TestServer(app)) as c:
         yield c
 
 
 def _body(rid: str, max_new: int, *, prompt: int = 600, stream: bool = True) -> dict[str, Any]:
-    meta = RequestMeta(tier="rt", tenant_id="t1", length_key="t1", arrival_unix_s=time.time(),
-                       ttft_ms=500, tpot_ms=100, max_tokens=max_new)
-    return {"rid": rid, "input_ids": list(range(prompt)), "stream": stream,
-            "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True,
-                                "custom_params": meta_to_custom_params(meta)},
-            "priority": meta.sglang_priority}
+    meta = RequestMeta(
+        tier="rt",
+        tenant_id="t1",
+        length_key="t1",
+        arrival_unix_s=time.time(),
+        ttft_ms=500,
+        tpot_ms=100,
+        max_tokens=max_new,
+    )
+    return {
+        "rid": rid,
+        "input_ids": list(range(prompt)),
+        "stream": stream,
+        "sampling_params": {
+            "max_new_tokens": max_new,
+            "ignore_eos": True,
+            "custom_params": meta_to_custom_params(meta),
+        },
+        "priority": meta.sglang_priority,
+    }
 
 
 async def _events(resp: aiohttp.ClientResponse) -> list[Any]:
@@ -51,7 +69,8 @@ async def _events(resp: aiohttp.ClientResponse) -> list[Any]:
 
 
 async def test_streaming_generate_is_cumulative_and_ends_with_done(
-        client: TestClient[Any, Any]) -> None:
+    client: TestClient[Any, Any],
+) -> None:
     resp = await client.post("/generate", json=_body("s1", 5))
     assert resp.status == 200 and resp.headers["Content-Type"] == "text/event-stream"
     events = await _events(resp)

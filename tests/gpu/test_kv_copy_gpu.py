@@ -18,8 +18,9 @@ pytestmark = [
 
 def _pool(layers: int, slots: int, dtype: torch.dtype) -> KvLayers:
     gen = torch.Generator(device="cuda").manual_seed(0)
-    return KvLayers([torch.randn(slots, 8, 128, device="cuda", generator=gen).to(dtype)
-                     for _ in range(layers)])
+    return KvLayers(
+        [torch.randn(slots, 8, 128, device="cuda", generator=gen).to(dtype) for _ in range(layers)]
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn], ids=str)
@@ -27,8 +28,11 @@ def _pool(layers: int, slots: int, dtype: torch.dtype) -> KvLayers:
 def test_gather_and_scatter_are_exact(dtype: torch.dtype, pinned_host: bool) -> None:
     kv = _pool(8, 4096, dtype)
     slots = torch.randperm(4096, device="cuda")[:777]
-    out = kv.empty_packed(777) if pinned_host else torch.empty(
-        kv.packed_shape(777), dtype=dtype, device="cuda")
+    out = (
+        kv.empty_packed(777)
+        if pinned_host
+        else torch.empty(kv.packed_shape(777), dtype=dtype, device="cuda")
+    )
     kv.gather(slots, out)
     torch.cuda.synchronize()
     want = gather_slots_reference(kv.layers, slots)
@@ -40,8 +44,10 @@ def test_gather_and_scatter_are_exact(dtype: torch.dtype, pinned_host: bool) -> 
     kv.scatter(slots, src)
     scatter_slots_reference(expected, slots, new)
     torch.cuda.synchronize()
-    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-               for a, b in zip(kv.layers, expected, strict=True))
+    assert all(
+        torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        for a, b in zip(kv.layers, expected, strict=True)
+    )
 
 
 @pytest.mark.parametrize("direction", ["d2h", "h2d"])
@@ -51,8 +57,10 @@ def test_bandwidth_targets(direction: str) -> None:
     index_select + copy."""
     kv = _pool(64, 65536, torch.bfloat16)
     slots = torch.randperm(65536, device="cuda")[:1024]
-    times = {name: _time_ms(fn, 10, torch.device("cuda"))
-             for name, fn in _methods(kv, slots, pin=True)[direction].items()}
+    times = {
+        name: _time_ms(fn, 10, torch.device("cuda"))
+        for name, fn in _methods(kv, slots, pin=True)[direction].items()
+    }
     best = min(times["triton direct"], times["triton staged"])
     assert best <= times["torch copy"] / 0.8, times
     assert best < times["index_select + copy"], times

@@ -17,22 +17,42 @@ NOW = 10.0
 """Planning time of every snapshot unless told otherwise."""
 
 
-def make_request(rid: str, *, tier: Tier = "rt", prompt_len: int = 100, arrival_s: float = 9.9,
-                 generated: int = 0, running: bool = False, prefilled: int | None = None,
-                 max_new_tokens: int = 100, ttft_s: float | None = 0.5,
-                 tpot_s: float | None = 0.1, last_token_s: float | None = None,
-                 be_deadline_s: float | None = None, order_key: float = 0.0,
-                 length_key: str = "") -> ReqState:
+def make_request(
+    rid: str,
+    *,
+    tier: Tier = "rt",
+    prompt_len: int = 100,
+    arrival_s: float = 9.9,
+    generated: int = 0,
+    running: bool = False,
+    prefilled: int | None = None,
+    max_new_tokens: int = 100,
+    ttft_s: float | None = 0.5,
+    tpot_s: float | None = 0.1,
+    last_token_s: float | None = None,
+    be_deadline_s: float | None = None,
+    order_key: float = 0.0,
+    length_key: str = "",
+) -> ReqState:
     """A policy-side request. RT gets a TTFT deadline `ttft_s` after arrival and a TPOT
     target; one that generated tokens has emitted its last at `last_token_s` (default: NOW).
     Running ones are fully prefilled unless `prefilled` says otherwise."""
     is_rt = tier == "rt"
     state = ReqState(
-        rid=rid, tier=tier, arrival_s=arrival_s, prompt_len=prompt_len,
-        max_new_tokens=max_new_tokens, prefill_len=prompt_len, generated=generated,
-        is_running=running, order_key=order_key, length_key=length_key or tier,
+        rid=rid,
+        tier=tier,
+        arrival_s=arrival_s,
+        prompt_len=prompt_len,
+        max_new_tokens=max_new_tokens,
+        prefill_len=prompt_len,
+        generated=generated,
+        is_running=running,
+        order_key=order_key,
+        length_key=length_key or tier,
         ttft_deadline_s=arrival_s + ttft_s if is_rt and ttft_s is not None else None,
-        tpot_s=tpot_s if is_rt else None, be_deadline_s=be_deadline_s)
+        tpot_s=tpot_s if is_rt else None,
+        be_deadline_s=be_deadline_s,
+    )
     if generated:
         state.first_token_s = arrival_s + 0.01
         state.last_token_s = NOW if last_token_s is None else last_token_s
@@ -42,8 +62,13 @@ def make_request(rid: str, *, tier: Tier = "rt", prompt_len: int = 100, arrival_
     return state
 
 
-def snapshot(*, waiting: list[ReqState] | None = None, running: list[ReqState] | None = None,
-             kv_capacity: int = 100_000, **fields: Any) -> Snapshot:
+def snapshot(
+    *,
+    waiting: list[ReqState] | None = None,
+    running: list[ReqState] | None = None,
+    kv_capacity: int = 100_000,
+    **fields: Any,
+) -> Snapshot:
     """A snapshot at NOW (per-tier waiting lists filled in)."""
     waiting = waiting or []
     fields.setdefault("now_s", NOW)

@@ -26,7 +26,8 @@ def test_profile_is_deterministic_and_the_committed_file_is_current(tmp_path: Pa
     assert msgspec.json.encode(first) == msgspec.json.encode(second)
     save_profile(first, tmp_path / "a.json")
     assert (tmp_path / "a.json").read_text() == DEFAULT_OUT.read_text(), (
-        "bench/profiles/h100-llama8b-analytic.json is stale: python -m bench.profiles.analytic")
+        "bench/profiles/h100-llama8b-analytic.json is stale: python -m bench.profiles.analytic"
+    )
 
 
 def test_llama8b_shape_arithmetic() -> None:

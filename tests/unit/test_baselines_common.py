@@ -27,8 +27,9 @@ def test_chunks_are_page_aligned_unless_they_finish_the_prompt() -> None:
 
 def test_the_builder_refuses_what_does_not_fit_and_tracks_the_shape() -> None:
     running = make_req("r", prompt_len=50, running=True, generated=3)
-    b = BatchBuilder(make_snapshot(waiting=[make_req("w", prompt_len=100)], running=[running],
-                                   kv_capacity=100))
+    b = BatchBuilder(
+        make_snapshot(waiting=[make_req("w", prompt_len=100)], running=[running], kv_capacity=100)
+    )
     assert b.add_decode(running)
     assert not b.add_prefill(make_req("w", prompt_len=100), 100)  # 47 slots left
     assert b.max_chunk(make_req("w", prompt_len=100), 1000) == 47
@@ -62,11 +63,25 @@ def test_future_peak_matches_a_hand_computed_trajectory() -> None:
 
 
 def test_registry_names_and_errors() -> None:
-    assert POLICY_NAMES == ("fcfs", "priority", "rr", "aggressive", "conservative",
-                            "fixed-offline", "static-chunk", "oracle", "rt-only",
-                            "tandem", "tandem-no-pastfuture", "tandem-no-slack",
-                            "tandem-no-aimd", "tandem-no-era", "tandem-tol5", "tandem-bicache",
-                            "tandem-no-bicache")
+    assert POLICY_NAMES == (
+        "fcfs",
+        "priority",
+        "rr",
+        "aggressive",
+        "conservative",
+        "fixed-offline",
+        "static-chunk",
+        "oracle",
+        "rt-only",
+        "tandem",
+        "tandem-no-pastfuture",
+        "tandem-no-slack",
+        "tandem-no-aimd",
+        "tandem-no-era",
+        "tandem-tol5",
+        "tandem-bicache",
+        "tandem-no-bicache",
+    )
     for name in POLICY_NAMES:
         assert make_policy(name, LATENCY).name == name
     with pytest.raises(ValueError, match="unknown policy 'nope'; valid: fcfs, priority"):

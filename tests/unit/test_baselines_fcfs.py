@@ -29,9 +29,21 @@ def test_on_oom_the_newest_running_request_is_preempted() -> None:
 
 
 def test_first_tokens_come_in_arrival_order_on_the_engine() -> None:
-    reqs = [make_request(rid=f"r{i}", arrival_s=i * 0.001, prompt_len=400 - i * 50,
-                         output_len=5, tier="rt" if i % 2 else "be") for i in range(6)]
-    res = simulate(ListSource(reqs), FcfsPolicy(LATENCY, token_budget=256), LATENCY,
-                   SimConfig(kv_capacity_tokens=450))
+    reqs = [
+        make_request(
+            rid=f"r{i}",
+            arrival_s=i * 0.001,
+            prompt_len=400 - i * 50,
+            output_len=5,
+            tier="rt" if i % 2 else "be",
+        )
+        for i in range(6)
+    ]
+    res = simulate(
+        ListSource(reqs),
+        FcfsPolicy(LATENCY, token_budget=256),
+        LATENCY,
+        SimConfig(kv_capacity_tokens=450),
+    )
     firsts = [r.first_token_s for r in sorted(res.requests, key=lambda r: r.arrival_s)]
     assert firsts == sorted(firsts)  # type: ignore[type-var]

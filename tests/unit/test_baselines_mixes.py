@@ -49,8 +49,11 @@ def _admitted_over(policy: FixedOfflinePolicy, seconds: float, rt_prompt: int | 
         if rt_prompt is not None:
             waiting.append(make_req(f"rt{step}", prompt_len=rt_prompt, arrival_s=0.5))
         busy = make_req("rt-decoding", running=True, generated=1)  # the engine is never idle
-        plan = policy.plan(make_snapshot(waiting=waiting, running=[busy],
-                                         now_s=1.0 + step * 0.01, kv_capacity=1_000_000))
+        plan = policy.plan(
+            make_snapshot(
+                waiting=waiting, running=[busy], now_s=1.0 + step * 0.01, kv_capacity=1_000_000
+            )
+        )
         admitted += sum(1 for c in plan.prefills if c.rid.startswith("be"))
     return admitted
 

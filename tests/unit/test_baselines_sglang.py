@@ -53,8 +53,10 @@ def test_new_token_ratio_decays_per_decode_batch_and_jumps_on_retraction() -> No
 
 def _squeeze(name: str) -> SimResult:
     """One tier, 8 requests whose outputs outgrow a pool that holds all their prompts."""
-    reqs = [make_request(prompt_len=100, output_len=200, max_new_tokens=300, arrival_s=i * 1e-3)
-            for i in range(8)]
+    reqs = [
+        make_request(prompt_len=100, output_len=200, max_new_tokens=300, arrival_s=i * 1e-3)
+        for i in range(8)
+    ]
     policy = make_policy(name, LATENCY)
     config = SimConfig(kv_capacity_tokens=2000, reveal_lengths=name == "oracle")
     return simulate(ListSource(reqs), policy, LATENCY, config)

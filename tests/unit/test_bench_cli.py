@@ -24,39 +24,46 @@ def one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     return err
 
 
-@pytest.mark.parametrize(("argv", "needle"), [
-    (["bench", "W9"], "unknown workload 'W9'"),
-    (["bench", "W1", "--load", "0.5", "--rt-rate", "3"], "not allowed with"),
-    (["bench", "W1", "--load", "-1"], "--load must be > 0"),
-    (["bench", "W1", "--load", "abc"], "invalid float value"),
-    (["bench", "W1", "--kv-scale", "0.5"], "--kv-scale must be > 1"),
-    (["bench", "W2", "--engine", "sglang"], "--engine sglang runs W1 and W5"),
-    (["bench", "W1", "--engine", "sglang", "--policies", "rr"], "not rr"),
-    (["bench", "W1", "--engine", "vllm"], "invalid choice"),
-    (["bench", "W1", "--bogus"], "unrecognized arguments: --bogus"),
-    (["bench", "W1", "--policies", "fcfs,nope"], "unknown policy 'nope'"),
-    (["bench", "W1", "--policies", "fcfs,fcfs"], "twice"),
-    (["bench", "W1", "--policies", "tandem:latency_budget_s"], "expected KEY=VALUE"),
-    (["bench", "W1", "--policies", "nope:x=1"], "unknown policy 'nope'"),
-    (["bench", "W1", "--policies", "tandem:eps_min=0.1:eps_min=0.2"], "given twice"),
-    (["bench", "W1", "--policies", "tandem:no_such_knob=1", "--rt-rate", "1"],
-     "bad options for policy 'tandem'"),
-    (["bench", "W1", "--policies", "tandem:latency_budget_s=-1", "--rt-rate", "1"],
-     "latency_budget_s must be > 0"),
-    (["bench", "W4", "--policies", "blend:x=1"], "takes no options"),
-    (["bench", "W1", "--rate-scale", "2"], "only for `bench trace`"),
-    (["bench", "W1", "extra.jsonl"], "only `bench trace` takes a file"),
-    (["bench", "trace"], "needs a FILE.jsonl"),
-    (["bench", "W1", "--seed", "-3"], "--seed must be ≥ 0"),
-    (["bench", "W1", "--profile", "no-such-profile", "--rt-rate", "1"], "unknown profile"),
-])
-def test_bad_arguments_are_one_line(capsys: pytest.CaptureFixture[str], argv: list[str],
-                                    needle: str) -> None:
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["bench", "W9"], "unknown workload 'W9'"),
+        (["bench", "W1", "--load", "0.5", "--rt-rate", "3"], "not allowed with"),
+        (["bench", "W1", "--load", "-1"], "--load must be > 0"),
+        (["bench", "W1", "--load", "abc"], "invalid float value"),
+        (["bench", "W1", "--kv-scale", "0.5"], "--kv-scale must be > 1"),
+        (["bench", "W2", "--engine", "sglang"], "--engine sglang runs W1 and W5"),
+        (["bench", "W1", "--engine", "sglang", "--policies", "rr"], "not rr"),
+        (["bench", "W1", "--engine", "vllm"], "invalid choice"),
+        (["bench", "W1", "--bogus"], "unrecognized arguments: --bogus"),
+        (["bench", "W1", "--policies", "fcfs,nope"], "unknown policy 'nope'"),
+        (["bench", "W1", "--policies", "fcfs,fcfs"], "twice"),
+        (["bench", "W1", "--policies", "tandem:latency_budget_s"], "expected KEY=VALUE"),
+        (["bench", "W1", "--policies", "nope:x=1"], "unknown policy 'nope'"),
+        (["bench", "W1", "--policies", "tandem:eps_min=0.1:eps_min=0.2"], "given twice"),
+        (
+            ["bench", "W1", "--policies", "tandem:no_such_knob=1", "--rt-rate", "1"],
+            "bad options for policy 'tandem'",
+        ),
+        (
+            ["bench", "W1", "--policies", "tandem:latency_budget_s=-1", "--rt-rate", "1"],
+            "latency_budget_s must be > 0",
+        ),
+        (["bench", "W4", "--policies", "blend:x=1"], "takes no options"),
+        (["bench", "W1", "--rate-scale", "2"], "only for `bench trace`"),
+        (["bench", "W1", "extra.jsonl"], "only `bench trace` takes a file"),
+        (["bench", "trace"], "needs a FILE.jsonl"),
+        (["bench", "W1", "--seed", "-3"], "--seed must be ≥ 0"),
+        (["bench", "W1", "--profile", "no-such-profile", "--rt-rate", "1"], "unknown profile"),
+    ],
+)
+def test_bad_arguments_are_one_line(
+    capsys: pytest.CaptureFixture[str], argv: list[str], needle: str
+) -> None:
     assert needle in one_line_error(capsys, argv)
 
 
-def test_missing_trace_file_is_one_line(capsys: pytest.CaptureFixture[str],
-                                        tmp_path: Path) -> None:
+def test_missing_trace_file_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     err = one_line_error(capsys, ["bench", "trace", str(tmp_path / "none.jsonl")])
     assert "cannot read trace" in err and "none.jsonl" in err
 
@@ -70,20 +77,27 @@ def write_trace(tmp_path: Path, lines: list[str]) -> Path:
 GOOD = '{"t_ms": 0, "input_len": 512, "output_len": 8}'
 
 
-@pytest.mark.parametrize(("bad", "needle"), [
-    ('{"t_ms": 5, "input_len": 512', "invalid JSON"),
-    ('[1, 2]', "expected a JSON object"),
-    ('{"input_len": 5, "output_len": 3}', "field 't_ms'"),
-    ('{"t_ms": -1, "input_len": 5, "output_len": 3}', "field 't_ms'"),
-    ('{"t_ms": 1, "input_len": "5", "output_len": 3}', "field 'input_len'"),
-    ('{"t_ms": 1, "input_len": 5, "output_len": 0}', "field 'output_len'"),
-    ('{"t_ms": 1, "input_len": 5, "output_len": 3, "tier": "gold"}', "field 'tier'"),
-    ('{"t_ms": 1, "input_len": 5, "output_len": 3, "prefix_hashes": [1, "x"]}',
-     "field 'prefix_hashes'"),
-    ('{"t_ms": 1, "input_len": 600, "output_len": 3, "prefix_hashes": [1, 2, 3]}',
-     "more than the 2 blocks"),
-    ('{"t_ms": 1, "input_len": 5, "output_len": 3, "tenant": 7}', "field 'tenant'"),
-])
+@pytest.mark.parametrize(
+    ("bad", "needle"),
+    [
+        ('{"t_ms": 5, "input_len": 512', "invalid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        ('{"input_len": 5, "output_len": 3}', "field 't_ms'"),
+        ('{"t_ms": -1, "input_len": 5, "output_len": 3}', "field 't_ms'"),
+        ('{"t_ms": 1, "input_len": "5", "output_len": 3}', "field 'input_len'"),
+        ('{"t_ms": 1, "input_len": 5, "output_len": 0}', "field 'output_len'"),
+        ('{"t_ms": 1, "input_len": 5, "output_len": 3, "tier": "gold"}', "field 'tier'"),
+        (
+            '{"t_ms": 1, "input_len": 5, "output_len": 3, "prefix_hashes": [1, "x"]}',
+            "field 'prefix_hashes'",
+        ),
+        (
+            '{"t_ms": 1, "input_len": 600, "output_len": 3, "prefix_hashes": [1, 2, 3]}',
+            "more than the 2 blocks",
+        ),
+        ('{"t_ms": 1, "input_len": 5, "output_len": 3, "tenant": 7}', "field 'tenant'"),
+    ],
+)
 def test_trace_errors_name_the_line_and_field(tmp_path: Path, bad: str, needle: str) -> None:
     path = write_trace(tmp_path, [GOOD, "", bad])
     with pytest.raises(TraceError) as exc_info:
@@ -92,9 +106,13 @@ def test_trace_errors_name_the_line_and_field(tmp_path: Path, bad: str, needle: 
 
 
 def test_trace_replay_scales_time_and_keeps_fields(tmp_path: Path) -> None:
-    path = write_trace(tmp_path, [
-        '{"t_ms": 1000, "input_len": 1024, "output_len": 8, "prefix_hashes": [7, 9]}',
-        '{"t_ms": 3000, "input_len": 20, "output_len": 2, "tier": "be", "tenant": "acme"}'])
+    path = write_trace(
+        tmp_path,
+        [
+            '{"t_ms": 1000, "input_len": 1024, "output_len": 8, "prefix_hashes": [7, 9]}',
+            '{"t_ms": 3000, "input_len": 20, "output_len": 2, "tier": "be", "tenant": "acme"}',
+        ],
+    )
     specs = trace_requests(read_trace(path), WorkloadParams(), rate_scale=2.0)
     assert [s.arrival_s for s in specs] == [0.0, 1.0]
     assert specs[0].prefix_hashes == (7, 9) and specs[0].ttft_s == 0.4
@@ -103,12 +121,13 @@ def test_trace_replay_scales_time_and_keeps_fields(tmp_path: Path) -> None:
         read_trace(write_trace(tmp_path, ["", "  "]))
 
 
-@pytest.mark.skipif(not (DEFAULT_DATA_DIR / "azure_llm_2023_conv.csv").is_file(),
-                    reason="Azure trace not in ../shared/data")
+@pytest.mark.skipif(
+    not (DEFAULT_DATA_DIR / "azure_llm_2023_conv.csv").is_file(),
+    reason="Azure trace not in ../shared/data",
+)
 def test_convert_azure_writes_a_valid_trace(tmp_path: Path) -> None:
     out = tmp_path / "azure.jsonl"
-    assert convert_azure(DEFAULT_DATA_DIR / "azure_llm_2023_conv.csv", out, tier="be",
-                         limit=5) == 5
+    assert convert_azure(DEFAULT_DATA_DIR / "azure_llm_2023_conv.csv", out, tier="be", limit=5) == 5
     rows = read_trace(out)
     assert len(rows) == 5 and rows[0]["t_ms"] == 0.0 and {r["tier"] for r in rows} == {"be"}
     first = json.loads(out.read_text().splitlines()[0])
@@ -119,8 +138,14 @@ def test_policy_spec_reads_numbers_booleans_and_strings() -> None:
     from bench.policy_spec import base_name, parse_policy_spec
 
     spec = "tandem:max_long_prefills=2:latency_budget_s=0.035:use_aimd=false:kv_layout=bicache"
-    assert parse_policy_spec(spec) == ("tandem", {"max_long_prefills": 2,
-                                                  "latency_budget_s": 0.035, "use_aimd": False,
-                                                  "kv_layout": "bicache"})
+    assert parse_policy_spec(spec) == (
+        "tandem",
+        {
+            "max_long_prefills": 2,
+            "latency_budget_s": 0.035,
+            "use_aimd": False,
+            "kv_layout": "bicache",
+        },
+    )
     assert parse_policy_spec("fcfs") == ("fcfs", {})
     assert base_name(spec) == "tandem"

@@ -262,8 +262,9 @@ class BiCacheMachine(RuleBasedStateMachine):
         for rid in kv.requests():
             segs = [(blk, count) for blk, count in kv._reqs[rid].segs if blk != HOST]
             assert len({blk for blk, _ in segs}) == len(segs), f"{rid}: two runs in a block"
-            owner, fill = (kv.rt_owner, kv.rt_fill) if _tier(rid) == "rt" else (kv.be_owner,
-                                                                                 kv.be_fill)
+            owner, fill = (
+                (kv.rt_owner, kv.rt_fill) if _tier(rid) == "rt" else (kv.be_owner, kv.be_fill)
+            )
             assert all(owner[blk] == rid and fill[blk] == count for blk, count in segs)
 
     @invariant()
@@ -275,8 +276,9 @@ class BiCacheMachine(RuleBasedStateMachine):
             if rt is not None and be is not None:
                 want[rt] = want.get(rt, 0) + kv.rt_fill[k]
                 want[be] = want.get(be, 0) + kv.be_fill[k]
-        assert {r: kv.shared(r) for r in kv.requests()} == {r: want.get(r, 0)
-                                                             for r in kv.requests()}
+        assert {r: kv.shared(r) for r in kv.requests()} == {
+            r: want.get(r, 0) for r in kv.requests()
+        }
 
     @invariant()
     def protected_tokens_stay_on_the_device(self) -> None:
@@ -285,6 +287,5 @@ class BiCacheMachine(RuleBasedStateMachine):
             assert all(i >= protected for i in self.kv.checkpointed(rid))
 
 
-BiCacheMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50,
-                                            deadline=None)
+BiCacheMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
 TestBiCacheProperties = BiCacheMachine.TestCase

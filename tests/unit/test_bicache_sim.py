@@ -18,9 +18,15 @@ TOKEN_COPY_S = KV_BYTES / (HOST_GB_S * 1e9)
 
 
 def _bicache(**fields: object) -> SimConfig:
-    return SimConfig(**{"kv_layout": "bicache", "prefix_cache": False,
-                        "kv_bytes_per_token": KV_BYTES, "host_copy_gb_s": HOST_GB_S,
-                        **fields})  # type: ignore[arg-type]
+    return SimConfig(
+        **{
+            "kv_layout": "bicache",
+            "prefix_cache": False,
+            "kv_bytes_per_token": KV_BYTES,
+            "host_copy_gb_s": HOST_GB_S,
+            **fields,
+        }
+    )  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("name", POLICY_NAMES)
@@ -29,14 +35,18 @@ def test_every_policy_runs_on_the_bicache_layout_under_memory_pressure(name: str
     if name == "rt-only":
         reqs = [r for r in reqs if r.tier == "rt"]
     policy = _Checked(make_policy(name, LATENCY))
-    res = simulate(ListSource(reqs), policy, LATENCY,
-                   _bicache(kv_capacity_tokens=4000, max_prefill_tokens=2048,
-                            reveal_lengths=name == "oracle"))
+    res = simulate(
+        ListSource(reqs),
+        policy,
+        LATENCY,
+        _bicache(kv_capacity_tokens=4000, max_prefill_tokens=2048, reveal_lengths=name == "oracle"),
+    )
     _check_invariants(res, 4000)
     assert all(r.finish_s is not None for r in res.requests)
     stats = res.kv_layout_stats
-    assert stats["checkpointed_tokens"] == (stats["restored_tokens"]
-                                            + stats["discarded_checkpoint_tokens"])
+    assert stats["checkpointed_tokens"] == (
+        stats["restored_tokens"] + stats["discarded_checkpoint_tokens"]
+    )
 
 
 class _Spy(_Scripted):
@@ -58,11 +68,19 @@ class _Spy(_Scripted):
 def _evict_and_squeeze(config: SimConfig) -> tuple[SimResult, _Spy]:
     """BE x (100-token prompt) decodes twice and is evicted; RT r (40 tokens) then needs more
     room than is free; r finishes and x comes back."""
-    plans = [Plan(prefills=[PrefillChunk("x", 100)]), Plan(decodes=["x"]), Plan(decodes=["x"]),
-             Plan(evictions=["x"]), Plan(prefills=[PrefillChunk("r", 40)]), Plan(decodes=["r"])]
+    plans = [
+        Plan(prefills=[PrefillChunk("x", 100)]),
+        Plan(decodes=["x"]),
+        Plan(decodes=["x"]),
+        Plan(evictions=["x"]),
+        Plan(prefills=[PrefillChunk("r", 40)]),
+        Plan(decodes=["r"]),
+    ]
     spy = _Spy(plans)
-    reqs = [make_request(rid="x", tier="be", prompt_len=100, output_len=6),
-            make_request(rid="r", tier="rt", prompt_len=40, output_len=2)]
+    reqs = [
+        make_request(rid="x", tier="be", prompt_len=100, output_len=6),
+        make_request(rid="r", tier="rt", prompt_len=40, output_len=2),
+    ]
     return simulate(ListSource(reqs), spy, LATENCY, config), spy
 
 
@@ -83,8 +101,9 @@ def test_a_lazily_evicted_be_request_loses_only_the_slots_rt_takes() -> None:
     it = res.iterations
     assert [it.prefill_tokens[i] for i in range(len(it)) if it.num_prefill[i]] == [100, 40, 1]
     # the iteration that overwrote x's slots waited for their 14 copies to the host
-    plain = LATENCY.predict(BatchShape(prefill_tokens=40, num_prefill=1, prefill_attn=1600.0,
-                                       prefill_attn_full=1600.0))
+    plain = LATENCY.predict(
+        BatchShape(prefill_tokens=40, num_prefill=1, prefill_attn=1600.0, prefill_attn_full=1600.0)
+    )
     assert it.duration_s[4] == pytest.approx(plain + 14 * TOKEN_COPY_S)
 
 
@@ -100,17 +119,20 @@ def test_blocks_are_one_request_per_side_so_the_engine_retracts_be_when_rt_canno
     free slot per RT decode is left, but both RT requests need a fresh block: the engine
     retracts the BE request (lazily) as SGLang's retract_decode would, and every request still
     finishes with its full output."""
-    plans = [Plan(prefills=[PrefillChunk("a", 16), PrefillChunk("b", 16)]),
-             Plan(decodes=["a", "b"], prefills=[PrefillChunk("x", 28)]),
-             Plan(decodes=["a", "b", "x"])]
-    reqs = [make_request(rid="a", prompt_len=16, output_len=4),
-            make_request(rid="b", prompt_len=16, output_len=4),
-            make_request(rid="x", tier="be", prompt_len=28, output_len=3)]
+    plans = [
+        Plan(prefills=[PrefillChunk("a", 16), PrefillChunk("b", 16)]),
+        Plan(decodes=["a", "b"], prefills=[PrefillChunk("x", 28)]),
+        Plan(decodes=["a", "b", "x"]),
+    ]
+    reqs = [
+        make_request(rid="a", prompt_len=16, output_len=4),
+        make_request(rid="b", prompt_len=16, output_len=4),
+        make_request(rid="x", tier="be", prompt_len=28, output_len=3),
+    ]
     res = simulate(ListSource(reqs), _Scripted(plans), LATENCY, _bicache(kv_capacity_tokens=64))
     assert res.kv_layout_stats["engine_retractions"] >= 1
     assert res.num_evictions >= 1
-    assert all(r.finish_s is not None and r.generated == r.output_len_target
-               for r in res.requests)
+    assert all(r.finish_s is not None and r.generated == r.output_len_target for r in res.requests)
 
 
 def test_slot_reporting_runs_tandem_and_tells_the_policy_every_free_slot() -> None:
@@ -118,27 +140,41 @@ def test_slot_reporting_runs_tandem_and_tells_the_policy_every_free_slot() -> No
 
     class Spy(_Checked):
         def plan(self, snapshot: Snapshot) -> Plan:
-            seen.append((snapshot.kv_free_tokens, snapshot.kv_evictable_tokens,
-                         snapshot.kv_capacity_tokens))
+            seen.append(
+                (snapshot.kv_free_tokens, snapshot.kv_evictable_tokens, snapshot.kv_capacity_tokens)
+            )
             return super().plan(snapshot)
 
     reqs = _mixed_workload(seed=4)
-    res = simulate(ListSource(reqs), Spy(make_policy("tandem", LATENCY)), LATENCY,
-                   _bicache(kv_capacity_tokens=4000, max_prefill_tokens=2048,
-                            bicache_report="slots"))
+    res = simulate(
+        ListSource(reqs),
+        Spy(make_policy("tandem", LATENCY)),
+        LATENCY,
+        _bicache(kv_capacity_tokens=4000, max_prefill_tokens=2048, bicache_report="slots"),
+    )
     _check_invariants(res, 4000)
     assert all(r.finish_s is not None for r in res.requests)
     assert min(free for free, _, _ in seen) < 4000 and max(ev for _, ev, _ in seen) > 0
 
 
-@pytest.mark.parametrize(("fields", "message"), [
-    ({"kv_layout": "bicache"}, "page_size 1 and prefix_cache off"),
-    ({"kv_layout": "bicache", "prefix_cache": False, "page_size": 16,
-      "prefix_block_tokens": 512}, "page_size 1"),
-    ({"kv_layout": "paged"}, "kv_layout must be"),
-    ({"host_copy_gb_s": 0.0}, "host_copy_gb_s must be > 0"),
-    ({"bicache_report": "all"}, "bicache_report must be"),
-])
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"kv_layout": "bicache"}, "page_size 1 and prefix_cache off"),
+        (
+            {
+                "kv_layout": "bicache",
+                "prefix_cache": False,
+                "page_size": 16,
+                "prefix_block_tokens": 512,
+            },
+            "page_size 1",
+        ),
+        ({"kv_layout": "paged"}, "kv_layout must be"),
+        ({"host_copy_gb_s": 0.0}, "host_copy_gb_s must be > 0"),
+        ({"bicache_report": "all"}, "bicache_report must be"),
+    ],
+)
 def test_layout_config_is_validated(fields: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SimConfig(kv_capacity_tokens=1024, **fields)  # type: ignore[arg-type]

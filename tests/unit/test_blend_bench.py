@@ -13,8 +13,13 @@ from bench.workloads import BuildContext, WorkloadParams, build_workload
 
 
 def test_w4_orderings_finish_everything_and_blend_keeps_dfs_sharing(tmp_path: Path) -> None:
-    config = BenchConfig(workload="W4", out_dir=tmp_path, policies=("fcfs", "dfs", "blend"),
-                         scale=0.05, progress=False)
+    config = BenchConfig(
+        workload="W4",
+        out_dir=tmp_path,
+        policies=("fcfs", "dfs", "blend"),
+        scale=0.05,
+        progress=False,
+    )
     run = run_bench(config)
     assert not run.failed
     metrics = {name: r.metrics for name, r in run.runs.items()}
@@ -39,8 +44,11 @@ def test_orderings_refuse_workloads_with_rt_or_timed_arrivals() -> None:
 
     profile = load_profile(resolve_profile("h100-llama8b-analytic"))
     latency = LatencyModel.fit(profile.samples)
-    ctx = BuildContext(latency=latency, kv_capacity_tokens=profile.kv_capacity_tokens,
-                       max_prefill_tokens=profile.max_prefill_tokens)
+    ctx = BuildContext(
+        latency=latency,
+        kv_capacity_tokens=profile.kv_capacity_tokens,
+        max_prefill_tokens=profile.max_prefill_tokens,
+    )
     w3 = build_workload("W3", WorkloadParams(seed=0, duration_s=5.0), ctx)
     with pytest.raises(ValueError, match="offline BE job"):
         ordered_source("blend", w3.source(None, True), profile.kv_capacity_tokens)

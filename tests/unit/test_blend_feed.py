@@ -48,8 +48,15 @@ def drain(feed: BatchFeed, lengths: dict[int, int], rng: random.Random) -> list[
 @pytest.mark.parametrize("ordering", ["fcfs", "dfs", "blend"])
 def test_every_line_is_sent_exactly_once(ordering: str) -> None:
     lines, lengths = items(300)
-    feed = BatchFeed(lines, FeedSettings(ordering=ordering, memory_tokens=5_000,  # type: ignore[arg-type]
-                                         max_inflight=16, pilot_fraction=0.05))
+    feed = BatchFeed(
+        lines,
+        FeedSettings(
+            ordering=ordering,
+            memory_tokens=5_000,  # type: ignore[arg-type]
+            max_inflight=16,
+            pilot_fraction=0.05,
+        ),
+    )
     sent = drain(feed, lengths, random.Random(1))
     assert sorted(sent) == list(range(300))
     assert feed.in_flight == 0
@@ -57,8 +64,12 @@ def test_every_line_is_sent_exactly_once(ordering: str) -> None:
 
 def test_the_pilot_goes_first_covers_every_cap_class_and_triggers_re_plans() -> None:
     lines, lengths = items(300)
-    feed = BatchFeed(lines, FeedSettings(memory_tokens=50_000, max_inflight=400,
-                                         pilot_fraction=0.05, pilot_max_lines=32))
+    feed = BatchFeed(
+        lines,
+        FeedSettings(
+            memory_tokens=50_000, max_inflight=400, pilot_fraction=0.05, pilot_max_lines=32
+        ),
+    )
     pilot = feed.pilot
     assert len(pilot) == 15
     assert {lines[i].max_output_len for i in pilot} == {4, 512, 8192}
@@ -84,14 +95,18 @@ def test_in_flight_lines_never_exceed_the_bound() -> None:
 
 def test_blend_starts_both_compute_and_memory_heavy_lines_early() -> None:
     lines, lengths = items(300)
-    feed = BatchFeed(lines, FeedSettings(ordering="blend", memory_tokens=60_000,
-                                         max_inflight=40, pilot_fraction=0.05))
+    feed = BatchFeed(
+        lines,
+        FeedSettings(ordering="blend", memory_tokens=60_000, max_inflight=40, pilot_fraction=0.05),
+    )
     sent = drain(feed, lengths, random.Random(2))
-    early = sent[len(feed.pilot):len(feed.pilot) + 25]
+    early = sent[len(feed.pilot) : len(feed.pilot) + 25]
     caps = {lines[i].max_output_len for i in early}
     assert 8192 in caps and (4 in caps or 512 in caps)
-    dfs = BatchFeed(lines, FeedSettings(ordering="dfs", memory_tokens=60_000,
-                                        max_inflight=40, pilot_fraction=0.05))
+    dfs = BatchFeed(
+        lines,
+        FeedSettings(ordering="dfs", memory_tokens=60_000, max_inflight=40, pilot_fraction=0.05),
+    )
     assert sorted(drain(dfs, lengths, random.Random(2))) == sorted(sent)
 
 
@@ -99,8 +114,7 @@ def test_after_a_restart_finished_lines_are_samples_not_work() -> None:
     lines, lengths = items(100)
     finished = {i: lengths[i] for i in range(40)}
     rest = [it for it in lines if it.index >= 40]
-    feed = BatchFeed(rest, FeedSettings(memory_tokens=1e6, max_inflight=200),
-                     known_output=finished)
+    feed = BatchFeed(rest, FeedSettings(memory_tokens=1e6, max_inflight=200), known_output=finished)
     assert feed.pilot == []  # the finished lines already sampled the batch
     sent = drain(feed, lengths, random.Random(3))
     assert sorted(sent) == list(range(40, 100))

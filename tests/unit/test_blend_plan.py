@@ -89,9 +89,11 @@ def test_partition_reproduces_the_papers_example_and_edge_cases() -> None:
 
 
 def test_dual_scanner_hands_out_everything_once_from_both_ends_within_memory() -> None:
-    units = [Unit(items=[0, 1, 2], comp_s=9.0, mem_s=1.0),
-             Unit(items=[3, 4], comp_s=1.0, mem_s=1.0),
-             Unit(items=[5, 6, 7], comp_s=1.0, mem_s=9.0)]
+    units = [
+        Unit(items=[0, 1, 2], comp_s=9.0, mem_s=1.0),
+        Unit(items=[3, 4], comp_s=1.0, mem_s=1.0),
+        Unit(items=[5, 6, 7], comp_s=1.0, mem_s=9.0),
+    ]
     footprints = [10.0] * 8
     scanner = DualScanner(units, footprints, memory=40.0, rho_target=1.0)
     left_share, right_share = scanner.quotas

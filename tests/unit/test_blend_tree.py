@@ -16,7 +16,7 @@ def item(index: int, path: list[int], cap: int | None = None) -> OrderItem:
 
 
 def child_paths(node: Node, tree: PrefixTree) -> list[list[int]]:
-    return [list(tree.items[c.items[0]].path[:c.depth]) if c.items else [] for c in node.children]
+    return [list(tree.items[c.items[0]].path[: c.depth]) if c.items else [] for c in node.children]
 
 
 def test_shared_prefixes_become_one_internal_node() -> None:
@@ -40,12 +40,21 @@ def test_identical_prompts_end_at_one_node_and_a_prefix_prompt_at_its_inner_node
 
 
 def test_estimates_use_the_subtree_then_the_cap_class_then_the_prior() -> None:
-    items = [item(0, [1, 2, 3], cap=100), item(1, [1, 2, 4], cap=100),  # subtree [1,2]
-             item(2, [5, 6], cap=4000), item(3, [9, 9], cap=4000),  # class 4000, no subtree
-             item(4, [7], cap=None), item(5, [8], cap=50)]
+    items = [
+        item(0, [1, 2, 3], cap=100),
+        item(1, [1, 2, 4], cap=100),  # subtree [1,2]
+        item(2, [5, 6], cap=4000),
+        item(3, [9, 9], cap=4000),  # class 4000, no subtree
+        item(4, [7], cap=None),
+        item(5, [8], cap=50),
+    ]
     tree = PrefixTree(items)
-    tree.annotate(DensityModel(), {0: 40, 2: 3000}, prior_output_len=200.0,
-                  class_of=lambda it: it.max_output_len)
+    tree.annotate(
+        DensityModel(),
+        {0: 40, 2: 3000},
+        prior_output_len=200.0,
+        class_of=lambda it: it.max_output_len,
+    )
     est = {tree.items[p].index: d for p, d in enumerate(tree.estimates)}
     assert est[0] == 40  # its own sample
     assert est[1] == 40  # its sibling's, through the shared prefix
@@ -90,9 +99,10 @@ def test_unique_indices_are_required() -> None:
 
 
 def test_the_ordering_code_is_pure() -> None:
-    code = ("import sys, gateway.batch.order, gateway.batch.order.feed; "
-            "print(','.join(m for m in ('aiohttp', 'sqlalchemy', 'torch', 'sglang') "
-            "if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True)
+    code = (
+        "import sys, gateway.batch.order, gateway.batch.order.feed; "
+        "print(','.join(m for m in ('aiohttp', 'sqlalchemy', 'torch', 'sglang') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""

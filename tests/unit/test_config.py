@@ -25,12 +25,15 @@ def test_repository_config_loads_with_documented_defaults() -> None:
 
 def test_env_overrides_keep_yaml_types(tmp_path: Path) -> None:
     path = write(tmp_path, "gateway:\n  port: 8000\n")
-    config = load_config(path, environ={
-        "TANDEM_GATEWAY__PORT": "8080",
-        "TANDEM_ENGINE__LAUNCH": "false",
-        "TANDEM_DATABASE__URL": "postgresql://u@h/db",
-        "TANDEM_MODEL__PATH": "null",
-    })
+    config = load_config(
+        path,
+        environ={
+            "TANDEM_GATEWAY__PORT": "8080",
+            "TANDEM_ENGINE__LAUNCH": "false",
+            "TANDEM_DATABASE__URL": "postgresql://u@h/db",
+            "TANDEM_MODEL__PATH": "null",
+        },
+    )
     assert config.gateway.port == 8080
     assert config.engine.launch is False
     assert config.database.url == "postgresql://u@h/db"

@@ -8,8 +8,15 @@ from gateway.engine_client import _GenerateOut, _to_chunk
 
 
 def out(text: str, finish: Any = None, tokens: int = 1, **meta: Any) -> _GenerateOut:
-    return _GenerateOut(text=text, meta_info={"finish_reason": finish, "prompt_tokens": 5,
-                                              "completion_tokens": tokens, **meta})
+    return _GenerateOut(
+        text=text,
+        meta_info={
+            "finish_reason": finish,
+            "prompt_tokens": 5,
+            "completion_tokens": tokens,
+            **meta,
+        },
+    )
 
 
 def replay(updates: list[_GenerateOut]) -> list[str]:
@@ -22,8 +29,11 @@ def replay(updates: list[_GenerateOut]) -> list[str]:
 
 
 def test_cumulative_text_becomes_deltas() -> None:
-    assert replay([out("He"), out("Hello"), out("Hello!", {"type": "length"})]) == \
-        ["He", "llo", "!"]
+    assert replay([out("He"), out("Hello"), out("Hello!", {"type": "length"})]) == [
+        "He",
+        "llo",
+        "!",
+    ]
 
 
 def test_half_a_character_is_held_back_until_completed() -> None:
@@ -33,8 +43,17 @@ def test_half_a_character_is_held_back_until_completed() -> None:
 
 
 def test_last_chunk_carries_finish_and_counts() -> None:
-    chunk = _to_chunk(out("x", {"type": "stop", "matched": "\n"}, tokens=3, queue_time=0.25,
-                          cached_tokens=2, num_retractions=1), 0)
+    chunk = _to_chunk(
+        out(
+            "x",
+            {"type": "stop", "matched": "\n"},
+            tokens=3,
+            queue_time=0.25,
+            cached_tokens=2,
+            num_retractions=1,
+        ),
+        0,
+    )
     assert chunk.finish_reason == "stop" and chunk.matched_stop == "\n"
     assert chunk.completion_tokens == 3 and chunk.prompt_tokens == 5
     assert chunk.queue_time_s == 0.25 and chunk.cached_tokens == 2 and chunk.num_retractions == 1

@@ -28,15 +28,36 @@ class FINISH_LENGTH:
     pass
 
 
-def req(rid: str, tier: str, *, prompt: int = 10, out: int = 0, ttft_ms: float | None = None,
-        tpot_ms: float | None = None, arrived_s_ago: float = 0.0, key: str = "k") -> FakeReq:
-    meta = RequestMeta(tier=tier, tenant_id="t", length_key=key,  # type: ignore[arg-type]
-                       arrival_unix_s=time.time() - arrived_s_ago, ttft_ms=ttft_ms,
-                       tpot_ms=tpot_ms, max_tokens=100)
-    r = FakeReq(rid=rid, origin_input_ids=[1] * prompt, output_ids=[2] * out,
-                sampling_params=SimpleNamespace(max_new_tokens=100),
-                kv=SimpleNamespace(kv_allocated_len=prompt + out, cache_protected_len=0),
-                prefix_len=0, finished_reason=None, retraction_count=0)
+def req(
+    rid: str,
+    tier: str,
+    *,
+    prompt: int = 10,
+    out: int = 0,
+    ttft_ms: float | None = None,
+    tpot_ms: float | None = None,
+    arrived_s_ago: float = 0.0,
+    key: str = "k",
+) -> FakeReq:
+    meta = RequestMeta(
+        tier=tier,
+        tenant_id="t",
+        length_key=key,  # type: ignore[arg-type]
+        arrival_unix_s=time.time() - arrived_s_ago,
+        ttft_ms=ttft_ms,
+        tpot_ms=tpot_ms,
+        max_tokens=100,
+    )
+    r = FakeReq(
+        rid=rid,
+        origin_input_ids=[1] * prompt,
+        output_ids=[2] * out,
+        sampling_params=SimpleNamespace(max_new_tokens=100),
+        kv=SimpleNamespace(kv_allocated_len=prompt + out, cache_protected_len=0),
+        prefix_len=0,
+        finished_reason=None,
+        retraction_count=0,
+    )
     setattr(r, REQ_ATTR, sched_meta_from_custom_params(meta_to_custom_params(meta)))
     return r
 
@@ -60,10 +81,17 @@ class FakeBatch:
 
 def sched(waiting: list[Any]) -> SimpleNamespace:
     return SimpleNamespace(
-        waiting_queue=list(waiting), chunked_req=None, max_total_num_tokens=10_000,
+        waiting_queue=list(waiting),
+        chunked_req=None,
+        max_total_num_tokens=10_000,
         token_to_kv_pool_allocator=SimpleNamespace(available_size=lambda: 9_000),
-        tree_cache=SimpleNamespace(evictable_size=lambda: 0), chunked_prefill_size=512,
-        max_prefill_tokens=16384, is_mixed_chunk=True, max_running_requests=64, page_size=1)
+        tree_cache=SimpleNamespace(evictable_size=lambda: 0),
+        chunked_prefill_size=512,
+        max_prefill_tokens=16384,
+        is_mixed_chunk=True,
+        max_running_requests=64,
+        page_size=1,
+    )
 
 
 class ScriptedPolicy:
@@ -77,7 +105,8 @@ class ScriptedPolicy:
         self.results: list[IterationResult] = []
         self.lengths = SimpleNamespace(replaced={})
         self.lengths.replace_history = lambda key, values: self.lengths.replaced.update(
-            {key: list(values)})
+            {key: list(values)}
+        )
 
     def plan(self, snapshot: Snapshot) -> Plan:
         self.snapshots.append(snapshot)
@@ -204,8 +233,9 @@ def test_an_idle_engine_with_queued_work_never_stays_idle() -> None:
     assert not drv.fallback  # one iteration at a time
 
 
-def run_one_iteration(policy: Any, batch: FakeBatch, waiting: list[Any],
-                      duration_s: float) -> EngineDriver:
+def run_one_iteration(
+    policy: Any, batch: FakeBatch, waiting: list[Any], duration_s: float
+) -> EngineDriver:
     now = [100.0]
     drv = EngineDriver(policy, clock=lambda: now[0])
     drv.begin_iteration()
@@ -242,6 +272,7 @@ def test_rt_time_share_is_all_or_nothing_for_single_tier_iterations() -> None:
         drv = run_one_iteration(policy, FakeBatch([req("a", tier, out=2)]), [], 0.02)
         assert drv.stats.rt_time_frac == pytest.approx(share)
     # a policy without a latency model (none of tandem's) counts no RT time
-    drv = run_one_iteration(ScriptedPolicy(Plan(decodes=["a"])),
-                            FakeBatch([req("a", "rt", out=2)]), [], 0.02)
+    drv = run_one_iteration(
+        ScriptedPolicy(Plan(decodes=["a"])), FakeBatch([req("a", "rt", out=2)]), [], 0.02
+    )
     assert drv.stats.rt_time_frac == 0.0 and drv.stats.busy_s == pytest.approx(0.02)

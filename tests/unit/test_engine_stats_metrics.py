@@ -9,8 +9,7 @@ from gateway.engine_stats import EngineStatsWindow
 
 
 def reading(busy_s: float, rt_busy_s: float, overhead_s: float = 0.0) -> dict[str, float]:
-    return {"busy_s": busy_s, "rt_busy_s": rt_busy_s, "overhead_s": overhead_s,
-            "iterations": 10}
+    return {"busy_s": busy_s, "rt_busy_s": rt_busy_s, "overhead_s": overhead_s, "iterations": 10}
 
 
 def gauges(window: EngineStatsWindow) -> dict[str, float]:
@@ -29,8 +28,9 @@ def test_shares_cover_the_last_interval_not_the_whole_run() -> None:
     window.add(reading(10.0, 9.0, 0.1))  # since start: 90 % RT
     assert gauges(window)["tandem_engine_rt_time_share"] == pytest.approx(0.9)
     window.add(reading(12.0, 9.5, 0.3))  # the last 2 s: 0.5 of 2 s RT, 0.2 s overhead
-    assert gauges(window) == pytest.approx({"tandem_engine_rt_time_share": 0.25,
-                                            "tandem_engine_scheduler_overhead_share": 0.1})
+    assert gauges(window) == pytest.approx(
+        {"tandem_engine_rt_time_share": 0.25, "tandem_engine_scheduler_overhead_share": 0.1}
+    )
 
 
 def test_a_restarted_engine_starts_a_new_interval() -> None:

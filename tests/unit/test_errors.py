@@ -25,15 +25,22 @@ def test_validation_error_names_the_field() -> None:
     assert err.body()["error"]["message"].startswith("max_tokens:")
 
 
-@pytest.mark.parametrize(("raw", "status", "param"), [
-    (b"", 400, None),
-    (b"{not json", 400, None),
-    (b'{"model": "m"}', 422, "messages"),
-    (b'{"model": "m", "messages": [], "max_tokens": "x"}', 422, "max_tokens"),
-    (b'{"model": "m", "messages": [{"role": "robot", "content": "hi"}]}', 422, "messages[0].role"),
-    (b'{"model": "m", "messages": [], "stream": "yes"}', 422, "stream"),
-    (b'{"model": "m", "messages": [], "ignore_eos": 3}', 422, "ignore_eos"),
-])
+@pytest.mark.parametrize(
+    ("raw", "status", "param"),
+    [
+        (b"", 400, None),
+        (b"{not json", 400, None),
+        (b'{"model": "m"}', 422, "messages"),
+        (b'{"model": "m", "messages": [], "max_tokens": "x"}', 422, "max_tokens"),
+        (
+            b'{"model": "m", "messages": [{"role": "robot", "content": "hi"}]}',
+            422,
+            "messages[0].role",
+        ),
+        (b'{"model": "m", "messages": [], "stream": "yes"}', 422, "stream"),
+        (b'{"model": "m", "messages": [], "ignore_eos": 3}', 422, "ignore_eos"),
+    ],
+)
 def test_bad_bodies(raw: bytes, status: int, param: str | None) -> None:
     with pytest.raises(ApiError) as info:
         decode_body(raw, ChatCompletionRequest)
@@ -42,13 +49,16 @@ def test_bad_bodies(raw: bytes, status: int, param: str | None) -> None:
 
 
 def test_unknown_fields_are_ignored_like_openai_servers() -> None:
-    body = decode_body(b'{"model": "m", "messages": [], "some_client_field": 1}',
-                       ChatCompletionRequest)
+    body = decode_body(
+        b'{"model": "m", "messages": [], "some_client_field": 1}', ChatCompletionRequest
+    )
     assert isinstance(body, ChatCompletionRequest)
 
 
-@pytest.mark.parametrize(("field", "value"), [("temperature", 3.0), ("top_p", 0.0), ("n", 2),
-                                             ("max_tokens", 0), ("stop", ["a"] * 5)])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("temperature", 3.0), ("top_p", 0.0), ("n", 2), ("max_tokens", 0), ("stop", ["a"] * 5)],
+)
 def test_range_checks_name_the_field(field: str, value: object) -> None:
     body = msgspec.convert({"model": "m", "messages": [], field: value}, ChatCompletionRequest)
     with pytest.raises(ApiError) as info:

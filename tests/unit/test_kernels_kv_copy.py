@@ -35,8 +35,9 @@ def _random(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) ->
     return torch.randint(-128, 127, shape, generator=gen, dtype=torch.int16).to(dtype)
 
 
-def _pool(layers: int, slots: int, row: tuple[int, ...], dtype: torch.dtype,
-          seed: int) -> list[torch.Tensor]:
+def _pool(
+    layers: int, slots: int, row: tuple[int, ...], dtype: torch.dtype, seed: int
+) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return [_random((slots, *row), dtype, gen) for _ in range(layers)]
 
@@ -48,8 +49,9 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_gather_matches_reference(shape: tuple[int, int, tuple[int, ...]],
-                                  dtype: torch.dtype) -> None:
+def test_gather_matches_reference(
+    shape: tuple[int, int, tuple[int, ...]], dtype: torch.dtype
+) -> None:
     layers, num_slots, row = shape
     pool = _pool(layers, num_slots, row, dtype, seed=layers * 100 + num_slots)
     gen = torch.Generator().manual_seed(7)
@@ -62,7 +64,8 @@ def test_gather_matches_reference(shape: tuple[int, int, tuple[int, ...]],
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_scatter_matches_reference_and_touches_nothing_else(
-        shape: tuple[int, int, tuple[int, ...]], dtype: torch.dtype) -> None:
+    shape: tuple[int, int, tuple[int, ...]], dtype: torch.dtype
+) -> None:
     layers, num_slots, row = shape
     pool = _pool(layers, num_slots, row, dtype, seed=1)
     expected = [t.clone() for t in pool]
@@ -109,19 +112,24 @@ def test_empty_slot_list() -> None:
     assert gather_slots(pool, torch.tensor([], dtype=torch.int64)).shape == (2, 0, 4)
 
 
-@pytest.mark.parametrize(("call", "message"), [
-    (lambda p: gather_slots(p, torch.tensor([[1]])), "slots must be 1-D"),
-    (lambda p: gather_slots(p, torch.tensor([1.0])), "int32 or int64"),
-    (lambda p: gather_slots(p, torch.tensor([8])), "slot 8 out of range"),
-    (lambda p: gather_slots(p, torch.tensor([-1])), "slot -1 out of range"),
-    (lambda p: gather_slots(p, torch.tensor([1]), torch.empty(2, 2, 4)), "must have shape"),
-    (lambda p: gather_slots(p, torch.tensor([1]), torch.empty(2, 1, 4, dtype=torch.float16)),
-     "is torch.float16"),
-    (lambda p: scatter_slots(p, torch.tensor([1, 1]), torch.empty(2, 2, 4)), "slots repeat"),
-    (lambda p: gather_slots([*p, torch.empty(8, 5)], torch.tensor([1])), "every layer must"),
-    (lambda p: gather_slots([], torch.tensor([1])), "at least one layer"),
-    (lambda p: gather_slots([t.t() for t in p], torch.tensor([1])), "contiguous"),
-])
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda p: gather_slots(p, torch.tensor([[1]])), "slots must be 1-D"),
+        (lambda p: gather_slots(p, torch.tensor([1.0])), "int32 or int64"),
+        (lambda p: gather_slots(p, torch.tensor([8])), "slot 8 out of range"),
+        (lambda p: gather_slots(p, torch.tensor([-1])), "slot -1 out of range"),
+        (lambda p: gather_slots(p, torch.tensor([1]), torch.empty(2, 2, 4)), "must have shape"),
+        (
+            lambda p: gather_slots(p, torch.tensor([1]), torch.empty(2, 1, 4, dtype=torch.float16)),
+            "is torch.float16",
+        ),
+        (lambda p: scatter_slots(p, torch.tensor([1, 1]), torch.empty(2, 2, 4)), "slots repeat"),
+        (lambda p: gather_slots([*p, torch.empty(8, 5)], torch.tensor([1])), "every layer must"),
+        (lambda p: gather_slots([], torch.tensor([1])), "at least one layer"),
+        (lambda p: gather_slots([t.t() for t in p], torch.tensor([1])), "contiguous"),
+    ],
+)
 def test_bad_inputs_are_named(call: object, message: str) -> None:
     pool = _pool(2, 8, (4,), torch.float32, 0)
     with pytest.raises(ValueError, match=message):

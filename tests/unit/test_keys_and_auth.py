@@ -15,9 +15,16 @@ NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 def make_tenant(deleted: bool = False) -> Tenant:
-    return Tenant(id="ten_000000000001", name="acme", tier="rt",
-                  slo=Slo(ttft_ms=200, tpot_ms=50), quota=Quota(), created_at=NOW,
-                  updated_at=NOW, deleted=deleted)
+    return Tenant(
+        id="ten_000000000001",
+        name="acme",
+        tier="rt",
+        slo=Slo(ttft_ms=200, tpot_ms=50),
+        quota=Quota(),
+        created_at=NOW,
+        updated_at=NOW,
+        deleted=deleted,
+    )
 
 
 class FakeStore:
@@ -25,11 +32,14 @@ class FakeStore:
         self.records: dict[str, AuthRecord] = {}
         self.lookups = 0
 
-    def add(self, material: keys.KeyMaterial, revoked: bool = False,
-            deleted: bool = False) -> None:
+    def add(self, material: keys.KeyMaterial, revoked: bool = False, deleted: bool = False) -> None:
         self.records[material.prefix] = AuthRecord(
-            key_id="key_1", prefix=material.prefix, secret_sha256=material.sha256,
-            revoked=revoked, tenant=make_tenant(deleted))
+            key_id="key_1",
+            prefix=material.prefix,
+            secret_sha256=material.sha256,
+            revoked=revoked,
+            tenant=make_tenant(deleted),
+        )
 
     async def lookup_key(self, prefix: str) -> AuthRecord | None:
         self.lookups += 1
@@ -52,8 +62,10 @@ def test_generated_keys_parse_and_verify() -> None:
     assert material.key not in repr(material)
 
 
-@pytest.mark.parametrize("bad", ["", "sk-123", "tdm_short_x", "tdm_ZZZZZZZZZZZZ_" + "a" * 40,
-                                 "tdm_0123456789ab_tooshort"])
+@pytest.mark.parametrize(
+    "bad",
+    ["", "sk-123", "tdm_short_x", "tdm_ZZZZZZZZZZZZ_" + "a" * 40, "tdm_0123456789ab_tooshort"],
+)
 def test_malformed_keys_have_no_prefix(bad: str) -> None:
     assert keys.parse_prefix(bad) is None
 

@@ -38,9 +38,12 @@ def synthetic(weights: list[float], n: int = 200, seed: int = 0) -> list[Profile
     """Noiseless samples of the linear model with *weights*."""
     rng = random.Random(seed)
     shapes = [make_shape(rng) for _ in range(n)]
-    return [ProfileSample(shape=s, seconds=sum(w * f for w, f in zip(weights, features(s),
-                                                                     strict=True)))
-            for s in shapes]
+    return [
+        ProfileSample(
+            shape=s, seconds=sum(w * f for w, f in zip(weights, features(s), strict=True))
+        )
+        for s in shapes
+    ]
 
 
 def test_fit_recovers_known_weights() -> None:
@@ -73,10 +76,16 @@ def test_a_roofline_shaped_profile_gets_two_pieces() -> None:
     memory = [7e-3, 0, 30e-3, 0, 0, 0, 0.01e-3, 0, 0]
     rng = random.Random(2)
     shapes = [make_shape(rng) for _ in range(300)]
-    samples = [ProfileSample(shape=s, seconds=max(
-        sum(w * f for w, f in zip(piece, features(s), strict=True)) for piece in (compute,
-                                                                                   memory)))
-        for s in shapes]
+    samples = [
+        ProfileSample(
+            shape=s,
+            seconds=max(
+                sum(w * f for w, f in zip(piece, features(s), strict=True))
+                for piece in (compute, memory)
+            ),
+        )
+        for s in shapes
+    ]
     linear = LatencyModel.fit(samples, max_pieces=1)
     model = LatencyModel.fit(samples)
     assert model.second_weights is not None
@@ -133,10 +142,18 @@ def test_max_chunk_respects_cap_and_page_size() -> None:
 
 
 def test_profile_round_trips_through_a_file(tmp_path: Path) -> None:
-    profile = Profile(name="rt", description="test", model={"hidden_size": 256},
-                      hardware={"device": "cpu"}, kv_capacity_tokens=16384, page_size=1,
-                      max_prefill_tokens=512, host_copy_gb_s=25.0, kv_bytes_per_token=8192,
-                      samples=synthetic(TRUE_WEIGHTS, n=10))
+    profile = Profile(
+        name="rt",
+        description="test",
+        model={"hidden_size": 256},
+        hardware={"device": "cpu"},
+        kv_capacity_tokens=16384,
+        page_size=1,
+        max_prefill_tokens=512,
+        host_copy_gb_s=25.0,
+        kv_bytes_per_token=8192,
+        samples=synthetic(TRUE_WEIGHTS, n=10),
+    )
     path = tmp_path / "rt.json"
     save_profile(profile, path)
     assert load_profile(path) == profile

@@ -16,19 +16,39 @@ WINDOW_S = 10.0
 END_S = 12.0
 
 
-def make_record(rid: str, tier: str = "rt", *, arrival_s: float = 0.0,
-                times: tuple[float, ...] = (), target: int | None = None,
-                finished: bool = True, ttft: float | None = 0.5, tpot: float | None = 0.1,
-                deadline_s: float | None = None, prompt_len: int = 100,
-                admitted_s: float | None = None, evictions: int = 0) -> RequestRecord:
+def make_record(
+    rid: str,
+    tier: str = "rt",
+    *,
+    arrival_s: float = 0.0,
+    times: tuple[float, ...] = (),
+    target: int | None = None,
+    finished: bool = True,
+    ttft: float | None = 0.5,
+    tpot: float | None = 0.1,
+    deadline_s: float | None = None,
+    prompt_len: int = 100,
+    admitted_s: float | None = None,
+    evictions: int = 0,
+) -> RequestRecord:
     return RequestRecord(
-        rid=rid, tier=tier, arrival_s=arrival_s, prompt_len=prompt_len,  # type: ignore[arg-type]
-        output_len_target=target if target is not None else len(times), generated=len(times),
+        rid=rid,
+        tier=tier,
+        arrival_s=arrival_s,
+        prompt_len=prompt_len,  # type: ignore[arg-type]
+        output_len_target=target if target is not None else len(times),
+        generated=len(times),
         first_token_s=times[0] if times else None,
-        finish_s=times[-1] if finished and times else None, token_times=array("d", times),
-        evictions=evictions, cached_tokens=0,
-        ttft_target_s=ttft if tier == "rt" else None, tpot_target_s=tpot if tier == "rt" else None,
-        deadline_s=deadline_s, length_key=tier, admitted_s=admitted_s)
+        finish_s=times[-1] if finished and times else None,
+        token_times=array("d", times),
+        evictions=evictions,
+        cached_tokens=0,
+        ttft_target_s=ttft if tier == "rt" else None,
+        tpot_target_s=tpot if tier == "rt" else None,
+        deadline_s=deadline_s,
+        length_key=tier,
+        admitted_s=admitted_s,
+    )
 
 
 def records() -> list[RequestRecord]:
@@ -48,17 +68,35 @@ def records() -> list[RequestRecord]:
 
 def iteration_log() -> IterationLog:
     log = IterationLog(kv_capacity_tokens=100)
-    for start, dur, pred, kv, plan, dec in ((0.0, 0.1, 0.1, 10, 1.0, 1), (0.1, 0.3, 0.2, 30, 3.0,
-                                                                          0)):
-        log.append(start_s=start, duration_s=dur, predicted_s=pred, plan_ms=plan, num_prefill=1,
-                   num_decode=dec, prefill_tokens=10, kv_used_tokens=kv, num_running=1,
-                   num_waiting=0, num_evictions=0)
+    for start, dur, pred, kv, plan, dec in (
+        (0.0, 0.1, 0.1, 10, 1.0, 1),
+        (0.1, 0.3, 0.2, 30, 3.0, 0),
+    ):
+        log.append(
+            start_s=start,
+            duration_s=dur,
+            predicted_s=pred,
+            plan_ms=plan,
+            num_prefill=1,
+            num_decode=dec,
+            prefill_tokens=10,
+            kv_used_tokens=kv,
+            num_running=1,
+            num_waiting=0,
+            num_evictions=0,
+        )
     return log
 
 
 def result() -> SimResult:
-    return SimResult(policy_name="x", requests=records(), iterations=iteration_log(),
-                     horizon_s=None, end_s=END_S, prefix_reuse_ratio=0.25)
+    return SimResult(
+        policy_name="x",
+        requests=records(),
+        iterations=iteration_log(),
+        horizon_s=None,
+        end_s=END_S,
+        prefix_reuse_ratio=0.25,
+    )
 
 
 def test_rt_attainment_and_latency() -> None:
@@ -106,8 +144,14 @@ def test_system_metrics() -> None:
 
 
 def test_no_window_uses_the_run_end_and_empty_tiers_are_none() -> None:
-    be_only = SimResult(policy_name="x", requests=records()[3:4], iterations=IterationLog(1),
-                        horizon_s=None, end_s=4.0, prefix_reuse_ratio=0.0)
+    be_only = SimResult(
+        policy_name="x",
+        requests=records()[3:4],
+        iterations=IterationLog(1),
+        horizon_s=None,
+        end_s=4.0,
+        prefix_reuse_ratio=0.0,
+    )
     m = compute_metrics(be_only, None)
     assert m["window_s"] == 4.0 and m["be_throughput_tok_s"] == pytest.approx(3 / 4.0)
     assert m["rt_ttft_attainment"] is None and m["rt_ttft_p99_s"] is None
@@ -115,24 +159,33 @@ def test_no_window_uses_the_run_end_and_empty_tiers_are_none() -> None:
 
 
 def test_interference_ratios() -> None:
-    ratios = interference({"rt_tbt_p99_s": 0.2, "rt_tbt_mean_s": 0.1, "rt_ttft_mean_s": None,
-                           "rt_ttft_p99_s": 1.0},
-                          {"rt_tbt_p99_s": 0.1, "rt_tbt_mean_s": 0.1, "rt_ttft_mean_s": 0.3,
-                           "rt_ttft_p99_s": 0.0})
-    assert ratios == {"rt_interference_tbt_p99": 2.0, "rt_interference_tbt_mean": 1.0,
-                      "rt_interference_ttft_mean": None, "rt_interference_ttft_p99": None}
+    ratios = interference(
+        {"rt_tbt_p99_s": 0.2, "rt_tbt_mean_s": 0.1, "rt_ttft_mean_s": None, "rt_ttft_p99_s": 1.0},
+        {"rt_tbt_p99_s": 0.1, "rt_tbt_mean_s": 0.1, "rt_ttft_mean_s": 0.3, "rt_ttft_p99_s": 0.0},
+    )
+    assert ratios == {
+        "rt_interference_tbt_p99": 2.0,
+        "rt_interference_tbt_mean": 1.0,
+        "rt_interference_ttft_mean": None,
+        "rt_interference_ttft_p99": None,
+    }
 
 
 def test_rounded_makes_valid_json_numbers() -> None:
     assert rounded({"a": 1 / 3, "b": float("nan"), "c": 2, "d": None}) == {
-        "a": 0.333333, "b": None, "c": 2, "d": None}
+        "a": 0.333333,
+        "b": None,
+        "c": 2,
+        "d": None,
+    }
 
 
 @pytest.mark.parametrize("knee", [0.3, 37.3, 900.0])
 def test_capacity_search_finds_the_knee(knee: float) -> None:
     probes: list[float] = []
-    found = search_capacity(lambda r: 1.0 if r <= knee else 0.5,
-                            on_probe=lambda r, _: probes.append(r))
+    found = search_capacity(
+        lambda r: 1.0 if r <= knee else 0.5, on_probe=lambda r, _: probes.append(r)
+    )
     assert found <= knee and found == pytest.approx(knee, rel=0.02)
     assert len(probes) < 25
 
@@ -152,9 +205,20 @@ def test_time_shares_split_the_window_into_rt_be_and_idle() -> None:
     # 0–0.1 s RT alone; 0.1–0.4 s mixed (RT part 0.1 s); idle until 0.9; 0.9–1.1 s BE alone,
     # of which only 0.1 s lies inside the 1-s window
     for start, dur, rt_part in ((0.0, 0.1, 0.1), (0.1, 0.3, 0.1), (0.9, 0.2, 0.0)):
-        log.append(start_s=start, duration_s=dur, predicted_s=dur, plan_ms=0.1, num_prefill=1,
-                   num_decode=1, prefill_tokens=1, kv_used_tokens=1, num_running=1,
-                   num_waiting=0, num_evictions=0, rt_part_s=rt_part)
+        log.append(
+            start_s=start,
+            duration_s=dur,
+            predicted_s=dur,
+            plan_ms=0.1,
+            num_prefill=1,
+            num_decode=1,
+            prefill_tokens=1,
+            kv_used_tokens=1,
+            num_running=1,
+            num_waiting=0,
+            num_evictions=0,
+            rt_part_s=rt_part,
+        )
     m = time_share_metrics(log, 1.0)
     assert m["engine_busy_frac"] == pytest.approx(0.5)
     assert m["rt_busy_frac"] == pytest.approx(0.2)
@@ -171,9 +235,19 @@ def test_iteration_attainment_counts_iterations_with_any_late_rt_token() -> None
     # five iterations ending at 0.1 … 0.5 s; the third emits nothing for RT
     log = IterationLog(kv_capacity_tokens=100)
     for start in (0.0, 0.1, 0.2, 0.3, 0.4):
-        log.append(start_s=start, duration_s=0.1, predicted_s=0.1, plan_ms=0.1, num_prefill=0,
-                   num_decode=1, prefill_tokens=0, kv_used_tokens=1, num_running=1,
-                   num_waiting=0, num_evictions=0)
+        log.append(
+            start_s=start,
+            duration_s=0.1,
+            predicted_s=0.1,
+            plan_ms=0.1,
+            num_prefill=0,
+            num_decode=1,
+            prefill_tokens=0,
+            kv_used_tokens=1,
+            num_running=1,
+            num_waiting=0,
+            num_evictions=0,
+        )
     rt = [
         # on time in every iteration it emits in (0.1, 0.2, 0.4)
         make_record("a", times=(0.1, 0.2, 0.4), tpot=0.25),
@@ -181,8 +255,14 @@ def test_iteration_attainment_counts_iterations_with_any_late_rt_token() -> None
         make_record("b", times=(0.1, 0.5), tpot=0.25),
         make_record("c", "be", times=(0.3,)),  # BE tokens do not count
     ]
-    result = SimResult(policy_name="x", requests=rt, iterations=log, horizon_s=None, end_s=0.5,
-                       prefix_reuse_ratio=0.0)
+    result = SimResult(
+        policy_name="x",
+        requests=rt,
+        iterations=log,
+        horizon_s=None,
+        end_s=0.5,
+        prefix_reuse_ratio=0.0,
+    )
     m = compute_metrics(result, 1.0)
     # RT tokens came out of iterations ending 0.1, 0.2, 0.4, 0.5; only 0.5 had a late one
     assert m["rt_iteration_attainment"] == pytest.approx(3 / 4)
@@ -190,6 +270,12 @@ def test_iteration_attainment_counts_iterations_with_any_late_rt_token() -> None
 
 
 def test_iteration_attainment_needs_an_iteration_log() -> None:
-    result = SimResult(policy_name="x", requests=records(), iterations=IterationLog(1),
-                       horizon_s=None, end_s=END_S, prefix_reuse_ratio=0.0)
+    result = SimResult(
+        policy_name="x",
+        requests=records(),
+        iterations=IterationLog(1),
+        horizon_s=None,
+        end_s=END_S,
+        prefix_reuse_ratio=0.0,
+    )
     assert compute_metrics(result, WINDOW_S)["rt_iteration_attainment"] is None

@@ -28,8 +28,7 @@ def test_peak_is_never_below_current_use() -> None:
 
 def test_unconditional_samples_come_from_the_history() -> None:
     history = LengthHistory(window=10, prior=[10, 20, 30])
-    samples = history.sample_total(np.random.default_rng(0), np.zeros(2000, dtype=np.int64),
-                                   100)
+    samples = history.sample_total(np.random.default_rng(0), np.zeros(2000, dtype=np.int64), 100)
     assert samples.min() >= 0 and samples.max() <= 100
     # piecewise-linear inverse CDF through 0, 10, 20, 30, 100: the median is near 20
     assert 15 <= np.median(samples) <= 25

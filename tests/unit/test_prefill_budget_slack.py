@@ -39,9 +39,14 @@ def budget(hooks: ModuleType) -> Any:
 
 
 def admit(b: Any, prompt: int, max_new: int = 500) -> bool:
-    ok, _ = b.check_prefill(extend_input_len=prompt, total_tokens=prompt + max_new,
-                            max_new_tokens=max_new, input_tokens=prompt,
-                            swa_host_hit_length=0, chunk_limit=None)
+    ok, _ = b.check_prefill(
+        extend_input_len=prompt,
+        total_tokens=prompt + max_new,
+        max_new_tokens=max_new,
+        input_tokens=prompt,
+        swa_host_hit_length=0,
+        chunk_limit=None,
+    )
     if ok:
         b.reserve(prompt, max_new)
     return bool(ok)

@@ -18,8 +18,15 @@ NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 def make_tenant(tier: str = "rt", **slo: object) -> Tenant:
-    return Tenant(id="ten_a", name="a", tier=tier, slo=Slo(**slo), quota=Quota(),  # type: ignore[arg-type]
-                  created_at=NOW, updated_at=NOW)
+    return Tenant(
+        id="ten_a",
+        name="a",
+        tier=tier,
+        slo=Slo(**slo),
+        quota=Quota(),  # type: ignore[arg-type]
+        created_at=NOW,
+        updated_at=NOW,
+    )
 
 
 def chat(**fields: object) -> ChatCompletionRequest:
@@ -61,8 +68,14 @@ def test_tiers_follow_the_contract() -> None:
 def test_engine_payload_carries_metadata_priority_and_sampling() -> None:
     tenant = make_tenant("rt", ttft_ms=200, tpot_ms=50)
     principal = Principal(tenant=tenant, key_id="key_1", key_prefix="p")
-    req = build_engine_request(chat(temperature=0.0, seed=7, ignore_eos=True, stop="x"),
-                               [1, 2, 3], 16, principal, "rt", arrival_unix_s=1000.0)
+    req = build_engine_request(
+        chat(temperature=0.0, seed=7, ignore_eos=True, stop="x"),
+        [1, 2, 3],
+        16,
+        principal,
+        "rt",
+        arrival_unix_s=1000.0,
+    )
     payload = req.payload
     assert payload["input_ids"] == [1, 2, 3] and payload["rid"] == req.rid
     assert payload["priority"] == PRIORITY_RT
@@ -76,15 +89,17 @@ def test_engine_payload_carries_metadata_priority_and_sampling() -> None:
 
 
 def test_be_request_has_no_rt_targets_and_low_priority() -> None:
-    principal = Principal(tenant=make_tenant("rt", ttft_ms=200, tpot_ms=50), key_id="k",
-                          key_prefix="p")
+    principal = Principal(
+        tenant=make_tenant("rt", ttft_ms=200, tpot_ms=50), key_id="k", key_prefix="p"
+    )
     req = build_engine_request(chat(), [1], 8, principal, "be")
     assert req.meta.ttft_ms is None and req.meta.tpot_ms is None
     assert req.payload["priority"] == PRIORITY_BE
 
 
 def test_rids_are_unique() -> None:
-    principal = Principal(tenant=make_tenant("rt", ttft_ms=1, tpot_ms=1), key_id="k",
-                          key_prefix="p")
+    principal = Principal(
+        tenant=make_tenant("rt", ttft_ms=1, tpot_ms=1), key_id="k", key_prefix="p"
+    )
     rids = {build_engine_request(chat(), [1], 1, principal, "rt").rid for _ in range(100)}
     assert len(rids) == 100

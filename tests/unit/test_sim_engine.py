@@ -26,12 +26,19 @@ def _mixed_workload(seed: int, n: int = 60) -> list[SimRequest]:
     for i in range(n):
         tier = "rt" if rng.random() < 0.5 else "be"
         out = rng.randint(1, 120)
-        reqs.append(make_request(
-            tier=tier, rid=f"{tier}{i}", arrival_s=rng.uniform(0, 3),
-            prompt_len=(p := rng.randint(1, 1300)), output_len=out,
-            max_new_tokens=out + rng.randint(0, 60),
-            prefix_hashes=tuple(rng.randint(0, 2) for _ in range(p // 512)),
-            ttft_s=0.5 if tier == "rt" else None, tpot_s=0.1 if tier == "rt" else None))
+        reqs.append(
+            make_request(
+                tier=tier,
+                rid=f"{tier}{i}",
+                arrival_s=rng.uniform(0, 3),
+                prompt_len=(p := rng.randint(1, 1300)),
+                output_len=out,
+                max_new_tokens=out + rng.randint(0, 60),
+                prefix_hashes=tuple(rng.randint(0, 2) for _ in range(p // 512)),
+                ttft_s=0.5 if tier == "rt" else None,
+                tpot_s=0.1 if tier == "rt" else None,
+            )
+        )
     return reqs
 
 
@@ -52,7 +59,8 @@ class _Checked:
         assert all(r.is_running and r.kv_tokens >= r.prefilled for r in running)
         assert not any(r.is_running or r.kv_tokens for r in waiting)
         assert sum(r.kv_tokens - r.kv_shared_tokens for r in running) <= (
-            snapshot.kv_capacity_tokens - snapshot.kv_free_tokens)
+            snapshot.kv_capacity_tokens - snapshot.kv_free_tokens
+        )
         return self.policy.plan(snapshot)
 
     def observe(self, result: IterationResult) -> None:
@@ -61,9 +69,14 @@ class _Checked:
 
 def _run(policy_name: str, reqs: list[SimRequest], **config: object) -> SimResult:
     policy = _Checked(make_policy(policy_name, LATENCY))
-    cfg = SimConfig(**{"kv_capacity_tokens": 4000, "max_prefill_tokens": 2048,
-                       "reveal_lengths": policy_name == "oracle",
-                       **config})  # type: ignore[arg-type]
+    cfg = SimConfig(
+        **{
+            "kv_capacity_tokens": 4000,
+            "max_prefill_tokens": 2048,
+            "reveal_lengths": policy_name == "oracle",
+            **config,
+        }
+    )  # type: ignore[arg-type]
     return simulate(ListSource(reqs), policy, LATENCY, cfg)
 
 
@@ -74,8 +87,7 @@ def _check_invariants(res: SimResult, capacity: int) -> None:
     starts = list(it.start_s)
     for i in range(1, len(starts)):  # time is monotonic and iterations never overlap
         assert starts[i] >= starts[i - 1] + it.duration_s[i - 1] - 1e-12
-    assert sum(r.generated for r in res.requests) == sum(len(r.token_times)
-                                                         for r in res.requests)
+    assert sum(r.generated for r in res.requests) == sum(len(r.token_times) for r in res.requests)
     for r in res.requests:
         times = list(r.token_times)
         assert times == sorted(times)
@@ -100,8 +112,7 @@ def test_an_idle_engine_jumps_to_the_next_arrival() -> None:
     res = _run("fcfs", [make_request(arrival_s=100.0, prompt_len=10, output_len=2)])
     assert res.iterations.start_s[0] == 100.0
     (rec,) = res.requests
-    assert rec.first_token_s == pytest.approx(100.0 + LATENCY.predict(
-        _shape(prefill=10)))
+    assert rec.first_token_s == pytest.approx(100.0 + LATENCY.predict(_shape(prefill=10)))
 
 
 def _shape(prefill: int = 0):  # type: ignore[no-untyped-def]
@@ -111,8 +122,11 @@ def _shape(prefill: int = 0):  # type: ignore[no-untyped-def]
 
 
 def test_the_horizon_ends_the_run_with_unfinished_requests() -> None:
-    res = _run("fcfs", [make_request(prompt_len=10, output_len=10_000),
-                        make_request(arrival_s=50.0)], horizon_s=5.0)
+    res = _run(
+        "fcfs",
+        [make_request(prompt_len=10, output_len=10_000), make_request(arrival_s=50.0)],
+        horizon_s=5.0,
+    )
     assert 5.0 <= res.end_s < 5.1
     (long,) = res.requests  # the late one never arrived
     assert long.finish_s is None and 0 < long.generated < 10_000
@@ -121,9 +135,10 @@ def test_the_horizon_ends_the_run_with_unfinished_requests() -> None:
 
 def test_a_prefix_cache_hit_is_not_recomputed() -> None:
     shared = (11, 22)
-    reqs = [make_request(rid="a", prompt_len=1100, output_len=2, prefix_hashes=shared),
-            make_request(rid="b", prompt_len=1100, output_len=2, arrival_s=10.0,
-                         prefix_hashes=shared)]
+    reqs = [
+        make_request(rid="a", prompt_len=1100, output_len=2, prefix_hashes=shared),
+        make_request(rid="b", prompt_len=1100, output_len=2, arrival_s=10.0, prefix_hashes=shared),
+    ]
     cached = _run("fcfs", reqs)
     cold = _run("fcfs", reqs, prefix_cache=False)
     assert [r.cached_tokens for r in cached.requests] == [0, 1024]
@@ -137,8 +152,7 @@ def test_a_prefix_cache_hit_is_not_recomputed() -> None:
 def test_shared_prefix_kv_is_counted_once() -> None:
     shared = (7, 8, 9)
     a = make_request(rid="a", prompt_len=1600, output_len=50, prefix_hashes=shared)
-    b = make_request(rid="b", prompt_len=1600, output_len=50, arrival_s=0.2,
-                     prefix_hashes=shared)
+    b = make_request(rid="b", prompt_len=1600, output_len=50, arrival_s=0.2, prefix_hashes=shared)
     res = _run("fcfs", [a, b], kv_capacity_tokens=4000)
     both_running = max(res.iterations.kv_used_tokens)
     assert both_running < 2 * 1600 + 100  # the 1536 shared tokens are held once
@@ -157,8 +171,11 @@ class _Scripted:
         if self.plans:
             return self.plans.pop(0)
         b = [r.rid for r in snapshot.running if r.is_decoding]
-        p = [PrefillChunk(r.rid, r.prompt_left) for r in snapshot.running + snapshot.waiting
-             if r.prompt_left > 0]
+        p = [
+            PrefillChunk(r.rid, r.prompt_left)
+            for r in snapshot.running + snapshot.waiting
+            if r.prompt_left > 0
+        ]
         return Plan(decodes=b, prefills=p)
 
     def observe(self, result: IterationResult) -> None:
@@ -175,23 +192,31 @@ def test_an_evicted_request_recomputes_its_prompt_and_output() -> None:
                     seen.append(r.prefill_len)
             return super().plan(snapshot)
 
-    plans = [Plan(prefills=[PrefillChunk("x", 100)]), Plan(decodes=["x"]),
-             Plan(decodes=["x"]), Plan(evictions=["x"])]
+    plans = [
+        Plan(prefills=[PrefillChunk("x", 100)]),
+        Plan(decodes=["x"]),
+        Plan(decodes=["x"]),
+        Plan(evictions=["x"]),
+    ]
     cfg = SimConfig(kv_capacity_tokens=1000)
-    res = simulate(ListSource([make_request(rid="x", prompt_len=100, output_len=6)]),
-                   Spy(plans), LATENCY, cfg)
+    res = simulate(
+        ListSource([make_request(rid="x", prompt_len=100, output_len=6)]), Spy(plans), LATENCY, cfg
+    )
     (rec,) = res.requests
     assert seen and seen[0] == 103  # prompt + the 3 tokens generated before the eviction
     assert rec.evictions == 1 and rec.generated == 6 and len(rec.token_times) == 6
     assert res.num_evictions == 1
 
 
-@pytest.mark.parametrize("plan, message", [
-    (Plan(prefills=[PrefillChunk("x", 600)]), "needs 600 KV slots"),
-    (Plan(decodes=["x"]), "not running"),
-    (Plan(prefills=[PrefillChunk("x", 700)]), "700 tokens, 600 left"),
-    (Plan(prefills=[PrefillChunk("nope", 1)]), "unknown"),
-])
+@pytest.mark.parametrize(
+    "plan, message",
+    [
+        (Plan(prefills=[PrefillChunk("x", 600)]), "needs 600 KV slots"),
+        (Plan(decodes=["x"]), "not running"),
+        (Plan(prefills=[PrefillChunk("x", 700)]), "700 tokens, 600 left"),
+        (Plan(prefills=[PrefillChunk("nope", 1)]), "unknown"),
+    ],
+)
 def test_an_infeasible_plan_raises_naming_the_policy(plan: Plan, message: str) -> None:
     source = ListSource([make_request(rid="x", prompt_len=600)])
     with pytest.raises(InfeasiblePlanError, match=f"'scripted'.*{message}"):
@@ -204,8 +229,7 @@ def test_a_policy_that_never_runs_anything_is_reported() -> None:
             return Plan()
 
     with pytest.raises(StalledPolicyError, match="'scripted' runs nothing"):
-        simulate(ListSource([make_request()]), Idle([]), LATENCY,
-                 SimConfig(kv_capacity_tokens=500))
+        simulate(ListSource([make_request()]), Idle([]), LATENCY, SimConfig(kv_capacity_tokens=500))
 
 
 def test_true_lengths_reach_only_a_revealing_run() -> None:
@@ -218,8 +242,9 @@ def test_true_lengths_reach_only_a_revealing_run() -> None:
 
     req = make_request(output_len=5, max_new_tokens=50)
     simulate(ListSource([req]), Spy([]), LATENCY, SimConfig(kv_capacity_tokens=500))
-    simulate(ListSource([req]), Spy([]), LATENCY,
-             SimConfig(kv_capacity_tokens=500, reveal_lengths=True))
+    simulate(
+        ListSource([req]), Spy([]), LATENCY, SimConfig(kv_capacity_tokens=500, reveal_lengths=True)
+    )
     assert seen == [None, 5]
 
 
@@ -249,8 +274,9 @@ class _ClosedLoop:
 
 
 def test_a_closed_loop_source_gets_every_finish() -> None:
-    res = simulate(_ClosedLoop(), make_policy("fcfs", LATENCY), LATENCY,
-                   SimConfig(kv_capacity_tokens=1000))
+    res = simulate(
+        _ClosedLoop(), make_policy("fcfs", LATENCY), LATENCY, SimConfig(kv_capacity_tokens=1000)
+    )
     assert len(res.requests) == 6
     assert all(r.finish_s is not None for r in res.requests)
     follow = [r for r in res.requests if r.rid.endswith("+")]

@@ -17,8 +17,7 @@ def test_a_cold_key_predicts_the_cap_then_its_history() -> None:
         lengths.observe(f"done{n}", "chat", n)
     draws = lengths.sample([req], 200)
     assert draws.min() >= 1 and draws.max() <= 500 and np.median(draws) < 100
-    running = make_request("g", max_new_tokens=500, length_key="chat", running=True,
-                           generated=45)
+    running = make_request("g", max_new_tokens=500, length_key="chat", running=True, generated=45)
     assert lengths.sample([running], 200).min() >= 46  # conditioned on what it generated
 
 
@@ -35,8 +34,9 @@ def test_a_kept_sample_is_redrawn_only_once_outgrown() -> None:
 
 def test_admission_refuses_what_would_overflow_the_future_peak() -> None:
     lengths = LengthModel(window=100, min_samples=1, seed=0)
-    held = make_request("held", tier="be", prompt_len=500, running=True, generated=1,
-                        max_new_tokens=100)  # holds 500, predicted to grow by 99 → 599
+    held = make_request(
+        "held", tier="be", prompt_len=500, running=True, generated=1, max_new_tokens=100
+    )  # holds 500, predicted to grow by 99 → 599
     round_ = AdmissionRound(lengths, [], [held], page=1, rt_limit=1000, be_limit=900)
     small = make_request("small", tier="be", prompt_len=150, max_new_tokens=100)
     big = make_request("big", tier="be", prompt_len=300, max_new_tokens=100)

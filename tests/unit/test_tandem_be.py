@@ -37,10 +37,15 @@ def test_be_alone_gets_the_idle_budget() -> None:
 def test_be_decodes_that_do_not_fit_sit_out_and_keep_their_kv() -> None:
     # RT decodes take 10 + 20 ms; each BE decode at 10K context adds 10 ms; τ = 45 ms
     rt = [make_request(f"rt{i}", prompt_len=1999, running=True, generated=1) for i in range(10)]
-    be = [make_request(f"be{i}", tier="be", prompt_len=9999, running=True, generated=1,
-                       be_deadline_s=None) for i in range(3)]
+    be = [
+        make_request(
+            f"be{i}", tier="be", prompt_len=9999, running=True, generated=1, be_deadline_s=None
+        )
+        for i in range(3)
+    ]
     plan = make_policy(latency_budget_s=0.045, be_frac_init=1.0, be_min_share=0.0).plan(
-        snapshot(running=rt + be))
+        snapshot(running=rt + be)
+    )
     assert set(plan.decodes) >= {r.rid for r in rt}
     assert len([d for d in plan.decodes if d.startswith("be")]) == 1
     assert plan.evictions == []
@@ -48,10 +53,12 @@ def test_be_decodes_that_do_not_fit_sit_out_and_keep_their_kv() -> None:
 
 def test_be_with_a_deadline_goes_first() -> None:
     plain = make_request("plain", tier="be", prompt_len=800, order_key=0, arrival_s=1.0)
-    due = make_request("due", tier="be", prompt_len=800, order_key=5, arrival_s=2.0,
-                       be_deadline_s=NOW + 30.0)
+    due = make_request(
+        "due", tier="be", prompt_len=800, order_key=5, arrival_s=2.0, be_deadline_s=NOW + 30.0
+    )
     plan = make_policy(idle_budget_s=0.027, min_chunk_tokens=64).plan(
-        snapshot(waiting=[plain, due]))
+        snapshot(waiting=[plain, due])
+    )
     assert chunks(plan) == {"due": 800}
 
 
@@ -59,27 +66,36 @@ def test_be_admission_follows_the_callers_order_and_ages() -> None:
     first = make_request("b", tier="be", prompt_len=800, order_key=0, arrival_s=NOW - 1)
     second = make_request("a", tier="be", prompt_len=800, order_key=1, arrival_s=NOW - 2)
     plan = make_policy(idle_budget_s=0.027, be_order_prob=1.0, min_chunk_tokens=64).plan(
-        snapshot(waiting=[second, first]))
+        snapshot(waiting=[second, first])
+    )
     assert chunks(plan) == {"b": 800}
     old = make_request("old", tier="be", prompt_len=800, order_key=9, arrival_s=NOW - 100)
-    plan = make_policy(idle_budget_s=0.027, be_order_prob=1.0, be_max_wait_s=60.0,
-                       min_chunk_tokens=64).plan(
-        snapshot(waiting=[old, first]))
+    plan = make_policy(
+        idle_budget_s=0.027, be_order_prob=1.0, be_max_wait_s=60.0, min_chunk_tokens=64
+    ).plan(snapshot(waiting=[old, first]))
     assert chunks(plan) == {"old": 800}
 
 
 def _overload(be_min_share: float) -> tuple[list[float | None], list[float | None]]:
     """30 s of RT prompts at twice what the engine can prefill, plus 20 BE requests at t = 0:
     (BE finish times, RT first-token times)."""
-    rt = [make_sim_request(tier="rt", prompt_len=2000, output_len=2, arrival_s=i * 0.02,
-                           ttft_s=30.0, tpot_s=1.0) for i in range(1500)]
-    be = [make_sim_request(tier="be", prompt_len=400, output_len=5, arrival_s=0.0)
-          for _ in range(20)]
+    rt = [
+        make_sim_request(
+            tier="rt", prompt_len=2000, output_len=2, arrival_s=i * 0.02, ttft_s=30.0, tpot_s=1.0
+        )
+        for i in range(1500)
+    ]
+    be = [
+        make_sim_request(tier="be", prompt_len=400, output_len=5, arrival_s=0.0) for _ in range(20)
+    ]
     policy = make_policy(latency_budget_s=0.05, be_min_share=be_min_share)
-    result = simulate(ListSource(rt + be), policy, LATENCY,
-                      SimConfig(kv_capacity_tokens=200_000, horizon_s=120.0))
-    return ([r.finish_s for r in result.requests if r.tier == "be"],
-            [r.first_token_s for r in result.requests if r.tier == "rt"])
+    result = simulate(
+        ListSource(rt + be), policy, LATENCY, SimConfig(kv_capacity_tokens=200_000, horizon_s=120.0)
+    )
+    return (
+        [r.finish_s for r in result.requests if r.tier == "be"],
+        [r.first_token_s for r in result.requests if r.tier == "rt"],
+    )
 
 
 def test_be_never_starves_under_sustained_rt_load() -> None:

@@ -10,8 +10,9 @@ from backend.policy.types import IterationResult, Plan
 
 
 def _ran(start: float, duration: float, predicted: float | None = None) -> IterationResult:
-    return IterationResult(start_s=start, duration_s=duration,
-                           plan=Plan(decodes=["x"], predicted_s=predicted))
+    return IterationResult(
+        start_s=start, duration_s=duration, plan=Plan(decodes=["x"], predicted_s=predicted)
+    )
 
 
 def test_aimd_backs_off_at_once_on_a_miss_and_probes_additively() -> None:

@@ -31,22 +31,41 @@ def test_the_registry_builds_tandem_and_its_ablations() -> None:
 
 def _mixed_workload(seed: int = 0) -> list[SimRequest]:
     rng = random.Random(seed)
-    reqs = [make_request(tier="rt", prompt_len=rng.randint(20, 800), output_len=rng.randint(1, 60),
-                         arrival_s=i * 0.05, ttft_s=0.5, tpot_s=0.1) for i in range(200)]
-    reqs += [make_request(tier="be", prompt_len=rng.randint(500, 6000),
-                          output_len=rng.randint(5, 40), arrival_s=0.0, order_key=float(j))
-             for j in range(60)]
+    reqs = [
+        make_request(
+            tier="rt",
+            prompt_len=rng.randint(20, 800),
+            output_len=rng.randint(1, 60),
+            arrival_s=i * 0.05,
+            ttft_s=0.5,
+            tpot_s=0.1,
+        )
+        for i in range(200)
+    ]
+    reqs += [
+        make_request(
+            tier="be",
+            prompt_len=rng.randint(500, 6000),
+            output_len=rng.randint(5, 40),
+            arrival_s=0.0,
+            order_key=float(j),
+        )
+        for j in range(60)
+    ]
     return reqs
 
 
 @pytest.mark.parametrize("name", ["tandem", *TANDEM_ABLATIONS])
 def test_a_short_mixed_run_keeps_rt_targets_and_serves_be(name: str) -> None:
-    result = simulate(ListSource(_mixed_workload()), make_policy(name, LATENCY), LATENCY,
-                      SimConfig(kv_capacity_tokens=60_000))
+    result = simulate(
+        ListSource(_mixed_workload()),
+        make_policy(name, LATENCY),
+        LATENCY,
+        SimConfig(kv_capacity_tokens=60_000),
+    )
     assert all(r.finish_s is not None for r in result.requests)
     rt = [r for r in result.requests if r.tier == "rt"]
-    ttft_met = sum(r.first_token_s is not None and r.first_token_s - r.arrival_s <= 0.5
-                   for r in rt)
+    ttft_met = sum(r.first_token_s is not None and r.first_token_s - r.arrival_s <= 0.5 for r in rt)
     assert ttft_met >= 0.99 * len(rt)
     for r in rt:
         gaps = [b - a for a, b in zip(r.token_times, r.token_times[1:], strict=False)]

@@ -31,13 +31,17 @@ def test_rt_queue_serves_feasible_by_latest_start_then_hopeless_oldest_first() -
     assert order == ["evicted", "tight", "relaxed", "late-old", "late-new"]
     queue.restore()
     queue.take(relaxed)
-    assert [r.rid for r in queue.candidates(NOW)] == ["evicted", "tight", "late-old",
-                                                      "late-new"]
+    assert [r.rid for r in queue.candidates(NOW)] == ["evicted", "tight", "late-old", "late-new"]
 
 
 def test_be_queue_resumes_evicted_work_first_then_deadlines_then_the_mix() -> None:
-    queue = BeQueue(lambda r: r.be_deadline_s or 0.0, lambda r, now: False, seed=0,
-                    order_prob=1.0, max_wait_s=60.0)
+    queue = BeQueue(
+        lambda r: r.be_deadline_s or 0.0,
+        lambda r, now: False,
+        seed=0,
+        order_prob=1.0,
+        max_wait_s=60.0,
+    )
     plain = [make_request(f"p{i}", tier="be", order_key=i, arrival_s=NOW - i) for i in range(3)]
     due = make_request("due", tier="be", be_deadline_s=NOW + 10, order_key=9)
     queue.sync([*plain, due])
@@ -45,7 +49,8 @@ def test_be_queue_resumes_evicted_work_first_then_deadlines_then_the_mix() -> No
     queue.requeue(resumed)
     assert [r.rid for r in queue.candidates(NOW)] == ["resumed", "due", "p0", "p1", "p2"]
     queue.restore()
-    oldest_first = BeQueue(lambda r: 0.0, lambda r, now: False, seed=0, order_prob=0.0,
-                           max_wait_s=60.0)
+    oldest_first = BeQueue(
+        lambda r: 0.0, lambda r, now: False, seed=0, order_prob=0.0, max_wait_s=60.0
+    )
     oldest_first.sync(plain)
     assert [r.rid for r in oldest_first.candidates(NOW)] == ["p2", "p1", "p0"]

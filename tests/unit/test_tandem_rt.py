@@ -23,8 +23,9 @@ def test_an_urgent_rt_prompt_evicts_the_be_request_with_the_least_progress() -> 
 def test_an_rt_prompt_that_would_overflow_the_future_peak_waits_and_evicts_nothing() -> None:
     # 800 held + 100 to prefill + 100 predicted output (cold start: max_new_tokens) = 1000;
     # a newcomer of 300 + 100 would take the peak past capacity × 0.95
-    rt_partial = make_request("rt-partial", prompt_len=900, running=True, prefilled=800,
-                              arrival_s=NOW - 0.2)
+    rt_partial = make_request(
+        "rt-partial", prompt_len=900, running=True, prefilled=800, arrival_s=NOW - 0.2
+    )
     fresh = make_request("rt-new", prompt_len=300, arrival_s=NOW)
     be = make_request("be", tier="be", prompt_len=50, running=True, generated=3)
     snap = snapshot(waiting=[fresh], running=[rt_partial, be], kv_capacity=1100)
@@ -36,13 +37,15 @@ def test_an_rt_prompt_that_would_overflow_the_future_peak_waits_and_evicts_nothi
 def test_chunks_fill_the_time_budget_exactly() -> None:
     # L = 50 ms, no decodes: 10 + 20·c/1000 ≤ 50  ⇒  c = 2000 (the cut falls at the budget)
     plan = make_policy(latency_budget_s=0.05).plan(
-        snapshot(waiting=[make_request("long", prompt_len=5000, ttft_s=5.0)]))
+        snapshot(waiting=[make_request("long", prompt_len=5000, ttft_s=5.0)])
+    )
     assert chunks(plan) == {"long": 2000}
     assert plan.predicted_s == pytest.approx(0.05)
     # with ten decodes at 1K context (10 ms) the chunk shrinks to what is left: 1500
     decodes = [make_request(f"d{i}", prompt_len=995, running=True, generated=5) for i in range(10)]
     plan = make_policy(latency_budget_s=0.05).plan(
-        snapshot(waiting=[make_request("long", prompt_len=5000, ttft_s=5.0)], running=decodes))
+        snapshot(waiting=[make_request("long", prompt_len=5000, ttft_s=5.0)], running=decodes)
+    )
     assert chunks(plan) == {"long": 1500}
     assert plan.predicted_s == pytest.approx(0.05)
 
@@ -52,7 +55,8 @@ def test_a_tight_decode_deadline_bounds_tau() -> None:
     decoding = make_request("d", prompt_len=99, running=True, generated=1, tpot_s=0.02)
     waiting = make_request("w", prompt_len=2000, ttft_s=5.0)
     plan = make_policy(latency_budget_s=0.05, eps_init=0.1).plan(
-        snapshot(waiting=[waiting], running=[decoding]))
+        snapshot(waiting=[waiting], running=[decoding])
+    )
     c = chunks(plan)["w"]
     tau = 0.9 * 0.02
     base = BatchShape().with_decode(100)
@@ -75,12 +79,12 @@ def test_an_urgent_prompt_raises_tau_as_far_as_it_needs() -> None:
 
 
 def test_at_most_one_long_prompt_mid_prefill_per_tier() -> None:
-    partial = make_request("rt-long-a", prompt_len=5000, running=True, prefilled=2000,
-                           arrival_s=NOW - 1.0, ttft_s=5.0)
+    partial = make_request(
+        "rt-long-a", prompt_len=5000, running=True, prefilled=2000, arrival_s=NOW - 1.0, ttft_s=5.0
+    )
     second = make_request("rt-long-b", prompt_len=6000, arrival_s=NOW - 0.5, ttft_s=5.0)
     short = make_request("rt-short", prompt_len=100, arrival_s=NOW - 0.1, ttft_s=5.0)
-    be_partial = make_request("be-long-a", tier="be", prompt_len=8000, running=True,
-                              prefilled=1000)
+    be_partial = make_request("be-long-a", tier="be", prompt_len=8000, running=True, prefilled=1000)
     be_long = make_request("be-long-b", tier="be", prompt_len=9000, order_key=0)
     be_short = make_request("be-short", tier="be", prompt_len=50, order_key=1)
     snap = snapshot(waiting=[second, short, be_long, be_short], running=[partial, be_partial])
@@ -90,23 +94,22 @@ def test_at_most_one_long_prompt_mid_prefill_per_tier() -> None:
     assert {"rt-long-a", "rt-short"} <= set(got)
     # an urgent long prompt bypasses the limit
     urgent = make_request("rt-long-u", prompt_len=5000, arrival_s=NOW - 0.45, ttft_s=0.6)
-    plan = make_policy(latency_budget_s=0.2).plan(
-        snapshot(waiting=[urgent], running=[partial]))
+    plan = make_policy(latency_budget_s=0.2).plan(snapshot(waiting=[urgent], running=[partial]))
     assert "rt-long-u" in chunks(plan)
 
 
 def test_a_hopeless_prompt_waits_behind_a_feasible_one() -> None:
     hopeless = make_request("late", prompt_len=1000, arrival_s=NOW - 2.0)  # due 1.5 s ago
     feasible = make_request("fresh", prompt_len=1000, arrival_s=NOW - 0.05)
-    plan = make_policy(latency_budget_s=0.035).plan(
-        snapshot(waiting=[hopeless, feasible]))
+    plan = make_policy(latency_budget_s=0.035).plan(snapshot(waiting=[hopeless, feasible]))
     assert chunks(plan) == {"fresh": 1000, "late": 250}
     assert plan.prefills[0].rid == "fresh"
 
 
 def test_every_rt_decode_runs_even_past_the_budget() -> None:
-    decodes = [make_request(f"d{i}", prompt_len=4000, running=True, generated=10)
-               for i in range(20)]  # 80K context: 90 ms > L
+    decodes = [
+        make_request(f"d{i}", prompt_len=4000, running=True, generated=10) for i in range(20)
+    ]  # 80K context: 90 ms > L
     be = make_request("be", tier="be", prompt_len=500)
     plan = make_policy(latency_budget_s=0.03).plan(snapshot(waiting=[be], running=decodes))
     assert sorted(plan.decodes) == sorted(d.rid for d in decodes)

@@ -53,8 +53,9 @@ def test_the_batch_predicts_what_the_model_predicts_for_its_shape() -> None:
     from backend.policy.tandem.batch import TandemBatch
     from tests.unit.tandem_factories import make_request, snapshot
 
-    decodes = [make_request(f"d{i}", prompt_len=1000 + i, running=True, generated=3)
-               for i in range(5)]
+    decodes = [
+        make_request(f"d{i}", prompt_len=1000 + i, running=True, generated=3) for i in range(5)
+    ]
     waiting = make_request("w", prompt_len=3000)
     batch = TandemBatch(snapshot(waiting=[waiting], running=decodes), Timer(ANALYTIC))
     assert batch.add_decodes(decodes[:3])

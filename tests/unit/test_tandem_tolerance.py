@@ -16,8 +16,7 @@ def test_be_stays_out_of_an_iteration_that_emits_a_first_token() -> None:
     rt = make_request("rt", prompt_len=500, ttft_s=5.0)  # finishes here: 10 + 10 ms
     be = make_request("be", tier="be", prompt_len=5000)
     common = {"latency_budget_s": 0.04, "be_frac_init": 1.0, "be_min_share": 0.05}
-    assert chunks(make_policy(**common).plan(snapshot(waiting=[rt, be]))) == {
-        "rt": 500, "be": 1000}
+    assert chunks(make_policy(**common).plan(snapshot(waiting=[rt, be]))) == {"rt": 500, "be": 1000}
     plan = make_policy(**common, first_token_be_frac=0.0).plan(snapshot(waiting=[rt, be]))
     assert chunks(plan) == {"rt": 500, "be": 100}  # only the floor: 5 % of L = 2 ms
     half = make_policy(**common, first_token_be_frac=0.5).plan(snapshot(waiting=[rt, be]))
@@ -28,25 +27,29 @@ def test_be_fills_as_usual_when_the_rt_prompt_does_not_finish() -> None:
     rt = make_request("rt", prompt_len=5000, ttft_s=5.0)  # cut at τ: no first token
     be = make_request("be", tier="be", prompt_len=5000)
     plan = make_policy(latency_budget_s=0.04, be_frac_init=1.0, first_token_be_frac=0.0).plan(
-        snapshot(waiting=[rt, be]))
+        snapshot(waiting=[rt, be])
+    )
     assert chunks(plan) == {"rt": 1500, "be": 100}  # RT fills τ; BE gets its floor as always
-    decoding = [make_request(f"d{i}", prompt_len=999, running=True, generated=3)
-                for i in range(5)]
+    decoding = [make_request(f"d{i}", prompt_len=999, running=True, generated=3) for i in range(5)]
     plan = make_policy(latency_budget_s=0.04, be_frac_init=1.0, first_token_be_frac=0.0).plan(
-        snapshot(waiting=[be], running=decoding))
+        snapshot(waiting=[be], running=decoding)
+    )
     assert chunks(plan)["be"] == pytest.approx(1250, abs=1)  # decodes only: BE fills τ
 
 
 def test_rt_prompts_get_the_floor_in_one_iteration_past_l() -> None:
     # L = 20 ms holds 500 prompt tokens; the floor of 2048 RT tokens (5 decodes + 2043 of
     # prompt) stretches the iteration for the prompt as the rt-only engine would
-    decoding = [make_request(f"d{i}", prompt_len=99, running=True, generated=3, tpot_s=1.0)
-                for i in range(5)]
+    decoding = [
+        make_request(f"d{i}", prompt_len=99, running=True, generated=3, tpot_s=1.0)
+        for i in range(5)
+    ]
     prompt = make_request("p", prompt_len=3000, ttft_s=5.0)
     plain = make_policy(latency_budget_s=0.02).plan(snapshot(waiting=[prompt], running=decoding))
     assert chunks(plain)["p"] < 500
     plan = make_policy(latency_budget_s=0.02, rt_prefill_floor_tokens=2048).plan(
-        snapshot(waiting=[prompt], running=decoding))
+        snapshot(waiting=[prompt], running=decoding)
+    )
     assert chunks(plan) == {"p": 2043}
 
 
@@ -55,20 +58,27 @@ def test_the_floor_never_breaks_an_rt_decode_deadline() -> None:
     decoding = make_request("d", prompt_len=99, running=True, generated=3, tpot_s=0.04)
     prompt = make_request("p", prompt_len=3000, ttft_s=5.0)
     plan = make_policy(latency_budget_s=0.02, rt_prefill_floor_tokens=2048, eps_init=0.1).plan(
-        snapshot(waiting=[prompt], running=[decoding]))
+        snapshot(waiting=[prompt], running=[decoding])
+    )
     assert plan.predicted_s is not None and plan.predicted_s <= 0.036 + 1e-9
     assert 1200 < chunks(plan)["p"] < 1300
 
 
 def test_a_prompt_is_scheduled_under_the_floor_even_when_decodes_fill_l() -> None:
     # 30 decodes at 10K context: 10 + 300 ms ≫ L; without the floor the prompt waits
-    decoding = [make_request(f"d{i}", prompt_len=9999, running=True, generated=1, tpot_s=5.0)
-                for i in range(30)]
+    decoding = [
+        make_request(f"d{i}", prompt_len=9999, running=True, generated=1, tpot_s=5.0)
+        for i in range(30)
+    ]
     prompt = make_request("p", prompt_len=100, ttft_s=5.0)
-    assert "p" not in chunks(make_policy(latency_budget_s=0.02).plan(
-        snapshot(waiting=[prompt], running=decoding, kv_capacity=1_000_000)))
+    assert "p" not in chunks(
+        make_policy(latency_budget_s=0.02).plan(
+            snapshot(waiting=[prompt], running=decoding, kv_capacity=1_000_000)
+        )
+    )
     plan = make_policy(latency_budget_s=0.02, rt_prefill_floor_tokens=2048).plan(
-        snapshot(waiting=[prompt], running=decoding, kv_capacity=1_000_000))
+        snapshot(waiting=[prompt], running=decoding, kv_capacity=1_000_000)
+    )
     assert chunks(plan) == {"p": 100}
 
 

@@ -16,8 +16,13 @@ def test_victims_are_be_by_least_progress_then_rt_by_slack_never_urgent() -> Non
     rt_tight = make_request("rt-tight", running=True, prefilled=10)
     rt_urgent = make_request("rt-urgent", running=True, prefilled=10)
     slack = {"rt-relaxed": 2.0, "rt-tight": 0.5, "rt-urgent": 0.01}
-    order = victim_order([be_far, be_new, be_mid], [rt_tight, rt_urgent, rt_relaxed],
-                         lambda r: slack[r.rid], iteration_s=0.03, include_rt=True)
+    order = victim_order(
+        [be_far, be_new, be_mid],
+        [rt_tight, rt_urgent, rt_relaxed],
+        lambda r: slack[r.rid],
+        iteration_s=0.03,
+        include_rt=True,
+    )
     assert [r.rid for r in order] == ["be-new", "be-mid", "be-far", "rt-relaxed", "rt-tight"]
     order = victim_order([be_far], [rt_relaxed], lambda r: 1.0, 0.03, include_rt=False)
     assert [r.rid for r in order] == ["be-far"]

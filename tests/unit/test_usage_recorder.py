@@ -15,9 +15,18 @@ NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 def record(n: int, status: str = "ok") -> UsageRecord:
-    return UsageRecord(request_id=f"r{n}", tenant_id="t", tier="rt", model="m",
-                       endpoint="chat", status=status, http_status=200, completion_tokens=n,
-                       created_at=NOW, finished_at=NOW)
+    return UsageRecord(
+        request_id=f"r{n}",
+        tenant_id="t",
+        tier="rt",
+        model="m",
+        endpoint="chat",
+        status=status,
+        http_status=200,
+        completion_tokens=n,
+        created_at=NOW,
+        finished_at=NOW,
+    )
 
 
 class SlowStore:

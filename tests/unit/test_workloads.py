@@ -36,21 +36,27 @@ def params(**kw: object) -> WorkloadParams:
     return WorkloadParams(data_dir=DEFAULT_DATA_DIR, **kw)  # type: ignore[arg-type]
 
 
-def specs(name: str, rate: float | None = 10.0, *, include_be: bool = True,
-          finish_after_s: float | None = 1.0, **kw: object) -> list[RequestSpec]:
+def specs(
+    name: str,
+    rate: float | None = 10.0,
+    *,
+    include_be: bool = True,
+    finish_after_s: float | None = 1.0,
+    **kw: object,
+) -> list[RequestSpec]:
     workload = build_workload(name, params(**kw), CTX)
     return drain(workload.source(rate, include_be), finish_after_s=finish_after_s)
 
 
-@pytest.mark.parametrize("name", ["W1", "W2", "W3", "W4",
-                                  pytest.param("W5", marks=needs_azure)])
+@pytest.mark.parametrize("name", ["W1", "W2", "W3", "W4", pytest.param("W5", marks=needs_azure)])
 def test_same_seed_same_requests_other_seed_others(name: str) -> None:
     kw: dict[str, Any] = {"duration_s": 20.0} if name != "W4" else {"scale": 0.01}
     first, again = specs(name, **kw), specs(name, **kw)
     other = specs(name, seed=1, **kw)
     assert first and first == again
     assert [(s.prompt_len, s.output_len) for s in first] != [
-        (s.prompt_len, s.output_len) for s in other]
+        (s.prompt_len, s.output_len) for s in other
+    ]
 
 
 def test_w1_rt_lengths_and_rate_match_sharegpt_fit() -> None:
@@ -70,7 +76,8 @@ def test_w1_requests_do_not_change_with_the_rate() -> None:
     slow = w1_hybrid.rt_requests(params(), 5.0, 60.0, hetero=False)
     fast = w1_hybrid.rt_requests(params(), 50.0, 60.0, hetero=False)
     assert [(s.prompt_len, s.output_len) for s in slow] == [
-        (s.prompt_len, s.output_len) for s in fast[:len(slow)]]
+        (s.prompt_len, s.output_len) for s in fast[: len(slow)]
+    ]
     assert fast[9].arrival_s == pytest.approx(slow[9].arrival_s / 10)
 
 
@@ -78,7 +85,8 @@ def test_w2_requests_do_not_change_with_the_rate() -> None:
     slow = w2_mixed.rt_requests(params(), CTX, 2.0, 120.0)
     fast = w2_mixed.rt_requests(params(), CTX, 8.0, 120.0)
     assert [(s.prompt_len, s.output_len, s.ttft_s) for s in slow] == [
-        (s.prompt_len, s.output_len, s.ttft_s) for s in fast[:len(slow)]]
+        (s.prompt_len, s.output_len, s.ttft_s) for s in fast[: len(slow)]
+    ]
 
 
 def test_w1_hetero_slo_scales() -> None:
@@ -130,8 +138,9 @@ def test_w2_prompt_bins_tier_share_and_slos() -> None:
 
 def test_w2_pivot_is_where_prefill_throughput_saturates() -> None:
     size, seconds = w2_mixed.pivot(CTX)
-    best = max(n / CTX.latency.predict(BatchShape().with_prefill(n, 0))
-               for n in range(64, 8193, 64))
+    best = max(
+        n / CTX.latency.predict(BatchShape().with_prefill(n, 0)) for n in range(64, 8193, 64)
+    )
     assert size / seconds >= 0.95 * best
     smaller = size - 64
     assert smaller / CTX.latency.predict(BatchShape().with_prefill(smaller, 0)) < 0.95 * best
@@ -140,8 +149,9 @@ def test_w2_pivot_is_where_prefill_throughput_saturates() -> None:
 def test_w3_closed_loop_keeps_one_request_per_client() -> None:
     clients = w3_memory.clients_for(0.05)
     assert clients == round(0.05 * 512) and w3_memory.clients_for(1.0) == 512
-    source = ClosedLoopSource(clients, lambda c, j, t: w3_memory.client_request(
-        params(), "d1", c, j, t), stop_s=50.0)
+    source = ClosedLoopSource(
+        clients, lambda c, j, t: w3_memory.client_request(params(), "d1", c, j, t), stop_s=50.0
+    )
     first = source.pop_due(0.0)
     assert len(first) == clients and source.next_arrival_s() is None
     source.on_finish(first[0].rid, 3.0)
@@ -151,11 +161,15 @@ def test_w3_closed_loop_keeps_one_request_per_client() -> None:
     assert source.next_arrival_s() is None
 
 
-@pytest.mark.parametrize(("variant", "prompt", "output"), [
-    ("d1", (32, 4096), (2048, 4096)), ("d2", (3072, 5120), (3072, 5120)),
-    ("d3", (2048, 4096), (32, 4096))])
-def test_w3_distributions(variant: str, prompt: tuple[int, int],
-                          output: tuple[int, int]) -> None:
+@pytest.mark.parametrize(
+    ("variant", "prompt", "output"),
+    [
+        ("d1", (32, 4096), (2048, 4096)),
+        ("d2", (3072, 5120), (3072, 5120)),
+        ("d3", (2048, 4096), (32, 4096)),
+    ],
+)
+def test_w3_distributions(variant: str, prompt: tuple[int, int], output: tuple[int, int]) -> None:
     out = specs("W3", None, variant=variant, load=0.1, duration_s=30.0)
     p = np.array([s.prompt_len for s in out])
     o = np.array([s.output_len for s in out])
@@ -189,10 +203,8 @@ def test_w5_modulated_rate_has_the_swing_and_mean() -> None:
     times = np.array([s.arrival_s for s in rt])
     assert len(rt) / 1200.0 == pytest.approx(20.0, rel=0.1)  # mean = 2/3 of the peak
     segments = w5_bursty.rate_schedule(params(), 30.0, 1200.0)
-    high = [np.sum((times >= a) & (times < b)) / (b - a) for a, b, r in segments[:-1]
-            if r == 30.0]
-    low = [np.sum((times >= a) & (times < b)) / (b - a) for a, b, r in segments[:-1]
-           if r == 10.0]
+    high = [np.sum((times >= a) & (times < b)) / (b - a) for a, b, r in segments[:-1] if r == 30.0]
+    low = [np.sum((times >= a) & (times < b)) / (b - a) for a, b, r in segments[:-1] if r == 10.0]
     assert np.mean(high) / np.mean(low) == pytest.approx(3.0, rel=0.2)
     assert all(45.0 <= b - a <= 75.0 for a, b, _ in segments)
 

@@ -33,8 +33,12 @@ def _fit(b: BatchBuilder, req: ReqState, cost: int, victims: Iterable[ReqState] 
     return req.rid not in b.evictions
 
 
-def decode_all(b: BatchBuilder, reqs: Iterable[ReqState], budget: int,
-               victims: Iterable[ReqState] | None = None) -> int:
+def decode_all(
+    b: BatchBuilder,
+    reqs: Iterable[ReqState],
+    budget: int,
+    victims: Iterable[ReqState] | None = None,
+) -> int:
     """Adds a decode for every fully prefilled running request of `reqs` (none of them decoded
     yet in this plan), in order, while the
     token budget lasts (one token each). On KV shortage evicts from `victims`, else stops.
@@ -45,15 +49,22 @@ def decode_all(b: BatchBuilder, reqs: Iterable[ReqState], budget: int,
             break
         if r.prefilled < r.prefill_len or (b.evictions and r.rid in b.evictions):
             continue
-        if not b.add_decode(r) and not (_fit(b, r, decode_cost(r, page), victims)
-                                        and b.add_decode(r)):
+        if not b.add_decode(r) and not (
+            _fit(b, r, decode_cost(r, page), victims) and b.add_decode(r)
+        ):
             break
         budget -= 1
     return budget
 
 
-def prefill_queue(b: BatchBuilder, reqs: Iterable[ReqState], budget: int,
-                  victims: Iterable[ReqState] | None = None, *, chunked: bool = True) -> int:
+def prefill_queue(
+    b: BatchBuilder,
+    reqs: Iterable[ReqState],
+    budget: int,
+    victims: Iterable[ReqState] | None = None,
+    *,
+    chunked: bool = True,
+) -> int:
     """Prefills `reqs` in order (running partial ones or waiting ones) while the budget lasts,
     stopping at the first request that does not fit (head of line, as FCFS engines do).
     `chunked`: a prompt may be split across iterations; otherwise only whole prompts (or the
@@ -70,7 +81,8 @@ def prefill_queue(b: BatchBuilder, reqs: Iterable[ReqState], budget: int,
         if want <= 0:
             break
         if not b.add_prefill(r, want) and not (
-                _fit(b, r, prefill_cost(r, want, b.page), victims) and b.add_prefill(r, want)):
+            _fit(b, r, prefill_cost(r, want, b.page), victims) and b.add_prefill(r, want)
+        ):
             break
         budget -= want
     return budget

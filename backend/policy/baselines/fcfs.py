@@ -25,8 +25,9 @@ class FcfsPolicy(PolicyBase):
 
     name = "fcfs"
 
-    def __init__(self, latency: LatencyModel, *, token_budget: int = 2048,
-                 rt_only: bool = False) -> None:
+    def __init__(
+        self, latency: LatencyModel, *, token_budget: int = 2048, rt_only: bool = False
+    ) -> None:
         super().__init__(latency)
         if token_budget < 1:
             raise ValueError(f"token_budget must be ≥ 1, got {token_budget}")

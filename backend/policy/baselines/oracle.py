@@ -31,8 +31,9 @@ class OraclePolicy(PolicyBase):
     name = "oracle"
     needs_true_lengths = True
 
-    def __init__(self, latency: LatencyModel, *, token_budget: int = 2048,
-                 reserve_frac: float = 0.0) -> None:
+    def __init__(
+        self, latency: LatencyModel, *, token_budget: int = 2048, reserve_frac: float = 0.0
+    ) -> None:
         super().__init__(latency)
         self.token_budget = token_budget
         """Tokens per iteration for prefill chunks (decodes are never limited)."""
@@ -73,4 +74,3 @@ class OraclePolicy(PolicyBase):
                 break
             peaks.add(item)
         return b.plan(self.latency)
-

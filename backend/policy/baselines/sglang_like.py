@@ -54,10 +54,17 @@ class SglangLikePolicy(PolicyBase):
 
     name = "priority"
 
-    def __init__(self, latency: LatencyModel, *, reserve: Reserve = "ratio",
-                 chunk_tokens: int = 8192, ratio_init: float = 0.7,
-                 ratio_min_factor: float = 0.14, decay_steps: int = 600,
-                 priority_preemption: bool = True) -> None:
+    def __init__(
+        self,
+        latency: LatencyModel,
+        *,
+        reserve: Reserve = "ratio",
+        chunk_tokens: int = 8192,
+        ratio_init: float = 0.7,
+        ratio_min_factor: float = 0.14,
+        decay_steps: int = 600,
+        priority_preemption: bool = True,
+    ) -> None:
         super().__init__(latency)
         if reserve not in ("ratio", "none", "full"):
             raise ValueError(f"reserve must be 'ratio', 'none' or 'full', got {reserve!r}")
@@ -127,8 +134,10 @@ class SglangLikePolicy(PolicyBase):
         returns the reservations released (their KV is back in b.kv_avail), or None
         (evicting nothing) when they cannot."""
         busy = b.scheduled | set(b.evictions)
-        victims = sorted((r for r in snap.running if r.tier == "be" and r.rid not in busy),
-                         key=lambda r: -r.arrival_s)
+        victims = sorted(
+            (r for r in snap.running if r.tier == "be" and r.rid not in busy),
+            key=lambda r: -r.arrival_s,
+        )
         chosen: list[ReqState] = []
         gained = released = 0.0
         for v in victims:
@@ -147,8 +156,7 @@ class SglangLikePolicy(PolicyBase):
     def _decode_batch(self, snap: Snapshot, b: BatchBuilder) -> None:
         page = b.page
         gone = set(b.evictions)  # BE preempted for an RT prompt that still did not fit
-        decoding = [r for r in snap.running
-                    if r.prefilled >= r.prefill_len and r.rid not in gone]
+        decoding = [r for r in snap.running if r.prefilled >= r.prefill_len and r.rid not in gone]
         need = sum(decode_cost(r, page) for r in decoding)
         if need > b.kv_avail and len(decoding) > 1:
             # keep-order: higher tier, more generated, shorter prompt; retract from the end
@@ -160,8 +168,9 @@ class SglangLikePolicy(PolicyBase):
             if self.reserve == "ratio":
                 done = sum(r.generated for r in decoding)
                 cap = sum(r.max_new_tokens for r in decoding)
-                self._next_ratio = min(1.0, (done + RETRACT_DECODE_STEPS * len(decoding))
-                                       / (cap + 1))
+                self._next_ratio = min(
+                    1.0, (done + RETRACT_DECODE_STEPS * len(decoding)) / (cap + 1)
+                )
         elif self.reserve == "ratio" and decoding:
             self._next_ratio = max(self.ratio - self.ratio_decay, self.ratio_min)
         for r in decoding:

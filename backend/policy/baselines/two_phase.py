@@ -96,8 +96,9 @@ class FixedOfflinePolicy(PolicyBase):
 
     name = "fixed-offline"
 
-    def __init__(self, latency: LatencyModel, *, token_budget: int = 2048,
-                 be_rate_req_s: float | None = None) -> None:
+    def __init__(
+        self, latency: LatencyModel, *, token_budget: int = 2048, be_rate_req_s: float | None = None
+    ) -> None:
         super().__init__(latency)
         if token_budget < 1:
             raise ValueError(f"token_budget must be ≥ 1, got {token_budget}")

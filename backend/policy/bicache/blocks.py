@@ -149,12 +149,15 @@ class BlockMap:
                     if left == 0:
                         break
         if left:
-            raise NoRoom(f"RT request {rid!r}: {n} slots wanted, {n - left} usable "
-                         f"({self.free} free of {self.capacity})")
+            raise NoRoom(
+                f"RT request {rid!r}: {n} slots wanted, {n - left} usable "
+                f"({self.free} free of {self.capacity})"
+            )
         return [step for step in plan if step[1] or step[2]]
 
-    def _fill_most_room(self, room: list[dict[int, None]], left: int, used: set[int],
-                        plan: list[Step]) -> int:
+    def _fill_most_room(
+        self, room: list[dict[int, None]], left: int, used: set[int], plan: list[Step]
+    ) -> int:
         """Appends steps taking slots from the blocks with the most room first (room[r]: blocks
         with r free slots on this side), skipping `used` ones (updated); returns what is left."""
         for r in range(self.b, 0, -1):
@@ -171,8 +174,16 @@ class BlockMap:
                     break
         return left
 
-    def _plan_be(self, rid: str, req: ReqKv | None, n: int, steal: bool, *, grow: bool,
-                 exclude: set[int] | None = None) -> list[Step]:
+    def _plan_be(
+        self,
+        rid: str,
+        req: ReqKv | None,
+        n: int,
+        steal: bool,
+        *,
+        grow: bool,
+        exclude: set[int] | None = None,
+    ) -> list[Step]:
         """Steps (block, slots taken, 0, take over the dormant segment first) covering n, in
         blocks not in `exclude`."""
         b = self.b
@@ -200,8 +211,10 @@ class BlockMap:
                     if left == 0:
                         break
         if left:
-            raise NoRoom(f"BE request {rid!r}: {n} slots wanted, {n - left} usable "
-                         f"({self.free} free of {self.capacity})")
+            raise NoRoom(
+                f"BE request {rid!r}: {n} slots wanted, {n - left} usable "
+                f"({self.free} free of {self.capacity})"
+            )
         return plan
 
     # --- block changes ------------------------------------------------------------------------

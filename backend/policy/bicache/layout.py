@@ -99,8 +99,10 @@ class BiCache(CheckpointLedger):
         req = self._req(rid)
         on_host = [i for i in self.checkpointed(rid) if i < tokens]
         if on_host:
-            raise BiCacheError(f"request {rid!r}: token {on_host[0]} is on the host, restore "
-                               f"before protecting {tokens} tokens")
+            raise BiCacheError(
+                f"request {rid!r}: token {on_host[0]} is on the host, restore "
+                f"before protecting {tokens} tokens"
+            )
         req.protected = max(0, tokens)
         for blk, _ in req.segs:
             if blk != HOST:

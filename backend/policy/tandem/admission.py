@@ -208,9 +208,16 @@ class AdmissionRound:
     """Future-peak admission for one plan. The running set's peak is computed on the first
     question (most iterations admit nothing) and every admission of the plan joins it."""
 
-    def __init__(self, lengths: LengthModel, rt_running: list[ReqState],
-                 be_running: list[ReqState], *, page: int, rt_limit: float,
-                 be_limit: float) -> None:
+    def __init__(
+        self,
+        lengths: LengthModel,
+        rt_running: list[ReqState],
+        be_running: list[ReqState],
+        *,
+        page: int,
+        rt_limit: float,
+        be_limit: float,
+    ) -> None:
         self.lengths = lengths
         self.page = page
         self.rt_limit = rt_limit
@@ -227,8 +234,11 @@ class AdmissionRound:
             n_rt = len(self._rt_running)
             self._lists = num_sample_lists(len(reqs))
             page = self.page
-            current = np.fromiter((r.kv_tokens + r.prefill_len - r.prefilled + page - 1
-                                   for r in reqs), dtype=np.int64, count=len(reqs))
+            current = np.fromiter(
+                (r.kv_tokens + r.prefill_len - r.prefilled + page - 1 for r in reqs),
+                dtype=np.int64,
+                count=len(reqs),
+            )
             gen = np.fromiter((r.generated for r in reqs), dtype=np.int64, count=len(reqs))
             rows = [self.lengths.totals(reqs)]
             if self._lists > 1 and reqs:

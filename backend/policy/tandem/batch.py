@@ -61,8 +61,9 @@ class TandemBatch(BatchBuilder):
         cap = min(left, self.prefill_left, affordable_chunk(req, self.kv_avail, self.page))
         if cap <= 0 or (not req.is_running and self.running_slots < 1):
             return 0
-        tokens = align_chunk(req, self.timer.max_chunk(self, time_limit_s, prefix=req.prefilled,
-                                                       cap=cap), self.page)
+        tokens = align_chunk(
+            req, self.timer.max_chunk(self, time_limit_s, prefix=req.prefilled, cap=cap), self.page
+        )
         if tokens < left and tokens < self.min_chunk_tokens:
             return 0
         return tokens
@@ -75,5 +76,9 @@ class TandemBatch(BatchBuilder):
 
     def plan(self, latency: LatencyModel | None = None) -> Plan:
         """The finished plan with the planner's own prediction (`latency` is not needed)."""
-        return Plan(decodes=self.decodes, prefills=self.prefills, evictions=self.evictions,
-                    predicted_s=self.time_s() if (self.decodes or self.prefills) else None)
+        return Plan(
+            decodes=self.decodes,
+            prefills=self.prefills,
+            evictions=self.evictions,
+            predicted_s=self.time_s() if (self.decodes or self.prefills) else None,
+        )

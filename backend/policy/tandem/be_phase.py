@@ -104,14 +104,18 @@ def cap_for_be_deadlines(ctx: PlanContext) -> None:
     if not reqs:
         return
     contexts = [r.prompt_len + r.generated for r in ctx.view.be_decode]
-    floor = ctx.timer.with_decodes(ctx.batch, len(contexts), sum(contexts),
-                                   sum([c * c for c in contexts]))
+    floor = ctx.timer.with_decodes(
+        ctx.batch, len(contexts), sum(contexts), sum([c * c for c in contexts])
+    )
     totals = ctx.lengths.totals(reqs)
     cap = math.inf
     for r, total in zip(reqs, totals.tolist(), strict=True):
         left = r.prefill_len - r.prefilled
-        prefill = (slack.standalone_prefill_s(ctx.timer, left, r.prefilled, ctx.max_prefill)
-                   if left > 0 else 0.0)
+        prefill = (
+            slack.standalone_prefill_s(ctx.timer, left, r.prefilled, ctx.max_prefill)
+            if left > 0
+            else 0.0
+        )
         allowance = slack.be_allowance_s(r, ctx.now_s, int(total), prefill)
         if allowance >= floor:
             cap = min(cap, allowance)
@@ -134,8 +138,9 @@ def _decode_be(ctx: PlanContext, limit: float) -> None:
         return
     decodes.sort(key=_decode_order)
     contexts = [r.prompt_len + r.generated for r in decodes]
-    if (ctx.timer.with_decodes(b, len(decodes), sum(contexts), sum([c * c for c in contexts]))
-            <= limit and b.add_decodes(decodes)):
+    if ctx.timer.with_decodes(
+        b, len(decodes), sum(contexts), sum([c * c for c in contexts])
+    ) <= limit and b.add_decodes(decodes):
         return
     need = sum(decode_cost(r, b.page) for r in decodes)
     if need > b.kv_avail:
@@ -167,7 +172,8 @@ def _admit_be(ctx: PlanContext, limit: float) -> None:
             break
         aged = ctx.now_s - r.arrival_s > cfg.be_max_wait_s
         if cfg.use_pastfuture and not ctx.admission.admit_be(
-                r, limit=ctx.admission.rt_limit if aged else None):
+            r, limit=ctx.admission.rt_limit if aged else None
+        ):
             break  # head of line: a smaller request behind it must not overtake forever
         b.add_prefill(r, chunk)
         ctx.started(r, chunk, "be")

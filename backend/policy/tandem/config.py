@@ -93,13 +93,25 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
     """At most `max_long_prefills` long prompts mid-prefill per tier; off: no limit."""
 
     def __post_init__(self) -> None:
-        for name in ("latency_budget_s", "idle_budget_s", "window_s", "rt_headroom_window_s",
-                     "be_max_wait_s"):
+        for name in (
+            "latency_budget_s",
+            "idle_budget_s",
+            "window_s",
+            "rt_headroom_window_s",
+            "be_max_wait_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("reserve_frac", "rt_headroom_frac", "rt_headroom_max_frac",
-                     "near_miss_frac", "be_min_share", "first_token_be_frac",
-                     "rt_slot_reserve_frac", "be_order_prob"):
+        for name in (
+            "reserve_frac",
+            "rt_headroom_frac",
+            "rt_headroom_max_frac",
+            "near_miss_frac",
+            "be_min_share",
+            "first_token_be_frac",
+            "rt_slot_reserve_frac",
+            "be_order_prob",
+        ):
             value = getattr(self, name)
             if name in ("be_order_prob", "first_token_be_frac"):
                 if not 0.0 <= value <= 1.0:
@@ -111,9 +123,16 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
         if not 0.0 < self.be_frac_reset <= 1.0 or not 0.0 < self.be_frac_init <= 1.0:
             raise ValueError("be_frac_init and be_frac_reset must be in (0, 1]")
         if self.rt_prefill_floor_tokens < 0:
-            raise ValueError(f"rt_prefill_floor_tokens must be ≥ 0, got "
-                             f"{self.rt_prefill_floor_tokens}")
-        for name in ("long_prompt_tokens", "max_long_prefills", "best_fit_candidates",
-                     "history_window", "history_min_samples", "min_chunk_tokens"):
+            raise ValueError(
+                f"rt_prefill_floor_tokens must be ≥ 0, got {self.rt_prefill_floor_tokens}"
+            )
+        for name in (
+            "long_prompt_tokens",
+            "max_long_prefills",
+            "best_fit_candidates",
+            "history_window",
+            "history_min_samples",
+            "min_chunk_tokens",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be ≥ 1, got {getattr(self, name)}")

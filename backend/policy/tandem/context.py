@@ -91,8 +91,12 @@ class PlanContext:
 
     def era_blocked(self, r: ReqState, tier: Tier) -> bool:
         """Starting `r` would put one long prompt too many mid-prefill in its tier."""
-        return (self.config.use_era and not r.is_running and self.is_long(r)
-                and self.view.long_mid[tier] >= self.config.max_long_prefills)
+        return (
+            self.config.use_era
+            and not r.is_running
+            and self.is_long(r)
+            and self.view.long_mid[tier] >= self.config.max_long_prefills
+        )
 
     def started(self, r: ReqState, chunk: int, tier: Tier) -> None:
         """`r` got a chunk: a long prompt not finished by it now counts as mid-prefill."""

@@ -49,11 +49,12 @@ class Feedback:
         cfg = self.config
         self.iteration_s += _PACE_WEIGHT * (result.duration_s - self.iteration_s)
         end = result.end_s
-        late = (math.isfinite(self._deadline_s)
-                and end > self._deadline_s - cfg.near_miss_frac * self._allowance_s)
+        late = (
+            math.isfinite(self._deadline_s)
+            and end > self._deadline_s - cfg.near_miss_frac * self._allowance_s
+        )
         predicted = result.plan.predicted_s
-        overrun = (predicted is not None
-                   and result.duration_s > predicted * (1 + _OVERRUN_TOLERANCE))
+        overrun = predicted is not None and result.duration_s > predicted * (1 + _OVERRUN_TOLERANCE)
         self._deadline_s = self._allowance_s = math.inf
         if late:
             self.misses += 1

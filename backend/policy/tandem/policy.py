@@ -1,16 +1,16 @@
 """`tandem` — RT keeps its SLOs, BE gets the rest: the per-iteration loop of synthesis §4.
 
-    plan(snapshot):
-        view     = running split by tier/phase             (context.split_running)
-        queues   ← new waiting requests (O(new))            (queues.RtQueue / BeQueue)
-        RT phase : all RT decodes; τ from deadlines, ≤ L;   (rt_phase)
-                   τ ≤ allowance of BE deadlines            (be_phase.cap_for_be_deadlines)
-                   urgent prompts (τ raised as they need), window by best fit, ERA, admission
-        BE phase : the time left under τ × BE share,        (be_phase)
-                   the KV left after the RT headroom
-        feedback ← the earliest RT deadline this batch carries
-    observe(result):
-        AIMD on ε and the BE share (feedback); finished lengths → per-key history (admission)
+plan(snapshot):
+    view     = running split by tier/phase             (context.split_running)
+    queues   ← new waiting requests (O(new))            (queues.RtQueue / BeQueue)
+    RT phase : all RT decodes; τ from deadlines, ≤ L;   (rt_phase)
+               τ ≤ allowance of BE deadlines            (be_phase.cap_for_be_deadlines)
+               urgent prompts (τ raised as they need), window by best fit, ERA, admission
+    BE phase : the time left under τ × BE share,        (be_phase)
+               the KV left after the RT headroom
+    feedback ← the earliest RT deadline this batch carries
+observe(result):
+    AIMD on ε and the BE share (feedback); finished lengths → per-key history (admission)
 """
 
 from __future__ import annotations
@@ -37,20 +37,29 @@ class TandemPolicy(PolicyBase):
 
     name = "tandem"
 
-    def __init__(self, latency: LatencyModel, *, config: TandemConfig | None = None,
-                 **options: Any) -> None:
+    def __init__(
+        self, latency: LatencyModel, *, config: TandemConfig | None = None, **options: Any
+    ) -> None:
         super().__init__(latency)
         cfg = config if config is not None else TandemConfig(**options)
         self.config = cfg
         self.timer = Timer(latency)
-        self.lengths = LengthModel(window=cfg.history_window,
-                                   min_samples=cfg.history_min_samples, seed=cfg.seed)
+        self.lengths = LengthModel(
+            window=cfg.history_window, min_samples=cfg.history_min_samples, seed=cfg.seed
+        )
         self.rt_queue = RtQueue(self._rt_latest_start)
-        self.be_queue = BeQueue(self._be_latest_start, self._be_hopeless, seed=cfg.seed,
-                                order_prob=cfg.be_order_prob, max_wait_s=cfg.be_max_wait_s)
-        self.headroom = RtHeadroom(window_s=cfg.rt_headroom_window_s,
-                                   floor_frac=cfg.rt_headroom_frac,
-                                   max_frac=cfg.rt_headroom_max_frac)
+        self.be_queue = BeQueue(
+            self._be_latest_start,
+            self._be_hopeless,
+            seed=cfg.seed,
+            order_prob=cfg.be_order_prob,
+            max_wait_s=cfg.be_max_wait_s,
+        )
+        self.headroom = RtHeadroom(
+            window_s=cfg.rt_headroom_window_s,
+            floor_frac=cfg.rt_headroom_frac,
+            max_frac=cfg.rt_headroom_max_frac,
+        )
         self.feedback = Feedback(cfg)
         self._max_prefill = 8192
 
@@ -62,10 +71,10 @@ class TandemPolicy(PolicyBase):
         self.be_queue.sync(waiting_in(snapshot, "be"))
         self.headroom.update(snapshot.now_s, view.rt_kv_tokens)
         ctx = self._context(snapshot, view)
-        run_rt_decodes(ctx)        # stall-free; hard cap and τ ≤ L from their deadlines
+        run_rt_decodes(ctx)  # stall-free; hard cap and τ ≤ L from their deadlines
         cap_for_be_deadlines(ctx)  # τ ≤ the tightest JCT allowance of a running BE
-        run_rt_prefills(ctx)       # slack order; urgent ones raise τ; best-fit window; ERA
-        run_be_phase(ctx)          # BE decodes, partial prompts, admissions in what is left
+        run_rt_prefills(ctx)  # slack order; urgent ones raise τ; best-fit window; ERA
+        run_be_phase(ctx)  # BE decodes, partial prompts, admissions in what is left
         self.feedback.expect(ctx.batch.rt_deadline_s, ctx.batch.rt_allowance_s)
         return ctx.batch.plan()
 
@@ -80,23 +89,39 @@ class TandemPolicy(PolicyBase):
         capacity = snap.kv_capacity_tokens
         rt_limit = capacity * (1.0 - cfg.reserve_frac)
         be_limit = rt_limit - self.headroom.tokens(capacity, view.rt_kv_tokens)
-        admission = AdmissionRound(self.lengths, view.rt_running, view.be_running,
-                                   page=snap.page_size, rt_limit=rt_limit, be_limit=be_limit)
+        admission = AdmissionRound(
+            self.lengths,
+            view.rt_running,
+            view.be_running,
+            page=snap.page_size,
+            rt_limit=rt_limit,
+            be_limit=be_limit,
+        )
         has_rt = bool(view.rt_decode or view.rt_partial or len(self.rt_queue))
         return PlanContext(
-            now_s=snap.now_s, config=cfg, timer=self.timer,
+            now_s=snap.now_s,
+            config=cfg,
+            timer=self.timer,
             batch=TandemBatch(snap, self.timer, min_chunk_tokens=cfg.min_chunk_tokens),
-            view=view, admission=admission, lengths=self.lengths, rt_queue=self.rt_queue,
-            be_queue=self.be_queue, eps=self.feedback.eps, be_frac=self.feedback.be_frac,
-            max_prefill=snap.max_prefill_tokens, has_rt=has_rt,
-            budget_s=cfg.latency_budget_s if has_rt else cfg.idle_budget_s)
+            view=view,
+            admission=admission,
+            lengths=self.lengths,
+            rt_queue=self.rt_queue,
+            be_queue=self.be_queue,
+            eps=self.feedback.eps,
+            be_frac=self.feedback.be_frac,
+            max_prefill=snap.max_prefill_tokens,
+            has_rt=has_rt,
+            budget_s=cfg.latency_budget_s if has_rt else cfg.idle_budget_s,
+        )
 
     def _rt_latest_start(self, r: ReqState) -> float:
         """Queue key of a waiting RT request: its deadline less the time its prompt takes
         alone on the engine (fixed while it waits)."""
         left = r.prefill_len - r.prefilled
-        return slack.rt_deadline(r) - slack.standalone_prefill_s(self.timer, left, r.prefilled,
-                                                                 self._max_prefill)
+        return slack.rt_deadline(r) - slack.standalone_prefill_s(
+            self.timer, left, r.prefilled, self._max_prefill
+        )
 
     def _be_latest_start(self, r: ReqState) -> float:
         """Queue key of a waiting BE request with a deadline: the deadline less its standalone
@@ -116,6 +141,8 @@ class TandemPolicy(PolicyBase):
         total = int(self.lengths.totals([r])[0])
         left = r.prefill_len - r.prefilled
         prefill = slack.standalone_prefill_s(self.timer, left, r.prefilled, self._max_prefill)
-        pace = max(self.feedback.iteration_s,
-                   self.timer.with_decodes(BatchTotals(), 1, r.prompt_len + total // 2))
+        pace = max(
+            self.feedback.iteration_s,
+            self.timer.with_decodes(BatchTotals(), 1, r.prompt_len + total // 2),
+        )
         return r.be_deadline_s - now_s < prefill + max(0, total - r.generated) * pace

@@ -34,7 +34,8 @@ TOLERANCE_RULES: dict[str, Any] = {"first_token_be_frac": 0.0, "rt_prefill_floor
 def tolerance_5pct(latency: LatencyModel, **options: Any) -> TandemPolicy:
     """`tandem-tol5`: tandem under a 5 % P99-TBT / mean-TTFT tolerance (its profiled L and
     the tolerance rules; `options` override any of them)."""
-    policy = TandemPolicy(latency, **{**TOLERANCE_RULES,
-                                      "latency_budget_s": TOL5_LATENCY_BUDGET_S, **options})
+    policy = TandemPolicy(
+        latency, **{**TOLERANCE_RULES, "latency_budget_s": TOL5_LATENCY_BUDGET_S, **options}
+    )
     policy.name = "tandem-tol5"
     return policy

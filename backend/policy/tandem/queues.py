@@ -102,8 +102,7 @@ class KeyedHeap:
         return len(self._heap)
 
     def push(self, req: ReqState, key: float, tie: float = 0.0) -> None:
-        heapq.heappush(self._heap,
-                       (key, tie, next(self._seq), req.rid, self.known.epochs[req.rid]))
+        heapq.heappush(self._heap, (key, tie, next(self._seq), req.rid, self.known.epochs[req.rid]))
 
     def pop_valid(self) -> tuple[float, ReqState] | None:
         """Pops the smallest entry of a waiting request (remembered for `restore`); None when
@@ -220,9 +219,15 @@ class BeQueue:
        oldest (HyGen's freshness mix: every request reaches the head eventually).
     """
 
-    def __init__(self, deadline_lst_of: Callable[[ReqState], float],
-                 is_hopeless: Callable[[ReqState, float], bool], *, seed: int,
-                 order_prob: float, max_wait_s: float) -> None:
+    def __init__(
+        self,
+        deadline_lst_of: Callable[[ReqState], float],
+        is_hopeless: Callable[[ReqState, float], bool],
+        *,
+        seed: int,
+        order_prob: float,
+        max_wait_s: float,
+    ) -> None:
         self.known = WaitingSet()
         self.resumed = KeyedHeap(self.known)
         self.deadline = KeyedHeap(self.known)

@@ -1,16 +1,16 @@
 """RT phase (AccelGen, synthesis §4 step 3): stall-free RT decodes, then RT prompts by slack.
 
-    1. every running RT decode (KV short: evict BE, least progress first)
-    2. τ from the decodes' deadlines (slack.py)
-    3. prompts in slack order — running partial ones, then the queue (feasible by latest start,
-       then hopeless):
-       * urgent ones first, each raising τ as far as it needs to make its deadline
-         (`needed_budget`, within the hard cap) and evicting BE, then non-urgent RT, for KV;
-       * then a window of non-urgent ones (within γ of the first one's slack, at most K) placed
-         by best fit on (compute tokens, KV) until τ is used up;
-       * at most one long prompt mid-prefill (ERA) unless urgent; Past-Future admission for new
-         ones (BE memory counts as free).
-    Chunks are cut exactly where τ ends (`TandemBatch.chunk_for`).
+1. every running RT decode (KV short: evict BE, least progress first)
+2. τ from the decodes' deadlines (slack.py)
+3. prompts in slack order — running partial ones, then the queue (feasible by latest start,
+   then hopeless):
+   * urgent ones first, each raising τ as far as it needs to make its deadline
+     (`needed_budget`, within the hard cap) and evicting BE, then non-urgent RT, for KV;
+   * then a window of non-urgent ones (within γ of the first one's slack, at most K) placed
+     by best fit on (compute tokens, KV) until τ is used up;
+   * at most one long prompt mid-prefill (ERA) unless urgent; Past-Future admission for new
+     ones (BE memory counts as free).
+Chunks are cut exactly where τ ends (`TandemBatch.chunk_for`).
 """
 
 from __future__ import annotations
@@ -57,16 +57,18 @@ def run_rt_prefills(ctx: PlanContext) -> None:
             n = slack.iterations_left(r.prefill_len - r.prefilled, chunk_at_budget)
             s = slack.slack_s(deadline, ctx.now_s, n, ctx.budget_s)
             if ctx.config.use_slack and slack.is_urgent(s, ctx.budget_s):
-                need = slack.needed_budget(ctx.timer, b, r,
-                                           (1 - ctx.eps) * (deadline - ctx.now_s),
-                                           ctx.max_prefill)
+                need = slack.needed_budget(
+                    ctx.timer, b, r, (1 - ctx.eps) * (deadline - ctx.now_s), ctx.max_prefill
+                )
                 if need is not None or r.first_token_s is not None:  # else hopeless
                     if _prefill(ctx, r, deadline, urgent=True, need_s=need) == STOP:
                         stop = True
                         break
                     continue
-            if window and (s > window[0][1] + ctx.config.window_s
-                           or len(window) >= ctx.config.best_fit_candidates):
+            if window and (
+                s > window[0][1] + ctx.config.window_s
+                or len(window) >= ctx.config.best_fit_candidates
+            ):
                 pending = r  # heads the next window
                 break
             if _full(ctx) and not window:
@@ -88,8 +90,13 @@ def _decode_rt(ctx: PlanContext) -> None:
     decodes = list(view.rt_decode)
     if b.add_decodes(decodes):
         return
-    order = victim_order(view.be_running, view.rt_partial + decodes, lambda r: _slack(ctx, r),
-                         ctx.budget_s, include_rt=True)
+    order = victim_order(
+        view.be_running,
+        view.rt_partial + decodes,
+        lambda r: _slack(ctx, r),
+        ctx.budget_s,
+        include_rt=True,
+    )
     last_resort = sorted(decodes, key=slack.rt_deadline, reverse=True)
     for victim in itertools.chain(order, last_resort):
         if sum(decode_cost(r, b.page) for r in decodes) <= b.kv_avail or len(decodes) <= 1:
@@ -116,8 +123,9 @@ def _candidates(ctx: PlanContext) -> Iterator[ReqState]:
     yield from ctx.rt_queue.candidates(ctx.now_s)
 
 
-def _prefill(ctx: PlanContext, r: ReqState, deadline: float, *, urgent: bool,
-             need_s: float | None = None) -> int:
+def _prefill(
+    ctx: PlanContext, r: ReqState, deadline: float, *, urgent: bool, need_s: float | None = None
+) -> int:
     """Schedules the next chunk of RT prompt `r` (an urgent one raises τ to `need_s`, the
     iteration time it needs, within the hard cap); STOP, SKIP or DONE."""
     b = ctx.batch
@@ -145,8 +153,10 @@ def _prefill(ctx: PlanContext, r: ReqState, deadline: float, *, urgent: bool,
 def _full(ctx: PlanContext) -> bool:
     """τ is used up and the RT floor (`rt_prefill_floor_tokens`) too."""
     b = ctx.batch
-    return (b.time_s() >= ctx.tau_s
-            and b.prefill_tokens + b.num_decode >= ctx.config.rt_prefill_floor_tokens)
+    return (
+        b.time_s() >= ctx.tau_s
+        and b.prefill_tokens + b.num_decode >= ctx.config.rt_prefill_floor_tokens
+    )
 
 
 def _raise_for_floor(ctx: PlanContext, r: ReqState) -> None:
@@ -168,13 +178,13 @@ def _make_room(ctx: PlanContext, r: ReqState, chunk: int, urgent: bool) -> int:
     non-urgent RT) for the chunk time allows; the chunk after that."""
     b = ctx.batch
     left = r.prefill_len - r.prefilled
-    by_time = ctx.timer.max_chunk(b, ctx.tau_s, prefix=r.prefilled,
-                                  cap=min(left, b.prefill_left))
+    by_time = ctx.timer.max_chunk(b, ctx.tau_s, prefix=r.prefilled, cap=min(left, b.prefill_left))
     if by_time <= chunk or (not r.is_running and b.running_slots < 1):
         return chunk
     view = ctx.view
-    order = victim_order(view.be_running, view.rt_partial, lambda x: _slack(ctx, x),
-                         ctx.budget_s, include_rt=urgent)
+    order = victim_order(
+        view.be_running, view.rt_partial, lambda x: _slack(ctx, x), ctx.budget_s, include_rt=urgent
+    )
     order = [v for v in order if v.rid != r.rid]
     if evict_for(b, prefill_cost(r, by_time, b.page), order, ctx.on_evict):
         return b.chunk_for(r, ctx.tau_s)
@@ -227,7 +237,8 @@ def _best_fit(ctx: PlanContext, window: list[tuple[ReqState, float, float]]) -> 
         if d_m > a_m:
             continue
         score = (left > a_c, (1 - d_c / a_c) ** 2 + (1 - d_m / a_m) ** 2)
-        if score[0] < best_score[0] or (score[0] == best_score[0]
-                                        and score[1] < best_score[1] - 1e-12):
+        if score[0] < best_score[0] or (
+            score[0] == best_score[0] and score[1] < best_score[1] - 1e-12
+        ):
             best, best_score = i, score
     return best

@@ -39,8 +39,14 @@ def rt_deadline(r: ReqState) -> float:
 
 def decode_deadline(reqs: Iterable[ReqState]) -> float:
     """The earliest next-token deadline among decoding RT requests (inf if none has one)."""
-    return min((r.last_token_s + r.tpot_s for r in reqs
-                if r.tpot_s is not None and r.last_token_s is not None), default=math.inf)
+    return min(
+        (
+            r.last_token_s + r.tpot_s
+            for r in reqs
+            if r.tpot_s is not None and r.last_token_s is not None
+        ),
+        default=math.inf,
+    )
 
 
 def iterations_left(prompt_left: int, chunk_tokens: int) -> int:
@@ -77,8 +83,9 @@ def standalone_prefill_s(timer: Timer, tokens: int, prefix: int, max_chunk: int)
     return total
 
 
-def needed_budget(timer: Timer, batch: Totals, r: ReqState, window_s: float,
-                  max_chunk: int) -> float | None:
+def needed_budget(
+    timer: Timer, batch: Totals, r: ReqState, window_s: float, max_chunk: int
+) -> float | None:
     """The shortest iteration time that still lets `r` finish its prompt within `window_s`
     (N iterations of it, each carrying ⌈left/N⌉ tokens on top of `batch`); the largest feasible
     N is found by bisection (N·T(⌈left/N⌉) shrinks as N does). None when even the fewest

@@ -38,8 +38,15 @@ class Totals(Protocol):
 class BatchTotals:
     """The sums a latency model reads (a `BatchShape` without the allocation)."""
 
-    __slots__ = ("decode_context", "decode_context_sq", "num_decode", "num_prefill",
-                 "prefill_attn", "prefill_attn_full", "prefill_tokens")
+    __slots__ = (
+        "decode_context",
+        "decode_context_sq",
+        "num_decode",
+        "num_prefill",
+        "prefill_attn",
+        "prefill_attn_full",
+        "prefill_tokens",
+    )
 
     def __init__(self) -> None:
         self.prefill_tokens = 0
@@ -75,40 +82,65 @@ class Timer:
         """Predicted iteration time of the totals, seconds (0 for an empty batch)."""
         if t.num_prefill == 0 and t.num_decode == 0:
             return 0.0
-        return self._value(t.prefill_tokens, t.decode_context, t.num_prefill, t.num_decode,
-                           t.prefill_attn, _full(t.prefill_attn_full, t.decode_context_sq,
-                                                 t.num_prefill))
+        return self._value(
+            t.prefill_tokens,
+            t.decode_context,
+            t.num_prefill,
+            t.num_decode,
+            t.prefill_attn,
+            _full(t.prefill_attn_full, t.decode_context_sq, t.num_prefill),
+        )
 
-    def _value(self, sp_tokens: float, sd_tokens: float, n_p: float, n_d: float, a_p: float,
-               f_p: float) -> float:
+    def _value(
+        self, sp_tokens: float, sd_tokens: float, n_p: float, n_d: float, a_p: float, f_p: float
+    ) -> float:
         sp = sp_tokens / _K
         sd = sd_tokens / _K
         ap = a_p / _K2
         fp = f_p / _K2
         best = -math.inf
         for w in self.pieces:
-            v = (w[0] + w[1] * sp + w[2] * sd + w[3] * sp * sp + w[4] * sd * sd + w[5] * n_p
-                 + w[6] * n_d + w[7] * ap + w[8] * fp)
+            v = (
+                w[0]
+                + w[1] * sp
+                + w[2] * sd
+                + w[3] * sp * sp
+                + w[4] * sd * sd
+                + w[5] * n_p
+                + w[6] * n_d
+                + w[7] * ap
+                + w[8] * fp
+            )
             if v > best:
                 best = v
         return best
 
-    def with_decodes(self, t: Totals, count: int, context: int,
-                     context_sq: float | None = None) -> float:
+    def with_decodes(
+        self, t: Totals, count: int, context: int, context_sq: float | None = None
+    ) -> float:
         """Predicted time of the totals plus `count` decodes attending to `context` tokens in
         all (`context_sq`: Σ context², by default as if their contexts were equal)."""
         if context_sq is None:
             context_sq = context * context / count if count else 0.0
-        return self._value(t.prefill_tokens, t.decode_context + context, t.num_prefill,
-                           t.num_decode + count, t.prefill_attn,
-                           _full(t.prefill_attn_full, t.decode_context_sq + context_sq,
-                                 t.num_prefill))
+        return self._value(
+            t.prefill_tokens,
+            t.decode_context + context,
+            t.num_prefill,
+            t.num_decode + count,
+            t.prefill_attn,
+            _full(t.prefill_attn_full, t.decode_context_sq + context_sq, t.num_prefill),
+        )
 
     def with_chunk(self, t: Totals, chunk: int, prefix: int) -> float:
         """Predicted time of the totals plus one prefill chunk after `prefix` tokens."""
-        return self._value(t.prefill_tokens + chunk, t.decode_context, t.num_prefill + 1,
-                           t.num_decode, t.prefill_attn + chunk * (prefix + chunk),
-                           t.prefill_attn_full + (prefix + chunk) ** 2 + t.decode_context_sq)
+        return self._value(
+            t.prefill_tokens + chunk,
+            t.decode_context,
+            t.num_prefill + 1,
+            t.num_decode,
+            t.prefill_attn + chunk * (prefix + chunk),
+            t.prefill_attn_full + (prefix + chunk) ** 2 + t.decode_context_sq,
+        )
 
     def max_chunk(self, t: Totals, time_limit_s: float, *, prefix: int, cap: int) -> int:
         """Largest l ≤ cap with with_chunk(t, l, prefix) ≤ time_limit_s (0 if even l = 1 does
@@ -132,11 +164,18 @@ class Timer:
         sd = t.decode_context / _K
         best = math.inf
         for w in self.pieces:
-            a = (w[0] + w[1] * s_p / _K + w[3] * (s_p / _K) ** 2 + w[2] * sd + w[4] * sd * sd
-                 + w[5] * (t.num_prefill + 1) + w[6] * t.num_decode + w[7] * t.prefill_attn / _K2
-                 + w[8] * (t.prefill_attn_full + t.decode_context_sq + prefix * prefix) / _K2)
-            b = (w[1] / _K + 2 * w[3] * s_p / _K2 + w[7] * prefix / _K2
-                 + 2 * w[8] * prefix / _K2)
+            a = (
+                w[0]
+                + w[1] * s_p / _K
+                + w[3] * (s_p / _K) ** 2
+                + w[2] * sd
+                + w[4] * sd * sd
+                + w[5] * (t.num_prefill + 1)
+                + w[6] * t.num_decode
+                + w[7] * t.prefill_attn / _K2
+                + w[8] * (t.prefill_attn_full + t.decode_context_sq + prefix * prefix) / _K2
+            )
+            b = w[1] / _K + 2 * w[3] * s_p / _K2 + w[7] * prefix / _K2 + 2 * w[8] * prefix / _K2
             c = (w[3] + w[7] + w[8]) / _K2
             room = tau - a
             if room < 0:

@@ -21,9 +21,14 @@ def progress(r: ReqState) -> tuple[int, int]:
     return r.generated, r.prefilled
 
 
-def victim_order(be_running: list[ReqState], rt_running: list[ReqState],
-                 rt_slack: Callable[[ReqState], float], iteration_s: float, *,
-                 include_rt: bool) -> list[ReqState]:
+def victim_order(
+    be_running: list[ReqState],
+    rt_running: list[ReqState],
+    rt_slack: Callable[[ReqState], float],
+    iteration_s: float,
+    *,
+    include_rt: bool,
+) -> list[ReqState]:
     """Candidates in eviction order: BE by least progress, then (if `include_rt`) the RT ones
     that are not urgent, largest slack first."""
     order = sorted(be_running, key=progress)
@@ -33,8 +38,12 @@ def victim_order(be_running: list[ReqState], rt_running: list[ReqState],
     return order
 
 
-def evict_for(batch: TandemBatch, need_tokens: int, order: list[ReqState],
-              on_evict: Callable[[ReqState], None]) -> bool:
+def evict_for(
+    batch: TandemBatch,
+    need_tokens: int,
+    order: list[ReqState],
+    on_evict: Callable[[ReqState], None],
+) -> bool:
     """Evicts the shortest prefix of `order` (skipping scheduled or evicted requests) that
     makes `need_tokens` KV slots available; evicts nothing and returns False if that cannot be
     done. `on_evict` is told about each victim (to re-queue it)."""

@@ -48,21 +48,27 @@ def main() -> None:
         return original(name, latency)
 
     runner._make_policy = make  # type: ignore[assignment]
-    base = runner.BenchConfig(workload=args.workload, out_dir=Path("/dev/null"),
-                              load=args.load, progress=False)
-    reference = runner.run_bench(runner.BenchConfig(
-        **{**base.__dict__, "policies": ("rt-only",)})).runs["rt-only"].metrics
+    base = runner.BenchConfig(
+        workload=args.workload, out_dir=Path("/dev/null"), load=args.load, progress=False
+    )
+    reference = (
+        runner.run_bench(runner.BenchConfig(**{**base.__dict__, "policies": ("rt-only",)}))
+        .runs["rt-only"]
+        .metrics
+    )
 
     def ok(rate: float) -> bool:
         rate_box[0] = rate
-        run = runner.run_bench(runner.BenchConfig(**{**base.__dict__,
-                                                     "policies": (args.policy,)}))
+        run = runner.run_bench(runner.BenchConfig(**{**base.__dict__, "policies": (args.policy,)}))
         m = run.runs[args.policy].metrics
         ratios = {k: float(m[k]) / float(reference[k]) for k in METRICS}
         good = all(r <= 1 + args.tolerance for r in ratios.values())
-        print(f"{args.param} {rate:.4f}: BE {float(m['be_throughput_tok_s']):.1f} tok/s, "
-              + ", ".join(f"{k} ×{v:.3f}" for k, v in ratios.items())
-              + (" ok" if good else " over"), flush=True)
+        print(
+            f"{args.param} {rate:.4f}: BE {float(m['be_throughput_tok_s']):.1f} tok/s, "
+            + ", ".join(f"{k} ×{v:.3f}" for k, v in ratios.items())
+            + (" ok" if good else " over"),
+            flush=True,
+        )
         return good
 
     lo, hi = args.lo, args.hi
