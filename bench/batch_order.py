@@ -1,10 +1,10 @@
 """BE orderings `dfs` and `blend` in the bench: the batch runner's feed, simulated.
 
 The gateway's batch runner (gateway/batch/runner.py) does not dump a batch on the engine: it runs
-a pilot sample first, plans the order with the prefix tree (gateway/batch/order), and then feeds
-lines as earlier ones finish, keeping a bounded amount of work in flight. `OrderedFeedSource`
-does exactly that against the simulator, with the same ordering code, so `tandem bench W4
---policies fcfs,dfs,blend` compares:
+a pilot sample first, plans the order with the prefix tree (backend/policy/batch_order), and
+then feeds lines as earlier ones finish, keeping a bounded amount of work in flight.
+`OrderedFeedSource` does exactly that against the simulator, with the same ordering code, so
+`tandem bench W4 --policies fcfs,dfs,blend` compares:
 
 * `fcfs`  — the job submitted at once in its own (random) order; the engine's FCFS admits it;
 * `dfs`   — the runner's feed in DFS order of the prefix trie (prefix-sharing optimum);
@@ -21,10 +21,10 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import replace
 
+from backend.policy.batch_order.feed import BatchFeed, FeedSettings
+from backend.policy.batch_order.tree import OrderItem
 from bench.workloads.base import RequestSpec, SpecSource
 from bench.workloads.sampling import BLOCK_TOKENS, stable_hash
-from gateway.batch.order.feed import BatchFeed, FeedSettings
-from gateway.batch.order.tree import OrderItem
 
 BE_ORDERINGS = ("dfs", "blend")
 """Policy names that are BE orderings on the fcfs engine policy (API.md)."""

@@ -1,5 +1,5 @@
 """Bench constants that the command line needs before anything heavy is imported (the `tandem`
-CLI builds its parser on every start, so bench/cli.py imports only this at module level)."""
+CLI builds its parser on every start, so tandem/bench.py imports only this at module level)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
 """The bench package folder."""
-PROFILES_DIR = BENCH_DIR / "profiles"
-"""Where named latency profiles live (NAME.json)."""
 RESULTS_DIR = BENCH_DIR / "results"
 """Default parent of output folders."""
 DEFAULT_PROFILE = "h100-llama8b-analytic"

@@ -46,13 +46,14 @@ import yaml
 from msgspec.structs import replace as struct_replace
 
 from backend.policy.latency import LatencyModel, Profile, load_profile
+from backend.policy.profiles import resolve_profile
 from backend.policy.registry import make_policy
 from backend.sim import SimRequest, simulate
 from backend.sim.records import IterationLog, RequestRecord, SimResult
 from bench.capacity import search_capacity
 from bench.live_client import DRAIN_TIMEOUT_S, TenantKeys, replay, replay_source, send
 from bench.metrics import Metrics, compute_metrics, rt_metrics
-from bench.runner import BenchConfig, build, measure_rate, resolve_profile, sim_config
+from bench.runner import BenchConfig, build, measure_rate, sim_config
 from bench.series import PolicySeries, compute_series
 from bench.workloads import Workload
 from bench.workloads.base import RequestSpec
@@ -302,8 +303,8 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def _engine_stats(engine: dict[str, Any]) -> dict[str, Any]:
-    from gateway.config import EngineConfig
-    from gateway.engine_control import EngineControl
+    from common.config import EngineConfig
+    from gateway.engine.control import EngineControl
 
     async def fetch() -> dict[str, Any]:
         path = EngineConfig(port=int(engine["port"])).control_socket_path

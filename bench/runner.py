@@ -22,6 +22,7 @@ from msgspec.structs import replace as struct_replace
 from tqdm import tqdm
 
 from backend.policy.latency import LatencyModel, Profile, load_profile
+from backend.policy.profiles import resolve_profile
 from backend.sim import (
     InfeasiblePlanError,
     SimConfig,
@@ -30,7 +31,7 @@ from backend.sim import (
     simulate,
 )
 from bench import capacity as cap
-from bench.defaults import DEFAULT_DATA_DIR, DEFAULT_PROFILE, PROFILES_DIR
+from bench.defaults import DEFAULT_DATA_DIR, DEFAULT_PROFILE
 from bench.metrics import Metrics, compute_metrics, interference
 from bench.policy_spec import base_name, parse_policy_spec
 from bench.series import PolicySeries, compute_series
@@ -44,7 +45,7 @@ ORACLE = "oracle"
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """One `tandem bench` invocation (validated by bench/cli.py)."""
+    """One `tandem bench` invocation (validated by tandem/bench.py)."""
 
     workload: str
     """W1…W5, or "trace" (then trace_file)."""
@@ -59,7 +60,7 @@ class BenchConfig:
     rt_rate_req_s: float | None = None
     """Fixed RT rate, req/s (bypasses the λ* measurement)."""
     profile: str = DEFAULT_PROFILE
-    """Latency profile: a name in bench/profiles/ or a file path."""
+    """Latency profile: a name in bench/profiler/ or a file path."""
     kv_scale: float | None = None
     """KV pool = kv_scale × the workload's longest prompt; None = the profile's pool."""
     seed: int = 0
@@ -119,22 +120,6 @@ class BenchRun:
     """Policies whose run raised (a policy bug: an infeasible or stalled plan), with the error."""
 
 
-def resolve_profile(spec: str) -> Path:
-    """A profile name (bench/profiles/NAME.json) or a file path; ValueError if neither."""
-    path = Path(spec)
-    if path.suffix == ".json" or path.is_file():
-        if not path.is_file():
-            raise ValueError(f"profile file not found: {spec}")
-        return path
-    named = PROFILES_DIR / f"{spec}.json"
-    if not named.is_file():
-        known = sorted(p.stem for p in PROFILES_DIR.glob("*.json"))
-        raise ValueError(
-            f"unknown profile {spec!r} (known: {', '.join(known) or 'none'}; or give a .json file)"
-        )
-    return named
-
-
 def registered_policies() -> tuple[str, ...]:
     """Every policy name the registry knows, and the BE orderings (bench/batch_order.py)."""
     from backend.policy.registry import POLICY_NAMES
@@ -169,8 +154,8 @@ def build(config: BenchConfig, latency: LatencyModel, profile: Profile) -> tuple
         duration_s=config.duration_s,
         data_dir=config.data_dir,
         variant=config.variant,
-        max_new=config.max_new,
-    )  # type: ignore[arg-type]
+        max_new=config.max_new,  # type: ignore[arg-type]
+    )
 
     def make(kv: int) -> Workload:
         if config.workload == "trace":

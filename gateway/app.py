@@ -13,12 +13,12 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from common.config import Config
 from gateway.api import admin, batches, files, openai, ops
 from gateway.auth import AuthCache
 from gateway.batch.app import batch_context
-from gateway.config import Config
-from gateway.engine_client import EngineClient
-from gateway.engine_control import length_sync
+from gateway.engine.client import EngineClient
+from gateway.engine.control import length_sync
 from gateway.errors import error_middleware
 from gateway.operator import install as install_operator_tools
 from gateway.state import (

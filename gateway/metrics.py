@@ -3,7 +3,7 @@
 Request series are updated from each finished request's usage record (`request_finished`), so
 they agree with the usage reports: counts and tokens by tenant and tier, end-to-end latency, TTFT
 and TPOT histograms, SLO verdicts and a windowed SLO attainment, requests in flight, quota
-refusals by limit. `EngineSampler` (gateway.engine_sampler) polls the engine's `/v1/loads`
+refusals by limit. `EngineSampler` (gateway.engine.sampler) polls the engine's `/v1/loads`
 (running and waiting requests, KV use) and the batch tables (BE backlog, batch progress) every
 ``metrics.engine_poll_s`` and keeps ``metrics.history_s`` of samples for the dashboard. Each app
 has its own registry, so two gateways in one process (tests) never share series. Tenants are
@@ -26,10 +26,10 @@ from sqlalchemy import Table, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 # The sampler's names are re-exported: the operator and tests import them from here.
-from gateway.engine_sampler import EngineSample as EngineSample
-from gateway.engine_sampler import EngineSampler as EngineSampler
-from gateway.engine_sampler import _sum_ranks as _sum_ranks
-from gateway.engine_sampler import gauge as gauge
+from gateway.engine.sampler import EngineSample as EngineSample
+from gateway.engine.sampler import EngineSampler as EngineSampler
+from gateway.engine.sampler import _sum_ranks as _sum_ranks
+from gateway.engine.sampler import gauge as gauge
 from gateway.store.models import TenantRow
 from gateway.store.types import UsageRecord
 

@@ -9,9 +9,9 @@ from typing import Any
 from aiohttp import web
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from common.config import Config
 from gateway.auth import AuthCache
-from gateway.config import Config
-from gateway.engine_client import EngineClient
+from gateway.engine.client import EngineClient
 from gateway.metrics import METRICS_KEY
 from gateway.quotas import QuotaLimiter
 from gateway.store.repo import Store

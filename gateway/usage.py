@@ -14,7 +14,7 @@ import contextlib
 import logging
 from datetime import UTC, datetime
 
-from gateway.config import UsageConfig
+from common.config import UsageConfig
 from gateway.store.repo import Store
 from gateway.store.types import UsageRecord
 

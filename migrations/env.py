@@ -17,7 +17,7 @@ from logging.config import fileConfig
 from alembic import context
 from sqlalchemy import Connection
 
-from gateway.config import load_config
+from common.config import load_config
 from gateway.store.db import create_engine, is_sqlite, normalize_url
 from gateway.store.models import Base
 

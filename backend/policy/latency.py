@@ -108,7 +108,7 @@ class ProfileSample(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Profile(msgspec.Struct, kw_only=True):
-    """A profile file (bench/profiles/*.json): measured iteration times of one model on one
+    """A profile file (backend/policy/profiles/*.json): measured iteration times of one model on one
     machine, plus the machine facts the simulator needs."""
 
     name: str

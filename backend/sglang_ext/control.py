@@ -2,7 +2,7 @@
 
 The gateway keeps output-length histories in SQL; the engine's policy needs them in memory.
 This endpoint (``TANDEM_CONTROL_SOCKET``) lets the gateway push them (``POST /length-history``,
-body :class:`~backend.wire.LengthHistoryPush`) and lets operators and the bench read the policy's
+body :class:`~common.wire.LengthHistoryPush`) and lets operators and the bench read the policy's
 counters (``GET /stats``). It runs beside SGLang's scheduler loop in the scheduler process: a push
 is only queued here and applied by the loop at its next iteration, so the policy is never touched
 from two threads. A Unix socket (mode 0600) rather than a TCP port: nothing but the same user on
@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 
 from backend.sglang_ext.driver import EngineDriver
-from backend.wire import (
+from common.wire import (
     CONTROL_HEALTH_PATH,
     CONTROL_LENGTHS_PATH,
     CONTROL_STATS_PATH,

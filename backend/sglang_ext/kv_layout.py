@@ -4,7 +4,7 @@ patches SGLang by itself; `kv_layout_engine.py` wires it in when `engine.kv_layo
 `BiCacheKvLayout` hands out KV slots the way `backend/policy/bicache.py` lays them out (blocks
 of 16 slots, RT from the left, BE from the right, RT may overwrite dormant BE slots after
 checkpointing them) and does the copies: checkpointed rows go to a host store, and come back
-into fresh slots on restore (`kernels/kv_copy.py` on a GPU, its torch reference on CPU).
+into fresh slots on restore (`backend/kernels/kv_copy.py` on a GPU, its torch reference on CPU).
 
 Why the attention kernels need no change: with page_size 1, SGLang's attention backends
 (torch_native on CPU, FlashInfer / Triton / FA3 on GPU) read a request's KV through its row of
@@ -73,7 +73,7 @@ class BiCacheKvLayout:
         self.layers = list(layers)
         self._kernels = None
         if self.layers[0].is_cuda:  # Triton only where it compiles; torch reference elsewhere
-            from kernels.kv_copy import KvLayers
+            from backend.kernels.kv_copy import KvLayers
 
             self._kernels = KvLayers(self.layers)
         self.host: dict[tuple[str, int], torch.Tensor] = {}
@@ -158,7 +158,7 @@ class BiCacheKvLayout:
             if self._kernels is not None:
                 self._kernels.scatter(dst, rows.pin_memory(), check=False)
             else:
-                from kernels.kv_copy_ref import scatter_slots_reference
+                from backend.kernels.kv_copy_ref import scatter_slots_reference
 
                 scatter_slots_reference(self.layers, dst, rows)
             for _, slot in restore.loads:
@@ -227,7 +227,7 @@ class BiCacheKvLayout:
             rows = self._kernels.gather(src, check=False)
             torch.cuda.current_stream().synchronize()  # the forward pass overwrites them next
         else:
-            from kernels.kv_copy_ref import gather_slots_reference
+            from backend.kernels.kv_copy_ref import gather_slots_reference
 
             rows = gather_slots_reference(self.layers, src)
         for i, c in enumerate(checkpoints):

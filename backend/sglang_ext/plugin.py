@@ -1,7 +1,7 @@
 """tandem's SGLang plugin: the entry point SGLang's ``load_plugins()`` calls in each process.
 
 Declared in pyproject.toml (entry-point group ``sglang.srt.plugins``, name ``tandem``) and enabled
-by ``SGLANG_PLUGINS=tandem`` (``backend.sglang_ext.launcher.engine_env`` sets it). SGLang calls
+by ``SGLANG_PLUGINS=tandem`` (``backend.launch.sglang.engine_env`` sets it). SGLang calls
 :func:`register` once in every one of its processes — the HTTP/tokenizer main process, the
 scheduler and the detokenizer — before the scheduler object is built, so hooks registered here
 are in place before ``Scheduler.__init__`` captures any bound method.

@@ -1,4 +1,4 @@
-"""Scheduler-side request metadata: the gateway's :class:`~backend.wire.RequestMeta`, resolved.
+"""Scheduler-side request metadata: the gateway's :class:`~common.wire.RequestMeta`, resolved.
 
 The gateway sends relative targets (``ttft_ms`` after arrival, ``deadline_s`` after arrival) and
 the wall-clock arrival time; the scheduler wants absolute instants it can compare with "now" at
@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from backend.wire import RequestMeta, Tier, meta_from_custom_params
+from common.wire import RequestMeta, Tier, meta_from_custom_params
 
 
 class SchedReqMeta(msgspec.Struct, frozen=True, kw_only=True):
@@ -53,7 +53,7 @@ class SchedReqMeta(msgspec.Struct, frozen=True, kw_only=True):
     be_deadline_unix_s: float | None
     """BE: absolute completion deadline; None for RT and for pure best effort."""
     sglang_priority: int
-    """The stock SGLang priority that mirrors the tier (see ``backend.wire``)."""
+    """The stock SGLang priority that mirrors the tier (see ``common.wire``)."""
 
     @property
     def is_rt(self) -> bool:

@@ -30,7 +30,7 @@ from backend.policy.types import Policy, Tier
 from backend.sim.config import SimConfig
 from backend.sim.realtime import RealtimeEngine, Stream
 from backend.sim.source import SimRequest
-from backend.wire import PRIORITY_RT, RequestMeta, meta_from_custom_params
+from common.wire import PRIORITY_RT, RequestMeta, meta_from_custom_params
 
 ENGINE = web.AppKey("sim_engine", RealtimeEngine)
 MODEL_NAME = web.AppKey("sim_model_name", str)

@@ -1,4 +1,4 @@
-"""Bandwidth of the KV checkpoint kernels (kernels/kv_copy.py) against torch, on one GPU.
+"""Bandwidth of the KV checkpoint kernels (backend/kernels/kv_copy.py) against torch, on one GPU.
 
     python -m bench.kernels.kv_copy_bandwidth                  # Llama-3.1-8B KV shape, bf16
     python -m bench.kernels.kv_copy_bandwidth --tokens 16 256 4096 --json out.json
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.kv_copy import KvLayers, gather_slots_reference
+from backend.kernels.kv_copy import KvLayers, gather_slots_reference
 
 DTYPES = {
     "bf16": torch.bfloat16,

@@ -12,7 +12,7 @@ from aiohttp import web
 
 from gateway.api.prepare import EngineRequest
 from gateway.auth import Principal
-from gateway.engine_client import EngineChunk, EngineRequestError, EngineUnavailable
+from gateway.engine.client import EngineChunk, EngineRequestError, EngineUnavailable
 from gateway.errors import ApiError
 from gateway.quotas import QuotaExceeded, Ticket
 from gateway.slo import RequestTimer, slo_met

@@ -27,7 +27,7 @@ from gateway.api.schemas import (
     decode_body,
 )
 from gateway.auth import Principal, bearer_token
-from gateway.engine_client import EngineChunk
+from gateway.engine.client import EngineChunk
 from gateway.errors import ApiError
 from gateway.state import AUTH, CONFIG, TOKENIZER
 

@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from backend.wire import RequestMeta, Tier, meta_to_custom_params
+from common.wire import RequestMeta, Tier, meta_to_custom_params
 from gateway.api.schemas import (
     ChatCompletionRequest,
     ChatMessage,

@@ -17,16 +17,16 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from backend.policy.batch_order.feed import BatchFeed
+from common.config import BatchConfig
 from gateway.api.generation import Generation, is_cancellation
 from gateway.api.prepare import build_engine_request
 from gateway.auth import Principal
 from gateway.batch.lines import now_utc
-from gateway.batch.order.feed import BatchFeed
 from gateway.batch.output import completion_body
 from gateway.batch.prepare import PreparedLine
 from gateway.batch.store import BatchStore
 from gateway.batch.types import BatchInfo, ItemResult
-from gateway.config import BatchConfig
 from gateway.errors import ApiError
 from gateway.state import CONFIG
 from gateway.store.types import Tenant

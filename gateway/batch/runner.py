@@ -8,7 +8,7 @@ were running (they go back to pending at start-up and run again) and can never d
 Running one line and committing its result (or its retry) is gateway/batch/execute.py.
 
 Backpressure: at most `batch.max_inflight` lines are on the engine at once (all batches
-together), and each batch's feed (gateway/batch/order/feed.py) keeps its lines' estimated KV
+together), and each batch's feed (backend/policy/batch_order/feed.py) keeps its lines' estimated KV
 footprint within the engine's KV pool, so BE work queues here, in SQL, not inside the engine,
 where it would sit in front of RT requests' memory.
 
@@ -27,10 +27,10 @@ from datetime import timedelta
 
 from aiohttp import web
 
+from backend.policy.batch_order.feed import BatchFeed, FeedSettings
+from backend.policy.batch_order.tree import OrderItem
 from gateway.batch.execute import ActiveBatch, execute_line, refusal, retry_or_fail
 from gateway.batch.lines import now_utc
-from gateway.batch.order.feed import BatchFeed, FeedSettings
-from gateway.batch.order.tree import OrderItem
 from gateway.batch.output import build_files
 from gateway.batch.prepare import prepare_lines
 from gateway.batch.store import BatchStore

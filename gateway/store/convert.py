@@ -6,7 +6,7 @@ from typing import cast
 
 import msgspec
 
-from backend.wire import Tier
+from common.wire import Tier
 from gateway.store.models import ApiKeyRow, QuotaRow, SloContractRow, TenantRow, UsageRow
 from gateway.store.types import ApiKey, Quota, Slo, Tenant, UsageRecord
 

@@ -11,7 +11,7 @@ from sqlalchemy import Table, bindparam, delete, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from backend.wire import Tier
+from common.wire import Tier
 from gateway.keys import generate_key
 from gateway.store.convert import (
     USAGE_FIELDS,

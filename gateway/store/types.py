@@ -9,7 +9,7 @@ from datetime import datetime
 
 import msgspec
 
-from backend.wire import Tier
+from common.wire import Tier
 
 
 class Slo(msgspec.Struct, frozen=True, kw_only=True):

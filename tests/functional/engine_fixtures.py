@@ -23,10 +23,10 @@ from typing import Any
 
 import pytest
 
-from backend.sglang_ext.launcher import EngineProcess, engine_base_url, engine_env, server_argv
+from backend.launch.sglang import EngineProcess, engine_base_url, engine_env, server_argv
+from backend.launch.tiny_model import ensure_tiny_model
 from backend.sglang_ext.plugin import TRACE_ENV
-from backend.tiny_model import ensure_tiny_model
-from gateway.config import EngineConfig
+from common.config import EngineConfig
 
 MODEL_NAME = "tandem-tiny"
 STARTUP_TIMEOUT_S = 240.0  # 15-30 s on an idle 2-core machine; generous for a loaded CI box

@@ -18,9 +18,9 @@ import pytest_asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from backend.tiny_model import ensure_tiny_model
+from backend.launch.tiny_model import ensure_tiny_model
+from common.config import load_config
 from gateway.app import create_app
-from gateway.config import load_config
 from gateway.state import USAGE
 from gateway.store import upgrade_async
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.cli import main
+from tandem.bench import main
 
 pytestmark = pytest.mark.slow
 

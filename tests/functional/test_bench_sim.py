@@ -12,7 +12,7 @@ import pytest
 
 from bench.metrics import WALL_CLOCK_KEYS
 from bench.plots import PLOT_FILES
-from gateway.cli import main
+from tandem.cli import main
 
 POLICIES = ("fcfs", "priority", "rt-only")
 TOP_KEYS = (

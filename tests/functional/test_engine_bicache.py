@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from backend.sglang_ext.launcher import EngineStartError
+from backend.launch.sglang import EngineStartError
 from tests.functional.engine_fixtures import EngineServer, control, post_json, running_engine
 from tests.functional.gateway_fixtures import GatewayHandle, start_gateway
 from tests.functional.test_engine_colocation import complete, prompt_ids, stream_ttft

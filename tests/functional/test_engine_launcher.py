@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.sglang_ext.launcher import EngineProcess, EngineStartError
+from backend.launch.sglang import EngineProcess, EngineStartError
 from tests.functional.engine_fixtures import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

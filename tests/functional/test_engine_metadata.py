@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from backend.wire import RequestMeta, meta_to_custom_params
+from common.wire import RequestMeta, meta_to_custom_params
 from tests.functional.engine_fixtures import (
     EngineServer,
     get_json,

@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from common.config import load_config
 from gateway.api.openapi import OPERATIONS, registered
 from gateway.app import create_app
-from gateway.config import load_config
 from tests.functional.gateway_fixtures import GatewayHandle
 
 METHODS = {"get", "post", "put", "patch", "delete"}

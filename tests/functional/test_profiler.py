@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from backend.policy.latency import LatencyModel, Profile, load_profile, mape
-from bench.profiler import ProfileGrid, add_profile_parser, profile_engine
-from bench.profiles.probe import Stream, median_run, repeat_until_stable, steady_gap
+from bench.profiler.measure import ProfileGrid, profile_engine
+from bench.profiler.probe import Stream, median_run, repeat_until_stable, steady_gap
+from tandem.profile import add_profile_parser
 from tests.functional.engine_fixtures import EngineServer, free_port
 
 
@@ -103,7 +104,9 @@ def test_unreachable_engine_is_one_line(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def test_report_prints_the_committed_profiles_fit(capsys: pytest.CaptureFixture[str]) -> None:
-    profile = Path(__file__).resolve().parents[2] / "bench/profiles/h100-llama8b-analytic.json"
+    profile = (
+        Path(__file__).resolve().parents[2] / "backend/policy/profiles/h100-llama8b-analytic.json"
+    )
     assert run_cli(["--report", str(profile)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("h100-llama8b-analytic: 165 samples, held-out MAPE")

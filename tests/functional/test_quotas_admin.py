@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from gateway.cli import main as tandem
 from gateway.state import CONFIG
+from tandem.cli import main as tandem
 from tests.functional.gateway_fixtures import GatewayHandle
 
 

@@ -16,8 +16,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from backend.policy.registry import make_policy
 from backend.sim import SimConfig
 from backend.sim.server import create_sim_app
-from backend.wire import RequestMeta, meta_to_custom_params
-from gateway.engine_client import EngineClient
+from common.wire import RequestMeta, meta_to_custom_params
+from gateway.engine.client import EngineClient
 from tests.unit.sim_factories import LATENCY
 
 KV_TOKENS = 5000

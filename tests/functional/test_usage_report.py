@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gateway.cli import main as tandem
 from gateway.state import CONFIG, STORE
 from gateway.store.types import UsageRecord
+from tandem.cli import main as tandem
 from tests.functional.gateway_fixtures import GatewayHandle
 
 DAY = datetime(2026, 10, 5, tzinfo=UTC)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from backend.kernels.kv_copy import KvLayers, gather_slots_reference, scatter_slots_reference
 from bench.kernels.kv_copy_bandwidth import _methods, _time_ms
-from kernels.kv_copy import KvLayers, gather_slots_reference, scatter_slots_reference
 
 pytestmark = [
     pytest.mark.gpu,

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from backend.policy.latency import holdout_mape, load_profile, save_profile
-from bench.profiles.analytic import (
+from bench.profiler.analytic import (
     DEFAULT_OUT,
     Hardware,
     ModelShape,
@@ -26,7 +26,8 @@ def test_profile_is_deterministic_and_the_committed_file_is_current(tmp_path: Pa
     assert msgspec.json.encode(first) == msgspec.json.encode(second)
     save_profile(first, tmp_path / "a.json")
     assert (tmp_path / "a.json").read_text() == DEFAULT_OUT.read_text(), (
-        "bench/profiles/h100-llama8b-analytic.json is stale: python -m bench.profiles.analytic"
+        "backend/policy/profiles/h100-llama8b-analytic.json is stale: "
+        "python -m bench.profiler.analytic"
     )
 
 

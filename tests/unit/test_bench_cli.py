@@ -11,7 +11,7 @@ import pytest
 from bench.defaults import DEFAULT_DATA_DIR
 from bench.trace import TraceError, convert_azure, read_trace, trace_requests
 from bench.workloads import WorkloadParams
-from gateway.cli import main
+from tandem.cli import main
 
 
 def one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:

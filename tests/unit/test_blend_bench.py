@@ -40,7 +40,7 @@ def test_orderings_are_known_names_but_not_run_by_default() -> None:
 
 def test_orderings_refuse_workloads_with_rt_or_timed_arrivals() -> None:
     from backend.policy.latency import LatencyModel, load_profile
-    from bench.runner import resolve_profile
+    from backend.policy.profiles import resolve_profile
 
     profile = load_profile(resolve_profile("h100-llama8b-analytic"))
     latency = LatencyModel.fit(profile.samples)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.batch.cli import progress_line
+from tandem.batch import progress_line
 
 
 def test_progress_line_shows_counts_rate_and_eta() -> None:

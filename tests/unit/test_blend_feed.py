@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from gateway.batch.order import OrderItem
-from gateway.batch.order.feed import BatchFeed, FeedSettings, choose_pilot
+from backend.policy.batch_order import OrderItem
+from backend.policy.batch_order.feed import BatchFeed, FeedSettings, choose_pilot
 
 
 def items(n: int, seed: int = 0) -> tuple[list[OrderItem], dict[int, int]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.batch.order import (
+from backend.policy.batch_order import (
     DualScanner,
     OrderItem,
     PrefixTree,
@@ -13,8 +13,8 @@ from gateway.batch.order import (
     partition,
     plan_blend,
 )
-from gateway.batch.order.cost import DensityModel
-from gateway.batch.order.plan import Unit, dfs_items, layer_sort, merge_units, split_units
+from backend.policy.batch_order.cost import DensityModel
+from backend.policy.batch_order.plan import Unit, dfs_items, layer_sort, merge_units, split_units
 
 
 def workload() -> tuple[list[OrderItem], dict[int, int]]:

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from gateway.batch.order import DensityModel, OrderItem, PrefixTree
-from gateway.batch.order.tree import Node
+from backend.policy.batch_order import DensityModel, OrderItem, PrefixTree
+from backend.policy.batch_order.tree import Node
 
 
 def item(index: int, path: list[int], cap: int | None = None) -> OrderItem:
@@ -100,7 +100,7 @@ def test_unique_indices_are_required() -> None:
 
 def test_the_ordering_code_is_pure() -> None:
     code = (
-        "import sys, gateway.batch.order, gateway.batch.order.feed; "
+        "import sys, backend.policy.batch_order, backend.policy.batch_order.feed; "
         "print(','.join(m for m in ('aiohttp', 'sqlalchemy', 'torch', 'sglang') "
         "if m in sys.modules))"
     )

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import ConfigError, admin_token, load_config
+from common.config import ConfigError, admin_token, load_config
 
 
 def write(tmp_path: Path, text: str) -> Path:

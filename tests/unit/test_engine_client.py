@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.engine_client import _GenerateOut, _to_chunk
+from gateway.engine.client import _GenerateOut, _to_chunk
 
 
 def out(text: str, finish: Any = None, tokens: int = 1, **meta: Any) -> _GenerateOut:

@@ -12,7 +12,7 @@ import pytest
 from backend.policy.types import IterationResult, Plan, PrefillChunk, Snapshot
 from backend.sglang_ext.driver import EngineDriver
 from backend.sglang_ext.request_meta import REQ_ATTR, sched_meta_from_custom_params
-from backend.wire import RequestMeta, meta_to_custom_params
+from common.wire import RequestMeta, meta_to_custom_params
 
 
 class FakeReq(SimpleNamespace):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.engine_stats import EngineStatsWindow
+from gateway.engine.stats import EngineStatsWindow
 
 
 def reading(busy_s: float, rt_busy_s: float, overhead_s: float = 0.0) -> dict[str, float]:

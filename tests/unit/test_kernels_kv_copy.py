@@ -1,4 +1,4 @@
-"""KV gather/scatter kernels (kernels/kv_copy.py) against their torch references, on CPU in
+"""KV gather/scatter kernels (backend/kernels/kv_copy.py) against their torch references, on CPU in
 Triton's interpreter, for several shapes and dtypes; and the wrappers' input checks."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ import os
 import torch
 
 # On a CPU-only machine the whole process may use Triton's interpreter (read when kernels are
-# defined, so before kernels.kv_copy is imported). Not on a GPU machine: tests/gpu needs the
+# defined, so before backend.kernels.kv_copy is imported). Not on a GPU machine: tests/gpu needs the
 # compiled kernels, and kv_copy runs CPU tensors in the interpreter either way.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 
-from kernels.kv_copy import (
+from backend.kernels.kv_copy import (
     KvLayers,
     gather_slots,
     gather_slots_reference,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.pastfuture_table1 import SCHEDULERS, simulate
+from bench.studies.pastfuture_table1 import SCHEDULERS, simulate
 
 pytestmark = pytest.mark.slow
 

@@ -19,11 +19,11 @@ from typing import Any, cast
 
 import pytest
 
+from backend.launch.sglang import engine_env, server_argv
 from backend.sglang_ext import plugin
-from backend.sglang_ext.launcher import engine_env, server_argv
 from backend.sglang_ext.request_meta import SchedReqMeta
-from backend.wire import RequestMeta, meta_to_custom_params
-from gateway.config import EngineConfig
+from common.config import EngineConfig
+from common.wire import RequestMeta, meta_to_custom_params
 
 PINNED_SGLANG = "0.5.23"
 

@@ -17,9 +17,9 @@ def test_an_engine_without_a_cap_keeps_none() -> None:
 
 def test_be_admissions_stop_short_of_the_request_cap() -> None:
     from backend.policy.latency import LatencyModel, load_profile
+    from backend.policy.profiles import PROFILES_DIR
     from backend.policy.registry import make_policy
     from backend.policy.types import ReqState, Snapshot
-    from bench.defaults import PROFILES_DIR
 
     latency = LatencyModel.fit(load_profile(PROFILES_DIR / "cpu-tiny.json").samples)
     policy = make_policy("tandem", latency, latency_budget_s=5.0, idle_budget_s=5.0)

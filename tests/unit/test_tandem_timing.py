@@ -7,8 +7,8 @@ import random
 import pytest
 
 from backend.policy.latency import BatchShape, LatencyModel, load_profile
+from backend.policy.profiles import PROFILES_DIR
 from backend.policy.tandem.timing import BatchTotals, Timer
-from bench.defaults import PROFILES_DIR
 from tests.unit.tandem_factories import LATENCY
 
 ANALYTIC = LatencyModel.fit(load_profile(PROFILES_DIR / "h100-llama8b-analytic.json").samples)

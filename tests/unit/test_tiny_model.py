@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from backend import tiny_model
-from backend.tiny_model import ensure_tiny_model, model_context_length
+from backend.launch import tiny_model
+from backend.launch.tiny_model import ensure_tiny_model, model_context_length
 
 TEXTS = [
     "Hello, world! How are you today?",
@@ -108,7 +108,7 @@ def test_builds_are_identical(model_dir: Path, tmp_path: Path) -> None:
 
 def test_module_cli_prints_the_dir_without_importing_torch(tmp_path: Path) -> None:
     code = (
-        "import sys; from backend.tiny_model import main; main([sys.argv[1]]);"
+        "import sys; from backend.launch.tiny_model import main; main([sys.argv[1]]);"
         "assert 'torch' not in sys.modules, 'tiny_model imported torch'"
     )
     out = subprocess.run(

@@ -7,7 +7,7 @@ import asyncio
 from datetime import UTC, datetime
 from typing import Any
 
-from gateway.config import UsageConfig
+from common.config import UsageConfig
 from gateway.store.types import UsageRecord
 from gateway.usage import UsageRecorder
 

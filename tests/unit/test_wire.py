@@ -1,4 +1,4 @@
-"""backend.wire: the request metadata the gateway sends to the engine in ``custom_params``."""
+"""common.wire: the request metadata the gateway sends to the engine in ``custom_params``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from backend.wire import (
+from common.wire import (
     CUSTOM_PARAMS_KEY,
     PRIORITY_BE,
     PRIORITY_BE_DEADLINE,

@@ -15,7 +15,7 @@ chunk fits now.
   (`be_rate_req_s`, a token bucket holding at most one admission), whatever the RT load. In
   the paper that rate is profiled offline by binary search as the largest that keeps the RT
   SLO metrics within the tolerance of the online-only run; the default is the rate profiled
-  that way for W5 (bench/results/tandem/profile_tolerance.py, README there).
+  that way for W5 (bench/studies/profile_tolerance.py, README there).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class StaticChunkPolicy(PolicyBase):
 DEFAULT_BE_RATE_REQ_S = 0.17
 """The rate profiled for W5 at load 0.75 on the analytic H100 profile, req/s: the largest
 keeping RT P99 TBT and mean TTFT within 5 % of rt-only (binary search, 0.1719 req/s;
-bench/results/tandem/profile_tolerance.py)."""
+bench/studies/profile_tolerance.py)."""
 
 
 class FixedOfflinePolicy(PolicyBase):

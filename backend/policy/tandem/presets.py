@@ -1,7 +1,7 @@
 """Named configurations of tandem for a stated RT interference tolerance (HyGen's setting,
 ../shared/digests/003_hygen.md §2.3): the operator says "RT's P99 TBT and mean TTFT may be at
 most 5 % worse than without BE", and the latency budget L is profiled offline for it by binary
-search (bench/results/tandem/profile_tolerance.py), as HyGen profiles its own.
+search (bench/studies/profile_tolerance.py), as HyGen profiles its own.
 
 Under such a tolerance two rules change besides L:
 

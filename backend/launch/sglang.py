@@ -1,0 +1,361 @@
+"""Starting and stopping the SGLang server as a child process (no SGLang import here).
+
+    argv = server_argv(cfg.engine, model_dir, cfg.model.name)
+    with EngineProcess(argv, engine_env(cfg.engine), base_url=engine_base_url(cfg.engine)) as eng:
+        eng.wait_ready_sync(cfg.engine.startup_timeout_s)
+        ...                                   # the engine is stopped on exit, children included
+
+The engine runs in its own process group (SGLang's scheduler and detokenizer are children of
+its main process), so :meth:`EngineProcess.stop` can signal all of them at once. It is never left
+behind: on Linux the child asks the kernel to SIGKILL it when the parent dies (``prctl
+PR_SET_PDEATHSIG``; SGLang's own children do the same towards their parent), and an ``atexit``
+handler stops every engine still running when the interpreter exits normally.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import ctypes
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+from urllib.parse import urlsplit
+
+from common.config import EngineConfig
+
+PLUGIN_NAME = "tandem"  # the entry-point name in pyproject.toml (= backend.sglang_ext.plugin)
+NO_PLUGINS = "none"  # an SGLANG_PLUGINS value naming no installed plugin: load nothing
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+
+
+class EngineStartError(RuntimeError):
+    """The engine exited or did not become healthy in time; the message holds its log tail."""
+
+
+def engine_base_url(engine_cfg: EngineConfig) -> str:
+    """``http://host:port`` of the engine described by *engine_cfg*."""
+    return f"http://{engine_cfg.host}:{engine_cfg.port}"
+
+
+def has_weights(model_path: Path) -> bool:
+    """True when *model_path* holds weight files (else the engine uses random weights)."""
+    return any(p.suffix in WEIGHT_SUFFIXES for p in Path(model_path).iterdir())
+
+
+def server_argv(engine_cfg: EngineConfig, model_path: Path, model_name: str) -> list[str]:
+    """The command line that runs SGLang's HTTP server for *engine_cfg* and *model_path*.
+
+    A model directory without weight files (the built-in tiny model) is served with random
+    weights (``--load-format dummy``). On CPU the attention backend is torch-native, CUDA graphs
+    are off and the idle scheduler sleeps. ``engine_cfg.extra_args`` come last.
+    """
+    argv = [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", str(model_path),
+        "--served-model-name", model_name,
+        "--host", engine_cfg.host,
+        "--port", str(engine_cfg.port),
+        "--device", engine_cfg.device,
+        "--dtype", engine_cfg.dtype,
+        "--max-total-tokens", str(engine_cfg.max_total_tokens),
+        "--max-running-requests", str(engine_cfg.max_running_requests),
+        "--chunked-prefill-size", str(engine_cfg.chunked_prefill_size),
+        "--log-level", "warning",
+        # Decodes ride along with prefill chunks instead of waiting for the whole prefill
+        # (verified on the CPU engine: long prompts during concurrent decodes, no errors).
+        "--enable-mixed-chunk",
+        # Puts queue_time, request_received_ts, first_token_latency, ... into each response's
+        # meta_info (the gateway's usage records need the queue time), and serves /metrics.
+        "--enable-metrics",
+    ]  # fmt: skip
+    if not has_weights(model_path):
+        argv += ["--load-format", "dummy"]
+    if engine_cfg.device == "cpu":
+        argv += ["--attention-backend", "torch_native"]
+        # --disable-cuda-graph is deprecated in 0.5.23 in favour of these two.
+        argv += ["--cuda-graph-backend-decode", "disabled"]
+        argv += ["--cuda-graph-backend-prefill", "disabled"]
+        # Without it the idle scheduler busy-polls its sockets and burns a whole core, which
+        # on a small CPU machine is a core taken from the gateway and the forward passes.
+        argv.append("--sleep-on-idle")
+    if engine_cfg.context_length is not None:
+        argv += ["--context-length", str(engine_cfg.context_length)]
+    if engine_cfg.enable_priority_scheduling:
+        argv.append("--enable-priority-scheduling")
+    if policy_in_charge(engine_cfg):
+        # The policy's plan is carried out within one scheduler iteration; with overlap
+        # scheduling a batch would still be in flight while the next is planned (SGLang already
+        # turns overlap off on CPU; this makes GPUs behave the same).
+        argv.append("--disable-overlap-schedule")
+    if engine_cfg.kv_layout == "bicache":
+        # The bicache layout frees whole requests; slots the radix tree kept would outlive them.
+        argv.append("--disable-radix-cache")
+    return argv + list(engine_cfg.extra_args)
+
+
+def policy_in_charge(engine_cfg: EngineConfig) -> bool:
+    """True when tandem's policy schedules the engine (patch on and a policy named)."""
+    return engine_cfg.policy_in_charge
+
+
+def control_socket_path(engine_cfg: EngineConfig) -> str:
+    """The Unix socket of the engine's control endpoint."""
+    return engine_cfg.control_socket_path
+
+
+def policy_env(engine_cfg: EngineConfig) -> dict[str, str]:
+    """The variables that put tandem's policy in charge of the engine (empty when it is not).
+    Raises ValueError for an unknown policy or profile, before any process starts."""
+    if not policy_in_charge(engine_cfg):
+        return {"TANDEM_ENGINE_POLICY": "none"}
+    from backend.policy.profiles import resolve_profile
+    from backend.policy.registry import POLICY_NAMES
+
+    if engine_cfg.policy not in POLICY_NAMES:
+        raise ValueError(
+            f"engine.policy {engine_cfg.policy!r} is not a policy; valid: "
+            f"none, {', '.join(POLICY_NAMES)}"
+        )
+    return {
+        "TANDEM_ENGINE_POLICY": engine_cfg.policy,
+        "TANDEM_ENGINE_PROFILE": str(resolve_profile(engine_cfg.profile)),
+        "TANDEM_ENGINE_POLICY_OPTIONS": json.dumps(engine_cfg.policy_options),
+        "TANDEM_CONTROL_SOCKET": control_socket_path(engine_cfg),
+    }
+
+
+def engine_env(
+    engine_cfg: EngineConfig,
+    base: Mapping[str, str] | None = None,
+    extra: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The engine's environment: *base* (default ``os.environ``) with tandem's settings.
+
+    * ``SGLANG_USE_CPU_ENGINE=1`` on CPU: without it SGLang's ``is_cpu()`` is False and rotary
+      embeddings fall back to vLLM's CUDA ops.
+    * ``SGLANG_PLUGINS``: SGLang loads *every* installed plugin when the variable is empty, so
+      "patch off" must name a list without tandem (``none`` when nothing else is left) for the
+      engine to be stock SGLang; "patch on" adds ``tandem`` to whatever list is given.
+    """
+    env = dict(os.environ if base is None else base)
+    if engine_cfg.device == "cpu":
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+    plugins = [p.strip() for p in env.get("SGLANG_PLUGINS", "").split(",") if p.strip()]
+    plugins = [p for p in plugins if p not in (PLUGIN_NAME, NO_PLUGINS)]
+    if engine_cfg.patch:
+        plugins.append(PLUGIN_NAME)
+    env["SGLANG_PLUGINS"] = ",".join(plugins) or NO_PLUGINS
+    env.update(policy_env(engine_cfg))
+    if engine_cfg.kv_layout == "bicache":
+        env["TANDEM_KV_LAYOUT"] = "bicache"
+    env.update(extra or {})
+    return env
+
+
+class EngineProcess:
+    """One SGLang server process group: start, wait until healthy, stop (idempotent)."""
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        *,
+        base_url: str,
+        log_path: str | Path | None = None,
+    ) -> None:
+        """*log_path*: where stdout and stderr go (appended); None: inherited from the parent."""
+        self.argv = list(argv)
+        self.env = dict(env)
+        self.base_url = base_url.rstrip("/")
+        self.log_path = None if log_path is None else Path(log_path)
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The engine's main process id (also its process group id), None before start."""
+        return None if self._proc is None else self._proc.pid
+
+    @property
+    def is_running(self) -> bool:
+        """True between start() and the main process's exit."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> None:
+        """Launches the server in a new session (so its own process group); returns at once."""
+        if self._proc is not None:
+            raise RuntimeError("engine already started")
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        # PR_SET_PDEATHSIG fires when the *thread* that forked exits, so it is armed only when
+        # starting from the main thread; other starts rely on the atexit handler and stop().
+        on_main_thread = threading.current_thread() is threading.main_thread()
+        self._proc = subprocess.Popen(
+            self.argv,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT if self._log is not None else None,
+            start_new_session=True,
+            preexec_fn=_die_with_parent(os.getpid()) if on_main_thread else None,
+        )
+        _live.add(self)
+
+    def wait_ready_sync(self, timeout_s: float, poll_s: float = 0.5) -> None:
+        """Blocks until ``GET /health`` answers 200; raises EngineStartError on exit/timeout."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._check_alive()
+            if _health_sync(self.base_url) == 200:
+                return
+            if time.monotonic() > deadline:
+                raise EngineStartError(self._failure(f"not healthy after {timeout_s:.0f} s"))
+            time.sleep(poll_s)
+
+    async def wait_ready(self, timeout_s: float, poll_s: float = 0.5) -> None:
+        """Async :meth:`wait_ready_sync` (polls without blocking the event loop)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._check_alive()
+            if await _health_async(self.base_url) == 200:
+                return
+            if time.monotonic() > deadline:
+                raise EngineStartError(self._failure(f"not healthy after {timeout_s:.0f} s"))
+            await asyncio.sleep(poll_s)
+
+    def stop(self, timeout_s: float = 15.0) -> int | None:
+        """SIGTERM, wait up to *timeout_s*, then SIGKILL to the whole group; the exit code.
+
+        SIGTERM goes to the main process only: SGLang then drains and stops its scheduler and
+        detokenizer itself (about 4 s). Signalling the group instead kills the scheduler first,
+        and the main process, taking that for a crash, spends 5 s more on crash diagnostics.
+        """
+        proc = self._proc
+        if proc is None:
+            return None
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _signal_group(proc.pid, signal.SIGKILL)
+            proc.wait()
+        # Stragglers (a scheduler that ignored SIGTERM) share the group: make sure of them too.
+        _signal_group(proc.pid, signal.SIGKILL)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        _live.discard(self)
+        return proc.returncode
+
+    def log_tail(self, max_bytes: int = 8000) -> str:
+        """The end of the engine's log file ("" when its output is not captured)."""
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        with open(self.log_path, "rb") as log:
+            log.seek(max(0, log.seek(0, os.SEEK_END) - max_bytes))
+            return log.read().decode("utf-8", "replace")
+
+    def __enter__(self) -> EngineProcess:
+        if self._proc is None:
+            self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def _check_alive(self) -> None:
+        if self._proc is None:
+            raise RuntimeError("engine not started")
+        code = self._proc.poll()
+        if code is not None:
+            self.stop()  # reap whatever the main process left in its group
+            raise EngineStartError(self._failure(f"exited with code {code}"))
+
+    def _failure(self, what: str) -> str:
+        tail = self.log_tail()
+        where = f" (log: {self.log_path})" if self.log_path else ""
+        return f"engine {what}{where}" + (f"\n--- log tail ---\n{tail}" if tail else "")
+
+
+def _die_with_parent(parent_pid: int) -> Callable[[], None]:
+    """A preexec_fn: on Linux, the kernel SIGKILLs the child when the parent dies."""
+    # Resolved here, in the parent: after fork() only async-signal-safe work is wise (no dlopen).
+    prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+    pr_set_pdeathsig = 1
+
+    def arm() -> None:
+        if prctl is not None:
+            prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return arm
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is already gone
+        os.killpg(pgid, sig)
+
+
+def _health_sync(base_url: str, timeout_s: float = 5.0) -> int | None:
+    """The status of ``GET /health``; None when nothing answers.
+
+    SGLang's /health runs a one-token generation and answers after at least 1 s.
+    """
+    url = urlsplit(base_url)
+    conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=timeout_s)
+    try:
+        conn.request("GET", "/health")
+        return conn.getresponse().status
+    except (OSError, http.client.HTTPException):
+        return None
+    finally:
+        conn.close()
+
+
+async def _health_async(base_url: str, timeout_s: float = 5.0) -> int | None:
+    """:func:`_health_sync` over asyncio streams (no HTTP client library needed)."""
+    url = urlsplit(base_url)
+    host = url.hostname or "127.0.0.1"
+    writer = None
+    try:
+        async with asyncio.timeout(timeout_s):
+            reader, writer = await asyncio.open_connection(host, url.port)
+            writer.write(f"GET /health HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
+            await writer.drain()
+            status_line = await reader.readline()  # b"HTTP/1.1 200 OK\r\n"
+        return int(status_line.split()[1])
+    except (OSError, TimeoutError, ValueError, IndexError):
+        return None
+    finally:
+        if writer is not None:
+            writer.close()
+
+
+# Engines started by this process and not yet stopped (strong references: an engine object that
+# is dropped without stop() must still be stopped at interpreter exit).
+_live: set[EngineProcess] = set()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for engine in list(_live):
+        engine.stop(timeout_s=5.0)

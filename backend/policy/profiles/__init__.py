@@ -1,0 +1,29 @@
+"""The latency profiles shipped with tandem (NAME.json beside this file), read by the latency
+model (backend/policy/latency.py). Pure: pathlib only, so the command line can name them cheaply.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PROFILES_DIR = Path(__file__).resolve().parent
+"""Where named latency profiles live (NAME.json)."""
+
+
+def resolve_profile(name_or_path: str) -> Path:
+    """A profile file: a path as given, or NAME → backend/policy/profiles/NAME.json.
+
+    Raises ValueError naming the known profiles when there is no such file."""
+    path = Path(name_or_path).expanduser()
+    if path.suffix == ".json" or path.parent != Path(".") or path.is_file():
+        if not path.is_file():
+            raise ValueError(f"profile file not found: {name_or_path}")
+        return path
+    named = PROFILES_DIR / f"{name_or_path}.json"
+    if not named.is_file():
+        known = sorted(p.stem for p in PROFILES_DIR.glob("*.json"))
+        raise ValueError(
+            f"unknown profile {name_or_path!r} (known: {', '.join(known) or 'none'}; "
+            "or give a .json file)"
+        )
+    return named

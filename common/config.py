@@ -1,0 +1,322 @@
+"""Configuration: frozen msgspec Structs, loaded once from config.yaml plus environment overrides.
+
+Every key can be overridden by an environment variable ``TANDEM_<SECTION>__<KEY>`` (for example
+``TANDEM_GATEWAY__PORT=8080``); its value is parsed as a YAML scalar, so numbers, booleans and
+``null`` keep their types. Environment variables are read here and nowhere else (the admin token
+included). Bad values raise :class:`ConfigError` with a one-line message naming the key.
+
+Facts found at run time (the model's context length, the engine's KV capacity) live elsewhere and
+are never written back into the config.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import yaml
+
+ENV_PREFIX = "TANDEM_"
+ADMIN_TOKEN_ENV = "TANDEM_ADMIN_TOKEN"
+DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config.yaml"
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing or invalid; the message names the key."""
+
+
+class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class GatewayConfig(_Section, frozen=True):
+    """The HTTP gateway."""
+
+    host: str = "127.0.0.1"
+    """Interface to listen on."""
+    port: int = 8000
+    """TCP port of the OpenAI-compatible and admin API."""
+    max_body_bytes: int = 4 * 1024 * 1024
+    """Largest accepted request body, bytes; a larger one is answered 413."""
+    auth_cache_ttl_s: float = 5.0
+    """How long a key→tenant lookup is cached, seconds. Revocation through this gateway's admin
+    API is immediate; other processes see changes after at most this long."""
+    engine_retry_after_s: int = 5
+    """`Retry-After` sent with a 503 when the engine is unreachable, seconds."""
+    default_max_tokens: int = 1024
+    """Output cap of a request that sets no max_tokens, tokens (never beyond the context)."""
+
+
+class DatabaseConfig(_Section, frozen=True):
+    """The SQL store (SQLAlchemy URL; sqlite+aiosqlite or postgresql+asyncpg)."""
+
+    url: str = "sqlite+aiosqlite:///tandem.db"
+    """Database URL. A relative SQLite path is relative to the working directory. Plain
+    `sqlite://` and `postgresql://` URLs are given their async driver."""
+    echo: bool = False
+    """Log every SQL statement (debugging)."""
+
+
+class ModelConfig(_Section, frozen=True):
+    """The model served by the engine."""
+
+    name: str = "tandem-tiny"
+    """Model id clients pass as `model` and that /v1/models lists."""
+    path: str | None = None
+    """Local Hugging Face model directory (config.json + tokenizer). None: the built-in tiny model,
+    created on first start under `cache_dir`."""
+    cache_dir: str = "~/.cache/tandem"
+    """Where the built-in tiny model is created, bytes on disk: about 1 MB."""
+
+
+class EngineConfig(_Section, frozen=True):
+    """The inference engine behind the gateway."""
+
+    kind: Literal["sglang", "sim"] = "sglang"
+    """Engine implementation: the patched SGLang server, or tandem's simulator (same HTTP
+    surface, iteration times from a latency profile; for capacity planning and demos)."""
+    host: str = "127.0.0.1"
+    """Address the engine listens on."""
+    port: int = 30000
+    """Port of the engine's HTTP server."""
+    launch: bool = True
+    """Start the engine as a child process of `tandem serve`; False: connect to a running one."""
+    patch: bool = True
+    """Load tandem's SGLang plugin (RT/BE metadata, co-location seams); False: stock SGLang."""
+    policy: str = "tandem"
+    """Policy that schedules the patched engine (a name of backend.policy.registry); "none":
+    SGLang's own scheduling, with tandem's metadata only. Ignored when `patch` is False."""
+    profile: str = "cpu-tiny"
+    """Latency profile the in-engine policy plans with: a name in bench/profiler/ or a path."""
+    policy_options: dict[str, float | int | bool | str] = msgspec.field(default_factory=dict)
+    """Options for the policy's constructor (e.g. latency_budget_s for tandem)."""
+    control_socket: str | None = None
+    """Unix socket of the patched engine's control endpoint (length-history pushes,
+    statistics); None: tandem-engine-<port>.sock in the system's temporary directory."""
+
+    @property
+    def policy_in_charge(self) -> bool:
+        """True when tandem's policy schedules the engine (patch on and a policy named)."""
+        return self.kind == "sglang" and self.patch and self.policy not in ("", "none")
+
+    @property
+    def control_socket_path(self) -> str:
+        """The Unix socket of the engine's control endpoint."""
+        if self.control_socket:
+            return self.control_socket
+        import tempfile
+
+        return f"{tempfile.gettempdir()}/tandem-engine-{self.port}.sock"
+
+    device: str = "cpu"
+    """Torch device of the engine ("cpu" or "cuda")."""
+    dtype: str = "float32"
+    """Model dtype passed to SGLang (float32 on CPU; bfloat16 on GPUs)."""
+    max_total_tokens: int = 16384
+    """Size of the KV pool, tokens."""
+    max_running_requests: int = 64
+    """Largest decode batch, requests."""
+    chunked_prefill_size: int = 512
+    """Largest prefill chunk per iteration, tokens."""
+    context_length: int | None = None
+    """Override of the model's context length, tokens (None: from the model config)."""
+    enable_priority_scheduling: bool = False
+    """Stock SGLang priority scheduling (a baseline; the tandem policy does not need it)."""
+    kv_layout: Literal["token", "bicache"] = "token"
+    """How the patched engine lays out KV slots: "token" (SGLang's own free list) or "bicache"
+    (BROS's bidirectional blocks: RT fills 16-slot blocks from the left, BE from the right, and
+    RT may take over the slots of a parked BE request after copying them to host memory; needs
+    max_total_tokens a multiple of 16 and runs without the radix cache). Off by default: on this
+    engine it does not pay (bench/results/W1-bicache/README.md)."""
+    extra_args: list[str] = msgspec.field(default_factory=list)
+    """Further command-line flags for `sglang.launch_server`."""
+    startup_timeout_s: float = 300.0
+    """How long `tandem serve` waits for the engine to become healthy, seconds."""
+    request_timeout_s: float = 600.0
+    """Upper bound on one engine request, seconds."""
+    log_file: str | None = None
+    """Where the engine's output goes (None: inherited stdout/stderr)."""
+    sim_profile: str = "h100-llama8b-analytic"
+    """kind sim: latency profile, a name in bench/profiler/ or a file path."""
+    sim_policy: str = "fcfs"
+    """kind sim: scheduling policy (a name of backend.policy.registry)."""
+    sim_kv_tokens: int | None = None
+    """kind sim: KV pool size, tokens (None: the profile's capacity)."""
+
+
+class UsageConfig(_Section, frozen=True):
+    """Usage records and output-length history (written off the hot path)."""
+
+    flush_interval_s: float = 0.5
+    """Longest time a finished request's record waits before it is written, seconds."""
+    batch_size: int = 500
+    """Records written per transaction at most."""
+    queue_max: int = 100_000
+    """Records buffered in memory at most; beyond it the oldest are dropped and counted."""
+    length_history_window: int = 1000
+    """Finished output lengths kept per length-history key."""
+
+
+class BatchConfig(_Section, frozen=True):
+    """The Files and Batch API and the batch runner that feeds BE lines to the engine."""
+
+    max_file_bytes: int = 100 * 1024 * 1024
+    """Largest uploaded file, bytes; a larger upload is answered 413."""
+    max_lines: int = 50_000
+    """Most requests (JSONL lines) in one batch input file, lines."""
+    max_inflight: int = 64
+    """Batch lines running on the engine at once (all batches together), requests: the
+    runner's backpressure bound; it also never exceeds the engine's KV (see the scanner)."""
+    poll_interval_s: float = 0.5
+    """How often the runner looks for new, cancelled and expired batches, seconds."""
+    pilot_fraction: float = 0.01
+    """Share of a batch's lines run first to sample output lengths (BlendServe §3.2), 0–1."""
+    pilot_max_lines: int = 32
+    """Most pilot lines per batch, lines."""
+    split_alpha: float = 0.02
+    """Outlier-split budget: prefix tokens a split may recompute, as a share of the batch's
+    unique prompt tokens (BlendServe Alg. 2 threshold)."""
+    engine_kv_tokens: int | None = None
+    """KV pool the scanner partitions, tokens (None: engine.max_total_tokens)."""
+    retry_after_s: float = 2.0
+    """Pause before a line is retried after the engine was unreachable or aborted it, seconds."""
+    max_attempts: int = 5
+    """Attempts per line before it is written to the error file, attempts."""
+    runner_enabled: bool = True
+    """Run the batch runner in this gateway process. Exactly one process per database may run it
+    (a second gateway replica sets this to false)."""
+    output_expires_days: int = 30
+    """Days after which output and error files expire (shown as `expires_at`), days."""
+
+
+class QuotaConfig(_Section, frozen=True):
+    """Per-tenant quotas (gateway.quotas): how gateway processes sharing a database split them."""
+
+    sync_interval_s: float = 1.0
+    """How often this process publishes its demand and reads the others', seconds; also the
+    longest a limit split stays out of date."""
+    instance_timeout_s: float = 5.0
+    """A gateway process whose heartbeat is older than this no longer gets a share, seconds."""
+
+
+class MetricsConfig(_Section, frozen=True):
+    """Prometheus /metrics and the dashboard's engine history."""
+
+    engine_poll_s: float = 5.0
+    """How often the engine's load (queues, KV use) and the batch backlog are sampled, seconds."""
+    history_s: float = 6 * 3600.0
+    """How much sampled engine history the dashboard can show, seconds."""
+
+
+class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The whole configuration (config.yaml)."""
+
+    gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
+    database: DatabaseConfig = msgspec.field(default_factory=DatabaseConfig)
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    usage: UsageConfig = msgspec.field(default_factory=UsageConfig)
+    quota: QuotaConfig = msgspec.field(default_factory=QuotaConfig)
+    metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    batch: BatchConfig = msgspec.field(default_factory=BatchConfig)
+
+    def __post_init__(self) -> None:
+        _check_positive("gateway.port", self.gateway.port)
+        _check_positive("engine.port", self.engine.port)
+        _check_positive("gateway.max_body_bytes", self.gateway.max_body_bytes)
+        _check_positive("gateway.default_max_tokens", self.gateway.default_max_tokens)
+        _check_positive("engine.max_total_tokens", self.engine.max_total_tokens)
+        _check_positive("engine.max_running_requests", self.engine.max_running_requests)
+        _check_positive("engine.chunked_prefill_size", self.engine.chunked_prefill_size)
+        _check_positive("usage.batch_size", self.usage.batch_size)
+        _check_positive("usage.length_history_window", self.usage.length_history_window)
+        _check_positive("batch.max_file_bytes", self.batch.max_file_bytes)
+        _check_positive("batch.max_lines", self.batch.max_lines)
+        _check_positive("batch.max_inflight", self.batch.max_inflight)
+        _check_positive("batch.poll_interval_s", self.batch.poll_interval_s)
+        _check_positive("batch.max_attempts", self.batch.max_attempts)
+        if not 0.0 <= self.batch.pilot_fraction <= 1.0:
+            raise ConfigError("batch.pilot_fraction must be in [0, 1]")
+        if self.gateway.port > 65535 or self.engine.port > 65535:
+            raise ConfigError("gateway.port and engine.port must be at most 65535")
+        if self.engine.kv_layout == "bicache" and self.engine.max_total_tokens % 16:
+            raise ConfigError(
+                "engine.max_total_tokens must be a multiple of 16 with "
+                "engine.kv_layout bicache (blocks of 16 slots)"
+            )
+        if not self.database.url.split(":", 1)[0].startswith(("sqlite", "postgresql")):
+            raise ConfigError(
+                f"database.url: unsupported database {self.database.url.split(':', 1)[0]!r} "
+                "(use sqlite or postgresql)"
+            )
+
+
+def _check_positive(key: str, value: float) -> None:
+    if value <= 0:
+        raise ConfigError(f"{key} must be positive, got {value}")
+
+
+def load_config(path: str | Path | None = None, environ: Mapping[str, str] | None = None) -> Config:
+    """Reads *path* (default: the repository's config.yaml), applies ``TANDEM_*`` overrides."""
+    env = os.environ if environ is None else environ
+    raw = _read_yaml(Path(path) if path else DEFAULT_CONFIG_PATH)
+    _apply_env_overrides(raw, env)
+    try:
+        return msgspec.convert(raw, Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"config: {_describe(exc)}") from None
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(f"config: {exc}") from None
+
+
+def admin_token(environ: Mapping[str, str] | None = None) -> str:
+    """The admin bearer token (``TANDEM_ADMIN_TOKEN``); required to serve."""
+    env = os.environ if environ is None else environ
+    token = env.get(ADMIN_TOKEN_ENV, "")
+    if len(token) < 8:
+        raise ConfigError(f"{ADMIN_TOKEN_ENV} must be set to a secret of at least 8 characters")
+    return token
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections")
+    return data
+
+
+def _apply_env_overrides(raw: dict[str, Any], env: Mapping[str, str]) -> None:
+    sections = {f.name for f in msgspec.structs.fields(Config)}
+    for name, value in env.items():
+        if not name.startswith(ENV_PREFIX) or "__" not in name or name == ADMIN_TOKEN_ENV:
+            continue
+        section, _, key = name[len(ENV_PREFIX) :].lower().partition("__")
+        if section not in sections:
+            raise ConfigError(f"{name}: unknown config section {section!r}")
+        try:
+            parsed = yaml.safe_load(value) if value.strip() else ""
+        except yaml.YAMLError:
+            parsed = value
+        target = raw.setdefault(section, {})
+        if not isinstance(target, dict):
+            raise ConfigError(f"config section {section!r} must be a mapping")
+        target[key] = parsed
+
+
+def _describe(exc: msgspec.ValidationError) -> str:
+    # msgspec says "Expected `int`, got `str` - at `$.gateway.port`"; turn the path into a key.
+    text = str(exc)
+    if " - at `$." in text:
+        message, _, where = text.rpartition(" - at `$.")
+        return f"{where.rstrip('`')}: {message}"
+    return text

@@ -1,0 +1,68 @@
+"""The patched engine's own counters (its control endpoint's ``GET /stats``) as gauges on the
+gateway's ``GET /metrics``: how the engine's busy time splits between RT work and the rest, and
+what tandem's scheduling costs.
+
+The engine-control loop (`gateway.engine.control`) reads ``/stats`` every couple of seconds;
+each gauge covers the interval between the last two readings, so it follows the load as it
+changes (a restarted engine — its counters went down — starts a new interval).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.core import GaugeMetricFamily
+
+_SHARES = (
+    (
+        "tandem_engine_rt_time_share",
+        "rt_busy_s",
+        "Share of the engine's busy time that RT work accounted for (the rest is BE's marginal "
+        "cost) over the last control-endpoint interval.",
+    ),
+    (
+        "tandem_engine_scheduler_overhead_share",
+        "overhead_s",
+        "Share of the engine's busy time spent in tandem's scheduling code over the last "
+        "control-endpoint interval.",
+    ),
+)
+
+
+class EngineStatsWindow:
+    """The last two ``/stats`` readings of the engine."""
+
+    def __init__(self) -> None:
+        self.previous: dict[str, Any] | None = None
+        self.latest: dict[str, Any] | None = None
+
+    def add(self, stats: dict[str, Any]) -> None:
+        """A new reading; one with less busy time than the last (the engine restarted) starts
+        over."""
+        if self.latest is not None and _num(stats, "busy_s") < _num(self.latest, "busy_s"):
+            self.latest = None
+        self.previous, self.latest = self.latest, stats
+
+    def share(self, key: str) -> float | None:
+        """Δkey / Δbusy_s between the last two readings (since the engine started when there
+        is one); None before a reading with busy time."""
+        if self.latest is None:
+            return None
+        before = self.previous or {}
+        busy = _num(self.latest, "busy_s") - _num(before, "busy_s")
+        if busy <= 0:
+            return None
+        return min(1.0, max(0.0, (_num(self.latest, key) - _num(before, key)) / busy))
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        """The gauges that have a value (collected at scrape time)."""
+        for name, key, doc in _SHARES:
+            value = self.share(key)
+            if value is not None:
+                yield GaugeMetricFamily(name, doc, value=value)
+
+
+def _num(stats: dict[str, Any], key: str) -> float:
+    value = stats.get(key)
+    return float(value) if isinstance(value, int | float) else 0.0

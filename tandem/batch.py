@@ -1,0 +1,290 @@
+"""`tandem batch …`: a BE tenant's command line for the Batch API (talks HTTP to a gateway).
+
+    tandem batch create FILE.jsonl [--endpoint /v1/chat/completions] [--window 24h] [--watch]
+    tandem batch watch ID          progress bar with ETA until the batch ends
+    tandem batch get ID | list | cancel ID
+    tandem batch results ID [--output FILE] [--errors FILE]
+
+The gateway is `--url` (default: this config's gateway address); the tenant key is `--api-key`
+(default: $TANDEM_API_KEY). Every failure is one line, `tandem: error: …` (exit 2 for bad input,
+1 when the gateway refuses or cannot be reached).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, TextIO
+
+API_KEY_ENV = "TANDEM_API_KEY"
+FINAL = ("completed", "failed", "expired", "cancelled")
+_BAR_WIDTH = 30
+
+
+class BatchCliError(Exception):
+    """A one-line failure; `status` is the exit status."""
+
+    def __init__(self, message: str, status: int = 1) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def add_batch_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    """Adds `batch` and its actions to the `tandem` command line."""
+    batch = subparsers.add_parser("batch", help="BE batches: create, watch, results")
+    actions = batch.add_subparsers(metavar="ACTION")
+    conn = argparse.ArgumentParser(add_help=False, parents=[common])
+    conn.add_argument("--url", help="gateway base URL (default: from the config)")
+    conn.add_argument("--api-key", help=f"tenant API key (default: ${API_KEY_ENV})")
+
+    create = actions.add_parser(
+        "create", parents=[conn], help="upload a JSONL file and start a batch"
+    )
+    create.add_argument("file", type=Path, help="JSONL input (custom_id, method, url, body)")
+    create.add_argument(
+        "--endpoint",
+        default="/v1/chat/completions",
+        help="/v1/chat/completions (default) or /v1/completions",
+    )
+    create.add_argument(
+        "--window",
+        default="24h",
+        help="completion window: 24h, or shorter (e.g. 1h) to make it a deadline",
+    )
+    create.add_argument("--watch", action="store_true", help="then show progress until done")
+    create.set_defaults(func=_entry, batch_action=_create)
+    for name, helptext, func in (
+        ("get", "show a batch", _get),
+        ("cancel", "cancel a batch", _cancel),
+        ("watch", "progress bar with ETA until the batch ends", _watch_cmd),
+    ):
+        p = actions.add_parser(name, parents=[conn], help=helptext)
+        p.add_argument("batch_id", metavar="ID")
+        p.set_defaults(func=_entry, batch_action=func)
+    listing = actions.add_parser("list", parents=[conn], help="your batches, newest first")
+    listing.add_argument("--limit", type=int, default=20)
+    listing.set_defaults(func=_entry, batch_action=_list)
+    results = actions.add_parser("results", parents=[conn], help="download output and errors")
+    results.add_argument("batch_id", metavar="ID")
+    results.add_argument("--output", type=Path, help="write the output file here (default: stdout)")
+    results.add_argument("--errors", type=Path, help="write the error file here")
+    results.set_defaults(func=_entry, batch_action=_results)
+
+
+def _entry(args: argparse.Namespace) -> int:
+    """Runs a `tandem batch` action; one-line errors."""
+    try:
+        url = args.url or _config_url(args.config)
+        return int(args.batch_action(_Client(url, _key(args)), args) or 0)
+    except BatchCliError as exc:
+        print(f"tandem: error: {exc}", file=sys.stderr)
+        return exc.status
+
+
+def _config_url(config_path: str | None) -> str:
+    from common.config import load_config
+
+    gateway = load_config(config_path).gateway
+    host = "127.0.0.1" if gateway.host in ("0.0.0.0", "::") else gateway.host
+    return f"http://{host}:{gateway.port}"
+
+
+def _key(args: argparse.Namespace) -> str:
+    key = args.api_key or os.environ.get(API_KEY_ENV)
+    if not key:
+        raise BatchCliError(f"no API key: pass --api-key or set {API_KEY_ENV}", 2)
+    return str(key)
+
+
+class _Client:
+    def __init__(self, base_url: str, key: str) -> None:
+        self.base = base_url.rstrip("/")
+        self.key = key
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        content_type: str = "application/json",
+    ) -> bytes:
+        req = urllib.request.Request(
+            f"{self.base}{path}",
+            data=body,
+            method=method,
+            headers={"Authorization": f"Bearer {self.key}", "Content-Type": content_type},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                return bytes(resp.read())
+        except urllib.error.HTTPError as exc:
+            raise BatchCliError(_error_message(exc)) from None
+        except OSError as exc:
+            raise BatchCliError(f"cannot reach the gateway at {self.base}: {exc}") from None
+
+    def json(self, method: str, path: str, payload: dict[str, Any] | None = None) -> Any:
+        body = json.dumps(payload).encode() if payload is not None else None
+        return json.loads(self.request(method, path, body))
+
+    def upload(self, path: Path) -> dict[str, Any]:
+        try:
+            content = path.read_bytes()
+        except OSError as exc:
+            raise BatchCliError(f"cannot read {path}: {exc.strerror}", 2) from None
+        boundary = f"tandem-{secrets.token_hex(8)}"
+        parts = [
+            f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\n'
+            f"batch\r\n".encode(),
+            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; '
+            f'filename="{path.name}"\r\nContent-Type: application/jsonl\r\n\r\n'.encode(),
+            content,
+            f"\r\n--{boundary}--\r\n".encode(),
+        ]
+        raw = self.request(
+            "POST", "/v1/files", b"".join(parts), f"multipart/form-data; boundary={boundary}"
+        )
+        return dict(json.loads(raw))
+
+
+def _error_message(exc: urllib.error.HTTPError) -> str:
+    try:
+        body = json.loads(exc.read())
+        return f"{exc.code}: {body['error']['message']}"
+    except (ValueError, KeyError, TypeError):
+        return f"the gateway answered {exc.code} {exc.reason}"
+
+
+def _print(payload: Any) -> None:
+    print(json.dumps(payload, indent=2))
+
+
+def _create(client: _Client, args: argparse.Namespace) -> int:
+    uploaded = client.upload(args.file)
+    batch = client.json(
+        "POST",
+        "/v1/batches",
+        {
+            "input_file_id": uploaded["id"],
+            "endpoint": args.endpoint,
+            "completion_window": args.window,
+        },
+    )
+    if not args.watch:
+        _print(batch)
+        return 0
+    print(
+        f"batch {batch['id']} ({uploaded['bytes']} bytes uploaded as {uploaded['id']})",
+        file=sys.stderr,
+    )
+    return _watch(client, batch["id"])
+
+
+def _get(client: _Client, args: argparse.Namespace) -> int:
+    _print(client.json("GET", f"/v1/batches/{args.batch_id}"))
+    return 0
+
+
+def _cancel(client: _Client, args: argparse.Namespace) -> int:
+    _print(client.json("POST", f"/v1/batches/{args.batch_id}/cancel"))
+    return 0
+
+
+def _list(client: _Client, args: argparse.Namespace) -> int:
+    page = client.json("GET", f"/v1/batches?limit={args.limit}")
+    for b in page["data"]:
+        counts = b["request_counts"]
+        print(
+            f"{b['id']}  {b['status']:<11} {counts['completed']}/{counts['total']} done, "
+            f"{counts['failed']} failed"
+        )
+    return 0
+
+
+def _results(client: _Client, args: argparse.Namespace) -> int:
+    batch = client.json("GET", f"/v1/batches/{args.batch_id}")
+    if batch["status"] not in FINAL:
+        raise BatchCliError(
+            f"batch {args.batch_id} is still {batch['status']}; results come "
+            f"when it ends (tandem batch watch {args.batch_id})"
+        )
+    if batch["output_file_id"]:
+        data = client.request("GET", f"/v1/files/{batch['output_file_id']}/content")
+        if args.output:
+            args.output.write_bytes(data)
+        else:
+            sys.stdout.write(data.decode())
+    if batch["error_file_id"]:
+        data = client.request("GET", f"/v1/files/{batch['error_file_id']}/content")
+        if args.errors:
+            args.errors.write_bytes(data)
+        else:
+            print(
+                f"{batch['request_counts']['failed']} failed lines: tandem batch results "
+                f"{args.batch_id} --errors FILE",
+                file=sys.stderr,
+            )
+    return 0
+
+
+def _watch_cmd(client: _Client, args: argparse.Namespace) -> int:
+    return _watch(client, args.batch_id)
+
+
+def _watch(
+    client: _Client, batch_id: str, interval_s: float = 1.0, out: TextIO = sys.stderr
+) -> int:
+    """Redraws one progress line until the batch ends; 0 when it completed."""
+    started = time.monotonic()
+    first_done: int | None = None
+    while True:
+        batch = client.json("GET", f"/v1/batches/{batch_id}")
+        counts = batch["request_counts"]
+        done = counts["completed"] + counts["failed"]
+        first_done = done if first_done is None else first_done
+        out.write(
+            "\r"
+            + progress_line(
+                batch["status"],
+                done,
+                counts["failed"],
+                counts["total"],
+                done - first_done,
+                time.monotonic() - started,
+            )
+        )
+        out.flush()
+        if batch["status"] in FINAL:
+            out.write("\n")
+            _print(batch)
+            return 0 if batch["status"] == "completed" else 1
+        time.sleep(interval_s)
+
+
+def progress_line(
+    status: str, done: int, failed: int, total: int, done_since_start: int, elapsed_s: float
+) -> str:
+    """`[#####-----] 12/40 lines (1 failed) 2.0/s ETA 0:00:14 in_progress`."""
+    share = done / total if total else 0.0
+    filled = round(share * _BAR_WIDTH)
+    bar = "#" * filled + "-" * (_BAR_WIDTH - filled)
+    rate = done_since_start / elapsed_s if elapsed_s > 0 else 0.0
+    if status in FINAL:
+        eta = "done"
+    elif rate > 0 and total:
+        eta = "ETA " + _clock((total - done) / rate)
+    else:
+        eta = "ETA --:--:--"
+    failed_text = f" ({failed} failed)" if failed else ""
+    return f"[{bar}] {done}/{total} lines{failed_text} {rate:.1f}/s {eta} {status:<11}"
+
+
+def _clock(seconds: float) -> str:
+    s = round(seconds)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"

@@ -1,0 +1,113 @@
+"""`tandem serve`: migrate the database, start the engine, then the gateway; stop both cleanly.
+
+The engine runs in its own process group and is stopped (the whole group) however the gateway
+exits: Ctrl-C, SIGTERM, or an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from aiohttp import web
+
+from backend.launch.sglang import (
+    EngineProcess,
+    EngineStartError,
+    engine_base_url,
+    engine_env,
+    server_argv,
+)
+from backend.launch.sim import sim_argv
+from backend.launch.tiny_model import ensure_tiny_model
+from common.config import Config, ConfigError, ModelConfig, admin_token
+from gateway.app import create_app
+from gateway.store.migrate import upgrade
+
+log = logging.getLogger("tandem")
+
+
+def resolve_model_dir(model: ModelConfig) -> Path:
+    """The model directory: the configured one, or the built-in tiny model (created if needed)."""
+    if model.path is not None:
+        path = Path(model.path).expanduser()
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model.path: {path} is not a model directory (no config.json)")
+        return path
+    return ensure_tiny_model(Path(model.cache_dir).expanduser())
+
+
+def _engine_argv(config: Config, model_dir: Path) -> list[str]:
+    if config.engine.kind == "sim":
+        try:
+            return sim_argv(config.engine, config.model.name)
+        except ValueError as exc:
+            raise ConfigError(f"engine.sim_profile: {exc}") from None
+    return server_argv(config.engine, model_dir, config.model.name)
+
+
+def serve(config: Config) -> int:
+    """Runs until interrupted; returns the exit status."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # /readyz reads the revision often
+    token = admin_token()
+    upgrade(config.database.url)
+    model_dir = resolve_model_dir(config.model)
+    log.info("model %s from %s", config.model.name, model_dir)
+    engine: EngineProcess | None = None
+    if config.engine.launch:
+        engine = EngineProcess(
+            _engine_argv(config, model_dir),
+            engine_env(config.engine),
+            base_url=engine_base_url(config.engine),
+            log_path=config.engine.log_file,
+        )
+        engine.start()
+    try:
+        if engine is not None:
+            log.info("waiting for the engine on port %d ...", config.engine.port)
+            try:
+                engine.wait_ready_sync(config.engine.startup_timeout_s)
+            except EngineStartError as exc:
+                print(f"tandem: error: the engine did not start: {exc}", file=sys.stderr)
+                return 1
+            log.info("engine ready")
+        app = create_app(config, token, model_dir)
+        _run(run_gateway(app, config.gateway.host, config.gateway.port))
+    finally:
+        if engine is not None:
+            engine.stop()
+    return 0
+
+
+def _run(coro: object) -> None:
+    try:
+        import uvloop
+
+        uvloop.run(coro)  # type: ignore[arg-type]
+    except ImportError:  # pragma: no cover - uvloop is a pinned dependency
+        asyncio.run(coro)  # type: ignore[arg-type]
+
+
+async def run_gateway(app: web.Application, host: str, port: int) -> None:
+    """Serves *app* until SIGINT or SIGTERM."""
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts the
+    # engine request so its KV is freed at once
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        log.info("gateway listening on http://%s:%d", host, port)
+        print(f"tandem: serving on http://{host}:{port}", file=sys.stderr, flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("shutting down")
+    finally:
+        await runner.cleanup()
