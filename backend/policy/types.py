@@ -41,12 +41,15 @@ class ReqState(msgspec.Struct, kw_only=True):
     """Output cap, tokens (the request ends at this length or at EOS)."""
     length_key: str = ""
     """Key of the output-length history that predicts this request (tenant or job)."""
-    ttft_deadline_s: float | None = None
-    """RT: absolute time by which the first token is due."""
-    tpot_s: float | None = None
-    """RT: target time per output token after the first, seconds."""
-    be_deadline_s: float | None = None
-    """BE: absolute completion deadline, if the job has one."""
+    ttft_due_s: float | None = None
+    """RT: the instant (engine clock) by which the first token is due: arrival + the contract's
+    `ttft_target_ms`."""
+    tpot_target_s: float | None = None
+    """RT: the contract's `tpot_target_ms`, in seconds: target time per output token after the
+    first."""
+    deadline_due_s: float | None = None
+    """BE: the instant (engine clock) by which the job must finish: arrival + the contract's
+    `deadline_s`; None when the job has no deadline."""
     order_key: float = 0.0
     """BE order given by the caller (batch runner's prefix-tree order); lower runs first."""
     prefix_hashes: tuple[int, ...] = ()

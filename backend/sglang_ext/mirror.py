@@ -146,9 +146,9 @@ class ReqMirror:
             prompt_len=prompt_len,
             max_new_tokens=max_new,
             length_key=meta.length_key,
-            ttft_deadline_s=_engine_time(self, meta.ttft_deadline_unix_s),
-            tpot_s=meta.tpot_target_s,
-            be_deadline_s=_engine_time(self, meta.be_deadline_unix_s),
+            ttft_due_s=_engine_time(self, meta.ttft_deadline_unix_s),
+            tpot_target_s=meta.tpot_target_s,
+            deadline_due_s=_engine_time(self, meta.be_deadline_unix_s),
             prefill_len=prompt_len,
         )
 

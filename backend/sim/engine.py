@@ -185,7 +185,7 @@ def _record(t: Track) -> RequestRecord:
         cached_tokens=t.first_cached or 0,
         ttft_target_s=req.ttft_s,
         tpot_target_s=req.tpot_s,
-        deadline_s=s.be_deadline_s,
+        deadline_s=s.deadline_due_s,
         length_key=s.length_key,
         max_new_tokens=s.max_new_tokens,
         admitted_s=t.admitted_s,

@@ -28,9 +28,9 @@ def make_request(
     prefilled: int | None = None,
     max_new_tokens: int = 100,
     ttft_s: float | None = 0.5,
-    tpot_s: float | None = 0.1,
+    tpot_target_s: float | None = 0.1,
     last_token_s: float | None = None,
-    be_deadline_s: float | None = None,
+    deadline_due_s: float | None = None,
     order_key: float = 0.0,
     length_key: str = "",
 ) -> ReqState:
@@ -49,9 +49,9 @@ def make_request(
         is_running=running,
         order_key=order_key,
         length_key=length_key or tier,
-        ttft_deadline_s=arrival_s + ttft_s if is_rt and ttft_s is not None else None,
-        tpot_s=tpot_s if is_rt else None,
-        be_deadline_s=be_deadline_s,
+        ttft_due_s=arrival_s + ttft_s if is_rt and ttft_s is not None else None,
+        tpot_target_s=tpot_target_s if is_rt else None,
+        deadline_due_s=deadline_due_s,
     )
     if generated:
         state.first_token_s = arrival_s + 0.01

@@ -216,9 +216,9 @@ def test_the_snapshot_carries_deadlines_on_the_engine_clock() -> None:
     drv.plan_iteration(s, FakeBatch([]), lambda b, i: None)
     (snap,) = policy.snapshots
     (state,) = snap.waiting
-    assert state.ttft_deadline_s is not None
-    assert abs((state.ttft_deadline_s - snap.now_s) - 0.3) < 0.05
-    assert state.tpot_s == 0.05 and snap.waiting_rt == [state]
+    assert state.ttft_due_s is not None
+    assert abs((state.ttft_due_s - snap.now_s) - 0.3) < 0.05
+    assert state.tpot_target_s == 0.05 and snap.waiting_rt == [state]
     (partial,) = snap.running
     assert partial.prefilled == 120 and partial.prompt_left == 180
     assert snap.max_prefill_tokens == 512 and snap.kv_free_tokens == 9_000

@@ -39,7 +39,7 @@ def test_be_decodes_that_do_not_fit_sit_out_and_keep_their_kv() -> None:
     rt = [make_request(f"rt{i}", prompt_len=1999, running=True, generated=1) for i in range(10)]
     be = [
         make_request(
-            f"be{i}", tier="be", prompt_len=9999, running=True, generated=1, be_deadline_s=None
+            f"be{i}", tier="be", prompt_len=9999, running=True, generated=1, deadline_due_s=None
         )
         for i in range(3)
     ]
@@ -54,7 +54,7 @@ def test_be_decodes_that_do_not_fit_sit_out_and_keep_their_kv() -> None:
 def test_be_with_a_deadline_goes_first() -> None:
     plain = make_request("plain", tier="be", prompt_len=800, order_key=0, arrival_s=1.0)
     due = make_request(
-        "due", tier="be", prompt_len=800, order_key=5, arrival_s=2.0, be_deadline_s=NOW + 30.0
+        "due", tier="be", prompt_len=800, order_key=5, arrival_s=2.0, deadline_due_s=NOW + 30.0
     )
     plan = make_policy(idle_budget_s=0.027, min_chunk_tokens=64).plan(
         snapshot(waiting=[plain, due])

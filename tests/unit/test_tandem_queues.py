@@ -20,7 +20,7 @@ def test_sync_finds_newcomers_at_the_tail_and_rebuilds_on_mismatch() -> None:
 
 
 def test_rt_queue_serves_feasible_by_latest_start_then_hopeless_oldest_first() -> None:
-    queue = RtQueue(lambda r: (r.ttft_deadline_s or 0.0) - r.prompt_len / 1000)
+    queue = RtQueue(lambda r: (r.ttft_due_s or 0.0) - r.prompt_len / 1000)
     late_old = make_request("late-old", arrival_s=NOW - 5.0)
     late_new = make_request("late-new", arrival_s=NOW - 3.0)
     relaxed = make_request("relaxed", arrival_s=NOW, prompt_len=100)
@@ -36,14 +36,14 @@ def test_rt_queue_serves_feasible_by_latest_start_then_hopeless_oldest_first() -
 
 def test_be_queue_resumes_evicted_work_first_then_deadlines_then_the_mix() -> None:
     queue = BeQueue(
-        lambda r: r.be_deadline_s or 0.0,
+        lambda r: r.deadline_due_s or 0.0,
         lambda r, now: False,
         seed=0,
         order_prob=1.0,
         max_wait_s=60.0,
     )
     plain = [make_request(f"p{i}", tier="be", order_key=i, arrival_s=NOW - i) for i in range(3)]
-    due = make_request("due", tier="be", be_deadline_s=NOW + 10, order_key=9)
+    due = make_request("due", tier="be", deadline_due_s=NOW + 10, order_key=9)
     queue.sync([*plain, due])
     resumed = make_request("resumed", tier="be", order_key=99, arrival_s=NOW)
     queue.requeue(resumed)

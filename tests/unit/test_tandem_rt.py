@@ -52,7 +52,7 @@ def test_chunks_fill_the_time_budget_exactly() -> None:
 
 def test_a_tight_decode_deadline_bounds_tau() -> None:
     # TPOT 20 ms, last token now: τ = (1 − ε)·20 ms = 18 ms with ε = 0.1
-    decoding = make_request("d", prompt_len=99, running=True, generated=1, tpot_s=0.02)
+    decoding = make_request("d", prompt_len=99, running=True, generated=1, tpot_target_s=0.02)
     waiting = make_request("w", prompt_len=2000, ttft_s=5.0)
     plan = make_policy(latency_budget_s=0.05, eps_init=0.1).plan(
         snapshot(waiting=[waiting], running=[decoding])

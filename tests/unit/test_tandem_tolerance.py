@@ -41,7 +41,7 @@ def test_rt_prompts_get_the_floor_in_one_iteration_past_l() -> None:
     # L = 20 ms holds 500 prompt tokens; the floor of 2048 RT tokens (5 decodes + 2043 of
     # prompt) stretches the iteration for the prompt as the rt-only engine would
     decoding = [
-        make_request(f"d{i}", prompt_len=99, running=True, generated=3, tpot_s=1.0)
+        make_request(f"d{i}", prompt_len=99, running=True, generated=3, tpot_target_s=1.0)
         for i in range(5)
     ]
     prompt = make_request("p", prompt_len=3000, ttft_s=5.0)
@@ -55,7 +55,7 @@ def test_rt_prompts_get_the_floor_in_one_iteration_past_l() -> None:
 
 def test_the_floor_never_breaks_an_rt_decode_deadline() -> None:
     # the decode is due in 40 ms: τ may rise to (1 − ε)·40 = 36 ms, not to the floor's 51 ms
-    decoding = make_request("d", prompt_len=99, running=True, generated=3, tpot_s=0.04)
+    decoding = make_request("d", prompt_len=99, running=True, generated=3, tpot_target_s=0.04)
     prompt = make_request("p", prompt_len=3000, ttft_s=5.0)
     plan = make_policy(latency_budget_s=0.02, rt_prefill_floor_tokens=2048, eps_init=0.1).plan(
         snapshot(waiting=[prompt], running=[decoding])
@@ -67,7 +67,7 @@ def test_the_floor_never_breaks_an_rt_decode_deadline() -> None:
 def test_a_prompt_is_scheduled_under_the_floor_even_when_decodes_fill_l() -> None:
     # 30 decodes at 10K context: 10 + 300 ms ≫ L; without the floor the prompt waits
     decoding = [
-        make_request(f"d{i}", prompt_len=9999, running=True, generated=1, tpot_s=5.0)
+        make_request(f"d{i}", prompt_len=9999, running=True, generated=1, tpot_target_s=5.0)
         for i in range(30)
     ]
     prompt = make_request("p", prompt_len=100, ttft_s=5.0)

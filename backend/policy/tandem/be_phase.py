@@ -100,7 +100,7 @@ def cap_for_be_deadlines(ctx: PlanContext) -> None:
     `KNEE_MARGIN`: up to there prefill mostly rides in the memory-bound decode time for free,
     so admissions go on while the iterations stay short. A request whose allowance is below
     that floor is past helping and does not shrink every iteration for nothing."""
-    reqs = [r for r in ctx.view.be_running if r.be_deadline_s is not None]
+    reqs = [r for r in ctx.view.be_running if r.deadline_due_s is not None]
     if not reqs:
         return
     contexts = [r.prompt_len + r.generated for r in ctx.view.be_decode]
@@ -125,7 +125,7 @@ def cap_for_be_deadlines(ctx: PlanContext) -> None:
 def _decode_order(r: ReqState) -> tuple[float, int]:
     """Deadline ones first (earliest deadline), then the most advanced (closest to freeing
     its KV)."""
-    return (r.be_deadline_s if r.be_deadline_s is not None else math.inf, -r.generated)
+    return (r.deadline_due_s if r.deadline_due_s is not None else math.inf, -r.generated)
 
 
 def _decode_be(ctx: PlanContext, limit: float) -> None:

@@ -126,17 +126,17 @@ class TandemPolicy(PolicyBase):
     def _be_latest_start(self, r: ReqState) -> float:
         """Queue key of a waiting BE request with a deadline: the deadline less its standalone
         JCT (prefill, then the predicted output at single-request decode speed)."""
-        assert r.be_deadline_s is not None
+        assert r.deadline_due_s is not None
         total = int(self.lengths.sample([r], 1)[0, 0])
         left = r.prefill_len - r.prefilled
         prefill = slack.standalone_prefill_s(self.timer, left, r.prefilled, self._max_prefill)
         step = self.timer.with_decodes(BatchTotals(), 1, r.prompt_len + total // 2)
-        return r.be_deadline_s - prefill - max(0, total - r.generated) * step
+        return r.deadline_due_s - prefill - max(0, total - r.generated) * step
 
     def _be_hopeless(self, r: ReqState, now_s: float) -> bool:
         """A waiting BE request cannot meet its deadline at the engine's current pace (its
         prompt alone, then its predicted output at the recent mean iteration time)."""
-        if r.be_deadline_s is None:
+        if r.deadline_due_s is None:
             return False
         total = int(self.lengths.totals([r])[0])
         left = r.prefill_len - r.prefilled
@@ -145,4 +145,4 @@ class TandemPolicy(PolicyBase):
             self.feedback.iteration_s,
             self.timer.with_decodes(BatchTotals(), 1, r.prompt_len + total // 2),
         )
-        return r.be_deadline_s - now_s < prefill + max(0, total - r.generated) * pace
+        return r.deadline_due_s - now_s < prefill + max(0, total - r.generated) * pace

@@ -249,7 +249,7 @@ class BeQueue:
             self._push(r)
 
     def _push(self, r: ReqState) -> None:
-        if r.be_deadline_s is not None:
+        if r.deadline_due_s is not None:
             self.deadline.push(r, self._lst_of(r), r.arrival_s)
         self.by_order.push(r, r.order_key, r.arrival_s)
         self.by_age.push(r, r.arrival_s, r.order_key)

@@ -31,19 +31,19 @@ _EMPTY = BatchTotals()
 def rt_deadline(r: ReqState) -> float:
     """When `r`'s next token is due (inf without a target)."""
     if r.first_token_s is None:
-        return math.inf if r.ttft_deadline_s is None else r.ttft_deadline_s
-    if r.tpot_s is None or r.last_token_s is None:
+        return math.inf if r.ttft_due_s is None else r.ttft_due_s
+    if r.tpot_target_s is None or r.last_token_s is None:
         return math.inf
-    return r.last_token_s + r.tpot_s
+    return r.last_token_s + r.tpot_target_s
 
 
 def decode_deadline(reqs: Iterable[ReqState]) -> float:
     """The earliest next-token deadline among decoding RT requests (inf if none has one)."""
     return min(
         (
-            r.last_token_s + r.tpot_s
+            r.last_token_s + r.tpot_target_s
             for r in reqs
-            if r.tpot_s is not None and r.last_token_s is not None
+            if r.tpot_target_s is not None and r.last_token_s is not None
         ),
         default=math.inf,
     )
@@ -117,7 +117,7 @@ def be_allowance_s(r: ReqState, now_s: float, predicted_total: int, prefill_s: f
     """Per-iteration allowance of a running BE request with a deadline: the time left after
     its remaining prefill, spread over the tokens it still has to emit (AccelGen's JCT
     conversion); inf without a deadline."""
-    if r.be_deadline_s is None:
+    if r.deadline_due_s is None:
         return math.inf
     tokens = max(1, predicted_total - r.generated)
-    return (r.be_deadline_s - now_s - prefill_s) / tokens
+    return (r.deadline_due_s - now_s - prefill_s) / tokens
