@@ -39,9 +39,9 @@ class RequestMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Key of the output-length history used to predict this request's output length."""
     arrival_unix_s: float
     """Wall-clock time (time.time(), same host) at which the gateway accepted the request."""
-    ttft_ms: float | None = None
+    ttft_target_ms: float | None = None
     """RT: time-to-first-token target, ms after arrival. None for BE."""
-    tpot_ms: float | None = None
+    tpot_target_ms: float | None = None
     """RT: time-per-output-token target after the first token, ms. None for BE."""
     deadline_s: float | None = None
     """BE: completion deadline, seconds after arrival (job deadline). None: pure best effort."""
@@ -49,14 +49,14 @@ class RequestMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The request's output-length cap (prior for the length predictor)."""
 
     @property
-    def ttft_deadline_unix_s(self) -> float | None:
+    def ttft_due_unix_s(self) -> float | None:
         """Absolute time by which the first token is due (RT), else None."""
-        if self.ttft_ms is None:
+        if self.ttft_target_ms is None:
             return None
-        return self.arrival_unix_s + self.ttft_ms / 1000.0
+        return self.arrival_unix_s + self.ttft_target_ms / 1000.0
 
     @property
-    def be_deadline_unix_s(self) -> float | None:
+    def deadline_due_unix_s(self) -> float | None:
         """Absolute time by which a BE request must finish, else None."""
         if self.deadline_s is None:
             return None

@@ -136,8 +136,8 @@ def build_engine_request(
         tenant_id=principal.tenant.id,
         length_key=principal.tenant.id,
         arrival_unix_s=arrival_unix_s if arrival_unix_s is not None else time.time(),
-        ttft_ms=slo.ttft_ms if tier == "rt" else None,
-        tpot_ms=slo.tpot_ms if tier == "rt" else None,
+        ttft_target_ms=slo.ttft_ms if tier == "rt" else None,
+        tpot_target_ms=slo.tpot_ms if tier == "rt" else None,
         deadline_s=slo.deadline_s if tier == "be" else None,
         max_tokens=max_tokens,
     )

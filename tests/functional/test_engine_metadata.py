@@ -28,8 +28,8 @@ METAS = {
         tenant_id="acme",
         length_key="acme/chat",
         arrival_unix_s=NOW,
-        ttft_ms=250.0,
-        tpot_ms=40.0,
+        ttft_target_ms=250.0,
+        tpot_target_ms=40.0,
         max_tokens=6,
     ),
     "be_deadline": RequestMeta(
@@ -99,9 +99,11 @@ def test_metadata_reaches_the_scheduler_intact(
     arrived = record["meta"]
     for field in msgspec.structs.fields(RequestMeta):
         assert arrived[field.name] == getattr(meta, field.name), field.name
-    assert arrived["ttft_deadline_unix_s"] == meta.ttft_deadline_unix_s
-    assert arrived["be_deadline_unix_s"] == meta.be_deadline_unix_s
-    assert arrived["tpot_target_s"] == (None if meta.tpot_ms is None else meta.tpot_ms / 1000)
+    assert arrived["ttft_due_unix_s"] == meta.ttft_due_unix_s
+    assert arrived["deadline_due_unix_s"] == meta.deadline_due_unix_s
+    assert arrived["tpot_target_s"] == (
+        None if meta.tpot_target_ms is None else meta.tpot_target_ms / 1000
+    )
     assert arrived["sglang_priority"] == meta.sglang_priority
     assert sent_at <= arrived["received_unix_s"] <= time.time()
 

@@ -41,8 +41,8 @@ def _body(rid: str, max_new: int, *, prompt: int = 600, stream: bool = True) -> 
         tenant_id="t1",
         length_key="t1",
         arrival_unix_s=time.time(),
-        ttft_ms=500,
-        tpot_ms=100,
+        ttft_target_ms=500,
+        tpot_target_ms=100,
         max_tokens=max_new,
     )
     return {

@@ -34,8 +34,8 @@ def req(
     *,
     prompt: int = 10,
     out: int = 0,
-    ttft_ms: float | None = None,
-    tpot_ms: float | None = None,
+    ttft_target_ms: float | None = None,
+    tpot_target_ms: float | None = None,
     arrived_s_ago: float = 0.0,
     key: str = "k",
 ) -> FakeReq:
@@ -44,8 +44,8 @@ def req(
         tenant_id="t",
         length_key=key,  # type: ignore[arg-type]
         arrival_unix_s=time.time() - arrived_s_ago,
-        ttft_ms=ttft_ms,
-        tpot_ms=tpot_ms,
+        ttft_target_ms=ttft_target_ms,
+        tpot_target_ms=tpot_target_ms,
         max_tokens=100,
     )
     r = FakeReq(
@@ -164,8 +164,8 @@ def test_the_plans_evictions_are_carried_out() -> None:
 
 
 def test_retraction_takes_be_least_progress_first_and_never_urgent_rt() -> None:
-    urgent = req("urgent", "rt", out=4, ttft_ms=100, tpot_ms=50)
-    relaxed = req("relaxed", "rt", out=4, ttft_ms=100, tpot_ms=60_000)
+    urgent = req("urgent", "rt", out=4, ttft_target_ms=100, tpot_target_ms=50)
+    relaxed = req("relaxed", "rt", out=4, ttft_target_ms=100, tpot_target_ms=60_000)
     young = req("young", "be", out=1)
     old = req("old", "be", out=80)
     reqs = [young, urgent, old, relaxed]
@@ -208,7 +208,7 @@ def test_a_length_history_push_replaces_the_keys_history_at_the_next_iteration()
 def test_the_snapshot_carries_deadlines_on_the_engine_clock() -> None:
     policy = ScriptedPolicy(Plan())
     drv = EngineDriver(policy)  # type: ignore[arg-type]
-    w = req("w", "rt", ttft_ms=500, tpot_ms=50, arrived_s_ago=0.2)
+    w = req("w", "rt", ttft_target_ms=500, tpot_target_ms=50, arrived_s_ago=0.2)
     chunked = req("c", "be", prompt=300)
     chunked.prefix_len = 120
     s = sched([w])

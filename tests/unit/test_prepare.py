@@ -83,8 +83,8 @@ def test_engine_payload_carries_metadata_priority_and_sampling() -> None:
     assert params["max_new_tokens"] == 16 and params["temperature"] == 0.0
     assert params["sampling_seed"] == 7 and params["ignore_eos"] is True
     meta = meta_from_custom_params(params["custom_params"])
-    assert meta is not None and meta.tier == "rt" and meta.ttft_ms == 200
-    assert meta.ttft_deadline_unix_s == pytest.approx(1000.2)
+    assert meta is not None and meta.tier == "rt" and meta.ttft_target_ms == 200
+    assert meta.ttft_due_unix_s == pytest.approx(1000.2)
     assert meta.length_key == tenant.id
 
 
@@ -93,7 +93,7 @@ def test_be_request_has_no_rt_targets_and_low_priority() -> None:
         tenant=make_tenant("rt", ttft_ms=200, tpot_ms=50), key_id="k", key_prefix="p"
     )
     req = build_engine_request(chat(), [1], 8, principal, "be")
-    assert req.meta.ttft_ms is None and req.meta.tpot_ms is None
+    assert req.meta.ttft_target_ms is None and req.meta.tpot_target_ms is None
     assert req.payload["priority"] == PRIORITY_BE
 
 

@@ -137,7 +137,12 @@ def _fake_req(custom_params: Any, rid: str = "r1") -> SimpleNamespace:
 
 def test_hook_attaches_resolved_metadata() -> None:
     meta = RequestMeta(
-        tier="rt", tenant_id="a", length_key="a", arrival_unix_s=100.0, ttft_ms=200, tpot_ms=50
+        tier="rt",
+        tenant_id="a",
+        length_key="a",
+        arrival_unix_s=100.0,
+        ttft_target_ms=200,
+        tpot_target_ms=50,
     )
     req = _fake_req(meta_to_custom_params(meta))
     plugin.after_create_generation_req(req, object(), object())  # returns None: keeps SGLang's Req

@@ -31,7 +31,7 @@ def make_meta(tier: str = "rt", **fields: Any) -> RequestMeta:
 @pytest.mark.parametrize(
     "meta",
     [
-        make_meta("rt", ttft_ms=200.0, tpot_ms=40.0, max_tokens=128),
+        make_meta("rt", ttft_target_ms=200.0, tpot_target_ms=40.0, max_tokens=128),
         make_meta("be", deadline_s=86_400.0),
         make_meta("be"),
     ],
@@ -43,15 +43,15 @@ def test_round_trip(meta: RequestMeta) -> None:
 def test_custom_params_are_one_flat_dict_of_scalars() -> None:
     # SGLang's msgpack IPC rejects anything deeper than dict[str, scalar] (and kills the
     # scheduler doing so), and unset fields are left out rather than sent as null.
-    params = meta_to_custom_params(make_meta("rt", ttft_ms=200.0))
+    params = meta_to_custom_params(make_meta("rt", ttft_target_ms=200.0))
     assert list(params) == [CUSTOM_PARAMS_KEY]
     inner = params[CUSTOM_PARAMS_KEY]
     assert all(isinstance(v, str | int | float | bool) for v in inner.values())
-    assert "tpot_ms" not in inner and "deadline_s" not in inner
+    assert "tpot_target_ms" not in inner and "deadline_s" not in inner
 
 
 def test_a_json_round_trip_keeps_every_field() -> None:
-    meta = make_meta("rt", ttft_ms=150.5, tpot_ms=33.0, max_tokens=7)
+    meta = make_meta("rt", ttft_target_ms=150.5, tpot_target_ms=33.0, max_tokens=7)
     wire = msgspec.json.decode(msgspec.json.encode(meta_to_custom_params(meta)))
     assert meta_from_custom_params(wire) == meta
 
@@ -79,7 +79,7 @@ def test_malformed_metadata_is_rejected(inner: Any) -> None:
 
 
 def test_sglang_priority_orders_rt_above_be_deadline_above_be() -> None:
-    rt = make_meta("rt", ttft_ms=100.0)
+    rt = make_meta("rt", ttft_target_ms=100.0)
     be_deadline = make_meta("be", deadline_s=60.0)
     be = make_meta("be")
     assert (rt.sglang_priority, be_deadline.sglang_priority, be.sglang_priority) == (
@@ -94,9 +94,9 @@ def test_sglang_priority_orders_rt_above_be_deadline_above_be() -> None:
 
 
 def test_absolute_deadlines() -> None:
-    rt = make_meta("rt", ttft_ms=250.0)
+    rt = make_meta("rt", ttft_target_ms=250.0)
     be = make_meta("be", deadline_s=30.0)
-    assert rt.ttft_deadline_unix_s == pytest.approx(rt.arrival_unix_s + 0.25)
-    assert rt.be_deadline_unix_s is None
-    assert be.be_deadline_unix_s == pytest.approx(be.arrival_unix_s + 30.0)
-    assert be.ttft_deadline_unix_s is None
+    assert rt.ttft_due_unix_s == pytest.approx(rt.arrival_unix_s + 0.25)
+    assert rt.deadline_due_unix_s is None
+    assert be.deadline_due_unix_s == pytest.approx(be.arrival_unix_s + 30.0)
+    assert be.ttft_due_unix_s is None
