@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from gateway.api.schemas import Endpoint
+
 BatchStatus = Literal[
     "validating",
     "failed",
@@ -31,7 +33,7 @@ BatchStatus = Literal[
 FINAL_STATUSES: frozenset[str] = frozenset({"failed", "completed", "expired", "cancelled"})
 """Statuses a batch never leaves."""
 ItemStatus = Literal["pending", "running", "succeeded", "failed", "expired", "cancelled"]
-ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+ENDPOINTS: dict[str, Endpoint] = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 """Batch endpoints and the API each runs (OpenAI's /v1/embeddings and /v1/responses are not
 served by this gateway)."""
 FILE_PURPOSES = ("batch",)

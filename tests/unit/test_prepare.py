@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from common.wire import PRIORITY_BE, PRIORITY_RT, meta_from_custom_params
-from gateway.api.prepare import build_engine_request, output_cap, resolve_tier
+from gateway.pipeline.prepare import build_engine_request, output_cap, resolve_tier
 from gateway.api.schemas import ChatCompletionRequest
 from gateway.auth import Principal
 from gateway.errors import ApiError
