@@ -57,11 +57,6 @@ class BatchRunner:
         self._active: dict[str, ActiveBatch] = {}
         self._inflight = 0
 
-    @property
-    def inflight(self) -> int:
-        """Lines on the engine now."""
-        return self._inflight
-
     async def start(self) -> None:
         """Resumes what a previous process left running, then starts the loop."""
         reset = await self._store.reset_running()

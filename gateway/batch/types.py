@@ -30,8 +30,6 @@ BatchStatus = Literal[
     "cancelling",
     "cancelled",
 ]
-FINAL_STATUSES: frozenset[str] = frozenset({"failed", "completed", "expired", "cancelled"})
-"""Statuses a batch never leaves."""
 ItemStatus = Literal["pending", "running", "succeeded", "failed", "expired", "cancelled"]
 ENDPOINTS: dict[str, Endpoint] = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 """Batch endpoints and the API each runs (OpenAI's /v1/embeddings and /v1/responses are not
@@ -103,10 +101,6 @@ class BatchInfo(msgspec.Struct, frozen=True, kw_only=True):
     expired_at: datetime | None
     cancelling_at: datetime | None
     cancelled_at: datetime | None
-
-    @property
-    def is_final(self) -> bool:
-        return self.status in FINAL_STATUSES
 
     def to_openai(self) -> dict[str, Any]:
         """OpenAI's batch object."""
