@@ -17,15 +17,18 @@ from gateway.api.render import ResponseHead, StreamRenderer, completion_body, us
 from gateway.api.schemas import Endpoint, StreamOptions
 from gateway.auth import Principal, bearer_token
 from gateway.engine.client import EngineChunk
+from gateway.pipeline.outcome import Refused
 from gateway.pipeline.stages import (
     Completion,
     Flight,
     Progress,
+    admit,
     complete,
-    generate,
     parse,
+    place,
     prepare,
     recording,
+    run,
 )
 from gateway.state import AUTH, CONFIG, TOKENIZER
 
@@ -93,9 +96,13 @@ async def _stream(
     """The answer as server-sent events. A failure before the first chunk is an HTTP error; once
     the headers are out, it is reported in-band, as OpenAI does."""
     app = request.app
+    admission = admit(app, flight)
+    if isinstance(admission, Refused):
+        raise admission.api_error()
+    place(app, flight)
     render = StreamRenderer(head)
-    async with contextlib.aclosing(generate(app, flight)) as chunks:
-        first = await anext(chunks, None)
+    async with contextlib.aclosing(run(app, flight)) as chunks:
+        first = await anext(chunks, None)  # engine failures surface here, before any header
         if first is None:
             assert flight.failure is not None  # the run ended without a single chunk
             raise flight.failure.api_error()

@@ -16,11 +16,11 @@ record   exactly once, however the request ended: stops the engine's work if it 
 =======  ==========================================================================================
 
 A `Flight` carries what the stages learn about one request. `recording` wraps its whole life and
-runs record when it ends — answered, refused, failed, client gone or task cancelled. `generate`
-chains admit → place → run into one stream of chunks (a streamed HTTP answer); `complete`
-collects it (a non-streamed answer, a batch line). The callers only add their framing:
-gateway/api/openai.py (JSON or server-sent events) and gateway/batch/execute.py (a row of the
-batch's table, a retry).
+runs record when it ends — answered, refused, failed, client gone or task cancelled. `complete`
+runs admit → place → run and collects the answer (a non-streamed response, a batch line); a
+streamed response calls the same three stages itself, to send each chunk as it comes. The
+callers only add their framing: gateway/api/openai.py (JSON or server-sent events) and
+gateway/batch/execute.py (a row of the batch's table, a retry).
 """
 
 from __future__ import annotations
@@ -257,21 +257,15 @@ def recording(app: web.Application, flight: Flight) -> Iterator[Flight]:
         record(app, flight, cancelled=cancelled)
 
 
-async def generate(app: web.Application, flight: Flight) -> AsyncGenerator[EngineChunk, None]:
-    """admit → place → run for a prepared request, as one stream; a refusal or an engine
-    failure ends it early with `flight.failure` set."""
-    if isinstance(admit(app, flight), Refused):
-        return
-    place(app, flight)
-    async with contextlib.aclosing(run(app, flight)) as chunks:
-        async for chunk in chunks:
-            yield chunk
-
-
 async def complete(app: web.Application, flight: Flight) -> Completion | Failure:
-    """admit → place → run for a prepared request, collected into the whole answer."""
+    """admit → place → run for a prepared request, collected into the whole answer (a
+    non-streamed response, a batch line); or the failure that ended it."""
+    admission = admit(app, flight)
+    if isinstance(admission, Refused):
+        return admission
+    place(app, flight)
     parts: list[str] = []
-    async with contextlib.aclosing(generate(app, flight)) as chunks:
+    async with contextlib.aclosing(run(app, flight)) as chunks:
         async for chunk in chunks:
             parts.append(chunk.text_delta)
     if flight.failure is not None:

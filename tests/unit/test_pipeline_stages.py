@@ -12,7 +12,7 @@ from aiohttp import web
 from gateway.engine.client import EngineRequestError, EngineUnavailable
 from gateway.errors import ApiError
 from gateway.pipeline.outcome import Failure, Refused
-from gateway.pipeline.stages import Completion, complete, generate, prepare, recording
+from gateway.pipeline.stages import Completion, admit, complete, place, prepare, recording, run
 from gateway.state import BACKGROUND
 from gateway.store.types import Quota
 from tests.unit.pipeline_factories import (
@@ -157,7 +157,9 @@ async def test_a_client_gone_mid_stream_is_recorded_once_and_the_engine_request_
     async def serve() -> None:
         with recording(app, flight):
             flight.request = make_request(flight.principal)
-            async for _ in generate(app, flight):
+            assert not isinstance(admit(app, flight), Refused)
+            place(app, flight)
+            async for _ in run(app, flight):
                 started.set()
 
     task = asyncio.create_task(serve())
