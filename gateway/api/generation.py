@@ -168,8 +168,8 @@ class Generation:
             if self.request is None or self.ticket is None
             else slo_met(
                 tier=tier,
-                ttft_target_ms=meta.ttft_ms if meta else None,
-                tpot_target_ms=meta.tpot_ms if meta else None,
+                ttft_target_ms=meta.ttft_target_ms if meta else None,
+                tpot_target_ms=meta.tpot_target_ms if meta else None,
                 deadline_s=meta.deadline_s if meta else None,
                 ok=ok,
                 ttft_ms=self.timer.ttft_ms,
