@@ -157,7 +157,6 @@ class Generation:
             completion_tokens=self.outcome.completion_tokens,
             queue_ms=self.outcome.queue_ms,
             ttft_ms=self.timer.ttft_ms,
-            tbt_mean_ms=self.timer.tpot_ms,
             tbt_max_ms=self.timer.tbt_max_ms,
             tpot_ms=self.timer.tpot_ms,
             e2e_ms=self.timer.e2e_ms,
@@ -168,8 +167,8 @@ class Generation:
             if self.request is None or self.ticket is None
             else slo_met(
                 tier=tier,
-                ttft_target_ms=meta.ttft_ms if meta else None,
-                tpot_target_ms=meta.tpot_ms if meta else None,
+                ttft_target_ms=meta.ttft_target_ms if meta else None,
+                tpot_target_ms=meta.tpot_target_ms if meta else None,
                 deadline_s=meta.deadline_s if meta else None,
                 ok=ok,
                 ttft_ms=self.timer.ttft_ms,
