@@ -102,11 +102,19 @@ async def test_untouched_keys_are_not_pruned_by_a_smaller_window(store: Store) -
     assert await store.length_history("old", 100) == [0, 1, 2, 3, 4]
 
 
-async def test_all_length_histories_for_start_up(store: Store) -> None:
+async def test_length_sync_reads_changed_keys_and_their_windows(store: Store) -> None:
+    # What gateway.engine.control.LengthSync sends: every key for a new engine (after id 0),
+    # then only the keys with rows newer than the last sync.
     await store.append_lengths([("x", n, None) for n in range(6)], window=100)
     await store.append_lengths([("y", 9, None)], window=100)
-    assert await store.all_length_histories(3) == {"x": [3, 4, 5], "y": [9]}
-    assert await store.all_length_histories(100) == {"x": [0, 1, 2, 3, 4, 5], "y": [9]}
+    keys, newest = await store.length_keys_changed(0)
+    assert keys == {"x", "y"}
+    assert await store.length_histories(keys, 3) == {"x": [3, 4, 5], "y": [9]}
+    assert await store.length_keys_changed(newest) == (set(), newest)
+    await store.append_lengths([("y", 4, None)], window=100)
+    keys, _ = await store.length_keys_changed(newest)
+    assert keys == {"y"}
+    assert await store.length_histories(keys, 100) == {"y": [9, 4]}
 
 
 async def test_window_must_be_positive(store: Store) -> None:
