@@ -157,7 +157,6 @@ class Generation:
             completion_tokens=self.outcome.completion_tokens,
             queue_ms=self.outcome.queue_ms,
             ttft_ms=self.timer.ttft_ms,
-            tbt_mean_ms=self.timer.tpot_ms,
             tbt_max_ms=self.timer.tbt_max_ms,
             tpot_ms=self.timer.tpot_ms,
             e2e_ms=self.timer.e2e_ms,
