@@ -13,7 +13,8 @@ from aiohttp import web
 from gateway import metrics
 from gateway.api.openapi import routes as openapi_routes
 from gateway.dashboard import routes as dashboard_routes
-from gateway.quotas import QuotaLimiter, QuotaSync
+from gateway.quotas.limiter import QuotaLimiter
+from gateway.quotas.sync import QuotaSync
 from gateway.state import CONFIG, DB_ENGINE, METRICS, QUOTAS, USAGE
 
 _TENANT_INFO_TIMEOUT_S = 2.0
