@@ -21,7 +21,6 @@ import numpy as np
 
 from backend.policy import pastfuture
 from backend.policy.latency import BatchShape, LatencyModel
-from backend.policy.pastfuture import PeakTracker as PeakTracker  # re-exported (baselines)
 from backend.policy.types import (
     IterationResult,
     Plan,

@@ -14,7 +14,7 @@ from gateway.api.prepare import EngineRequest
 from gateway.auth import Principal
 from gateway.engine.client import EngineChunk, EngineRequestError, EngineUnavailable
 from gateway.errors import ApiError
-from gateway.quotas import QuotaExceeded, Ticket
+from gateway.quotas.limiter import QuotaExceeded, Ticket
 from gateway.slo import RequestTimer, slo_met
 from gateway.state import CONFIG, ENGINE, METRICS, QUOTAS, USAGE, spawn
 from gateway.store.types import UsageRecord
