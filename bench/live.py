@@ -26,10 +26,12 @@ Policies see exact output lengths here (``max_tokens`` = the workload's length w
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -48,15 +50,15 @@ from msgspec.structs import replace as struct_replace
 from backend.policy.latency import LatencyModel, Profile, load_profile
 from backend.policy.profiles import resolve_profile
 from backend.policy.registry import make_policy
-from backend.sim import SimRequest, simulate
+from backend.sim.engine import simulate
 from backend.sim.records import IterationLog, RequestRecord, SimResult
+from backend.sim.source import SimRequest
 from bench.capacity import search_capacity
 from bench.live_client import DRAIN_TIMEOUT_S, TenantKeys, replay, replay_source, send
 from bench.metrics import Metrics, compute_metrics, rt_metrics
 from bench.runner import BenchConfig, build, measure_rate, sim_config
 from bench.series import PolicySeries, compute_series
-from bench.workloads import Workload
-from bench.workloads.base import RequestSpec
+from bench.workloads.base import RequestSpec, Workload
 from bench.workloads.sources import SimSource
 
 LIVE_POLICIES = ("tandem", "fcfs", "priority")
@@ -303,18 +305,38 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def _engine_stats(engine: dict[str, Any]) -> dict[str, Any]:
+    """The engine's counters from its control endpoint (`GET /stats` on its Unix socket)."""
     from common.config import EngineConfig
-    from gateway.engine.control import EngineControl
+    from common.wire import CONTROL_STATS_PATH
 
-    async def fetch() -> dict[str, Any]:
-        path = EngineConfig(port=int(engine["port"])).control_socket_path
-        async with EngineControl(path) as control:
-            return await control.stats()
-
+    path = EngineConfig(port=int(engine["port"])).control_socket_path
+    conn = _UnixHTTPConnection(path, timeout=10.0)
     try:
-        return asyncio.run(fetch())
-    except (OSError, aiohttp.ClientError) as exc:
+        conn.request("GET", CONTROL_STATS_PATH)
+        resp = conn.getresponse()
+        body = resp.read()
+        if resp.status != 200:
+            return {"error": f"GET {CONTROL_STATS_PATH}: HTTP {resp.status}"}
+        stats: dict[str, Any] = json.loads(body)
+        return stats
+    except (OSError, http.client.HTTPException, ValueError) as exc:
         return {"error": str(exc)}
+    finally:
+        conn.close()
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP/1.1 over a Unix socket (the engine's control endpoint)."""
+
+    def __init__(self, socket_path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._socket_path = socket_path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        sock.connect(self._socket_path)
+        self.sock = sock
 
 
 def measure_live_capacity(run: LiveRun, profile: Profile, profile_path: Path) -> float:

@@ -33,7 +33,7 @@ from aiohttp import web
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline.outcome import Refused
 from gateway.pipeline.prepare import EngineRequest
-from gateway.quotas import QuotaExceeded, QuotaLimiter, Ticket
+from gateway.quotas.limiter import QuotaExceeded, QuotaLimiter, Ticket
 from gateway.state import METRICS, QUOTAS
 from gateway.store.types import Tenant
 

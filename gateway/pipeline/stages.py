@@ -326,7 +326,6 @@ def usage_record(flight: Flight) -> UsageRecord:
         completion_tokens=progress.completion_tokens,
         queue_ms=progress.queue_ms,
         ttft_ms=timer.ttft_ms,
-        tbt_mean_ms=timer.tpot_ms,
         tbt_max_ms=timer.tbt_max_ms,
         tpot_ms=timer.tpot_ms,
         e2e_ms=timer.e2e_ms,

@@ -18,7 +18,7 @@ from gateway.engine.client import EngineChunk
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline.prepare import EngineRequest, PreparedPrompt, build_engine_request
 from gateway.pipeline.stages import Flight
-from gateway.quotas import QuotaLimiter
+from gateway.quotas.limiter import QuotaLimiter
 from gateway.state import BACKGROUND, CONFIG, ENGINE, METRICS, QUOTAS, USAGE
 from gateway.store.types import Quota, Slo, Tenant, UsageRecord
 
@@ -27,7 +27,7 @@ NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
 def make_tenant(tier: str = "rt", quota: Quota | None = None, **slo: Any) -> Tenant:
     if tier == "rt" and not slo:
-        slo = {"ttft_ms": 5000, "tpot_ms": 1000}
+        slo = {"ttft_target_ms": 5000, "tpot_target_ms": 1000}
     return Tenant(
         id=f"ten_{tier}",
         name=tier,

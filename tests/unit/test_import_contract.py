@@ -5,9 +5,10 @@
 `common/` holds the config structs and the wire types and imports only the standard library,
 msgspec and yaml; `backend/policy/` is the pure core that every layer above may use;
 `backend/sglang_ext/` is the only code that imports sglang; the gateway never imports the
-engine's internals (simulator, SGLang adapter, launchers, kernels); `bench/` is the lab on top
-of the engine and the gateway; `tandem/` is the console script, the only place that wires
-everything together. Each import statement is read from the source (function-local ones too),
+engine's internals (simulator, SGLang adapter, launchers, kernels); the bench library sits on
+the engine layers and reaches the gateway over HTTP only, while `bench/studies/` (the lab) may
+time any layer below the console script; `tandem/` is the console script, the only place that
+wires everything together. Each import statement is read from the source (function-local ones too),
 so a lazy import cannot hide an arrow that points the wrong way.
 """
 
@@ -35,7 +36,19 @@ ALLOWED: dict[str, frozenset[str]] = {
     "gateway": frozenset({"common", "backend.policy"}),
     "migrations": frozenset({"common", "gateway"}),
     "bench": frozenset(
-        {"common", "backend.policy", "backend.sim", "backend.kernels", "backend.launch", "gateway"}
+        {"common", "backend.policy", "backend.sim", "backend.kernels", "backend.launch"}
+    ),
+    # the lab: one-off studies may time any layer below the console script, the gateway's too
+    "bench.studies": frozenset(
+        {
+            "common",
+            "backend.policy",
+            "backend.sim",
+            "backend.kernels",
+            "backend.launch",
+            "gateway",
+            "bench",
+        }
     ),
     "tandem": frozenset(
         {

@@ -15,13 +15,8 @@ if not torch.cuda.is_available():
 
 import pytest
 
-from backend.kernels.kv_copy import (
-    KvLayers,
-    gather_slots,
-    gather_slots_reference,
-    scatter_slots,
-    scatter_slots_reference,
-)
+from backend.kernels.kv_copy import KvLayers, gather_slots, scatter_slots
+from backend.kernels.kv_copy_ref import gather_slots_reference, scatter_slots_reference
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.int8]
 # (layers, slots in the pool, row shape): one head; SGLang-like heads × head_dim; odd sizes

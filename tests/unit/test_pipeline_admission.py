@@ -9,7 +9,7 @@ from dataclasses import replace
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline.admission import Admitted, QuotaCheck, QuotaHold, admit_through
 from gateway.pipeline.outcome import Refused
-from gateway.quotas import QuotaLimiter
+from gateway.quotas.limiter import QuotaLimiter
 from gateway.store.types import Quota
 from tests.unit.pipeline_factories import make_principal, make_request, make_tenant
 
