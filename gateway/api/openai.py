@@ -72,26 +72,24 @@ async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
     )
     with recording(app, flight):
         body = parse(app, flight, await request.read())
-        engine_request = prepare(app, flight, body)
-        head = ResponseHead(endpoint=endpoint, rid=engine_request.rid, model=flight.model)
+        prepare(app, flight, body)
         if body.stream:
-            return await _stream(request, flight, head, body.stream_options or StreamOptions())
-        return await _respond(app, flight, head)
+            return await _stream(request, flight, body.stream_options or StreamOptions())
+        return await _respond(app, flight)
 
 
-async def _respond(app: web.Application, flight: Flight, head: ResponseHead) -> web.Response:
+async def _respond(app: web.Application, flight: Flight) -> web.Response:
     """The whole answer as one JSON body (or the error that ended the request)."""
     result = await complete(app, flight)
     if not isinstance(result, Completion):
         raise result.api_error()
     usage = usage_body(result.prompt_tokens, result.completion_tokens)
-    return web.json_response(
-        body=_encoder.encode(completion_body(head, result.text, result.finish_reason, usage))
-    )
+    body = completion_body(_head(flight), result.text, result.finish_reason, usage)
+    return web.json_response(body=_encoder.encode(body))
 
 
 async def _stream(
-    request: web.Request, flight: Flight, head: ResponseHead, options: StreamOptions
+    request: web.Request, flight: Flight, options: StreamOptions
 ) -> web.StreamResponse:
     """The answer as server-sent events. A failure before the first chunk is an HTTP error; once
     the headers are out, it is reported in-band, as OpenAI does."""
@@ -100,7 +98,7 @@ async def _stream(
     if isinstance(admission, Refused):
         raise admission.api_error()
     place(app, flight)
-    render = StreamRenderer(head)
+    render = StreamRenderer(_head(flight))
     async with contextlib.aclosing(run(app, flight)) as chunks:
         first = await anext(chunks, None)  # engine failures surface here, before any header
         if first is None:
@@ -142,6 +140,12 @@ async def _send_chunk(
 
 async def _send(resp: web.StreamResponse, payload: dict[str, Any]) -> None:
     await resp.write(b"data: " + _encoder.encode(payload) + b"\n\n")
+
+
+def _head(flight: Flight) -> ResponseHead:
+    """What the response's bodies share; its id names the admitted request's engine rid."""
+    assert flight.request is not None
+    return ResponseHead(endpoint=flight.endpoint, rid=flight.request.rid, model=flight.model)
 
 
 def _usage(progress: Progress) -> dict[str, int]:

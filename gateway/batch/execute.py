@@ -76,12 +76,14 @@ async def execute_line(
         model=app[CONFIG].model.name,
     )
     with recording(app, flight):
-        request = prepare(app, flight, prepared.body, prepared.prompt)
+        prepare(app, flight, prepared.body, prepared.prompt)
         result = await complete(app, flight)
     if not isinstance(result, Completion):
         await settle_failure(store, app[CONFIG].batch, active, line_no, result)
         return None
     active.down_streak = 0  # the engine answers: retries need no back-off
+    request = flight.request  # as admitted (admission may change a request's terms)
+    assert request is not None
     head = ResponseHead(endpoint=active.kind, rid=request.rid, model=flight.model)
     usage = usage_body(result.prompt_tokens, result.completion_tokens)
     body = completion_body(head, result.text, result.finish_reason, usage)

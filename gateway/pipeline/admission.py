@@ -14,7 +14,8 @@ Today there is one check, the tenant's quota (gateway/quotas). The next ones slo
 * **SLO feasibility** — predict from the engine's live state whether the RT contract (TTFT,
   TPOT) can be met; its outcomes are `Refused(429, code="slo_unattainable", retryable=True)`,
   an `Admitted` whose request was rebuilt for tier "be" (a downgrade: `build_engine_request`
-  with tier "be" gives the BE metadata and priority), or the `Admitted` it was given (accept).
+  with tier "be" gives the BE metadata and priority; the response's id, the usage record and
+  the engine all follow the admitted request), or the `Admitted` it was given (accept).
 * **per-tenant fairness** — a tenant over its fair share of the engine while others wait:
   `Refused(429, retryable=True)` with a short `retry_after_s`, or a hold on its share.
 

@@ -124,6 +124,7 @@ async def test_openai_client_runs_a_batch_to_completion(
         assert response["status_code"] == 200
         body = response["body"]
         assert body["object"] == "chat.completion" and body["model"] == MODEL
+        assert body["id"] == f"chatcmpl-{response['request_id']}"
         assert body["usage"]["completion_tokens"] == 6
         assert isinstance(body["choices"][0]["message"]["content"], str)
         # every line ran on the engine as BE
