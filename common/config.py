@@ -5,7 +5,9 @@ Every key can be overridden by an environment variable ``TANDEM_<SECTION>__<KEY>
 ``null`` keep their types. Bad values raise :class:`ConfigError` with a one-line message naming
 the key.
 
-Environment variables are read here and nowhere else. There are three readers:
+The server's and the engine's environment variables are read here and nowhere else (the
+launcher only passes its own environment on to the engine; the ``tandem batch`` client reads its
+API key itself). There are three readers:
 
 * :func:`load_config`: the ``TANDEM_<SECTION>__<KEY>`` overrides;
 * :func:`admin_token`: ``TANDEM_ADMIN_TOKEN``;

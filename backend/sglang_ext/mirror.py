@@ -55,9 +55,6 @@ class ReqMirror:
     def __len__(self) -> int:
         return len(self._states)
 
-    def __contains__(self, rid: object) -> bool:
-        return rid in self._states
-
     def to_engine_s(self, unix_s: float) -> float:
         """A wall-clock instant on the engine's monotonic clock."""
         return self._clock() - (self._wall_clock() - unix_s)

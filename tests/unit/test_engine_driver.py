@@ -162,6 +162,43 @@ def test_decodes_left_out_of_the_plan_sit_out_and_come_back() -> None:
     assert not hooks.parked_reqs() and hooks.after_is_fully_idle(True, s)  # type: ignore[arg-type]
 
 
+def test_the_kv_layout_is_told_which_rows_are_parked() -> None:
+    rt, be = req("rt", "rt", out=3), req("be", "be", out=5)
+    told: list[list[str]] = []
+    drv = EngineDriver(ScriptedPolicy(Plan(decodes=["rt"])))  # type: ignore[arg-type]
+    hooks = SchedulerHooks(drv, on_park=lambda reqs: told.append([r.rid for r in reqs]))
+    batch = FakeBatch([rt, be])
+    s = sched([])
+    s.running_batch = batch
+    hooks.replace_should_defer_prefill(s, batch)  # type: ignore[arg-type]
+    hooks.after_process_batch_result(None, s, batch)  # type: ignore[arg-type]
+    assert told == [["be"], []]
+
+
+def test_parked_rows_come_back_even_when_every_other_row_left() -> None:
+    a, b = req("a", "be", out=2), req("b", "rt", out=7)
+    drv = EngineDriver(ScriptedPolicy(Plan(decodes=["b"])))  # type: ignore[arg-type]
+    batch = FakeBatch([a, b])
+    s = sched([])
+    hooks, _ = plan_and_carry_out(drv, s, batch)
+    batch.filter_batch(keep_indices=[])  # b finished and left the batch
+    s.running_batch = batch
+    hooks.after_process_batch_result(None, s, batch)  # type: ignore[arg-type]
+    assert [r.rid for r in s.running_batch.reqs] == ["a"]  # the parked batch took its place
+
+
+def test_an_evicted_request_that_cannot_resume_is_not_requeued(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    rt, be = req("rt", "rt", out=3), req("be", "be", out=5)
+    drv = EngineDriver(ScriptedPolicy(Plan(decodes=["rt"], evictions=["be"])))  # type: ignore[arg-type]
+    batch, s = FakeBatch([rt, be]), sched([])
+    batch.release_req = lambda idx, remaining: False  # type: ignore[method-assign]
+    plan_and_carry_out(drv, s, batch)
+    assert [r.rid for r in batch.reqs] == ["rt"] and s.requeued == []
+    assert "1 evicted requests had no way to resume" in caplog.text
+
+
 def test_the_directive_names_rows_by_rid_and_is_frozen() -> None:
     rt, be1, be2 = req("rt", "rt", out=3), req("be1", "be", out=5), req("be2", "be", out=9)
     waiting = req("w", "rt")
