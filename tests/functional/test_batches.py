@@ -319,7 +319,7 @@ async def test_a_short_window_is_a_deadline_passed_to_the_engine(
     for line in await read_lines(api, done.output_file_id):
         meta = engine_server.trace_for(line["response"]["request_id"])["meta"]
         assert meta["tier"] == "be"
-        assert abs(meta["be_deadline_unix_s"] - (created + 1800)) < 5
+        assert abs(meta["deadline_due_unix_s"] - (created + 1800)) < 5
 
 
 async def test_file_listing_content_and_delete(
