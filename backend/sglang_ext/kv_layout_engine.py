@@ -45,7 +45,6 @@ from typing import Any
 import torch
 
 from backend.policy.bicache.records import DEFAULT_BLOCK_SLOTS, BiCacheError
-from backend.policy.types import Tier
 from backend.sglang_ext.kv_layout import BiCacheKvLayout
 from backend.sglang_ext.request_meta import get_meta
 from backend.sglang_ext.seams import (
@@ -54,6 +53,7 @@ from backend.sglang_ext.seams import (
     KV_INIT_SEAM,
 )
 from backend.sglang_ext.views import ReqView
+from common.wire import Tier
 
 logger = logging.getLogger(__name__)
 
