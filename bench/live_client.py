@@ -35,19 +35,25 @@ class TenantKeys:
         self._keys: dict[tuple[str, float | None, float | None], str] = {}
 
     async def key_for(self, spec: RequestSpec) -> str:
-        slo = (spec.tier, spec.ttft_s, spec.tpot_s) if spec.tier == "rt" else ("be", None, None)
+        slo = (
+            (spec.tier, spec.ttft_target_s, spec.tpot_target_s)
+            if spec.tier == "rt"
+            else ("be", None, None)
+        )
         key = self._keys.get(slo)
         if key is None:
             key = self._keys[slo] = await self._new_tenant(*slo)
         return key
 
-    async def _new_tenant(self, tier: str, ttft_s: float | None, tpot_s: float | None) -> str:
+    async def _new_tenant(
+        self, tier: str, ttft_target_s: float | None, tpot_target_s: float | None
+    ) -> str:
         name = f"{tier}-{len(self._keys)}-{secrets.token_hex(3)}"
         slo: dict[str, Any] = {}
         if tier == "rt":
             slo = {
-                "ttft_ms": round(1000 * (ttft_s or 1.0), 3),
-                "tpot_ms": round(1000 * (tpot_s or 1.0), 3),
+                "ttft_ms": round(1000 * (ttft_target_s or 1.0), 3),
+                "tpot_ms": round(1000 * (tpot_target_s or 1.0), 3),
             }
         admin = f"{self.base_url}/admin/v1"
         async with self.session.post(
@@ -160,8 +166,8 @@ async def send(
         token_times=_token_times(chunk_times, generated, finish),
         evictions=0,
         cached_tokens=0,
-        ttft_target_s=spec.ttft_s,
-        tpot_target_s=spec.tpot_s,
+        ttft_target_s=spec.ttft_target_s,
+        tpot_target_s=spec.tpot_target_s,
         deadline_s=None if spec.deadline_s is None else spec.arrival_s + spec.deadline_s,
         length_key=spec.length_key,
         max_new_tokens=spec.max_new_tokens,
@@ -192,8 +198,8 @@ def _unfinished(spec: RequestSpec) -> RequestRecord:
         token_times=array("d"),
         evictions=0,
         cached_tokens=0,
-        ttft_target_s=spec.ttft_s,
-        tpot_target_s=spec.tpot_s,
+        ttft_target_s=spec.ttft_target_s,
+        tpot_target_s=spec.tpot_target_s,
         deadline_s=None,
         length_key=spec.length_key,
         max_new_tokens=spec.max_new_tokens,

@@ -162,8 +162,8 @@ def build(config: BenchConfig, latency: LatencyModel, profile: Profile) -> tuple
                 config.trace_file,
                 params,
                 rate_scale=config.rate_scale,
-                ttft_s=config.trace_ttft_s,
-                tpot_s=config.trace_tpot_s,
+                ttft_target_s=config.trace_ttft_s,
+                tpot_target_s=config.trace_tpot_s,
             )
         ctx = BuildContext(
             latency=latency, kv_capacity_tokens=kv, max_prefill_tokens=profile.max_prefill_tokens

@@ -109,8 +109,8 @@ def trace_requests(
     params: WorkloadParams,
     *,
     rate_scale: float = 1.0,
-    ttft_s: float = DEFAULT_TTFT_S,
-    tpot_s: float = DEFAULT_TPOT_S,
+    ttft_target_s: float = DEFAULT_TTFT_S,
+    tpot_target_s: float = DEFAULT_TPOT_S,
 ) -> list[RequestSpec]:
     """The trace's requests; arrival = t_ms / 1000 / rate_scale (rate_scale 2 = twice as fast),
     relative to the earliest line. RT requests get the given TTFT/TPOT targets."""
@@ -128,8 +128,8 @@ def trace_requests(
                 prompt_len=row["input_len"],
                 output_len=row["output_len"],
                 max_new_tokens=max_new_for(params, row["output_len"], OUTPUT_CAP),
-                ttft_s=ttft_s if rt else None,
-                tpot_s=tpot_s if rt else None,
+                ttft_target_s=ttft_target_s if rt else None,
+                tpot_target_s=tpot_target_s if rt else None,
                 length_key=row["tenant"] or row["tier"],
                 order_key=float(row["line"]),
                 prefix_hashes=row["prefix_hashes"],
@@ -143,12 +143,18 @@ def build_trace_workload(
     params: WorkloadParams,
     *,
     rate_scale: float = 1.0,
-    ttft_s: float = DEFAULT_TTFT_S,
-    tpot_s: float = DEFAULT_TPOT_S,
+    ttft_target_s: float = DEFAULT_TTFT_S,
+    tpot_target_s: float = DEFAULT_TPOT_S,
 ) -> Workload:
     """A replay of the trace file as a Workload (no λ*: the trace sets the rate)."""
     rows = read_trace(path)
-    specs = trace_requests(rows, params, rate_scale=rate_scale, ttft_s=ttft_s, tpot_s=tpot_s)
+    specs = trace_requests(
+        rows,
+        params,
+        rate_scale=rate_scale,
+        ttft_target_s=ttft_target_s,
+        tpot_target_s=tpot_target_s,
+    )
     span = max(s.arrival_s for s in specs)
     rt_count = sum(s.tier == "rt" for s in specs)
 
@@ -172,8 +178,8 @@ def build_trace_workload(
             "rate_scale": rate_scale,
             "span_s": span,
             "rt_mean_rate_req_s": rt_count / span if span > 0 else None,
-            "rt_ttft_s": ttft_s,
-            "rt_tpot_s": tpot_s,
+            "rt_ttft_s": ttft_target_s,
+            "rt_tpot_s": tpot_target_s,
         },
     )
 

@@ -134,8 +134,10 @@ def _sim_request(body: GenerateBody, arrival_s: float) -> SimRequest:
         prompt_len=prompt_len,
         output_len=max_new,
         max_new_tokens=max_new,
-        ttft_s=_left(meta.ttft_target_ms, 1e-3, late_s) if meta else None,
-        tpot_s=meta.tpot_target_ms / 1000.0 if meta and meta.tpot_target_ms is not None else None,
+        ttft_target_s=_left(meta.ttft_target_ms, 1e-3, late_s) if meta else None,
+        tpot_target_s=meta.tpot_target_ms / 1000.0
+        if meta and meta.tpot_target_ms is not None
+        else None,
         deadline_s=_left(meta.deadline_s, 1.0, late_s) if meta else None,
         length_key=meta.length_key if meta else "",
         prefix_hashes=_block_hashes(body.input_ids or [], 512),

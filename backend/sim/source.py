@@ -31,9 +31,9 @@ class SimRequest(msgspec.Struct, kw_only=True):
     policy except the oracle."""
     max_new_tokens: int
     """Output cap the policy sees, tokens (the request ends at min(output_len, max_new_tokens))."""
-    ttft_s: float | None = None
+    ttft_target_s: float | None = None
     """RT: time-to-first-token target, seconds after arrival."""
-    tpot_s: float | None = None
+    tpot_target_s: float | None = None
     """RT: time-per-output-token target, seconds."""
     deadline_s: float | None = None
     """BE: completion deadline, seconds after arrival."""

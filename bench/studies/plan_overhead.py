@@ -40,8 +40,8 @@ def _request(rng: random.Random, serial: int, now_s: float) -> SimRequest:
             prompt_len=rng.randint(20, 800),
             output_len=rng.randint(20, 400),
             max_new_tokens=2048,
-            ttft_s=0.4,
-            tpot_s=0.2,
+            ttft_target_s=0.4,
+            tpot_target_s=0.2,
             length_key="chat",
         )
     return SimRequest(

@@ -45,9 +45,9 @@ class RequestSpec:
     """True output length, tokens (forced; hidden from policies except the oracle)."""
     max_new_tokens: int
     """Output cap the engine and policies see, tokens (≥ output_len)."""
-    ttft_s: float | None = None
+    ttft_target_s: float | None = None
     """RT: time-to-first-token target, seconds."""
-    tpot_s: float | None = None
+    tpot_target_s: float | None = None
     """RT: time-per-output-token target after the first, seconds."""
     deadline_s: float | None = None
     """BE: job completion deadline relative to arrival, seconds."""

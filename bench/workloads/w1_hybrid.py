@@ -58,8 +58,8 @@ class Shape:
     """BE prompt uniform range (tokens)."""
     be_output: tuple[int, int]
     """BE output uniform range (tokens)."""
-    ttft_s: float
-    tpot_s: float
+    ttft_target_s: float
+    tpot_target_s: float
 
 
 FULL_SHAPE = Shape(
@@ -68,8 +68,8 @@ FULL_SHAPE = Shape(
     be_batch_size=BE_BATCH_SIZE,
     be_prompt=BE_PROMPT,
     be_output=BE_OUTPUT,
-    ttft_s=TTFT_S,
-    tpot_s=TPOT_S,
+    ttft_target_s=TTFT_S,
+    tpot_target_s=TPOT_S,
 )
 CPU_SHAPE = Shape(
     rt_prompt=(56.0, 64.0, 1024),
@@ -77,8 +77,8 @@ CPU_SHAPE = Shape(
     be_batch_size=32,
     be_prompt=(128, 256),
     be_output=(8, 32),
-    ttft_s=1.5,
-    tpot_s=0.25,
+    ttft_target_s=1.5,
+    tpot_target_s=0.25,
 )
 
 
@@ -104,11 +104,11 @@ def rt_requests(
     outputs = lognormal_ints(
         rng_for(params.seed, label, "rt-output"), o_mean, o_std, n, low=1, high=o_max
     )
-    ttft = np.full(n, shape.ttft_s)
-    tpot = np.full(n, shape.tpot_s)
+    ttft = np.full(n, shape.ttft_target_s)
+    tpot = np.full(n, shape.tpot_target_s)
     if hetero:
-        ttft = shape.ttft_s * rng_for(params.seed, label, "rt-ttft").uniform(*TTFT_SCALE, n)
-        tpot = shape.tpot_s * rng_for(params.seed, label, "rt-tpot").uniform(*TPOT_SCALE, n)
+        ttft = shape.ttft_target_s * rng_for(params.seed, label, "rt-ttft").uniform(*TTFT_SCALE, n)
+        tpot = shape.tpot_target_s * rng_for(params.seed, label, "rt-tpot").uniform(*TPOT_SCALE, n)
     return [
         RequestSpec(
             rid=f"rt-{i:06d}",
@@ -117,8 +117,8 @@ def rt_requests(
             prompt_len=int(prompts[i]),
             output_len=int(outputs[i]),
             max_new_tokens=max_new_for(params, int(outputs[i]), o_max),
-            ttft_s=float(ttft[i]),
-            tpot_s=float(tpot[i]),
+            ttft_target_s=float(ttft[i]),
+            tpot_target_s=float(tpot[i]),
             length_key="rt-chat",
         )
         for i in range(n)
@@ -177,7 +177,7 @@ def build(params: WorkloadParams, ctx: BuildContext) -> Workload:
             "duration_s": duration,
             "slo": variant,
             "be_batch_size": shape.be_batch_size,
-            "rt_ttft_s": shape.ttft_s,
-            "rt_tpot_s": shape.tpot_s,
+            "rt_ttft_s": shape.ttft_target_s,
+            "rt_tpot_s": shape.tpot_target_s,
         },
     )

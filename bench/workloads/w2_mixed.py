@@ -118,8 +118,8 @@ def rt_requests(
             prompt_len=int(prompts[i]),
             output_len=int(outputs[i]),
             max_new_tokens=max_new_for(params, int(outputs[i]), OUTPUT_MAX),
-            ttft_s=float(base(math.ceil(prompts[i] / 512)) * ttft_scale[i]),
-            tpot_s=float(tbt_base * tbt_scale[i]),
+            ttft_target_s=float(base(math.ceil(prompts[i] / 512)) * ttft_scale[i]),
+            tpot_target_s=float(tbt_base * tbt_scale[i]),
             length_key="rt-mixed",
         )
         for i in range(n)

@@ -56,8 +56,8 @@ def client_request(
         prompt_len=prompt,
         output_len=output,
         max_new_tokens=MAX_NEW_TOKENS,
-        ttft_s=TTFT_SLA_S,
-        tpot_s=MTPOT_SLA_S,
+        ttft_target_s=TTFT_SLA_S,
+        tpot_target_s=MTPOT_SLA_S,
         length_key=f"w3-{dist}",
     )
 

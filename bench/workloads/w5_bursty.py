@@ -104,8 +104,8 @@ def _rt_specs(
                 prompt_len=prompt,
                 output_len=output,
                 max_new_tokens=max_new_for(params, output, RT_OUTPUT_CAP),
-                ttft_s=base(math.ceil(prompt / 512)),
-                tpot_s=TPOT_S,
+                ttft_target_s=base(math.ceil(prompt / 512)),
+                tpot_target_s=TPOT_S,
                 length_key="rt-azure-conv",
             )
         )

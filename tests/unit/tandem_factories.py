@@ -29,14 +29,14 @@ def make_request(
     running: bool = False,
     prefilled: int | None = None,
     max_new_tokens: int = 100,
-    ttft_s: float | None = 0.5,
+    ttft_target_s: float | None = 0.5,
     tpot_target_s: float | None = 0.1,
     last_token_s: float | None = None,
     deadline_due_s: float | None = None,
     order_key: float = 0.0,
     length_key: str = "",
 ) -> ReqState:
-    """A policy-side request. RT gets a TTFT deadline `ttft_s` after arrival and a TPOT
+    """A policy-side request. RT gets a TTFT deadline `ttft_target_s` after arrival and a TPOT
     target; one that generated tokens has emitted its last at `last_token_s` (default: NOW).
     Running ones are fully prefilled unless `prefilled` says otherwise."""
     is_rt = tier == "rt"
@@ -51,7 +51,7 @@ def make_request(
         is_running=running,
         order_key=order_key,
         length_key=length_key or tier,
-        ttft_due_s=arrival_s + ttft_s if is_rt and ttft_s is not None else None,
+        ttft_due_s=arrival_s + ttft_target_s if is_rt and ttft_target_s is not None else None,
         tpot_target_s=tpot_target_s if is_rt else None,
         deadline_due_s=deadline_due_s,
     )

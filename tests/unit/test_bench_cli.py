@@ -115,8 +115,10 @@ def test_trace_replay_scales_time_and_keeps_fields(tmp_path: Path) -> None:
     )
     specs = trace_requests(read_trace(path), WorkloadParams(), rate_scale=2.0)
     assert [s.arrival_s for s in specs] == [0.0, 1.0]
-    assert specs[0].prefix_hashes == (7, 9) and specs[0].ttft_s == 0.4
-    assert specs[1].tier == "be" and specs[1].ttft_s is None and specs[1].length_key == "acme"
+    assert specs[0].prefix_hashes == (7, 9) and specs[0].ttft_target_s == 0.4
+    assert (
+        specs[1].tier == "be" and specs[1].ttft_target_s is None and specs[1].length_key == "acme"
+    )
     with pytest.raises(TraceError, match="no requests"):
         read_trace(write_trace(tmp_path, ["", "  "]))
 

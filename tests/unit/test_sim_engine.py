@@ -31,8 +31,8 @@ def _mixed_workload(seed: int, n: int = 60) -> list[SimRequest]:
                 output_len=out,
                 max_new_tokens=out + rng.randint(0, 60),
                 prefix_hashes=tuple(rng.randint(0, 2) for _ in range(p // 512)),
-                ttft_s=0.5 if tier == "rt" else None,
-                tpot_s=0.1 if tier == "rt" else None,
+                ttft_target_s=0.5 if tier == "rt" else None,
+                tpot_target_s=0.1 if tier == "rt" else None,
             )
         )
     return reqs

@@ -13,7 +13,7 @@ from tests.unit.tandem_factories import LATENCY, NOW, chunks, make_policy, make_
 
 
 def test_be_fills_only_the_time_rt_leaves() -> None:
-    rt = make_request("rt", prompt_len=500, ttft_s=5.0)  # 10 + 10 ms
+    rt = make_request("rt", prompt_len=500, ttft_target_s=5.0)  # 10 + 10 ms
     be = make_request("be", tier="be", prompt_len=5000)
     policy = make_policy(latency_budget_s=0.04, be_frac_init=1.0)
     plan = policy.plan(snapshot(waiting=[rt, be]))
@@ -23,7 +23,7 @@ def test_be_fills_only_the_time_rt_leaves() -> None:
 
 
 def test_the_be_share_limits_be_while_rt_is_around() -> None:
-    rt = make_request("rt", prompt_len=500, ttft_s=5.0)
+    rt = make_request("rt", prompt_len=500, ttft_target_s=5.0)
     be = make_request("be", tier="be", prompt_len=5000)
     plan = make_policy(latency_budget_s=0.04, be_frac_init=0.25).plan(snapshot(waiting=[rt, be]))
     assert chunks(plan)["be"] == 250  # a quarter of the 20 ms left
@@ -82,7 +82,12 @@ def _overload(be_min_share: float) -> tuple[list[float | None], list[float | Non
     (BE finish times, RT first-token times)."""
     rt = [
         make_sim_request(
-            tier="rt", prompt_len=2000, output_len=2, arrival_s=i * 0.02, ttft_s=30.0, tpot_s=1.0
+            tier="rt",
+            prompt_len=2000,
+            output_len=2,
+            arrival_s=i * 0.02,
+            ttft_target_s=30.0,
+            tpot_target_s=1.0,
         )
         for i in range(1500)
     ]

@@ -38,8 +38,8 @@ def _mixed_workload(seed: int = 0) -> list[SimRequest]:
             prompt_len=rng.randint(20, 800),
             output_len=rng.randint(1, 60),
             arrival_s=i * 0.05,
-            ttft_s=0.5,
-            tpot_s=0.1,
+            ttft_target_s=0.5,
+            tpot_target_s=0.1,
         )
         for i in range(200)
     ]

@@ -37,14 +37,16 @@ def test_an_rt_prompt_that_would_overflow_the_future_peak_waits_and_evicts_nothi
 def test_chunks_fill_the_time_budget_exactly() -> None:
     # L = 50 ms, no decodes: 10 + 20·c/1000 ≤ 50  ⇒  c = 2000 (the cut falls at the budget)
     plan = make_policy(latency_budget_s=0.05).plan(
-        snapshot(waiting=[make_request("long", prompt_len=5000, ttft_s=5.0)])
+        snapshot(waiting=[make_request("long", prompt_len=5000, ttft_target_s=5.0)])
     )
     assert chunks(plan) == {"long": 2000}
     assert plan.predicted_s == pytest.approx(0.05)
     # with ten decodes at 1K context (10 ms) the chunk shrinks to what is left: 1500
     decodes = [make_request(f"d{i}", prompt_len=995, running=True, generated=5) for i in range(10)]
     plan = make_policy(latency_budget_s=0.05).plan(
-        snapshot(waiting=[make_request("long", prompt_len=5000, ttft_s=5.0)], running=decodes)
+        snapshot(
+            waiting=[make_request("long", prompt_len=5000, ttft_target_s=5.0)], running=decodes
+        )
     )
     assert chunks(plan) == {"long": 1500}
     assert plan.predicted_s == pytest.approx(0.05)
@@ -53,7 +55,7 @@ def test_chunks_fill_the_time_budget_exactly() -> None:
 def test_a_tight_decode_deadline_bounds_tau() -> None:
     # TPOT 20 ms, last token now: τ = (1 − ε)·20 ms = 18 ms with ε = 0.1
     decoding = make_request("d", prompt_len=99, running=True, generated=1, tpot_target_s=0.02)
-    waiting = make_request("w", prompt_len=2000, ttft_s=5.0)
+    waiting = make_request("w", prompt_len=2000, ttft_target_s=5.0)
     plan = make_policy(latency_budget_s=0.05, eps_init=0.1).plan(
         snapshot(waiting=[waiting], running=[decoding])
     )
@@ -80,10 +82,15 @@ def test_an_urgent_prompt_raises_tau_as_far_as_it_needs() -> None:
 
 def test_at_most_one_long_prompt_mid_prefill_per_tier() -> None:
     partial = make_request(
-        "rt-long-a", prompt_len=5000, running=True, prefilled=2000, arrival_s=NOW - 1.0, ttft_s=5.0
+        "rt-long-a",
+        prompt_len=5000,
+        running=True,
+        prefilled=2000,
+        arrival_s=NOW - 1.0,
+        ttft_target_s=5.0,
     )
-    second = make_request("rt-long-b", prompt_len=6000, arrival_s=NOW - 0.5, ttft_s=5.0)
-    short = make_request("rt-short", prompt_len=100, arrival_s=NOW - 0.1, ttft_s=5.0)
+    second = make_request("rt-long-b", prompt_len=6000, arrival_s=NOW - 0.5, ttft_target_s=5.0)
+    short = make_request("rt-short", prompt_len=100, arrival_s=NOW - 0.1, ttft_target_s=5.0)
     be_partial = make_request("be-long-a", tier="be", prompt_len=8000, running=True, prefilled=1000)
     be_long = make_request("be-long-b", tier="be", prompt_len=9000, order_key=0)
     be_short = make_request("be-short", tier="be", prompt_len=50, order_key=1)
@@ -93,7 +100,7 @@ def test_at_most_one_long_prompt_mid_prefill_per_tier() -> None:
     assert "rt-long-b" not in got and "be-long-b" not in got
     assert {"rt-long-a", "rt-short"} <= set(got)
     # an urgent long prompt bypasses the limit
-    urgent = make_request("rt-long-u", prompt_len=5000, arrival_s=NOW - 0.45, ttft_s=0.6)
+    urgent = make_request("rt-long-u", prompt_len=5000, arrival_s=NOW - 0.45, ttft_target_s=0.6)
     plan = make_policy(latency_budget_s=0.2).plan(snapshot(waiting=[urgent], running=[partial]))
     assert "rt-long-u" in chunks(plan)
 
@@ -118,8 +125,8 @@ def test_every_rt_decode_runs_even_past_the_budget() -> None:
 def test_the_window_is_placed_by_best_fit_finishers_first() -> None:
     # τ = 30 ms with nothing else: 1000 prompt tokens fit. The 900-token prompt finishes and
     # fills best; what is left (100 tokens) goes to the earliest of the two that are cut.
-    a = make_request("a", prompt_len=1500, arrival_s=NOW - 0.03, ttft_s=5.0)
-    b = make_request("b", prompt_len=300, arrival_s=NOW - 0.02, ttft_s=5.0)
-    c = make_request("c", prompt_len=900, arrival_s=NOW - 0.01, ttft_s=5.0)
+    a = make_request("a", prompt_len=1500, arrival_s=NOW - 0.03, ttft_target_s=5.0)
+    b = make_request("b", prompt_len=300, arrival_s=NOW - 0.02, ttft_target_s=5.0)
+    c = make_request("c", prompt_len=900, arrival_s=NOW - 0.01, ttft_target_s=5.0)
     plan = make_policy(latency_budget_s=0.03).plan(snapshot(waiting=[a, b, c]))
     assert [(p.rid, p.tokens) for p in plan.prefills] == [("c", 900), ("a", 100)]

@@ -13,7 +13,7 @@ from tests.unit.tandem_factories import LATENCY, chunks, make_policy, make_reque
 
 
 def test_be_stays_out_of_an_iteration_that_emits_a_first_token() -> None:
-    rt = make_request("rt", prompt_len=500, ttft_s=5.0)  # finishes here: 10 + 10 ms
+    rt = make_request("rt", prompt_len=500, ttft_target_s=5.0)  # finishes here: 10 + 10 ms
     be = make_request("be", tier="be", prompt_len=5000)
     common = {"latency_budget_s": 0.04, "be_frac_init": 1.0, "be_min_share": 0.05}
     assert chunks(make_policy(**common).plan(snapshot(waiting=[rt, be]))) == {"rt": 500, "be": 1000}
@@ -24,7 +24,7 @@ def test_be_stays_out_of_an_iteration_that_emits_a_first_token() -> None:
 
 
 def test_be_fills_as_usual_when_the_rt_prompt_does_not_finish() -> None:
-    rt = make_request("rt", prompt_len=5000, ttft_s=5.0)  # cut at τ: no first token
+    rt = make_request("rt", prompt_len=5000, ttft_target_s=5.0)  # cut at τ: no first token
     be = make_request("be", tier="be", prompt_len=5000)
     plan = make_policy(latency_budget_s=0.04, be_frac_init=1.0, first_token_be_frac=0.0).plan(
         snapshot(waiting=[rt, be])
@@ -44,7 +44,7 @@ def test_rt_prompts_get_the_floor_in_one_iteration_past_l() -> None:
         make_request(f"d{i}", prompt_len=99, running=True, generated=3, tpot_target_s=1.0)
         for i in range(5)
     ]
-    prompt = make_request("p", prompt_len=3000, ttft_s=5.0)
+    prompt = make_request("p", prompt_len=3000, ttft_target_s=5.0)
     plain = make_policy(latency_budget_s=0.02).plan(snapshot(waiting=[prompt], running=decoding))
     assert chunks(plain)["p"] < 500
     plan = make_policy(latency_budget_s=0.02, rt_prefill_floor_tokens=2048).plan(
@@ -56,7 +56,7 @@ def test_rt_prompts_get_the_floor_in_one_iteration_past_l() -> None:
 def test_the_floor_never_breaks_an_rt_decode_deadline() -> None:
     # the decode is due in 40 ms: τ may rise to (1 − ε)·40 = 36 ms, not to the floor's 51 ms
     decoding = make_request("d", prompt_len=99, running=True, generated=3, tpot_target_s=0.04)
-    prompt = make_request("p", prompt_len=3000, ttft_s=5.0)
+    prompt = make_request("p", prompt_len=3000, ttft_target_s=5.0)
     plan = make_policy(latency_budget_s=0.02, rt_prefill_floor_tokens=2048, eps_init=0.1).plan(
         snapshot(waiting=[prompt], running=[decoding])
     )
@@ -70,7 +70,7 @@ def test_a_prompt_is_scheduled_under_the_floor_even_when_decodes_fill_l() -> Non
         make_request(f"d{i}", prompt_len=9999, running=True, generated=1, tpot_target_s=5.0)
         for i in range(30)
     ]
-    prompt = make_request("p", prompt_len=100, ttft_s=5.0)
+    prompt = make_request("p", prompt_len=100, ttft_target_s=5.0)
     assert "p" not in chunks(
         make_policy(latency_budget_s=0.02).plan(
             snapshot(waiting=[prompt], running=decoding, kv_capacity=1_000_000)

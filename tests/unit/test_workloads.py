@@ -59,7 +59,7 @@ def test_w1_rt_lengths_and_rate_match_sharegpt_fit() -> None:
     assert prompts.std() == pytest.approx(256, rel=0.15)
     assert outputs.mean() == pytest.approx(235, rel=0.05)
     assert outputs.std() == pytest.approx(269, rel=0.15)
-    assert {(s.ttft_s, s.tpot_s) for s in rt} == {(0.4, 0.2)}
+    assert {(s.ttft_target_s, s.tpot_target_s) for s in rt} == {(0.4, 0.2)}
     assert all(s.max_new_tokens >= s.output_len for s in rt)  # a cap, never the length itself
 
 
@@ -75,15 +75,15 @@ def test_w1_requests_do_not_change_with_the_rate() -> None:
 def test_w2_requests_do_not_change_with_the_rate() -> None:
     slow = w2_mixed.rt_requests(params(), CTX, 2.0, 120.0)
     fast = w2_mixed.rt_requests(params(), CTX, 8.0, 120.0)
-    assert [(s.prompt_len, s.output_len, s.ttft_s) for s in slow] == [
-        (s.prompt_len, s.output_len, s.ttft_s) for s in fast[: len(slow)]
+    assert [(s.prompt_len, s.output_len, s.ttft_target_s) for s in slow] == [
+        (s.prompt_len, s.output_len, s.ttft_target_s) for s in fast[: len(slow)]
     ]
 
 
 def test_w1_hetero_slo_scales() -> None:
     rt = w1_hybrid.rt_requests(params(), 100.0, 60.0, hetero=True)
-    ttft = np.array([s.ttft_s for s in rt])
-    tpot = np.array([s.tpot_s for s in rt])
+    ttft = np.array([s.ttft_target_s for s in rt])
+    tpot = np.array([s.tpot_target_s for s in rt])
     assert ttft.min() >= 0.2 and ttft.max() <= 0.6 and ttft.mean() == pytest.approx(0.4, 0.05)
     assert tpot.min() >= 0.15 and tpot.max() <= 0.25
 
@@ -121,10 +121,10 @@ def test_w2_prompt_bins_tier_share_and_slos() -> None:
         assert 2 * standalone <= s.deadline_s <= 4 * standalone  # type: ignore[operator]
     rt = [s for s in all_specs if s.tier == "rt"]
     tbt_base = w2_mixed.tbt_base_s(CTX)  # 2 × the pivot iteration time of the engine
-    assert all(0.75 * tbt_base <= s.tpot_s <= 1.25 * tbt_base for s in rt)  # type: ignore[operator]
+    assert all(0.75 * tbt_base <= s.tpot_target_s <= 1.25 * tbt_base for s in rt)  # type: ignore[operator]
     for s in rt[:100]:  # 2 × the bucket top's isolated prefill × U[0.5, 1.5]: feasible alone
         top = CTX.prefill_s(512 * -(-s.prompt_len // 512))
-        assert CTX.prefill_s(s.prompt_len) <= top <= s.ttft_s <= 3 * top  # type: ignore[operator]
+        assert CTX.prefill_s(s.prompt_len) <= top <= s.ttft_target_s <= 3 * top  # type: ignore[operator]
 
 
 def test_w2_pivot_is_where_prefill_throughput_saturates() -> None:
