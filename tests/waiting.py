@@ -20,7 +20,7 @@ import asyncio
 import inspect
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar, overload
 
 T = TypeVar("T")
 
@@ -30,15 +30,36 @@ MAX_INTERVAL_S = 0.1
 """The longest pause between two checks, seconds."""
 
 
+@overload
 async def wait_until(
-    predicate: Callable[[], T | Awaitable[T]],
+    predicate: Callable[[], Awaitable[T | None]],
+    timeout_s: float = ...,
+    *,
+    what: str | Callable[[], str] = ...,
+    max_interval_s: float = ...,
+) -> T: ...
+
+
+@overload
+async def wait_until(
+    predicate: Callable[[], T | None],
+    timeout_s: float = ...,
+    *,
+    what: str | Callable[[], str] = ...,
+    max_interval_s: float = ...,
+) -> T: ...
+
+
+async def wait_until(
+    predicate: Callable[[], Any],
     timeout_s: float = 10.0,
     *,
-    what: str = "the condition",
+    what: str | Callable[[], str] = "the condition",
     max_interval_s: float = MAX_INTERVAL_S,
-) -> T:
+) -> Any:
     """Polls *predicate* until it returns something truthy, and returns that; fails the test
-    (AssertionError naming *what* and the last value) after *timeout_s*."""
+    (AssertionError naming *what* and the last value) after *timeout_s*. *what* may be a
+    callable, asked at the timeout (to say what the state was then)."""
     deadline = time.monotonic() + timeout_s
     interval = FIRST_INTERVAL_S
     while True:
@@ -46,18 +67,18 @@ async def wait_until(
         if inspect.isawaitable(value):
             value = await value
         if value:
-            return value  # type: ignore[return-value]
+            return value
         if time.monotonic() >= deadline:
-            raise AssertionError(f"{what} did not happen within {timeout_s} s (last: {value!r})")
+            raise _timeout(what, timeout_s, value)
         await asyncio.sleep(min(interval, max(0.0, deadline - time.monotonic())))
         interval = min(interval * 1.5, max_interval_s)
 
 
 def wait_until_sync(
-    predicate: Callable[[], T],
+    predicate: Callable[[], T | None],
     timeout_s: float = 10.0,
     *,
-    what: str = "the condition",
+    what: str | Callable[[], str] = "the condition",
     max_interval_s: float = MAX_INTERVAL_S,
 ) -> T:
     """:func:`wait_until` for synchronous tests (blocks the calling thread between checks)."""
@@ -68,6 +89,11 @@ def wait_until_sync(
         if value:
             return value
         if time.monotonic() >= deadline:
-            raise AssertionError(f"{what} did not happen within {timeout_s} s (last: {value!r})")
+            raise _timeout(what, timeout_s, value)
         time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
         interval = min(interval * 1.5, max_interval_s)
+
+
+def _timeout(what: str | Callable[[], str], timeout_s: float, value: object) -> AssertionError:
+    text = what() if callable(what) else what
+    return AssertionError(f"{text} did not happen within {timeout_s} s (last: {value!r})")

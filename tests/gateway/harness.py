@@ -164,8 +164,7 @@ class Gateway:
             data = list(reply.body["data"])
             return data if len(data) >= count else None
 
-        found = await wait_until(written, timeout_s, what=f"{count} usage record(s)")
-        return found
+        return await wait_until(written, timeout_s, what=f"{count} usage record(s)")
 
     async def metrics(self) -> Samples:
         """``GET /metrics``, parsed: (name, labels) → value."""

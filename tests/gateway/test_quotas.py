@@ -100,7 +100,7 @@ async def test_tokens_reserved_but_not_generated_are_given_back(gw: Gateway) -> 
 
 
 async def test_over_max_concurrent_is_429_until_a_request_finishes(gw: Gateway) -> None:
-    tenant_id, key = await gw.new_tenant("concurrent", quota={"max_concurrent": 1})
+    _, key = await gw.new_tenant("concurrent", quota={"max_concurrent": 1})
     body = {"model": MODEL, "prompt": "long", "max_tokens": 3000, "stream": True}
     async with gw.session.post(
         f"{gw.base_url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}
