@@ -74,6 +74,17 @@ async def wait_until(
         interval = min(interval * 1.5, max_interval_s)
 
 
+async def holds_within(predicate: Callable[[], Any], timeout_s: float) -> bool:
+    """True as soon as *predicate* holds (polled like :func:`wait_until`), False once
+    *timeout_s* has passed: for a best-effort wait after which the test goes on either way (and
+    checks what it needs then)."""
+    try:
+        await wait_until(predicate, timeout_s)
+    except _NotYet:
+        return False
+    return True
+
+
 def wait_until_sync(
     predicate: Callable[[], T | None],
     timeout_s: float = 10.0,
@@ -94,6 +105,10 @@ def wait_until_sync(
         interval = min(interval * 1.5, max_interval_s)
 
 
+class _NotYet(AssertionError):
+    """The condition did not hold in time (an AssertionError: it fails the test)."""
+
+
 def _timeout(what: str | Callable[[], str], timeout_s: float, value: object) -> AssertionError:
     text = what() if callable(what) else what
-    return AssertionError(f"{text} did not happen within {timeout_s} s (last: {value!r})")
+    return _NotYet(f"{text} did not happen within {timeout_s} s (last: {value!r})")
