@@ -25,6 +25,8 @@ from backend.sglang_ext.request_meta import SchedReqMeta
 from common.config import EngineConfig
 from common.wire import RequestMeta, meta_to_custom_params
 
+pytestmark = pytest.mark.slow  # imports torch (and Triton or SGLang): seconds, not a unit test
+
 PINNED_SGLANG = "0.5.23"
 
 
