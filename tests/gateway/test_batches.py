@@ -57,12 +57,17 @@ async def create_batch(gw: Gateway, key: str, file_id: str, **fields: Any) -> Re
 async def wait_for(
     gw: Gateway, key: str, batch_id: str, statuses: tuple[str, ...] = DONE
 ) -> dict[str, Any]:
+    last: dict[str, Any] = {}
+
     async def reached() -> dict[str, Any] | None:
         reply = await gw.request("GET", f"/v1/batches/{batch_id}", key=key)
         assert reply.status == 200, reply
+        last.update(reply.body)
         return reply.body if reply.body["status"] in statuses else None
 
-    return await wait_until(reached, timeout_s=30, what=f"batch {batch_id} {'/'.join(statuses)}")
+    return await wait_until(
+        reached, timeout_s=30, what=lambda: f"batch {'/'.join(statuses)} (now: {last})"
+    )
 
 
 async def read_lines(gw: Gateway, key: str, file_id: str | None) -> list[dict[str, Any]]:
