@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backend.policy.latency import LatencyModel
-from backend.sim import SimConfig, SimRequest, simulate
+from backend.sim.config import SimConfig
+from backend.sim.engine import simulate
+from backend.sim.source import SimRequest
 from bench.metrics import rt_metrics
 from bench.workloads.base import Workload
 from bench.workloads.sources import SimSource

@@ -50,15 +50,15 @@ from msgspec.structs import replace as struct_replace
 from backend.policy.latency import LatencyModel, Profile, load_profile
 from backend.policy.profiles import resolve_profile
 from backend.policy.registry import make_policy
-from backend.sim import SimRequest, simulate
+from backend.sim.engine import simulate
 from backend.sim.records import IterationLog, RequestRecord, SimResult
+from backend.sim.source import SimRequest
 from bench.capacity import search_capacity
 from bench.live_client import DRAIN_TIMEOUT_S, TenantKeys, replay, replay_source, send
 from bench.metrics import Metrics, compute_metrics, rt_metrics
 from bench.runner import BenchConfig, build, measure_rate, sim_config
 from bench.series import PolicySeries, compute_series
-from bench.workloads import Workload
-from bench.workloads.base import RequestSpec
+from bench.workloads.base import RequestSpec, Workload
 from bench.workloads.sources import SimSource
 
 LIVE_POLICIES = ("tandem", "fcfs", "priority")

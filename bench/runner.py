@@ -23,20 +23,18 @@ from tqdm import tqdm
 
 from backend.policy.latency import LatencyModel, Profile, load_profile
 from backend.policy.profiles import resolve_profile
-from backend.sim import (
-    InfeasiblePlanError,
-    SimConfig,
-    SimRequest,
-    StalledPolicyError,
-    simulate,
-)
+from backend.sim.config import SimConfig
+from backend.sim.core import InfeasiblePlanError
+from backend.sim.engine import StalledPolicyError, simulate
+from backend.sim.source import SimRequest
 from bench import capacity as cap
 from bench.defaults import DEFAULT_DATA_DIR, DEFAULT_PROFILE
 from bench.metrics import Metrics, compute_metrics, interference
 from bench.policy_spec import base_name, parse_policy_spec
 from bench.series import PolicySeries, compute_series
 from bench.trace import DEFAULT_TPOT_S, DEFAULT_TTFT_S, build_trace_workload
-from bench.workloads import BuildContext, Workload, WorkloadParams, build_workload
+from bench.workloads import build_workload
+from bench.workloads.base import BuildContext, Workload, WorkloadParams
 from bench.workloads.sources import SimSource
 
 RT_ONLY = "rt-only"

@@ -25,11 +25,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import Table, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-# The sampler's names are re-exported: the operator and tests import them from here.
-from gateway.engine.sampler import EngineSample as EngineSample
-from gateway.engine.sampler import EngineSampler as EngineSampler
-from gateway.engine.sampler import _sum_ranks as _sum_ranks
-from gateway.engine.sampler import gauge as gauge
+from gateway.engine.sampler import EngineSampler
 from gateway.store.models import TenantRow
 from gateway.store.types import UsageRecord
 

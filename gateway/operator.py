@@ -13,7 +13,9 @@ from aiohttp import web
 from gateway import metrics
 from gateway.api.openapi import routes as openapi_routes
 from gateway.dashboard import routes as dashboard_routes
-from gateway.quotas import QuotaLimiter, QuotaSync
+from gateway.engine.sampler import EngineSampler, gauge
+from gateway.quotas.limiter import QuotaLimiter
+from gateway.quotas.sync import QuotaSync
 from gateway.state import CONFIG, DB_ENGINE, METRICS, QUOTAS, USAGE
 
 _TENANT_INFO_TIMEOUT_S = 2.0
@@ -43,12 +45,12 @@ async def _quota_sync(app: web.Application) -> AsyncIterator[None]:
     app[METRICS].extra.append(
         lambda: iter(
             [
-                metrics.gauge(
+                gauge(
                     "tandem_gateway_instances",
                     "Gateway processes sharing the quotas (as of the last quota sync).",
                     app[QUOTAS].instances,
                 ),
-                metrics.gauge(
+                gauge(
                     "tandem_quota_sync_failures",
                     "Quota syncs with the database that failed since start.",
                     sync.failures,
@@ -76,7 +78,7 @@ async def _engine_sampler(app: web.Application) -> AsyncIterator[None]:
             )
         )
 
-    sampler = metrics.EngineSampler(
+    sampler = EngineSampler(
         engine_url,
         app[DB_ENGINE],
         config.metrics.engine_poll_s,
@@ -89,7 +91,7 @@ async def _engine_sampler(app: web.Application) -> AsyncIterator[None]:
     registry.extra.append(
         lambda: iter(
             [
-                metrics.gauge(
+                gauge(
                     "tandem_usage_records_pending",
                     "Usage records waiting to be written.",
                     app[USAGE].pending,

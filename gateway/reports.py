@@ -5,8 +5,9 @@ epoch; periods without requests are left out): requests, prompt and completion t
 (every status but ok; the 429s of quotas are also counted apart as `rate_limited`), TTFT and TPOT
 p50/p99 and SLO attainment (met / judged; requests whose contract sets no target are not judged).
 
-Percentiles are nearest-rank on both databases (see gateway.report_sql, which holds the queries;
-this module parses report requests and formats the rows as JSON, CSV or a text table).
+Percentiles are *nearest-rank* (the smallest value with at least p % of the values at or below
+it: rank ceil(p·n)): PostgreSQL's percentile_disc, and on SQLite (which has no percentile
+function) the same rank picked with window functions, so both give identical answers.
 """
 
 from __future__ import annotations
@@ -15,15 +16,24 @@ import csv
 import io
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 import msgspec
+from sqlalchemy import (
+    BigInteger,
+    ColumnElement,
+    Integer,
+    Table,
+    and_,
+    case,
+    func,
+    literal_column,
+    select,
+)
+from sqlalchemy import cast as sql_cast
+from sqlalchemy.ext.asyncio import AsyncEngine
 
-# The queries' names are re-exported: the admin API, the CLI, the dashboard and tests import them
-# from here.
-from gateway.report_sql import UsagePeriod as UsagePeriod
-from gateway.report_sql import tier_series as tier_series
-from gateway.report_sql import usage_report as usage_report
+from gateway.store.models import TenantRow, UsageRow
 
 GROUP_BY_S = {"day": 86_400, "hour": 3_600}
 """The public report's period lengths, seconds."""
@@ -50,6 +60,38 @@ COLUMNS = (
     "slo_attainment",
 )
 """Field order of the JSON rows, the CSV and the CLI table."""
+
+_usage = cast(Table, UsageRow.__table__)
+_tenants = cast(Table, TenantRow.__table__)
+
+
+class UsagePeriod(msgspec.Struct, kw_only=True):
+    """One tenant's usage in one period."""
+
+    period_start: datetime
+    """Start of the period, UTC."""
+    tenant_id: str
+    tenant_name: str | None
+    """The tenant's name (None if the tenant row is gone)."""
+    requests: int
+    """Requests that ended in the period (counted when they started)."""
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    errors: int
+    """Requests that did not end ok (any reason, rate limits included)."""
+    rate_limited: int
+    """Requests refused by the tenant's quota (429)."""
+    ttft_ms_p50: float | None
+    ttft_ms_p99: float | None
+    tpot_ms_p50: float | None
+    tpot_ms_p99: float | None
+    slo_met: int
+    """Requests that met their SLO."""
+    slo_judged: int
+    """Requests with an SLO to meet."""
+    slo_attainment: float | None
+    """slo_met / slo_judged (None when nothing was judged)."""
 
 
 class ReportQuery(msgspec.Struct, frozen=True, kw_only=True):
@@ -121,6 +163,166 @@ def parse_time(param: str, text: str) -> datetime:
     return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
+async def usage_report(
+    db: AsyncEngine, start: datetime, end: datetime, bucket_s: int, tenant_id: str | None = None
+) -> list[UsagePeriod]:
+    """Usage per tenant and period of *bucket_s* seconds for requests created in [start, end),
+    oldest period first, then by tenant id."""
+    async with db.connect() as conn:
+        stmt = _report_sql(conn.dialect.name, start, end, bucket_s, tenant_id)
+        rows = (await conn.execute(stmt)).mappings().all()
+    return [_period(row) for row in rows]
+
+
+def _bucket(dialect: str, bucket_s: int) -> ColumnElement[Any]:
+    """Start of a request's period as Unix seconds (an integer) in the dialect's SQL."""
+    column = _usage.c.created_at
+    # the size is inlined, not bound: PostgreSQL matches GROUP BY expressions textually, and
+    # two bind parameters of the same value would not match
+    size = literal_column(str(int(bucket_s)), Integer)
+    if dialect == "postgresql":
+        epoch = func.floor(func.extract("epoch", column) / size) * size
+        return sql_cast(epoch, BigInteger)
+    # SQLite stores the UTC time as text; strftime('%s') reads it as Unix seconds
+    seconds = sql_cast(func.strftime("%s", column), Integer)
+    return (seconds // size) * size
+
+
+def _report_sql(
+    dialect: str, start: datetime, end: datetime, bucket_s: int, tenant_id: str | None
+) -> Any:
+    u = _usage
+    where = [u.c.created_at >= start, u.c.created_at < end]
+    if tenant_id is not None:
+        where.append(u.c.tenant_id == tenant_id)
+    base = (
+        select(
+            u.c.tenant_id,
+            _bucket(dialect, bucket_s).label("bucket"),
+            u.c.ttft_ms,
+            u.c.tpot_ms,
+            u.c.prompt_tokens,
+            u.c.completion_tokens,
+            u.c.status,
+            u.c.slo_met,
+        )
+        .where(*where)
+        .cte("base")
+    )
+    keys = (base.c.tenant_id, base.c.bucket)
+    # PostgreSQL's percentile_disc is the nearest-rank percentile: one pass, no window sort
+    native = (
+        [
+            func.percentile_disc(p / 100).within_group(base.c[column]).label(f"{column}_p{p}")
+            for column in ("ttft_ms", "tpot_ms")
+            for p in (50, 99)
+        ]
+        if dialect == "postgresql"
+        else []
+    )
+    agg = (
+        select(
+            *keys,
+            *native,
+            func.count().label("requests"),
+            func.sum(base.c.prompt_tokens).label("prompt_tokens"),
+            func.sum(base.c.completion_tokens).label("completion_tokens"),
+            func.sum(case((base.c.status != "ok", 1), else_=0)).label("errors"),
+            func.sum(case((base.c.status == "rate_limited", 1), else_=0)).label("rate_limited"),
+            func.sum(case((base.c.slo_met.is_(True), 1), else_=0)).label("slo_met"),
+            func.sum(case((base.c.slo_met.is_not(None), 1), else_=0)).label("slo_judged"),
+        )
+        .group_by(*keys)
+        .cte("agg")
+    )
+    if native:
+        return (
+            select(agg, _tenants.c.name.label("tenant_name"))
+            .select_from(agg.outerjoin(_tenants, _tenants.c.id == agg.c.tenant_id))
+            .order_by(agg.c.bucket, agg.c.tenant_id)
+        )
+    ttft = _percentiles(base, "ttft_ms")
+    tpot = _percentiles(base, "tpot_ms")
+
+    def joined(part: Any) -> ColumnElement[bool]:
+        return and_(part.c.tenant_id == agg.c.tenant_id, part.c.bucket == agg.c.bucket)
+
+    return (
+        select(
+            agg,
+            ttft.c.ttft_ms_p50,
+            ttft.c.ttft_ms_p99,
+            tpot.c.tpot_ms_p50,
+            tpot.c.tpot_ms_p99,
+            _tenants.c.name.label("tenant_name"),
+        )
+        .select_from(
+            agg.outerjoin(ttft, joined(ttft))
+            .outerjoin(tpot, joined(tpot))
+            .outerjoin(_tenants, _tenants.c.id == agg.c.tenant_id)
+        )
+        .order_by(agg.c.bucket, agg.c.tenant_id)
+    )
+
+
+def _percentiles(base: Any, column: str) -> Any:
+    """p50 and p99 (nearest rank) of *column* per tenant and period, NULLs left out."""
+    value = base.c[column]
+    keys = (base.c.tenant_id, base.c.bucket)
+    ranked = (
+        select(
+            *keys,
+            value.label("v"),
+            func.row_number().over(partition_by=keys, order_by=value).label("rn"),
+            func.count().over(partition_by=keys).label("n"),
+        )
+        .where(value.is_not(None))
+        .cte(f"{column}_ranked")
+    )
+    # rank ceil(p·n) in integer arithmetic: (n·p% + 99) // 100
+    return (
+        select(
+            ranked.c.tenant_id,
+            ranked.c.bucket,
+            func.min(case((ranked.c.rn == (ranked.c.n * 50 + 99) // 100, ranked.c.v))).label(
+                f"{column}_p50"
+            ),
+            func.min(case((ranked.c.rn == (ranked.c.n * 99 + 99) // 100, ranked.c.v))).label(
+                f"{column}_p99"
+            ),
+        )
+        .group_by(ranked.c.tenant_id, ranked.c.bucket)
+        .cte(f"{column}_pct")
+    )
+
+
+def _period(row: Any) -> UsagePeriod:
+    prompt, completion = int(row["prompt_tokens"] or 0), int(row["completion_tokens"] or 0)
+    met, judged = int(row["slo_met"] or 0), int(row["slo_judged"] or 0)
+    return UsagePeriod(
+        period_start=datetime.fromtimestamp(int(row["bucket"]), UTC),
+        tenant_id=row["tenant_id"],
+        tenant_name=row["tenant_name"],
+        requests=int(row["requests"]),
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        errors=int(row["errors"] or 0),
+        rate_limited=int(row["rate_limited"] or 0),
+        ttft_ms_p50=_opt(row["ttft_ms_p50"]),
+        ttft_ms_p99=_opt(row["ttft_ms_p99"]),
+        tpot_ms_p50=_opt(row["tpot_ms_p50"]),
+        tpot_ms_p99=_opt(row["tpot_ms_p99"]),
+        slo_met=met,
+        slo_judged=judged,
+        slo_attainment=met / judged if judged else None,
+    )
+
+
+def _opt(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
 def to_csv(rows: list[UsagePeriod]) -> str:
     """The rows as CSV with a header line (empty cells for missing values)."""
     out = io.StringIO()
@@ -186,3 +388,37 @@ def _cells(row: UsagePeriod) -> list[Any]:
 
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
+
+
+async def tier_series(
+    db: AsyncEngine, start: datetime, end: datetime, bucket_s: int
+) -> list[dict[str, Any]]:
+    """Requests and tokens per tier and period (for "BE throughput against RT load"):
+    ``{"t": period start (Unix s), "tier", "requests", "prompt_tokens", "completion_tokens"}``,
+    oldest first; failed requests count with the tokens they did produce."""
+    u = _usage
+    async with db.connect() as conn:
+        bucket = _bucket(conn.dialect.name, bucket_s).label("bucket")
+        stmt = (
+            select(
+                bucket,
+                u.c.tier,
+                func.count().label("requests"),
+                func.sum(u.c.prompt_tokens).label("prompt_tokens"),
+                func.sum(u.c.completion_tokens).label("completion_tokens"),
+            )
+            .where(u.c.created_at >= start, u.c.created_at < end)
+            .group_by(bucket, u.c.tier)
+            .order_by(bucket, u.c.tier)
+        )
+        rows = (await conn.execute(stmt)).all()
+    return [
+        {
+            "t": int(b),
+            "tier": tier,
+            "requests": int(n),
+            "prompt_tokens": int(p or 0),
+            "completion_tokens": int(c or 0),
+        }
+        for b, tier, n, p, c in rows
+    ]

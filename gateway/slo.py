@@ -13,15 +13,26 @@ from dataclasses import dataclass, field
 
 @dataclass
 class RequestTimer:
-    """Collects token arrival times of one request and derives its latency metrics."""
+    """Collects token arrival times of one request and derives its latency metrics.
+
+    Its ttft_ms / tpot_ms are measurements; the contract's targets are called ttft_target_ms /
+    tpot_target_ms everywhere (see :func:`slo_met`).
+    """
 
     clock: Callable[[], float] = time.monotonic
+    """The clock every instant below is read from, seconds (monotonic by default)."""
     start_s: float = field(default=0.0)
+    """When the request was accepted, s on *clock* (0.0: read the clock at construction)."""
     first_token_s: float | None = None
+    """When the first output token arrived, s on *clock* (None: none yet)."""
     last_token_s: float | None = None
+    """When the latest output token arrived, s on *clock* (None: none yet)."""
     end_s: float | None = None
+    """When the response ended, s on *clock* (None: not finished)."""
     max_gap_s: float = 0.0
+    """Longest gap between two token arrivals so far, s."""
     tokens: int = 0
+    """Output tokens seen so far (cumulative count), tokens."""
 
     def __post_init__(self) -> None:
         if self.start_s == 0.0:
@@ -40,10 +51,12 @@ class RequestTimer:
         self.tokens = total_tokens
 
     def finish(self) -> None:
+        """Records that the response ended (the last byte was sent)."""
         self.end_s = self.clock()
 
     @property
     def ttft_ms(self) -> float | None:
+        """Measured time to first token, ms after acceptance; None before the first token."""
         if self.first_token_s is None:
             return None
         return (self.first_token_s - self.start_s) * 1000.0
@@ -64,6 +77,7 @@ class RequestTimer:
 
     @property
     def e2e_ms(self) -> float:
+        """Acceptance to the end of the response (to now while it runs), ms."""
         end = self.end_s if self.end_s is not None else self.clock()
         return (end - self.start_s) * 1000.0
 
@@ -83,6 +97,11 @@ def slo_met(
 
     RT: TTFT within target and mean TPOT within target (a one-token answer has no TPOT).
     BE: finished within the deadline, when there is one. A failed request never meets its SLO.
+
+    The targets come from the contract: ttft_target_ms and tpot_target_ms in ms, deadline_s in
+    seconds after arrival. The measurements come from :class:`RequestTimer`, all in ms: ttft_ms,
+    tpot_ms (the mean over every token after the first: contracts have no token groups) and
+    e2e_ms.
     """
     if tier == "rt":
         if ttft_target_ms is None and tpot_target_ms is None:

@@ -13,7 +13,7 @@ from common.config import Config
 from gateway.auth import AuthCache
 from gateway.engine.client import EngineClient
 from gateway.metrics import METRICS_KEY
-from gateway.quotas import QuotaLimiter
+from gateway.quotas.limiter import QuotaLimiter
 from gateway.store.repo import Store
 from gateway.tokenizer import ModelTokenizer
 from gateway.usage import UsageRecorder

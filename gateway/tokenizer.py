@@ -48,10 +48,6 @@ class ModelTokenizer:
             template = named.get("default") or next(iter(named.values()), None)
         self._template = _compile(template) if template else None
 
-    @property
-    def has_chat_template(self) -> bool:
-        return self._template is not None
-
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of *text*."""
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)

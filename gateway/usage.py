@@ -39,8 +39,6 @@ class UsageRecorder:
         self._closing = False
         self.dropped = 0
         """Records dropped because the queue overflowed (the database was down too long)."""
-        self.written = 0
-        """Records written so far."""
 
     def record(
         self, record: UsageRecord, *, length_key: str | None = None, key_id: str | None = None
@@ -100,7 +98,6 @@ class UsageRecorder:
             await self._store.insert_usage([self._records[i] for i in range(n)])
             for _ in range(n):
                 self._records.popleft()
-            self.written += n
         m = min(len(self._lengths), self._config.batch_size)
         if m:
             lengths = [self._lengths[i] for i in range(m)]

@@ -58,8 +58,13 @@ def _parser() -> argparse.ArgumentParser:
     create = tenant.add_parser("create", parents=[common], help="create a tenant")
     create.add_argument("name")
     create.add_argument("--tier", choices=["rt", "be"], required=True)
-    create.add_argument("--ttft-ms", type=float, help="RT: time-to-first-token target, ms")
-    create.add_argument("--tpot-ms", type=float, help="RT: time-per-output-token target, ms")
+    # The flags keep API.md's spelling; the values are targets, so they land in *_target_ms.
+    create.add_argument(
+        "--ttft-ms", dest="ttft_target_ms", type=float, help="RT: time-to-first-token target, ms"
+    )
+    create.add_argument(
+        "--tpot-ms", dest="tpot_target_ms", type=float, help="RT: time-per-output-token target, ms"
+    )
     create.add_argument("--deadline-s", type=float, help="BE: job deadline, seconds")
     create.add_argument(
         "--allow-rt",
@@ -127,8 +132,8 @@ def _cmd_tenant_create(args: argparse.Namespace) -> int:
     from gateway.errors import ApiError
 
     slo_in = SloIn(
-        ttft_ms=args.ttft_ms,
-        tpot_ms=args.tpot_ms,
+        ttft_target_ms=args.ttft_target_ms,
+        tpot_target_ms=args.tpot_target_ms,
         deadline_s=args.deadline_s,
         allow_rt=args.allow_rt,
     )

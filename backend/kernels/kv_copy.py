@@ -22,7 +22,8 @@ exact for every dtype, fp8 and bfloat16 included.
 On a GPU the packed buffer may be pinned host memory: the kernel then writes (or reads) it over
 PCIe directly (zero-copy), with no staging buffer. On CPU tensors the same kernels run in
 Triton's interpreter (always: as if `TRITON_INTERPRET=1` were set for them), which is how the
-tests check them against the torch references here; that path is for correctness only.
+tests check them against the torch references (backend/kernels/kv_copy_ref.py); that path is
+for correctness only.
 """
 
 from __future__ import annotations
@@ -35,15 +36,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from backend.kernels.kv_copy_ref import gather_slots_reference, scatter_slots_reference
-
-__all__ = [
-    "KvLayers",
-    "gather_slots",
-    "gather_slots_reference",
-    "scatter_slots",
-    "scatter_slots_reference",
-]
+__all__ = ["KvLayers", "gather_slots", "scatter_slots"]
 
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 _TL_WORDS = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}

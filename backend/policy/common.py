@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Protocol
 
 import numpy as np
 
 from backend.policy import pastfuture
 from backend.policy.latency import BatchShape, LatencyModel
-from backend.policy.pastfuture import PeakTracker as PeakTracker  # re-exported (baselines)
 from backend.policy.types import (
     IterationResult,
     Plan,
@@ -253,21 +251,6 @@ def future_peak(items: Sequence[tuple[int, int]]) -> int:
     return pastfuture.future_peak(
         np.asarray(current, dtype=np.int64), np.asarray(remaining, dtype=np.int64)
     )
-
-
-class LengthPredictor(Protocol):
-    """Predicts a request's total output length, tokens."""
-
-    def predict(self, req: ReqState) -> int:
-        """The predicted total output length of `req`, tokens."""
-        ...
-
-
-class CapPredictor:
-    """Assumes every request runs to its cap (max_new_tokens): never under-predicts."""
-
-    def predict(self, req: ReqState) -> int:
-        return req.max_new_tokens
 
 
 class TrueLengthPredictor:

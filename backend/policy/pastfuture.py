@@ -31,7 +31,6 @@ from collections.abc import Iterable
 import numpy as np
 
 DEFAULT_WINDOW = 1000
-DEFAULT_RESERVE = 0.05
 MIN_SAMPLES = 200
 MAX_LISTS = 5
 
@@ -194,10 +193,6 @@ class PeakAdmission:
         cur = np.asarray(current, dtype=np.int64)
         lists = np.atleast_2d(np.asarray(remaining_lists, dtype=np.int64))
         self._trackers = [PeakTracker.from_arrays(cur, rem) for rem in lists]
-
-    @property
-    def num_lists(self) -> int:
-        return len(self._trackers)
 
     @property
     def peak(self) -> int:

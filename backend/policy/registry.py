@@ -12,7 +12,7 @@ from backend.policy.baselines.rr import RoundRobinPolicy
 from backend.policy.baselines.sglang_like import SglangLikePolicy
 from backend.policy.baselines.two_phase import FixedOfflinePolicy, StaticChunkPolicy
 from backend.policy.latency import LatencyModel
-from backend.policy.tandem import TandemPolicy
+from backend.policy.tandem.policy import TandemPolicy
 from backend.policy.tandem.presets import tolerance_5pct
 from backend.policy.types import Policy
 

@@ -99,11 +99,6 @@ class ReqState(msgspec.Struct, kw_only=True):
         """Tokens its next decode attends to (prompt + generated)."""
         return self.prompt_len + self.generated
 
-    @property
-    def tokens_left(self) -> int:
-        """Output tokens still allowed by the cap."""
-        return self.max_new_tokens - self.generated
-
 
 class Snapshot(msgspec.Struct, kw_only=True):
     """The engine's state at the start of an iteration."""

@@ -48,7 +48,8 @@ from collections.abc import Sequence
 
 import torch
 
-from backend.policy.bicache import DEFAULT_BLOCK_SLOTS, HOST, BiCache, BiCacheError, Checkpoint
+from backend.policy.bicache.layout import BiCache
+from backend.policy.bicache.records import DEFAULT_BLOCK_SLOTS, HOST, BiCacheError, Checkpoint
 from backend.policy.types import Tier
 
 

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from backend.policy.bicache import DEFAULT_BLOCK_SLOTS, BiCacheError
+from backend.policy.bicache.records import DEFAULT_BLOCK_SLOTS, BiCacheError
 from backend.policy.types import Tier
 from backend.sglang_ext.kv_layout import BiCacheKvLayout
 from backend.sglang_ext.request_meta import get_meta

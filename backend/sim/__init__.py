@@ -2,29 +2,12 @@
 as the real engine on a virtual clock, and an HTTP server (`backend.sim.server`) with the SGLang
 surface on a real clock.
 
-Public API (the bench runner is written against these names)::
+What the bench runner uses, by the module that defines it (import each name from there)::
 
-    simulate(source, policy, latency, config, *, progress=None) -> SimResult
-    SimRequest, ArrivalSource, ListSource, SimConfig
-    SimResult, RequestRecord, IterationLog
-    InfeasiblePlanError, StalledPolicyError
+    engine   simulate(source, policy, latency, config, *, progress=None) -> SimResult,
+             StalledPolicyError
+    source   SimRequest, ArrivalSource, ListSource
+    config   SimConfig
+    records  SimResult, RequestRecord, IterationLog
+    core     InfeasiblePlanError
 """
-
-from backend.sim.config import SimConfig
-from backend.sim.core import InfeasiblePlanError
-from backend.sim.engine import StalledPolicyError, simulate
-from backend.sim.records import IterationLog, RequestRecord, SimResult
-from backend.sim.source import ArrivalSource, ListSource, SimRequest
-
-__all__ = [
-    "ArrivalSource",
-    "InfeasiblePlanError",
-    "IterationLog",
-    "ListSource",
-    "RequestRecord",
-    "SimConfig",
-    "SimRequest",
-    "SimResult",
-    "StalledPolicyError",
-    "simulate",
-]

@@ -2,8 +2,8 @@
 
 The token-granular pool of `kv.py` (SGLang with page_size 1) lets any request use any free
 slot, and an eviction drops the request's KV: it is recomputed on re-admission. Here the pool is
-`backend.policy.bicache.BiCache` (blocks of b slots, RT from the left, BE from the right) and an
-eviction of a BE request is *lazy*:
+`backend.policy.bicache.layout.BiCache` (blocks of b slots, RT from the left, BE from the right)
+and an eviction of a BE request is *lazy*:
 
 * the request goes back to the waiting queue as the policy asked, but its KV stays where it is
   (the request is *dormant*); the policy sees those slots as evictable, like unreferenced
@@ -49,7 +49,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from backend.policy.bicache import BiCache, Checkpoint, NoRoom
+from backend.policy.bicache.layout import BiCache
+from backend.policy.bicache.records import Checkpoint, NoRoom
 from backend.policy.types import ReqState
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import msgspec
 
-from backend.policy.bicache import BiCacheError
+from backend.policy.bicache.records import BiCacheError
 from backend.policy.common import round_up
 from backend.policy.latency import BatchShape
 from backend.policy.types import Plan, ReqState, Snapshot
@@ -39,8 +39,6 @@ from backend.sim.prefix import PrefixMatcher
 from backend.sim.queue import WaitQueue
 from backend.sim.source import SimRequest
 from backend.sim.track import Batch, Track
-
-__all__ = ["Batch", "EngineCore", "InfeasiblePlanError", "Track"]
 
 
 class InfeasiblePlanError(RuntimeError):

@@ -15,9 +15,10 @@ from backend.policy.latency import LatencyModel
 from backend.policy.time_share import shape_of
 from backend.policy.types import FinishedRequest, IterationResult, Policy
 from backend.sim.config import SimConfig
-from backend.sim.core import Batch, EngineCore, Track
+from backend.sim.core import EngineCore
 from backend.sim.records import IterationLog, RequestRecord, SimResult
 from backend.sim.source import ArrivalSource
+from backend.sim.track import Batch, Track
 
 _MAX_IDLE_PLANS = 1000  # consecutive plans that advance no time before the run is declared stuck
 

@@ -14,8 +14,9 @@ import time
 from backend.policy.latency import LatencyModel
 from backend.policy.types import FinishedRequest, IterationResult, Policy
 from backend.sim.config import SimConfig
-from backend.sim.core import EngineCore, Track
+from backend.sim.core import EngineCore
 from backend.sim.source import SimRequest
+from backend.sim.track import Track
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from backend.kernels.kv_copy import KvLayers, gather_slots_reference
+from backend.kernels.kv_copy import KvLayers
+from backend.kernels.kv_copy_ref import gather_slots_reference
 
 DTYPES = {
     "bf16": torch.bfloat16,

@@ -23,7 +23,8 @@ from msgspec.structs import replace as struct_replace
 from backend.policy.latency import BatchShape, LatencyModel, load_profile
 from backend.policy.profiles import resolve_profile
 from backend.policy.registry import make_policy
-from backend.sim import SimRequest, simulate
+from backend.sim.engine import simulate
+from backend.sim.source import SimRequest
 from bench.defaults import DEFAULT_PROFILE
 from bench.metrics import compute_metrics
 from bench.runner import BenchConfig, build, measure_rate, sim_config

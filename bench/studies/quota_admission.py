@@ -4,7 +4,7 @@
 import time
 from datetime import UTC, datetime
 
-from gateway.quotas import QuotaLimiter
+from gateway.quotas.limiter import QuotaLimiter
 from gateway.store.types import Quota, Slo, Tenant
 
 T0 = datetime(2026, 11, 21, tzinfo=UTC)

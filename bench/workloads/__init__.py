@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from bench.defaults import WORKLOAD_NAMES
 from bench.workloads import w1_hybrid, w2_mixed, w3_memory, w4_offline, w5_bursty
-from bench.workloads.base import BuildContext, RequestSpec, SpecSource, Workload, WorkloadParams
+from bench.workloads.base import BuildContext, Workload, WorkloadParams
 
 BUILDERS: dict[str, Callable[[WorkloadParams, BuildContext], Workload]] = {
     "W1": w1_hybrid.build,
@@ -33,12 +33,4 @@ def build_workload(name: str, params: WorkloadParams, ctx: BuildContext) -> Work
     return builder(params, ctx)
 
 
-__all__ = [
-    "WORKLOAD_NAMES",
-    "BuildContext",
-    "RequestSpec",
-    "SpecSource",
-    "Workload",
-    "WorkloadParams",
-    "build_workload",
-]
+__all__ = ["BUILDERS", "build_workload"]

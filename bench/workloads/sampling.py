@@ -48,13 +48,6 @@ def uniform_ints(rng: np.random.Generator, low: int, high: int, n: int) -> np.nd
     return rng.integers(low, high + 1, n).astype(np.int64)
 
 
-def log_uniform_ints(rng: np.random.Generator, low: int, high: int, n: int) -> np.ndarray:
-    """n integers log-uniform on [low, high]."""
-    values = np.exp(rng.uniform(math.log(low), math.log(high), n))
-    out: np.ndarray = np.clip(np.rint(values), low, high).astype(np.int64)
-    return out
-
-
 def binned_ints(
     rng: np.random.Generator, bins: Sequence[tuple[float, int, int]], n: int, *, log: bool
 ) -> np.ndarray:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
 from typing import Any
 
 from bench.workloads.base import RequestSpec, SpecSource
@@ -199,11 +198,6 @@ def drain(
             if finish_after_s is not None:
                 heapq.heappush(pending, (now + finish_after_s, spec.rid))
     return out
-
-
-def with_arrival(spec: RequestSpec, arrival_s: float) -> RequestSpec:
-    """The same request submitted at another time."""
-    return replace(spec, arrival_s=arrival_s)
 
 
 class SimSource:

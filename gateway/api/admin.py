@@ -24,12 +24,25 @@ _encoder = msgspec.json.Encoder()
 _MAX_REQUESTS_LIMIT = 1000
 
 
+# SloIn has no class docstring on purpose: msgspec would publish it in /openapi.json.
 class SloIn(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    ttft_ms: float | None = None
-    tpot_ms: float | None = None
-    token_group: int | None = None
+    # Python names are the contract's (*_target_ms); the JSON keys are API.md's ("ttft_ms", ...).
+    ttft_target_ms: float | None = msgspec.field(default=None, name="ttft_ms")
+    """RT: time-to-first-token target, ms after arrival. JSON key "ttft_ms"."""
+    tpot_target_ms: float | None = msgspec.field(default=None, name="tpot_ms")
+    """RT: time-per-output-token target after the first token, ms. JSON key "tpot_ms"."""
     deadline_s: float | None = None
+    """BE: job deadline, seconds after arrival (None: pure best effort)."""
     allow_rt: bool = False
+    """Whether a BE tenant may ask for tier "rt" per request (needs both RT targets)."""
+
+
+# (Python name, JSON key) of every positive number in a contract, for the 422's param.
+_SLO_NUMBERS = (
+    ("ttft_target_ms", "ttft_ms"),
+    ("tpot_target_ms", "tpot_ms"),
+    ("deadline_s", "deadline_s"),
+)
 
 
 class QuotaIn(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -78,14 +91,14 @@ def validate_tenant(name: str, tier: str, slo: SloIn, quota: QuotaIn | Quota) ->
     """Checks a tenant's contract and quota; 422 naming the field."""
     if not name.strip() or len(name) > 100:
         raise _invalid("name", "name must be 1 to 100 characters")
-    if tier == "rt" and (slo.ttft_ms is None or slo.tpot_ms is None):
+    if tier == "rt" and (slo.ttft_target_ms is None or slo.tpot_target_ms is None):
         raise _invalid("slo", "an rt tenant needs slo.ttft_ms and slo.tpot_ms")
-    if slo.allow_rt and (slo.ttft_ms is None or slo.tpot_ms is None):
+    if slo.allow_rt and (slo.ttft_target_ms is None or slo.tpot_target_ms is None):
         raise _invalid("slo.allow_rt", "allow_rt needs slo.ttft_ms and slo.tpot_ms")
-    for field in ("ttft_ms", "tpot_ms", "deadline_s", "token_group"):
-        value = getattr(slo, field)
+    for attr, key in _SLO_NUMBERS:
+        value = getattr(slo, attr)
         if value is not None and value <= 0:
-            raise _invalid(f"slo.{field}", f"slo.{field} must be positive, got {value}")
+            raise _invalid(f"slo.{key}", f"slo.{key} must be positive, got {value}")
     limits = quota.over(Quota()) if isinstance(quota, QuotaIn) else quota
     for field in ("requests_per_min", "tokens_per_min", "max_concurrent", "monthly_tokens"):
         value = getattr(limits, field)
@@ -93,9 +106,8 @@ def validate_tenant(name: str, tier: str, slo: SloIn, quota: QuotaIn | Quota) ->
             raise _invalid(f"quota.{field}", f"quota.{field} must not be negative, got {value}")
     return (
         Slo(
-            ttft_ms=slo.ttft_ms,
-            tpot_ms=slo.tpot_ms,
-            token_group=slo.token_group,
+            ttft_target_ms=slo.ttft_target_ms,
+            tpot_target_ms=slo.tpot_target_ms,
             deadline_s=slo.deadline_s,
             allow_rt=slo.allow_rt,
         ),

@@ -14,7 +14,7 @@ from gateway.api.prepare import EngineRequest
 from gateway.auth import Principal
 from gateway.engine.client import EngineChunk, EngineRequestError, EngineUnavailable
 from gateway.errors import ApiError
-from gateway.quotas import QuotaExceeded, Ticket
+from gateway.quotas.limiter import QuotaExceeded, Ticket
 from gateway.slo import RequestTimer, slo_met
 from gateway.state import CONFIG, ENGINE, METRICS, QUOTAS, USAGE, spawn
 from gateway.store.types import UsageRecord
@@ -157,7 +157,6 @@ class Generation:
             completion_tokens=self.outcome.completion_tokens,
             queue_ms=self.outcome.queue_ms,
             ttft_ms=self.timer.ttft_ms,
-            tbt_mean_ms=self.timer.tpot_ms,
             tbt_max_ms=self.timer.tbt_max_ms,
             tpot_ms=self.timer.tpot_ms,
             e2e_ms=self.timer.e2e_ms,

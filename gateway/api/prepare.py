@@ -114,7 +114,7 @@ def resolve_tier(tenant: Tenant, requested: Tier | None) -> Tier:
     contract's `allow_rt` and RT targets."""
     if requested is None or requested == tenant.tier or requested == "be":
         return requested or tenant.tier
-    if tenant.slo.allow_rt and tenant.slo.ttft_ms is not None:
+    if tenant.slo.allow_rt and tenant.slo.ttft_target_ms is not None:
         return "rt"
     raise ApiError(
         403, "the tenant's contract does not allow tier 'rt'", param="tier", code="tier_not_allowed"
@@ -136,8 +136,8 @@ def build_engine_request(
         tenant_id=principal.tenant.id,
         length_key=principal.tenant.id,
         arrival_unix_s=arrival_unix_s if arrival_unix_s is not None else time.time(),
-        ttft_target_ms=slo.ttft_ms if tier == "rt" else None,
-        tpot_target_ms=slo.tpot_ms if tier == "rt" else None,
+        ttft_target_ms=slo.ttft_target_ms if tier == "rt" else None,
+        tpot_target_ms=slo.tpot_target_ms if tier == "rt" else None,
         deadline_s=slo.deadline_s if tier == "be" else None,
         max_tokens=max_tokens,
     )

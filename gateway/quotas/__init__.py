@@ -36,9 +36,8 @@ How it works
   process stops counting after ``quota.instance_timeout_s``. The monthly budget may be overrun
   by the requests in flight when it runs out (a request is admitted while any budget is left).
   The processes' clocks are assumed in sync (NTP): heartbeats compare wall-clock times.
+
+Modules (import each name from the module that defines it): `limiter` (`QuotaLimiter`,
+`QuotaExceeded`, `Ticket`: admission and this process's share of every limit), `sync`
+(`QuotaSync`: the database side), `shares` (the split), `bucket` (`TokenBucket`).
 """
-
-from gateway.quotas.limiter import QuotaExceeded, QuotaLimiter, Ticket
-from gateway.quotas.sync import QuotaSync
-
-__all__ = ["QuotaExceeded", "QuotaLimiter", "QuotaSync", "Ticket"]

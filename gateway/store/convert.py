@@ -10,15 +10,17 @@ from common.wire import Tier
 from gateway.store.models import ApiKeyRow, QuotaRow, SloContractRow, TenantRow, UsageRow
 from gateway.store.types import ApiKey, Quota, Slo, Tenant, UsageRecord
 
-USAGE_FIELDS = tuple(f for f in msgspec.structs.fields(UsageRecord) if f.name != "id")
-"""The usage_records columns a UsageRecord carries, in order (the row id is assigned on insert)."""
+USAGE_FIELDS = tuple(
+    f for f in msgspec.structs.fields(UsageRecord) if f.name not in ("id", "tbt_mean_ms")
+)
+"""The usage_records columns a UsageRecord carries, in order (the row id is assigned on insert;
+tbt_mean_ms is derived from tpot_ms, not stored)."""
 
 
 def apply_slo(row: SloContractRow, slo: Slo) -> None:
     """Copies every contract field of *slo* onto *row* (a whole-row replacement)."""
-    row.ttft_ms = slo.ttft_ms
-    row.tpot_ms = slo.tpot_ms
-    row.token_group = slo.token_group
+    row.ttft_target_ms = slo.ttft_target_ms
+    row.tpot_target_ms = slo.tpot_target_ms
     row.deadline_s = slo.deadline_s
     row.allow_rt = slo.allow_rt
 
@@ -43,9 +45,8 @@ def tenant_struct(row: TenantRow) -> Tenant:
         Slo()
         if row.slo is None
         else Slo(
-            ttft_ms=_float(row.slo.ttft_ms),
-            tpot_ms=_float(row.slo.tpot_ms),
-            token_group=row.slo.token_group,
+            ttft_target_ms=_float(row.slo.ttft_target_ms),
+            tpot_target_ms=_float(row.slo.tpot_target_ms),
             deadline_s=_float(row.slo.deadline_s),
             allow_rt=row.slo.allow_rt,
         )

@@ -122,14 +122,17 @@ class ApiKeyRow(Base):
 
 
 class SloContractRow(Base):
-    """slo_contracts: one contract per tenant."""
+    """slo_contracts: one contract per tenant.
+
+    The targets are *_target_ms in Python, like the Slo Struct, while the columns keep their
+    original names ttft_ms / tpot_ms (renaming them would be a migration for no reader's gain).
+    """
 
     __tablename__ = "slo_contracts"
 
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), primary_key=True)
-    ttft_ms: Mapped[float | None] = mapped_column(Float)
-    tpot_ms: Mapped[float | None] = mapped_column(Float)
-    token_group: Mapped[int | None] = mapped_column(Integer)
+    ttft_target_ms: Mapped[float | None] = mapped_column("ttft_ms", Float)
+    tpot_target_ms: Mapped[float | None] = mapped_column("tpot_ms", Float)
     deadline_s: Mapped[float | None] = mapped_column(Float)
     allow_rt: Mapped[bool] = mapped_column(Boolean, default=False)
     updated_at: Mapped[datetime]
@@ -170,7 +173,6 @@ class UsageRow(Base):
     completion_tokens: Mapped[int] = mapped_column(Integer)
     queue_ms: Mapped[float | None] = mapped_column(Float)
     ttft_ms: Mapped[float | None] = mapped_column(Float)
-    tbt_mean_ms: Mapped[float | None] = mapped_column(Float)
     tbt_max_ms: Mapped[float | None] = mapped_column(Float)
     tpot_ms: Mapped[float | None] = mapped_column(Float)
     e2e_ms: Mapped[float | None] = mapped_column(Float)

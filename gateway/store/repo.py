@@ -291,27 +291,6 @@ class Store:
         lengths.reverse()
         return lengths
 
-    async def all_length_histories(self, limit_per_key: int) -> dict[str, list[int]]:
-        """Every key's newest *limit_per_key* output lengths (newest last), for warming the
-        engine's length predictor at start-up."""
-        t = _length_table
-        rank = (
-            func.row_number()
-            .over(partition_by=t.c.length_key, order_by=t.c.id.desc())
-            .label("rank")
-        )
-        ranked = select(t.c.length_key, t.c.output_len, t.c.id, rank).subquery()
-        stmt = (
-            select(ranked.c.length_key, ranked.c.output_len)
-            .where(ranked.c.rank <= limit_per_key)
-            .order_by(ranked.c.length_key, ranked.c.id)
-        )
-        histories: dict[str, list[int]] = {}
-        async with self._sessions() as session:
-            for key, output_len in (await session.execute(stmt)).all():
-                histories.setdefault(key, []).append(output_len)
-        return histories
-
     async def length_keys_changed(self, after_id: int) -> tuple[set[str], int]:
         """The keys with a length row newer than *after_id*, and the newest row id (or
         *after_id* when none is newer): what a sync has to re-send."""

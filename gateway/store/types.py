@@ -15,12 +15,13 @@ from common.wire import Tier
 class Slo(msgspec.Struct, frozen=True, kw_only=True):
     """A tenant's SLO contract. RT tenants set TTFT/TPOT targets; BE tenants may set a deadline."""
 
-    ttft_ms: float | None = None
-    """Time-to-first-token target, ms after arrival (None: no target)."""
-    tpot_ms: float | None = None
-    """Time-per-output-token target, ms (None: no target)."""
-    token_group: int | None = None
-    """Tokens over which TPOT is averaged when judging attainment, tokens (None: whole output)."""
+    # The targets are *_target_ms in Python (ttft_ms / tpot_ms name measurements: timers, usage
+    # records); their JSON keys stay "ttft_ms" / "tpot_ms", the admin API's documented contract.
+    ttft_target_ms: float | None = msgspec.field(default=None, name="ttft_ms")
+    """Time-to-first-token target, ms after arrival (None: no target). JSON key "ttft_ms"."""
+    tpot_target_ms: float | None = msgspec.field(default=None, name="tpot_ms")
+    """Time-per-output-token target, mean over the tokens after the first, ms (None: no target).
+    JSON key "tpot_ms"."""
     deadline_s: float | None = None
     """BE completion deadline, seconds after arrival (None: no deadline)."""
     allow_rt: bool = False
@@ -121,7 +122,9 @@ class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
     ttft_ms: float | None = None
     """Time to first token, ms after arrival."""
     tbt_mean_ms: float | None = None
-    """Mean time between tokens, ms."""
+    """Mean time between tokens, ms. Derived, not stored: __post_init__ sets it to tpot_ms (the
+    mean gap after the first token is TPOT by definition), replacing any value passed; kept
+    because the admin API's /requests output documents it."""
     tbt_max_ms: float | None = None
     """Largest time between two tokens, ms."""
     tpot_ms: float | None = None
@@ -142,3 +145,9 @@ class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
     """When the response ended, UTC."""
     id: int | None = None
     """Row id assigned by the database (None before insert)."""
+
+    def __post_init__(self) -> None:
+        # tbt_mean_ms is derived, like a property, so that it can never disagree with tpot_ms,
+        # whether the record was built by a handler, copied with msgspec.structs.replace (which
+        # passes the old value back in) or read from usage_records (which has no such column).
+        msgspec.structs.force_setattr(self, "tbt_mean_ms", self.tpot_ms)

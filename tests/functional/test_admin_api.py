@@ -53,6 +53,14 @@ async def test_tenant_lifecycle(gateway_without_engine: GatewayHandle) -> None:
         ({"name": "x", "tier": "gold"}, 422, "tier"),
         ({"name": "", "tier": "be"}, 422, "name"),
         ({"name": "x", "tier": "be", "slo": {"deadline_s": -1}}, 422, "slo.deadline_s"),
+        # The param is the JSON key the client sent, not the Python attribute (ttft_target_ms).
+        ({"name": "x", "tier": "rt", "slo": {"ttft_ms": 0, "tpot_ms": 9}}, 422, "slo.ttft_ms"),
+        # token_group was accepted and ignored until migration 0004 dropped it.
+        (
+            {"name": "x", "tier": "rt", "slo": {"ttft_ms": 1, "tpot_ms": 1, "token_group": 8}},
+            422,
+            "slo",
+        ),
         (
             {"name": "x", "tier": "be", "quota": {"max_concurrent": "many"}},
             422,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.policy.bicache import NoRoom
+from backend.policy.bicache.records import NoRoom
 from backend.sglang_ext.kv_layout import BiCacheKvLayout
 
 pytestmark = pytest.mark.slow  # imports torch (and Triton or SGLang): seconds, not a unit test

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from gateway.metrics import EngineSample
+from gateway.engine.sampler import EngineSample
 from gateway.state import METRICS, STORE
 from gateway.store.types import UsageRecord
 from tests.functional.chromium import chromium_page

@@ -15,13 +15,8 @@ if not torch.cuda.is_available():
 
 import pytest
 
-from backend.kernels.kv_copy import (
-    KvLayers,
-    gather_slots,
-    gather_slots_reference,
-    scatter_slots,
-    scatter_slots_reference,
-)
+from backend.kernels.kv_copy import KvLayers, gather_slots, scatter_slots
+from backend.kernels.kv_copy_ref import gather_slots_reference, scatter_slots_reference
 
 pytestmark = pytest.mark.slow  # imports torch (and Triton or SGLang): seconds, not a unit test
 

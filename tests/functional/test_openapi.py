@@ -22,7 +22,7 @@ async def test_every_route_of_the_app_is_documented(tiny_model_dir: Path) -> Non
     missing = sorted(served - documented)
     assert not missing, (
         f"routes without an OpenAPI description: {missing}; add an Op for each "
-        "to gateway/api/openapi_ops.py OPERATIONS"
+        "to gateway/api/openapi.py OPERATIONS"
     )
 
 

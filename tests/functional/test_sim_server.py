@@ -13,7 +13,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from backend.policy.registry import make_policy
-from backend.sim import SimConfig
+from backend.sim.config import SimConfig
 from backend.sim.server import create_sim_app
 from common.wire import RequestMeta, meta_to_custom_params
 from gateway.engine.client import EngineClient

@@ -15,7 +15,9 @@ from gateway.store import NotFound, Quota, Slo, Store, Tenant
 
 
 async def make_tenant(store: Store, name: str = "acme") -> Tenant:
-    return await store.create_tenant(name, "rt", Slo(ttft_ms=100.0, tpot_ms=20.0), Quota())
+    return await store.create_tenant(
+        name, "rt", Slo(ttft_target_ms=100.0, tpot_target_ms=20.0), Quota()
+    )
 
 
 async def test_created_key_authenticates_through_lookup(store: Store) -> None:

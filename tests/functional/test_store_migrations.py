@@ -20,7 +20,7 @@ from gateway.store.models import Base
 
 TABLES = {"tenants", "api_keys", "slo_contracts", "quotas", "usage_records", "length_history"}
 TABLES |= {"files", "batches", "batch_items"}  # 0002
-TABLES |= {"gateway_instances", "quota_demand", "quota_monthly"}  # 0003
+TABLES |= {"gateway_instances", "quota_demand", "quota_monthly"}  # 0003; 0004 adds none
 
 
 async def table_names(url: str) -> set[str]:
@@ -78,6 +78,64 @@ async def test_downgrade_to_base_drops_everything_and_upgrade_restores_it(
     assert await current_revision(empty_db_url) is None
     await upgrade_async(empty_db_url)
     assert await table_names(empty_db_url) == TABLES | {"alembic_version"}
+
+
+async def _columns(url: str, table: str) -> set[str]:
+    engine = create_engine(url)
+    try:
+        async with engine.connect() as conn:
+            return await conn.run_sync(
+                lambda c: {col["name"] for col in inspect(c).get_columns(table)}
+            )
+    finally:
+        await engine.dispose()
+
+
+async def test_0004_drops_the_copied_columns_and_downgrade_restores_them(
+    empty_db_url: str,
+) -> None:
+    await upgrade_async(empty_db_url, "0003")
+    engine = create_engine(empty_db_url)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(
+                text(
+                    "INSERT INTO tenants (id, name, tier, created_at, updated_at) "
+                    "VALUES ('ten_1', 'a', 'rt', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"
+                )
+            )
+            await conn.execute(
+                text(
+                    "INSERT INTO slo_contracts (tenant_id, ttft_ms, tpot_ms, token_group, "
+                    "allow_rt, updated_at) VALUES ('ten_1', 200, 50, 16, false, CURRENT_TIMESTAMP)"
+                )
+            )
+            await conn.execute(
+                text(
+                    "INSERT INTO usage_records (request_id, tenant_id, tier, model, endpoint, "
+                    "stream, prompt_tokens, completion_tokens, ttft_ms, tbt_mean_ms, tpot_ms, "
+                    "status, http_status, created_at, finished_at) VALUES ('r1', 'ten_1', 'rt', "
+                    "'m', 'chat', false, 3, 4, 120, 21, 21, 'ok', 200, CURRENT_TIMESTAMP, "
+                    "CURRENT_TIMESTAMP)"
+                )
+            )
+        await upgrade_async(empty_db_url)
+        assert "tbt_mean_ms" not in await _columns(empty_db_url, "usage_records")
+        assert "token_group" not in await _columns(empty_db_url, "slo_contracts")
+        async with engine.connect() as conn:
+            kept = await conn.execute(text("SELECT ttft_ms, tpot_ms FROM slo_contracts"))
+            assert [tuple(r) for r in kept] == [(200.0, 50.0)]
+            kept = await conn.execute(text("SELECT request_id, tpot_ms FROM usage_records"))
+            assert [tuple(r) for r in kept] == [("r1", 21.0)]
+
+        await asyncio.to_thread(command.downgrade, alembic_config(empty_db_url), "0003")
+        async with engine.connect() as conn:
+            back = await conn.execute(text("SELECT tbt_mean_ms, tpot_ms FROM usage_records"))
+            assert [tuple(r) for r in back] == [(21.0, 21.0)]  # refilled from tpot_ms
+            back = await conn.execute(text("SELECT token_group, ttft_ms FROM slo_contracts"))
+            assert [tuple(r) for r in back] == [(None, 200.0)]  # the column, not its values
+    finally:
+        await engine.dispose()
 
 
 def _model_diff(connection: Connection) -> list[object]:

@@ -9,7 +9,7 @@ import pytest
 
 from gateway.store import Conflict, Quota, Slo, Store
 
-RT_SLO = Slo(ttft_ms=200.0, tpot_ms=50.0, token_group=16)
+RT_SLO = Slo(ttft_target_ms=200.0, tpot_target_ms=50.0)
 BE_SLO = Slo(deadline_s=3600.0, allow_rt=True)
 QUOTA = Quota(requests_per_min=600, tokens_per_min=100_000, max_concurrent=8)
 
@@ -31,7 +31,7 @@ async def test_unlimited_quota_and_big_token_budgets(store: Store) -> None:
     got = await store.get_tenant(tenant.id)
     assert got is not None
     assert got.quota == quota and got.quota.requests_per_min is None
-    assert got.slo.allow_rt is True and got.slo.ttft_ms is None
+    assert got.slo.allow_rt is True and got.slo.ttft_target_ms is None
 
 
 async def test_tenant_json_has_iso_timestamps(store: Store) -> None:

@@ -43,7 +43,6 @@ async def test_usage_round_trips_every_field(store: Store) -> None:
         completion_tokens=128,
         queue_ms=3.5,
         ttft_ms=120.0,
-        tbt_mean_ms=21.0,
         tbt_max_ms=80.0,
         tpot_ms=22.0,
         e2e_ms=2900.0,
@@ -56,6 +55,7 @@ async def test_usage_round_trips_every_field(store: Store) -> None:
     [got] = await store.latest_requests("ten_a", 10)
     assert got.id is not None
     assert got == msgspec.structs.replace(record, id=got.id)
+    assert got.tbt_mean_ms == 22.0  # not a column: derived from tpot_ms
     assert got.created_at.tzinfo is not None
 
 
@@ -102,11 +102,19 @@ async def test_untouched_keys_are_not_pruned_by_a_smaller_window(store: Store) -
     assert await store.length_history("old", 100) == [0, 1, 2, 3, 4]
 
 
-async def test_all_length_histories_for_start_up(store: Store) -> None:
+async def test_length_sync_reads_changed_keys_and_their_windows(store: Store) -> None:
+    # What gateway.engine.control.LengthSync sends: every key for a new engine (after id 0),
+    # then only the keys with rows newer than the last sync.
     await store.append_lengths([("x", n, None) for n in range(6)], window=100)
     await store.append_lengths([("y", 9, None)], window=100)
-    assert await store.all_length_histories(3) == {"x": [3, 4, 5], "y": [9]}
-    assert await store.all_length_histories(100) == {"x": [0, 1, 2, 3, 4, 5], "y": [9]}
+    keys, newest = await store.length_keys_changed(0)
+    assert keys == {"x", "y"}
+    assert await store.length_histories(keys, 3) == {"x": [3, 4, 5], "y": [9]}
+    assert await store.length_keys_changed(newest) == (set(), newest)
+    await store.append_lengths([("y", 4, None)], window=100)
+    keys, _ = await store.length_keys_changed(newest)
+    assert keys == {"y"}
+    assert await store.length_histories(keys, 100) == {"y": [9, 4]}
 
 
 async def test_window_must_be_positive(store: Store) -> None:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.kernels.kv_copy import KvLayers, gather_slots_reference, scatter_slots_reference
+from backend.kernels.kv_copy import KvLayers
+from backend.kernels.kv_copy_ref import gather_slots_reference, scatter_slots_reference
 from bench.kernels.kv_copy_bandwidth import _methods, _time_ms
 
 pytestmark = [

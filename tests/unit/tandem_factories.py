@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from backend.policy.latency import LatencyModel
-from backend.policy.tandem import TandemConfig, TandemPolicy
+from backend.policy.tandem.config import TandemConfig
+from backend.policy.tandem.policy import TandemPolicy
 from backend.policy.types import ReqState, Snapshot, Tier
 from tests.unit.sim_factories import make_snapshot
 

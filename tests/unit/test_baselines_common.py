@@ -7,13 +7,13 @@ import pytest
 from backend.policy.baselines.fcfs import FcfsPolicy
 from backend.policy.common import (
     BatchBuilder,
-    PeakTracker,
     align_chunk,
     choose_victims,
     future_peak,
     make_room,
     prefill_cost,
 )
+from backend.policy.pastfuture import PeakTracker
 from backend.policy.registry import POLICY_NAMES, make_policy
 from tests.unit.sim_factories import LATENCY, make_req, make_snapshot
 

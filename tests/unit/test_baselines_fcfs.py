@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from backend.policy.baselines.fcfs import FcfsPolicy
-from backend.sim import ListSource, SimConfig, simulate
+from backend.sim.config import SimConfig
+from backend.sim.engine import simulate
+from backend.sim.source import ListSource
 from tests.unit.sim_factories import LATENCY, make_req, make_request, make_snapshot
 
 

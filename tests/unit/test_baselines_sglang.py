@@ -8,7 +8,10 @@ import pytest
 from backend.policy.baselines.sglang_like import SglangLikePolicy
 from backend.policy.registry import make_policy
 from backend.policy.types import IterationResult, Plan, Policy
-from backend.sim import ListSource, SimConfig, SimResult, simulate
+from backend.sim.config import SimConfig
+from backend.sim.engine import simulate
+from backend.sim.records import SimResult
+from backend.sim.source import ListSource
 from tests.unit.sim_factories import LATENCY, make_req, make_request, make_snapshot
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from bench.defaults import DEFAULT_DATA_DIR
 from bench.trace import TraceError, convert_azure, read_trace, trace_requests
-from bench.workloads import WorkloadParams
+from bench.workloads.base import WorkloadParams
 from tandem.cli import main
 
 

@@ -9,7 +9,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from backend.policy.bicache import HOST, BiCache, BiCacheError, NeedsRestore, NoRoom
+from backend.policy.bicache.layout import BiCache
+from backend.policy.bicache.records import HOST, BiCacheError, NeedsRestore, NoRoom
 
 
 def test_rt_fills_from_the_left_and_be_from_the_right() -> None:

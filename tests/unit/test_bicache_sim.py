@@ -9,7 +9,10 @@ import pytest
 from backend.policy.latency import BatchShape
 from backend.policy.registry import POLICY_NAMES, make_policy
 from backend.policy.types import Plan, PrefillChunk, Snapshot
-from backend.sim import ListSource, SimConfig, SimResult, simulate
+from backend.sim.config import SimConfig
+from backend.sim.engine import simulate
+from backend.sim.records import SimResult
+from backend.sim.source import ListSource
 from tests.unit.sim_factories import LATENCY, make_request
 from tests.unit.test_sim_engine import _check_invariants, _Checked, _mixed_workload, _Scripted
 

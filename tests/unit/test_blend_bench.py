@@ -9,7 +9,8 @@ import pytest
 
 from bench.batch_order import ordered_source
 from bench.runner import BenchConfig, registered_policies, run_bench
-from bench.workloads import BuildContext, WorkloadParams, build_workload
+from bench.workloads import build_workload
+from bench.workloads.base import BuildContext, WorkloadParams
 
 
 def test_w4_orderings_finish_everything_and_blend_keeps_dfs_sharing(tmp_path: Path) -> None:

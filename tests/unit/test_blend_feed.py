@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from backend.policy.batch_order import OrderItem
 from backend.policy.batch_order.feed import BatchFeed, FeedSettings, choose_pilot
+from backend.policy.batch_order.tree import OrderItem
 
 
 def items(n: int, seed: int = 0) -> tuple[list[OrderItem], dict[int, int]]:

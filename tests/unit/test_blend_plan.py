@@ -4,17 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from backend.policy.batch_order import (
-    DualScanner,
-    OrderItem,
-    PrefixTree,
-    SequentialScanner,
-    dfs_order,
-    partition,
-    plan_blend,
-)
+from backend.policy.batch_order import dfs_order, plan_blend
 from backend.policy.batch_order.cost import DensityModel
 from backend.policy.batch_order.plan import Unit, dfs_items, layer_sort, merge_units, split_units
+from backend.policy.batch_order.scanner import DualScanner, SequentialScanner, partition
+from backend.policy.batch_order.tree import OrderItem, PrefixTree
 
 
 def workload() -> tuple[list[OrderItem], dict[int, int]]:

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from backend.policy.batch_order import DensityModel, OrderItem, PrefixTree
-from backend.policy.batch_order.tree import Node
+from backend.policy.batch_order.cost import DensityModel
+from backend.policy.batch_order.tree import Node, OrderItem, PrefixTree
 
 
 def item(index: int, path: list[int], cap: int | None = None) -> OrderItem:

@@ -19,7 +19,7 @@ def make_tenant(deleted: bool = False) -> Tenant:
         id="ten_000000000001",
         name="acme",
         tier="rt",
-        slo=Slo(ttft_ms=200, tpot_ms=50),
+        slo=Slo(ttft_target_ms=200, tpot_target_ms=50),
         quota=Quota(),
         created_at=NOW,
         updated_at=NOW,

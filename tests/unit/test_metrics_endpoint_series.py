@@ -7,7 +7,8 @@ from datetime import UTC, datetime
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.metrics import EngineSample, EngineSampler, GatewayMetrics, _sum_ranks
+from gateway.engine.sampler import EngineSample, EngineSampler, _sum_ranks
+from gateway.metrics import GatewayMetrics
 from gateway.store.types import UsageRecord
 
 T0 = datetime(2026, 11, 21, tzinfo=UTC)

@@ -53,9 +53,9 @@ def test_prompt_over_the_context_is_a_400() -> None:
 
 
 def test_tiers_follow_the_contract() -> None:
-    rt = make_tenant("rt", ttft_ms=200, tpot_ms=50)
+    rt = make_tenant("rt", ttft_target_ms=200, tpot_target_ms=50)
     be = make_tenant("be", deadline_s=3600)
-    be_upgradable = make_tenant("be", ttft_ms=500, tpot_ms=100, allow_rt=True)
+    be_upgradable = make_tenant("be", ttft_target_ms=500, tpot_target_ms=100, allow_rt=True)
     assert resolve_tier(rt, None) == "rt"
     assert resolve_tier(rt, "be") == "be"  # asking for a looser tier is always fine
     assert resolve_tier(be, None) == "be"
@@ -66,7 +66,7 @@ def test_tiers_follow_the_contract() -> None:
 
 
 def test_engine_payload_carries_metadata_priority_and_sampling() -> None:
-    tenant = make_tenant("rt", ttft_ms=200, tpot_ms=50)
+    tenant = make_tenant("rt", ttft_target_ms=200, tpot_target_ms=50)
     principal = Principal(tenant=tenant, key_id="key_1", key_prefix="p")
     req = build_engine_request(
         chat(temperature=0.0, seed=7, ignore_eos=True, stop="x"),
@@ -90,7 +90,7 @@ def test_engine_payload_carries_metadata_priority_and_sampling() -> None:
 
 def test_be_request_has_no_rt_targets_and_low_priority() -> None:
     principal = Principal(
-        tenant=make_tenant("rt", ttft_ms=200, tpot_ms=50), key_id="k", key_prefix="p"
+        tenant=make_tenant("rt", ttft_target_ms=200, tpot_target_ms=50), key_id="k", key_prefix="p"
     )
     req = build_engine_request(chat(), [1], 8, principal, "be")
     assert req.meta.ttft_target_ms is None and req.meta.tpot_target_ms is None
@@ -99,7 +99,7 @@ def test_be_request_has_no_rt_targets_and_low_priority() -> None:
 
 def test_rids_are_unique() -> None:
     principal = Principal(
-        tenant=make_tenant("rt", ttft_ms=1, tpot_ms=1), key_id="k", key_prefix="p"
+        tenant=make_tenant("rt", ttft_target_ms=1, tpot_target_ms=1), key_id="k", key_prefix="p"
     )
     rids = {build_engine_request(chat(), [1], 1, principal, "rt").rid for _ in range(100)}
     assert len(rids) == 100

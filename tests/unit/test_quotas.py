@@ -7,9 +7,8 @@ from datetime import UTC, datetime
 
 import pytest
 
-from gateway.quotas import QuotaExceeded, QuotaLimiter
 from gateway.quotas.bucket import TokenBucket
-from gateway.quotas.limiter import DemandReport, SyncView
+from gateway.quotas.limiter import DemandReport, QuotaExceeded, QuotaLimiter, SyncView
 from gateway.quotas.shares import FLOOR_SHARE, allocate, weights
 from gateway.store.types import Quota, Slo, Tenant
 

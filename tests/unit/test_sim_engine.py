@@ -8,15 +8,11 @@ import pytest
 
 from backend.policy.registry import POLICY_NAMES, make_policy
 from backend.policy.types import IterationResult, Plan, Policy, PrefillChunk, Snapshot
-from backend.sim import (
-    InfeasiblePlanError,
-    ListSource,
-    SimConfig,
-    SimRequest,
-    SimResult,
-    StalledPolicyError,
-    simulate,
-)
+from backend.sim.config import SimConfig
+from backend.sim.core import InfeasiblePlanError
+from backend.sim.engine import StalledPolicyError, simulate
+from backend.sim.records import SimResult
+from backend.sim.source import ListSource, SimRequest
 from tests.unit.sim_factories import LATENCY, make_request
 
 

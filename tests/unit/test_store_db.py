@@ -9,7 +9,7 @@ import msgspec
 import pytest
 from sqlalchemy.dialects import sqlite
 
-from gateway.store import ApiKey, UsageRecord, head_revision, normalize_url
+from gateway.store import ApiKey, Slo, UsageRecord, head_revision, normalize_url
 from gateway.store.models import UtcDateTime
 
 
@@ -93,9 +93,47 @@ def test_usage_record_needs_only_the_essential_fields() -> None:
     assert record.id is None and record.prompt_tokens == 0 and record.slo_met is None
 
 
+def test_usage_record_mean_tbt_is_tpot_whatever_was_passed() -> None:
+    # usage_records has no tbt_mean_ms column (migration 0004); the API still reports it.
+    now = datetime.now(UTC)
+    record = UsageRecord(
+        request_id="r1",
+        tenant_id="ten_1",
+        tier="rt",
+        model="m",
+        endpoint="chat",
+        tpot_ms=21.0,
+        status="ok",
+        http_status=200,
+        created_at=now,
+        finished_at=now,
+    )
+    assert record.tbt_mean_ms == 21.0
+    assert msgspec.structs.replace(record, tpot_ms=30.0).tbt_mean_ms == 30.0
+    assert msgspec.structs.replace(record, tbt_mean_ms=99.0).tbt_mean_ms == 21.0
+    decoded = msgspec.json.decode(msgspec.json.encode(record), type=UsageRecord)
+    assert (
+        decoded == record
+        and msgspec.json.decode(msgspec.json.encode(record))["tbt_mean_ms"] == 21.0
+    )
+
+
+def test_slo_targets_keep_their_json_keys() -> None:
+    slo = Slo(ttft_target_ms=200.0, tpot_target_ms=50.0)
+    assert msgspec.json.decode(msgspec.json.encode(slo)) == {
+        "ttft_ms": 200.0,
+        "tpot_ms": 50.0,
+        "deadline_s": None,
+        "allow_rt": False,
+    }
+    assert msgspec.json.decode(b'{"ttft_ms": 1, "tpot_ms": 2}', type=Slo) == Slo(
+        ttft_target_ms=1.0, tpot_target_ms=2.0
+    )
+
+
 def test_head_revision_is_read_from_the_migrations_folder() -> None:
     from pathlib import Path
 
     versions = Path(__file__).resolve().parents[2] / "migrations" / "versions"
     newest = max(p.name.split("_", 1)[0] for p in versions.glob("[0-9]*_*.py"))
-    assert head_revision() == newest == "0003"
+    assert head_revision() == newest == "0004"

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from backend.sim import SimConfig, simulate
+from backend.sim.config import SimConfig
+from backend.sim.engine import simulate
 from backend.sim.source import ListSource
 from tests.unit.sim_factories import make_request as make_sim_request
 from tests.unit.tandem_factories import LATENCY, NOW, chunks, make_policy, make_request, snapshot

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from backend.policy.tandem import TandemConfig
+from backend.policy.tandem.config import TandemConfig
 from backend.policy.tandem.feedback import Feedback
 from backend.policy.types import IterationResult, Plan
 

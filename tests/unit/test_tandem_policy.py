@@ -8,9 +8,10 @@ import random
 import pytest
 
 from backend.policy.registry import POLICY_NAMES, TANDEM_ABLATIONS, make_policy
-from backend.policy.tandem import TandemPolicy
-from backend.sim import SimConfig, SimRequest, simulate
-from backend.sim.source import ListSource
+from backend.policy.tandem.policy import TandemPolicy
+from backend.sim.config import SimConfig
+from backend.sim.engine import simulate
+from backend.sim.source import ListSource, SimRequest
 from tests.unit.sim_factories import make_request
 from tests.unit.tandem_factories import LATENCY
 

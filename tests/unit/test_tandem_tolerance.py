@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from backend.policy.registry import make_policy as registry_policy
-from backend.policy.tandem import TandemConfig
+from backend.policy.tandem.config import TandemConfig
 from backend.policy.tandem.presets import TOL5_LATENCY_BUDGET_S, TOLERANCE_RULES
 from tests.unit.tandem_factories import LATENCY, chunks, make_policy, make_request, snapshot
 

@@ -11,17 +11,8 @@ import pytest
 
 from backend.policy.latency import BatchShape, LatencyModel
 from bench.defaults import DEFAULT_DATA_DIR
-from bench.workloads import (
-    BuildContext,
-    RequestSpec,
-    WorkloadParams,
-    build_workload,
-    w1_hybrid,
-    w2_mixed,
-    w3_memory,
-    w4_offline,
-    w5_bursty,
-)
+from bench.workloads import build_workload, w1_hybrid, w2_mixed, w3_memory, w4_offline, w5_bursty
+from bench.workloads.base import BuildContext, RequestSpec, WorkloadParams
 from bench.workloads.sampling import BLOCK_TOKENS
 from bench.workloads.sources import BatchSource, ClosedLoopSource, drain
 

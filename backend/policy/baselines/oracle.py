@@ -4,7 +4,7 @@ Sees `ReqState.true_output_len` (the engine reveals it to this policy only; the 
 SimConfig.reveal_lengths because `needs_true_lengths` is True). Every iteration decodes every
 running request (RT first) and continues partial prefills, vLLM-style under one token budget;
 then admits waiting requests, RT first and BE filling, in arrival order, exactly while the true
-future KV peak (Past-Future M*, `common.PeakTracker`) of the running set plus the newcomer stays
+future KV peak (Past-Future M*, `pastfuture.PeakTracker`) of the running set plus the newcomer stays
 within the capacity. Since every admitted request decodes every iteration, usage never exceeds
 that peak and nothing is ever evicted (eviction is kept only as a safety net).
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 from backend.policy.baselines._steps import LazyOrder, decode_all, prefill_queue
 from backend.policy.common import (
     BatchBuilder,
-    PeakTracker,
     PolicyBase,
     TrueLengthPredictor,
     be_first_newest,
@@ -22,6 +21,7 @@ from backend.policy.common import (
     waiting_tier_first,
 )
 from backend.policy.latency import LatencyModel
+from backend.policy.pastfuture import PeakTracker
 from backend.policy.types import Plan, ReqState, Snapshot
 
 

@@ -21,33 +21,13 @@ from backend.policy.batch_order.plan import (
     merge_units,
     split_units,
 )
-from backend.policy.batch_order.scanner import (
-    DualScanner,
-    SequentialScanner,
-    footprint_tokens,
-    partition,
-)
-from backend.policy.batch_order.tree import Node, OrderItem, PrefixTree
+from backend.policy.batch_order.scanner import DualScanner, footprint_tokens
+from backend.policy.batch_order.tree import OrderItem, PrefixTree
 
 DEFAULT_SPLIT_ALPHA = 0.02
 """Outlier-split budget as a share of the batch's unique prompt tokens (digest §2.6 proposal)."""
 
-__all__ = [
-    "LLAMA8B_A100",
-    "BlendPlan",
-    "DensityModel",
-    "DualScanner",
-    "Node",
-    "OrderItem",
-    "PrefixTree",
-    "SequentialScanner",
-    "Unit",
-    "dfs_order",
-    "footprint_tokens",
-    "partition",
-    "pilot_sample",
-    "plan_blend",
-]
+__all__ = ["BlendPlan", "dfs_order", "pilot_sample", "plan_blend"]
 
 
 @dataclass

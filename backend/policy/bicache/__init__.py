@@ -44,31 +44,8 @@ never overwritten.
 No torch, no sglang: `backend/sglang_ext/kv_layout.py` turns the slot lists and checkpoint
 records into tensor copies, and the simulator (`backend/sim/bikv.py`) into copy time.
 
-Modules: `records` (constants, errors, Checkpoint / Grant / Restore), `blocks` (the block map,
-its room indexes and the allocation search), `checkpoints` (suspend / resume, checkpoint and
-restore bookkeeping), `layout` (`BiCache`, the public class).
+Modules (import each name from the module that defines it): `records` (constants
+DEFAULT_BLOCK_SLOTS and HOST, the errors BiCacheError / NoRoom / NeedsRestore, Checkpoint / Grant
+/ Restore), `blocks` (the block map, its room indexes and the allocation search), `checkpoints`
+(suspend / resume, checkpoint and restore bookkeeping), `layout` (`BiCache`, the public class).
 """
-
-from backend.policy.bicache.layout import BiCache
-from backend.policy.bicache.records import (
-    DEFAULT_BLOCK_SLOTS,
-    HOST,
-    BiCacheError,
-    Checkpoint,
-    Grant,
-    NeedsRestore,
-    NoRoom,
-    Restore,
-)
-
-__all__ = [
-    "DEFAULT_BLOCK_SLOTS",
-    "HOST",
-    "BiCache",
-    "BiCacheError",
-    "Checkpoint",
-    "Grant",
-    "NeedsRestore",
-    "NoRoom",
-    "Restore",
-]

@@ -34,9 +34,6 @@ class BiCache(CheckpointLedger):
         """Every request holding slots or checkpoints."""
         return list(self._reqs)
 
-    def tier_of(self, rid: str) -> Tier:
-        return self._req(rid).tier
-
     def length(self, rid: str) -> int:
         """Tokens the request has (on device or on host)."""
         return self._req(rid).length if rid in self._reqs else 0

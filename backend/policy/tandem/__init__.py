@@ -11,9 +11,7 @@ per-iteration loop (synthesis §4). One module per concept:
 * `queues`    incremental waiting queues (no per-iteration re-sort)
 * `batch`, `timing`  the batch being planned and fast latency-model arithmetic
 * `config`    the knobs, with the ablation switches
+
+Import each name from the module that defines it: `TandemPolicy` from `policy`, `TandemConfig`
+from `config`.
 """
-
-from backend.policy.tandem.config import TandemConfig
-from backend.policy.tandem.policy import TandemPolicy
-
-__all__ = ["TandemConfig", "TandemPolicy"]
