@@ -2,8 +2,19 @@
 
 Every key can be overridden by an environment variable ``TANDEM_<SECTION>__<KEY>`` (for example
 ``TANDEM_GATEWAY__PORT=8080``); its value is parsed as a YAML scalar, so numbers, booleans and
-``null`` keep their types. Environment variables are read here and nowhere else (the admin token
-included). Bad values raise :class:`ConfigError` with a one-line message naming the key.
+``null`` keep their types. Bad values raise :class:`ConfigError` with a one-line message naming
+the key.
+
+The server's and the engine's environment variables are read here and nowhere else (the
+launcher only passes its own environment on to the engine; the ``tandem batch`` client reads its
+API key itself). There are three readers:
+
+* :func:`load_config`: the ``TANDEM_<SECTION>__<KEY>`` overrides;
+* :func:`admin_token`: ``TANDEM_ADMIN_TOKEN``;
+* :func:`engine_settings_from_env`: ``TANDEM_ENGINE_SETTINGS``, the patched engine's settings
+  (:class:`EngineSettings`, one JSON object). The launcher (``backend.launch.sglang``) derives
+  them from ``engine.*`` and encodes them; SGLang's scheduler process, where tandem's plugin
+  runs, decodes them with this function.
 
 Facts found at run time (the model's context length, the engine's KV capacity) live elsewhere and
 are never written back into the config.
@@ -21,6 +32,9 @@ import yaml
 
 ENV_PREFIX = "TANDEM_"
 ADMIN_TOKEN_ENV = "TANDEM_ADMIN_TOKEN"
+ENGINE_SETTINGS_ENV = "TANDEM_ENGINE_SETTINGS"
+"""The patched engine's :class:`EngineSettings`, JSON-encoded (no ``__``: never a config
+override)."""
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config.yaml"
 
 
@@ -145,6 +159,46 @@ class EngineConfig(_Section, frozen=True):
     """kind sim: scheduling policy (a name of backend.policy.registry)."""
     sim_kv_tokens: int | None = None
     """kind sim: KV pool size, tokens (None: the profile's capacity)."""
+
+
+class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """tandem's settings inside the patched engine (SGLang's scheduler process, where the plugin
+    runs): what the launcher derives from ``engine.*``, handed over as one JSON object in
+    ``TANDEM_ENGINE_SETTINGS`` and read back by :func:`engine_settings_from_env`.
+
+    The defaults are an engine started by hand with ``SGLANG_PLUGINS=tandem`` and nothing else:
+    SGLang schedules, tandem only attaches request metadata."""
+
+    policy: str | None = None
+    """Policy that schedules the engine, a name of ``backend.policy.registry`` (the launcher
+    checks it); None: SGLang's own scheduling, with tandem's request metadata only."""
+    profile_path: str | None = None
+    """Latency profile the policy's latency model is fitted from, a JSON file path (the launcher
+    resolves `engine.profile` to it); required with `policy`."""
+    policy_options: dict[str, float | int | bool | str] = msgspec.field(default_factory=dict)
+    """Keyword options for the policy's constructor, each in the unit its name says (e.g.
+    `latency_budget_s`, seconds)."""
+    control_socket: str | None = None
+    """Unix socket path of the engine's control endpoint (length-history pushes, statistics);
+    None: no control endpoint. Served only with a `policy` (the endpoint talks to it)."""
+    kv_layout: Literal["token", "bicache"] = "token"
+    """KV slot layout, a name: "token" (SGLang's own free list) or "bicache" (see
+    `EngineConfig.kv_layout`; the launcher also turns the radix cache off for it)."""
+    scheduler_trace: str | None = None
+    """Debug trace file path: the scheduler appends one JSON line per request it creates (the
+    metadata as it arrived); None: no trace. Tests set it; `engine.*` has no key for it."""
+
+    def __post_init__(self) -> None:
+        if self.policy is not None:
+            if self.policy.strip() in ("", "none"):
+                raise ValueError(
+                    f"policy {self.policy!r} names no policy; leave it out (null) for "
+                    "SGLang's own scheduling"
+                )
+            if not self.profile_path:
+                raise ValueError(f"policy {self.policy!r} needs profile_path (a latency profile)")
+        if self.control_socket is not None and self.policy is None:
+            raise ValueError("control_socket needs a policy (the endpoint serves the policy's)")
 
 
 class UsageConfig(_Section, frozen=True):
@@ -281,6 +335,22 @@ def admin_token(environ: Mapping[str, str] | None = None) -> str:
     if len(token) < 8:
         raise ConfigError(f"{ADMIN_TOKEN_ENV} must be set to a secret of at least 8 characters")
     return token
+
+
+def engine_settings_from_env(environ: Mapping[str, str] | None = None) -> EngineSettings:
+    """The patched engine's settings: ``TANDEM_ENGINE_SETTINGS`` decoded (the defaults when it
+    is unset or empty). Called once, in SGLang's scheduler process; a bad value raises
+    :class:`ConfigError` naming the variable and the field (the engine must not start on it)."""
+    env = os.environ if environ is None else environ
+    raw = env.get(ENGINE_SETTINGS_ENV, "").strip()
+    if not raw:
+        return EngineSettings()
+    try:
+        return msgspec.json.decode(raw, type=EngineSettings)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{ENGINE_SETTINGS_ENV}: {_describe(exc)}") from None
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"{ENGINE_SETTINGS_ENV} is not a JSON object: {exc}") from None
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:

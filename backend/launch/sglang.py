@@ -19,7 +19,6 @@ import atexit
 import contextlib
 import ctypes
 import http.client
-import json
 import os
 import signal
 import subprocess
@@ -32,7 +31,9 @@ from types import TracebackType
 from typing import IO
 from urllib.parse import urlsplit
 
-from common.config import EngineConfig
+import msgspec
+
+from common.config import ENGINE_SETTINGS_ENV, EngineConfig, EngineSettings
 
 PLUGIN_NAME = "tandem"  # the entry-point name in pyproject.toml (= backend.sglang_ext.plugin)
 NO_PLUGINS = "none"  # an SGLANG_PLUGINS value naming no installed plugin: load nothing
@@ -93,7 +94,7 @@ def server_argv(engine_cfg: EngineConfig, model_path: Path, model_name: str) -> 
         argv += ["--context-length", str(engine_cfg.context_length)]
     if engine_cfg.enable_priority_scheduling:
         argv.append("--enable-priority-scheduling")
-    if policy_in_charge(engine_cfg):
+    if engine_cfg.policy_in_charge:
         # The policy's plan is carried out within one scheduler iteration; with overlap
         # scheduling a batch would still be in flight while the next is planned (SGLang already
         # turns overlap off on CPU; this makes GPUs behave the same).
@@ -104,21 +105,16 @@ def server_argv(engine_cfg: EngineConfig, model_path: Path, model_name: str) -> 
     return argv + list(engine_cfg.extra_args)
 
 
-def policy_in_charge(engine_cfg: EngineConfig) -> bool:
-    """True when tandem's policy schedules the engine (patch on and a policy named)."""
-    return engine_cfg.policy_in_charge
-
-
-def control_socket_path(engine_cfg: EngineConfig) -> str:
-    """The Unix socket of the engine's control endpoint."""
-    return engine_cfg.control_socket_path
-
-
-def policy_env(engine_cfg: EngineConfig) -> dict[str, str]:
-    """The variables that put tandem's policy in charge of the engine (empty when it is not).
-    Raises ValueError for an unknown policy or profile, before any process starts."""
-    if not policy_in_charge(engine_cfg):
-        return {"TANDEM_ENGINE_POLICY": "none"}
+def engine_settings(
+    engine_cfg: EngineConfig, *, scheduler_trace: str | Path | None = None
+) -> EngineSettings:
+    """tandem's settings for the engine process that *engine_cfg* describes (the policy only
+    when it is in charge: patch on and a policy named). *scheduler_trace*: a debug trace file
+    (see ``EngineSettings.scheduler_trace``). Raises ValueError for an unknown policy or
+    profile, before any process starts."""
+    trace = None if scheduler_trace is None else str(scheduler_trace)
+    if not engine_cfg.policy_in_charge:
+        return EngineSettings(kv_layout=engine_cfg.kv_layout, scheduler_trace=trace)
     from backend.policy.profiles import resolve_profile
     from backend.policy.registry import POLICY_NAMES
 
@@ -127,26 +123,33 @@ def policy_env(engine_cfg: EngineConfig) -> dict[str, str]:
             f"engine.policy {engine_cfg.policy!r} is not a policy; valid: "
             f"none, {', '.join(POLICY_NAMES)}"
         )
-    return {
-        "TANDEM_ENGINE_POLICY": engine_cfg.policy,
-        "TANDEM_ENGINE_PROFILE": str(resolve_profile(engine_cfg.profile)),
-        "TANDEM_ENGINE_POLICY_OPTIONS": json.dumps(engine_cfg.policy_options),
-        "TANDEM_CONTROL_SOCKET": control_socket_path(engine_cfg),
-    }
+    return EngineSettings(
+        policy=engine_cfg.policy,
+        profile_path=str(resolve_profile(engine_cfg.profile)),
+        policy_options=dict(engine_cfg.policy_options),
+        control_socket=engine_cfg.control_socket_path,
+        kv_layout=engine_cfg.kv_layout,
+        scheduler_trace=trace,
+    )
 
 
 def engine_env(
     engine_cfg: EngineConfig,
     base: Mapping[str, str] | None = None,
     extra: Mapping[str, str] | None = None,
+    *,
+    scheduler_trace: str | Path | None = None,
 ) -> dict[str, str]:
-    """The engine's environment: *base* (default ``os.environ``) with tandem's settings.
+    """The engine's environment: *base* (default ``os.environ``) with tandem's settings, then
+    *extra*.
 
     * ``SGLANG_USE_CPU_ENGINE=1`` on CPU: without it SGLang's ``is_cpu()`` is False and rotary
       embeddings fall back to vLLM's CUDA ops.
     * ``SGLANG_PLUGINS``: SGLang loads *every* installed plugin when the variable is empty, so
       "patch off" must name a list without tandem (``none`` when nothing else is left) for the
       engine to be stock SGLang; "patch on" adds ``tandem`` to whatever list is given.
+    * ``TANDEM_ENGINE_SETTINGS``: :func:`engine_settings` as JSON, all the plugin reads
+      (decoded by ``common.config.engine_settings_from_env`` in the scheduler process).
     """
     env = dict(os.environ if base is None else base)
     if engine_cfg.device == "cpu":
@@ -156,9 +159,8 @@ def engine_env(
     if engine_cfg.patch:
         plugins.append(PLUGIN_NAME)
     env["SGLANG_PLUGINS"] = ",".join(plugins) or NO_PLUGINS
-    env.update(policy_env(engine_cfg))
-    if engine_cfg.kv_layout == "bicache":
-        env["TANDEM_KV_LAYOUT"] = "bicache"
+    settings = engine_settings(engine_cfg, scheduler_trace=scheduler_trace)
+    env[ENGINE_SETTINGS_ENV] = msgspec.json.encode(settings).decode()
     env.update(extra or {})
     return env
 

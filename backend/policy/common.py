@@ -21,14 +21,8 @@ import numpy as np
 
 from backend.policy import pastfuture
 from backend.policy.latency import BatchShape, LatencyModel
-from backend.policy.types import (
-    IterationResult,
-    Plan,
-    PrefillChunk,
-    ReqState,
-    Snapshot,
-    Tier,
-)
+from backend.policy.types import IterationResult, Plan, PrefillChunk, ReqState, Snapshot
+from common.wire import Tier
 
 
 def round_up(tokens: int, page: int) -> int:

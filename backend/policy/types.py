@@ -19,11 +19,11 @@ counts are tokens.
 
 from __future__ import annotations
 
-from typing import Literal, Protocol
+from typing import Protocol
 
 import msgspec
 
-Tier = Literal["rt", "be"]
+from common.wire import Tier
 
 
 class ReqState(msgspec.Struct, kw_only=True):

@@ -1,9 +1,8 @@
-"""The only code that imports SGLang: tandem's plugin, request metadata and the server launcher.
+"""The only code that imports SGLang: tandem's plugin and what it installs in the scheduler.
 
-Importing this package imports nothing from SGLang; each module says what it needs:
-
-* ``launcher``: the ``python -m sglang.launch_server`` command line, environment and a child
-  process handle (no SGLang import; the gateway uses it).
-* ``plugin``: the ``sglang.srt.plugins`` entry point, run inside SGLang's processes.
-* ``request_meta``: the scheduler-side form of ``common.wire.RequestMeta`` (no SGLang import).
+Importing this package imports nothing from SGLang; each module says what it needs. Only
+``plugin`` (the ``sglang.srt.plugins`` entry point), ``hooks`` and ``kv_layout_engine`` touch
+SGLang itself; ``driver``, ``directive``, ``mirror``, ``batch_ops``, ``request_meta`` and
+``views`` read SGLang's objects through the Protocols of ``views`` and run on stand-ins in unit
+tests. The server's command line and environment are ``backend.launch.sglang``.
 """

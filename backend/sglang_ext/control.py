@@ -1,12 +1,13 @@
 """The patched scheduler's control endpoint: HTTP over a Unix socket, in a daemon thread.
 
 The gateway keeps output-length histories in SQL; the engine's policy needs them in memory.
-This endpoint (``TANDEM_CONTROL_SOCKET``) lets the gateway push them (``POST /length-history``,
-body :class:`~common.wire.LengthHistoryPush`) and lets operators and the bench read the policy's
-counters (``GET /stats``). It runs beside SGLang's scheduler loop in the scheduler process: a push
-is only queued here and applied by the loop at its next iteration, so the policy is never touched
-from two threads. A Unix socket (mode 0600) rather than a TCP port: nothing but the same user on
-the same host can reach it, and there is no port to collide with.
+This endpoint (on ``EngineSettings.control_socket``) lets the gateway push them
+(``POST /length-history``, body :class:`~common.wire.LengthHistoryPush`) and lets operators and
+the bench read the policy's counters (``GET /stats``). It runs beside SGLang's scheduler loop in
+the scheduler process: a push is only queued here and applied by the loop at its next iteration,
+so the policy is never touched from two threads. A Unix socket (mode 0600) rather than a TCP
+port: nothing but the same user on the same host can reach it, and there is no port to collide
+with.
 """
 
 from __future__ import annotations

@@ -1,22 +1,22 @@
-"""The policy inside SGLang's scheduler: snapshot in, plan out, the plan carried out at the seams.
+"""The policy inside SGLang's scheduler: snapshot in, plan out, a :class:`Directive` for the hooks.
 
 One :class:`EngineDriver` lives in the scheduler process (created by ``backend.sglang_ext.plugin``)
 and is called from the hooks of ``backend.sglang_ext.hooks`` once per scheduler iteration::
 
     get_next_batch_to_run  ──▶ begin_iteration: close the previous iteration (policy.observe with
       │                        its measured time and finished lengths), apply control updates
-      ├─ _should_defer_prefill ─▶ plan_iteration: snapshot → policy.plan → evict the plan's
-      │                        victims, park the BE decodes the plan leaves out (they keep
-      │                        their KV), put the plan's prompts at the head of the waiting
-      │                        queue; "defer prefill" when the plan prefills nothing
-      ├─ PrefillAdder (hooks.TandemPrefillAdder) admits exactly the planned prompts, each with
-      │                        its planned chunk length (planned_tokens)
+      ├─ _should_defer_prefill ─▶ plan_iteration: snapshot → policy.plan → a Directive (who is
+      │                        evicted, who sits out, which prompts go first with which chunk,
+      │                        whether the prefill pass runs); the hooks carry it out
+      ├─ PrefillAdder (hooks.TandemPrefillAdder) admits exactly the directive's prompts, each
+      │                        with its chunk; note_prefill counts what it took
       └─ update_running_batch / mixed chunk: decodes the rows that were not parked
-    process_batch_result   ──▶ end_iteration: finished lengths noted, parked rows merged back
+    process_batch_result   ──▶ note_finished: finished lengths noted (the hooks merge the parked
+                               rows back)
 
-This module imports no sglang (it reads SGLang's objects through the attributes documented in
-``mirror``), so its bookkeeping is unit-tested with plain stand-ins; the glue that subclasses
-SGLang's classes is ``hooks``.
+The driver decides and keeps the policy's books; it never changes SGLang's objects and never
+calls the hooks. It reads SGLang's objects through the Protocols of ``views`` (no sglang
+import), so it is unit-tested with plain stand-ins.
 
 The scheduler runs without overlap scheduling in tandem mode (the launcher passes
 ``--disable-overlap-schedule``; SGLang forces it on CPU anyway), so an iteration's batch is
@@ -30,8 +30,8 @@ import math
 import queue
 import time
 import uuid
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from types import MappingProxyType
 
 from backend.policy.tandem import slack
 from backend.policy.tandem.victims import victim_order
@@ -44,17 +44,15 @@ from backend.policy.types import (
     ReqState,
     Snapshot,
 )
+from backend.sglang_ext.directive import Directive
 from backend.sglang_ext.driver_stats import PLAN_MS_KEPT, DriverStats
 from backend.sglang_ext.mirror import ReqMirror
+from backend.sglang_ext.views import BatchView, ReqView, SchedulerView
 
 logger = logging.getLogger(__name__)
 
 SWEEP_EVERY = 200
 """Iterations between sweeps of mirrored requests that vanished (aborted while waiting)."""
-MIN_CHUNK_TOKENS = 16
-"""Chunk given to SGLang's in-progress chunked prefill when the plan leaves it out but prefills
-others: SGLang cannot pause it in a prefill pass (one chunked request at a time, and the pass
-accounts for it), so it advances by this little."""
 
 
 class EngineDriver:
@@ -69,20 +67,14 @@ class EngineDriver:
     ) -> None:
         self.policy = policy
         self.clock = clock
+        """The scheduler's clock (monotonic seconds): every instant the policy sees."""
         self.mirror = ReqMirror(clock=clock, wall_clock=wall_clock)
         self.stats = DriverStats(policy=policy.name)
         self.boot_id = uuid.uuid4().hex
         """Identifies this scheduler process (the gateway re-pushes histories when it changes)."""
-        self.plan: Plan | None = None
-        """The current iteration's plan (None between iterations or when none was made)."""
-        self.planned_tokens: dict[str, int] = {}
-        """rid → chunk length of each planned prefill of the current iteration."""
-        self.fallback = False
-        """True for an iteration where SGLang's own admission runs (see stall_fallbacks)."""
-        self.parked: Any = None
-        """SGLang ``ScheduleBatch`` of the decode rows sitting this iteration out, or None."""
         self.control: queue.SimpleQueue[dict[str, list[int]]] = queue.SimpleQueue()
         """Length-history pushes from the control endpoint's thread, applied by the loop."""
+        self._plan: Plan | None = None  # this iteration's plan, for policy.observe
         self._iter_start_s: float | None = None
         self._iter_plan: Plan | None = None
         self._iter_overhead_s = 0.0
@@ -116,9 +108,7 @@ class EngineDriver:
         self._iter_plan = None
         self._iter_overhead_s = 0.0
         self._iter_rt_frac = 0.0
-        self.plan = None
-        self.planned_tokens = {}
-        self.fallback = False
+        self._plan = None
         self._apply_control()
         self._iter_overhead_s += self.clock() - t0
 
@@ -126,9 +116,9 @@ class EngineDriver:
         """End of ``get_next_batch_to_run``: whether this iteration runs a batch."""
         if ran_batch:
             self._iter_start_s = start_s
-            self._iter_plan = self.plan if self.plan is not None else Plan()
+            self._iter_plan = self._plan if self._plan is not None else Plan()
 
-    def note_finished(self, reqs: Iterable[Any]) -> None:
+    def note_finished(self, reqs: Iterable[ReqView]) -> None:
         """After a batch's results: every finished request's output length (aborted ones
         excluded: a cut-off length says nothing about the tenant) goes to the policy."""
         t0 = self.clock()
@@ -155,9 +145,25 @@ class EngineDriver:
             self._reported.clear()
         self._iter_overhead_s += self.clock() - t0
 
+    def note_overhead(self, seconds: float) -> None:
+        """Time the hooks spent carrying out this iteration's directive (tandem's overhead)."""
+        self._iter_overhead_s += seconds
+
+    def note_parked(self, rows: int) -> None:
+        """The hooks split *rows* decode rows off the running batch for this iteration."""
+        self.stats.parked_decodes += rows
+
+    def note_prefill(self, *, admitted: bool) -> None:
+        """The prefill pass took a planned chunk (*admitted*) or could not (SGLang's
+        one-chunked-request rule, KV)."""
+        if admitted:
+            self.stats.admitted_prefills += 1
+        else:
+            self.stats.refused_prefills += 1
+
     # --- the plan ------------------------------------------------------------------------
 
-    def snapshot(self, sched: Any, running_reqs: list[Any]) -> Snapshot:
+    def snapshot(self, sched: SchedulerView, running_reqs: Sequence[ReqView]) -> Snapshot:
         """The engine's state as the policy sees it, at the start of a prefill decision."""
         now = self.clock()
         mirror = self.mirror
@@ -190,21 +196,22 @@ class EngineDriver:
         )
 
     def plan_iteration(
-        self, sched: Any, running_batch: Any, evict: Callable[[Any, list[int]], None]
-    ) -> bool:
-        """Plans this iteration and carries out the parts that happen before SGLang builds its
-        batches; returns True when SGLang should skip its prefill pass (the plan prefills
-        nothing). *evict(batch, indices)* retracts rows of *running_batch* (SGLang glue)."""
+        self, sched: SchedulerView, running_batch: BatchView, parked: Sequence[ReqView] = ()
+    ) -> Directive:
+        """Plans this iteration: what SGLang does before and in its prefill pass. Reads
+        *sched*, *running_batch* and the rows still *parked* (normally none: they are merged
+        back after each batch); changes none of them."""
         t0 = self.clock()
         self.stats.plans += 1
         if self.stats.plans % SWEEP_EVERY == 0:
-            self._sweep(sched, running_batch)
-        snap = self.snapshot(sched, list(running_batch.reqs) + self.parked_reqs())
+            self._sweep(sched, running_batch, parked)
+        running = list(running_batch.reqs)
+        snap = self.snapshot(sched, running + list(parked))
         self._note_peaks(snap)
         t_plan = self.clock()
         plan = self.policy.plan(snap)
         plan_ms = (self.clock() - t_plan) * 1000.0
-        self.plan = plan
+        self._plan = plan
         self._note_plan_ms(plan_ms)
         if (
             not (plan.prefills or plan.decodes or plan.evictions)
@@ -213,24 +220,29 @@ class EngineDriver:
         ):
             # A policy that plans nothing for an idle engine with queued work would leave it
             # idle for good (nothing else changes its state): SGLang admits this time.
-            self.fallback = True
             self.stats.stall_fallbacks += 1
             self._iter_overhead_s += self.clock() - t0
-            return False
-        rows = {str(req.rid): i for i, req in enumerate(running_batch.reqs)}
-        victims = [rows[rid] for rid in plan.evictions if rid in rows]
-        if victims:
-            evict(running_batch, victims)
-            self.stats.evictions += len(victims)
+            return Directive(own_admission=True)
+        rids = {str(req.rid) for req in running}
+        evict = tuple(rid for rid in plan.evictions if rid in rids)
+        self.stats.evictions += len(evict)
         self._iter_rt_frac = self._rt_frac(plan, snap)
-        self._park(running_batch, set(plan.decodes), bool(plan.prefills))
-        self.planned_tokens = {c.rid: c.tokens for c in plan.prefills}
+        evicted = set(evict)
+        kept = [req for req in running if str(req.rid) not in evicted]
+        park = self._park(plan, kept)
+        prefill_tokens = {c.rid: c.tokens for c in plan.prefills}
         self.stats.planned_prefills += len(plan.prefills)
-        self._put_planned_first(sched)
-        self._iter_overhead_s += self.clock() - t0
         chunked = sched.chunked_req
-        chunked_planned = chunked is not None and str(chunked.rid) in self.planned_tokens
-        return not (plan.prefills or chunked_planned)
+        chunked_planned = chunked is not None and str(chunked.rid) in prefill_tokens
+        directive = Directive(
+            evict=evict,
+            park=park,
+            prefill_first=self._prefill_first(prefill_tokens),
+            prefill_tokens=MappingProxyType(prefill_tokens),
+            skip_prefill=not (plan.prefills or chunked_planned),
+        )
+        self._iter_overhead_s += self.clock() - t0
+        return directive
 
     def _rt_frac(self, plan: Plan, snap: Snapshot) -> float:
         """Share of this iteration's predicted time that its RT work alone would take
@@ -243,11 +255,7 @@ class EngineDriver:
         full_s, rt_s = plan_times_s(latency, plan, states)
         return rt_s / full_s if full_s > 0 else 0.0
 
-    def chunk_for_continuing(self, rid: str) -> int:
-        """Chunk length for SGLang's in-progress chunked prefill this pass."""
-        return self.planned_tokens.get(rid, MIN_CHUNK_TOKENS)
-
-    def retraction_order(self, reqs: list[Any]) -> list[int]:
+    def retraction_order(self, reqs: Sequence[ReqView]) -> list[int]:
         """SGLang's out-of-memory retraction order: indices most-preferred-to-keep first (it
         retracts from the end). BE first (least progress lost), then RT by slack, largest
         first; urgent RT last of all."""
@@ -266,71 +274,36 @@ class EngineDriver:
         ordered = urgent + list(reversed(victims))
         return [index[id(s)] for s in ordered]
 
-    def unpark(self, running_batch: Any) -> Any:
-        """Merges the parked rows back; returns the running batch to use (SGLang glue
-        replaces an empty running batch by the parked one)."""
-        parked, self.parked = self.parked, None
-        if parked is None or parked.is_empty():
-            return running_batch
-        if running_batch is None or running_batch.is_empty():
-            return parked
-        running_batch.merge_batch(parked)
-        return running_batch
-
-    def parked_reqs(self) -> list[Any]:
-        """Requests parked right now (for SGLang's in-flight / idle bookkeeping)."""
-        return [] if self.parked is None else list(self.parked.reqs)
-
     def push_lengths(self, histories: dict[str, list[int]]) -> None:
         """Thread-safe: queue a length-history push (applied at the next iteration)."""
         self.control.put(histories)
 
     # --- internals -----------------------------------------------------------------------
 
-    def _park(self, batch: Any, decodes: set[str], has_prefill: bool) -> None:
-        """Moves the decode rows the plan leaves out into ``self.parked`` (KV kept)."""
-        if self.plan is None or (not self.plan.decodes and not has_prefill):
-            return  # an empty plan: let SGLang decode as it would
-        orchestrator = getattr(
-            getattr(batch, "sampling_info", None), "penalizer_orchestrator", None
-        )
-        if orchestrator is not None and getattr(orchestrator, "is_required", False):
-            # Penalizers keep per-row state in one shared object that a split would corrupt;
-            # such batches decode whole (rare: frequency/presence penalties, min_new_tokens).
-            return
-        reqs = batch.reqs
-        park = [i for i, req in enumerate(reqs) if str(req.rid) not in decodes]
-        if not park:
-            return
-        keep = [i for i, req in enumerate(reqs) if str(req.rid) in decodes]
-        if not keep:
+    @staticmethod
+    def _park(plan: Plan, rows: Sequence[ReqView]) -> tuple[str, ...]:
+        """The decode *rows* (the running batch after the evictions) the plan leaves out."""
+        if not plan.decodes and not plan.prefills:
+            return ()  # an empty plan: let SGLang decode as it would
+        decodes = set(plan.decodes)
+        park = [i for i, req in enumerate(rows) if str(req.rid) not in decodes]
+        if park and len(park) == len(rows):
             # SGLang's batch code assumes a non-empty running batch here; keep the row with
             # the most progress (its KV is the most expensive to lose).
-            best = max(park, key=lambda i: len(reqs[i].output_ids))
-            park.remove(best)
-            keep = [best]
-        parked = _split_off(batch, park, keep)
-        self.parked = parked
-        self.stats.parked_decodes += len(park)
+            park.remove(max(park, key=lambda i: len(rows[i].output_ids)))
+        return tuple(str(rows[i].rid) for i in park)
 
-    def _put_planned_first(self, sched: Any) -> None:
-        """Reorders the waiting queue: the planned prompts first, in plan order, whole prompts
-        before the one that will be cut into a chunk (SGLang cuts at most one per pass)."""
-        if not self.planned_tokens:
-            return
-        planned = self.planned_tokens
-        order = {rid: i for i, rid in enumerate(planned)}
-        first: list[Any] = []
-        rest: list[Any] = []
-        for req in sched.waiting_queue:
-            (first if str(req.rid) in planned else rest).append(req)
-        first.sort(key=lambda req: (self._is_partial(req), order[str(req.rid)]))
-        sched.waiting_queue[:] = first + rest
+    def _prefill_first(self, prefill_tokens: dict[str, int]) -> tuple[str, ...]:
+        """The planned prompts in queue order: plan order, whole prompts before the one that
+        will be cut into a chunk (SGLang cuts at most one per pass)."""
 
-    def _is_partial(self, req: Any) -> bool:
-        state = self.mirror.get(str(req.rid))
-        left = state.prompt_left if state is not None else 0
-        return self.planned_tokens.get(str(req.rid), 0) < left
+        def is_partial(rid: str) -> bool:
+            state = self.mirror.get(rid)
+            left = state.prompt_left if state is not None else 0
+            return prefill_tokens[rid] < left
+
+        order = {rid: i for i, rid in enumerate(prefill_tokens)}
+        return tuple(sorted(prefill_tokens, key=lambda rid: (is_partial(rid), order[rid])))
 
     def _apply_control(self) -> None:
         while True:
@@ -363,10 +336,12 @@ class EngineDriver:
         if len(kept) > PLAN_MS_KEPT:
             del kept[: len(kept) - PLAN_MS_KEPT]
 
-    def _sweep(self, sched: Any, running_batch: Any) -> None:
+    def _sweep(
+        self, sched: SchedulerView, running_batch: BatchView, parked: Sequence[ReqView]
+    ) -> None:
         live = {str(r.rid) for r in sched.waiting_queue}
         live.update(str(r.rid) for r in running_batch.reqs)
-        live.update(str(r.rid) for r in self.parked_reqs())
+        live.update(str(r.rid) for r in parked)
         if sched.chunked_req is not None:
             live.add(str(sched.chunked_req.rid))
         dropped = self.mirror.sweep(live)
@@ -379,24 +354,6 @@ def _slack(r: ReqState, now_s: float) -> float:
     return math.inf if math.isinf(deadline) else deadline - now_s
 
 
-def _is_abort(req: Any) -> bool:
+def _is_abort(req: ReqView) -> bool:
     reason = getattr(req, "finished_reason", None)
     return type(reason).__name__ == "FINISH_ABORT"
-
-
-def _split_off(batch: Any, park: list[int], keep: list[int]) -> Any:
-    """Splits *batch* in place: it keeps the rows *keep*; the rows *park* come back as a new
-    batch. The copy gets its own sampling info (per-row tensors are sliced by filter_batch)."""
-    parked = _shallow_copy(batch)
-    parked.filter_batch(keep_indices=park)
-    batch.filter_batch(keep_indices=keep)
-    return parked
-
-
-def _shallow_copy(batch: Any) -> Any:
-    import copy
-
-    parked = copy.copy(batch)
-    if getattr(batch, "sampling_info", None) is not None:
-        parked.sampling_info = copy.copy(batch.sampling_info)
-    return parked

@@ -50,7 +50,7 @@ import torch
 
 from backend.policy.bicache.layout import BiCache
 from backend.policy.bicache.records import DEFAULT_BLOCK_SLOTS, HOST, BiCacheError, Checkpoint
-from backend.policy.types import Tier
+from common.wire import Tier
 
 
 class BiCacheKvLayout:

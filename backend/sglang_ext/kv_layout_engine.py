@@ -1,8 +1,8 @@
 """The bicache KV layout wired into SGLang's scheduler (``engine.kv_layout: bicache``).
 
-Off by default. With ``TANDEM_KV_LAYOUT=bicache`` in the engine's environment (the launcher sets
-it, together with ``--disable-radix-cache``) the plugin calls :func:`install` in the scheduler
-process, and every KV slot of the token pool is handed out by
+Off by default. With ``kv_layout: bicache`` in the engine's settings (``EngineSettings``; the
+launcher sets it, together with ``--disable-radix-cache``) the plugin calls :func:`install` in the
+scheduler process, and every KV slot of the token pool is handed out by
 :class:`~backend.sglang_ext.kv_layout.BiCacheKvLayout` (blocks of 16 slots, RT from the left,
 BE from the right, dormant BE slots checkpointed to the host before RT or BE takes them over).
 
@@ -16,9 +16,10 @@ Where it hooks (every path is in ``backend.sglang_ext.seams.KV_LAYOUT_SEAMS``):
   the slots SGLang is about to ask for belongs to (``alloc(n)`` itself carries no request), and
   which ``req_to_token`` row is whose. The decode path first restores the dormant requests of
   the batch (their checkpointed rows copied back into fresh slots, their rows rewritten).
-* Dormancy: a BE decode row the policy parks (``EngineDriver.parked``) is suspended at the next
-  allocation; its slots stay in place, and only the ones another request takes over are copied
-  out (lazy checkpointing). It is restored when it decodes again.
+* Dormancy: a BE decode row the policy parks (the hooks report every change of the parked rows
+  through :func:`set_parked`) is suspended at the next allocation; its slots stay in place, and
+  only the ones another request takes over are copied out (lazy checkpointing). It is restored
+  when it decodes again.
 * ``check_decode_capacity`` is exact (a dry run of the restores and the one-slot allocations), so
   SGLang's own retraction, never an allocation error, handles a pool that cannot take them.
 
@@ -44,7 +45,6 @@ from typing import Any
 import torch
 
 from backend.policy.bicache.records import DEFAULT_BLOCK_SLOTS, BiCacheError
-from backend.policy.types import Tier
 from backend.sglang_ext.kv_layout import BiCacheKvLayout
 from backend.sglang_ext.request_meta import get_meta
 from backend.sglang_ext.seams import (
@@ -52,25 +52,14 @@ from backend.sglang_ext.seams import (
     KV_EXTEND_SEAM,
     KV_INIT_SEAM,
 )
+from backend.sglang_ext.views import ReqView
+from common.wire import Tier
 
 logger = logging.getLogger(__name__)
 
-LAYOUT_ENV = "TANDEM_KV_LAYOUT"
-"""Environment variable selecting the KV layout: "token" (SGLang's own, the default) or
-"bicache"."""
-LAYOUTS = ("token", "bicache")
-"""Valid values of ``TANDEM_KV_LAYOUT``."""
-
 _layout: BiCacheKvLayout | None = None
 _pending: list[tuple[str, Tier, int]] | None = None  # who the next alloc(n) is for
-
-
-def layout_from_env(env: dict[str, str] | None = None) -> str:
-    """The layout ``TANDEM_KV_LAYOUT`` names ("token" when unset); ValueError for others."""
-    value = (os.environ if env is None else env).get(LAYOUT_ENV, "").strip() or "token"
-    if value not in LAYOUTS:
-        raise ValueError(f"{LAYOUT_ENV}={value!r} is not a KV layout; valid: {', '.join(LAYOUTS)}")
-    return value
+_parked: tuple[ReqView, ...] = ()  # the decode rows parked right now (set_parked)
 
 
 def install() -> None:
@@ -83,9 +72,11 @@ def install() -> None:
     logger.info("tandem: bicache KV layout installed in pid %d", os.getpid())
 
 
-def layout() -> BiCacheKvLayout | None:
-    """The layout of this scheduler process (None before the pool exists or when off)."""
-    return _layout
+def set_parked(reqs: Sequence[ReqView]) -> None:
+    """The decode rows the policy parked (``()`` once they are merged back): their BE ones go
+    dormant at the next allocation (the hooks call this on every change)."""
+    global _parked
+    _parked = tuple(reqs)
 
 
 def stats() -> dict[str, Any]:
@@ -255,14 +246,9 @@ def _tier(req: Any) -> Tier:
 
 
 def _suspend_parked(lay: BiCacheKvLayout) -> None:
-    """BE rows the policy parked are dormant: their slots may be taken over (checkpointed)."""
-    from backend.sglang_ext import hooks
-
-    try:
-        parked = hooks.driver().parked_reqs()
-    except RuntimeError:  # no policy in charge: nothing is ever parked
-        return
-    for req in parked:
+    """BE rows the policy parked are dormant: their slots may be taken over (checkpointed).
+    (Without a policy in charge nothing is ever parked.)"""
+    for req in _parked:
         rid = str(req.rid)
         if _tier(req) == "be" and rid in lay.cache and not lay.cache.is_dormant(rid):
             lay.suspend(rid)

@@ -7,10 +7,12 @@ policy sees the same kind of objects it sees in the simulator, and its per-reque
 ``rid``) stay valid across iterations.
 
 Clocks: the policy's times are ``time.monotonic()`` seconds in the scheduler process. The gateway
-sends wall-clock instants (same host); :meth:`ReqMirror.to_engine_s` converts them once, when a
-request is first seen.
+sends wall-clock instants (same host) in the request's :class:`~common.wire.RequestMeta`
+(``req.tandem``); :meth:`ReqMirror.to_engine_s` converts them once, when a request is first seen:
+``arrival_s``, ``ttft_due_s`` (from ``ttft_due_unix_s``) and ``deadline_due_s`` (from
+``deadline_due_unix_s``); ``tpot_target_s`` is the meta's ``tpot_target_ms`` in seconds.
 
-Field mapping (SGLang 0.5.23 ``Req``; duck-typed, no sglang import here):
+Field mapping (SGLang 0.5.23 ``Req``, read through ``views.ReqView``; no sglang import here):
 
 ==================  =================================================================
 ``prompt_len``      ``len(req.origin_input_ids)``
@@ -29,10 +31,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 from backend.policy.types import ReqState
-from backend.sglang_ext.request_meta import get_meta
+from backend.sglang_ext.request_meta import get_meta, tpot_target_s
+from backend.sglang_ext.views import ReqView
 
 
 class ReqMirror:
@@ -53,9 +55,6 @@ class ReqMirror:
     def __len__(self) -> int:
         return len(self._states)
 
-    def __contains__(self, rid: object) -> bool:
-        return rid in self._states
-
     def to_engine_s(self, unix_s: float) -> float:
         """A wall-clock instant on the engine's monotonic clock."""
         return self._clock() - (self._wall_clock() - unix_s)
@@ -64,7 +63,7 @@ class ReqMirror:
         """The state of *rid* if it is mirrored."""
         return self._states.get(rid)
 
-    def waiting(self, req: Any, now_s: float) -> ReqState:
+    def waiting(self, req: ReqView, now_s: float) -> ReqState:
         """The state of a request in the waiting queue (new, or retracted and re-queued)."""
         state = self._state(req, now_s)
         fill = len(req.origin_input_ids) + len(req.output_ids)
@@ -80,7 +79,7 @@ class ReqMirror:
         self._note_tokens(state, now_s)
         return state
 
-    def running(self, req: Any, now_s: float, *, chunked: bool = False) -> ReqState:
+    def running(self, req: ReqView, now_s: float, *, chunked: bool = False) -> ReqState:
         """The state of an admitted request (decoding, or *chunked*: mid-prefill)."""
         state = self._state(req, now_s)
         rid = state.rid
@@ -115,14 +114,14 @@ class ReqMirror:
             self.forget(rid)
         return len(gone)
 
-    def _state(self, req: Any, now_s: float) -> ReqState:
+    def _state(self, req: ReqView, now_s: float) -> ReqState:
         rid = str(req.rid)
         state = self._states.get(rid)
         if state is None:
             state = self._states[rid] = self._new_state(req, rid, now_s)
         return state
 
-    def _new_state(self, req: Any, rid: str, now_s: float) -> ReqState:
+    def _new_state(self, req: ReqView, rid: str, now_s: float) -> ReqState:
         meta = get_meta(req)
         prompt_len = len(req.origin_input_ids)
         max_new = int(getattr(req.sampling_params, "max_new_tokens", None) or 1 << 20)
@@ -146,9 +145,9 @@ class ReqMirror:
             prompt_len=prompt_len,
             max_new_tokens=max_new,
             length_key=meta.length_key,
-            ttft_due_s=_engine_time(self, meta.ttft_deadline_unix_s),
-            tpot_target_s=meta.tpot_target_s,
-            deadline_due_s=_engine_time(self, meta.be_deadline_unix_s),
+            ttft_due_s=_engine_time(self, meta.ttft_due_unix_s),
+            tpot_target_s=tpot_target_s(meta),
+            deadline_due_s=_engine_time(self, meta.deadline_due_unix_s),
             prefill_len=prompt_len,
         )
 

@@ -6,27 +6,34 @@ by ``SGLANG_PLUGINS=tandem`` (``backend.launch.sglang.engine_env`` sets it). SGL
 scheduler and the detokenizer — before the scheduler object is built, so hooks registered here
 are in place before ``Scheduler.__init__`` captures any bound method.
 
+Its configuration is one :class:`~common.config.EngineSettings`, decoded from the engine's
+environment by ``common.config.engine_settings_from_env`` (the launcher encodes it); a bad
+value stops the engine with a message naming the field.
+
 What it hooks (:data:`SEAMS`; ``tests/unit/test_sglang_seams.py`` checks that each still exists
 in the pinned SGLang):
 
 * AFTER ``Scheduler._create_generation_req`` (SGLang's documented "extension point for
-  request-local state"): parse ``req.sampling_params.custom_params`` into a
-  :class:`~backend.sglang_ext.request_meta.SchedReqMeta` and attach it as ``req.tandem``
-  (None when absent or malformed — a bad client dict must never kill the scheduler).
+  request-local state"): parse ``req.sampling_params.custom_params`` into the gateway's
+  :class:`~common.wire.RequestMeta` and attach it as ``req.tandem`` (None when absent or
+  malformed — a bad client dict must never kill the scheduler).
 
-With ``TANDEM_ENGINE_POLICY=<name>`` (a ``backend.policy.registry`` name; the launcher sets it
-unless ``engine.policy`` is ``none``) the plugin also puts that policy in charge of the
-scheduler: it builds an :class:`~backend.sglang_ext.driver.EngineDriver` around the policy (latency
-model fitted from ``TANDEM_ENGINE_PROFILE``, options from ``TANDEM_ENGINE_POLICY_OPTIONS``, a JSON
-object), registers the co-location hooks of ``backend.sglang_ext.hooks`` and serves the control
-endpoint on ``TANDEM_CONTROL_SOCKET``. Without it the engine schedules like stock SGLang and only
-carries the metadata.
+With ``settings.policy`` (a ``backend.policy.registry`` name; the launcher sets it unless
+``engine.policy`` is ``none``) the plugin also puts that policy in charge of the scheduler: it
+builds an :class:`~backend.sglang_ext.driver.EngineDriver` around the policy (latency model
+fitted from ``settings.profile_path``, options from ``settings.policy_options``), installs the
+co-location hooks of ``backend.sglang_ext.hooks`` and serves the control endpoint on
+``settings.control_socket``. Without it the engine schedules like stock SGLang and only carries
+the metadata. ``settings.kv_layout == "bicache"`` installs the bicache KV layout
+(``backend.sglang_ext.kv_layout_engine``), with or without a policy.
 
-Debug trace: with ``TANDEM_SCHEDULER_TRACE=<path>`` in the engine's environment, the scheduler
-process appends one JSON line per request it creates::
+Debug trace: with ``settings.scheduler_trace`` set, the scheduler process appends one JSON line
+per request it creates::
 
     {"event": "request", "pid": ..., "process": "scheduler", "rid": ..., "priority": ...,
-     "meta": {...every SchedReqMeta field...} | null, "error": null | "..."}
+     "meta": {...every RequestMeta field, ttft_due_unix_s, deadline_due_unix_s, tpot_target_s,
+              sglang_priority, received_unix_s...} | null,
+     "error": null | "..."}
 
 Other processes: the hook only fires where ``_create_generation_req`` is called, which is the
 scheduler. :func:`register` also skips processes that have not imported the scheduler module, so
@@ -39,37 +46,21 @@ import json
 import logging
 import os
 import sys
+import time
 from typing import Any
 
-from backend.sglang_ext.request_meta import (
-    REQ_ATTR,
-    SchedReqMeta,
-    get_meta,
-    sched_meta_from_custom_params,
-    sched_meta_to_dict,
-)
+from backend.sglang_ext.request_meta import REQ_ATTR, get_meta, meta_of, trace_fields
 from backend.sglang_ext.seams import CREATE_REQ_SEAM, SEAMS
+from common.config import EngineSettings, engine_settings_from_env
+from common.wire import RequestMeta
 
 logger = logging.getLogger(__name__)
 
-PLUGIN_NAME = "tandem"
-"""The entry-point name (pyproject.toml) that ``SGLANG_PLUGINS`` must list."""
-TRACE_ENV = "TANDEM_SCHEDULER_TRACE"
-"""Environment variable naming the scheduler's debug trace file (JSON lines)."""
-POLICY_ENV = "TANDEM_ENGINE_POLICY"
-"""Policy that schedules the engine (a registry name); unset, empty or "none": stock SGLang."""
-PROFILE_ENV = "TANDEM_ENGINE_PROFILE"
-"""Latency profile file the in-engine policy's latency model is fitted from."""
-OPTIONS_ENV = "TANDEM_ENGINE_POLICY_OPTIONS"
-"""JSON object of options for the policy's constructor (e.g. {"latency_budget_s": 0.1})."""
-CONTROL_ENV = "TANDEM_CONTROL_SOCKET"
-"""Unix socket path of the control endpoint (length-history pushes, statistics)."""
 __all__ = ["REQ_ATTR", "SEAMS", "get_meta", "register"]
 
 SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
 
-# The trace path is read once, at registration (this module is the backend's one place that
-# reads it). None: no trace.
+# The trace path, set once at registration from the engine's settings. None: no trace.
 _trace_path: str | None = None
 
 
@@ -83,43 +74,48 @@ def register() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    _trace_path = os.environ.get(TRACE_ENV) or None
+    settings = engine_settings_from_env()
+    _trace_path = settings.scheduler_trace
     HookRegistry.register(CREATE_REQ_SEAM, after_create_generation_req, HookType.AFTER)
-    policy_name = os.environ.get(POLICY_ENV, "").strip()
-    if policy_name and policy_name != "none":
-        _install_policy(policy_name)
-    if os.environ.get("TANDEM_KV_LAYOUT", "").strip() == "bicache":  # engine.kv_layout
-        from backend.sglang_ext import kv_layout_engine
-
-        kv_layout_engine.install()
+    _install(settings)
     logger.info(
-        "tandem plugin registered in pid %d (policy: %s, trace: %s)",
+        "tandem plugin registered in pid %d (policy: %s, kv layout: %s, trace: %s)",
         os.getpid(),
-        policy_name or "none",
+        settings.policy or "none",
+        settings.kv_layout,
         _trace_path,
     )
 
 
-def _install_policy(policy_name: str) -> None:
-    """Puts *policy_name* in charge of this scheduler process (fails loudly: an engine asked
-    to run a policy must not silently fall back to stock scheduling)."""
-    from backend.policy.latency import LatencyModel, load_profile
-    from backend.policy.registry import make_policy
-    from backend.sglang_ext import control, hooks
-    from backend.sglang_ext.driver import EngineDriver
+def _install(settings: EngineSettings) -> None:
+    """Puts the settings' policy in charge of this scheduler process and the KV layout in place
+    (fails loudly: an engine asked to run a policy must not silently fall back to stock
+    scheduling). The one place that wires the driver, the hooks and the layout together."""
+    bicache = settings.kv_layout == "bicache"
+    if settings.policy is None and not bicache:
+        return
+    from backend.sglang_ext import kv_layout_engine
 
-    profile_path = os.environ.get(PROFILE_ENV)
-    if not profile_path:
-        raise RuntimeError(f"tandem: {POLICY_ENV}={policy_name} needs {PROFILE_ENV}")
-    options = json.loads(os.environ.get(OPTIONS_ENV) or "{}")
-    if not isinstance(options, dict):
-        raise RuntimeError(f"tandem: {OPTIONS_ENV} must be a JSON object")
-    latency = LatencyModel.fit(load_profile(profile_path).samples)
-    driver = EngineDriver(make_policy(policy_name, latency, **options))
-    hooks.install(driver)
-    socket_path = os.environ.get(CONTROL_ENV)
-    if socket_path:
-        control.start(driver, socket_path)
+    if settings.policy is not None:
+        from backend.policy.latency import LatencyModel, load_profile
+        from backend.policy.registry import make_policy
+        from backend.sglang_ext import control
+        from backend.sglang_ext.driver import EngineDriver
+        from backend.sglang_ext.hooks import SchedulerHooks
+
+        assert settings.profile_path is not None  # EngineSettings requires it with a policy
+        latency = LatencyModel.fit(load_profile(settings.profile_path).samples)
+        driver = EngineDriver(make_policy(settings.policy, latency, **settings.policy_options))
+        # Both are inert without the bicache layout: no slack, and parked rows no one reads.
+        SchedulerHooks(
+            driver,
+            prompt_slack_tokens=kv_layout_engine.prompt_slack_tokens,
+            on_park=kv_layout_engine.set_parked,
+        ).install()
+        if settings.control_socket:
+            control.start(driver, settings.control_socket)
+    if bicache:
+        kv_layout_engine.install()
 
 
 def after_create_generation_req(req: Any, *args: Any, **kwargs: Any) -> None:
@@ -131,13 +127,12 @@ def after_create_generation_req(req: Any, *args: Any, **kwargs: Any) -> None:
     attach_meta(req)
 
 
-def attach_meta(req: Any) -> SchedReqMeta | None:
+def attach_meta(req: Any) -> RequestMeta | None:
     """Parses *req*'s ``custom_params`` into ``req.tandem``; never raises."""
-    meta: SchedReqMeta | None = None
+    meta: RequestMeta | None = None
     error: str | None = None
     try:
-        params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
-        meta = sched_meta_from_custom_params(params)
+        meta = meta_of(getattr(getattr(req, "sampling_params", None), "custom_params", None))
     except Exception as exc:  # any client input: a warning, never a dead scheduler
         error = f"{type(exc).__name__}: {exc}"
         logger.warning("tandem: ignoring malformed metadata of request %s: %s", _rid(req), error)
@@ -151,14 +146,14 @@ def _rid(req: Any) -> str:
     return str(getattr(req, "rid", "?"))
 
 
-def _write_trace(path: str, req: Any, meta: SchedReqMeta | None, error: str | None) -> None:
+def _write_trace(path: str, req: Any, meta: RequestMeta | None, error: str | None) -> None:
     record = {
         "event": "request",
         "pid": os.getpid(),
         "process": "scheduler",
         "rid": _rid(req),
         "priority": getattr(req, "priority", None),
-        "meta": None if meta is None else sched_meta_to_dict(meta),
+        "meta": None if meta is None else trace_fields(meta, received_unix_s=time.time()),
         "error": error,
     }
     try:

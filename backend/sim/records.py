@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from backend.policy.types import Tier
+from common.wire import Tier
 
 
 class RequestRecord(msgspec.Struct, kw_only=True):

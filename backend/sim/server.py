@@ -27,11 +27,11 @@ from aiohttp import web
 
 from backend.policy.latency import LatencyModel, load_profile
 from backend.policy.registry import make_policy
-from backend.policy.types import Policy, Tier
+from backend.policy.types import Policy
 from backend.sim.config import SimConfig
 from backend.sim.realtime import RealtimeEngine, Stream
 from backend.sim.source import SimRequest
-from common.wire import PRIORITY_RT, RequestMeta, meta_from_custom_params
+from common.wire import PRIORITY_RT, RequestMeta, Tier, meta_from_custom_params
 
 ENGINE = web.AppKey("sim_engine", RealtimeEngine)
 MODEL_NAME = web.AppKey("sim_model_name", str)

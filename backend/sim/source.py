@@ -12,7 +12,7 @@ from typing import Protocol
 
 import msgspec
 
-from backend.policy.types import Tier
+from common.wire import Tier
 
 
 class SimRequest(msgspec.Struct, kw_only=True):

@@ -30,7 +30,7 @@ from aiohttp.test_utils import TestServer
 from backend.launch.tiny_model import ensure_tiny_model
 from backend.policy.latency import LatencyModel
 from backend.policy.registry import make_policy
-from backend.sim import SimConfig
+from backend.sim.config import SimConfig
 from backend.sim.server import create_sim_app
 from common.config import load_config
 from gateway.app import create_app

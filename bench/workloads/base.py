@@ -24,8 +24,8 @@ from typing import Any, Literal, Protocol
 import msgspec
 
 from backend.policy.latency import BatchShape, LatencyModel
+from common.wire import Tier
 
-Tier = Literal["rt", "be"]
 MaxNew = Literal["exact", "cap"]
 
 

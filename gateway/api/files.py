@@ -187,7 +187,7 @@ async def file_content(request: web.Request) -> web.Response:
     return web.Response(
         body=content,
         content_type="application/octet-stream",
-        headers={"Content-Disposition": f'attachment; filename="{info.filename}"'},
+        headers={"Content-Disposition": f'attachment; filename="{_safe(info.filename)}"'},
     )
 
 

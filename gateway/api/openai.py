@@ -1,34 +1,35 @@
-"""The OpenAI-compatible public API: /v1/models, /v1/chat/completions, /v1/completions."""
+"""The OpenAI-compatible public API: /v1/models, /v1/chat/completions, /v1/completions.
+
+The handlers are the HTTP framing around the request pipeline (gateway/pipeline/stages.py):
+they read the body, run parse → prepare → admit → place → run → record, and answer with one JSON
+body or a stream of server-sent events, rendered by gateway/api/render.py.
+"""
 
 from __future__ import annotations
 
-import time
-import uuid
-from collections.abc import AsyncIterator, Callable
+import contextlib
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
-from gateway.api.generation import Generation, is_cancellation
-from gateway.api.prepare import (
-    build_engine_request,
-    chat_prompt_ids,
-    completion_prompt_ids,
-    output_cap,
-    resolve_tier,
-)
-from gateway.api.schemas import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    SamplingFields,
-    StreamOptions,
-    check_sampling,
-    decode_body,
-)
+from gateway.api.render import ResponseHead, StreamRenderer, completion_body, usage_body
+from gateway.api.schemas import Endpoint, StreamOptions
 from gateway.auth import Principal, bearer_token
 from gateway.engine.client import EngineChunk
-from gateway.errors import ApiError
+from gateway.pipeline.outcome import Refused
+from gateway.pipeline.stages import (
+    Completion,
+    Flight,
+    Progress,
+    admit,
+    complete,
+    parse,
+    place,
+    prepare,
+    recording,
+    run,
+)
 from gateway.state import AUTH, CONFIG, TOKENIZER
 
 routes = web.RouteTableDef()
@@ -63,223 +64,89 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _serve(request, "completions")
 
 
-async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
+async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
     principal = await authenticate(request)
     app = request.app
-    gen = Generation(
-        app=app, principal=principal, endpoint=endpoint, model=app[CONFIG].model.name, stream=False
+    flight = Flight(
+        principal=principal, origin="api", endpoint=endpoint, model=app[CONFIG].model.name
     )
-    cancelled = False
-    try:
-        body = await _prepare(request, gen, endpoint)
-        gen.stream = body.stream
-        render = _chat_renderer(gen) if endpoint == "chat" else _completion_renderer(gen)
+    with recording(app, flight):
+        body = parse(app, flight, await request.read())
+        prepare(app, flight, body)
         if body.stream:
-            options = body.stream_options or StreamOptions()
-            return await _stream(request, gen, render, options)
-        return await _collect(gen, render)
-    except ApiError as exc:
-        if gen.request is None:
-            gen.reject(exc)
-        raise
-    except BaseException as exc:
-        cancelled = is_cancellation(exc)
-        raise
-    finally:
-        gen.close(cancelled=cancelled)
+            return await _stream(request, flight, body.stream_options or StreamOptions())
+        return await _respond(app, flight)
 
 
-async def _prepare(request: web.Request, gen: Generation, endpoint: str) -> SamplingFields:
-    app = request.app
-    tokenizer = app[TOKENIZER]
-    raw = await request.read()
-    if endpoint == "chat":
-        chat = decode_body(raw, ChatCompletionRequest)
-        assert isinstance(chat, ChatCompletionRequest)
-        body: SamplingFields = chat
-        requested = chat.max_completion_tokens or chat.max_tokens
-    else:
-        body = decode_body(raw, CompletionRequest)  # type: ignore[assignment]
-        requested = body.max_tokens
-    check_sampling(body)
-    _check_model(body.model, app[CONFIG].model.name)
-    if isinstance(body, ChatCompletionRequest):
-        input_ids = chat_prompt_ids(body, tokenizer)
-    else:
-        assert isinstance(body, CompletionRequest)
-        if body.echo:
-            raise ApiError(400, "echo is not supported", param="echo")
-        input_ids = completion_prompt_ids(body, tokenizer)
-    max_tokens = output_cap(
-        body,
-        requested,
-        len(input_ids),
-        tokenizer.context_len,
-        app[CONFIG].gateway.default_max_tokens,
-    )
-    tier = resolve_tier(gen.principal.tenant, body.tier)
-    gen.request = build_engine_request(body, input_ids, max_tokens, gen.principal, tier)
-    return body
-
-
-def _check_model(model: str, served: str) -> None:
-    if model != served:
-        raise ApiError(
-            400,
-            f"model {model!r} does not exist; this gateway serves {served!r}",
-            param="model",
-            code="model_not_found",
-        )
-
-
-Renderer = Callable[[EngineChunk | None, bool], dict[str, Any]]
-
-
-def _chat_renderer(gen: Generation) -> Renderer:
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    created = int(time.time())
-    first = [True]
-
-    def render(chunk: EngineChunk | None, final: bool) -> dict[str, Any]:
-        if final:  # non-streaming: one message with the whole text (`chunk` carries it)
-            assert chunk is not None
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": chunk.text_delta},
-                "finish_reason": _finish(chunk),
-                "logprobs": None,
-            }
-            return {
-                "id": rid,
-                "object": "chat.completion",
-                "created": created,
-                "model": gen.model,
-                "choices": [choice],
-                "usage": _usage(gen),
-            }
-        choices = []
-        if chunk is not None:
-            delta: dict[str, Any] = {"content": chunk.text_delta}
-            if first[0]:
-                delta["role"] = "assistant"
-                first[0] = False
-            choices.append(
-                {"index": 0, "delta": delta, "logprobs": None, "finish_reason": _finish(chunk)}
-            )
-        return {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": gen.model,
-            "choices": choices,
-        }
-
-    return render
-
-
-def _completion_renderer(gen: Generation) -> Renderer:
-    rid = f"cmpl-{uuid.uuid4().hex}"
-    created = int(time.time())
-
-    def render(chunk: EngineChunk | None, final: bool) -> dict[str, Any]:
-        choices = []
-        if chunk is not None:
-            choices.append(
-                {
-                    "index": 0,
-                    "text": chunk.text_delta,
-                    "logprobs": None,
-                    "finish_reason": _finish(chunk),
-                }
-            )
-        out: dict[str, Any] = {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": gen.model,
-            "choices": choices,
-        }
-        if final:
-            out["usage"] = _usage(gen)
-        return out
-
-    return render
-
-
-async def _collect(gen: Generation, render: Renderer) -> web.Response:
-    parts: list[str] = []
-    last: EngineChunk | None = None
-    async for chunk in gen.chunks():
-        parts.append(chunk.text_delta)
-        last = chunk
-    _raise_if_aborted(gen)
-    assert last is not None
-    whole = msgspec.structs.replace(last, text_delta="".join(parts))
-    return web.json_response(body=_encoder.encode(render(whole, True)))
+async def _respond(app: web.Application, flight: Flight) -> web.Response:
+    """The whole answer as one JSON body (or the error that ended the request)."""
+    result = await complete(app, flight)
+    if not isinstance(result, Completion):
+        raise result.api_error()
+    usage = usage_body(result.prompt_tokens, result.completion_tokens)
+    body = completion_body(_head(flight), result.text, result.finish_reason, usage)
+    return web.json_response(body=_encoder.encode(body))
 
 
 async def _stream(
-    request: web.Request, gen: Generation, render: Renderer, options: StreamOptions
+    request: web.Request, flight: Flight, options: StreamOptions
 ) -> web.StreamResponse:
-    chunks = gen.chunks()
-    first = await anext(chunks)  # engine failures surface here, before any header is sent
-    resp = web.StreamResponse(
-        headers={
-            "Content-Type": "text/event-stream",
-            "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no",
-        }
-    )
-    await resp.prepare(request)
-    try:
-        async for chunk in _prepend(first, chunks):
-            if chunk.text_delta or chunk.finish_reason is not None:
-                payload = render(chunk, False)
-                if options.continuous_usage_stats:
-                    payload["usage"] = _usage(gen)
-                await _send(resp, payload)
-        _raise_if_aborted(gen)
-        if options.include_usage:
-            await _send(resp, dict(render(None, False), usage=_usage(gen)))
-    except ApiError as exc:  # headers are out: report in-band, as OpenAI does
-        await _send(resp, exc.body())
+    """The answer as server-sent events. A failure before the first chunk is an HTTP error; once
+    the headers are out, it is reported in-band, as OpenAI does."""
+    app = request.app
+    admission = admit(app, flight)
+    if isinstance(admission, Refused):
+        raise admission.api_error()
+    place(app, flight)
+    render = StreamRenderer(_head(flight))
+    async with contextlib.aclosing(run(app, flight)) as chunks:
+        first = await anext(chunks, None)  # engine failures surface here, before any header
+        if first is None:
+            assert flight.failure is not None  # the run ended without a single chunk
+            raise flight.failure.api_error()
+        resp = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+            }
+        )
+        await resp.prepare(request)
+        await _send_chunk(resp, render, first, flight.progress, options)
+        async for chunk in chunks:
+            await _send_chunk(resp, render, chunk, flight.progress, options)
+    if flight.failure is not None:
+        await _send(resp, flight.failure.api_error().body())
+    elif options.include_usage:
+        await _send(resp, dict(render.chunk(None), usage=_usage(flight.progress)))
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
 
 
-async def _prepend(
-    first: EngineChunk, rest: AsyncIterator[EngineChunk]
-) -> AsyncIterator[EngineChunk]:
-    yield first
-    async for chunk in rest:
-        yield chunk
+async def _send_chunk(
+    resp: web.StreamResponse,
+    render: StreamRenderer,
+    chunk: EngineChunk,
+    progress: Progress,
+    options: StreamOptions,
+) -> None:
+    if chunk.text_delta or chunk.finish_reason is not None:
+        payload = render.chunk(chunk)
+        if options.continuous_usage_stats:
+            payload["usage"] = _usage(progress)
+        await _send(resp, payload)
 
 
 async def _send(resp: web.StreamResponse, payload: dict[str, Any]) -> None:
     await resp.write(b"data: " + _encoder.encode(payload) + b"\n\n")
 
 
-def _raise_if_aborted(gen: Generation) -> None:
-    if gen.outcome.status == "aborted":
-        raise ApiError(
-            503,
-            "the engine aborted the request; retry later",
-            code="engine_aborted",
-            headers={"Retry-After": "1"},
-        )
+def _head(flight: Flight) -> ResponseHead:
+    """What the response's bodies share; its id names the admitted request's engine rid."""
+    assert flight.request is not None
+    return ResponseHead(endpoint=flight.endpoint, rid=flight.request.rid, model=flight.model)
 
 
-def _finish(chunk: EngineChunk) -> str | None:
-    if chunk.finish_reason in (None, "abort"):
-        return None
-    return "length" if chunk.finish_reason == "length" else "stop"
-
-
-def _usage(gen: Generation) -> dict[str, int]:
-    o = gen.outcome
-    return {
-        "prompt_tokens": o.prompt_tokens,
-        "completion_tokens": o.completion_tokens,
-        "total_tokens": o.prompt_tokens + o.completion_tokens,
-    }
+def _usage(progress: Progress) -> dict[str, int]:
+    return usage_body(progress.prompt_tokens, progress.completion_tokens)

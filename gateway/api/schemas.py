@@ -69,6 +69,12 @@ class CompletionRequest(SamplingFields, kw_only=True):
     echo: bool = False
 
 
+Endpoint = Literal["chat", "completions"]
+"""Which OpenAI API a request speaks: /v1/chat/completions or /v1/completions."""
+OpenAIRequest = ChatCompletionRequest | CompletionRequest
+"""A request body of either endpoint."""
+
+
 def decode_body(raw: bytes, kind: type[msgspec.Struct]) -> msgspec.Struct:
     """Decodes and type-checks a JSON body; malformed JSON → 400, wrong types → 422."""
     if not raw.strip():

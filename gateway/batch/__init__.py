@@ -1,3 +1,4 @@
-"""The Batch API's engine side: the runner that feeds BE lines to the engine (runner.py), its
-store queries (store.py), the output/error file writer (output.py) and the pure ordering code
-(order/, which imports no aiohttp, sqlalchemy or torch)."""
+"""The Batch API's engine side: the runner that feeds BE lines to the engine (runner.py), one
+line through the request pipeline (execute.py), the lines' preparation and validation
+(prepare.py, validate.py), the store queries (store.py, lines.py) and the output/error file
+writer (output.py). The pure ordering code is backend/policy/batch_order/."""

@@ -1,9 +1,10 @@
 """One batch line on the engine: run it, then commit its result row or put it back for a retry.
 
-The runner (gateway/batch/runner.py) decides which line runs next; this module runs it as a BE
-request of the batch's tenant and commits the outcome to SQL as it arrives: `succeeded` with the
-completion body, `failed` with an error-file line, or back to `pending` with a time to retry when
-the engine was down or refused it for capacity.
+The runner (gateway/batch/runner.py) decides which line runs next; this module runs it through
+the request pipeline (gateway/pipeline/stages.py) as a BE request of the batch's tenant, and
+commits the outcome to SQL as it arrives: `succeeded` with the completion body, `failed` with an
+error-file line, or back to `pending` with a time to retry when the failure was retryable (the
+engine down, aborting it, a quota).
 """
 
 from __future__ import annotations
@@ -19,15 +20,15 @@ from aiohttp import web
 
 from backend.policy.batch_order.feed import BatchFeed
 from common.config import BatchConfig
-from gateway.api.generation import Generation, is_cancellation
-from gateway.api.prepare import build_engine_request
+from gateway.api.render import ResponseHead, completion_body, usage_body
+from gateway.api.schemas import Endpoint
 from gateway.auth import Principal
 from gateway.batch.lines import now_utc
-from gateway.batch.output import completion_body
 from gateway.batch.prepare import PreparedLine
 from gateway.batch.store import BatchStore
 from gateway.batch.types import BatchInfo, ItemResult
-from gateway.errors import ApiError
+from gateway.pipeline.outcome import Failure
+from gateway.pipeline.stages import Completion, Flight, complete, prepare, recording
 from gateway.state import CONFIG
 from gateway.store.types import Tenant
 
@@ -38,8 +39,7 @@ class ActiveBatch:
 
     info: BatchInfo
     tenant: Tenant
-    kind: str
-    """"chat" or "completions"."""
+    kind: Endpoint
     feed: BatchFeed
     prepared: dict[int, PreparedLine]
     custom_ids: dict[int, str]
@@ -63,80 +63,61 @@ class ActiveBatch:
 async def execute_line(
     app: web.Application, store: BatchStore, active: ActiveBatch, line_no: int
 ) -> int | None:
-    """Runs one line; returns its output length when it succeeded."""
+    """Runs one line through the request pipeline and commits how it ended; returns its output
+    length when it succeeded."""
     batch_id = active.info.id
     if not await store.mark_running(batch_id, line_no):
         return None
     prepared = active.prepared[line_no]
-    principal = batch_principal(active)
-    config = app[CONFIG]
-    model = config.model.name
-    gen = Generation(
-        app=app,
-        principal=principal,
-        endpoint=f"batch/{active.kind}",
-        model=model,
-        stream=False,
+    flight = Flight(
+        principal=batch_principal(active),
+        origin="batch",
+        endpoint=active.kind,
+        model=app[CONFIG].model.name,
     )
-    cancelled = False
-    try:
-        gen.request = build_engine_request(
-            prepared.body, prepared.input_ids, prepared.max_tokens, principal, "be"
-        )
-        parts: list[str] = []
-        async for chunk in gen.chunks():
-            parts.append(chunk.text_delta)
-        if gen.outcome.status == "aborted":
-            raise ApiError(503, "the engine aborted the request", code="engine_aborted")
-    except ApiError as exc:
-        if exc.status in (429, 503):
-            await retry_or_fail(store, config.batch, active, line_no, exc)
-            return None
-        await store.finish_item(batch_id, line_no, refusal(active.info, line_no, exc))
+    with recording(app, flight):
+        prepare(app, flight, prepared.body, prepared.prompt)
+        result = await complete(app, flight)
+    if not isinstance(result, Completion):
+        await settle_failure(store, app[CONFIG].batch, active, line_no, result)
         return None
-    except BaseException as exc:
-        cancelled = is_cancellation(exc)
-        raise
-    finally:
-        gen.close(cancelled=cancelled)
-    outcome = gen.outcome
     active.down_streak = 0  # the engine answers: retries need no back-off
-    body = completion_body(
-        active.kind,
-        gen.request.rid,
-        model,
-        "".join(parts),
-        outcome.finish_reason,
-        outcome.prompt_tokens,
-        outcome.completion_tokens,
-    )
-    response = {"status_code": 200, "request_id": gen.request.rid, "body": body}
+    request = flight.request  # as admitted (admission may change a request's terms)
+    assert request is not None
+    head = ResponseHead(endpoint=active.kind, rid=request.rid, model=flight.model)
+    usage = usage_body(result.prompt_tokens, result.completion_tokens)
+    body = completion_body(head, result.text, result.finish_reason, usage)
     await store.finish_item(
         batch_id,
         line_no,
         ItemResult(
             status="succeeded",
-            response=response,
-            prompt_tokens=outcome.prompt_tokens,
-            completion_tokens=outcome.completion_tokens,
+            response={"status_code": 200, "request_id": request.rid, "body": body},
+            prompt_tokens=result.prompt_tokens,
+            completion_tokens=result.completion_tokens,
         ),
     )
-    return outcome.completion_tokens
+    return result.completion_tokens
 
 
-async def retry_or_fail(
-    store: BatchStore, cfg: BatchConfig, active: ActiveBatch, line_no: int, exc: ApiError
+async def settle_failure(
+    store: BatchStore, cfg: BatchConfig, active: ActiveBatch, line_no: int, failure: Failure
 ) -> None:
-    """An engine that is down (or restarting) only delays a line, however long it takes;
-    an engine that aborts or refuses it for capacity costs an attempt, and after
-    `batch.max_attempts` the line goes to the error file."""
-    down = exc.code == "engine_unavailable"
+    """A line that did not complete: to the error file when retrying cannot help; otherwise back
+    to pending. An engine that is down (or restarting) only delays a line, however long it
+    takes; any other retryable failure (the engine aborted it, a quota, a gateway error) costs
+    an attempt, and after `batch.max_attempts` the line goes to the error file."""
+    batch_id = active.info.id
+    if not failure.retryable:
+        await store.finish_item(batch_id, line_no, refusal(failure))
+        return
+    down = failure.kind == "engine_unavailable"
     if not down:
         active.failures[line_no] = active.failures.get(line_no, 0) + 1
         if active.failures[line_no] >= cfg.max_attempts:
-            await store.finish_item(active.info.id, line_no, refusal(active.info, line_no, exc))
+            await store.finish_item(batch_id, line_no, refusal(failure))
             return
-    await store.requeue_item(active.info.id, line_no)
+    await store.requeue_item(batch_id, line_no)
     active.down_streak = active.down_streak + 1 if down else 0
     pause = cfg.retry_after_s * (2 ** min(active.down_streak, 4) if down else 1)
     active.retry.append((time.monotonic() + pause, line_no))
@@ -160,7 +141,13 @@ def batch_principal(active: ActiveBatch) -> Principal:
     return Principal(tenant=tenant, key_id=active.info.key_id or "", key_prefix="batch")
 
 
-def refusal(info: BatchInfo, line_no: int, exc: ApiError) -> ItemResult:
-    """A line the API refused: an error-file line with the status and error body."""
-    response: dict[str, Any] = {"status_code": exc.status, "request_id": None, "body": exc.body()}
+def refusal(failure: Failure) -> ItemResult:
+    """A line that failed for good: an error-file line with the status and error body a client
+    of the API would have got."""
+    body = failure.api_error().body()
+    response: dict[str, Any] = {
+        "status_code": failure.http_status,
+        "request_id": None,
+        "body": body,
+    }
     return ItemResult(status="failed", response=response)

@@ -3,19 +3,17 @@
 Output file, one line per successful request::
 
     {"id": "batch_req_…", "custom_id": "…",
-     "response": {"status_code": 200, "request_id": "…", "body": <the chat.completion object>},
+     "response": {"status_code": 200, "request_id": "tdm-…", "body": <the chat.completion object>},
      "error": null}
 
 Error file: requests the API refused (`response.status_code` ≥ 400, `body` the error object), and
-lines that never ran (`response` null, `error` {"code": "batch_expired" | "batch_cancelled" |
-"engine_unavailable", "message"}). Lines keep the input file's order; each `custom_id` appears
-exactly once in the two files together.
+lines that never ran (`response` null, `error` {"code": "batch_expired" | "batch_cancelled",
+"message"}). Lines keep the input file's order; each `custom_id` appears
+exactly once in the two files together. The `body` of a successful line is rendered by
+gateway/api/render.py, as the API renders it; its `id` and `request_id` name the engine request.
 """
 
 from __future__ import annotations
-
-import time
-from typing import Any
 
 import msgspec
 
@@ -33,54 +31,6 @@ NEVER_RAN = {
         "This request was not executed because the batch was cancelled.",
     ),
 }
-
-
-def finish_reason(engine_reason: str | None) -> str:
-    """OpenAI's finish_reason for the engine's."""
-    return "length" if engine_reason == "length" else "stop"
-
-
-def completion_body(
-    kind: str,
-    rid: str,
-    model: str,
-    text: str,
-    engine_finish: str | None,
-    prompt_tokens: int,
-    completion_tokens: int,
-) -> dict[str, Any]:
-    """The non-streaming response body of one line (chat.completion or text_completion)."""
-    usage = {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-    created = int(time.time())
-    reason = finish_reason(engine_finish)
-    if kind == "chat":
-        return {
-            "id": f"chatcmpl-{rid}",
-            "object": "chat.completion",
-            "created": created,
-            "model": model,
-            "usage": usage,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": reason,
-                    "logprobs": None,
-                }
-            ],
-        }
-    return {
-        "id": f"cmpl-{rid}",
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "usage": usage,
-        "choices": [{"index": 0, "text": text, "finish_reason": reason, "logprobs": None}],
-    }
 
 
 def result_line(

@@ -29,14 +29,14 @@ from aiohttp import web
 
 from backend.policy.batch_order.feed import BatchFeed, FeedSettings
 from backend.policy.batch_order.tree import OrderItem
-from gateway.batch.execute import ActiveBatch, execute_line, refusal, retry_or_fail
+from gateway.batch.execute import ActiveBatch, execute_line, refusal, settle_failure
 from gateway.batch.lines import now_utc
 from gateway.batch.output import build_files
 from gateway.batch.prepare import prepare_lines
 from gateway.batch.store import BatchStore
 from gateway.batch.types import ENDPOINTS, BatchInfo
 from gateway.batch.validate import validate_lines
-from gateway.errors import ApiError
+from gateway.pipeline.outcome import internal_error
 from gateway.state import CONFIG, STORE, TOKENIZER
 from gateway.store.types import Tenant
 
@@ -56,11 +56,6 @@ class BatchRunner:
         self._task: asyncio.Task[None] | None = None
         self._active: dict[str, ActiveBatch] = {}
         self._inflight = 0
-
-    @property
-    def inflight(self) -> int:
-        """Lines on the engine now."""
-        return self._inflight
 
     async def start(self) -> None:
         """Resumes what a previous process left running, then starts the loop."""
@@ -164,12 +159,15 @@ class BatchRunner:
             self._config.model.name,
             self._config.gateway.default_max_tokens,
         )
-        for line_no, exc in refused.items():  # prompts the model cannot take: error file
+        for line_no, failure in refused.items():  # prompts the model cannot take: error file
             if await self._store.mark_running(info.id, line_no):
-                await self._store.finish_item(info.id, line_no, refusal(info, line_no, exc))
+                await self._store.finish_item(info.id, line_no, refusal(failure))
         items = [
             OrderItem(
-                index=n, path=p.input_ids, prompt_len=len(p.input_ids), max_output_len=p.max_tokens
+                index=n,
+                path=p.prompt.input_ids,
+                prompt_len=len(p.prompt.input_ids),
+                max_output_len=p.prompt.max_tokens,
             )
             for n, p in prepared.items()
         ]
@@ -246,14 +244,8 @@ class BatchRunner:
         except Exception:
             log.exception("batch %s line %d failed unexpectedly", active.info.id, line_no)
             with contextlib.suppress(Exception):  # the database may be what failed
-                await retry_or_fail(
-                    self._store,
-                    self._config.batch,
-                    active,
-                    line_no,
-                    ApiError(
-                        500, "internal error while running the request", code="internal_error"
-                    ),
+                await settle_failure(
+                    self._store, self._config.batch, active, line_no, internal_error()
                 )
         finally:
             self._inflight -= 1

@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from gateway.api.schemas import Endpoint
+
 BatchStatus = Literal[
     "validating",
     "failed",
@@ -28,10 +30,8 @@ BatchStatus = Literal[
     "cancelling",
     "cancelled",
 ]
-FINAL_STATUSES: frozenset[str] = frozenset({"failed", "completed", "expired", "cancelled"})
-"""Statuses a batch never leaves."""
 ItemStatus = Literal["pending", "running", "succeeded", "failed", "expired", "cancelled"]
-ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+ENDPOINTS: dict[str, Endpoint] = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 """Batch endpoints and the API each runs (OpenAI's /v1/embeddings and /v1/responses are not
 served by this gateway)."""
 FILE_PURPOSES = ("batch",)
@@ -101,10 +101,6 @@ class BatchInfo(msgspec.Struct, frozen=True, kw_only=True):
     expired_at: datetime | None
     cancelling_at: datetime | None
     cancelled_at: datetime | None
-
-    @property
-    def is_final(self) -> bool:
-        return self.status in FINAL_STATUSES
 
     def to_openai(self) -> dict[str, Any]:
         """OpenAI's batch object."""

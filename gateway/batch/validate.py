@@ -14,7 +14,12 @@ from typing import Any
 
 import msgspec
 
-from gateway.api.schemas import ChatCompletionRequest, CompletionRequest, check_sampling
+from gateway.api.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Endpoint,
+    check_sampling,
+)
 from gateway.batch.types import NewItem
 from gateway.errors import ApiError, validation_error
 
@@ -31,13 +36,13 @@ class _Line(msgspec.Struct, kw_only=True):
     body: Any = None
 
 
-def body_type(endpoint_kind: str) -> type[msgspec.Struct]:
+def body_type(endpoint_kind: Endpoint) -> type[msgspec.Struct]:
     """The request Struct of an endpoint kind ("chat" or "completions")."""
     return ChatCompletionRequest if endpoint_kind == "chat" else CompletionRequest
 
 
 def validate_lines(
-    content: bytes, endpoint: str, endpoint_kind: str, model: str
+    content: bytes, endpoint: str, endpoint_kind: Endpoint, model: str
 ) -> tuple[list[NewItem], list[dict[str, Any]]]:
     """The lines as NewItems, and the errors (empty when the file is valid)."""
     items: list[NewItem] = []

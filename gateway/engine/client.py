@@ -8,7 +8,7 @@ first token and the gaps between tokens (TTFT, TBT) on its own clock.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -65,7 +65,7 @@ class EngineClient:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5.0)
         self._decoder = msgspec.json.Decoder(_GenerateOut)
 
-    async def generate(self, payload: dict[str, Any]) -> AsyncIterator[EngineChunk]:
+    async def generate(self, payload: dict[str, Any]) -> AsyncGenerator[EngineChunk, None]:
         """Streams the generation for one `/generate` payload (which must carry a unique rid).
 
         Raises EngineUnavailable when the engine cannot be reached and EngineRequestError when it

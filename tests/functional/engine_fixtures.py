@@ -25,7 +25,6 @@ import pytest
 
 from backend.launch.sglang import EngineProcess, engine_base_url, engine_env, server_argv
 from backend.launch.tiny_model import ensure_tiny_model
-from backend.sglang_ext.plugin import TRACE_ENV
 from common.config import EngineConfig
 
 MODEL_NAME = "tandem-tiny"
@@ -101,7 +100,7 @@ def running_engine(workdir: Path, **overrides: Any) -> Iterator[EngineServer]:
     cfg = EngineConfig(**fields)
     engine = EngineProcess(
         server_argv(cfg, model_path, MODEL_NAME),
-        engine_env(cfg, extra={TRACE_ENV: str(trace_path)}),
+        engine_env(cfg, scheduler_trace=trace_path),
         base_url=engine_base_url(cfg),
         log_path=log_path,
     )

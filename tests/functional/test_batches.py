@@ -126,6 +126,7 @@ async def test_openai_client_runs_a_batch_to_completion(
         assert response["status_code"] == 200
         body = response["body"]
         assert body["object"] == "chat.completion" and body["model"] == MODEL
+        assert body["id"] == f"chatcmpl-{response['request_id']}"
         assert body["usage"]["completion_tokens"] == 6
         assert isinstance(body["choices"][0]["message"]["content"], str)
         # every line ran on the engine as BE
@@ -320,7 +321,7 @@ async def test_a_short_window_is_a_deadline_passed_to_the_engine(
     for line in await read_lines(api, done.output_file_id):
         meta = engine_server.trace_for(line["response"]["request_id"])["meta"]
         assert meta["tier"] == "be"
-        assert abs(meta["be_deadline_unix_s"] - (created + 1800)) < 5
+        assert abs(meta["deadline_due_unix_s"] - (created + 1800)) < 5
 
 
 async def test_file_listing_content_and_delete(

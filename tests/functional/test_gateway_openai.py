@@ -59,6 +59,7 @@ async def test_chat_non_streaming(gateway: GatewayHandle, rt_tenant: tuple[str, 
     assert reply.usage is not None and reply.usage.completion_tokens == 12
     record = (await gateway.latest_requests(tenant_id, 1))[0]
     assert record["endpoint"] == "chat" and record["tier"] == "rt" and not record["stream"]
+    assert reply.id == f"chatcmpl-{record['request_id']}"  # one id: response, record, engine
     assert_timed(record, 12)
     assert record["prompt_tokens"] == reply.usage.prompt_tokens
     assert record["slo_met"] is True  # generous targets on purpose

@@ -16,25 +16,25 @@ BLOCK_SLACK = 15  # kv_layout_engine.prompt_slack_tokens() with the layout insta
 
 
 @pytest.fixture(scope="module")
-def hooks() -> ModuleType:
-    """The hooks module, imported as in the scheduler process (SGLang's import-time warnings
-    about CUDA-only kernels are expected on CPU)."""
+def adder() -> ModuleType:
+    """The prefill adder module, imported as in the scheduler process (SGLang's import-time
+    warnings about CUDA-only kernels are expected on CPU)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        from backend.sglang_ext import hooks
-    return hooks
+        from backend.sglang_ext import prefill_adder
+    return prefill_adder
 
 
 @pytest.fixture
-def budget(hooks: ModuleType) -> Any:
+def budget(adder: ModuleType) -> Any:
     from sglang.srt.mem_cache.prefill_budget import PrefillBudget
 
     def make(free_slots: int, slack: int) -> Any:
         allocator = SimpleNamespace(page_size=1, available_size=lambda: free_slots)
         tree = SimpleNamespace(evictable_size=lambda: 0, supports_mamba=lambda: False)
         b = PrefillBudget(allocator, tree)
-        b.check_prefill = hooks._immediate_check(b, slack)
-        b.reserve = hooks._immediate_reserve(b, slack)
+        b.check_prefill = adder._immediate_check(b, slack)
+        b.reserve = adder._immediate_reserve(b, slack)
         return b
 
     return make
@@ -68,7 +68,7 @@ def test_bicache_layout_charges_each_prompt_its_last_blocks_unused_side(budget: 
     assert admit(b, 8) is True  # 8 + 15 ≤ 31: a prompt that fits in the remaining blocks
 
 
-def test_the_slack_is_zero_without_the_layout(hooks: ModuleType) -> None:
+def test_the_slack_is_zero_without_the_layout(adder: ModuleType) -> None:
     from backend.sglang_ext import kv_layout_engine
 
     assert kv_layout_engine.prompt_slack_tokens() == 0

@@ -1,17 +1,23 @@
-"""The contract between tandem and the pinned SGLang: every hooked attribute still exists, our
-plugin is (or is not) loaded as the launcher intends, every launch flag is one SGLang accepts,
-and the scheduler-side hook turns client metadata into ``req.tandem`` without ever raising.
+"""The contract between tandem and the pinned SGLang: every hooked attribute still exists, every
+attribute tandem reads through ``backend.sglang_ext.views`` is one SGLang's real classes have,
+our plugin is (or is not) loaded as the launcher intends, every launch flag is one SGLang
+accepts, the launcher's settings reach the engine intact, and the scheduler-side hook attaches
+the client's metadata as ``req.tandem`` without ever raising.
 
 Imports SGLang's scheduler once for the whole module (about 10 s on 2 cores)."""
 
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
+import dataclasses
+import inspect
 import json
 import logging
 import pkgutil
 import sys
+import textwrap
 import warnings
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -20,9 +26,10 @@ from typing import Any, cast
 import pytest
 
 from backend.launch.sglang import engine_env, server_argv
-from backend.sglang_ext import plugin
-from backend.sglang_ext.request_meta import SchedReqMeta
-from common.config import EngineConfig
+from backend.policy.profiles import resolve_profile
+from backend.sglang_ext import plugin, views
+from backend.sglang_ext.request_meta import tpot_target_s
+from common.config import EngineConfig, EngineSettings, engine_settings_from_env
 from common.wire import RequestMeta, meta_to_custom_params
 
 pytestmark = pytest.mark.slow  # imports torch (and Triton or SGLang): seconds, not a unit test
@@ -50,6 +57,65 @@ def test_sglang_is_the_pinned_version(sglang: ModuleType) -> None:
 @pytest.mark.parametrize("seam", plugin.SEAMS)
 def test_every_hooked_seam_exists(sglang: ModuleType, seam: str) -> None:
     assert callable(pkgutil.resolve_name(seam)), seam
+
+
+def _attributes(cls: type) -> set[str]:
+    """What an instance of *cls* has: class attributes, dataclass fields, and every
+    ``self.name = ...`` (plain, annotated, augmented or tuple) in the methods of its classes."""
+    names = set(dir(cls))
+    if dataclasses.is_dataclass(cls):
+        names |= {f.name for f in dataclasses.fields(cls)}
+    for klass in cls.__mro__:
+        if not klass.__module__.startswith("sglang."):
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        for node in ast.walk(tree):
+            targets: list[ast.expr] = []
+            if isinstance(node, ast.Assign):
+                targets = list(node.targets)
+            elif isinstance(node, ast.AnnAssign | ast.AugAssign):
+                targets = [node.target]
+            while targets:
+                target = targets.pop()
+                if isinstance(target, ast.Tuple | ast.List):
+                    targets += target.elts
+                elif (
+                    isinstance(target, ast.Attribute)
+                    and isinstance(target.value, ast.Name)
+                    and target.value.id == "self"
+                ):
+                    names.add(target.attr)
+    return names
+
+
+def _members(view: type) -> list[str]:
+    """The attributes and methods a Protocol of ``views`` declares."""
+    declared = set(getattr(view, "__annotations__", {}))
+    declared |= {
+        name
+        for name, value in vars(view).items()
+        if not (name.startswith("__") and name.endswith("__"))
+        and (callable(value) or isinstance(value, property))
+    }
+    return sorted(declared)
+
+
+@pytest.mark.parametrize("view", list(views.SGLANG_CLASSES), ids=lambda v: v.__name__)
+def test_every_view_member_exists_in_sglang(sglang: ModuleType, view: type) -> None:
+    cls = pkgutil.resolve_name(views.SGLANG_CLASSES[view])
+    members = _members(view)
+    assert members, view
+    missing = [name for name in members if name not in _attributes(cls)]
+    assert missing == [], f"{cls.__qualname__} has no {missing} (views.{view.__name__})"
+
+
+def test_the_attribute_check_notices_a_missing_attribute(sglang: ModuleType) -> None:
+    req = pkgutil.resolve_name(views.SGLANG_CLASSES[views.ReqView])
+    found = _attributes(req)
+    assert {"rid", "kv", "retraction_count", "finished"} <= found  # __init__ and methods
+    assert "no_such_field_anywhere" not in found
+    sched = _attributes(pkgutil.resolve_name(views.SGLANG_CLASSES[views.SchedulerView]))
+    assert "max_total_num_tokens" in sched  # assigned by tuple unpacking
 
 
 def test_stand_ins_are_used_only_without_the_real_packages(sglang: ModuleType) -> None:
@@ -115,6 +181,29 @@ def test_sglang_accepts_every_launch_flag(sglang: ModuleType, tmp_path: Path) ->
     assert args.load_format == "dummy" and args.enable_priority_scheduling
 
 
+def test_the_launchers_settings_reach_the_engine_intact() -> None:
+    cfg = EngineConfig(policy_options={"latency_budget_s": 0.2, "x": 3}, port=31000)
+    settings = engine_settings_from_env(engine_env(cfg, base={}, scheduler_trace="/tmp/t"))
+    assert settings == EngineSettings(
+        policy="tandem",
+        profile_path=str(resolve_profile(cfg.profile)),
+        policy_options={"latency_budget_s": 0.2, "x": 3},
+        control_socket=cfg.control_socket_path,
+        kv_layout="token",
+        scheduler_trace="/tmp/t",
+    )
+    # no policy in charge: metadata only (and the layout, which works either way)
+    for off in (EngineConfig(policy="none"), EngineConfig(patch=False)):
+        assert engine_settings_from_env(engine_env(off, base={})) == EngineSettings()
+    bicache = EngineConfig(policy="none", kv_layout="bicache")
+    assert engine_settings_from_env(engine_env(bicache, base={})).kv_layout == "bicache"
+    # one variable carries it all: nothing else of tandem's goes to the engine
+    env = engine_env(cfg, base={})
+    assert sorted(k for k in env if k.startswith("TANDEM_")) == ["TANDEM_ENGINE_SETTINGS"]
+    with pytest.raises(ValueError, match=r"engine\.policy 'nope' is not a policy"):
+        engine_env(EngineConfig(policy="nope"), base={})
+
+
 def test_register_hooks_only_where_the_scheduler_lives(
     sglang: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -122,6 +211,7 @@ def test_register_hooks_only_where_the_scheduler_lives(
 
     # A fresh class-level registry, so nothing is applied to this process; restored after.
     monkeypatch.setattr(HookRegistry, "_hooks", collections.defaultdict(list))
+    monkeypatch.delenv("TANDEM_ENGINE_SETTINGS", raising=False)  # metadata only
     with monkeypatch.context() as m:
         m.delitem(sys.modules, plugin.SCHEDULER_MODULE)  # e.g. the detokenizer process
         plugin.register()
@@ -137,7 +227,7 @@ def _fake_req(custom_params: Any, rid: str = "r1") -> SimpleNamespace:
     )
 
 
-def test_hook_attaches_resolved_metadata() -> None:
+def test_hook_attaches_the_metadata_as_it_arrived() -> None:
     meta = RequestMeta(
         tier="rt",
         tenant_id="a",
@@ -149,10 +239,9 @@ def test_hook_attaches_resolved_metadata() -> None:
     req = _fake_req(meta_to_custom_params(meta))
     plugin.after_create_generation_req(req, object(), object())  # returns None: keeps SGLang's Req
     attached = plugin.get_meta(req)
-    assert isinstance(attached, SchedReqMeta)
-    assert attached.ttft_deadline_unix_s == pytest.approx(100.2)
-    assert attached.tpot_target_s == pytest.approx(0.05)
-    assert attached.is_rt and attached.sglang_priority == meta.sglang_priority
+    assert isinstance(attached, RequestMeta) and attached == meta
+    assert attached.ttft_due_unix_s == pytest.approx(100.2)
+    assert tpot_target_s(attached) == pytest.approx(0.05)
 
 
 @pytest.mark.parametrize(
@@ -184,7 +273,9 @@ def test_trace_has_one_line_per_request(tmp_path: Path, monkeypatch: pytest.Monk
     plugin.attach_meta(_fake_req({"tandem": "bad"}, rid="bad"))
     ok, bad = (json.loads(line) for line in trace.read_text().splitlines())
     assert ok["event"] == "request" and ok["process"] == "scheduler" and ok["priority"] == 5
-    assert ok["rid"] == "ok" and ok["meta"]["be_deadline_unix_s"] == 10.0 and ok["error"] is None
+    assert ok["rid"] == "ok" and ok["meta"]["deadline_due_unix_s"] == 10.0 and ok["error"] is None
+    assert ok["meta"]["deadline_s"] == 9 and ok["meta"]["ttft_due_unix_s"] is None
+    assert ok["meta"]["sglang_priority"] == meta.sglang_priority
     assert bad["rid"] == "bad" and bad["meta"] is None and "ValidationError" in bad["error"]
 
 

@@ -6,8 +6,9 @@ import itertools
 from typing import Any
 
 from backend.policy.latency import LatencyModel
-from backend.policy.types import ReqState, Snapshot, Tier
+from backend.policy.types import ReqState, Snapshot
 from backend.sim.source import SimRequest
+from common.wire import Tier
 
 LATENCY = LatencyModel([0.010, 0.020, 0.001, 0.0, 0.0, 0.0, 0.0, 0.0])
 """10 ms per iteration + 20 ms per 1K prefill tokens + 1 ms per 1K decode context."""

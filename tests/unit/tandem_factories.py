@@ -8,7 +8,8 @@ from typing import Any
 from backend.policy.latency import LatencyModel
 from backend.policy.tandem.config import TandemConfig
 from backend.policy.tandem.policy import TandemPolicy
-from backend.policy.types import ReqState, Snapshot, Tier
+from backend.policy.types import ReqState, Snapshot
+from common.wire import Tier
 from tests.unit.sim_factories import make_snapshot
 
 LATENCY = LatencyModel([0.010, 0.020, 0.001, 0.0, 0.0, 0.0, 0.0, 0.0])

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from common.config import ConfigError, admin_token, load_config
+from common.config import (
+    ENGINE_SETTINGS_ENV,
+    ConfigError,
+    EngineSettings,
+    admin_token,
+    engine_settings_from_env,
+    load_config,
+)
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -81,3 +90,46 @@ def test_admin_token_is_required() -> None:
     with pytest.raises(ConfigError, match="TANDEM_ADMIN_TOKEN"):
         admin_token({})
     assert admin_token({"TANDEM_ADMIN_TOKEN": "s3cret-token"}) == "s3cret-token"
+
+
+def test_engine_settings_travel_as_one_json_variable() -> None:
+    settings = EngineSettings(
+        policy="tandem",
+        profile_path="/p.json",
+        policy_options={"latency_budget_s": 0.2, "n": 3, "on": True, "mode": "x"},
+        control_socket="/tmp/c.sock",
+        kv_layout="bicache",
+        scheduler_trace="/tmp/trace.jsonl",
+    )
+    env = {ENGINE_SETTINGS_ENV: msgspec.json.encode(settings).decode()}
+    decoded = engine_settings_from_env(env)
+    assert decoded == settings
+    assert [type(v) for v in decoded.policy_options.values()] == [float, int, bool, str]
+    # unset or empty: an engine started by hand, metadata only
+    assert (
+        engine_settings_from_env({})
+        == EngineSettings()
+        == engine_settings_from_env({ENGINE_SETTINGS_ENV: " "})
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("{nope", "TANDEM_ENGINE_SETTINGS is not a JSON object"),
+        ('{"policy": "tandem"}', "policy 'tandem' needs profile_path"),
+        ('{"policy": "none", "profile_path": "/p"}', "policy 'none' names no policy"),
+        ('{"control_socket": "/s"}', "control_socket needs a policy"),
+        ('{"kv_layout": "paged"}', "kv_layout: Invalid enum value 'paged'"),
+        ('{"policy_options": {"a": [1]}}', "policy_options"),
+        ('{"polcy": "tandem"}', "unknown field `polcy`"),
+    ],
+)
+def test_bad_engine_settings_name_the_problem(value: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        engine_settings_from_env({ENGINE_SETTINGS_ENV: value})
+
+
+def test_engine_settings_are_no_config_override(tmp_path: Path) -> None:
+    # TANDEM_ENGINE_SETTINGS has no "__": load_config never takes it for a section key
+    load_config(write(tmp_path, ""), environ={ENGINE_SETTINGS_ENV: '{"policy": 3}'})

@@ -1,5 +1,6 @@
-"""The in-engine driver's decisions on plain stand-ins for SGLang's objects (no SGLang here):
-which rows sit out, which prompts go first, who is retracted first, what the policy is told."""
+"""The in-engine driver's decisions and the hooks that carry them out, on plain stand-ins for
+SGLang's objects (no SGLang here): which rows sit out, which prompts go first, who is retracted
+first, what the policy is told."""
 
 from __future__ import annotations
 
@@ -10,12 +11,16 @@ from typing import Any
 import pytest
 
 from backend.policy.types import IterationResult, Plan, PrefillChunk, Snapshot
+from backend.sglang_ext.directive import Directive
 from backend.sglang_ext.driver import EngineDriver
-from backend.sglang_ext.request_meta import REQ_ATTR, sched_meta_from_custom_params
+from backend.sglang_ext.hooks import SchedulerHooks
+from backend.sglang_ext.request_meta import REQ_ATTR, meta_of
 from common.wire import RequestMeta, meta_to_custom_params
 
 
 class FakeReq(SimpleNamespace):
+    __hash__ = object.__hash__  # SGLang's Req is hashable (the in-flight set holds them)
+
     def finished(self) -> bool:
         return self.finished_reason is not None
 
@@ -58,16 +63,18 @@ def req(
         finished_reason=None,
         retraction_count=0,
     )
-    setattr(r, REQ_ATTR, sched_meta_from_custom_params(meta_to_custom_params(meta)))
+    setattr(r, REQ_ATTR, meta_of(meta_to_custom_params(meta)))
     return r
 
 
 class FakeBatch:
-    """ScheduleBatch's row operations the driver uses."""
+    """ScheduleBatch's row operations the driver and the hooks use."""
 
     def __init__(self, reqs: list[Any]) -> None:
         self.reqs = list(reqs)
         self.sampling_info = None
+        self.batch_is_full = True
+        self.released: list[tuple[str, int]] = []  # (rid, rows left) per release_req
 
     def filter_batch(self, keep_indices: list[int]) -> None:
         self.reqs = [self.reqs[i] for i in keep_indices]
@@ -78,10 +85,15 @@ class FakeBatch:
     def is_empty(self) -> bool:
         return not self.reqs
 
+    def release_req(self, idx: int, remaing_req_count: int) -> bool:
+        self.released.append((self.reqs[idx].rid, remaing_req_count))
+        return True
+
 
 def sched(waiting: list[Any]) -> SimpleNamespace:
-    return SimpleNamespace(
+    s = SimpleNamespace(
         waiting_queue=list(waiting),
+        requeued=[],
         chunked_req=None,
         max_total_num_tokens=10_000,
         token_to_kv_pool_allocator=SimpleNamespace(available_size=lambda: 9_000),
@@ -92,6 +104,20 @@ def sched(waiting: list[Any]) -> SimpleNamespace:
         max_running_requests=64,
         page_size=1,
     )
+    s._add_request_to_queue = lambda req, is_retracted=False: (
+        s.requeued.append((req.rid, is_retracted)),
+        s.waiting_queue.append(req),
+    )
+    return s
+
+
+def plan_and_carry_out(
+    drv: EngineDriver, s: SimpleNamespace, batch: FakeBatch
+) -> tuple[SchedulerHooks, bool]:
+    """The planning seam as SGLang calls it: the hooks around *drv*, and whether SGLang skips
+    its prefill pass."""
+    hooks = SchedulerHooks(drv)
+    return hooks, hooks.replace_should_defer_prefill(s, batch)  # type: ignore[arg-type]
 
 
 class ScriptedPolicy:
@@ -121,27 +147,102 @@ def test_decodes_left_out_of_the_plan_sit_out_and_come_back() -> None:
     policy = ScriptedPolicy(Plan(decodes=["rt", "be2"]))
     drv = EngineDriver(policy)  # type: ignore[arg-type]
     batch = FakeBatch([rt, be1, be2])
-    skip_prefill = drv.plan_iteration(sched([]), batch, lambda b, i: None)
+    s = sched([])
+    s.running_batch = batch
+    hooks, skip_prefill = plan_and_carry_out(drv, s, batch)
     assert skip_prefill  # the plan prefills nothing
     assert [r.rid for r in batch.reqs] == ["rt", "be2"]
-    assert [r.rid for r in drv.parked_reqs()] == ["be1"]
+    assert [r.rid for r in hooks.parked_reqs()] == ["be1"]
     assert drv.stats.parked_decodes == 1
-    batch = drv.unpark(batch)
-    assert sorted(r.rid for r in batch.reqs) == ["be1", "be2", "rt"] and not drv.parked_reqs()
+    # parked rows are in flight (aborts find them) and keep the engine busy
+    assert hooks.after_collect_inflight_reqs(set(), s) == {be1}  # type: ignore[arg-type]
+    assert not hooks.after_is_fully_idle(True, s)  # type: ignore[arg-type]
+    hooks.after_process_batch_result(None, s, batch)  # type: ignore[arg-type]
+    assert sorted(r.rid for r in s.running_batch.reqs) == ["be1", "be2", "rt"]
+    assert not hooks.parked_reqs() and hooks.after_is_fully_idle(True, s)  # type: ignore[arg-type]
+
+
+def test_the_kv_layout_is_told_which_rows_are_parked() -> None:
+    rt, be = req("rt", "rt", out=3), req("be", "be", out=5)
+    told: list[list[str]] = []
+    drv = EngineDriver(ScriptedPolicy(Plan(decodes=["rt"])))  # type: ignore[arg-type]
+    hooks = SchedulerHooks(drv, on_park=lambda reqs: told.append([r.rid for r in reqs]))
+    batch = FakeBatch([rt, be])
+    s = sched([])
+    s.running_batch = batch
+    hooks.replace_should_defer_prefill(s, batch)  # type: ignore[arg-type]
+    hooks.after_process_batch_result(None, s, batch)  # type: ignore[arg-type]
+    assert told == [["be"], []]
+
+
+def test_parked_rows_come_back_even_when_every_other_row_left() -> None:
+    a, b = req("a", "be", out=2), req("b", "rt", out=7)
+    drv = EngineDriver(ScriptedPolicy(Plan(decodes=["b"])))  # type: ignore[arg-type]
+    batch = FakeBatch([a, b])
+    s = sched([])
+    hooks, _ = plan_and_carry_out(drv, s, batch)
+    batch.filter_batch(keep_indices=[])  # b finished and left the batch
+    s.running_batch = batch
+    hooks.after_process_batch_result(None, s, batch)  # type: ignore[arg-type]
+    assert [r.rid for r in s.running_batch.reqs] == ["a"]  # the parked batch took its place
+
+
+def test_an_evicted_request_that_cannot_resume_is_not_requeued(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    rt, be = req("rt", "rt", out=3), req("be", "be", out=5)
+    drv = EngineDriver(ScriptedPolicy(Plan(decodes=["rt"], evictions=["be"])))  # type: ignore[arg-type]
+    batch, s = FakeBatch([rt, be]), sched([])
+    batch.release_req = lambda idx, remaining: False  # type: ignore[method-assign]
+    plan_and_carry_out(drv, s, batch)
+    assert [r.rid for r in batch.reqs] == ["rt"] and s.requeued == []
+    assert "1 evicted requests had no way to resume" in caplog.text
+
+
+def test_the_directive_names_rows_by_rid_and_is_frozen() -> None:
+    rt, be1, be2 = req("rt", "rt", out=3), req("be1", "be", out=5), req("be2", "be", out=9)
+    waiting = req("w", "rt")
+    plan = Plan(decodes=["rt"], evictions=["be2", "gone"], prefills=[PrefillChunk("w", 4)])
+    drv = EngineDriver(ScriptedPolicy(plan))  # type: ignore[arg-type]
+    batch = FakeBatch([rt, be1, be2])
+    directive = drv.plan_iteration(sched([waiting]), batch)  # type: ignore[arg-type]
+    assert directive == Directive(
+        evict=("be2",),  # a rid no longer running is dropped
+        park=("be1",),
+        prefill_first=("w",),
+        prefill_tokens={"w": 4},
+        skip_prefill=False,
+    )
+    assert len(batch.reqs) == 3  # planning changes nothing; the hooks carry it out
+    with pytest.raises(AttributeError):
+        directive.skip_prefill = True  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        directive.prefill_tokens["w"] = 5  # type: ignore[index]
+    assert directive.chunk_for_continuing("w") == 4
+    assert directive.chunk_for_continuing("other") == 16  # MIN_CHUNK_TOKENS
 
 
 def test_an_empty_plan_parks_nothing_and_a_full_park_keeps_one_row() -> None:
     a, b = req("a", "be", out=2), req("b", "be", out=7)
     drv = EngineDriver(ScriptedPolicy(Plan()))  # type: ignore[arg-type]
     batch = FakeBatch([a, b])
-    drv.plan_iteration(sched([]), batch, lambda b, i: None)
-    assert len(batch.reqs) == 2 and drv.parked is None
+    hooks, _ = plan_and_carry_out(drv, sched([]), batch)
+    assert len(batch.reqs) == 2 and not hooks.parked_reqs()
     waiting = req("w", "rt")
     drv = EngineDriver(ScriptedPolicy(Plan(prefills=[PrefillChunk("w", 10)])))  # type: ignore[arg-type]
     batch = FakeBatch([a, b])
-    drv.plan_iteration(sched([waiting]), batch, lambda b, i: None)
+    hooks, _ = plan_and_carry_out(drv, sched([waiting]), batch)
     # SGLang needs a non-empty running batch: the most advanced row stays.
-    assert [r.rid for r in batch.reqs] == ["b"] and [r.rid for r in drv.parked_reqs()] == ["a"]
+    assert [r.rid for r in batch.reqs] == ["b"] and [r.rid for r in hooks.parked_reqs()] == ["a"]
+
+
+def test_a_batch_with_penalizers_decodes_whole() -> None:
+    a, b = req("a", "be", out=2), req("b", "rt", out=7)
+    drv = EngineDriver(ScriptedPolicy(Plan(decodes=["b"])))  # type: ignore[arg-type]
+    batch = FakeBatch([a, b])
+    batch.sampling_info = SimpleNamespace(penalizer_orchestrator=SimpleNamespace(is_required=True))
+    hooks, _ = plan_and_carry_out(drv, sched([]), batch)
+    assert len(batch.reqs) == 2 and not hooks.parked_reqs() and drv.stats.parked_decodes == 0
 
 
 def test_planned_prompts_go_first_whole_ones_before_the_cut_one() -> None:
@@ -149,18 +250,21 @@ def test_planned_prompts_go_first_whole_ones_before_the_cut_one() -> None:
     s = sched(w)
     plan = Plan(prefills=[PrefillChunk("x", 40), PrefillChunk("z", 100)])
     drv = EngineDriver(ScriptedPolicy(plan))  # type: ignore[arg-type]
-    skip_prefill = drv.plan_iteration(s, FakeBatch([]), lambda b, i: None)
+    hooks, skip_prefill = plan_and_carry_out(drv, s, FakeBatch([]))
     assert not skip_prefill
     assert [r.rid for r in s.waiting_queue] == ["z", "x", "y", "v"]
-    assert drv.planned_tokens == {"x": 40, "z": 100}
+    assert dict(hooks._directive.prefill_tokens) == {"x": 40, "z": 100}
 
 
 def test_the_plans_evictions_are_carried_out() -> None:
     rt, be = req("rt", "rt", out=3), req("be", "be", out=5)
-    evicted: list[list[int]] = []
     drv = EngineDriver(ScriptedPolicy(Plan(decodes=["rt"], evictions=["be"])))  # type: ignore[arg-type]
-    drv.plan_iteration(sched([]), FakeBatch([rt, be]), lambda b, idx: evicted.append(idx))
-    assert evicted == [[1]] and drv.stats.evictions == 1
+    batch, s = FakeBatch([rt, be]), sched([])
+    plan_and_carry_out(drv, s, batch)
+    # released like SGLang's own retraction (one row left after it), re-queued as retracted
+    assert batch.released == [("be", 1)] and s.requeued == [("be", True)]
+    assert [r.rid for r in batch.reqs] == ["rt"] and not batch.batch_is_full
+    assert drv.stats.evictions == 1
 
 
 def test_retraction_takes_be_least_progress_first_and_never_urgent_rt() -> None:
@@ -184,7 +288,7 @@ def test_finished_lengths_reach_the_policy_but_aborted_ones_do_not() -> None:
     drv = EngineDriver(policy)  # type: ignore[arg-type]
     a, b = req("a", "be", out=30), req("b", "be", out=7)
     drv.begin_iteration()
-    drv.plan_iteration(sched([]), FakeBatch([a, b]), lambda b, i: None)
+    drv.plan_iteration(sched([]), FakeBatch([a, b]))  # type: ignore[arg-type]
     drv.batch_started(True, drv.clock())
     a.finished_reason, b.finished_reason = FINISH_LENGTH(), FINISH_ABORT()
     drv.note_finished([a, b])
@@ -213,7 +317,7 @@ def test_the_snapshot_carries_deadlines_on_the_engine_clock() -> None:
     chunked.prefix_len = 120
     s = sched([w])
     s.chunked_req = chunked
-    drv.plan_iteration(s, FakeBatch([]), lambda b, i: None)
+    drv.plan_iteration(s, FakeBatch([]))  # type: ignore[arg-type]
     (snap,) = policy.snapshots
     (state,) = snap.waiting
     assert state.ttft_due_s is not None
@@ -227,10 +331,18 @@ def test_the_snapshot_carries_deadlines_on_the_engine_clock() -> None:
 def test_an_idle_engine_with_queued_work_never_stays_idle() -> None:
     drv = EngineDriver(ScriptedPolicy(Plan()))  # type: ignore[arg-type]
     s = sched([req("w", "be")])
-    skip_prefill = drv.plan_iteration(s, FakeBatch([]), lambda b, i: None)
-    assert not skip_prefill and drv.fallback and drv.stats.stall_fallbacks == 1
-    drv.begin_iteration()
-    assert not drv.fallback  # one iteration at a time
+    directive = drv.plan_iteration(s, FakeBatch([]))  # type: ignore[arg-type]
+    assert directive == Directive(own_admission=True) and drv.stats.stall_fallbacks == 1
+    hooks, skip_prefill = plan_and_carry_out(drv, s, FakeBatch([]))
+    assert not skip_prefill and hooks._directive.own_admission
+    # one iteration at a time: the next one starts with nothing planned
+    hooks.around_get_next_batch_to_run(
+        lambda sched, running_batch, last_batch: SimpleNamespace(batch_to_run=None),
+        s,  # type: ignore[arg-type]
+        FakeBatch([]),
+        None,
+    )
+    assert hooks._directive == Directive()
 
 
 def run_one_iteration(
@@ -239,7 +351,7 @@ def run_one_iteration(
     now = [100.0]
     drv = EngineDriver(policy, clock=lambda: now[0])
     drv.begin_iteration()
-    drv.plan_iteration(sched(waiting), batch, lambda b, i: None)
+    drv.plan_iteration(sched(waiting), batch)
     drv.batch_started(True, now[0])
     now[0] += duration_s
     drv.begin_iteration()

@@ -1,4 +1,5 @@
-"""From an OpenAI request to an engine request: output caps, tiers, scheduler metadata."""
+"""From an OpenAI request to an engine request: parsing, prompts, output caps, tiers, scheduler
+metadata."""
 
 from __future__ import annotations
 
@@ -8,10 +9,16 @@ import msgspec
 import pytest
 
 from common.wire import PRIORITY_BE, PRIORITY_RT, meta_from_custom_params
-from gateway.api.prepare import build_engine_request, output_cap, resolve_tier
-from gateway.api.schemas import ChatCompletionRequest
+from gateway.api.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.auth import Principal
 from gateway.errors import ApiError
+from gateway.pipeline.prepare import (
+    build_engine_request,
+    output_cap,
+    parse_body,
+    prepare_prompt,
+    resolve_tier,
+)
 from gateway.store.types import Quota, Slo, Tenant
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
@@ -103,3 +110,31 @@ def test_rids_are_unique() -> None:
     )
     rids = {build_engine_request(chat(), [1], 1, principal, "rt").rid for _ in range(100)}
     assert len(rids) == 100
+
+
+def test_parse_refuses_another_model_and_out_of_range_sampling_naming_the_field() -> None:
+    raw = b'{"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}'
+    with pytest.raises(ApiError) as info:
+        parse_body(raw, "chat", "m")
+    assert info.value.code == "model_not_found" and info.value.param == "model"
+    with pytest.raises(ApiError) as info:
+        parse_body(b'{"model": "m", "prompt": "x", "temperature": 9}', "completions", "m")
+    assert info.value.status == 400 and info.value.param == "temperature"
+    body = parse_body(b'{"model": "m", "prompt": "x"}', "completions", "m")
+    assert isinstance(body, CompletionRequest)
+
+
+def test_echo_is_refused_for_api_requests_and_batch_lines_alike() -> None:
+    body = msgspec.convert({"model": "m", "prompt": [1, 2], "echo": True}, CompletionRequest)
+    with pytest.raises(ApiError) as info:
+        prepare_prompt(body, None, 16)  # type: ignore[arg-type]  # refused before tokenizing
+    assert info.value.param == "echo"
+
+
+def test_a_token_id_prompt_gets_the_default_cap_within_the_context() -> None:
+    class Tokenizer:
+        context_len = 10
+
+    body = msgspec.convert({"model": "m", "prompt": [1, 2, 3, 4]}, CompletionRequest)
+    prompt = prepare_prompt(body, Tokenizer(), 16)  # type: ignore[arg-type]
+    assert prompt.input_ids == [1, 2, 3, 4] and prompt.max_tokens == 6

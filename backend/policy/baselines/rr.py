@@ -12,7 +12,8 @@ from __future__ import annotations
 from backend.policy.baselines._steps import LazyOrder, decode_all, prefill_queue
 from backend.policy.common import BatchBuilder, PolicyBase, newest_first, waiting_in
 from backend.policy.latency import LatencyModel
-from backend.policy.types import IterationResult, Plan, Snapshot, Tier
+from backend.policy.types import IterationResult, Plan, Snapshot
+from common.wire import Tier
 
 
 class RoundRobinPolicy(PolicyBase):

@@ -19,7 +19,7 @@ commits it.
 from __future__ import annotations
 
 from backend.policy.bicache.records import HOST, BiCacheError, NoRoom, ReqKv, Step
-from backend.policy.types import Tier
+from common.wire import Tier
 
 
 class BlockMap:

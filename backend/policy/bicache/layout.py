@@ -14,7 +14,7 @@ from backend.policy.bicache.records import (
     ReqKv,
     Step,
 )
-from backend.policy.types import Tier
+from common.wire import Tier
 
 
 class BiCache(CheckpointLedger):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from backend.policy.types import Tier
+from common.wire import Tier
 
 HOST = -1
 """Block id of a segment whose tokens are checkpointed on the host."""

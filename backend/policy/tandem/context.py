@@ -11,7 +11,8 @@ from backend.policy.tandem.batch import TandemBatch
 from backend.policy.tandem.config import TandemConfig
 from backend.policy.tandem.queues import BeQueue, RtQueue
 from backend.policy.tandem.timing import Timer
-from backend.policy.types import ReqState, Tier
+from backend.policy.types import ReqState
+from common.wire import Tier
 
 
 @dataclass

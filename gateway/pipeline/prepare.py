@@ -1,5 +1,7 @@
-"""From a validated OpenAI request to an engine request: prompt tokens, output cap, tier and the
-scheduler metadata. Every refusal is an ApiError naming the field."""
+"""The parse and prepare stages' work (gateway/pipeline/stages.py runs them): from a request
+body to an engine request — the body's type and range checks, the served model, the prompt's
+tokens, the output cap, the tier and the scheduler metadata. Every refusal is an ApiError naming
+the field (the client sees it as is; the batch runner writes it to the error file)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,11 @@ from gateway.api.schemas import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    Endpoint,
+    OpenAIRequest,
     SamplingFields,
+    check_sampling,
+    decode_body,
 )
 from gateway.auth import Principal
 from gateway.errors import ApiError
@@ -35,7 +41,59 @@ class EngineRequest:
 
 
 def new_rid() -> str:
+    """A fresh engine request id; it is also the usage record's `request_id` and the tail of the
+    OpenAI body's `id` (gateway/api/render.py), so the three can be joined."""
     return f"tdm-{uuid.uuid4().hex}"
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    """A request's prompt as the engine takes it."""
+
+    input_ids: list[int]
+    max_tokens: int
+    """The output cap, tokens (the request's, or the gateway's default; within the context)."""
+
+
+def parse_body(raw: bytes, endpoint: Endpoint, served_model: str) -> OpenAIRequest:
+    """The body of an API request as its endpoint's Struct, type- and range-checked, asking for
+    the served model (400 / 422 naming the field otherwise)."""
+    kind = ChatCompletionRequest if endpoint == "chat" else CompletionRequest
+    body = decode_body(raw, kind)
+    assert isinstance(body, (ChatCompletionRequest, CompletionRequest))
+    check_sampling(body)
+    check_model(body.model, served_model)
+    return body
+
+
+def check_model(model: str, served: str) -> None:
+    """400 `model_not_found` unless *model* is the one this gateway serves."""
+    if model != served:
+        raise ApiError(
+            400,
+            f"model {model!r} does not exist; this gateway serves {served!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def prepare_prompt(
+    body: OpenAIRequest, tokenizer: ModelTokenizer, default_max_tokens: int
+) -> PreparedPrompt:
+    """The prompt's token ids and the output cap of a parsed body (API request or batch line
+    alike, so both are refused for the same reasons with the same error)."""
+    if isinstance(body, ChatCompletionRequest):
+        input_ids = chat_prompt_ids(body, tokenizer)
+        requested = body.max_completion_tokens or body.max_tokens
+    else:
+        if body.echo:
+            raise ApiError(400, "echo is not supported", param="echo")
+        input_ids = completion_prompt_ids(body, tokenizer)
+        requested = body.max_tokens
+    max_tokens = output_cap(
+        body, requested, len(input_ids), tokenizer.context_len, default_max_tokens
+    )
+    return PreparedPrompt(input_ids=input_ids, max_tokens=max_tokens)
 
 
 def chat_prompt_ids(req: ChatCompletionRequest, tokenizer: ModelTokenizer) -> list[int]:

@@ -1,0 +1,141 @@
+"""How a request that did not complete ended: one typed `Failure`, decided once, that the HTTP
+handlers turn into the client's error response, the batch runner into a retry or an error-file
+line, and the record stage into the usage record — so the three always agree (the status the
+record logs is the status the client got).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from gateway.errors import ApiError
+
+FailureKind = Literal[
+    "invalid_request",
+    "rate_limited",
+    "engine_unavailable",
+    "engine_error",
+    "aborted",
+    "client_disconnected",
+    "internal_error",
+]
+"""The usage record's `status` of a request that failed (a completed one is "ok"); reports count
+"rate_limited" as 429s and anything but "ok" as an error."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Failure:
+    """Why a request ended without a full answer, and what its client is told."""
+
+    kind: FailureKind
+    http_status: int
+    """The HTTP status of the error the client gets (in-band once a stream's headers are out);
+    the usage record logs this very number."""
+    message: str
+    """The error message the client sees."""
+    code: str | None = None
+    """OpenAI's error `code` (`engine_unavailable`, `requests_per_min_exceeded`, …)."""
+    param: str | None = None
+    """The request field at fault, if one is."""
+    retryable: bool = False
+    """Whether the same request may succeed later unchanged (the batch runner requeues it)."""
+    retry_after_s: int | None = None
+    """When a retry may succeed, whole seconds (`Retry-After`); None: no advice."""
+    detail: str | None = None
+    """What the usage record's `error` says when it differs from *message* (the engine's own
+    words, which the client is not shown)."""
+
+    @property
+    def record_error(self) -> str:
+        """The usage record's `error`."""
+        return self.detail if self.detail is not None else self.message
+
+    def api_error(self) -> ApiError:
+        """The client's error response (status, OpenAI error body, `Retry-After`)."""
+        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else {}
+        return ApiError(
+            self.http_status, self.message, param=self.param, code=self.code, headers=headers
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Refused(Failure):
+    """A request the admission stage turned away before it reached an engine."""
+
+
+def invalid_request(exc: ApiError) -> Failure:
+    """A request the parse or prepare stage refused (malformed body, prompt too long, …)."""
+    return Failure(
+        kind="invalid_request",
+        http_status=exc.status,
+        message=exc.message,
+        code=exc.code,
+        param=exc.param,
+    )
+
+
+def engine_unavailable(detail: str, retry_after_s: int) -> Failure:
+    """The engine could not be reached, or refused the request for capacity."""
+    return Failure(
+        kind="engine_unavailable",
+        http_status=503,
+        message="the inference engine is unavailable; retry later",
+        code="engine_unavailable",
+        retryable=True,
+        retry_after_s=retry_after_s,
+        detail=detail,
+    )
+
+
+def engine_rejected(detail: str) -> Failure:
+    """The engine refused the request itself: sending it again would not help."""
+    return Failure(
+        kind="engine_error",
+        http_status=400,
+        message=f"engine rejected the request: {detail}",
+        code="engine_error",
+        detail=detail,
+    )
+
+
+def stream_ended_early() -> Failure:
+    """The engine's stream closed before a finish reason: the generation is incomplete."""
+    return Failure(
+        kind="engine_error",
+        http_status=503,
+        message="the engine ended the stream early; retry later",
+        code="engine_error",
+        retryable=True,
+        retry_after_s=1,
+        detail="engine stream ended without a finish reason",
+    )
+
+
+def engine_aborted() -> Failure:
+    """The engine dropped the request (finish reason "abort": evicted, or an operator's abort)."""
+    return Failure(
+        kind="aborted",
+        http_status=503,
+        message="the engine aborted the request; retry later",
+        code="engine_aborted",
+        retryable=True,
+        retry_after_s=1,
+        detail="the engine aborted the request",
+    )
+
+
+def client_disconnected() -> Failure:
+    """The client went away before the answer was complete (499, nginx's convention)."""
+    return Failure(kind="client_disconnected", http_status=499, message="client disconnected")
+
+
+def internal_error() -> Failure:
+    """The gateway itself failed while running the request (a bug, or the database)."""
+    return Failure(
+        kind="internal_error",
+        http_status=500,
+        message="internal error while running the request",
+        code="internal_error",
+        retryable=True,
+    )

@@ -1,0 +1,50 @@
+"""The place stage: which engine runs a request.
+
+Today the gateway fronts one engine, so every request is placed on it. The seam is built for a
+pool: `engine_candidates` lists the engines a request may go to, and `choose_engine` picks one
+from them for a given request — a pure function of the request and the candidates' handles, the
+place for prefix affinity (the engine whose cache holds the prompt's prefix), tier headroom (RT
+to the engine with the most slack) and load. The run stage uses only the `Placement`, and the
+record stage aborts an unfinished request on the engine it was placed on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from gateway.engine.client import EngineClient
+from gateway.pipeline.prepare import EngineRequest
+from gateway.state import ENGINE
+
+
+@dataclass(frozen=True)
+class EngineHandle:
+    """One engine the gateway may send requests to."""
+
+    name: str
+    """Stable name of the engine (its base URL today), for logs and metrics."""
+    client: EngineClient
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one request runs."""
+
+    engine: EngineHandle
+
+
+def engine_candidates(app: web.Application) -> list[EngineHandle]:
+    """The engines a request may be placed on (today: the one engine of `engine.host/port`)."""
+    client = app[ENGINE]
+    return [EngineHandle(name=client.base_url, client=client)]
+
+
+def choose_engine(request: EngineRequest, candidates: Sequence[EngineHandle]) -> EngineHandle:
+    """The engine to run *request* on, among *candidates* (at least one). With one engine the
+    choice is forced; a pool will rank the candidates by their live state here."""
+    if not candidates:
+        raise ValueError("no engine to place the request on")
+    return candidates[0]

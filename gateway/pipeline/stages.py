@@ -1,0 +1,347 @@
+"""One request's route through the gateway — the same for a client's HTTP call and a batch line:
+
+    parse → prepare → admit → place → run → record
+
+=======  ==========================================================================================
+parse    the body's bytes → the endpoint's request Struct, type- and range-checked
+prepare  the Struct → an `EngineRequest`: prompt tokens, output cap, tier, scheduler metadata
+admit    the admission checks → `Admitted` (with what they hold) or `Refused` (status, code,
+         retryable, retry_after_s) — gateway/pipeline/admission.py
+place    the engine that runs it → `Placement` — gateway/pipeline/placement.py
+run      drives the engine's stream; an engine failure ends it with a typed `Failure`
+         (gateway/pipeline/outcome.py) on the flight, not an exception
+record   exactly once, however the request ended: stops the engine's work if it is unfinished,
+         gives back the admission holds, writes the usage record (and the output length to the
+         tenant's history) and counts the metrics
+=======  ==========================================================================================
+
+A `Flight` carries what the stages learn about one request. `recording` wraps its whole life and
+runs record when it ends — answered, refused, failed, client gone or task cancelled. `complete`
+runs admit → place → run and collects the answer (a non-streamed response, a batch line); a
+streamed response calls the same three stages itself, to send each chunk as it comes. The
+callers only add their framing: gateway/api/openai.py (JSON or server-sent events) and
+gateway/batch/execute.py (a row of the batch's table, a retry).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from aiohttp import web
+
+from common.wire import Tier
+from gateway.api.schemas import Endpoint, OpenAIRequest
+from gateway.auth import Principal
+from gateway.engine.client import EngineChunk, EngineRequestError, EngineUnavailable
+from gateway.errors import ApiError
+from gateway.pipeline.admission import (
+    Admitted,
+    Origin,
+    admission_checks,
+    admit_through,
+    release_holds,
+)
+from gateway.pipeline.outcome import (
+    Failure,
+    Refused,
+    client_disconnected,
+    engine_aborted,
+    engine_rejected,
+    engine_unavailable,
+    internal_error,
+    invalid_request,
+    stream_ended_early,
+)
+from gateway.pipeline.placement import Placement, choose_engine, engine_candidates
+from gateway.pipeline.prepare import (
+    EngineRequest,
+    PreparedPrompt,
+    build_engine_request,
+    parse_body,
+    prepare_prompt,
+    resolve_tier,
+)
+from gateway.slo import RequestTimer, slo_met
+from gateway.state import CONFIG, METRICS, TOKENIZER, USAGE, spawn
+from gateway.store.types import UsageRecord
+
+
+@dataclass
+class Progress:
+    """What the engine has reported about a request so far."""
+
+    prompt_tokens: int = 0
+    """The prompt's length, tokens (the engine's count once it reports one)."""
+    completion_tokens: int = 0
+    queue_ms: float | None = None
+    """Time the request waited in the engine's queue, ms."""
+    finish_reason: str | None = None
+    """The engine's: "stop", "length" or "abort"; None until the last chunk."""
+
+    @property
+    def is_finished(self) -> bool:
+        """Whether the engine ended the generation (so there is nothing left to abort)."""
+        return self.finish_reason is not None
+
+
+@dataclass
+class Flight:
+    """One request's passage through the pipeline: what the stages have learned about it."""
+
+    principal: Principal
+    origin: Origin
+    endpoint: Endpoint
+    model: str
+    """The served model's id (the usage record's `model`)."""
+    stream: bool = False
+    """Whether the client asked for a streamed answer (known once parsed)."""
+    timer: RequestTimer = field(default_factory=RequestTimer)
+    """Started when the request arrived: TTFT and end-to-end time count from here."""
+    created_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+    request: EngineRequest | None = None
+    """Set by prepare; admission may change its terms."""
+    admitted: Admitted | None = None
+    placement: Placement | None = None
+    progress: Progress = field(default_factory=Progress)
+    failure: Failure | None = None
+    """Why it did not complete; None while it runs, and for a complete answer."""
+    recorded: bool = False
+
+    def fail(self, failure: Failure) -> None:
+        """Marks the request failed; the first failure is the one the client got, so it wins."""
+        if self.failure is None:
+            self.failure = failure
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A whole answer (the run collected to its end)."""
+
+    text: str
+    finish_reason: str
+    """The engine's: "stop" or "length"."""
+    prompt_tokens: int
+    completion_tokens: int
+
+
+# ---------------------------------------------------------------------------------- the stages
+
+
+def parse(app: web.Application, flight: Flight, raw: bytes) -> OpenAIRequest:
+    """parse: the request Struct of *raw* (400 / 422 ApiError naming the field otherwise)."""
+    body = parse_body(raw, flight.endpoint, app[CONFIG].model.name)
+    flight.stream = body.stream
+    return body
+
+
+def prepare(
+    app: web.Application, flight: Flight, body: OpenAIRequest, prompt: PreparedPrompt | None = None
+) -> EngineRequest:
+    """prepare: the engine request of *body* (ApiError naming the field when it cannot run).
+
+    *prompt* is the body's prompt when it was tokenized already (the batch runner tokenizes a
+    batch's lines when it loads it, to order them). Batch lines run as BE whatever their body
+    asks: a batch is best-effort work by definition."""
+    if prompt is None:
+        prompt = prepare_prompt(body, app[TOKENIZER], app[CONFIG].gateway.default_max_tokens)
+    tenant = flight.principal.tenant
+    tier: Tier = "be" if flight.origin == "batch" else resolve_tier(tenant, body.tier)
+    flight.request = build_engine_request(
+        body, prompt.input_ids, prompt.max_tokens, flight.principal, tier
+    )
+    return flight.request
+
+
+def admit(app: web.Application, flight: Flight) -> Admitted | Refused:
+    """admit: runs the admission checks on the prepared request."""
+    assert flight.request is not None, "prepare runs before admit"
+    flight.progress.prompt_tokens = len(flight.request.input_ids)
+    candidate = Admitted(
+        tenant=flight.principal.tenant, origin=flight.origin, request=flight.request
+    )
+    outcome = admit_through(admission_checks(app), candidate)
+    if isinstance(outcome, Refused):
+        flight.fail(outcome)
+        return outcome
+    flight.admitted = outcome
+    flight.request = outcome.request
+    app[METRICS].request_started(outcome.tenant.id, outcome.request.meta.tier)
+    return outcome
+
+
+def place(app: web.Application, flight: Flight) -> Placement:
+    """place: the engine the admitted request runs on."""
+    assert flight.admitted is not None, "admit runs before place"
+    engine = choose_engine(flight.admitted.request, engine_candidates(app))
+    flight.placement = Placement(engine=engine)
+    return flight.placement
+
+
+async def run(app: web.Application, flight: Flight) -> AsyncGenerator[EngineChunk, None]:
+    """run: the engine's chunks of the placed request, timed as they arrive. An engine failure,
+    a stream that ends without a finish reason, or an engine abort ends the stream with
+    `flight.failure` set (an abort's last chunk is still yielded: it may carry text)."""
+    request, placement = flight.request, flight.placement
+    assert request is not None and placement is not None, "place runs before run"
+    progress = flight.progress
+    try:
+        # aclosing: a consumer that stops early (client gone) closes the engine's stream now
+        async with contextlib.aclosing(placement.engine.client.generate(request.payload)) as chunks:
+            async for chunk in chunks:
+                flight.timer.on_tokens(chunk.completion_tokens)
+                progress.completion_tokens = chunk.completion_tokens
+                progress.prompt_tokens = chunk.prompt_tokens or progress.prompt_tokens
+                if chunk.queue_time_s is not None:
+                    progress.queue_ms = chunk.queue_time_s * 1000.0
+                if chunk.finish_reason is not None:
+                    progress.finish_reason = chunk.finish_reason
+                yield chunk
+    except EngineUnavailable as exc:
+        flight.fail(engine_unavailable(str(exc), app[CONFIG].gateway.engine_retry_after_s))
+        return
+    except EngineRequestError as exc:
+        flight.fail(engine_rejected(str(exc)))
+        return
+    if not progress.is_finished:
+        flight.fail(stream_ended_early())
+    elif progress.finish_reason == "abort":
+        flight.fail(engine_aborted())
+
+
+def record(app: web.Application, flight: Flight, *, cancelled: bool) -> None:
+    """record: the end of a request, whatever it was; call exactly once (`recording` does).
+    *cancelled*: the client went away (or the batch line's task was cancelled)."""
+    assert not flight.recorded, "a request is recorded once"
+    flight.recorded = True
+    progress = flight.progress
+    if cancelled and not progress.is_finished:
+        flight.fail(client_disconnected())
+    if flight.placement is not None and flight.request is not None and not progress.is_finished:
+        # the engine may still be generating for nobody: free its KV now
+        spawn(app, flight.placement.engine.client.abort(flight.request.rid))
+    flight.timer.finish()
+    if flight.admitted is not None:
+        # a request that produced nothing (refused by the engine, never reached it) cost nothing
+        ran = progress.completion_tokens > 0 or flight.failure is None
+        used = progress.prompt_tokens + progress.completion_tokens if ran else 0
+        release_holds(flight.admitted.holds, used)
+    usage = usage_record(flight)
+    meta = flight.request.meta if flight.request is not None else None
+    length_key = meta.length_key if meta is not None and flight.failure is None else None
+    app[METRICS].request_finished(usage, started=flight.admitted is not None)
+    app[USAGE].record(usage, length_key=length_key, key_id=flight.principal.key_id)
+
+
+# ---------------------------------------------------------------------------------- drivers
+
+
+@contextlib.contextmanager
+def recording(app: web.Application, flight: Flight) -> Iterator[Flight]:
+    """Runs the record stage once when the block ends, however it ends. An exception that
+    escapes the block is what the client gets, so the record says so: an ApiError (parse and
+    prepare refuse with one) is an invalid request, anything else an internal error, and a
+    cancellation a client that went away."""
+    cancelled = False
+    try:
+        yield flight
+    except BaseException as exc:
+        cancelled = is_cancellation(exc)
+        if not cancelled:
+            flight.fail(_failure_of(exc))
+        raise
+    finally:
+        record(app, flight, cancelled=cancelled)
+
+
+async def complete(app: web.Application, flight: Flight) -> Completion | Failure:
+    """admit → place → run for a prepared request, collected into the whole answer (a
+    non-streamed response, a batch line); or the failure that ended it."""
+    admission = admit(app, flight)
+    if isinstance(admission, Refused):
+        return admission
+    place(app, flight)
+    parts: list[str] = []
+    async with contextlib.aclosing(run(app, flight)) as chunks:
+        async for chunk in chunks:
+            parts.append(chunk.text_delta)
+    if flight.failure is not None:
+        return flight.failure
+    progress = flight.progress
+    assert progress.finish_reason is not None  # run fails a stream that ends without one
+    return Completion(
+        text="".join(parts),
+        finish_reason=progress.finish_reason,
+        prompt_tokens=progress.prompt_tokens,
+        completion_tokens=progress.completion_tokens,
+    )
+
+
+def is_cancellation(exc: BaseException) -> bool:
+    """The client went away (handler cancelled, or a write hit a closed connection)."""
+    return isinstance(exc, (asyncio.CancelledError, ConnectionResetError))
+
+
+def usage_endpoint(origin: Origin, endpoint: Endpoint) -> str:
+    """The usage record's `endpoint`: "chat", "completions", or "batch/chat", "batch/completions"
+    for batch lines (the spelling the usage_records table has always held)."""
+    return f"batch/{endpoint}" if origin == "batch" else endpoint
+
+
+def usage_record(flight: Flight) -> UsageRecord:
+    """The usage record of a request that has ended."""
+    tenant = flight.principal.tenant
+    request, progress, timer, failure = (
+        flight.request,
+        flight.progress,
+        flight.timer,
+        flight.failure,
+    )
+    meta = request.meta if request is not None else None
+    tier = meta.tier if meta is not None else tenant.tier
+    met = None
+    if meta is not None and flight.admitted is not None:  # only what ran has an SLO verdict
+        met = slo_met(
+            tier=tier,
+            ttft_target_ms=meta.ttft_target_ms,
+            tpot_target_ms=meta.tpot_target_ms,
+            deadline_s=meta.deadline_s,
+            ok=failure is None,
+            ttft_ms=timer.ttft_ms,
+            tpot_ms=timer.tpot_ms,
+            e2e_ms=timer.e2e_ms,
+        )
+    return UsageRecord(
+        request_id=request.rid if request is not None else f"rejected-{id(flight):x}",
+        tenant_id=tenant.id,
+        key_id=flight.principal.key_id,
+        tier=tier,
+        model=flight.model,
+        endpoint=usage_endpoint(flight.origin, flight.endpoint),
+        stream=flight.stream,
+        prompt_tokens=progress.prompt_tokens,
+        completion_tokens=progress.completion_tokens,
+        queue_ms=progress.queue_ms,
+        ttft_ms=timer.ttft_ms,
+        tbt_max_ms=timer.tbt_max_ms,
+        tpot_ms=timer.tpot_ms,
+        e2e_ms=timer.e2e_ms,
+        status=failure.kind if failure is not None else "ok",
+        http_status=failure.http_status if failure is not None else 200,
+        error=failure.record_error if failure is not None else None,
+        slo_met=met,
+        created_at=flight.created_at,
+        finished_at=datetime.now(UTC),
+    )
+
+
+def _failure_of(exc: BaseException) -> Failure:
+    """The failure of a request whose handling raised *exc* (what the client gets from it)."""
+    if isinstance(exc, ApiError):
+        return invalid_request(exc)
+    if isinstance(exc, web.HTTPException) and exc.status >= 400:  # e.g. a body over the limit
+        return invalid_request(ApiError(exc.status, exc.reason or "request failed"))
+    return internal_error()

@@ -1,0 +1,69 @@
+"""One renderer for every OpenAI body, the API's and the batch output's: shapes, finish reasons,
+usage, and an id that names the engine request (the usage record's request_id)."""
+
+from __future__ import annotations
+
+from gateway.api.render import (
+    ResponseHead,
+    StreamRenderer,
+    completion_body,
+    finish_reason,
+    usage_body,
+)
+from tests.unit.pipeline_factories import chunk
+
+RID = "tdm-0123abcd"
+
+
+def test_chat_completion_body() -> None:
+    head = ResponseHead(endpoint="chat", rid=RID, model="tandem-tiny", created_unix_s=1700)
+    body = completion_body(head, "Hello!", "length", usage_body(5, 3))
+    assert body == {
+        "id": f"chatcmpl-{RID}",
+        "object": "chat.completion",
+        "created": 1700,
+        "model": "tandem-tiny",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "Hello!"},
+                "finish_reason": "length",
+                "logprobs": None,
+            }
+        ],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8},
+    }
+
+
+def test_text_completion_body() -> None:
+    head = ResponseHead(endpoint="completions", rid=RID, model="m", created_unix_s=1)
+    body = completion_body(head, "abc", "stop", usage_body(2, 1))
+    assert body["id"] == f"cmpl-{RID}" and body["object"] == "text_completion"
+    assert body["choices"] == [
+        {"index": 0, "text": "abc", "logprobs": None, "finish_reason": "stop"}
+    ]
+    assert body["usage"]["total_tokens"] == 3
+
+
+def test_chat_stream_names_the_role_once_and_ends_with_a_usage_only_chunk() -> None:
+    render = StreamRenderer(ResponseHead(endpoint="chat", rid=RID, model="m", created_unix_s=1))
+    first, last = render.chunk(chunk("He", 1)), render.chunk(chunk("y", 2, finish="stop"))
+    assert first["object"] == "chat.completion.chunk" and first["id"] == f"chatcmpl-{RID}"
+    assert first["choices"][0]["delta"] == {"content": "He", "role": "assistant"}
+    assert first["choices"][0]["finish_reason"] is None
+    assert last["choices"][0]["delta"] == {"content": "y"}
+    assert last["choices"][0]["finish_reason"] == "stop"
+    assert render.chunk(None)["choices"] == []
+
+
+def test_text_stream_chunks_are_text_completions() -> None:
+    render = StreamRenderer(ResponseHead(endpoint="completions", rid=RID, model="m"))
+    out = render.chunk(chunk("x", 1))
+    assert out["object"] == "text_completion" and out["choices"][0]["text"] == "x"
+
+
+def test_finish_reasons() -> None:
+    assert finish_reason("length") == "length"
+    assert finish_reason("stop") == "stop"
+    assert finish_reason(None) is None
+    assert finish_reason("abort") is None  # the client learns of an abort from the error after it
