@@ -61,10 +61,12 @@ async def test_metrics_count_requests_tokens_latency_slo_quota_engine_and_batche
     assert (await wait_for(gw, be_key, batch["id"]))["status"] == "completed"
 
     async def scraped() -> Samples | None:
-        # the engine and batch gauges come from a sampler polling in the background
+        # the engine and batch gauges come from a sampler polling in the background (and a
+        # scrape during a sample may see the batch counts new and the backlog not yet)
         m = await gw.metrics()
         sampled = metric(m, "tandem_batches", status="completed") == 1
-        return m if sampled and metric(m, "tandem_engine_up") == 1 else None
+        settled = metric(m, "tandem_be_backlog_requests") == 0
+        return m if sampled and settled and metric(m, "tandem_engine_up") == 1 else None
 
     m = await wait_until(scraped, what="the engine and batch gauges sampled")
     t = {"tenant": tenant_id, "tier": "rt"}
