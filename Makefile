@@ -21,9 +21,10 @@ serve: install
 test: install-test
 	$(PY) -m pytest -q -ra
 
-# Unit tests only (seconds).
+# Unit tests and the gateway tier (well under a minute): no engine process, no SGLang, no torch.
+# tests/gateway serves the real gateway app in front of the simulator, both in process.
 test-fast: install-test
-	$(PY) -m pytest -q tests/unit -m "not slow"
+	$(PY) -m pytest -q tests/unit tests/gateway -m "not slow"
 
 check: install-test
 	scripts/check

@@ -1,8 +1,9 @@
 """SGLang glue: the hooks that carry out the :class:`~backend.sglang_ext.directive.Directive` s of
 the :class:`~backend.sglang_ext.driver.EngineDriver` at the scheduler's seams.
 
-Every seam is a dotted path in ``backend.sglang_ext.seams`` (``tests/unit/test_sglang_seams.py``
-resolves each one in the pinned SGLang, so an upgrade that moves one fails loudly).
+Every seam is a dotted path in ``backend.sglang_ext.seams``
+(``tests/functional/test_sglang_seams.py`` resolves each one in the pinned SGLang, so an upgrade
+that moves one fails loudly).
 ``SCHED`` below is ``sglang.srt.managers.scheduler.Scheduler``.
 
 ==========================================  =======  ============================================

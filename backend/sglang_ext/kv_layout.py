@@ -36,7 +36,7 @@ Where it plugs in (SGLang 0.5.23, page_size 1; `kv_layout_engine.py` does each o
   request takes them over (each copied to the host first: lazy checkpointing).
 * radix cache: a BE token the tree shares as a prefix must never be overwritten: `protect(rid,
   tokens)` marks it, and the bookkeeping then neither steals it (RT) nor takes its segment over
-  (BE) (`tests/unit/test_bicache_kv_layout.py`). The engine wiring runs with
+  (BE) (`tests/functional/test_bicache_kv_layout.py`). The engine wiring runs with
   `--disable-radix-cache` (the launcher adds it): slots the tree keeps would outlive their
   request, and `free` rejects the partial free of a request that would show it.
 """

@@ -10,8 +10,8 @@ Its configuration is one :class:`~common.config.EngineSettings`, decoded from th
 environment by ``common.config.engine_settings_from_env`` (the launcher encodes it); a bad
 value stops the engine with a message naming the field.
 
-What it hooks (:data:`SEAMS`; ``tests/unit/test_sglang_seams.py`` checks that each still exists
-in the pinned SGLang):
+What it hooks (:data:`SEAMS`; ``tests/functional/test_sglang_seams.py`` checks that each still
+exists in the pinned SGLang):
 
 * AFTER ``Scheduler._create_generation_req`` (SGLang's documented "extension point for
   request-local state"): parse ``req.sampling_params.custom_params`` into the gateway's

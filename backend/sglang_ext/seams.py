@@ -1,6 +1,6 @@
 """Every SGLang attribute tandem hooks or relies on, as dotted paths (no sglang import here).
 
-``tests/unit/test_sglang_seams.py`` resolves each one in the pinned SGLang, so an upgrade that
+``tests/functional/test_sglang_seams.py`` resolves each one in the pinned SGLang, so an upgrade that
 moves or renames one fails loudly instead of leaving a hook silently unapplied (SGLang's
 ``HookRegistry`` only logs a hook it cannot apply). What each hook does:
 ``backend.sglang_ext.hooks``.

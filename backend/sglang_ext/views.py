@@ -2,7 +2,7 @@
 
 The driver, the mirror and the code that carries out a directive take SGLang's objects through
 these views, so they run unchanged on plain stand-ins in unit tests. Each view names the pinned
-SGLang class it describes (:data:`SGLANG_CLASSES`); ``tests/unit/test_sglang_seams.py`` checks
+SGLang class it describes (:data:`SGLANG_CLASSES`); ``tests/functional/test_sglang_seams.py`` checks
 that SGLang 0.5.23's real class has every member (class attributes, dataclass / msgspec fields
 and the ``self.x = ...`` assignments of its methods), so an upgrade that renames one fails there
 instead of as an ``AttributeError`` mid-iteration.

@@ -19,6 +19,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -286,22 +287,43 @@ def main(argv: list[str] | None = None) -> None:
         help="multiply every iteration's duration (0.1: ten times faster)",
     )
     args = parser.parse_args(argv)
-    profile = load_profile(args.profile)
+    try:
+        app = create_sim_app_from_profile(
+            args.profile,
+            args.policy,
+            kv_tokens=args.kv_tokens,
+            model_name=args.model_name,
+            time_scale=args.time_scale,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    web.run_app(app, host=args.host, port=args.port)
+
+
+def create_sim_app_from_profile(
+    profile_path: str | Path,
+    policy_name: str = "fcfs",
+    *,
+    kv_tokens: int | None = None,
+    model_name: str = "tandem-sim",
+    time_scale: float = 1.0,
+) -> web.Application:
+    """The app the command line serves: `policy_name` on the engine a latency profile file
+    describes (KV pool: *kv_tokens*, default the profile's). Also for serving in process (tests
+    put it on port 0 beside the gateway). Raises ValueError when the profile has no KV size."""
+    profile = load_profile(profile_path)
     latency = LatencyModel.fit(profile.samples)
-    kv_tokens = args.kv_tokens or profile.kv_capacity_tokens
-    if kv_tokens < 1:
-        parser.error("the profile has no kv_capacity_tokens; pass --kv-tokens")
-    policy = make_policy(args.policy, latency)
+    kv = kv_tokens or profile.kv_capacity_tokens
+    if kv < 1:
+        raise ValueError("the profile has no kv_capacity_tokens; pass --kv-tokens")
+    policy = make_policy(policy_name, latency)
     config = SimConfig(
-        kv_capacity_tokens=kv_tokens,
+        kv_capacity_tokens=kv,
         page_size=profile.page_size,
         max_prefill_tokens=profile.max_prefill_tokens,
         reveal_lengths=getattr(policy, "needs_true_lengths", False),
     )
-    app = create_sim_app(
-        policy, latency, config, model_name=args.model_name, time_scale=args.time_scale
-    )
-    web.run_app(app, host=args.host, port=args.port)
+    return create_sim_app(policy, latency, config, model_name=model_name, time_scale=time_scale)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ from typing import Any
 import aiohttp
 import pytest
 
+from tests.waiting import wait_until
+
 FLAGS = [
     "--headless",
     "--no-sandbox",
@@ -160,12 +162,11 @@ async def chromium_page(
 async def _devtools_port(profile_dir: Path, proc: subprocess.Popen[bytes]) -> int:
     """The port Chromium chose (it writes it to DevToolsActivePort in the profile)."""
     marker = profile_dir / "DevToolsActivePort"
-    for _ in range(int(_START_TIMEOUT_S / 0.1)):
+
+    def port() -> int | None:
         if proc.poll() is not None:
             pytest.fail(f"chromium exited at start-up with status {proc.returncode}")
-        if marker.exists():
-            first = marker.read_text().splitlines()[:1]
-            if first and first[0].isdigit():
-                return int(first[0])
-        await asyncio.sleep(0.1)
-    pytest.fail(f"chromium did not open its DevTools port within {_START_TIMEOUT_S:.0f} s")
+        first = marker.read_text().splitlines()[:1] if marker.exists() else []
+        return int(first[0]) if first and first[0].isdigit() else None
+
+    return await wait_until(port, _START_TIMEOUT_S, what="chromium's DevTools port open")

@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from typing import Any
 
 import openai
@@ -23,6 +22,7 @@ from gateway.store.db import session_factory
 from gateway.store.models import BatchRow
 from tests.functional.engine_fixtures import EngineServer
 from tests.functional.gateway_fixtures import GatewayHandle
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 MODEL = "tandem-tiny"
@@ -63,13 +63,15 @@ async def wait_for(
     statuses: tuple[str, ...] = DONE,
     timeout_s: float = 180.0,
 ) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        batch = await api.batches.retrieve(batch_id)
-        if batch.status in statuses:
-            return batch
-        assert time.monotonic() < deadline, f"batch still {batch.status}: {batch}"
-        await asyncio.sleep(0.2)
+    last: list[Any] = [None]
+
+    async def reached() -> Any:
+        last[0] = await api.batches.retrieve(batch_id)
+        return last[0] if last[0].status in statuses else None
+
+    return await wait_until(
+        reached, timeout_s, what=lambda: f"batch {'/'.join(statuses)} (now: {last[0]})"
+    )
 
 
 async def read_lines(api: openai.AsyncOpenAI, file_id: str | None) -> list[dict[str, Any]]:

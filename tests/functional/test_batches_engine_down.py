@@ -3,7 +3,6 @@ Files and Batch API on SQLite and PostgreSQL (no engine needed)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,6 +12,7 @@ import aiohttp
 import pytest
 
 from tests.functional.gateway_fixtures import GatewayHandle, free_port, start_gateway
+from tests.waiting import wait_until
 
 
 def line(i: int) -> dict[str, Any]:
@@ -47,7 +47,7 @@ async def test_engine_down_delays_lines_without_failing_them(
     gateway_without_engine: GatewayHandle,
 ) -> None:
     gw = gateway_without_engine
-    _, key = await gw.new_tenant("waiting-be", "be")
+    tenant_id, key = await gw.new_tenant("waiting-be", "be")
     content = b"".join(json.dumps(line(i)).encode() + b"\n" for i in range(5))
     status, file = await upload(gw, key, content)
     assert status == 200, file
@@ -59,23 +59,28 @@ async def test_engine_down_delays_lines_without_failing_them(
         {"input_file_id": file["id"], "endpoint": "/v1/completions", "completion_window": "24h"},
     )
     assert status == 200, batch
-    for _ in range(100):
-        status, batch = await call(gw, key, "GET", f"/v1/batches/{batch['id']}")
-        if batch["status"] == "in_progress":
-            break
-        await asyncio.sleep(0.1)
-    await asyncio.sleep(3)  # several tries against the closed port
-    status, batch = await call(gw, key, "GET", f"/v1/batches/{batch['id']}")
-    assert batch["status"] == "in_progress"
+    batch_id = batch["id"]
+
+    async def batch_in(status: str) -> dict[str, Any] | None:
+        _, batch = await call(gw, key, "GET", f"/v1/batches/{batch_id}")
+        return batch if batch["status"] == status else None
+
+    await wait_until(lambda: batch_in("in_progress"), timeout_s=10, what="the batch started")
+
+    async def every_line_tried() -> bool:  # each attempt leaves a usage record
+        records = await gw.latest_requests(tenant_id, 50)
+        tried = [r for r in records if r["status"] == "engine_unavailable"]
+        assert all(r["endpoint"] == "batch/completions" for r in tried), tried
+        return len(tried) >= 5
+
+    await wait_until(every_line_tried, timeout_s=20, what="every line tried on the closed port")
+    status, batch = await call(gw, key, "GET", f"/v1/batches/{batch_id}")
+    assert batch["status"] == "in_progress"  # tried and failed, yet nothing failed the batch
     assert batch["request_counts"] == {"total": 5, "completed": 0, "failed": 0}
-    status, batch = await call(gw, key, "POST", f"/v1/batches/{batch['id']}/cancel")
+    status, batch = await call(gw, key, "POST", f"/v1/batches/{batch_id}/cancel")
     assert status == 200 and batch["status"] in ("cancelling", "cancelled")
-    for _ in range(100):
-        status, batch = await call(gw, key, "GET", f"/v1/batches/{batch['id']}")
-        if batch["status"] == "cancelled":
-            break
-        await asyncio.sleep(0.1)
-    assert batch["status"] == "cancelled" and batch["output_file_id"] is None
+    batch = await wait_until(lambda: batch_in("cancelled"), timeout_s=10, what="cancelled")
+    assert batch["output_file_id"] is None
     async with gw.session.get(
         f"{gw.base_url}/v1/files/{batch['error_file_id']}/content",
         headers={"Authorization": f"Bearer {key}"},

@@ -11,7 +11,6 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ import openai
 import pytest
 
 from tests.functional.engine_fixtures import EngineServer, free_port
+from tests.waiting import wait_until_sync
 
 pytestmark = pytest.mark.slow
 ADMIN_TOKEN = "restart-admin-token"
@@ -58,16 +58,17 @@ class GatewayProcess:
                 stdout=out,
                 stderr=subprocess.STDOUT,
             )
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+        proc = self.proc
+
+        def healthy() -> bool:
+            assert proc.poll() is None, self.log.read_text()[-3000:]
             try:
                 with urllib.request.urlopen(f"{self.url}/healthz", timeout=2) as resp:
-                    if resp.status == 200:
-                        return
+                    return resp.status == 200
             except OSError:
-                time.sleep(0.3)
-        raise AssertionError(f"gateway did not start: {self.log.read_text()[-3000:]}")
+                return False
+
+        wait_until_sync(healthy, 120, what=lambda: f"gateway start: {self.log.read_text()[-3000:]}")
 
     def kill(self) -> None:
         """SIGKILL: no cleanup, no graceful shutdown."""
@@ -134,13 +135,12 @@ def test_killed_gateway_resumes_the_batch_without_losing_or_duplicating_a_line(
         input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
     ).id
 
-    deadline = time.monotonic() + 300
-    status, completed = _counts(api, batch_id)
-    while completed < 4:
-        assert status in ("validating", "in_progress"), status
-        assert time.monotonic() < deadline, "no progress before the kill"
-        time.sleep(0.2)
+    def progress() -> int:
         status, completed = _counts(api, batch_id)
+        assert status in ("validating", "in_progress"), status
+        return completed if completed >= 4 else 0
+
+    completed = wait_until_sync(progress, 300, what="4 lines done before the kill")
     assert completed < LINES, "the batch finished before the kill; make it longer"
     gw.kill()
 
@@ -151,15 +151,12 @@ def test_killed_gateway_resumes_the_batch_without_losing_or_duplicating_a_line(
 
     gw.start()  # same database, new process
     api = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0)
-    deadline = time.monotonic() + 600
-    while (batch := api.batches.retrieve(batch_id)).status not in (
-        "completed",
-        "failed",
-        "expired",
-        "cancelled",
-    ):
-        assert time.monotonic() < deadline, f"batch still {batch.status}"
-        time.sleep(0.3)
+
+    def finished() -> Any:
+        batch = api.batches.retrieve(batch_id)
+        return batch if batch.status in ("completed", "failed", "expired", "cancelled") else None
+
+    batch = wait_until_sync(finished, 600, what="the batch finished after the restart")
     assert batch.status == "completed"
     assert batch.request_counts is not None
     assert (batch.request_counts.completed, batch.request_counts.failed) == (LINES, 0)

@@ -22,6 +22,7 @@ from gateway.state import METRICS, STORE
 from gateway.store.types import UsageRecord
 from tests.functional.chromium import chromium_page
 from tests.functional.gateway_fixtures import ADMIN_TOKEN, GatewayHandle, start_gateway
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 CHARTS = ["chart-requests", "chart-tokens", "chart-ttft", "chart-tpot", "chart-be-rt", "chart-kv"]
@@ -146,7 +147,7 @@ async def test_dashboard_renders_every_chart_without_console_errors(
         assert page.errors == []
         # the error collection itself works: a console error on the page is seen
         await page.evaluate("console.error('probe from the test')")
-        await _until(lambda: bool(page.errors))
+        await wait_until(lambda: page.errors, timeout_s=5, what="the console error seen")
         assert page.errors == ["console: probe from the test"]
 
 
@@ -173,10 +174,3 @@ def basic(user: str, password: str) -> dict[str, str]:
 
 async def _wait(event: Any, timeout_s: float = 30.0) -> None:
     await asyncio.wait_for(event.wait(), timeout_s)
-
-
-async def _until(condition: Any, timeout_s: float = 5.0) -> None:
-    for _ in range(int(timeout_s / 0.05)):
-        if condition():
-            return
-        await asyncio.sleep(0.05)

@@ -20,6 +20,7 @@ from backend.launch.sglang import EngineStartError
 from tests.functional.engine_fixtures import EngineServer, control, post_json, running_engine
 from tests.functional.gateway_fixtures import GatewayHandle, start_gateway
 from tests.functional.test_engine_colocation import complete, prompt_ids, stream_ttft
+from tests.waiting import holds_within, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -91,16 +92,18 @@ async def _round(
     be = [asyncio.create_task(complete(gw, be_key, p, 40)) for p in prompts]
     # RT must arrive while the BE requests decode (40 tokens take about a second on an idle
     # machine): wait until their prompts hold KV, not a fixed time.
-    for _ in range(200):
-        if layout_stats(engine)["used_slots"] >= 3 * 300:
-            break
-        await asyncio.sleep(0.05)
-    await asyncio.sleep(0.1)
+    await wait_until(
+        lambda: layout_stats(engine)["used_slots"] >= 3 * 300,
+        what=lambda: f"the BE prompts in the pool: {layout_stats(engine)}",
+    )
     # A first RT stream with a 40 ms TPOT target: the policy parks the BE decodes (dormant in
     # the layout). RT prompts then arrive that need more than the free slots: they take over
-    # parked BE slots, each checkpointed to host memory first.
+    # parked BE slots, each checkpointed to host memory first. The RT prompts go as soon as a
+    # BE row is dormant, and after 0.3 s at the latest: whether the rows go dormant before the
+    # BE requests end depends on CPU timing, and a round where none did checkpoints nothing
+    # (the caller runs another).
     first = asyncio.create_task(stream_ttft(gw, rt_key, prompt_ids(852 + n, 16), 60))
-    await asyncio.sleep(0.3)
+    await holds_within(lambda: layout_stats(engine)["dormant_slots"] > 0, timeout_s=0.3)
     await asyncio.gather(
         first, *(stream_ttft(gw, rt_key, prompt_ids(820 + 10 * n + i, 120), 20) for i in range(4))
     )
@@ -108,12 +111,9 @@ async def _round(
     for alone, shared in zip(solo, together, strict=True):
         assert shared["usage"]["completion_tokens"] == 40
         assert shared["choices"][0]["text"] == alone["choices"][0]["text"]
+    # the last request's slots go back right after its last token
+    await holds_within(lambda: layout_stats(engine)["used_slots"] == 0, timeout_s=5.0)
     after = layout_stats(engine)
-    for _ in range(50):  # the last request's slots go back right after its last token
-        if after["used_slots"] == 0:
-            break
-        await asyncio.sleep(0.1)
-        after = layout_stats(engine)
     # every request ended: nothing left in the pool, nothing left on the host, and every
     # checkpointed token either came back once or was dropped with its request's KV (a BE
     # request the policy evicted is recomputed, as without the layout)

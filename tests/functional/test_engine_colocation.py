@@ -19,6 +19,7 @@ import pytest
 from gateway.state import STORE
 from tests.functional.engine_fixtures import EngineServer, control, running_engine
 from tests.functional.gateway_fixtures import GatewayHandle, start_gateway
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -88,14 +89,29 @@ def stats(engine: EngineServer) -> dict[str, Any]:
     return dict(body)
 
 
+async def reached_the_scheduler(engine: EngineServer, tenant_id: str, count: int) -> None:
+    """Waits until the engine's scheduler has created *count* requests of the tenant (its trace
+    has a record per created request)."""
+
+    def created() -> bool:
+        rids = {
+            r["rid"]
+            for r in engine.read_trace()
+            if (r.get("meta") or {}).get("tenant_id") == tenant_id
+        }
+        return len(rids) >= count
+
+    await wait_until(created, timeout_s=60, what=f"{count} requests of {tenant_id} on the engine")
+
+
 async def test_rt_first_token_within_target_while_be_fills_the_engine(
     gateway: GatewayHandle, engine_server: EngineServer
 ) -> None:
-    _, be_key = await gateway.new_tenant("colo-fill-be", "be")
+    be_id, be_key = await gateway.new_tenant("colo-fill-be", "be")
     _, rt_key = await gateway.new_tenant("colo-fill-rt", "rt", ttft_ms=2500, tpot_ms=1000)
     # 12 BE prompts of 400 tokens: ~10 prefill chunks of 512 ahead of any FCFS newcomer.
     be = [asyncio.create_task(complete(gateway, be_key, prompt_ids(i, 400), 40)) for i in range(12)]
-    await asyncio.sleep(1.0)
+    await reached_the_scheduler(engine_server, be_id, 12)
     ttft_s, chunks = await stream_ttft(gateway, rt_key, prompt_ids(100, 64), 16)
     replies = await asyncio.gather(*be)
     assert ttft_s < 2.5, f"RT first token after {ttft_s:.2f} s, target 2.5 s"
@@ -106,7 +122,7 @@ async def test_rt_first_token_within_target_while_be_fills_the_engine(
 async def test_be_decodes_that_sat_out_complete_with_the_right_tokens(
     gateway: GatewayHandle, engine_server: EngineServer
 ) -> None:
-    _, be_key = await gateway.new_tenant("colo-park-be", "be")
+    be_id, be_key = await gateway.new_tenant("colo-park-be", "be")
     # A 5 ms TPOT target is tighter than any CPU iteration: every iteration that carries RT
     # tokens leaves BE only its minimum share, whatever the machine's speed.
     _, rt_key = await gateway.new_tenant("colo-park-rt", "rt", ttft_ms=1000, tpot_ms=5)
@@ -117,7 +133,7 @@ async def test_be_decodes_that_sat_out_complete_with_the_right_tokens(
 
     assert control(engine_server, "POST", "/stats/reset")[0] == 200
     be = [asyncio.create_task(complete(gateway, be_key, p, 150)) for p in prompts]
-    await asyncio.sleep(1.0)
+    await reached_the_scheduler(engine_server, be_id, 24)  # the 12 solo runs, and these 12
     # RT streams while BE decodes: the BE rows must make room.
     await asyncio.gather(
         *(stream_ttft(gateway, rt_key, prompt_ids(300 + i, 32), 80) for i in range(4))
@@ -166,12 +182,10 @@ async def test_admission_follows_the_tenants_length_history(
         await gw.app[STORE].append_lengths(rows, window=1000)
         # The gateway pushes SQL histories to the engine when it first reaches it; start a
         # fresh sync by waiting for the engine to report them.
-        for _ in range(100):
-            if stats(small_engine)["history_lengths"] >= 60:
-                break
-            await asyncio.sleep(0.1)
-        else:
-            pytest.fail(f"the gateway never pushed the histories: {stats(small_engine)}")
+        await wait_until(
+            lambda: stats(small_engine)["history_lengths"] >= 60,
+            what=lambda: f"the histories pushed to the engine: {stats(small_engine)}",
+        )
 
         long_run = await _run_five(gw, small_engine, long_key)
         # 5 × (60 + 280) = 1700 tokens do not fit in 1400: the history says the outputs are
@@ -198,8 +212,28 @@ async def test_every_request_ends_exactly_once(
     rt_id, rt_key = await gateway.new_tenant("colo-once-rt", "rt", ttft_ms=3000, tpot_ms=500)
 
     async def cancelled_stream(i: int) -> None:
-        task = asyncio.create_task(stream_ttft(gateway, rt_key, prompt_ids(500 + i, 40), 200))
-        await asyncio.sleep(1.5)
+        first_token = asyncio.Event()
+
+        async def stream() -> None:
+            body = {
+                "model": MODEL,
+                "prompt": prompt_ids(500 + i, 40),
+                "max_tokens": 200,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            async with gateway.session.post(
+                f"{gateway.base_url}/v1/completions",
+                json=body,
+                headers={"Authorization": f"Bearer {rt_key}"},
+            ) as resp:
+                assert resp.status == 200, await resp.text()
+                async for raw in resp.content:
+                    if raw.startswith(b"data:"):
+                        first_token.set()
+
+        task = asyncio.create_task(stream())
+        await asyncio.wait_for(first_token.wait(), timeout=120)
         task.cancel()  # the client goes away mid-stream
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -225,23 +259,24 @@ async def test_every_request_ends_exactly_once(
 async def _settled_records(gw: GatewayHandle, tenant_id: str, count: int) -> list[dict[str, Any]]:
     """The tenant's records once *count* exist (a disconnect is recorded when the gateway
     notices it)."""
-    for _ in range(100):
+
+    async def settled() -> list[dict[str, Any]] | None:
         records = await gw.latest_requests(tenant_id, 50)
-        if len(records) >= count:
-            return records
-        await asyncio.sleep(0.1)
-    return await gw.latest_requests(tenant_id, 50)
+        return records if len(records) >= count else None
+
+    return await wait_until(settled, what=f"{count} usage records of {tenant_id}")
 
 
 async def _engine_drained(engine: EngineServer) -> None:
     from tests.functional.engine_fixtures import get_json
 
-    for _ in range(100):
+    last: list[Any] = [None]
+
+    async def drained() -> bool:
         status, loads = await asyncio.to_thread(get_json, engine.base_url, "/v1/loads")
         assert status == 200, loads
-        body = loads[0] if isinstance(loads, list) else loads
+        last[0] = body = loads[0] if isinstance(loads, list) else loads
         text = json.dumps(body)
-        if '"num_running_reqs": 0' in text and '"num_waiting_reqs": 0' in text:
-            return
-        await asyncio.sleep(0.1)
-    pytest.fail(f"the engine still holds requests: {loads}")
+        return '"num_running_reqs": 0' in text and '"num_waiting_reqs": 0' in text
+
+    await wait_until(drained, what=lambda: f"the engine drained (loads: {last[0]})")

@@ -20,13 +20,15 @@ import pytest
 
 from backend.launch.sglang import EngineProcess, EngineStartError
 from tests.functional.engine_fixtures import free_port
+from tests.waiting import wait_until_sync
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FAKE_SERVER = textwrap.dedent(
     """
     import http.server, os, signal, subprocess, sys, time
     port, delay_s, mode, pid_file = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3], sys.argv[4]
-    # Like SGLang's scheduler: a child that asks to be SIGKILLed when its parent dies.
+    # Like SGLang's scheduler: a child that asks to be SIGKILLed when its parent dies (its sleep
+    # is the behaviour: it lives until killed).
     child_code = "import ctypes, time; ctypes.CDLL(None).prctl(1, 9); time.sleep(600)"
     child = subprocess.Popen([sys.executable, "-c", child_code])
     with open(pid_file, "w") as f:
@@ -36,7 +38,7 @@ FAKE_SERVER = textwrap.dedent(
     if mode == "crash":
         print("fake engine: cannot load the model", flush=True)
         sys.exit(3)
-    time.sleep(delay_s)
+    time.sleep(delay_s)  # the behaviour under test: an engine that takes delay_s to start
 
     class Health(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -76,20 +78,15 @@ def is_alive(pid: int) -> bool:
 
 
 def wait_until_dead(pid: int, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while is_alive(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
+    return wait_until_sync(lambda: not is_alive(pid), timeout_s, what=f"process {pid} exited")
 
 
 def child_pid(tmp_path: Path) -> int:
-    deadline = time.monotonic() + 10
-    while not (tmp_path / "child").exists() or not (tmp_path / "child").read_text():
-        assert time.monotonic() < deadline, "the fake engine did not start its child"
-        time.sleep(0.05)
-    return int((tmp_path / "child").read_text())
+    def written() -> str | None:
+        path = tmp_path / "child"
+        return path.read_text() if path.exists() else None
+
+    return int(wait_until_sync(written, 10, what="the fake engine started its child"))
 
 
 def test_start_wait_stop_takes_the_whole_group(tmp_path: Path) -> None:

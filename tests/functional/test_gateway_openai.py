@@ -13,6 +13,7 @@ import pytest
 
 from gateway.state import STORE
 from tests.functional.gateway_fixtures import GatewayHandle
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 MODEL = "tandem-tiny"
@@ -258,13 +259,12 @@ async def test_client_disconnect_aborts_the_engine_request(
         await resp.content.readline()  # the first token arrived; now hang up
         resp.connection.transport.abort()  # type: ignore[union-attr]
     # the engine drops the request long before 3000 tokens could have been generated
-    for _ in range(100):
-        await asyncio.sleep(0.1)
+
+    async def engine_idle() -> bool:
         async with gateway.session.get(f"{engine_server.base_url}/v1/loads") as loads:
-            running = _num_running(await loads.json())
-        if running == 0:
-            break
-    assert running == 0
+            return _num_running(await loads.json()) == 0
+
+    await wait_until(engine_idle, timeout_s=10, what="the engine request aborted")
     record = (await gateway.latest_requests(tenant_id, 1))[0]
     assert record["status"] == "client_disconnected"
     assert 0 < record["completion_tokens"] < 3000

@@ -10,7 +10,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
+from datetime import datetime
 from typing import Any
 
 import pytest
@@ -18,10 +19,11 @@ import pytest_asyncio
 from sqlalchemy import func, select
 
 from gateway.state import DB_ENGINE, QUOTAS
-from gateway.store.models import GatewayInstanceRow
+from gateway.store.models import GatewayInstanceRow, QuotaMonthlyRow
 from tests.functional.gateway_fixtures import ADMIN_TOKEN, GatewayHandle, free_port, start_gateway
 from tests.functional.store_fixtures import PgServer
 from tests.functional.test_quotas import assert_rate_limited, chat
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 SYNC_S = 0.2
@@ -62,11 +64,57 @@ async def live_instances(gw: GatewayHandle) -> int:
         )
 
 
+async def heartbeats(gw: GatewayHandle) -> dict[str, datetime]:
+    """Every gateway instance's last quota-sync heartbeat, as the shared database has it."""
+    async with gw.app[DB_ENGINE].connect() as conn:
+        rows = await conn.execute(select(GatewayInstanceRow.id, GatewayInstanceRow.heartbeat_at))
+        return {row.id: row.heartbeat_at for row in rows}
+
+
+async def all_synced(gw: GatewayHandle, instances: int = 2) -> None:
+    """Waits until *instances* gateways are registered and every one of them has applied a quota
+    sync that began after this call saw them all (and whatever the caller saw before calling).
+
+    Each sync writes the instance's heartbeat and reads everyone's rows in one transaction, and an
+    instance's syncs run one after another. A heartbeat newer than the ones seen now is a sync
+    that committed later but may have begun earlier; the next one began after that commit; and a
+    third means the second one's view has been applied."""
+    seen = await wait_until(
+        lambda: _if_count(heartbeats(gw), instances), what=f"{instances} gateways registered"
+    )
+    for _ in range(3):
+
+        async def advanced(before: dict[str, datetime] = seen) -> dict[str, datetime] | None:
+            now = await heartbeats(gw)
+            moved = all(now.get(i, before[i]) > before[i] for i in before)
+            return now if moved else None
+
+        seen = await wait_until(advanced, what="every gateway's next quota sync")
+
+
+async def _if_count(
+    found: Awaitable[dict[str, datetime]], count: int
+) -> dict[str, datetime] | None:
+    rows = await found
+    return rows if len(rows) == count else None
+
+
+async def monthly_tokens(gw: GatewayHandle, tenant_id: str) -> int:
+    """Tokens the shared database counts for the tenant (all months)."""
+    async with gw.app[DB_ENGINE].connect() as conn:
+        total = await conn.execute(
+            select(func.coalesce(func.sum(QuotaMonthlyRow.tokens), 0)).where(
+                QuotaMonthlyRow.tenant_id == tenant_id
+            )
+        )
+        return int(total.scalar_one())
+
+
 async def test_both_instances_register_and_see_each_other(
     two_gateways: tuple[GatewayHandle, GatewayHandle],
 ) -> None:
     a, b = two_gateways
-    await asyncio.sleep(3 * SYNC_S)
+    await all_synced(a)
     assert await live_instances(a) == 2
     ids = {a.app[QUOTAS].instance_id, b.app[QUOTAS].instance_id}
     assert len(ids) == 2
@@ -77,7 +125,7 @@ async def test_requests_per_min_holds_across_two_gateways(
 ) -> None:
     a, b = two_gateways
     _, key = await new_tenant(a, "shared-rpm", requests_per_min=10)
-    await asyncio.sleep(3 * SYNC_S)  # both know of each other
+    await all_synced(a)  # both know of each other
     started = time.monotonic()
     served = {id(a): 0, id(b): 0}
     refusals: list[tuple[int, dict[str, str], Any]] = []
@@ -100,7 +148,7 @@ async def test_max_concurrent_holds_across_two_gateways(
 ) -> None:
     a, b = two_gateways
     _, key = await new_tenant(a, "shared-conc", max_concurrent=2)
-    await asyncio.sleep(3 * SYNC_S)
+    await all_synced(a)
     results = await asyncio.gather(*(chat(gw, key, max_tokens=120) for gw in (a, b, a, b, a, b)))
     statuses = sorted(r[0] for r in results)
     assert statuses.count(200) <= 2 and statuses.count(200) >= 1, statuses
@@ -114,16 +162,19 @@ async def test_max_concurrent_holds_across_two_gateways(
             status, headers, body = await chat(gw, key)
             if status != 429:
                 break
+            # the behaviour under test: a client that waits as long as Retry-After says
             await asyncio.sleep(int(headers["Retry-After"]))
         assert status == 200, body
 
 
 async def test_monthly_budget_is_shared(two_gateways: tuple[GatewayHandle, GatewayHandle]) -> None:
     a, b = two_gateways
-    _, key = await new_tenant(a, "shared-month", monthly_tokens=100)
+    tenant_id, key = await new_tenant(a, "shared-month", monthly_tokens=100)
     status, _, body = await chat(a, key, max_tokens=110)  # uses the whole month on gateway a
     assert status == 200, body
-    await asyncio.sleep(5 * SYNC_S)  # a has added its tokens to the shared count, b read it
+    # a adds its tokens to the shared count at its next sync; then b reads it at one of its own
+    await wait_until(lambda: _at_least(monthly_tokens(a, tenant_id), 110), what="a's tokens shared")
+    await all_synced(a)
     status, headers, body = await chat(b, key)
     assert_rate_limited(status, headers, body, "monthly_tokens")
     assert "have been used in" in body["error"]["message"]
@@ -138,9 +189,14 @@ async def test_a_limit_changed_on_one_gateway_applies_on_the_other(
     assert_rate_limited(status, headers, body, "max_concurrent")
     status, _ = await a.admin("PATCH", f"/tenants/{tenant_id}", {"quota": {"max_concurrent": 4}})
     assert status == 200
-    await asyncio.sleep(1.0)  # b's auth cache (0.5 s here) picks up the new quota
-    status, _, body = await chat(b, key)
-    assert status == 200, body
+
+    async def served_by_b() -> bool:
+        status, _, body = await chat(b, key)
+        if status != 200:  # until b's auth cache (0.5 s here) picks up the new quota
+            assert status == 429 and body["error"]["code"] == "max_concurrent_exceeded", body
+        return status == 200
+
+    await wait_until(served_by_b, timeout_s=5, what="the new limit applied on gateway b")
 
 
 async def test_a_stopped_gateway_leaves_the_set(engine_server: Any, pg_server: PgServer) -> None:
@@ -186,18 +242,17 @@ async def gateway_pair_in_two_processes(
         url, engine_server.port, engine_server.model_path, TANDEM_QUOTA__SYNC_INTERVAL_S=str(SYNC_S)
     )
     child = GatewayHandle(f"http://127.0.0.1:{port}", local.app, local.session)
+
+    async def child_ready() -> bool:
+        assert proc.poll() is None, "the child gateway exited at start-up"
+        try:
+            async with local.session.get(f"{child.base_url}/readyz") as resp:
+                return resp.status == 200
+        except OSError:
+            return False
+
     try:
-        for _ in range(600):
-            assert proc.poll() is None, "the child gateway exited at start-up"
-            try:
-                async with local.session.get(f"{child.base_url}/readyz") as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            await asyncio.sleep(0.1)
-        else:
-            pytest.fail("the child gateway never became ready")
+        await wait_until(child_ready, timeout_s=60, what="the child gateway ready")
         yield local, child
     finally:
         proc.send_signal(signal.SIGINT)
@@ -215,7 +270,7 @@ async def test_requests_per_min_holds_across_two_processes(
 ) -> None:
     local, child = gateway_pair_in_two_processes
     _, key = await new_tenant(child, "two-process-rpm", requests_per_min=10)
-    await asyncio.sleep(3 * SYNC_S)
+    await all_synced(local)
     assert await live_instances(local) == 2
     started = time.monotonic()
     served = {"local": 0, "child": 0}
@@ -228,3 +283,7 @@ async def test_requests_per_min_holds_across_two_processes(
     elapsed = time.monotonic() - started
     assert 8 <= sum(served.values()) <= 10 + int(elapsed * 10 / 60) + 1, served
     assert min(served.values()) >= 3, served
+
+
+async def _at_least(value: Awaitable[int], floor: int) -> bool:
+    return await value >= floor

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -15,6 +14,7 @@ import openai
 import pytest
 
 from tests.functional.gateway_fixtures import free_port
+from tests.waiting import wait_until_sync
 
 pytestmark = pytest.mark.slow
 ADMIN = "serve-test-admin-token"
@@ -48,17 +48,16 @@ def run_serve_and_chat(tmp_path: Path, **env_overrides: str) -> None:
         text=True,
     )
     base = f"http://127.0.0.1:{gw_port}"
+
+    def ready() -> bool:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        try:
+            return httpx.get(f"{base}/readyz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            try:
-                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "gateway never became ready"
-            time.sleep(1)
+        wait_until_sync(ready, 240, what="the gateway ready", max_interval_s=1.0)
         admin = {"Authorization": f"Bearer {ADMIN}"}
         tenant = httpx.post(
             f"{base}/admin/v1/tenants",
@@ -83,11 +82,7 @@ def run_serve_and_chat(tmp_path: Path, **env_overrides: str) -> None:
 def test_serve_answers_then_stops_everything(tmp_path: Path) -> None:
     port = free_port()
     run_serve_and_chat(tmp_path, TANDEM_ENGINE__PORT=str(port))
-    for _ in range(30):
-        if not engine_pids(port):
-            break
-        time.sleep(1)
-    assert engine_pids(port) == []
+    wait_until_sync(lambda: engine_pids(port) == [], 30, what="every engine process gone")
 
 
 def test_serve_fronts_the_simulator(tmp_path: Path) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import time
@@ -19,6 +18,7 @@ from backend.sim.server import create_sim_app
 from common.wire import RequestMeta, meta_to_custom_params
 from gateway.engine.client import EngineClient
 from tests.unit.sim_factories import LATENCY
+from tests.waiting import wait_until
 
 KV_TOKENS = 5000
 
@@ -119,12 +119,12 @@ async def test_a_client_that_hangs_up_is_aborted(client: TestClient[Any, Any]) -
     resp = await client.post("/generate", json=_body("h1", 100_000))
     await resp.content.readline()
     resp.close()
-    for _ in range(100):
+
+    async def idle() -> bool:
         loads = (await (await client.get("/v1/loads")).json())["loads"][0]
-        if loads["num_running_reqs"] == 0:
-            break
-        await asyncio.sleep(0.02)
-    assert loads["num_running_reqs"] == 0
+        return bool(loads["num_running_reqs"] == 0)
+
+    await wait_until(idle, timeout_s=5, what="the hung-up request aborted")
 
 
 async def test_loads_health_and_model_info(client: TestClient[Any, Any]) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 from common.config import UsageConfig
 from gateway.store.types import UsageRecord
 from gateway.usage import UsageRecorder
+from tests.waiting import wait_until
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -36,10 +37,12 @@ class SlowStore:
         self.rows: list[str] = []
         self.lengths: list[tuple[str, int, int | None]] = []
         self.failing = False
+        self.failed_writes = 0
 
     async def insert_usage(self, records: list[UsageRecord]) -> None:
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # the behaviour: a slow write, so that flushes overlap
         if self.failing:
+            self.failed_writes += 1
             raise ConnectionError("database down")
         self.rows.extend(r.request_id for r in records)
 
@@ -70,7 +73,7 @@ async def test_records_survive_a_database_outage() -> None:
     recorder.start()
     for n in range(5):
         recorder.record(record(n))
-    await asyncio.sleep(0.1)
+    await wait_until(lambda: store.failed_writes >= 2, timeout_s=5, what="two failed flushes")
     assert store.rows == [] and recorder.pending == 5
     store.failing = False
     await recorder.close()

@@ -10,6 +10,8 @@ import torch
 from backend.policy.bicache.records import NoRoom
 from backend.sglang_ext.kv_layout import BiCacheKvLayout
 
+pytestmark = pytest.mark.slow  # imports torch (and Triton or SGLang): seconds, not a unit test
+
 LAYERS, HEADS, DIM = 4, 2, 8
 
 

@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.slow  # imports torch (and Triton or SGLang): seconds, not a unit test
+
 BLOCK_SLACK = 15  # kv_layout_engine.prompt_slack_tokens() with the layout installed
 
 

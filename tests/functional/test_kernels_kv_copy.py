@@ -18,6 +18,8 @@ import pytest
 from backend.kernels.kv_copy import KvLayers, gather_slots, scatter_slots
 from backend.kernels.kv_copy_ref import gather_slots_reference, scatter_slots_reference
 
+pytestmark = pytest.mark.slow  # imports torch (and Triton or SGLang): seconds, not a unit test
+
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.int8]
 # (layers, slots in the pool, row shape): one head; SGLang-like heads × head_dim; odd sizes
 # that force narrower copy words; a row longer than one kernel block (several iterations)

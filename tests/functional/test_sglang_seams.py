@@ -32,6 +32,8 @@ from backend.sglang_ext.request_meta import tpot_target_s
 from common.config import EngineConfig, EngineSettings, engine_settings_from_env
 from common.wire import RequestMeta, meta_to_custom_params
 
+pytestmark = pytest.mark.slow  # imports torch (and Triton or SGLang): seconds, not a unit test
+
 PINNED_SGLANG = "0.5.23"
 
 
