@@ -165,7 +165,7 @@ async def test_rt_and_be_tenants_side_by_side(
         meta = traced[record["request_id"]]["meta"]
         assert meta["tier"] == record["tier"]
         assert meta["tenant_id"] == (be_id if record["tier"] == "be" else rt_id)
-    assert traced[rt_records[0]["request_id"]]["meta"]["ttft_ms"] == 5000
+    assert traced[rt_records[0]["request_id"]]["meta"]["ttft_target_ms"] == 5000
     assert traced[be_records[0]["request_id"]]["meta"]["deadline_s"] == 3600
 
 
