@@ -237,12 +237,20 @@ def _col(log: IterationLog, name: str) -> np.ndarray:
 
 
 def iteration_metrics(log: IterationLog) -> Metrics:
-    """KV use, planning overhead, iteration times, latency-prediction error."""
+    """KV use, planning overhead, iteration times, latency-prediction error.
+
+    Latency-model error: over the iterations with a prediction (`plan.predicted_s` finite, a
+    measured duration > 0), the ratio r = predicted / measured iteration time describes how far
+    the engine's truth is from the model the policy plans with (r = 1/K on an engine K× slower
+    than the model). `latency_model_error_p50` / `_p99` are the 50th / 99th percentiles of the
+    absolute relative error |predicted − measured| / measured = |1 − r| (0.5 at K = 2, 2 at
+    K = 1/3); `latency_mape` is its mean. None without predictions."""
     dur = _col(log, "duration_s")
     kv = _col(log, "kv_used_tokens") / max(1, log.kv_capacity_tokens)
     plan = _col(log, "plan_ms")
     pred = _col(log, "predicted_s")
     has_pred = np.isfinite(pred) & (dur > 0)
+    model_error = np.abs(pred[has_pred] - dur[has_pred]) / dur[has_pred]
     total = float(dur.sum())
     return {
         "iterations": len(log),
@@ -258,11 +266,9 @@ def iteration_metrics(log: IterationLog) -> Metrics:
         "over_predicted_frac": (
             float(np.mean(dur[has_pred] > pred[has_pred] * (1 + 1e-9))) if has_pred.any() else None
         ),
-        "latency_mape": (
-            float(np.mean(np.abs(pred[has_pred] - dur[has_pred]) / dur[has_pred]))
-            if has_pred.any()
-            else None
-        ),
+        "latency_mape": mean(model_error),
+        "latency_model_error_p50": percentile(model_error, 50),
+        "latency_model_error_p99": percentile(model_error, 99),
     }
 
 

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from backend.sim.config import format_slowdown
 from bench.capacity import TARGET_ATTAINMENT
 from bench.metrics import WALL_CLOCK_KEYS, rounded
 from bench.plots import write_plots
@@ -57,7 +58,7 @@ def _fmt(value: Any, kind: str) -> str:
 def results_dict(run: BenchRun) -> dict[str, Any]:
     """results.json: API.md's keys first, then the run's parameters, then `run_info`."""
     cfg = run.config
-    return {
+    out: dict[str, Any] = {
         "workload": run.workload.name,
         "engine": cfg.engine,
         "profile": run.profile.name,
@@ -86,6 +87,12 @@ def results_dict(run: BenchRun) -> dict[str, Any]:
             "policy_wall_s": {name: round(r.wall_s, 3) for name, r in run.runs.items()},
         },
     }
+    if cfg.engine_slowdown:  # only when set: a run without it is unchanged
+        out["engine_slowdown"] = format_slowdown(cfg.engine_slowdown)
+        out["engine_slowdown_schedule"] = [
+            {"start_s": start, "factor": factor} for start, factor in cfg.engine_slowdown
+        ]
+    return out
 
 
 def _table(run: BenchRun) -> list[str]:
@@ -124,6 +131,12 @@ def _parameters(run: BenchRun) -> list[str]:
         f"* seed: {cfg.seed}; load: {cfg.load:g}; λ*: {capacity}; RT rate: {rate}",
         f"* measurement window: {window}; max_new_tokens shown to policies: {cfg.max_new}",
     ]
+    if cfg.engine_slowdown:
+        lines.append(
+            f"* engine slowdown: {format_slowdown(cfg.engine_slowdown)} (iterations take K × "
+            "the latency model's prediction, K from simulated second T for K@T; the policies "
+            "are not told)"
+        )
     lines += [f"* skipped `{name}`: {why}" for name, why in run.skipped.items()]
     lines += [f"* **failed** `{name}`: {why}" for name, why in run.failed.items()]
     return lines

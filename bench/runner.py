@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from backend.policy.latency import LatencyModel, Profile, load_profile
 from backend.policy.profiles import resolve_profile
-from backend.sim.config import SimConfig
+from backend.sim.config import SimConfig, Slowdown
 from backend.sim.core import InfeasiblePlanError
 from backend.sim.engine import StalledPolicyError, simulate
 from backend.sim.source import SimRequest
@@ -85,6 +85,10 @@ class BenchConfig:
     """Folder of the λ* cache (capacity.json)."""
     capacity_run_s: float = cap.RUN_S
     """Simulated seconds per λ* probe."""
+    engine_slowdown: Slowdown = ()
+    """The simulated engine runs this many times slower than the latency model the policies
+    plan with: (start_s, factor) pairs (`SimConfig.engine_slowdown`); () = as the model says.
+    λ* is measured without it, so --load means the same RT rate with and without."""
     progress: bool = True
     """Show progress bars on stderr."""
     command: str = ""
@@ -277,7 +281,13 @@ def run_policy(name: str, run: BenchRun, latency: LatencyModel, base: SimConfig)
             source,
             policy,
             latency,
-            _layout(struct_replace(base, reveal_lengths=reveal), policy, run.profile),
+            _layout(
+                struct_replace(
+                    base, reveal_lengths=reveal, engine_slowdown=run.config.engine_slowdown
+                ),
+                policy,
+                run.profile,
+            ),
             progress=progress,
         )
     finally:

@@ -16,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from backend.sim.config import Slowdown, format_slowdown, parse_slowdown
 from bench.defaults import (
     DEFAULT_DATA_DIR,
     DEFAULT_PROFILE,
@@ -110,6 +111,12 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=60.0,
         help="simulated seconds per λ* search run (default 60)",
     )
+    p.add_argument(
+        "--engine-slowdown",
+        metavar="K|K1@T1,K2@T2,…",
+        help="sim only: the engine's iterations take K × what the policies' latency model "
+        "predicts (K > 0); a schedule changes K at simulated second T (first T = 0)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_bench)
     return p
@@ -192,7 +199,21 @@ def _command(cfg: BenchConfig) -> str:
         words += ["--max-new", cfg.max_new]
     if cfg.workload == "trace":
         words += ["--rate-scale", f"{cfg.rate_scale:g}"]
+    if cfg.engine_slowdown:
+        words += ["--engine-slowdown", format_slowdown(cfg.engine_slowdown)]
     return shlex.join([*words, "--out", str(cfg.out_dir)])
+
+
+def _engine_slowdown(args: argparse.Namespace) -> Slowdown:
+    """The --engine-slowdown schedule (() when not given)."""
+    if args.engine_slowdown is None:
+        return ()
+    if args.engine != "sim":
+        raise ValueError(f"--engine-slowdown: only for --engine sim, not {args.engine}")
+    try:
+        return parse_slowdown(args.engine_slowdown)
+    except ValueError as exc:
+        raise ValueError(f"--engine-slowdown {args.engine_slowdown!r}: {exc}") from None
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -241,6 +262,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         trace_tpot_s=args.tpot_s or 0.2,
         cache_dir=args.cache_dir or _default_cache_dir(),
         capacity_run_s=args.capacity_run_s,
+        engine_slowdown=_engine_slowdown(args),
         progress=not args.no_progress,
     )
     return replace(cfg, command=_command(cfg))

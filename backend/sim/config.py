@@ -2,11 +2,65 @@
 
 from __future__ import annotations
 
+import bisect
+import math
 from typing import Literal
 
 import msgspec
 
 KvLayout = Literal["token", "bicache"]
+
+Slowdown = tuple[tuple[float, float], ...]
+"""An engine slowdown schedule: (start_s, factor) pairs, the first at 0, starts strictly
+increasing, every factor > 0; () = no slowdown."""
+
+
+def check_slowdown(schedule: Slowdown) -> None:
+    """ValueError (one line) unless `schedule` is a valid slowdown schedule."""
+    if not schedule:
+        return
+    if schedule[0][0] != 0.0:
+        raise ValueError(f"the first change must be at 0 s, got {schedule[0][0]:g}")
+    for i, (start, factor) in enumerate(schedule):
+        if not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"factor {factor:g} at {start:g} s must be a finite number > 0")
+        if not math.isfinite(start):
+            raise ValueError(f"start time {start:g} must be finite")
+        if i and not start > schedule[i - 1][0]:
+            raise ValueError(
+                f"start times must be strictly increasing, got {schedule[i - 1][0]:g} "
+                f"then {start:g}"
+            )
+
+
+def parse_slowdown(spec: str) -> Slowdown:
+    """`K` (K× from the start) or `K1@T1,K2@T2,…` (K× from simulated second T) → a schedule;
+    ValueError (one line) naming what is wrong."""
+    items = [item.strip() for item in spec.split(",")]
+    if not spec.strip() or not all(items):
+        raise ValueError(f"empty entry in {spec!r} (expected K or K1@T1,K2@T2,…)")
+    schedule: list[tuple[float, float]] = []
+    for item in items:
+        factor_s, at, start_s = item.partition("@")
+        if not at and len(items) > 1:
+            raise ValueError(f"entry {item!r} has no @T (a schedule is K1@T1,K2@T2,…)")
+        try:
+            factor = float(factor_s)
+            start = float(start_s) if at else 0.0
+        except ValueError:
+            raise ValueError(f"entry {item!r} is not K or K@T with numbers K and T") from None
+        schedule.append((start, factor))
+    result = tuple(schedule)
+    check_slowdown(result)
+    return result
+
+
+def format_slowdown(schedule: Slowdown) -> str:
+    """The schedule as `--engine-slowdown` takes it: `K` for one factor from 0 s, else
+    `K1@T1,K2@T2,…`."""
+    if len(schedule) == 1:
+        return f"{schedule[0][1]:g}"
+    return ",".join(f"{factor:g}@{start:g}" for start, factor in schedule)
 
 
 class SimConfig(msgspec.Struct, frozen=True):
@@ -47,6 +101,18 @@ class SimConfig(msgspec.Struct, frozen=True):
     host_copy_gb_s: float = 25.0
     """Device↔host bandwidth of KV checkpoints and restores, GB/s; default the H100 analytic
     profile's figure (PCIe Gen5 x16 ≈ 50 GB/s pinned bulk, halved for scattered 2 KiB rows)."""
+    engine_slowdown: Slowdown = ()
+    """The engine runs slower than the latency model predicts: (start_s, factor) pairs; an
+    iteration starting at t takes factor(t) × the model's prediction of its compute (the
+    bicache layout's host copies are not scaled: the link's bandwidth does not change). The
+    policy is not told; it sees the measured durations only. () = no slowdown."""
+
+    def slowdown_at(self, t_s: float) -> float:
+        """The slowdown factor in effect at simulated time `t_s` (1.0 without a schedule)."""
+        if not self.engine_slowdown:
+            return 1.0
+        i = bisect.bisect_right(self.engine_slowdown, t_s, key=lambda p: p[0]) - 1
+        return self.engine_slowdown[max(i, 0)][1]
 
     def __post_init__(self) -> None:
         if self.kv_capacity_tokens < 1:
@@ -72,5 +138,6 @@ class SimConfig(msgspec.Struct, frozen=True):
             raise ValueError("bicache_block_slots must be ≥ 2 and kv_bytes_per_token ≥ 1")
         if not self.host_copy_gb_s > 0:
             raise ValueError(f"host_copy_gb_s must be > 0, got {self.host_copy_gb_s}")
+        check_slowdown(self.engine_slowdown)
         if self.horizon_s is not None and self.horizon_s <= 0:
             raise ValueError(f"horizon_s must be > 0 or None, got {self.horizon_s}")

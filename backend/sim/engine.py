@@ -1,7 +1,9 @@
 """The discrete-event simulator: the policy's plans run on a virtual clock.
 
 Each iteration: pop the arrivals due, snapshot, `policy.plan`, execute (core.apply), advance the
-clock by `latency.predict(shape of the executed batch)`, emit tokens (core.finish), tell the source
+clock by `latency.predict(shape of the executed batch)` (× `SimConfig.engine_slowdown`'s factor
+at the iteration's start: the engine's truth may diverge from the model the policy plans with),
+emit tokens (core.finish), tell the source
 about finished requests, `policy.observe`. An idle engine jumps to the next arrival.
 """
 
@@ -62,7 +64,8 @@ def simulate(
             if not _jump_to_arrival(source, clock):
                 break
             continue
-        duration = _iterate(core, policy, latency, source, log, clock.now_s)
+        slowdown = config.slowdown_at(clock.now_s)
+        duration = _iterate(core, policy, latency, source, log, clock.now_s, slowdown)
         if duration is None:  # nothing to run until something arrives
             if not _jump_to_arrival(source, clock):
                 if clock.now_s >= clock.horizon_s:
@@ -107,9 +110,11 @@ def _iterate(
     source: ArrivalSource,
     log: IterationLog,
     now_s: float,
+    slowdown: float = 1.0,
 ) -> float | None:
     """Plans and runs one iteration at `now_s`; its duration, or None when the plan was
-    empty."""
+    empty. The engine's compute takes `slowdown` × the model's prediction; the policy only
+    sees the resulting duration in `observe`."""
     num_running, num_waiting = len(core.running), len(core.waiting)
     snap = core.snapshot(now_s)
     t0 = time.perf_counter()
@@ -119,10 +124,10 @@ def _iterate(
         return None
     batch = core.apply(plan, now_s)
     kv_used = core.kv.used
-    duration = latency.predict(batch.shape)
-    if core.bikv is not None:  # checkpoint and restore traffic of the bicache layout
+    duration = slowdown * latency.predict(batch.shape)
+    if core.bikv is not None:  # checkpoint and restore traffic of the bicache layout (unscaled)
         duration = core.bikv.iteration_s(duration)
-    rt_part_s = _rt_part_s(latency, batch, duration)
+    rt_part_s = _rt_part_s(latency, batch, duration, slowdown)
     end_s = now_s + duration
     emitted, finished = core.finish(batch, end_s)
     log.append(
@@ -153,9 +158,12 @@ def _iterate(
     return duration
 
 
-def _rt_part_s(latency: LatencyModel, batch: Batch, duration_s: float) -> float:
+def _rt_part_s(
+    latency: LatencyModel, batch: Batch, duration_s: float, slowdown: float = 1.0
+) -> float:
     """What `batch` would have taken with only its RT decodes and RT prompt chunks — the
-    iteration's fixed cost included — or 0 when it ran no RT work (`backend.policy.time_share`).
+    iteration's fixed cost included, on the same (slowed) engine — or 0 when it ran no RT work
+    (`backend.policy.time_share`).
     Called after `apply`, before `finish`: `prefilled` already counts this iteration's chunks,
     `generated` does not count its decodes yet."""
     decodes = [t.state for t in batch.decodes if t.state.tier == "rt"]
@@ -167,7 +175,7 @@ def _rt_part_s(latency: LatencyModel, batch: Batch, duration_s: float) -> float:
     shape = shape_of(
         (s.prompt_len + s.generated for s in decodes), ((n, s.prefilled - n) for s, n in chunks)
     )
-    return min(duration_s, latency.predict(shape))
+    return min(duration_s, slowdown * latency.predict(shape))
 
 
 def _record(t: Track) -> RequestRecord:

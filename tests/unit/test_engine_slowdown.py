@@ -1,0 +1,253 @@
+"""`--engine-slowdown`: the schedule parser, the simulated engine running K× slower than the
+model the policy plans with (the policy is not told), the CLI's errors, overload loads
+(`--load` > 1) and the latency-model error metrics."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from backend.policy.registry import make_policy
+from backend.policy.types import IterationResult, Plan, Policy, Snapshot
+from backend.sim.config import SimConfig, format_slowdown, parse_slowdown
+from backend.sim.engine import simulate
+from backend.sim.records import IterationLog, SimResult
+from backend.sim.source import ListSource, SimRequest
+from bench.metrics import iteration_metrics
+from bench.runner import BenchConfig
+from bench.workloads.sources import drain
+from tandem.bench import add_bench_parser, config_from_args
+from tests.unit.sim_factories import LATENCY, make_request
+from tests.unit.test_bench_cli import one_line_error
+
+# --- the schedule parser ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "schedule"),
+    [
+        ("2", ((0.0, 2.0),)),
+        ("0.5", ((0.0, 0.5),)),
+        ("1.5@0", ((0.0, 1.5),)),
+        ("1@0,3@60", ((0.0, 1.0), (60.0, 3.0))),
+        (" 1@0 , 2@10.5 , 0.8@20 ", ((0.0, 1.0), (10.5, 2.0), (20.0, 0.8))),
+    ],
+)
+def test_parse_slowdown_accepts_a_factor_or_a_schedule(
+    spec: str, schedule: tuple[tuple[float, float], ...]
+) -> None:
+    assert parse_slowdown(spec) == schedule
+    assert parse_slowdown(format_slowdown(schedule)) == schedule
+
+
+def test_format_slowdown_is_the_flag_syntax() -> None:
+    assert format_slowdown(((0.0, 2.0),)) == "2"
+    assert format_slowdown(((0.0, 1.0), (60.0, 3.0))) == "1@0,3@60"
+
+
+@pytest.mark.parametrize(
+    ("spec", "needle"),
+    [
+        ("", "empty entry"),
+        ("1@0,", "empty entry"),
+        ("0", "must be a finite number > 0"),
+        ("-2", "must be a finite number > 0"),
+        ("nan", "must be a finite number > 0"),
+        ("inf", "must be a finite number > 0"),
+        ("abc", "not K or K@T"),
+        ("2@x", "not K or K@T"),
+        ("2@5", "first change must be at 0"),
+        ("1@0,3@60,2@60", "strictly increasing"),
+        ("1@0,3@60,2@30", "strictly increasing"),
+        ("1@0,0@60", "must be a finite number > 0"),
+        ("1@0,3", "has no @T"),
+        ("1@0,2@inf", "must be finite"),
+    ],
+)
+def test_parse_slowdown_rejects_bad_input(spec: str, needle: str) -> None:
+    with pytest.raises(ValueError) as exc_info:
+        parse_slowdown(spec)
+    assert needle in str(exc_info.value) and "\n" not in str(exc_info.value)
+
+
+def test_sim_config_validates_the_schedule_and_looks_up_the_factor() -> None:
+    with pytest.raises(ValueError, match="strictly increasing"):
+        SimConfig(kv_capacity_tokens=10, engine_slowdown=((0.0, 1.0), (0.0, 2.0)))
+    assert SimConfig(kv_capacity_tokens=10).slowdown_at(5.0) == 1.0
+    cfg = SimConfig(kv_capacity_tokens=10, engine_slowdown=((0.0, 1.0), (60.0, 3.0)))
+    assert [cfg.slowdown_at(t) for t in (0.0, 59.999, 60.0, 1e9)] == [1.0, 1.0, 3.0, 3.0]
+
+
+# --- the simulated engine -----------------------------------------------------------------
+
+
+class _Recorder:
+    """fcfs, recording what `observe` tells it (the policy's only view of the engine)."""
+
+    def __init__(self) -> None:
+        self.policy: Policy = make_policy("fcfs", LATENCY)
+        self.name = self.policy.name
+        self.observed: list[IterationResult] = []
+
+    def plan(self, snapshot: Snapshot) -> Plan:
+        return self.policy.plan(snapshot)
+
+    def observe(self, result: IterationResult) -> None:
+        self.observed.append(result)
+        self.policy.observe(result)
+
+
+def _requests() -> list[SimRequest]:
+    # Everything arrives at 0: fcfs then plans the same batches whatever the engine's speed.
+    return [
+        make_request(
+            tier="rt" if i % 2 else "be",
+            rid=f"r{i}",
+            prompt_len=300 + 97 * i,
+            output_len=40 + 7 * i,
+            ttft_target_s=1.0 if i % 2 else None,
+            tpot_target_s=0.1 if i % 2 else None,
+        )
+        for i in range(12)
+    ]
+
+
+def _simulate(slowdown: tuple[tuple[float, float], ...]) -> tuple[SimResult, _Recorder]:
+    policy = _Recorder()
+    cfg = SimConfig(kv_capacity_tokens=8000, max_prefill_tokens=1024, engine_slowdown=slowdown)
+    return simulate(ListSource(_requests()), policy, LATENCY, cfg), policy
+
+
+def _col(log: IterationLog, name: str) -> np.ndarray:
+    return np.asarray(getattr(log, name), dtype=float)
+
+
+@pytest.mark.parametrize("k", [0.5, 2.0, 3.0])
+def test_every_iteration_takes_k_times_the_prediction(k: float) -> None:
+    base, _ = _simulate(())
+    slow, policy = _simulate(((0.0, k),))
+    dur, pred = _col(slow.iterations, "duration_s"), _col(slow.iterations, "predicted_s")
+    assert len(dur) > 20 and np.isfinite(pred).all()
+    np.testing.assert_allclose(dur, k * pred, rtol=1e-12)
+    # The same batches as at K = 1 (fcfs plans on the model), each K× longer.
+    np.testing.assert_allclose(dur, k * _col(base.iterations, "duration_s"), rtol=1e-12)
+    np.testing.assert_allclose(
+        _col(slow.iterations, "rt_part_s"), k * _col(base.iterations, "rt_part_s"), rtol=1e-12
+    )
+    assert slow.end_s == pytest.approx(k * base.end_s)
+    # The policy sees the measured durations, its own plans unchanged.
+    assert [r.duration_s for r in policy.observed] == list(dur)
+    assert [r.plan.predicted_s for r in policy.observed] == list(pred)
+
+
+def test_a_schedule_switches_the_factor_mid_run() -> None:
+    base, _ = _simulate(())
+    switch_s = base.end_s / 3
+    slow, _ = _simulate(((0.0, 1.0), (switch_s, 3.0)))
+    start = _col(slow.iterations, "start_s")
+    dur, pred = _col(slow.iterations, "duration_s"), _col(slow.iterations, "predicted_s")
+    before, after = start < switch_s, start >= switch_s
+    assert before.sum() > 5 and after.sum() > 5
+    np.testing.assert_allclose(dur[before], pred[before], rtol=1e-12)
+    np.testing.assert_allclose(dur[after], 3.0 * pred[after], rtol=1e-12)
+    m = iteration_metrics(slow.iterations)
+    assert m["latency_model_error_p50"] == pytest.approx(2 / 3)  # most iterations are slowed
+    assert m["latency_model_error_p99"] == pytest.approx(2 / 3)
+
+
+# --- the command line ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "needle"),
+    [
+        ("0", "--engine-slowdown '0': factor 0 at 0 s must be a finite number > 0"),
+        ("-1", "must be a finite number > 0"),
+        ("fast", "not K or K@T"),
+        ("3@60", "first change must be at 0"),
+        ("1@0,3@60,2@60", "strictly increasing"),
+        ("1@0,,2@5", "empty entry"),
+    ],
+)
+def test_bad_engine_slowdown_is_one_line(
+    capsys: pytest.CaptureFixture[str], value: str, needle: str
+) -> None:
+    argv = ["bench", "W1", "--engine-slowdown", value, "--duration-s", "1"]
+    assert needle in one_line_error(capsys, argv)
+
+
+def test_engine_slowdown_is_sim_only(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "W1", "--engine", "sglang", "--engine-slowdown", "2"]
+    assert "only for --engine sim" in one_line_error(capsys, argv)
+
+
+def _config(argv: list[str]) -> BenchConfig:
+    parser = argparse.ArgumentParser(prog="tandem")
+    add_bench_parser(parser.add_subparsers())
+    return config_from_args(parser.parse_args(argv))
+
+
+def test_engine_slowdown_reaches_the_config_and_the_command() -> None:
+    cfg = _config(["bench", "W1", "--engine-slowdown", "1@0,3@60", "--out", "/tmp/x"])
+    assert cfg.engine_slowdown == ((0.0, 1.0), (60.0, 3.0))
+    assert "--engine-slowdown 1@0,3@60" in cfg.command
+    plain = _config(["bench", "W1", "--out", "/tmp/x"])
+    assert plain.engine_slowdown == () and "slowdown" not in plain.command
+
+
+def test_overload_is_accepted_and_scales_the_rt_rate(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from backend.policy.latency import LatencyModel, load_profile
+    from backend.policy.profiles import resolve_profile
+    from bench import runner
+
+    cfg = _config(["bench", "W1", "--load", "1.5", "--duration-s", "10", "--out", str(tmp_path)])
+    assert cfg.load == 1.5
+    profile_path = resolve_profile(cfg.profile)
+    profile = load_profile(profile_path)
+    latency = LatencyModel.fit(profile.samples)
+    workload, kv = runner.build(cfg, latency, profile)
+    monkeypatch.setattr(runner.cap, "rt_capacity", lambda *a, **k: (10.0, True))
+    capacity, _, rate = runner.measure_rate(
+        cfg, workload, latency, profile_path, runner.sim_config(profile, kv, workload)
+    )
+    assert capacity == 10.0 and rate == pytest.approx(workload.rt_rate_share * 1.5 * 10.0)
+    assert rate is not None
+    rt = [s for s in drain(workload.source(rate, False)) if s.tier == "rt"]
+    assert 100 < len(rt) < 200  # 15 req/s over 10 s
+
+
+# --- the metrics --------------------------------------------------------------------------
+
+
+def test_latency_model_error_percentiles_on_a_hand_built_log() -> None:
+    log = IterationLog(100)
+    # (predicted, measured): errors |p − m| / m = 0, 0.5, 0.5, 1/3, and one without prediction.
+    for pred, dur in ((0.1, 0.1), (0.1, 0.2), (0.05, 0.1), (0.4, 0.3), (None, 0.5)):
+        log.append(
+            start_s=0.0,
+            duration_s=dur,
+            predicted_s=pred,
+            plan_ms=1.0,
+            num_prefill=0,
+            num_decode=1,
+            prefill_tokens=0,
+            kv_used_tokens=10,
+            num_running=1,
+            num_waiting=0,
+            num_evictions=0,
+        )
+    errors = [0.0, 0.5, 0.5, 1 / 3]
+    m = iteration_metrics(log)
+    assert m["latency_model_error_p50"] == pytest.approx(float(np.percentile(errors, 50)))
+    assert m["latency_model_error_p50"] == pytest.approx((1 / 3 + 0.5) / 2)
+    assert m["latency_model_error_p99"] == pytest.approx(float(np.percentile(errors, 99)))
+    assert m["latency_mape"] == pytest.approx(sum(errors) / 4)
+    empty = iteration_metrics(IterationLog(100))
+    assert empty["latency_model_error_p50"] is None and empty["latency_model_error_p99"] is None
+    assert not math.isnan(float(m["latency_model_error_p99"] or 0.0))
