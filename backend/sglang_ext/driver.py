@@ -53,6 +53,11 @@ logger = logging.getLogger(__name__)
 
 SWEEP_EVERY = 200
 """Iterations between sweeps of mirrored requests that vanished (aborted while waiting)."""
+CALIBRATION_BAND = (0.8, 1.25)
+"""Latency-calibration factors inside this band mean the profile describes the engine well
+enough; one outside it for longer than CALIBRATION_WARN_S starts a warning episode."""
+CALIBRATION_WARN_S = 10.0
+"""Seconds a factor must stay outside CALIBRATION_BAND before the (single) warning."""
 
 
 class EngineDriver:
@@ -64,8 +69,11 @@ class EngineDriver:
         *,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        profile: str = "",
     ) -> None:
         self.policy = policy
+        self.profile = profile
+        """Name of the latency profile the policy plans with (for the calibration warning)."""
         self.clock = clock
         """The scheduler's clock (monotonic seconds): every instant the policy sees."""
         self.mirror = ReqMirror(clock=clock, wall_clock=wall_clock)
@@ -82,6 +90,9 @@ class EngineDriver:
         self._finished: list[FinishedRequest] = []
         self._reported: set[str] = set()
         self._last_iteration_s: float | None = None
+        self._calib_samples = 0  # calibration samples already copied into the stats
+        self._calib_off_since: float | None = None  # a factor left the band at this instant
+        self._calib_warned = False  # this episode's warning was logged
 
     # --- iteration boundaries ------------------------------------------------------------
 
@@ -103,6 +114,7 @@ class EngineDriver:
                     finished=self._finished,
                 )
             )
+            self._note_calibration(t0)
         self._finished = []
         self._iter_start_s = None
         self._iter_plan = None
@@ -329,6 +341,47 @@ class EngineDriver:
         stats.peak_running = max(stats.peak_running, len(snap.running))
         used = snap.kv_capacity_tokens - snap.kv_free_tokens
         stats.peak_kv_used_tokens = max(stats.peak_kv_used_tokens, used)
+
+    def _note_calibration(self, now_s: float) -> None:
+        """Copies the policy's latency calibration into the stats (a policy without one has
+        none) and logs one warning per episode of a factor outside CALIBRATION_BAND for more
+        than CALIBRATION_WARN_S."""
+        calib = getattr(self.policy, "calibration", None)
+        if calib is None:
+            return
+        stats = self.stats
+        factors = tuple(calib.factors)
+        stats.latency_factor_decode, stats.latency_factor_prefill, stats.latency_factor_mixed = (
+            factors
+        )
+        if calib.samples != self._calib_samples and calib.last_error is not None:
+            self._calib_samples = calib.samples
+            for kept, value in (
+                (stats.latency_error, calib.last_error),
+                (stats.latency_corrected_error, calib.last_corrected_error),
+            ):
+                kept.append(value)
+                if len(kept) > PLAN_MS_KEPT:
+                    del kept[: len(kept) - PLAN_MS_KEPT]
+        lo, hi = CALIBRATION_BAND
+        if all(lo <= f <= hi for f in factors):
+            self._calib_off_since, self._calib_warned = None, False  # the episode is over
+            return
+        if self._calib_off_since is None:
+            self._calib_off_since = now_s
+        elif not self._calib_warned and now_s - self._calib_off_since > CALIBRATION_WARN_S:
+            self._calib_warned = True
+            stats.latency_warnings += 1
+            logger.warning(
+                "tandem: the engine has run off its latency profile %r for %.0f s: "
+                "calibration factors decode %.2f, prefill %.2f, mixed %.2f (outside "
+                "[%.2f, %.2f]; predictions are corrected, but re-profile this engine)",
+                self.profile or "(unnamed)",
+                now_s - self._calib_off_since,
+                *factors,
+                lo,
+                hi,
+            )
 
     def _note_plan_ms(self, plan_ms: float) -> None:
         kept = self.stats.plan_ms

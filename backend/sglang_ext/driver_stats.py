@@ -7,7 +7,8 @@ from typing import Any
 import msgspec
 
 PLAN_MS_KEPT = 2048
-"""Most recent per-iteration planning times kept for the statistics."""
+"""Most recent per-iteration planning times (and latency-model errors) kept for the
+statistics."""
 
 
 class DriverStats(msgspec.Struct, kw_only=True):
@@ -54,6 +55,22 @@ class DriverStats(msgspec.Struct, kw_only=True):
     """Most KV slots in use at once (requests and prefix cache), seen at planning time."""
     plan_ms: list[float] = msgspec.field(default_factory=list)
     """Recent planning times, ms (the last PLAN_MS_KEPT)."""
+    latency_factor_decode: float = 1.0
+    """The policy's latency calibration (`backend.policy.calibration`): how much slower than its
+    profile the engine runs decode-only batches now (corrected prediction = factor × profile's);
+    1.0 for a policy without one."""
+    latency_factor_prefill: float = 1.0
+    """The same for prefill-only batches."""
+    latency_factor_mixed: float = 1.0
+    """The same for batches with both."""
+    latency_error: list[float] = msgspec.field(default_factory=list)
+    """Recent |predicted − measured| / measured of the profile's own (uncorrected) prediction,
+    one per calibrated iteration (the last PLAN_MS_KEPT)."""
+    latency_corrected_error: list[float] = msgspec.field(default_factory=list)
+    """The same for the calibrated prediction the plan was made with."""
+    latency_warnings: int = 0
+    """Episodes in which a factor stayed outside the tolerated band long enough to warn (the
+    profile does not describe this engine)."""
 
     @property
     def mean_iteration_ms(self) -> float:
@@ -72,12 +89,18 @@ class DriverStats(msgspec.Struct, kw_only=True):
     def summary(self) -> dict[str, Any]:
         """The counters plus derived figures, JSON-ready."""
         out: dict[str, Any] = msgspec.structs.asdict(self)
-        plan_ms = sorted(out.pop("plan_ms"))
-        out["plan_ms_p50"] = plan_ms[len(plan_ms) // 2] if plan_ms else None
-        out["plan_ms_p99"] = (
-            plan_ms[min(len(plan_ms) - 1, int(0.99 * len(plan_ms)))] if plan_ms else None
-        )
+        for name in ("plan_ms", "latency_error", "latency_corrected_error"):
+            out[f"{name}_p50"], out[f"{name}_p99"] = _p50_p99(out.pop(name))
         out["mean_iteration_ms"] = self.mean_iteration_ms
         out["overhead_frac"] = self.overhead_frac
         out["rt_time_frac"] = self.rt_time_frac
         return out
+
+
+def _p50_p99(values: list[float]) -> tuple[float | None, float | None]:
+    """Nearest-rank p50 and p99 (None for no values)."""
+    if not values:
+        return None, None
+    ordered = sorted(values)
+    n = len(ordered)
+    return ordered[n // 2], ordered[min(n - 1, int(0.99 * n))]

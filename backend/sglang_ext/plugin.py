@@ -104,8 +104,12 @@ def _install(settings: EngineSettings) -> None:
         from backend.sglang_ext.hooks import SchedulerHooks
 
         assert settings.profile_path is not None  # EngineSettings requires it with a policy
-        latency = LatencyModel.fit(load_profile(settings.profile_path).samples)
-        driver = EngineDriver(make_policy(settings.policy, latency, **settings.policy_options))
+        profile = load_profile(settings.profile_path)
+        latency = LatencyModel.fit(profile.samples)
+        driver = EngineDriver(
+            make_policy(settings.policy, latency, **settings.policy_options),
+            profile=profile.name or str(settings.profile_path),
+        )
         # Both are inert without the bicache layout: no slack, and parked rows no one reads.
         SchedulerHooks(
             driver,

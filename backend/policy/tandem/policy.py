@@ -10,6 +10,8 @@ plan(snapshot):
                the KV left after the RT headroom
     feedback ← the earliest RT deadline this batch carries
 observe(result):
+    calibration ← (model prediction, measured time, regime): the per-regime factors that scale
+                  every prediction of the next plans (calibration, timing.Timer.scale)
     AIMD on ε and the BE share (feedback); finished lengths → per-key history (admission)
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from backend.policy.calibration import LatencyCalibration, regime_of
 from backend.policy.common import PolicyBase, waiting_in
 from backend.policy.latency import LatencyModel
 from backend.policy.tandem import slack
@@ -61,7 +64,12 @@ class TandemPolicy(PolicyBase):
             max_frac=cfg.rt_headroom_max_frac,
         )
         self.feedback = Feedback(cfg)
+        self.calibration = LatencyCalibration()
+        """The engine's pace relative to the profile, per batch regime, and the model's error
+        (`calibration.summary()` is what the engine driver reports)."""
         self._max_prefill = 8192
+        self._last_plan: Plan | None = None
+        self._last_scale = self.timer.scale  # the factors the last plan was predicted with
 
     def plan(self, snapshot: Snapshot) -> Plan:
         cfg = self.config
@@ -76,13 +84,30 @@ class TandemPolicy(PolicyBase):
         run_rt_prefills(ctx)  # slack order; urgent ones raise τ; best-fit window; ERA
         run_be_phase(ctx)  # BE decodes, partial prompts, admissions in what is left
         self.feedback.expect(ctx.batch.rt_deadline_s, ctx.batch.rt_allowance_s)
-        return ctx.batch.plan()
+        plan = ctx.batch.plan()
+        self._last_plan, self._last_scale = plan, self.timer.scale
+        return plan
 
     def observe(self, result: IterationResult) -> None:
-        """AIMD feedback; finished output lengths feed the admission's history."""
+        """Calibration and AIMD feedback; finished output lengths feed the admission's
+        history."""
+        self._calibrate(result)
         self.feedback.observe(result)
         for done in result.finished:
             self.lengths.observe(done.rid, done.length_key, done.output_len)
+
+    def _calibrate(self, result: IterationResult) -> None:
+        """Feeds the model's own prediction of the plan that ran (its `predicted_s` less the
+        factor it was planned with) and the measured time to the calibration; the new factors
+        scale the next plans' predictions."""
+        plan = result.plan
+        if plan.predicted_s is None:
+            return
+        regime = regime_of(len(plan.prefills), len(plan.decodes))
+        scale = self._last_scale if plan is self._last_plan else self.timer.scale
+        self.calibration.observe(plan.predicted_s / scale[regime], result.duration_s, regime)
+        if self.config.use_calibration:
+            self.timer.scale = self.calibration.factors
 
     def _context(self, snap: Snapshot, view: RunningView) -> PlanContext:
         cfg = self.config

@@ -10,6 +10,12 @@ piece of the model is a quadratic in the chunk length l (S_p², A_p and F_p grow
 
 The float root is then nudged by ±1 against the exact prediction, so the answer equals the
 binary search's (tests compare the two).
+
+Calibration: `Timer.scale` holds one correction factor per batch regime
+(`backend.policy.calibration`: decode-only, prefill-only, mixed); `_value` — the one place every
+prediction and inversion of the planner goes through — multiplies by it, and `_root` divides the
+budget by it. All 1.0 (the default, and what an engine that runs as profiled keeps) leaves every
+result bit-for-bit as the uncorrected model's (x × 1.0 and x / 1.0 are exact).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import math
 from typing import Protocol
 
+from backend.policy.calibration import DECODE, MIXED, PREFILL
 from backend.policy.latency import LatencyModel
 
 _K = 1000.0  # tokens per feature unit (as in latency.features)
@@ -72,11 +79,15 @@ def _full(prefill_attn_full: float, decode_context_sq: float, num_prefill: int) 
 
 
 class Timer:
-    """A latency model's weights as tuples, evaluated on `BatchTotals` without allocation."""
+    """A latency model's weights as tuples, evaluated on `BatchTotals` without allocation,
+    times the calibration factor of the batch's regime."""
 
     def __init__(self, latency: LatencyModel) -> None:
         self.latency = latency
         self.pieces = [tuple(piece) for piece in latency.pieces]
+        self.scale: tuple[float, float, float] = (1.0, 1.0, 1.0)
+        """Correction factor per regime (DECODE, PREFILL, MIXED): corrected = factor × model
+        (set by the policy from its `LatencyCalibration`)."""
 
     def predict(self, t: Totals) -> float:
         """Predicted iteration time of the totals, seconds (0 for an empty batch)."""
@@ -113,7 +124,9 @@ class Timer:
             )
             if v > best:
                 best = v
-        return best
+        if n_p == 0:
+            return best * self.scale[DECODE]
+        return best * self.scale[PREFILL if n_d == 0 else MIXED]
 
     def with_decodes(
         self, t: Totals, count: int, context: int, context_sq: float | None = None
@@ -159,7 +172,8 @@ class Timer:
         return lo
 
     def _root(self, t: Totals, tau: float, prefix: int) -> float:
-        """min over pieces of the largest real l with a + b·l + c·l² ≤ tau."""
+        """min over pieces of the largest real l with factor × (a + b·l + c·l²) ≤ tau."""
+        tau = tau / self.scale[PREFILL if t.num_decode == 0 else MIXED]
         s_p = t.prefill_tokens
         sd = t.decode_context / _K
         best = math.inf

@@ -1,0 +1,191 @@
+"""Online calibration of the latency model: how much slower (or faster) the engine runs than its
+profile says, learned from every iteration's predicted and measured time.
+
+A profile is measured once, on one machine; the engine it plans for may run slower (another
+process takes the CPU, a different GPU, thermal limits). `LatencyCalibration` keeps one
+multiplicative factor per *batch regime* so that
+
+    corrected prediction = factor[regime] × model prediction
+
+Regimes (`regime_of`): the three batch kinds whose cost has a different bottleneck, so that a
+change of machine or of load moves them by different amounts —
+
+    DECODE   decodes only: memory-bandwidth bound plus the per-iteration CPU overhead (launch,
+             sampling, the scheduler's Python), which dominates small decode batches
+    PREFILL  prefill chunks only: compute bound (FLOP/s)
+    MIXED    both in one extend batch (SGLang runs the decodes as 1-token extends: its own
+             kernels and, on the CPU backend, its own attention cost)
+
+e.g. an H200 in place of the profiled H100 speeds decodes up by its bandwidth (×1.4) and leaves
+prefill almost as it was; a busy host CPU slows small decode batches far more than long chunks.
+A regime with no sample of its own yet uses the pooled factor (learned from every iteration),
+so a stale profile never keeps a rarely seen batch kind optimistic.
+
+Estimator, per regime and pooled: two exponentially weighted means of log(measured/predicted),
+a fast one (time constant `tau_fast_s`) and a slow one (`tau_slow_s`); the factor is exp of the
+larger. The time constants are in seconds of engine time — each sample weighs
+1 − exp(−dt/τ), dt the iteration's *expected* duration (factor × prediction, not the measured
+one: weighting by the noisy measurement would bias the mean upward by σ²) — so the estimate
+converges equally fast at any iteration rate. The max of the two makes the factor rise at the
+fast pace (an engine that became slower is believed within ~2 τ_fast: being late costs RT its
+SLO) and fall at the slow pace (an engine that became faster is believed within ~2 τ_slow:
+being conservative for a few seconds costs only a little BE throughput). Each mean alone is
+unbiased for the median of the ratio; the max adds an upward bias of a fraction of the fast
+mean's noise (≈ 1 % for σ = 0.3 lognormal noise at 30 ms iterations), on the safe side.
+
+Robustness: a sample's log-ratio is clipped to ±log(`clip_ratio`) around each estimate (a 10×
+stall moves the factor no more than a 4× one), and both means stay within
+[log `min_factor`, log `max_factor`] (no wind-up, no divergence). Exactness: a ratio within
+`exact_tol` of 1 counts as exactly 1, so an engine that runs as its profile predicts (the
+simulator, whose two evaluations of the same model may differ in the last bit) keeps every
+factor at exactly 1.0 and the planner's arithmetic bit-for-bit unchanged.
+
+It also keeps the model's error over the last `window` iterations: |predicted − measured| /
+measured before correction (how good the profile is for this engine) and after (how good the
+calibrated prediction is), with p50/p99 on demand.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+DECODE = 0
+"""Regime of a batch with decodes only."""
+PREFILL = 1
+"""Regime of a batch with prefill chunks only."""
+MIXED = 2
+"""Regime of a batch with both."""
+REGIMES = ("decode", "prefill", "mixed")
+"""Regime names, by index."""
+
+
+def regime_of(num_prefill: int | float, num_decode: int | float) -> int:
+    """The regime of a batch with `num_prefill` chunks and `num_decode` decodes (an empty batch
+    counts as DECODE; it costs nothing anyway)."""
+    if num_prefill == 0:
+        return DECODE
+    return PREFILL if num_decode == 0 else MIXED
+
+
+class _LogMean:
+    """One regime's estimator: the fast and slow time-weighted means of the log-ratio."""
+
+    __slots__ = ("fast", "samples", "slow")
+
+    def __init__(self, fast: float = 0.0, slow: float = 0.0) -> None:
+        self.fast = fast
+        self.slow = slow
+        self.samples = 0
+
+    @property
+    def log_factor(self) -> float:
+        return self.fast if self.fast > self.slow else self.slow
+
+
+class LatencyCalibration:
+    """Per-regime correction factors of a latency model, learned online (module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        tau_fast_s: float = 0.5,
+        tau_slow_s: float = 2.0,
+        min_factor: float = 0.5,
+        max_factor: float = 4.0,
+        clip_ratio: float = 4.0,
+        exact_tol: float = 1e-6,
+        window: int = 1000,
+    ) -> None:
+        if not 0 < tau_fast_s <= tau_slow_s:
+            raise ValueError("need 0 < tau_fast_s ≤ tau_slow_s")
+        if not 0 < min_factor <= 1.0 <= max_factor:
+            raise ValueError("need 0 < min_factor ≤ 1 ≤ max_factor")
+        if clip_ratio <= 1.0 or window < 1 or exact_tol < 0:
+            raise ValueError("need clip_ratio > 1, window ≥ 1, exact_tol ≥ 0")
+        self.tau_fast_s = tau_fast_s
+        self.tau_slow_s = tau_slow_s
+        self.min_factor = min_factor
+        self.max_factor = max_factor
+        self._lo = math.log(min_factor)
+        self._hi = math.log(max_factor)
+        self._clip = math.log(clip_ratio)
+        self.exact_tol = exact_tol
+        self._regimes = [_LogMean() for _ in REGIMES]
+        self._pooled = _LogMean()
+        self._errors: deque[float] = deque(maxlen=window)
+        self._corrected_errors: deque[float] = deque(maxlen=window)
+        self.factors: tuple[float, float, float] = (1.0, 1.0, 1.0)
+        """The current factor of each regime (DECODE, PREFILL, MIXED)."""
+        self.samples = 0
+        """Samples taken (iterations with a positive prediction and measurement)."""
+        self.last_error: float | None = None
+        """|predicted − measured| / measured of the latest sample, before correction."""
+        self.last_corrected_error: float | None = None
+        """The same after correction (with the factor in force when it was predicted)."""
+
+    def factor(self, regime: int) -> float:
+        """The correction factor of `regime`."""
+        return self.factors[regime]
+
+    def observe(self, predicted_s: float, measured_s: float, regime: int) -> None:
+        """One iteration: the model's (uncorrected) prediction, the measured time, the regime
+        of the batch. Samples without a positive, finite prediction and measurement are
+        ignored."""
+        if not (0 < predicted_s < math.inf and 0 < measured_s < math.inf):
+            return
+        used = self.factors[regime]
+        self.samples += 1
+        self.last_error = abs(predicted_s - measured_s) / measured_s
+        self.last_corrected_error = abs(used * predicted_s - measured_s) / measured_s
+        self._errors.append(self.last_error)
+        self._corrected_errors.append(self.last_corrected_error)
+        x = math.log(measured_s / predicted_s)
+        if abs(x) <= self.exact_tol:
+            x = 0.0
+        est = self._regimes[regime]
+        if est.samples == 0:  # first sample of its own: start from what every batch says
+            est.fast, est.slow = self._pooled.fast, self._pooled.slow
+        dt = used * predicted_s  # the expected duration: engine time, free of this sample's noise
+        self._update(est, x, dt)
+        self._update(self._pooled, x, dt)
+        d, p, m = (math.exp((e if e.samples else self._pooled).log_factor) for e in self._regimes)
+        self.factors = (d, p, m)
+
+    def _update(self, est: _LogMean, x: float, dt: float) -> None:
+        est.samples += 1
+        est.fast = self._step(est.fast, x, dt, self.tau_fast_s)
+        est.slow = self._step(est.slow, x, dt, self.tau_slow_s)
+
+    def _step(self, old: float, x: float, dt: float, tau: float) -> float:
+        """`old` moved toward the sample `x` by the weight of `dt` seconds (time constant
+        `tau`), the sample clipped around `old`, the result kept within the factor bounds."""
+        resid = min(self._clip, max(-self._clip, x - old))
+        if resid == 0.0:
+            return old
+        new = old - math.expm1(-dt / tau) * resid
+        return min(self._hi, max(self._lo, new))
+
+    def error_percentiles(self, corrected: bool = False) -> tuple[float | None, float | None]:
+        """(p50, p99) of the relative error over the window (nearest rank; None when empty):
+        of the model's own prediction, or with `corrected` of the calibrated one."""
+        values = sorted(self._corrected_errors if corrected else self._errors)
+        if not values:
+            return None, None
+        n = len(values)
+        return values[n // 2], values[min(n - 1, int(0.99 * n))]
+
+    def summary(self) -> dict[str, float | None]:
+        """Factors and error percentiles, JSON-ready (the engine driver's counters)."""
+        p50, p99 = self.error_percentiles()
+        c50, c99 = self.error_percentiles(corrected=True)
+        out: dict[str, float | None] = {
+            f"latency_factor_{name}": f for name, f in zip(REGIMES, self.factors, strict=True)
+        }
+        out.update(
+            latency_error_p50=p50,
+            latency_error_p99=p99,
+            latency_corrected_error_p50=c50,
+            latency_corrected_error_p99=c99,
+        )
+        return out
