@@ -167,7 +167,9 @@ async def test_tokens_reserved_but_not_generated_are_given_back(gateway: Gateway
 
 async def test_over_max_concurrent_is_429_until_a_request_finishes(gateway: GatewayHandle) -> None:
     tenant_id, key = await tenant_with_quota(gateway, "conc-tenant", max_concurrent=1)
-    long = asyncio.create_task(chat(gateway, key, max_tokens=150))
+    # long enough (seconds on the CPU engine) that it still holds the slot when the probe
+    # arrives, on an idle machine too; 150 tokens could end between the two
+    long = asyncio.create_task(chat(gateway, key, max_tokens=1500))
 
     async def long_holds_the_slot() -> bool:  # admitted requests are counted in flight
         assert not long.done(), "the long request ended before the limit was seen"
