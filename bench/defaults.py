@@ -15,5 +15,5 @@ DEFAULT_DATA_DIR = BENCH_DIR.parent.parent / "shared" / "data"
 """../shared/data relative to the repository: the Azure trace CSVs."""
 ENGINES = ("sim", "sglang")
 """Engines `--engine` accepts (sglang: issue 5)."""
-WORKLOAD_NAMES = ("W1", "W2", "W3", "W4", "W5")
+WORKLOAD_NAMES = ("W1", "W2", "W3", "W4", "W5", "W6")
 """Built-in workloads."""

@@ -176,6 +176,27 @@ def rt_metrics(
         "rt_normalized_latency_s": mean(norm),
         "rt_good_req_s": sum(s.ttft_met and s.tpot_met for s in stats) / window_s,
         "rt_token_goodput_tok_s": in_deadline / window_s,
+        **admission_metrics(stats),
+    }
+
+
+def admission_metrics(stats: Sequence[RtStats]) -> Metrics:
+    """RT admission outcomes (the SLO issue's gateway admission):
+
+    * `rt_admitted_attainment`: joint TTFT & TPOT attainment over the RT requests the gateway
+      admitted. Every request is admitted today, so it equals `rt_joint_attainment`.
+    * `rt_shed_rate`: share of RT requests the gateway refused (shed). 0.0 today: nothing is
+      shed yet; the gateway admission of the SLO issue will make it nonzero.
+    * `rt_downgraded_rate`: share of RT requests the gateway downgraded to best effort. 0.0
+      today likewise.
+
+    RT goodput (requests meeting both targets per second, shed ones counting as missed) is
+    `rt_good_req_s`."""
+    admitted = list(stats)  # no admission control yet: every request is admitted
+    return {
+        "rt_admitted_attainment": _share([s.ttft_met and s.tpot_met for s in admitted]),
+        "rt_shed_rate": 0.0 if stats else None,
+        "rt_downgraded_rate": 0.0 if stats else None,
     }
 
 
@@ -230,6 +251,106 @@ def goodput_metrics(records: Sequence[RequestRecord], rt: Metrics, window_s: flo
         "goodput_req_s": rt_good + be_good / window_s,
         "goodput_strict_req_s": strict + be_good / window_s,
     }
+
+
+def _outstanding(records: Sequence[RequestRecord], end_s: float) -> list[tuple[float, float]]:
+    """The union of the closed intervals [arrival, finish] of these requests (an unfinished one
+    until end_s), as sorted disjoint intervals."""
+    spans = sorted(
+        (r.arrival_s, r.finish_s if r.finish_s is not None else max(end_s, r.arrival_s))
+        for r in records
+    )
+    merged: list[tuple[float, float]] = []
+    for start, stop in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], stop))
+        else:
+            merged.append((start, stop))
+    return merged
+
+
+def _intersect(
+    a: list[tuple[float, float]], b: list[tuple[float, float]]
+) -> list[tuple[float, float]]:
+    """Intersection of two sorted disjoint lists of closed intervals."""
+    out: list[tuple[float, float]] = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        start, stop = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if start <= stop:
+            out.append((start, stop))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def served_tokens_within(rec: RequestRecord, window: list[tuple[float, float]]) -> int:
+    """Tokens of `rec` served inside `window` (sorted disjoint closed intervals): its prompt
+    tokens count at its first-token time (when its prefill has completed), each output token
+    at its emission time."""
+    if not window or rec.first_token_s is None:
+        return 0
+    starts = np.array([w[0] for w in window])
+    stops = np.array([w[1] for w in window])
+
+    def inside(times: np.ndarray) -> np.ndarray:
+        k = np.searchsorted(starts, times, side="right") - 1
+        return (k >= 0) & (times <= stops[np.maximum(k, 0)])
+
+    prompt = rec.prompt_len if bool(inside(np.array([rec.first_token_s]))[0]) else 0
+    return prompt + int(np.count_nonzero(inside(token_times(rec))))
+
+
+def tenant_metrics(
+    records: Sequence[RequestRecord], tenants: Sequence[Any], end_s: float
+) -> dict[str, dict[str, Any]]:
+    """Per-tenant metrics, keyed by tenant name, for workloads whose requests carry tenant names
+    (`tenants`: bench.workloads.base.TenantSpec, with name, tier and weight; a request belongs
+    to tenant X when its tier is X's and its length_key — the simulator's tenant key — is X).
+
+    * `tier`: "rt" or "be"; `requests`: the tenant's requests; `weight`: its fair-share weight
+      from the workload.
+    * `rt_admitted_attainment` (RT tenants): joint TTFT & TPOT attainment over its admitted
+      requests (every request is admitted today).
+    * `tokens_in_contended`: its tokens served inside C (below).
+    * `contended_s`: length of its tier's contended window C: the times at which every tenant
+      of the tier had work outstanding (at least one request arrived and not finished — closed
+      interval [arrival, finish], an unfinished request until the run's end).
+    * `token_share`: the tenant's tokens served inside C over all tokens served inside C to the
+      tier's tenants; a request's prompt tokens count at its first-token time, its output tokens
+      at their emission times. Under weighted fairness it would be weight / the tier's weights.
+      None when C is empty or no token was served in it.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    by_tenant = {
+        t.name: [r for r in records if r.tier == t.tier and r.length_key == t.name] for t in tenants
+    }
+    for tier in dict.fromkeys(t.tier for t in tenants):
+        members = [t for t in tenants if t.tier == tier]
+        window: list[tuple[float, float]] | None = None
+        for t in members:
+            spans = _outstanding(by_tenant[t.name], end_s)
+            window = spans if window is None else _intersect(window, spans)
+        window = window or []
+        served = {
+            t.name: sum(served_tokens_within(r, window) for r in by_tenant[t.name]) for t in members
+        }
+        total = sum(served.values())
+        contended = sum(stop - start for start, stop in window)
+        for t in members:
+            recs = by_tenant[t.name]
+            row: dict[str, Any] = {"tier": tier, "weight": float(t.weight)}
+            row["requests"] = len(recs)
+            if tier == "rt":
+                stats = [rt_stats(r, end_s) for r in recs]
+                row["rt_admitted_attainment"] = admission_metrics(stats)["rt_admitted_attainment"]
+            row["contended_s"] = contended
+            row["tokens_in_contended"] = served[t.name]
+            row["token_share"] = served[t.name] / total if total else None
+            out[t.name] = row
+    return out
 
 
 def _col(log: IterationLog, name: str) -> np.ndarray:

@@ -16,7 +16,7 @@ from backend.sim.config import format_slowdown
 from bench.capacity import TARGET_ATTAINMENT
 from bench.metrics import WALL_CLOCK_KEYS, rounded
 from bench.plots import write_plots
-from bench.runner import BenchRun
+from bench.runner import BenchRun, PolicyRun
 
 # (metric key, column header, format): "pct" percent, "s" seconds, "r" rate, "x" ratio
 COLUMNS: tuple[tuple[str, str, str], ...] = (
@@ -55,6 +55,14 @@ def _fmt(value: Any, kind: str) -> str:
     return f"{value:.3g}"
 
 
+def _row(r: PolicyRun) -> dict[str, Any]:
+    """One policy's results.json row: its metrics, plus `tenants` when the workload has any."""
+    row = rounded(r.metrics)
+    if r.tenants is not None:
+        row["tenants"] = {name: rounded(m) for name, m in r.tenants.items()}
+    return row
+
+
 def results_dict(run: BenchRun) -> dict[str, Any]:
     """results.json: API.md's keys first, then the run's parameters, then `run_info`."""
     cfg = run.config
@@ -66,7 +74,7 @@ def results_dict(run: BenchRun) -> dict[str, Any]:
         "load": cfg.load,
         "rt_capacity_req_s": run.rt_capacity_req_s,
         "rt_rate_req_s": run.rt_rate_req_s,
-        "policies": {name: rounded(r.metrics) for name, r in run.runs.items()},
+        "policies": {name: _row(r) for name, r in run.runs.items()},
         "description": run.workload.description,
         "variant": cfg.variant,
         "max_new": cfg.max_new,
@@ -106,6 +114,34 @@ def _table(run: BenchRun) -> list[str]:
         cells = [_fmt(m.get(key), kind) for key, _, kind in cols]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _tenant_table(run: BenchRun) -> list[str]:
+    """One row per (policy, tenant); empty when no policy has per-tenant metrics."""
+    rows = [(name, r.tenants) for name, r in run.runs.items() if r.tenants]
+    if not rows:
+        return []
+    lines = [
+        "Per tenant (token share: of the tokens served to the tier while every tenant of the "
+        "tier had work outstanding; fair share = weight ÷ the tier's weights):",
+        "",
+        "| policy | tenant | tier | weight | requests | RT adm. att. | token share | contended s |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, tenants in rows:
+        for tenant, m in tenants.items():
+            cells = [
+                name,
+                tenant,
+                str(m["tier"]),
+                f"{m['weight']:g}",
+                str(m["requests"]),
+                _fmt(m.get("rt_admitted_attainment"), "pct"),
+                _fmt(m.get("token_share"), "pct"),
+                _fmt(m.get("contended_s"), "s"),
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    return [*lines, ""]
 
 
 def _parameters(run: BenchRun) -> list[str]:
@@ -154,6 +190,7 @@ def report_markdown(run: BenchRun, plots: list[str]) -> str:
         "",
         *_table(run),
         "",
+        *_tenant_table(run),
         "Attainments are shares of RT requests (token att.: of RT tokens; iter. att.: of "
         "iterations emitting RT tokens, all of them on time); rates are per "
         "second of the measurement window; `–` = not applicable. Every metric, with its "

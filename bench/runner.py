@@ -29,7 +29,7 @@ from backend.sim.engine import StalledPolicyError, simulate
 from backend.sim.source import SimRequest
 from bench import capacity as cap
 from bench.defaults import DEFAULT_DATA_DIR, DEFAULT_PROFILE
-from bench.metrics import Metrics, compute_metrics, interference
+from bench.metrics import Metrics, compute_metrics, interference, tenant_metrics
 from bench.policy_spec import base_name, parse_policy_spec
 from bench.series import PolicySeries, compute_series
 from bench.trace import DEFAULT_TPOT_S, DEFAULT_TTFT_S, build_trace_workload
@@ -46,7 +46,7 @@ class BenchConfig:
     """One `tandem bench` invocation (validated by tandem/bench.py)."""
 
     workload: str
-    """W1…W5, or "trace" (then trace_file)."""
+    """W1…W6, or "trace" (then trace_file)."""
     out_dir: Path
     """Where results.json, report.md and the PNGs go."""
     engine: str = "sim"
@@ -102,6 +102,8 @@ class PolicyRun:
     metrics: Metrics
     series: PolicySeries
     wall_s: float
+    tenants: dict[str, dict[str, Any]] | None = None
+    """Per-tenant metrics (bench.metrics.tenant_metrics) when the workload names tenants."""
 
 
 @dataclass
@@ -296,7 +298,12 @@ def run_policy(name: str, run: BenchRun, latency: LatencyModel, base: SimConfig)
     window = run.workload.window_s
     metrics = compute_metrics(result, window)
     series = compute_series(result, window if window is not None else result.end_s)
-    return PolicyRun(metrics=metrics, series=series, wall_s=wall)
+    tenants = (
+        tenant_metrics(result.requests, run.workload.tenants, result.end_s)
+        if run.workload.tenants
+        else None
+    )
+    return PolicyRun(metrics=metrics, series=series, wall_s=wall, tenants=tenants)
 
 
 def _layout(config: SimConfig, policy: Any, profile: Profile) -> SimConfig:

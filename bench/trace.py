@@ -24,9 +24,17 @@ from pathlib import Path
 from typing import Any
 
 from bench.workloads.azure import load_trace
-from bench.workloads.base import RequestSpec, SpecSource, Workload, WorkloadParams, max_new_for
+from bench.workloads.base import (
+    RequestSpec,
+    SpecSource,
+    TenantSpec,
+    Workload,
+    WorkloadParams,
+    max_new_for,
+)
 from bench.workloads.sampling import BLOCK_TOKENS
 from bench.workloads.sources import TimedSource
+from common.wire import Tier
 
 DEFAULT_TTFT_S, DEFAULT_TPOT_S = 0.4, 0.2
 OUTPUT_CAP = 2048
@@ -156,6 +164,10 @@ def build_trace_workload(
         tpot_target_s=tpot_target_s,
     )
     span = max(s.arrival_s for s in specs)
+    tiers: dict[str, Tier] = {}
+    for row in rows:  # a tenant's tier is that of its first line
+        if row["tenant"] is not None:
+            tiers.setdefault(row["tenant"], row["tier"])
     rt_count = sum(s.tier == "rt" for s in specs)
 
     def make_source(rate: float | None, include_be: bool) -> SpecSource:
@@ -171,6 +183,7 @@ def build_trace_workload(
         rt_poisson=None,
         has_rt=rt_count > 0,
         has_be=rt_count < len(specs),
+        tenants=tuple(TenantSpec(name, tier, 1.0) for name, tier in tiers.items()),
         params={
             "trace_file": str(path),
             "requests": len(specs),

@@ -59,7 +59,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=__doc__,
     )
     p.__class__ = _OneLineParser
-    p.add_argument("workload", metavar="WORKLOAD", help="W1…W5, or trace (then FILE.jsonl)")
+    p.add_argument("workload", metavar="WORKLOAD", help="W1…W6, or trace (then FILE.jsonl)")
     p.add_argument("trace_file", nargs="?", metavar="FILE.jsonl", help="trace to replay")
     p.add_argument("--engine", choices=ENGINES, default="sim", help="engine (default sim)")
     p.add_argument(

@@ -1,4 +1,4 @@
-"""Benchmark workloads W1…W5 (synthesis §5.3), deterministic by seed. See bench/README.md.
+"""Benchmark workloads W1…W6 (synthesis §5.3), deterministic by seed. See bench/README.md.
 
 `build_workload("W1", WorkloadParams(seed=0), ctx)` returns a `Workload`, whose
 `source(rt_rate, include_be)` gives a fresh arrival source of RequestSpecs for each policy.
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from bench.defaults import WORKLOAD_NAMES
-from bench.workloads import w1_hybrid, w2_mixed, w3_memory, w4_offline, w5_bursty
+from bench.workloads import w1_hybrid, w2_mixed, w3_memory, w4_offline, w5_bursty, w6_fairness
 from bench.workloads.base import BuildContext, Workload, WorkloadParams
 
 BUILDERS: dict[str, Callable[[WorkloadParams, BuildContext], Workload]] = {
@@ -18,6 +18,7 @@ BUILDERS: dict[str, Callable[[WorkloadParams, BuildContext], Workload]] = {
     "W3": w3_memory.build,
     "W4": w4_offline.build,
     "W5": w5_bursty.build,
+    "W6": w6_fairness.build,
 }
 assert tuple(BUILDERS) == WORKLOAD_NAMES
 

@@ -149,12 +149,24 @@ def ttft_base_s(ctx: BuildContext, prompt_len: int, floor_s: float = 0.4) -> flo
 SourceFactory = Callable[[float | None, bool], SpecSource]
 
 
+@dataclass(frozen=True, slots=True)
+class TenantSpec:
+    """A named tenant of a workload: its requests carry `length_key == name` (the simulator's
+    tenant key) and the tier `tier`; per-tenant metrics (bench.metrics.tenant_metrics) are
+    computed for the workloads that declare tenants."""
+
+    name: str
+    tier: Tier
+    weight: float = 1.0
+    """Fair-share weight within its tier (what a weighted-fair scheduler should give it)."""
+
+
 @dataclass
 class Workload:
     """A built workload: a recipe for identical arrival sources, plus its facts."""
 
     name: str
-    """W1…W5 or "trace"."""
+    """W1…W6 or "trace"."""
     description: str
     """One line for the report."""
     make_source: SourceFactory
@@ -177,6 +189,8 @@ class Workload:
     """Whether the workload has a BE stream (rt-only differs from fcfs only then)."""
     params: dict[str, Any] = field(default_factory=dict)
     """Parameters worth printing in the report."""
+    tenants: tuple[TenantSpec, ...] = ()
+    """Named tenants (W6, traces with `tenant` fields); () = no per-tenant metrics."""
 
     def source(self, rt_rate_req_s: float | None, include_be: bool = True) -> SpecSource:
         """A fresh source (same requests every call)."""
