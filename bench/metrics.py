@@ -174,7 +174,7 @@ def rt_metrics(
         "rt_tbt_p99_s": percentile(gaps, 99),
         "rt_mtpot_p99_s": percentile(mtpot, 99),
         "rt_normalized_latency_s": mean(norm),
-        "rt_good_req_s": sum(s.ttft_met and s.tpot_met for s in stats) / window_s,
+        "rt_goodput_req_s": sum(s.ttft_met and s.tpot_met for s in stats) / window_s,
         "rt_token_goodput_tok_s": in_deadline / window_s,
         **admission_metrics(stats),
     }
@@ -191,7 +191,7 @@ def admission_metrics(stats: Sequence[RtStats]) -> Metrics:
       today likewise.
 
     RT goodput (requests meeting both targets per second, shed ones counting as missed) is
-    `rt_good_req_s`."""
+    `rt_goodput_req_s`."""
     admitted = list(stats)  # no admission control yet: every request is admitted
     return {
         "rt_admitted_attainment": _share([s.ttft_met and s.tpot_met for s in admitted]),
@@ -245,7 +245,7 @@ def goodput_metrics(records: Sequence[RequestRecord], rt: Metrics, window_s: flo
         and r.finish_s <= window_s + _EPS
         and (r.deadline_s is None or r.finish_s <= r.deadline_s + _EPS)
     )
-    rt_good = float(rt["rt_good_req_s"] or 0.0)
+    rt_good = float(rt["rt_goodput_req_s"] or 0.0)
     strict = (rt["rt_strict_attainment"] or 0.0) * int(rt["rt_requests"] or 0) / window_s
     return {
         "goodput_req_s": rt_good + be_good / window_s,

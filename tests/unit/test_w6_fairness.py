@@ -169,7 +169,7 @@ def test_rt_admitted_attainment_per_tenant_and_overall() -> None:
     metrics = compute_metrics(result, 3.0)
     assert metrics["rt_admitted_attainment"] == metrics["rt_joint_attainment"] == 0.6
     assert metrics["rt_shed_rate"] == 0.0 and metrics["rt_downgraded_rate"] == 0.0
-    assert metrics["rt_good_req_s"] == pytest.approx(3 / 3.0)
+    assert metrics["rt_goodput_req_s"] == pytest.approx(3 / 3.0)
 
 
 def test_trace_tenants_become_workload_tenants(tmp_path: Path) -> None:
