@@ -123,7 +123,7 @@ async def test_over_tokens_per_min_is_429_then_served_after_retry_after(
 
 
 async def test_tokens_are_corrected_when_a_request_ends_early(gateway: GatewayHandle) -> None:
-    _, key = await tenant_with_quota(gateway, "tpm-correction", tokens_per_min=700)
+    _, key = await tenant_with_quota(gateway, "tpm-correction", tokens_per_min=850)
     # max_tokens 600 is reserved, but the stop string ("w": every word of the tiny model) ends the
     # answer early; the tokens not generated go back to the bucket when the request ends
     status, _, body = await chat(gateway, key, max_tokens=600, ignore_eos=False, stop=["w"])

@@ -244,7 +244,7 @@ def test_on_the_simulator_which_runs_as_profiled_every_factor_stays_exactly_one(
     from backend.sim.source import ListSource
     from tests.unit.test_tandem_policy import _mixed_workload
 
-    policy = TandemPolicy(LATENCY)
+    policy = TandemPolicy(LATENCY, config=TandemConfig(use_calibration=True))
     simulate(ListSource(_mixed_workload()), policy, LATENCY, SimConfig(kv_capacity_tokens=60_000))
     assert policy.calibration.samples > 100
     assert policy.calibration.factors == (1.0, 1.0, 1.0)

@@ -91,10 +91,13 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
     """AIMD on ε and the BE share; off: both fixed at their initial values (BE share 1)."""
     use_era: bool = True
     """At most `max_long_prefills` long prompts mid-prefill per tier; off: no limit."""
-    use_calibration: bool = True
+    use_calibration: bool = False
     """Online latency calibration (`backend.policy.calibration`): predictions are scaled by the
     learned per-regime factor of the engine's pace; off: the profile as measured (the error
-    statistics are kept either way)."""
+    statistics are kept either way). Opt-in for now (`engine.policy_options` or
+    `--policies tandem:use_calibration=true`): in one loaded full-suite run on the real CPU
+    engine, the profiler's mixed probe saw its decode streams end early with it on, and the real
+    engine's behaviour with it has not been validated yet (issue 15)."""
 
     def __post_init__(self) -> None:
         for name in (
