@@ -1,6 +1,7 @@
 """The patched engine's own counters (its control endpoint's ``GET /stats``) as gauges on the
-gateway's ``GET /metrics``: how the engine's busy time splits between RT work and the rest, and
-what tandem's scheduling costs.
+gateway's ``GET /metrics``: how the engine's busy time splits between RT work and the rest, what
+tandem's scheduling costs, and how far the latency profile the policy plans with is from the
+engine's real speed (the prediction error, and the calibration's pace factors).
 
 The engine-control loop (`gateway.engine.control`) reads ``/stats`` every couple of seconds;
 each gauge covers the interval between the last two readings, so it follows the load as it
@@ -28,6 +29,23 @@ _SHARES = (
         "control-endpoint interval.",
     ),
 )
+
+
+_ERRORS = (
+    (
+        "tandem_engine_latency_model_error",
+        "latency_error",
+        "The latency profile's prediction error on the engine's recent iterations, "
+        "|predicted - measured| / measured, at the quantile given (before calibration).",
+    ),
+    (
+        "tandem_engine_latency_corrected_error",
+        "latency_corrected_error",
+        "The same error for the prediction the policy planned with (after its calibration).",
+    ),
+)
+_QUANTILES = (("0.5", "p50"), ("0.99", "p99"))
+_REGIMES = ("decode", "prefill", "mixed")
 
 
 class EngineStatsWindow:
@@ -61,6 +79,27 @@ class EngineStatsWindow:
             value = self.share(key)
             if value is not None:
                 yield GaugeMetricFamily(name, doc, value=value)
+        latest = self.latest or {}
+        for name, key, doc in _ERRORS:
+            errors = GaugeMetricFamily(name, doc, labels=["quantile"])
+            for quantile, suffix in _QUANTILES:
+                value = latest.get(f"{key}_{suffix}")
+                if isinstance(value, int | float):
+                    errors.add_metric([quantile], float(value))
+            if errors.samples:
+                yield errors
+        factors = GaugeMetricFamily(
+            "tandem_engine_latency_factor",
+            "How much slower than its latency profile the engine runs now, per batch regime "
+            "(the policy's calibration; 1 = as profiled).",
+            labels=["regime"],
+        )
+        for regime in _REGIMES:
+            value = latest.get(f"latency_factor_{regime}")
+            if isinstance(value, int | float):
+                factors.add_metric([regime], float(value))
+        if factors.samples:
+            yield factors
 
 
 def _num(stats: dict[str, Any], key: str) -> float:

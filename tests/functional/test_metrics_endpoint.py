@@ -15,6 +15,7 @@ from gateway.state import DB_ENGINE, METRICS
 from gateway.store.models import BatchItemRow, BatchRow, FileRow
 from tests.functional.gateway_fixtures import GatewayHandle
 from tests.functional.test_quotas import chat, tenant_with_quota
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -136,3 +137,29 @@ async def test_metrics_expose_requests_latency_slo_engine_and_batches(
     assert value(m, "tandem_usage_records_pending") is not None
     assert value(m, "tandem_gateway_instances") == 1
     assert value(m, "tandem_quota_sync_failures") == 0
+
+
+async def test_the_latency_profiles_error_on_the_real_engine_is_a_gauge(
+    gateway: GatewayHandle,
+) -> None:
+    """The engine runs the tandem policy with the cpu-tiny profile: /metrics tells an operator how
+    far that profile is from the engine's real iteration times, and the calibration's pace."""
+    _, key = await tenant_with_quota(gateway, "latency-gauges")
+    for _ in range(2):
+        status, _, body = await chat(gateway, key, max_tokens=16)
+        assert status == 200, body
+
+    async def error_gauges() -> Samples | None:
+        samples = await scrape(gateway)
+        found = value(samples, "tandem_engine_latency_model_error", quantile="0.5")
+        return samples if found is not None else None
+
+    samples = await wait_until(
+        error_gauges, timeout_s=30, what="the latency-model error gauge on /metrics"
+    )
+    p50 = value(samples, "tandem_engine_latency_model_error", quantile="0.5")
+    p99 = value(samples, "tandem_engine_latency_model_error", quantile="0.99")
+    assert p50 is not None and p99 is not None and 0.0 <= p50 <= p99
+    for regime in ("decode", "prefill", "mixed"):
+        factor = value(samples, "tandem_engine_latency_factor", regime=regime)
+        assert factor is not None and 0.5 <= factor <= 4.0

@@ -45,3 +45,37 @@ def test_an_idle_interval_keeps_no_share() -> None:
     window.add(reading(5.0, 1.0))
     window.add(reading(5.0, 1.0))  # no iteration since the last reading
     assert gauges(window) == {}
+
+
+def test_the_latency_model_error_and_the_pace_factors_are_gauges() -> None:
+    window = EngineStatsWindow()
+    window.add(
+        {
+            **reading(10.0, 5.0),
+            "latency_error_p50": 0.5,
+            "latency_error_p99": 0.6,
+            "latency_corrected_error_p50": 0.02,
+            "latency_corrected_error_p99": None,  # no samples yet: no gauge
+            "latency_factor_decode": 2.0,
+            "latency_factor_prefill": 1.5,
+            "latency_factor_mixed": 1.0,
+        }
+    )
+    samples = {
+        (m.name, tuple(sorted(s.labels.items()))): s.value
+        for m in window.collect()
+        for s in m.samples
+    }
+    assert samples[("tandem_engine_latency_model_error", (("quantile", "0.5"),))] == 0.5
+    assert samples[("tandem_engine_latency_model_error", (("quantile", "0.99"),))] == 0.6
+    assert samples[("tandem_engine_latency_corrected_error", (("quantile", "0.5"),))] == 0.02
+    assert ("tandem_engine_latency_corrected_error", (("quantile", "0.99"),)) not in samples
+    assert samples[("tandem_engine_latency_factor", (("regime", "decode"),))] == 2.0
+    assert samples[("tandem_engine_latency_factor", (("regime", "mixed"),))] == 1.0
+
+
+def test_an_engine_without_a_policy_has_no_latency_gauges() -> None:
+    window = EngineStatsWindow()
+    window.add(reading(10.0, 5.0))
+    names = {m.name for m in window.collect()}
+    assert not any(name.startswith("tandem_engine_latency") for name in names)
