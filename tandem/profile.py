@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from backend.policy.calibration import REGIMES, regime_of
 from backend.policy.latency import holdout_mape, save_profile
 from bench.profiler.probe import ProfilerError
 from common.config import Config, ConfigError, load_config
@@ -143,14 +144,7 @@ def _measure(args: argparse.Namespace) -> int:
     save_profile(profile, args.out)
     kinds = {"prefill": 0, "decode": 0, "mixed": 0}
     for sample in profile.samples:
-        shape = sample.shape
-        kinds[
-            "mixed"
-            if shape.num_prefill and shape.num_decode
-            else "prefill"
-            if shape.num_prefill
-            else "decode"
-        ] += 1
+        kinds[REGIMES[regime_of(sample.shape.num_prefill, sample.shape.num_decode)]] += 1
     print(
         f"wrote {args.out}: {len(profile.samples)} samples "
         f"({', '.join(f'{n} {k}' for k, n in kinds.items())}) in "

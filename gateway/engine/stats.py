@@ -15,6 +15,8 @@ from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily
 
+from backend.policy.calibration import REGIMES
+
 _SHARES = (
     (
         "tandem_engine_rt_time_share",
@@ -45,7 +47,6 @@ _ERRORS = (
     ),
 )
 _QUANTILES = (("0.5", "p50"), ("0.99", "p99"))
-_REGIMES = ("decode", "prefill", "mixed")
 
 
 class EngineStatsWindow:
@@ -94,7 +95,7 @@ class EngineStatsWindow:
             "(the policy's calibration; 1 = as profiled).",
             labels=["regime"],
         )
-        for regime in _REGIMES:
+        for regime in REGIMES:
             value = latest.get(f"latency_factor_{regime}")
             if isinstance(value, int | float):
                 factors.add_metric([regime], float(value))

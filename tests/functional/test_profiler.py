@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from backend.policy.calibration import REGIMES, regime_of
 from backend.policy.latency import LatencyModel, Profile, load_profile, mape
 from bench.profiler.measure import ProfileGrid, profile_engine
 from bench.profiler.probe import Stream, median_run, repeat_until_stable, steady_gap
@@ -17,16 +18,9 @@ from tests.functional.engine_fixtures import EngineServer, free_port
 
 def kinds(profile: Profile) -> dict[str, int]:
     """How many samples of each iteration kind the profile holds."""
-    counts = {"prefill": 0, "decode": 0, "mixed": 0}
+    counts = dict.fromkeys(REGIMES, 0)
     for sample in profile.samples:
-        shape = sample.shape
-        counts[
-            "mixed"
-            if shape.num_prefill and shape.num_decode
-            else "prefill"
-            if shape.num_prefill
-            else "decode"
-        ] += 1
+        counts[REGIMES[regime_of(sample.shape.num_prefill, sample.shape.num_decode)]] += 1
     return counts
 
 
