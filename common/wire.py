@@ -113,3 +113,44 @@ class LengthHistoryPush(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
         for key, values in self.histories.items():
             if any(v < 0 for v in values):
                 raise ValueError(f"length history {key!r}: output lengths must be >= 0")
+
+
+CONTROL_LOAD_PATH = "/load"
+"""GET (query `after=<iteration>`, `wait_s=<seconds>`): the scheduler's :class:`EngineLoad`
+once an iteration later than `after` has run (at once when one already has; after `wait_s`
+the current one) — the gateway's SLO admission long-polls it, so its view of the engine is
+never more than one iteration old."""
+
+
+class EngineLoad(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The engine's live state after one iteration: what the SLO admission predicts from.
+
+    Token counts are the scheduler's own (prompt tokens as the engine tokenised them)."""
+
+    iteration: int
+    """Iterations the scheduler has run since it started (0: none yet)."""
+    at_unix_s: float
+    """When the iteration ended (wall clock)."""
+    iteration_s: float = 0.0
+    """The last iteration's measured duration, seconds (0 before the first)."""
+    num_rt_waiting: int = 0
+    """RT requests whose prompt is not fully computed yet (queued or partly prefilled)."""
+    rt_waiting_prompt_tokens: int = 0
+    """Prompt tokens those RT requests still have to compute."""
+    num_rt_running: int = 0
+    """RT requests decoding."""
+    rt_context_tokens: int = 0
+    """Σ context length (prompt + generated) of the decoding RT requests, tokens."""
+    num_be_waiting: int = 0
+    num_be_running: int = 0
+    be_context_tokens: int = 0
+    """Σ context length of the decoding BE requests, tokens."""
+    kv_used_tokens: int = 0
+    kv_capacity_tokens: int = 0
+    be_kv_tokens: int = 0
+    """KV held by BE requests (RT may take it: BE is paused or evicted first)."""
+    max_prefill_tokens: int = 8192
+    """Largest prefill the engine runs in one iteration, tokens."""
+    latency_factors: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    """The calibration's pace per batch regime (decode, prefill, mixed): measured ÷ profile
+    (backend/policy/calibration.py); 1.0 where the profile is right."""

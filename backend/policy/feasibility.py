@@ -1,0 +1,186 @@
+"""Can an RT request's contract still be met if it is admitted now? — the SLO admission's forecast.
+
+The gateway asks before a request reaches the engine (gateway/pipeline/admission.py), the
+simulator's front door asks on every RT arrival (backend/sim); both read the engine's live
+state (`common.wire.EngineLoad`: queues, running RT, KV, the calibration's pace) and predict, with
+the same latency model the engine's policy plans with, corrected by that pace:
+
+    TPOT  one decode iteration of every RT request that will be decoding beside it — the running
+          ones, the waiting ones and those admitted but not yet seen by the engine, and it:
+              f_decode × predict(decodes only)
+          tandem gives BE only the time RT leaves under its deadlines, so BE does not count;
+          a TPOT the RT decodes alone cannot keep, no schedule keeps.
+
+    TTFT  the iteration in flight, then the RT prompt tokens ahead of it (waiting RT, the
+          gateway's backlog) and its own prompt, computed in chunks beside those decodes:
+              iteration_s + ⌈W / c⌉ × f_mixed × predict(decodes + chunk c)
+          where c is the largest chunk whose iteration stays within the per-iteration budget
+          (`iteration_budget_s`, the policy's τ; the request's own TPOT target when smaller),
+          capped by the engine's max prefill. RT prompts are served before any BE prompt, so
+          BE's queue does not count either; its running decodes do, through the measured
+          iteration in flight.
+
+A forecast is compared with the time the request has left (its target less the time it already
+waited) times `headroom` (< 1: the forecast is a mean, the SLO a bound): over it, the request
+misses, and `Shortfall` says which target, the predicted time and by how much.
+
+Pure: no I/O, no clock; the caller passes what it knows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from backend.policy.calibration import DECODE, MIXED, PREFILL
+from backend.policy.latency import BatchShape, LatencyModel
+from common.wire import EngineLoad
+
+Target = Literal["ttft", "tpot"]
+
+
+@dataclass(frozen=True)
+class SloAsk:
+    """An RT request's contract and size, as the admission sees it."""
+
+    prompt_tokens: int
+    ttft_target_s: float
+    """Time to first token, seconds from arrival."""
+    tpot_target_s: float | None = None
+    """Time per output token after the first, seconds; None: no TPOT target."""
+    waited_s: float = 0.0
+    """Time already spent since arrival (parsing, tokenising, the gateway's own queue)."""
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """RT work admitted but not yet in the engine's reported state (in flight to it)."""
+
+    num_requests: int = 0
+    prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Shortfall:
+    """The target a forecast misses, and by how much."""
+
+    target: Target
+    target_s: float
+    """The contract's target (TTFT from arrival, or TPOT), seconds."""
+    predicted_s: float
+    """What the forecast says the request would get, seconds."""
+    retry_after_s: float
+    """When asking again may succeed, seconds (≥ 1): the time the queue ahead needs to drain
+    by the excess (TTFT), or a second for the running RT decodes to thin out (TPOT)."""
+
+    @property
+    def over_s(self) -> float:
+        """How far the forecast is over the target, seconds."""
+        return self.predicted_s - self.target_s
+
+    def describe(self) -> str:
+        """One sentence naming the target and the excess, for an error message."""
+        name = "time to first token" if self.target == "ttft" else "time per output token"
+        return (
+            f"the {name} target of {self.target_s * 1000:.0f} ms cannot be met at the engine's "
+            f"current load: predicted {self.predicted_s * 1000:.0f} ms "
+            f"({self.over_s * 1000:.0f} ms over)"
+        )
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """Predicted TTFT (from arrival, the time already waited included) and TPOT of an ask."""
+
+    ttft_s: float
+    tpot_s: float | None
+    shortfall: Shortfall | None
+    """None: both targets are predicted to hold (within the headroom)."""
+
+    @property
+    def feasible(self) -> bool:
+        return self.shortfall is None
+
+
+class SloForecaster:
+    """Forecasts an RT request's TTFT and TPOT from an `EngineLoad` (see the module doc)."""
+
+    def __init__(
+        self,
+        latency: LatencyModel,
+        *,
+        iteration_budget_s: float = 0.05,
+        headroom: float = 0.85,
+        min_chunk_tokens: int = 64,
+    ) -> None:
+        if not 0.0 < headroom <= 1.0:
+            raise ValueError(f"headroom must be in (0, 1], got {headroom}")
+        if iteration_budget_s <= 0.0:
+            raise ValueError(f"iteration_budget_s must be > 0, got {iteration_budget_s}")
+        self.latency = latency
+        self.iteration_budget_s = iteration_budget_s
+        """Per-iteration time the RT prompts are chunked to (the policy's τ), seconds."""
+        self.headroom = headroom
+        """Fraction of the time left that a forecast may use."""
+        self.min_chunk_tokens = min_chunk_tokens
+        """Smallest chunk assumed per iteration (the policy raises τ for urgent prompts rather
+        than starve them), tokens."""
+
+    def forecast(self, load: EngineLoad, ask: SloAsk, backlog: Backlog = Backlog()) -> Forecast:
+        """The ask's predicted TTFT and TPOT on an engine in state *load*."""
+        f_decode = load.latency_factors[DECODE]
+        f_mixed = load.latency_factors[MIXED]
+        f_prefill = load.latency_factors[PREFILL]
+        running = _decodes(load.num_rt_running, load.rt_context_tokens)
+        # Everyone ahead decodes beside it once prefilled: contexts of about their prompts.
+        later = load.num_rt_waiting + backlog.num_requests + 1
+        later_tokens = load.rt_waiting_prompt_tokens + backlog.prompt_tokens + ask.prompt_tokens
+        decoding = _decodes(
+            load.num_rt_running + later, load.rt_context_tokens + later_tokens
+        )
+        tpot_s = f_decode * self.latency.predict(decoding) if ask.tpot_target_s else None
+
+        budget_s = self.iteration_budget_s
+        if ask.tpot_target_s is not None:
+            budget_s = min(budget_s, ask.tpot_target_s)
+        chunk = self._chunk(running, budget_s, f_mixed if running.num_decode else f_prefill, load)
+        full, rest = divmod(later_tokens, chunk)
+        f_chunk = f_mixed if running.num_decode else f_prefill
+        prefill_s = full * f_chunk * self.latency.predict(running.with_prefill(chunk))
+        if rest:
+            prefill_s += f_chunk * self.latency.predict(running.with_prefill(rest))
+        ttft_s = ask.waited_s + load.iteration_s + prefill_s
+        return Forecast(ttft_s=ttft_s, tpot_s=tpot_s, shortfall=self._shortfall(ask, ttft_s, tpot_s))
+
+    def _chunk(self, running: BatchShape, budget_s: float, factor: float, load: EngineLoad) -> int:
+        """Prompt tokens one iteration computes beside the running RT decodes within the budget."""
+        cap = max(1, load.max_prefill_tokens)
+        chunk = self.latency.max_chunk(running, budget_s / factor, prefix=0, cap=cap)
+        return max(chunk, min(self.min_chunk_tokens, cap))
+
+    def _shortfall(self, ask: SloAsk, ttft_s: float, tpot_s: float | None) -> Shortfall | None:
+        if ttft_s > self.headroom * ask.ttft_target_s:
+            # Retry once the queue ahead has drained by the excess.
+            over_s = ttft_s - self.headroom * ask.ttft_target_s
+            return Shortfall("ttft", ask.ttft_target_s, ttft_s, _retry_after(over_s))
+        if tpot_s is not None and ask.tpot_target_s is not None:
+            if tpot_s > self.headroom * ask.tpot_target_s:
+                return Shortfall("tpot", ask.tpot_target_s, tpot_s, 1.0)
+        return None
+
+
+def _decodes(count: int, context_tokens: int) -> BatchShape:
+    """*count* decodes of equal context summing to *context_tokens* (Σ context² from the mean:
+    the gateway knows totals, not each request)."""
+    if count <= 0:
+        return BatchShape()
+    mean = context_tokens / count
+    return BatchShape(
+        decode_context=context_tokens, num_decode=count, decode_context_sq=count * mean * mean
+    )
+
+
+def _retry_after(over_s: float) -> float:
+    """Whole seconds, at least one (HTTP's Retry-After has a one-second resolution)."""
+    return float(max(1, math.ceil(over_s)))
