@@ -35,6 +35,7 @@ from typing import Literal
 
 from backend.policy.calibration import DECODE, MIXED, PREFILL
 from backend.policy.latency import BatchShape, LatencyModel
+from backend.policy.types import Snapshot
 from common.wire import EngineLoad
 
 Target = Literal["ttft", "tpot"]
@@ -184,3 +185,58 @@ def _decodes(count: int, context_tokens: int) -> BatchShape:
 def _retry_after(over_s: float) -> float:
     """Whole seconds, at least one (HTTP's Retry-After has a one-second resolution)."""
     return float(max(1, math.ceil(over_s)))
+
+
+def load_of(
+    snapshot: Snapshot,
+    *,
+    iteration: int,
+    at_unix_s: float,
+    iteration_s: float,
+    latency_factors: tuple[float, float, float] = (1.0, 1.0, 1.0),
+) -> EngineLoad:
+    """The `EngineLoad` an engine reports from the snapshot its policy planned from (the
+    SGLang driver and the simulator build it the same way). One pass over the requests.
+
+    A running request still prefilling (a chunked prompt) counts as waiting RT work: what is
+    left of its prompt is ahead of any new prompt."""
+    rt_waiting = rt_prompt = rt_running = rt_context = 0
+    be_waiting = be_running = be_context = be_kv = 0
+    for r in snapshot.running:
+        if r.tier == "rt":
+            if r.prefilled < r.prefill_len:
+                rt_waiting += 1
+                rt_prompt += r.prefill_len - r.prefilled
+            else:
+                rt_running += 1
+                rt_context += r.prompt_len + r.generated
+        else:
+            be_kv += r.prefilled + (r.generated if r.prefilled >= r.prefill_len else 0)
+            if r.prefilled < r.prefill_len:
+                be_waiting += 1
+            else:
+                be_running += 1
+                be_context += r.prompt_len + r.generated
+    for r in snapshot.waiting:
+        if r.tier == "rt":
+            rt_waiting += 1
+            rt_prompt += r.prefill_len - r.prefilled
+        else:
+            be_waiting += 1
+    return EngineLoad(
+        iteration=iteration,
+        at_unix_s=at_unix_s,
+        iteration_s=iteration_s,
+        num_rt_waiting=rt_waiting,
+        rt_waiting_prompt_tokens=rt_prompt,
+        num_rt_running=rt_running,
+        rt_context_tokens=rt_context,
+        num_be_waiting=be_waiting,
+        num_be_running=be_running,
+        be_context_tokens=be_context,
+        kv_used_tokens=snapshot.kv_capacity_tokens - snapshot.kv_free_tokens,
+        kv_capacity_tokens=snapshot.kv_capacity_tokens,
+        be_kv_tokens=be_kv,
+        max_prefill_tokens=snapshot.max_prefill_tokens,
+        latency_factors=latency_factors,
+    )
