@@ -176,27 +176,35 @@ def rt_metrics(
         "rt_normalized_latency_s": mean(norm),
         "rt_goodput_req_s": sum(s.ttft_met and s.tpot_met for s in stats) / window_s,
         "rt_token_goodput_tok_s": in_deadline / window_s,
-        **admission_metrics(stats),
+        **admission_metrics(rt, stats, sum(r.admission == "downgraded" for r in records)),
     }
 
 
-def admission_metrics(stats: Sequence[RtStats]) -> Metrics:
-    """RT admission outcomes (the SLO issue's gateway admission):
+def admission_metrics(
+    rt: Sequence[RequestRecord], stats: Sequence[RtStats], num_downgraded: int
+) -> Metrics:
+    """RT admission outcomes (the SLO admission: backend/policy/feasibility.py, at the gateway
+    or the simulator's front door). The RT requests offered are the RT records (shed ones
+    included: they never ran) plus those downgraded to BE (recorded as BE: they ran as BE).
 
-    * `rt_admitted_attainment`: joint TTFT & TPOT attainment over the RT requests the gateway
-      admitted. Every request is admitted today, so it equals `rt_joint_attainment`.
-    * `rt_shed_rate`: share of RT requests the gateway refused (shed). 0.0 today: nothing is
-      shed yet; the gateway admission of the SLO issue will make it nonzero.
-    * `rt_downgraded_rate`: share of RT requests the gateway downgraded to best effort. 0.0
-      today likewise.
+    * `rt_admitted_attainment`: joint TTFT & TPOT attainment over the RT requests admitted as
+      RT (accepted-though-predicted-late ones included);
+    * `rt_shed_rate`: share of the RT requests offered that were refused;
+    * `rt_downgraded_rate`: share of the RT requests offered that ran as BE;
+    * `rt_accepted_late_rate`: share admitted as RT although predicted late (the contract said
+      "accept").
 
-    RT goodput (requests meeting both targets per second, shed ones counting as missed) is
-    `rt_goodput_req_s`."""
-    admitted = list(stats)  # no admission control yet: every request is admitted
+    RT goodput (requests meeting both targets per second, shed and downgraded ones counting as
+    missed) is `rt_goodput_req_s`."""
+    offered = len(rt) + num_downgraded
+    admitted = [s for s, r in zip(stats, rt, strict=True) if r.admission != "shed"]
+    num_shed = len(rt) - len(admitted)
+    num_accepted = sum(r.admission == "accepted" for r in rt)
     return {
         "rt_admitted_attainment": _share([s.ttft_met and s.tpot_met for s in admitted]),
-        "rt_shed_rate": 0.0 if stats else None,
-        "rt_downgraded_rate": 0.0 if stats else None,
+        "rt_shed_rate": num_shed / offered if offered else None,
+        "rt_downgraded_rate": num_downgraded / offered if offered else None,
+        "rt_accepted_late_rate": num_accepted / offered if offered else None,
     }
 
 
@@ -313,7 +321,7 @@ def tenant_metrics(
     * `tier`: "rt" or "be"; `requests`: the tenant's requests; `weight`: its fair-share weight
       from the workload.
     * `rt_admitted_attainment` (RT tenants): joint TTFT & TPOT attainment over its admitted
-      requests (every request is admitted today).
+      requests; `rt_shed`: how many of its requests the SLO admission refused.
     * `tokens_in_contended`: its tokens served inside C (below).
     * `contended_s`: length of its tier's contended window C: the times at which every tenant
       of the tier had work outstanding (at least one request arrived and not finished — closed
@@ -324,8 +332,12 @@ def tenant_metrics(
       None when C is empty or no token was served in it.
     """
     out: dict[str, dict[str, Any]] = {}
-    by_tenant = {
+    offered = {
         t.name: [r for r in records if r.tier == t.tier and r.length_key == t.name] for t in tenants
+    }
+    # A shed request never ran: it holds nothing outstanding and is served no token.
+    by_tenant = {
+        name: [r for r in recs if r.admission != "shed"] for name, recs in offered.items()
     }
     for tier in dict.fromkeys(t.tier for t in tenants):
         members = [t for t in tenants if t.tier == tier]
@@ -342,10 +354,11 @@ def tenant_metrics(
         for t in members:
             recs = by_tenant[t.name]
             row: dict[str, Any] = {"tier": tier, "weight": float(t.weight)}
-            row["requests"] = len(recs)
+            row["requests"] = len(offered[t.name])
             if tier == "rt":
                 stats = [rt_stats(r, end_s) for r in recs]
-                row["rt_admitted_attainment"] = admission_metrics(stats)["rt_admitted_attainment"]
+                row["rt_admitted_attainment"] = _share([s.ttft_met and s.tpot_met for s in stats])
+                row["rt_shed"] = len(offered[t.name]) - len(recs)
             row["contended_s"] = contended
             row["tokens_in_contended"] = served[t.name]
             row["token_share"] = served[t.name] / total if total else None

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 
 from backend.policy import pastfuture
+from backend.policy.feasibility import SloForecaster
 from backend.policy.latency import BatchShape, LatencyModel
 from backend.policy.types import IterationResult, Plan, PrefillChunk, ReqState, Snapshot
 from common.wire import Tier
@@ -267,6 +268,16 @@ class PolicyBase:
 
     def __init__(self, latency: LatencyModel) -> None:
         self.latency = latency
+
+    def slo_forecaster(self) -> SloForecaster | None:
+        """The SLO admission to put in front of this policy's engine (`backend.policy.
+        feasibility`); None: every request is admitted (the stock baselines)."""
+        return None
+
+    def latency_factors(self) -> tuple[float, float, float]:
+        """The engine's pace per batch regime as the policy has learned it (measured ÷ profile);
+        1.0 each for a policy that does not calibrate."""
+        return (1.0, 1.0, 1.0)
 
     def observe(self, result: IterationResult) -> None:
         """Stateless policies learn nothing."""

@@ -63,6 +63,11 @@ def format_slowdown(schedule: Slowdown) -> str:
     return ",".join(f"{factor:g}@{start:g}" for start, factor in schedule)
 
 
+SloUnattainable = Literal["reject", "downgrade", "accept"]
+"""What the contract says to do with an RT request whose targets cannot be met: shed it, run it
+as BE, or run it as RT anyway."""
+
+
 class SimConfig(msgspec.Struct, frozen=True):
     """The simulated engine: memory, caps, prefix cache and run length."""
 
@@ -106,6 +111,10 @@ class SimConfig(msgspec.Struct, frozen=True):
     iteration starting at t takes factor(t) × the model's prediction of its compute (the
     bicache layout's host copies are not scaled: the link's bandwidth does not change). The
     policy is not told; it sees the measured durations only. () = no slowdown."""
+
+    slo_unattainable: SloUnattainable = "reject"
+    """The RT contract's answer when the SLO admission predicts a miss (backend/sim/front_door.py;
+    only for a policy that asks for the admission: `PolicyBase.slo_forecaster`)."""
 
     def slowdown_at(self, t_s: float) -> float:
         """The slowdown factor in effect at simulated time `t_s` (1.0 without a schedule)."""

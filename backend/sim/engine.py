@@ -18,6 +18,7 @@ from backend.policy.time_share import shape_of
 from backend.policy.types import FinishedRequest, IterationResult, Policy
 from backend.sim.config import SimConfig
 from backend.sim.core import EngineCore
+from backend.sim.front_door import FrontDoor, front_door_for
 from backend.sim.records import IterationLog, RequestRecord, SimResult
 from backend.sim.source import ArrivalSource
 from backend.sim.track import Batch, Track
@@ -53,12 +54,19 @@ def simulate(
     and StalledPolicyError when the policy stops making progress.
     """
     core = EngineCore(config, policy.name)
+    door = front_door_for(policy, config.slo_unattainable)
     log = IterationLog(config.kv_capacity_tokens)
     clock = _Clock(config.horizon_s)
     next_progress = 0.0
     idle_plans = 0
     while clock.now_s < clock.horizon_s:
         for req in source.pop_due(clock.now_s):
+            if door is not None:
+                admitted = door.admit(req, core.snapshot(clock.now_s), clock.now_s)
+                if admitted is None:
+                    source.on_finish(req.rid, clock.now_s)  # a closed loop hears the refusal
+                    continue
+                req = admitted
             core.add(req)
         if not core.running and not core.waiting:
             if not _jump_to_arrival(source, clock):
@@ -88,7 +96,7 @@ def simulate(
             next_progress = math.floor(clock.now_s) + 1.0
     if progress is not None:
         progress(min(clock.now_s, clock.horizon_s))
-    return _result(core, log, policy.name, config.horizon_s, clock.now_s)
+    return _result(core, log, policy.name, config.horizon_s, clock.now_s, door)
 
 
 def _jump_to_arrival(source: ArrivalSource, clock: _Clock) -> bool:
@@ -201,15 +209,31 @@ def _record(t: Track) -> RequestRecord:
     )
 
 
+def _records(core: EngineCore, door: FrontDoor | None) -> list[RequestRecord]:
+    """Every request's record in arrival order, the shed ones (which never reached the core)
+    included, each with how the front door admitted it."""
+    records = [_record(t) for t in core.arrived]
+    if door is None:
+        return records
+    for rec in records:
+        rec.admission = door.outcomes.get(rec.rid, "admitted")
+    return sorted(records + door.shed, key=lambda r: r.arrival_s)
+
+
 def _result(
-    core: EngineCore, log: IterationLog, policy_name: str, horizon_s: float | None, end_s: float
+    core: EngineCore,
+    log: IterationLog,
+    policy_name: str,
+    horizon_s: float | None,
+    end_s: float,
+    door: FrontDoor | None = None,
 ) -> SimResult:
     admitted = [t for t in core.arrived if t.first_cached is not None]
     prompt = sum(t.state.prompt_len for t in admitted)
     cached = sum(t.first_cached or 0 for t in admitted)
     return SimResult(
         policy_name=policy_name,
-        requests=[_record(t) for t in core.arrived],
+        requests=_records(core, door),
         iterations=log,
         horizon_s=horizon_s,
         end_s=end_s,

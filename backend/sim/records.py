@@ -5,10 +5,16 @@ from __future__ import annotations
 import math
 from array import array
 from collections.abc import Sequence
+from typing import Literal
 
 import msgspec
 
 from common.wire import Tier
+
+Admission = Literal["admitted", "shed", "downgraded", "accepted"]
+"""How the SLO admission let a request in: "admitted" (its contract was predicted to hold, or it
+has none), "shed" (refused: it never reached the engine), "downgraded" (an RT request run as BE),
+"accepted" (run as RT although its contract was predicted to fail: the contract said so)."""
 
 
 class RequestRecord(msgspec.Struct, kw_only=True):
@@ -44,6 +50,8 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     """The output cap the policy saw."""
     admitted_s: float | None = None
     """When it was first admitted (queueing delay = admitted_s − arrival_s)."""
+    admission: Admission = "admitted"
+    """How the SLO admission let it in (a downgraded request runs, and is recorded, as BE)."""
 
 
 _FLOAT_COLUMNS = ("start_s", "duration_s", "predicted_s", "plan_ms", "rt_part_s")

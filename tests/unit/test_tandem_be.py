@@ -94,7 +94,9 @@ def _overload(be_min_share: float) -> tuple[list[float | None], list[float | Non
     be = [
         make_sim_request(tier="be", prompt_len=400, output_len=5, arrival_s=0.0) for _ in range(20)
     ]
-    policy = make_policy(latency_budget_s=0.05, be_min_share=be_min_share)
+    # Without the SLO admission: the RT backlog must reach the engine (the admission would shed
+    # what the engine cannot prefill in time, and RT would never be backlogged).
+    policy = make_policy(latency_budget_s=0.05, be_min_share=be_min_share, slo_admission=False)
     result = simulate(
         ListSource(rt + be), policy, LATENCY, SimConfig(kv_capacity_tokens=200_000, horizon_s=120.0)
     )

@@ -91,13 +91,18 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
     """AIMD on ε and the BE share; off: both fixed at their initial values (BE share 1)."""
     use_era: bool = True
     """At most `max_long_prefills` long prompts mid-prefill per tier; off: no limit."""
-    use_calibration: bool = False
+    use_calibration: bool = True
     """Online latency calibration (`backend.policy.calibration`): predictions are scaled by the
     learned per-regime factor of the engine's pace; off: the profile as measured (the error
-    statistics are kept either way). Opt-in for now (`engine.policy_options` or
-    `--policies tandem:use_calibration=true`): in one loaded full-suite run on the real CPU
-    engine, the profiler's mixed probe saw its decode streams end early with it on, and the real
-    engine's behaviour with it has not been validated yet (issue 15)."""
+    statistics are kept either way, and the SLO admission uses the learned pace regardless)."""
+    slo_admission: bool = True
+    """Admission against the contract (`backend.policy.feasibility`): an RT request whose TTFT
+    or TPOT the engine's current load cannot meet is refused (or downgraded, per the contract)
+    before it reaches the engine; off: every request is admitted. The gateway does it for the
+    real engine, the simulator's front door for the bench."""
+    slo_headroom: float = 0.65
+    """The SLO admission's forecast may use this fraction of the time a request has left (the
+    forecast is a mean, the contract a bound)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -109,6 +114,8 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0.0 < self.slo_headroom <= 1.0:
+            raise ValueError(f"slo_headroom must be in (0, 1], got {self.slo_headroom}")
         for name in (
             "reserve_frac",
             "rt_headroom_frac",

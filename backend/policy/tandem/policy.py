@@ -21,6 +21,7 @@ from typing import Any
 
 from backend.policy.calibration import LatencyCalibration, regime_of
 from backend.policy.common import PolicyBase, waiting_in
+from backend.policy.feasibility import SloForecaster
 from backend.policy.latency import LatencyModel
 from backend.policy.tandem import slack
 from backend.policy.tandem.admission import AdmissionRound, LengthModel, RtHeadroom
@@ -70,6 +71,25 @@ class TandemPolicy(PolicyBase):
         self._max_prefill = 8192
         self._last_plan: Plan | None = None
         self._last_scale = self.timer.scale  # the factors the last plan was predicted with
+
+    def slo_forecaster(self) -> SloForecaster | None:
+        """The SLO admission for this policy's engine: chunked to its latency budget L, within
+        its `slo_headroom` (None when `slo_admission` is off)."""
+        cfg = self.config
+        if not cfg.slo_admission:
+            return None
+        return SloForecaster(
+            self.latency,
+            iteration_budget_s=cfg.latency_budget_s,
+            headroom=cfg.slo_headroom,
+            min_chunk_tokens=cfg.min_chunk_tokens,
+        )
+
+    def latency_factors(self) -> tuple[float, float, float]:
+        """The calibration's learned pace (used by the admission even when the plans do not
+        use it: `use_calibration` off)."""
+        f = self.calibration.factors
+        return (f[0], f[1], f[2])
 
     def plan(self, snapshot: Snapshot) -> Plan:
         cfg = self.config

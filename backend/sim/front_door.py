@@ -1,0 +1,108 @@
+"""The simulator's front door: the gateway's SLO admission, for the bench.
+
+On the real system the gateway forecasts, before a request reaches the engine, whether an RT
+request's contract can be met from the engine's live state (gateway/pipeline/admission.py). The
+simulator has no gateway, so this does the same at the moment a request arrives, with the same
+forecaster (`backend.policy.feasibility`), from the same `EngineLoad` the engine would report
+(`load_of` on the core's snapshot) and the pace the policy has learned. Arrivals enter the core
+at iteration boundaries, so the state it reads is current (the gateway's is at most one
+iteration old) and no iteration is in flight; the time the request already waited for that
+boundary counts against its TTFT.
+
+What happens to a request whose contract cannot be met is the contract's `SloUnattainable`:
+"reject" sheds it (it never reaches the engine), "downgrade" runs it as BE, "accept" runs it as
+RT anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+import msgspec
+
+from backend.policy.common import PolicyBase
+from backend.policy.feasibility import SloAsk, SloForecaster, load_of
+from backend.policy.types import Policy, Snapshot
+from backend.sim.config import SloUnattainable
+from backend.sim.records import Admission, RequestRecord
+from backend.sim.source import SimRequest
+
+
+class FrontDoor:
+    """Forecasts every RT arrival against the engine's state; sheds, downgrades or admits it."""
+
+    def __init__(
+        self,
+        forecaster: SloForecaster,
+        latency_factors: Callable[[], tuple[float, float, float]],
+        on_unattainable: SloUnattainable,
+    ) -> None:
+        self.forecaster = forecaster
+        self.latency_factors = latency_factors
+        """The engine's pace as the policy has learned it, read at every forecast."""
+        self.on_unattainable: SloUnattainable = on_unattainable
+        self.outcomes: dict[str, Admission] = {}
+        """rid → how it was admitted, for the requests that were not simply admitted."""
+        self.shed: list[RequestRecord] = []
+        """The requests it refused (they never reached the engine)."""
+
+    def admit(self, req: SimRequest, snapshot: Snapshot, now_s: float) -> SimRequest | None:
+        """The request to hand to the engine (*req*, or *req* as BE), or None when it is shed.
+        *snapshot* is the engine's state with every earlier arrival already in it."""
+        if req.tier != "rt" or req.ttft_target_s is None:
+            return req
+        load = load_of(
+            snapshot,
+            iteration=0,
+            at_unix_s=now_s,
+            iteration_s=0.0,
+            latency_factors=self.latency_factors(),
+        )
+        ask = SloAsk(
+            prompt_tokens=req.prompt_len,
+            ttft_target_s=req.ttft_target_s,
+            tpot_target_s=req.tpot_target_s,
+            waited_s=max(0.0, now_s - req.arrival_s),
+        )
+        if self.forecaster.forecast(load, ask).feasible:
+            return req
+        if self.on_unattainable == "accept":
+            self.outcomes[req.rid] = "accepted"
+            return req
+        if self.on_unattainable == "downgrade":
+            self.outcomes[req.rid] = "downgraded"
+            return msgspec.structs.replace(req, tier="be", ttft_target_s=None, tpot_target_s=None)
+        self.outcomes[req.rid] = "shed"
+        self.shed.append(_shed_record(req))
+        return None
+
+
+def front_door_for(policy: Policy, on_unattainable: SloUnattainable) -> FrontDoor | None:
+    """The front door a policy asks for (`PolicyBase.slo_forecaster`); None: admit everything."""
+    if not isinstance(policy, PolicyBase):
+        return None
+    forecaster = policy.slo_forecaster()
+    if forecaster is None:
+        return None
+    return FrontDoor(forecaster, policy.latency_factors, on_unattainable)
+
+
+def _shed_record(req: SimRequest) -> RequestRecord:
+    return RequestRecord(
+        rid=req.rid,
+        tier=req.tier,
+        arrival_s=req.arrival_s,
+        prompt_len=req.prompt_len,
+        output_len_target=min(req.output_len, req.max_new_tokens),
+        generated=0,
+        first_token_s=None,
+        finish_s=None,
+        token_times=(),
+        evictions=0,
+        cached_tokens=0,
+        ttft_target_s=req.ttft_target_s,
+        tpot_target_s=req.tpot_target_s,
+        deadline_s=None,
+        length_key=req.length_key,
+        max_new_tokens=req.max_new_tokens,
+        admission="shed",
+    )
