@@ -336,9 +336,7 @@ def tenant_metrics(
         t.name: [r for r in records if r.tier == t.tier and r.length_key == t.name] for t in tenants
     }
     # A shed request never ran: it holds nothing outstanding and is served no token.
-    by_tenant = {
-        name: [r for r in recs if r.admission != "shed"] for name, recs in offered.items()
-    }
+    by_tenant = {name: [r for r in recs if r.admission != "shed"] for name, recs in offered.items()}
     for tier in dict.fromkeys(t.tier for t in tenants):
         members = [t for t in tenants if t.tier == tier]
         window: list[tuple[float, float]] | None = None

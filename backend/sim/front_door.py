@@ -17,6 +17,7 @@ RT anyway.
 from __future__ import annotations
 
 from collections.abc import Callable
+
 import msgspec
 
 from backend.policy.common import PolicyBase
