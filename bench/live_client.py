@@ -18,11 +18,17 @@ from typing import Any
 
 import aiohttp
 
-from backend.sim.records import RequestRecord
+from backend.sim.records import Admission, RequestRecord
 from bench.workloads.base import RequestSpec, SpecSource
 
+DOWNGRADED_HEADER = "X-Tandem-Downgraded"
+"""The gateway's response header on an RT request it ran as BE (docs/API.md)."""
 DRAIN_TIMEOUT_S = 240.0
 """How long after the arrival window the replay waits for requests still running."""
+
+
+class RequestFailed(RuntimeError):
+    """The gateway answered a request with an error other than an SLO refusal."""
 
 
 class TenantKeys:
@@ -115,7 +121,11 @@ async def replay(
         )
         for task in done:
             spec = pending.pop(task)
-            record = task.result()
+            try:
+                record = task.result()
+            except (aiohttp.ClientError, TimeoutError, RequestFailed):
+                # A request that fails or times out is a miss; the replay carries on.
+                record = _unfinished(spec)
             records.append(record)
             source.on_finish(spec.rid, time.perf_counter() - t0)
     records.sort(key=lambda r: r.arrival_s)
@@ -141,8 +151,11 @@ async def send(
     async with session.post(
         f"{base_url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}
     ) as resp:
+        if resp.status == 429 and (await _error_code(resp)) == "slo_unattainable":
+            return _unfinished(spec, admission="shed")  # refused before reaching the engine
         if resp.status != 200:
-            raise RuntimeError(f"{spec.rid}: HTTP {resp.status} {await resp.text()}")
+            raise RequestFailed(f"{spec.rid}: HTTP {resp.status} {await resp.text()}")
+        downgraded = DOWNGRADED_HEADER in resp.headers
         async for raw in resp.content:
             line = raw.strip()
             if not line.startswith(b"data:") or line == b"data: [DONE]":
@@ -156,7 +169,7 @@ async def send(
     finish = time.perf_counter() - t0
     return RequestRecord(
         rid=spec.rid,
-        tier=spec.tier,
+        tier="be" if downgraded else spec.tier,  # it ran as BE, as the simulator records it
         arrival_s=spec.arrival_s if spec.rid != "warm-up" else arrival,
         prompt_len=spec.prompt_len,
         output_len_target=spec.output_len,
@@ -172,6 +185,7 @@ async def send(
         length_key=spec.length_key,
         max_new_tokens=spec.max_new_tokens,
         admitted_s=chunk_times[0] if chunk_times else None,
+        admission="downgraded" if downgraded else "admitted",
     )
 
 
@@ -185,7 +199,18 @@ def _token_times(chunk_times: list[float], generated: int, finish_s: float) -> a
     return array("d", sorted(times))
 
 
-def _unfinished(spec: RequestSpec) -> RequestRecord:
+async def _error_code(resp: aiohttp.ClientResponse) -> str | None:
+    """The OpenAI error body's `code` (None when the body is not one)."""
+    try:
+        body = await resp.json(content_type=None)
+    except ValueError:
+        return None
+    error = body.get("error") if isinstance(body, dict) else None
+    return error.get("code") if isinstance(error, dict) else None
+
+
+def _unfinished(spec: RequestSpec, admission: Admission = "admitted") -> RequestRecord:
+    """The record of a request that produced nothing: failed, timed out, or shed."""
     return RequestRecord(
         rid=spec.rid,
         tier=spec.tier,
@@ -203,6 +228,7 @@ def _unfinished(spec: RequestSpec) -> RequestRecord:
         deadline_s=None,
         length_key=spec.length_key,
         max_new_tokens=spec.max_new_tokens,
+        admission=admission,
     )
 
 
