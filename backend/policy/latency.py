@@ -131,6 +131,12 @@ class Profile(msgspec.Struct, kw_only=True):
     """KV cache bytes per token over all layers."""
     samples: list[ProfileSample] = msgspec.field(default_factory=list)
     """The measured (or computed) iterations."""
+    key: str | None = None
+    """The profile key of the engine it was measured on (``backend.policy.profile_key``);
+    None: unkeyed (a profile from before keys, or an analytic one), matching no engine."""
+    engine: dict[str, Any] | None = None
+    """That engine's identity (an ``EngineIdentity`` as JSON), to say what differs when the key
+    does not match the served engine's; None with an unkeyed profile."""
 
 
 def load_profile(path: str | Path) -> Profile:
