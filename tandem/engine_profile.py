@@ -214,7 +214,8 @@ def measure_profile(config: Config, model_dir: Path, identity: EngineIdentity, o
     save_profile(profile, partial)
     os.replace(partial, out)
     log.info(
-        "latency profile: measured %d points in %.0f s (probes %.0f s); stored %s",
+        "latency profile: measured %d points in %.0f s (probes %.0f s); stored %s "
+        "(delete it to measure again)",
         len(profile.samples),
         time.monotonic() - started,
         probe_s,
