@@ -148,8 +148,12 @@ def load_profile(path: str | Path) -> Profile:
 
 
 def save_profile(profile: Profile, path: str | Path) -> None:
-    """Writes *profile* as indented JSON (one field a line at the top level, diff-friendly)."""
+    """Writes *profile* as indented JSON (one field a line at the top level, diff-friendly).
+    An unkeyed profile is written without `key` and `engine`, as before keys existed."""
     data = json.loads(msgspec.json.encode(profile))
+    for field in ("key", "engine"):
+        if data.get(field) is None:
+            data.pop(field, None)
     Path(path).write_text(json.dumps(data, indent=1) + "\n")
 
 
