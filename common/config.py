@@ -103,8 +103,17 @@ class EngineConfig(_Section, frozen=True):
     policy: str = "tandem"
     """Policy that schedules the patched engine (a name of backend.policy.registry); "none":
     SGLang's own scheduling, with tandem's metadata only. Ignored when `patch` is False."""
-    profile: str = "cpu-tiny"
-    """Latency profile the in-engine policy plans with: a name in bench/profiler/ or a path."""
+    profile: str = "auto"
+    """Latency profile the in-engine policy plans with: "auto" (the profile measured for this
+    very engine, found under `profile_cache_dir` by its key; `tandem serve` measures and stores
+    it when there is none), a name in backend/policy/profiles/, or a .json path. A named profile
+    measured on a different engine is used, with a warning naming both."""
+    skip_profile: bool = False
+    """With profile "auto": never measure; use the stored profile of this engine if there is
+    one, else the bundled profile of the device (with a warning that it does not match)."""
+    profile_cache_dir: str | None = None
+    """Where measured profiles are stored, one <key>.json per engine (a directory); None:
+    `profiles/` under `model.cache_dir`."""
     policy_options: dict[str, float | int | bool | str] = msgspec.field(default_factory=dict)
     """Options for the policy's constructor (e.g. latency_budget_s for tandem)."""
     control_socket: str | None = None
@@ -181,6 +190,10 @@ class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     control_socket: str | None = None
     """Unix socket path of the engine's control endpoint (length-history pushes, statistics);
     None: no control endpoint. Served only with a `policy` (the endpoint talks to it)."""
+    engine_key: str | None = None
+    """Profile key of this engine as launched (``backend.policy.profile_key``); the engine
+    compares it with its profile's key and reports ``profile_matches`` in its statistics. None:
+    not known (an engine launched outside `tandem serve`)."""
     kv_layout: Literal["token", "bicache"] = "token"
     """KV slot layout, a name: "token" (SGLang's own free list) or "bicache" (see
     `EngineConfig.kv_layout`; the launcher also turns the radix cache off for it)."""
@@ -294,6 +307,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
         _check_positive("batch.max_attempts", self.batch.max_attempts)
         if not 0.0 <= self.batch.pilot_fraction <= 1.0:
             raise ConfigError("batch.pilot_fraction must be in [0, 1]")
+        if not self.engine.profile.strip():
+            raise ConfigError('engine.profile is empty; name a profile, a .json file or "auto"')
         if self.gateway.port > 65535 or self.engine.port > 65535:
             raise ConfigError("gateway.port and engine.port must be at most 65535")
         if self.engine.kv_layout == "bicache" and self.engine.max_total_tokens % 16:

@@ -41,6 +41,12 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(metavar="COMMAND")
 
     serve = sub.add_parser("serve", parents=[common], help="start the engine and the gateway")
+    serve.add_argument(
+        "--skip-profile",
+        action="store_true",
+        help="never measure a latency profile for the engine (engine.skip_profile): use the "
+        "stored one, else the bundled one, with a warning",
+    )
     serve.set_defaults(func=_cmd_serve)
 
     db = sub.add_parser("db", help="database schema").add_subparsers(metavar="ACTION")
@@ -108,7 +114,11 @@ def _parser() -> argparse.ArgumentParser:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from tandem.serve import serve
 
-    return serve(load_config(args.config))
+    config = load_config(args.config)
+    if args.skip_profile:
+        engine = msgspec.structs.replace(config.engine, skip_profile=True)
+        config = msgspec.structs.replace(config, engine=engine)
+    return serve(config)
 
 
 def _cmd_db_upgrade(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""`tandem serve`: migrate the database, start the engine, then the gateway; stop both cleanly.
+"""`tandem serve`: migrate the database, choose (or measure) the engine's latency profile
+(``tandem.engine_profile``), start the engine, then the gateway; stop both cleanly.
 
 The engine runs in its own process group and is stopped (the whole group) however the gateway
 exits: Ctrl-C, SIGTERM, or an error.
@@ -26,6 +27,8 @@ from backend.launch.tiny_model import ensure_tiny_model
 from common.config import Config, ConfigError, ModelConfig, admin_token
 from gateway.app import create_app
 from gateway.store.migrate import upgrade
+from tandem.engine_profile import choose_profile, needs_profile
+from tandem.errors import CliError
 
 log = logging.getLogger("tandem")
 
@@ -57,11 +60,20 @@ def serve(config: Config) -> int:
     upgrade(config.database.url)
     model_dir = resolve_model_dir(config.model)
     log.info("model %s from %s", config.model.name, model_dir)
+    try:
+        chosen = choose_profile(config, model_dir) if needs_profile(config) else None
+    except CliError as exc:  # measuring failed: a runtime failure, status 1
+        print(f"tandem: error: {exc}", file=sys.stderr)
+        return 1
     engine: EngineProcess | None = None
     if config.engine.launch:
         engine = EngineProcess(
             _engine_argv(config, model_dir),
-            engine_env(config.engine),
+            engine_env(
+                config.engine,
+                profile_path=None if chosen is None else chosen.path,
+                engine_key=None if chosen is None else chosen.engine_key,
+            ),
             base_url=engine_base_url(config.engine),
             log_path=config.engine.log_file,
         )

@@ -106,16 +106,25 @@ def server_argv(engine_cfg: EngineConfig, model_path: Path, model_name: str) -> 
 
 
 def engine_settings(
-    engine_cfg: EngineConfig, *, scheduler_trace: str | Path | None = None
+    engine_cfg: EngineConfig,
+    *,
+    scheduler_trace: str | Path | None = None,
+    profile_path: str | Path | None = None,
+    engine_key: str | None = None,
 ) -> EngineSettings:
     """tandem's settings for the engine process that *engine_cfg* describes (the policy only
     when it is in charge: patch on and a policy named). *scheduler_trace*: a debug trace file
-    (see ``EngineSettings.scheduler_trace``). Raises ValueError for an unknown policy or
-    profile, before any process starts."""
+    (see ``EngineSettings.scheduler_trace``).
+
+    The policy's profile is *profile_path* when given (`tandem serve` passes the one it chose
+    for this engine, ``tandem.engine_profile``), else ``engine.profile`` resolved; "auto" there
+    resolves to the device's bundled profile (an engine launched by a test or a study, which
+    knows no measured one). *engine_key*: the engine's profile key, for its statistics.
+    Raises ValueError for an unknown policy or profile, before any process starts."""
     trace = None if scheduler_trace is None else str(scheduler_trace)
     if not engine_cfg.policy_in_charge:
         return EngineSettings(kv_layout=engine_cfg.kv_layout, scheduler_trace=trace)
-    from backend.policy.profiles import resolve_profile
+    from backend.policy.profiles import AUTO, bundled_profile_for, resolve_profile
     from backend.policy.registry import POLICY_NAMES
 
     if engine_cfg.policy not in POLICY_NAMES:
@@ -123,11 +132,17 @@ def engine_settings(
             f"engine.policy {engine_cfg.policy!r} is not a policy; valid: "
             f"none, {', '.join(POLICY_NAMES)}"
         )
+    if profile_path is None:
+        name = engine_cfg.profile
+        profile_path = resolve_profile(
+            bundled_profile_for(engine_cfg.device) if name == AUTO else name
+        )
     return EngineSettings(
         policy=engine_cfg.policy,
-        profile_path=str(resolve_profile(engine_cfg.profile)),
+        profile_path=str(profile_path),
         policy_options=dict(engine_cfg.policy_options),
         control_socket=engine_cfg.control_socket_path,
+        engine_key=engine_key,
         kv_layout=engine_cfg.kv_layout,
         scheduler_trace=trace,
     )
@@ -139,6 +154,8 @@ def engine_env(
     extra: Mapping[str, str] | None = None,
     *,
     scheduler_trace: str | Path | None = None,
+    profile_path: str | Path | None = None,
+    engine_key: str | None = None,
 ) -> dict[str, str]:
     """The engine's environment: *base* (default ``os.environ``) with tandem's settings, then
     *extra*.
@@ -148,8 +165,9 @@ def engine_env(
     * ``SGLANG_PLUGINS``: SGLang loads *every* installed plugin when the variable is empty, so
       "patch off" must name a list without tandem (``none`` when nothing else is left) for the
       engine to be stock SGLang; "patch on" adds ``tandem`` to whatever list is given.
-    * ``TANDEM_ENGINE_SETTINGS``: :func:`engine_settings` as JSON, all the plugin reads
-      (decoded by ``common.config.engine_settings_from_env`` in the scheduler process).
+    * ``TANDEM_ENGINE_SETTINGS``: :func:`engine_settings` as JSON (*scheduler_trace*,
+      *profile_path* and *engine_key* as there), all the plugin reads (decoded by
+      ``common.config.engine_settings_from_env`` in the scheduler process).
     """
     env = dict(os.environ if base is None else base)
     if engine_cfg.device == "cpu":
@@ -159,7 +177,12 @@ def engine_env(
     if engine_cfg.patch:
         plugins.append(PLUGIN_NAME)
     env["SGLANG_PLUGINS"] = ",".join(plugins) or NO_PLUGINS
-    settings = engine_settings(engine_cfg, scheduler_trace=scheduler_trace)
+    settings = engine_settings(
+        engine_cfg,
+        scheduler_trace=scheduler_trace,
+        profile_path=profile_path,
+        engine_key=engine_key,
+    )
     env[ENGINE_SETTINGS_ENV] = msgspec.json.encode(settings).decode()
     env.update(extra or {})
     return env

@@ -131,6 +131,12 @@ class Profile(msgspec.Struct, kw_only=True):
     """KV cache bytes per token over all layers."""
     samples: list[ProfileSample] = msgspec.field(default_factory=list)
     """The measured (or computed) iterations."""
+    key: str | None = None
+    """The profile key of the engine it was measured on (``backend.policy.profile_key``);
+    None: unkeyed (a profile from before keys, or an analytic one), matching no engine."""
+    engine: dict[str, Any] | None = None
+    """That engine's identity (an ``EngineIdentity`` as JSON), to say what differs when the key
+    does not match the served engine's; None with an unkeyed profile."""
 
 
 def load_profile(path: str | Path) -> Profile:
@@ -142,8 +148,12 @@ def load_profile(path: str | Path) -> Profile:
 
 
 def save_profile(profile: Profile, path: str | Path) -> None:
-    """Writes *profile* as indented JSON (one field a line at the top level, diff-friendly)."""
+    """Writes *profile* as indented JSON (one field a line at the top level, diff-friendly).
+    An unkeyed profile is written without `key` and `engine`, as before keys existed."""
     data = json.loads(msgspec.json.encode(profile))
+    for field in ("key", "engine"):
+        if data.get(field) is None:
+            data.pop(field, None)
     Path(path).write_text(json.dumps(data, indent=1) + "\n")
 
 

@@ -3,7 +3,9 @@
 The gateway keeps output-length histories in SQL; the engine's policy needs them in memory.
 This endpoint (on ``EngineSettings.control_socket``) lets the gateway push them
 (``POST /length-history``, body :class:`~common.wire.LengthHistoryPush`) and lets operators and
-the bench read the policy's counters (``GET /stats``). It runs beside SGLang's scheduler loop in
+the bench read the policy's counters (``GET /stats``, with the name of the latency profile
+the policy plans with and ``profile_matches``: whether it was measured on this engine, null when
+the engine's key is unknown). It runs beside SGLang's scheduler loop in
 the scheduler process: a push is only queued here and applied by the loop at its next iteration,
 so the policy is never touched from two threads. A Unix socket (mode 0600) rather than a TCP
 port: nothing but the same user on the same host can reach it, and there is no port to collide
@@ -51,7 +53,9 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path == CONTROL_STATS_PATH:
             from backend.sglang_ext.kv_layout_engine import stats as kv_layout_stats
 
-            self._reply(200, {**self.server.driver.stats.summary(), **kv_layout_stats()})
+            driver = self.server.driver
+            profile = {"profile": driver.profile, "profile_matches": driver.profile_matches}
+            self._reply(200, {**driver.stats.summary(), **kv_layout_stats(), **profile})
         elif self.path == CONTROL_HEALTH_PATH:
             self._reply(200, {"status": "ok", "boot_id": self.server.driver.boot_id})
         else:

@@ -70,10 +70,14 @@ class EngineDriver:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         profile: str = "",
+        profile_matches: bool | None = None,
     ) -> None:
         self.policy = policy
         self.profile = profile
         """Name of the latency profile the policy plans with (for the calibration warning)."""
+        self.profile_matches = profile_matches
+        """True when that profile was measured on this engine (its key is the engine's), False
+        when not (or it is unkeyed), None when the engine's key is unknown."""
         self.clock = clock
         """The scheduler's clock (monotonic seconds): every instant the policy sees."""
         self.mirror = ReqMirror(clock=clock, wall_clock=wall_clock)

@@ -109,7 +109,17 @@ def _install(settings: EngineSettings) -> None:
         driver = EngineDriver(
             make_policy(settings.policy, latency, **settings.policy_options),
             profile=profile.name or str(settings.profile_path),
+            profile_matches=None
+            if settings.engine_key is None
+            else profile.key == settings.engine_key,
         )
+        if driver.profile_matches is False:
+            logger.warning(
+                "tandem: latency profile %r (key %s) was not measured on this engine (key %s)",
+                driver.profile,
+                profile.key or "none: unkeyed",
+                settings.engine_key,
+            )
         # Both are inert without the bicache layout: no slack, and parked rows no one reads.
         SchedulerHooks(
             driver,

@@ -38,6 +38,8 @@ def run_serve_and_chat(tmp_path: Path, **env_overrides: str) -> None:
         TANDEM_DATABASE__URL=f"sqlite:///{tmp_path / 'serve.db'}",
         TANDEM_MODEL__CACHE_DIR=str(tmp_path / "cache"),
         TANDEM_ENGINE__LOG_FILE=str(tmp_path / "engine.log"),
+        # measuring the engine's profile is test_serve_profile's subject; here it only costs
+        TANDEM_ENGINE__SKIP_PROFILE="true",
     )
     env.update(env_overrides)
     proc = subprocess.Popen(

@@ -186,7 +186,8 @@ def test_the_launchers_settings_reach_the_engine_intact() -> None:
     settings = engine_settings_from_env(engine_env(cfg, base={}, scheduler_trace="/tmp/t"))
     assert settings == EngineSettings(
         policy="tandem",
-        profile_path=str(resolve_profile(cfg.profile)),
+        # engine.profile auto without a measured profile: the device's bundled one
+        profile_path=str(resolve_profile("cpu-tiny")),
         policy_options={"latency_budget_s": 0.2, "x": 3},
         control_socket=cfg.control_socket_path,
         kv_layout="token",

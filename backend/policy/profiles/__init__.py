@@ -9,6 +9,18 @@ from pathlib import Path
 PROFILES_DIR = Path(__file__).resolve().parent
 """Where named latency profiles live (NAME.json)."""
 
+AUTO = "auto"
+"""The `engine.profile` value that asks for the profile measured for the served engine."""
+
+BUNDLED_BY_DEVICE = {"cpu": "cpu-tiny", "cuda": "h100-llama8b-analytic"}
+"""The shipped profile that stands in for an engine on each device when none was measured
+for it (it matches no engine but the one it came from)."""
+
+
+def bundled_profile_for(device: str) -> str:
+    """The name of the bundled stand-in profile for *device* (cpu-tiny for any unknown one)."""
+    return BUNDLED_BY_DEVICE.get(device, BUNDLED_BY_DEVICE["cpu"])
+
 
 def resolve_profile(name_or_path: str) -> Path:
     """A profile file: a path as given, or NAME → backend/policy/profiles/NAME.json.

@@ -1,0 +1,106 @@
+"""`tandem serve` and the engine's latency profile (engine.profile auto) on the real CPU engine:
+the first start with an empty cache measures a profile and stores it under the engine's key,
+the next start reuses it without measuring, and --skip-profile never measures (the bundled
+profile, with a warning; the engine's /stats says it does not match)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.functional.gateway_fixtures import free_port
+from tests.waiting import wait_until_sync
+
+pytestmark = pytest.mark.slow
+ADMIN = "serve-profile-test-admin-token"
+MEASURING = "measuring one (quick grid)"
+STORED = "latency profile: the one measured for this engine"
+
+
+def serve_once(tmp_path: Path, cache_dir: Path, *args: str) -> tuple[str, dict[str, Any]]:
+    """Starts `tandem serve`, waits until the gateway is ready, reads the engine's /stats, stops
+    it with SIGINT (always); returns its output and those stats."""
+    gw_port, engine_port = free_port(), free_port()
+    socket_path = tmp_path / f"control-{engine_port}.sock"
+    env = dict(
+        os.environ,
+        TANDEM_ADMIN_TOKEN=ADMIN,
+        TANDEM_GATEWAY__PORT=str(gw_port),
+        TANDEM_ENGINE__PORT=str(engine_port),
+        TANDEM_ENGINE__CONTROL_SOCKET=str(socket_path),
+        TANDEM_DATABASE__URL=f"sqlite:///{tmp_path / 'serve.db'}",
+        TANDEM_MODEL__CACHE_DIR=str(tmp_path / "model-cache"),
+        TANDEM_ENGINE__PROFILE_CACHE_DIR=str(cache_dir),
+        TANDEM_ENGINE__LOG_FILE=str(tmp_path / "engine.log"),
+    )
+    log_path = tmp_path / f"serve-{gw_port}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "serve", *args],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    base = f"http://127.0.0.1:{gw_port}"
+
+    def ready() -> bool:
+        assert proc.poll() is None, log_path.read_text()
+        try:
+            return httpx.get(f"{base}/readyz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_until_sync(ready, 300, what="the gateway ready", max_interval_s=1.0)
+        transport = httpx.HTTPTransport(uds=str(socket_path))
+        with httpx.Client(transport=transport, timeout=10) as control:
+            stats: dict[str, Any] = control.get("http://engine/stats").json()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+    assert proc.returncode == 0, log_path.read_text()
+    return log_path.read_text(), stats
+
+
+def test_serve_measures_a_profile_once_then_reuses_it(tmp_path: Path) -> None:
+    cache = tmp_path / "profiles"
+    output, stats = serve_once(tmp_path, cache)
+    assert MEASURING in output, output
+    stored = list(cache.glob("*.json"))
+    assert len(stored) == 1, output
+    key = stored[0].stem
+    assert f"stored {stored[0]}" in output
+    assert "latency profile: prefill" in output  # progress, point by point
+    assert stats["profile"] == f"auto-{key}" and stats["profile_matches"] is True
+    written = stored[0].read_bytes()
+
+    output, stats = serve_once(tmp_path, cache)
+    assert MEASURING not in output and STORED in output and key in output, output
+    assert [p.name for p in cache.glob("*.json")] == [f"{key}.json"]
+    assert stored[0].read_bytes() == written
+    assert stats["profile"] == f"auto-{key}" and stats["profile_matches"] is True
+
+
+def test_skip_profile_never_measures_and_says_the_profile_does_not_match(
+    tmp_path: Path,
+) -> None:
+    cache = tmp_path / "profiles"
+    output, stats = serve_once(tmp_path, cache, "--skip-profile")
+    assert MEASURING not in output, output
+    assert not cache.exists() or not list(cache.glob("*.json"))
+    assert "using the bundled cpu-tiny" in output
+    assert "latency profile 'cpu-tiny' does not match the served engine" in output
+    assert stats["profile"] == "cpu-tiny" and stats["profile_matches"] is False
