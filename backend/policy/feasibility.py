@@ -137,9 +137,7 @@ class SloForecaster:
         # Everyone ahead decodes beside it once prefilled: contexts of about their prompts.
         later = load.num_rt_waiting + backlog.num_requests + 1
         later_tokens = load.rt_waiting_prompt_tokens + backlog.prompt_tokens + ask.prompt_tokens
-        decoding = _decodes(
-            load.num_rt_running + later, load.rt_context_tokens + later_tokens
-        )
+        decoding = _decodes(load.num_rt_running + later, load.rt_context_tokens + later_tokens)
         tpot_s = f_decode * self.latency.predict(decoding) if ask.tpot_target_s else None
 
         budget_s = self.iteration_budget_s
@@ -152,7 +150,9 @@ class SloForecaster:
         if rest:
             prefill_s += f_chunk * self.latency.predict(running.with_prefill(rest))
         ttft_s = ask.waited_s + load.iteration_s + prefill_s
-        return Forecast(ttft_s=ttft_s, tpot_s=tpot_s, shortfall=self._shortfall(ask, ttft_s, tpot_s))
+        return Forecast(
+            ttft_s=ttft_s, tpot_s=tpot_s, shortfall=self._shortfall(ask, ttft_s, tpot_s)
+        )
 
     def _chunk(self, running: BatchShape, budget_s: float, factor: float, load: EngineLoad) -> int:
         """Prompt tokens one iteration computes beside the running RT decodes within the budget."""
@@ -165,9 +165,12 @@ class SloForecaster:
             # Retry once the queue ahead has drained by the excess.
             over_s = ttft_s - self.headroom * ask.ttft_target_s
             return Shortfall("ttft", ask.ttft_target_s, ttft_s, _retry_after(over_s))
-        if tpot_s is not None and ask.tpot_target_s is not None:
-            if tpot_s > self.headroom * ask.tpot_target_s:
-                return Shortfall("tpot", ask.tpot_target_s, tpot_s, 1.0)
+        if (
+            tpot_s is not None
+            and ask.tpot_target_s is not None
+            and tpot_s > self.headroom * ask.tpot_target_s
+        ):
+            return Shortfall("tpot", ask.tpot_target_s, tpot_s, 1.0)
         return None
 
 
