@@ -165,9 +165,29 @@ class LoadWatcher:
             self.update(load)
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        """`/metrics`: the report's age and the iterations the watcher missed."""
+        """`/metrics`: the newest report's iteration, requests and age; the iterations the
+        watcher missed."""
         labels = [self.engine_name]
-        if self.latest is not None:
+        latest = self.latest
+        if latest is not None:
+            iteration = GaugeMetricFamily(
+                "tandem_engine_load_iteration",
+                "Iterations the engine had run at its newest live-state report at the gateway.",
+                labels=["engine"],
+            )
+            iteration.add_metric(labels, float(latest.iteration))
+            yield iteration
+            live = GaugeMetricFamily(
+                "tandem_engine_load_requests",
+                "Requests on the engine at its newest live-state report (the SLO admission's "
+                "view), by tier and state (waiting: first token still to come).",
+                labels=["engine", "tier", "state"],
+            )
+            live.add_metric([*labels, "rt", "waiting"], float(latest.num_rt_waiting))
+            live.add_metric([*labels, "rt", "running"], float(latest.num_rt_running))
+            live.add_metric([*labels, "be", "waiting"], float(latest.num_be_waiting))
+            live.add_metric([*labels, "be", "running"], float(latest.num_be_running))
+            yield live
             age = GaugeMetricFamily(
                 "tandem_engine_load_age_seconds",
                 "Age of the engine's newest live-state report at the gateway (the SLO "
