@@ -191,10 +191,11 @@ class LoadWatcher:
             age = GaugeMetricFamily(
                 "tandem_engine_load_age_seconds",
                 "Age of the engine's newest live-state report at the gateway (the SLO "
-                "admission's view): since the engine took it.",
+                "admission's view): since the engine took it (grows while the engine is idle: "
+                "it reports after iterations only).",
                 labels=["engine"],
             )
-            age.add_metric(labels, max(0.0, time.time() - self.latest.at_unix_s))
+            age.add_metric(labels, max(0.0, time.time() - latest.at_unix_s))
             yield age
         missed = GaugeMetricFamily(
             "tandem_engine_load_missed_iterations",
