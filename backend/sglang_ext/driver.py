@@ -33,7 +33,8 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from types import MappingProxyType
 
-from backend.policy.load_report import engine_load, policy_factors
+from backend.policy.feasibility import load_of
+from backend.policy.load_report import policy_factors
 from backend.policy.tandem import slack
 from backend.policy.tandem.victims import victim_order
 from backend.policy.time_share import plan_times_s
@@ -355,10 +356,11 @@ class EngineDriver:
         if self.iterations == self.loads.latest.iteration:
             return
         self.loads.publish(
-            engine_load(
+            load_of(
                 snap,
                 iteration=self.iterations,
                 at_unix_s=self.wall_clock(),
+                iteration_s=self._last_iteration_s or 0.0,
                 latency_factors=policy_factors(self.policy),
             )
         )

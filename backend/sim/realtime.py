@@ -15,8 +15,9 @@ import asyncio
 import logging
 import time
 
+from backend.policy.feasibility import load_of
 from backend.policy.latency import LatencyModel
-from backend.policy.load_report import engine_load, policy_factors
+from backend.policy.load_report import policy_factors
 from backend.policy.types import FinishedRequest, IterationResult, Policy
 from backend.sim.config import SimConfig
 from backend.sim.core import EngineCore
@@ -155,10 +156,11 @@ class RealtimeEngine:
     def _publish_load(self, now_s: float) -> None:
         """The state the next iteration will plan from, to the long polls (an idle engine
         changes only by arrivals, which the next iteration reports)."""
-        self.load = engine_load(
+        self.load = load_of(
             self.core.snapshot(now_s),
             iteration=self.iterations,
             at_unix_s=time.time(),
+            iteration_s=self.core.last_iteration_s or 0.0,
             latency_factors=policy_factors(self.policy),
         )
         published, self._load_published = self._load_published, asyncio.Event()

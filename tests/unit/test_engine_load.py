@@ -1,4 +1,4 @@
-"""The engine's live state: the report an engine builds from its snapshot (load_report), the
+"""The engine's live state: the report an engine builds from its snapshot (feasibility.load_of), the
 scheduler's hand-off to the long polls (LoadBoard), the query both engines read, and the
 gateway watcher's bookkeeping (backlog of sent requests, restarts, missed iterations)."""
 
@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from backend.policy.feasibility import Backlog
-from backend.policy.load_report import NO_CALIBRATION, engine_load, policy_factors
+from backend.policy.feasibility import Backlog, load_of
+from backend.policy.load_report import NO_CALIBRATION, policy_factors
 from backend.policy.types import ReqState, Snapshot
 from backend.sglang_ext.load_board import LoadBoard
 from common.wire import MAX_LOAD_WAIT_S, EngineLoad, load_query
@@ -55,7 +55,9 @@ def test_report_sums_the_snapshot_by_tier_and_state() -> None:
         last_iteration_s=0.02,
         max_prefill_tokens=512,
     )
-    load = engine_load(snap, iteration=7, at_unix_s=123.0, latency_factors=(1.1, 1.2, 1.3))
+    load = load_of(
+        snap, iteration=7, at_unix_s=123.0, iteration_s=0.02, latency_factors=(1.1, 1.2, 1.3)
+    )
     assert load == EngineLoad(
         iteration=7,
         at_unix_s=123.0,
@@ -67,7 +69,7 @@ def test_report_sums_the_snapshot_by_tier_and_state() -> None:
         num_be_waiting=2,
         num_be_running=1,
         be_context_tokens=22,
-        kv_used_tokens=200,
+        kv_used_tokens=300,
         kv_capacity_tokens=1000,
         be_kv_tokens=30,
         max_prefill_tokens=512,
