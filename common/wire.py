@@ -120,6 +120,22 @@ CONTROL_LOAD_PATH = "/load"
 once an iteration later than `after` has run (at once when one already has; after `wait_s`
 the current one) — the gateway's SLO admission long-polls it, so its view of the engine is
 never more than one iteration old."""
+MAX_LOAD_WAIT_S = 30.0
+"""Longest an engine holds a `CONTROL_LOAD_PATH` long poll (a client asking for more gets this)."""
+
+
+def load_query(after: str | None, wait_s: str | None) -> tuple[int, float]:
+    """The `after` (iteration; absent: -1, any) and `wait_s` (seconds; absent: 0, at most
+    MAX_LOAD_WAIT_S) parameters of a `CONTROL_LOAD_PATH` query, as both engines read them;
+    raises ValueError when one is not a number or wait_s is negative."""
+    try:
+        after_iteration = int(after) if after is not None else -1
+        wait = float(wait_s) if wait_s is not None else 0.0
+    except ValueError:
+        raise ValueError("bad load query: after and wait_s must be numbers") from None
+    if not wait >= 0.0:  # NaN too
+        raise ValueError("bad load query: wait_s must be >= 0")
+    return after_iteration, min(wait, MAX_LOAD_WAIT_S)
 
 
 class EngineLoad(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

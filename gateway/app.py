@@ -19,6 +19,7 @@ from gateway.auth import AuthCache
 from gateway.batch.app import batch_context
 from gateway.engine.client import EngineClient
 from gateway.engine.control import length_sync
+from gateway.engine.load import LoadWatcher, serves_load, watch
 from gateway.errors import error_middleware
 from gateway.operator import install as install_operator_tools
 from gateway.state import (
@@ -28,6 +29,8 @@ from gateway.state import (
     CONFIG,
     DB_ENGINE,
     ENGINE,
+    LOADS,
+    METRICS,
     STORE,
     TOKENIZER,
     USAGE,
@@ -50,8 +53,10 @@ def create_app(config: Config, admin_token: str, model_dir: Path) -> web.Applica
     app[ADMIN_TOKEN] = admin_token
     app[TOKENIZER] = ModelTokenizer(model_dir)
     app[BACKGROUND] = set()
+    app[LOADS] = {}
     app.cleanup_ctx.append(_database)
     app.cleanup_ctx.append(_engine_client)
+    app.cleanup_ctx.append(_load_watchers)  # the engine's live state, for the SLO admission
     app.cleanup_ctx.append(_usage_recorder)
     app.cleanup_ctx.append(_background_tasks)
     app.cleanup_ctx.append(batch_context)  # closes first: its line aborts reach _background_tasks
@@ -84,6 +89,21 @@ async def _engine_client(app: web.Application) -> AsyncIterator[None]:
     app[ENGINE] = EngineClient(base_url, session, timeout_s=config.engine.request_timeout_s)
     yield
     await session.close()
+
+
+async def _load_watchers(app: web.Application) -> AsyncIterator[None]:
+    """One `LoadWatcher` per engine that reports its live state, keyed like `EngineHandle.name`
+    (the engine client's base URL), long-polling while the app runs."""
+    engine = app[CONFIG].engine
+    if not serves_load(engine):
+        yield
+        return
+    watcher = LoadWatcher(app[ENGINE].base_url)
+    app[LOADS][watcher.engine_name] = watcher
+    if METRICS in app:
+        app[METRICS].extra.append(watcher.collect)
+    async for _ in watch(watcher, engine):
+        yield
 
 
 async def _usage_recorder(app: web.Application) -> AsyncIterator[None]:

@@ -12,6 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from common.config import Config
 from gateway.auth import AuthCache
 from gateway.engine.client import EngineClient
+from gateway.engine.load import LoadWatcher
 from gateway.metrics import METRICS_KEY
 from gateway.quotas.limiter import QuotaLimiter
 from gateway.store.repo import Store
@@ -28,6 +29,9 @@ ENGINE = web.AppKey("engine", EngineClient)
 USAGE = web.AppKey("usage", UsageRecorder)
 QUOTAS = web.AppKey("quotas", QuotaLimiter)
 METRICS = METRICS_KEY
+LOADS: web.AppKey[dict[str, LoadWatcher]] = web.AppKey("engine_loads")
+"""Each engine's live state (`gateway.engine.load`), by `EngineHandle.name`; no entry for an
+engine that does not report it (stock SGLang)."""
 BACKGROUND: web.AppKey[set[asyncio.Task[None]]] = web.AppKey("background_tasks")
 """Fire-and-forget tasks (engine aborts after a disconnect) kept referenced until done."""
 

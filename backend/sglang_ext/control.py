@@ -2,14 +2,17 @@
 
 The gateway keeps output-length histories in SQL; the engine's policy needs them in memory.
 This endpoint (on ``EngineSettings.control_socket``) lets the gateway push them
-(``POST /length-history``, body :class:`~common.wire.LengthHistoryPush`) and lets operators and
-the bench read the policy's counters (``GET /stats``, with the name of the latency profile
-the policy plans with and ``profile_matches``: whether it was measured on this engine, null when
-the engine's key is unknown). It runs beside SGLang's scheduler loop in
-the scheduler process: a push is only queued here and applied by the loop at its next iteration,
-so the policy is never touched from two threads. A Unix socket (mode 0600) rather than a TCP
-port: nothing but the same user on the same host can reach it, and there is no port to collide
-with.
+(``POST /length-history``, body :class:`~common.wire.LengthHistoryPush`), lets operators and
+the bench read the policy's counters (``GET /stats``, with the name of the latency profile the
+policy plans with and ``profile_matches``: whether it was measured on this engine, null when the
+engine's key is unknown) and lets the gateway's SLO admission follow the engine's live state
+(``GET /load?after=N&wait_s=S``, a long poll answered from the driver's
+:class:`~backend.sglang_ext.load_board.LoadBoard` once iteration N+1 has run: each request has
+its own server thread, blocked on the board's condition variable). It runs beside SGLang's
+scheduler loop in the scheduler process: a push is only queued here and applied by the loop at
+its next iteration, so the policy is never touched from two threads. A Unix socket (mode 0600)
+rather than a TCP port: nothing but the same user on the same host can reach it, and there is no
+port to collide with.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import threading
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import msgspec
 
@@ -29,9 +33,11 @@ from backend.sglang_ext.driver import EngineDriver
 from common.wire import (
     CONTROL_HEALTH_PATH,
     CONTROL_LENGTHS_PATH,
+    CONTROL_LOAD_PATH,
     CONTROL_STATS_PATH,
     CONTROL_STATS_RESET_PATH,
     LengthHistoryPush,
+    load_query,
 )
 
 logger = logging.getLogger(__name__)
@@ -50,7 +56,19 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
     def do_GET(self) -> None:
-        if self.path == CONTROL_STATS_PATH:
+        url = urlsplit(self.path)
+        if url.path == CONTROL_LOAD_PATH:
+            try:
+                query = parse_qs(url.query)
+                after, wait_s = load_query(
+                    query.get("after", [None])[0], query.get("wait_s", [None])[0]
+                )
+            except ValueError as exc:
+                self._reply(400, {"error": str(exc)})
+                return
+            load = self.server.driver.loads.wait_after(after, wait_s)
+            self._reply_bytes(200, msgspec.json.encode(load))
+        elif self.path == CONTROL_STATS_PATH:
             from backend.sglang_ext.kv_layout_engine import stats as kv_layout_stats
 
             driver = self.server.driver
@@ -85,7 +103,9 @@ class _Handler(BaseHTTPRequestHandler):
         )
 
     def _reply(self, status: int, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
+        self._reply_bytes(status, json.dumps(body).encode())
+
+    def _reply_bytes(self, status: int, data: bytes) -> None:
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))

@@ -33,6 +33,8 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from types import MappingProxyType
 
+from backend.policy.feasibility import load_of
+from backend.policy.load_report import policy_factors
 from backend.policy.tandem import slack
 from backend.policy.tandem.victims import victim_order
 from backend.policy.time_share import plan_times_s
@@ -46,8 +48,10 @@ from backend.policy.types import (
 )
 from backend.sglang_ext.directive import Directive
 from backend.sglang_ext.driver_stats import PLAN_MS_KEPT, DriverStats
+from backend.sglang_ext.load_board import LoadBoard
 from backend.sglang_ext.mirror import ReqMirror
 from backend.sglang_ext.views import BatchView, ReqView, SchedulerView
+from common.wire import EngineLoad
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +84,19 @@ class EngineDriver:
         when not (or it is unkeyed), None when the engine's key is unknown."""
         self.clock = clock
         """The scheduler's clock (monotonic seconds): every instant the policy sees."""
+        self.wall_clock = wall_clock
         self.mirror = ReqMirror(clock=clock, wall_clock=wall_clock)
         self.stats = DriverStats(policy=policy.name)
         self.boot_id = uuid.uuid4().hex
         """Identifies this scheduler process (the gateway re-pushes histories when it changes)."""
         self.control: queue.SimpleQueue[dict[str, list[int]]] = queue.SimpleQueue()
         """Length-history pushes from the control endpoint's thread, applied by the loop."""
+        self.loads = LoadBoard(EngineLoad(iteration=0, at_unix_s=wall_clock()))
+        """The engine's live state after each iteration, for the control endpoint's long poll
+        (`common.wire.CONTROL_LOAD_PATH`): published at the next plan, from its snapshot."""
+        self.iterations = 0
+        """Iterations that ran a batch since the scheduler started (never reset, unlike the
+        stats: the gateway's long poll counts on it)."""
         self._plan: Plan | None = None  # this iteration's plan, for policy.observe
         self._iter_start_s: float | None = None
         self._iter_plan: Plan | None = None
@@ -106,6 +117,7 @@ class EngineDriver:
         if self._iter_start_s is not None and self._iter_plan is not None:
             duration = t0 - self._iter_start_s
             self._last_iteration_s = duration
+            self.iterations += 1
             self.stats.iterations += 1
             self.stats.busy_s += duration
             self.stats.rt_busy_s += duration * self._iter_rt_frac
@@ -224,6 +236,7 @@ class EngineDriver:
         running = list(running_batch.reqs)
         snap = self.snapshot(sched, running + list(parked))
         self._note_peaks(snap)
+        self._publish_load(snap)
         t_plan = self.clock()
         plan = self.policy.plan(snap)
         plan_ms = (self.clock() - t_plan) * 1000.0
@@ -339,6 +352,22 @@ class EngineDriver:
         """Thread-safe enough for counters: starts a fresh measurement window (the loop may
         add to the old object for one more iteration)."""
         self.stats = DriverStats(policy=self.policy.name)
+
+    def _publish_load(self, snap: Snapshot) -> None:
+        """After each completed iteration, the state the next one plans from goes to the
+        control endpoint's long polls (once: the scheduler also plans while idle, and an idle
+        engine's state only changes by arrivals, which the next iteration reports)."""
+        if self.iterations == self.loads.latest.iteration:
+            return
+        self.loads.publish(
+            load_of(
+                snap,
+                iteration=self.iterations,
+                at_unix_s=self.wall_clock(),
+                iteration_s=self._last_iteration_s or 0.0,
+                latency_factors=policy_factors(self.policy),
+            )
+        )
 
     def _note_peaks(self, snap: Snapshot) -> None:
         stats = self.stats

@@ -3,6 +3,10 @@ time, and emits tokens to the waiting HTTP streams (used by backend/sim/server.p
 
 Aborts are applied between iterations (at most one iteration late), so a plan in flight never
 loses a request under it.
+
+After every iteration the engine's live state (`common.wire.EngineLoad`, the same report the
+patched SGLang scheduler publishes) is kept in `load` and handed to the `CONTROL_LOAD_PATH` long
+polls waiting in `wait_load` (the server's handlers, on the same event loop).
 """
 
 from __future__ import annotations
@@ -11,12 +15,15 @@ import asyncio
 import logging
 import time
 
+from backend.policy.feasibility import load_of
 from backend.policy.latency import LatencyModel
+from backend.policy.load_report import policy_factors
 from backend.policy.types import FinishedRequest, IterationResult, Policy
 from backend.sim.config import SimConfig
 from backend.sim.core import EngineCore
 from backend.sim.source import SimRequest
 from backend.sim.track import Track
+from common.wire import EngineLoad
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +72,17 @@ class RealtimeEngine:
         self._t0 = time.monotonic()
         self._wake = asyncio.Event()
         self._aborts: list[str] = []
+        self.iterations = 0
+        """Iterations run since start."""
+        self.load = EngineLoad(
+            iteration=0,
+            at_unix_s=time.time(),
+            kv_capacity_tokens=config.kv_capacity_tokens,
+            max_prefill_tokens=config.max_prefill_tokens,
+            latency_factors=policy_factors(policy),
+        )
+        """The state after the latest iteration (the long poll's answer)."""
+        self._load_published = asyncio.Event()  # set (and replaced) at each publish
 
     def now(self) -> float:
         return time.monotonic() - self._t0
@@ -131,7 +149,36 @@ class RealtimeEngine:
                 start_s=start, duration_s=end - start, plan=plan, emitted=emitted, finished=done
             )
         )
+        self.iterations += 1
+        self._publish_load(end)
         return True
+
+    def _publish_load(self, now_s: float) -> None:
+        """The state the next iteration will plan from, to the long polls (an idle engine
+        changes only by arrivals, which the next iteration reports)."""
+        self.load = load_of(
+            self.core.snapshot(now_s),
+            iteration=self.iterations,
+            at_unix_s=time.time(),
+            iteration_s=self.core.last_iteration_s or 0.0,
+            latency_factors=policy_factors(self.policy),
+        )
+        published, self._load_published = self._load_published, asyncio.Event()
+        published.set()
+
+    async def wait_load(self, after_iteration: int, wait_s: float) -> EngineLoad:
+        """The load once an iteration past *after_iteration* has run (at once when one has),
+        else after *wait_s* seconds the newest (`common.wire.CONTROL_LOAD_PATH`)."""
+        deadline_s = time.monotonic() + wait_s
+        while self.load.iteration <= after_iteration:
+            left_s = deadline_s - time.monotonic()
+            if left_s <= 0:
+                break
+            try:
+                await asyncio.wait_for(self._load_published.wait(), left_s)
+            except TimeoutError:
+                break
+        return self.load
 
     def _apply_aborts(self) -> None:
         aborts, self._aborts = self._aborts, []

@@ -2,7 +2,9 @@
 
 Routes (the subset of SGLang's native API the gateway and benchmark clients use):
 POST /generate (streaming SSE or JSON), POST /abort_request, GET /health, /health_generate,
-/model_info (alias /get_model_info), /v1/loads.
+/model_info (alias /get_model_info), /v1/loads; and tandem's `GET /load` long poll
+(`common.wire.CONTROL_LOAD_PATH`), which the patched engine serves on its control socket: the
+simulator has no control socket, so the gateway asks its HTTP port instead.
 
 Generation is fake but deterministic: output token i is the id 100 + (7·i mod 30000) and the word
 WORDS[i mod len]; every request generates exactly max_new_tokens tokens (there is no EOS model).
@@ -31,7 +33,14 @@ from backend.policy.types import Policy
 from backend.sim.config import SimConfig
 from backend.sim.realtime import RealtimeEngine, Stream
 from backend.sim.source import SimRequest
-from common.wire import PRIORITY_RT, RequestMeta, Tier, meta_from_custom_params
+from common.wire import (
+    CONTROL_LOAD_PATH,
+    PRIORITY_RT,
+    RequestMeta,
+    Tier,
+    load_query,
+    meta_from_custom_params,
+)
 
 ENGINE = web.AppKey("sim_engine", RealtimeEngine)
 MODEL_NAME = web.AppKey("sim_model_name", str)
@@ -100,6 +109,7 @@ def create_sim_app(
             web.get("/model_info", model_info),
             web.get("/get_model_info", model_info),
             web.get("/v1/loads", loads),
+            web.get(CONTROL_LOAD_PATH, engine_load),
         ]
     )
     return app
@@ -267,6 +277,16 @@ async def model_info(request: web.Request) -> web.Response:
 
 async def loads(request: web.Request) -> web.Response:
     return web.json_response({"version": "tandem-sim", "loads": [request.app[ENGINE].loads()]})
+
+
+async def engine_load(request: web.Request) -> web.Response:
+    """`GET /load?after=N&wait_s=S`: the engine's live state once iteration N+1 has run."""
+    try:
+        after, wait_s = load_query(request.query.get("after"), request.query.get("wait_s"))
+    except ValueError as exc:
+        return _bad_request(str(exc))
+    load = await request.app[ENGINE].wait_load(after, wait_s)
+    return web.Response(body=msgspec.json.encode(load), content_type="application/json")
 
 
 def main(argv: list[str] | None = None) -> None:

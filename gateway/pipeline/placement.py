@@ -4,8 +4,10 @@ Today the gateway fronts one engine, so every request is placed on it. The seam 
 pool: `engine_candidates` lists the engines a request may go to, and `choose_engine` picks one
 from them for a given request — a pure function of the request and the candidates' handles, the
 place for prefix affinity (the engine whose cache holds the prompt's prefix), tier headroom (RT
-to the engine with the most slack) and load. The run stage uses only the `Placement`, and the
-record stage aborts an unfinished request on the engine it was placed on.
+to the engine with the most slack) and load. A handle carries the engine's live state
+(`load`, the app's `LOADS` watcher for it), so ranking by load stays a pure function of the
+handles: the watcher's fields are read, never polled, there. The run stage uses only the
+`Placement`, and the record stage aborts an unfinished request on the engine it was placed on.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from gateway.engine.client import EngineClient
+from gateway.engine.load import LoadWatcher
 from gateway.pipeline.prepare import EngineRequest
-from gateway.state import ENGINE
+from gateway.state import ENGINE, LOADS
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,9 @@ class EngineHandle:
     name: str
     """Stable name of the engine (its base URL today), for logs and metrics."""
     client: EngineClient
+    load: LoadWatcher | None = None
+    """The engine's live state (`latest`, `backlog()`; `sent()` on dispatch); None when the
+    engine does not report it (stock SGLang)."""
 
 
 @dataclass(frozen=True)
@@ -39,7 +45,8 @@ class Placement:
 def engine_candidates(app: web.Application) -> list[EngineHandle]:
     """The engines a request may be placed on (today: the one engine of `engine.host/port`)."""
     client = app[ENGINE]
-    return [EngineHandle(name=client.base_url, client=client)]
+    load = app[LOADS].get(client.base_url) if LOADS in app else None
+    return [EngineHandle(name=client.base_url, client=client, load=load)]
 
 
 def choose_engine(request: EngineRequest, candidates: Sequence[EngineHandle]) -> EngineHandle:

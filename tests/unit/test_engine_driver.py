@@ -388,3 +388,25 @@ def test_rt_time_share_is_all_or_nothing_for_single_tier_iterations() -> None:
         ScriptedPolicy(Plan(decodes=["a"])), FakeBatch([req("a", "rt", out=2)]), [], 0.02
     )
     assert drv.stats.rt_time_frac == 0.0 and drv.stats.busy_s == pytest.approx(0.02)
+
+
+def test_each_completed_iteration_publishes_the_load_it_plans_from() -> None:
+    rt = req("rt", "rt", prompt=100, out=3)
+    new_rt = req("new", "rt", prompt=40)
+    policy = ScriptedPolicy(Plan(decodes=["rt"]))
+    policy.calibration = SimpleNamespace(  # type: ignore[attr-defined]
+        factors=(1.5, 1.0, 2.0), samples=0, last_error=None
+    )
+    drv = run_one_iteration(policy, FakeBatch([rt]), [], duration_s=0.05)
+    assert drv.loads.latest.iteration == 0  # closed, but not reported before the next plan
+    s = sched([new_rt])
+    drv.plan_iteration(s, FakeBatch([rt]))
+    load = drv.loads.latest
+    assert load.iteration == 1
+    assert load.iteration_s == pytest.approx(0.05)
+    assert (load.num_rt_running, load.rt_context_tokens) == (1, 103)
+    assert (load.num_rt_waiting, load.rt_waiting_prompt_tokens) == (1, 40)
+    assert load.latency_factors == (1.5, 1.0, 2.0)
+    assert load.kv_capacity_tokens == 10_000 and load.kv_used_tokens == 1_000
+    drv.plan_iteration(s, FakeBatch([rt]))  # no iteration ran since (an idle loop): no report
+    assert drv.loads.latest is load

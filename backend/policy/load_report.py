@@ -1,0 +1,24 @@
+"""What an engine adds to its live-state report beside the snapshot: its policy's calibration.
+
+Both engines (the patched SGLang scheduler, backend/sglang_ext/driver.py; the simulator,
+backend/sim/realtime.py) publish an `EngineLoad` after every iteration on their control
+endpoint's `common.wire.CONTROL_LOAD_PATH`, built by `backend.policy.feasibility.load_of` from
+the snapshot the next plan uses and these factors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+NO_CALIBRATION = (1.0, 1.0, 1.0)
+"""Latency factors of a policy that does not calibrate: the profile is taken as right."""
+
+
+def policy_factors(policy: Any) -> tuple[float, float, float]:
+    """The policy's latency calibration factors (decode, prefill, mixed), or NO_CALIBRATION
+    for a policy without a calibration (the baselines)."""
+    calib = getattr(policy, "calibration", None)
+    if calib is None:
+        return NO_CALIBRATION
+    d, p, m = calib.factors
+    return (float(d), float(p), float(m))

@@ -1,0 +1,40 @@
+"""Hands the scheduler's per-iteration `EngineLoad` to the control endpoint's long polls.
+
+The scheduler loop publishes (``EngineDriver.plan_iteration``, once per completed iteration);
+each ``GET /load?after=N&wait_s=S`` runs in its own thread of the control server
+(``socketserver.ThreadingMixIn``) and blocks on a condition variable until a load newer than
+iteration N is published, or S seconds pass. Publishing takes the lock for an assignment and a
+notify: the scheduler never waits on a reader.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from common.wire import EngineLoad
+
+
+class LoadBoard:
+    """The newest `EngineLoad`, and a way to wait for a newer one (thread-safe)."""
+
+    def __init__(self, initial: EngineLoad) -> None:
+        self._cond = threading.Condition()
+        self._load = initial
+
+    @property
+    def latest(self) -> EngineLoad:
+        """The newest published load."""
+        return self._load
+
+    def publish(self, load: EngineLoad) -> None:
+        """Makes *load* the newest and wakes every waiter (the scheduler thread calls this)."""
+        with self._cond:
+            self._load = load
+            self._cond.notify_all()
+
+    def wait_after(self, after_iteration: int, wait_s: float) -> EngineLoad:
+        """The newest load once its iteration is past *after_iteration* (at once when it
+        already is), else after *wait_s* seconds whatever is newest."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._load.iteration > after_iteration, timeout=wait_s)
+            return self._load
