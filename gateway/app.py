@@ -21,6 +21,7 @@ from gateway.engine.client import EngineClient
 from gateway.engine.control import length_sync
 from gateway.errors import error_middleware
 from gateway.operator import install as install_operator_tools
+from gateway.pipeline.admission import build_forecaster
 from gateway.state import (
     ADMIN_TOKEN,
     AUTH,
@@ -28,6 +29,7 @@ from gateway.state import (
     CONFIG,
     DB_ENGINE,
     ENGINE,
+    SLO_FORECASTER,
     STORE,
     TOKENIZER,
     USAGE,
@@ -50,6 +52,7 @@ def create_app(config: Config, admin_token: str, model_dir: Path) -> web.Applica
     app[ADMIN_TOKEN] = admin_token
     app[TOKENIZER] = ModelTokenizer(model_dir)
     app[BACKGROUND] = set()
+    app[SLO_FORECASTER] = build_forecaster(config)
     app.cleanup_ctx.append(_database)
     app.cleanup_ctx.append(_engine_client)
     app.cleanup_ctx.append(_usage_recorder)

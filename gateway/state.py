@@ -9,9 +9,11 @@ from typing import Any
 from aiohttp import web
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from backend.policy.feasibility import SloForecaster
 from common.config import Config
 from gateway.auth import AuthCache
 from gateway.engine.client import EngineClient
+from gateway.engine.load import LoadWatcher
 from gateway.metrics import METRICS_KEY
 from gateway.quotas.limiter import QuotaLimiter
 from gateway.store.repo import Store
@@ -28,6 +30,11 @@ ENGINE = web.AppKey("engine", EngineClient)
 USAGE = web.AppKey("usage", UsageRecorder)
 QUOTAS = web.AppKey("quotas", QuotaLimiter)
 METRICS = METRICS_KEY
+LOADS: web.AppKey[dict[str, LoadWatcher]] = web.AppKey("loads")
+"""The live state of each engine, by engine name (gateway/engine/load.py); absent: the SLO
+admission has no state to forecast from and admits (counted as "unchecked")."""
+SLO_FORECASTER = web.AppKey("slo_forecaster", SloForecaster)
+"""The SLO admission's forecaster, on the latency model the engine's policy plans with."""
 BACKGROUND: web.AppKey[set[asyncio.Task[None]]] = web.AppKey("background_tasks")
 """Fire-and-forget tasks (engine aborts after a disconnect) kept referenced until done."""
 
