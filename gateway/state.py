@@ -14,6 +14,7 @@ from common.config import Config
 from gateway.auth import AuthCache
 from gateway.engine.client import EngineClient
 from gateway.engine.load import LoadWatcher
+from gateway.engine.stats import EngineStatsWindow
 from gateway.metrics import METRICS_KEY
 from gateway.quotas.limiter import QuotaLimiter
 from gateway.store.repo import Store
@@ -33,6 +34,8 @@ METRICS = METRICS_KEY
 LOADS: web.AppKey[dict[str, LoadWatcher]] = web.AppKey("loads")
 """The live state of each engine, by engine name (gateway/engine/load.py); absent: the SLO
 admission has no state to forecast from and admits (counted as "unchecked")."""
+ENGINE_STATS = web.AppKey("engine_stats", EngineStatsWindow)
+"""The engine's last two `/stats` readings (set when tandem's policy is in charge)."""
 SLO_FORECASTER = web.AppKey("slo_forecaster", SloForecaster)
 """The SLO admission's forecaster, on the latency model the engine's policy plans with."""
 BACKGROUND: web.AppKey[set[asyncio.Task[None]]] = web.AppKey("background_tasks")
