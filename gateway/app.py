@@ -22,6 +22,7 @@ from gateway.engine.control import length_sync
 from gateway.engine.load import LoadWatcher, serves_load, watch
 from gateway.errors import error_middleware
 from gateway.operator import install as install_operator_tools
+from gateway.pipeline.admission import build_forecaster
 from gateway.state import (
     ADMIN_TOKEN,
     AUTH,
@@ -31,6 +32,7 @@ from gateway.state import (
     ENGINE,
     LOADS,
     METRICS,
+    SLO_FORECASTER,
     STORE,
     TOKENIZER,
     USAGE,
@@ -54,6 +56,7 @@ def create_app(config: Config, admin_token: str, model_dir: Path) -> web.Applica
     app[TOKENIZER] = ModelTokenizer(model_dir)
     app[BACKGROUND] = set()
     app[LOADS] = {}
+    app[SLO_FORECASTER] = build_forecaster(config)
     app.cleanup_ctx.append(_database)
     app.cleanup_ctx.append(_engine_client)
     app.cleanup_ctx.append(_load_watchers)  # the engine's live state, for the SLO admission

@@ -117,6 +117,20 @@ class GatewayMetrics:
             ["tenant", "limit"],
             registry=r,
         )
+        self.slo_admissions = Counter(
+            "tandem_slo_admissions",
+            "RT requests judged by the SLO admission, by outcome (admitted, unchecked: no engine "
+            "state; accepted, downgraded, shed: forecast to miss) and the target forecast to miss.",
+            ["tenant", "outcome", "target"],
+            registry=r,
+        )
+        self.slo_admitted = Counter(
+            "tandem_slo_admitted_results",
+            "RT requests the SLO admission let run as RT, by its outcome (admitted, unchecked, "
+            "accepted) and whether they met the SLO.",
+            ["tenant", "admission", "result"],
+            registry=r,
+        )
         self._slo_window: dict[tuple[str, str], collections.deque[tuple[float, bool]]] = {}
         self.sampler: EngineSampler | None = None
         self.before_scrape: list[Callable[[], Awaitable[None]]] = []
@@ -146,6 +160,13 @@ class GatewayMetrics:
             self.slo.labels(*labels, "met" if record.slo_met else "missed").inc()
             window = self._slo_window.setdefault(labels, collections.deque())
             window.append((time.monotonic(), record.slo_met))
+            if record.admission in ("admitted", "unchecked", "accepted"):
+                result = "met" if record.slo_met else "missed"
+                self.slo_admitted.labels(record.tenant_id, record.admission, result).inc()
+
+    def slo_admission(self, tenant_id: str, outcome: str, target: str) -> None:
+        """Counts one SLO admission verdict (*target*: "ttft", "tpot", or "" when none missed)."""
+        self.slo_admissions.labels(tenant_id, outcome, target).inc()
 
     def quota_rejected(self, tenant_id: str, limit: str) -> None:
         self.quota_rejections.labels(tenant_id, limit).inc()

@@ -3,7 +3,9 @@
 Each row covers one tenant in one period (a UTC day, hour or smaller bucket aligned on the Unix
 epoch; periods without requests are left out): requests, prompt and completion tokens, errors
 (every status but ok; the 429s of quotas are also counted apart as `rate_limited`), TTFT and TPOT
-p50/p99 and SLO attainment (met / judged; requests whose contract sets no target are not judged).
+p50/p99 and SLO attainment (met / judged; requests whose contract sets no target are not judged),
+and what the SLO admission did with the RT requests: shed (refused: `slo_unattainable`),
+downgraded (run as BE), and of those it let run as RT, how many met the SLO and how many missed.
 
 Percentiles are *nearest-rank* (the smallest value with at least p % of the values at or below
 it: rank ceil(p·n)): PostgreSQL's percentile_disc, and on SQLite (which has no percentile
@@ -58,6 +60,10 @@ COLUMNS = (
     "slo_met",
     "slo_judged",
     "slo_attainment",
+    "shed",
+    "downgraded",
+    "admitted_met",
+    "admitted_missed",
 )
 """Field order of the JSON rows, the CSV and the CLI table."""
 
@@ -92,6 +98,15 @@ class UsagePeriod(msgspec.Struct, kw_only=True):
     """Requests with an SLO to meet."""
     slo_attainment: float | None
     """slo_met / slo_judged (None when nothing was judged)."""
+    shed: int = 0
+    """RT requests the SLO admission refused (429 `slo_unattainable`; also in `errors`)."""
+    downgraded: int = 0
+    """RT requests the SLO admission ran as BE (forecast to miss the RT contract)."""
+    admitted_met: int = 0
+    """RT requests the SLO admission let run as RT that met the SLO."""
+    admitted_missed: int = 0
+    """RT requests the SLO admission let run as RT that missed it (failures included); those
+    it accepted though forecast to miss count here too when they did."""
 
 
 class ReportQuery(msgspec.Struct, frozen=True, kw_only=True):
@@ -205,11 +220,13 @@ def _report_sql(
             u.c.completion_tokens,
             u.c.status,
             u.c.slo_met,
+            u.c.admission,
         )
         .where(*where)
         .cte("base")
     )
     keys = (base.c.tenant_id, base.c.bucket)
+    ran_as_rt = base.c.admission.in_(("admitted", "unchecked", "accepted"))
     # PostgreSQL's percentile_disc is the nearest-rank percentile: one pass, no window sort
     native = (
         [
@@ -231,6 +248,14 @@ def _report_sql(
             func.sum(case((base.c.status == "rate_limited", 1), else_=0)).label("rate_limited"),
             func.sum(case((base.c.slo_met.is_(True), 1), else_=0)).label("slo_met"),
             func.sum(case((base.c.slo_met.is_not(None), 1), else_=0)).label("slo_judged"),
+            func.sum(case((base.c.admission == "shed", 1), else_=0)).label("shed"),
+            func.sum(case((base.c.admission == "downgraded", 1), else_=0)).label("downgraded"),
+            func.sum(case((and_(ran_as_rt, base.c.slo_met.is_(True)), 1), else_=0)).label(
+                "admitted_met"
+            ),
+            func.sum(case((and_(ran_as_rt, base.c.slo_met.is_(False)), 1), else_=0)).label(
+                "admitted_missed"
+            ),
         )
         .group_by(*keys)
         .cte("agg")
@@ -316,6 +341,10 @@ def _period(row: Any) -> UsagePeriod:
         slo_met=met,
         slo_judged=judged,
         slo_attainment=met / judged if judged else None,
+        shed=int(row["shed"] or 0),
+        downgraded=int(row["downgraded"] or 0),
+        admitted_met=int(row["admitted_met"] or 0),
+        admitted_missed=int(row["admitted_missed"] or 0),
     )
 
 
@@ -348,6 +377,10 @@ def to_table(rows: list[UsagePeriod]) -> str:
         "tpot_p50",
         "tpot_p99",
         "slo",
+        "shed",
+        "downgr",
+        "adm_met",
+        "adm_miss",
     )
     lines = [header]
     for r in rows:
@@ -365,6 +398,10 @@ def to_table(rows: list[UsagePeriod]) -> str:
                 _ms(r.tpot_ms_p50),
                 _ms(r.tpot_ms_p99),
                 "-" if r.slo_attainment is None else f"{100 * r.slo_attainment:.1f}%",
+                str(r.shed),
+                str(r.downgraded),
+                str(r.admitted_met),
+                str(r.admitted_missed),
             )
         )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]

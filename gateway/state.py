@@ -9,10 +9,12 @@ from typing import Any
 from aiohttp import web
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from backend.policy.feasibility import SloForecaster
 from common.config import Config
 from gateway.auth import AuthCache
 from gateway.engine.client import EngineClient
 from gateway.engine.load import LoadWatcher
+from gateway.engine.stats import EngineStatsWindow
 from gateway.metrics import METRICS_KEY
 from gateway.quotas.limiter import QuotaLimiter
 from gateway.store.repo import Store
@@ -32,6 +34,10 @@ METRICS = METRICS_KEY
 LOADS: web.AppKey[dict[str, LoadWatcher]] = web.AppKey("engine_loads")
 """Each engine's live state (`gateway.engine.load`), by `EngineHandle.name`; no entry for an
 engine that does not report it (stock SGLang)."""
+ENGINE_STATS = web.AppKey("engine_stats", EngineStatsWindow)
+"""The engine's last two `/stats` readings (set when tandem's policy is in charge)."""
+SLO_FORECASTER = web.AppKey("slo_forecaster", SloForecaster)
+"""The SLO admission's forecaster, on the latency model the engine's policy plans with."""
 BACKGROUND: web.AppKey[set[asyncio.Task[None]]] = web.AppKey("background_tasks")
 """Fire-and-forget tasks (engine aborts after a disconnect) kept referenced until done."""
 

@@ -127,6 +127,14 @@ class SloForecaster:
         self.min_chunk_tokens = min_chunk_tokens
         """Smallest chunk assumed per iteration (the policy raises τ for urgent prompts rather
         than starve them), tokens."""
+        self._chunks: dict[tuple[int, int, float, float, int], int] = {}
+        self._last_chunk: dict[tuple[float, float, int], int] = {}
+        # The chunk is a search over the latency model (a binary search is ~15 predictions,
+        # most of a forecast's cost) that depends on the engine's state and the budget only, not
+        # on the ask: every request forecast on one state (all those arriving within one
+        # iteration) shares it — memoised, exactly, and cleared when it grows. A new state's
+        # chunk starts from the last one found for the same budget (contexts grow a token per
+        # decode per iteration, so it barely moves): two predictions when it did not move.
 
     def forecast(self, load: EngineLoad, ask: SloAsk, backlog: Backlog = Backlog()) -> Forecast:
         """The ask's predicted TTFT and TPOT on an engine in state *load*."""
@@ -157,8 +165,18 @@ class SloForecaster:
     def _chunk(self, running: BatchShape, budget_s: float, factor: float, load: EngineLoad) -> int:
         """Prompt tokens one iteration computes beside the running RT decodes within the budget."""
         cap = max(1, load.max_prefill_tokens)
-        chunk = self.latency.max_chunk(running, budget_s / factor, prefix=0, cap=cap)
-        return max(chunk, min(self.min_chunk_tokens, cap))
+        key = (running.num_decode, running.decode_context, budget_s, factor, cap)
+        chunk = self._chunks.get(key)
+        if chunk is None:
+            hint = self._last_chunk.get(key[2:])
+            fitting = largest_chunk(self.latency, running, budget_s / factor, cap, hint)
+            self._last_chunk[key[2:]] = fitting
+            chunk = max(fitting, min(self.min_chunk_tokens, cap))
+            if len(self._chunks) >= _MAX_MEMO:
+                self._chunks.clear()
+                self._last_chunk.clear()
+            self._chunks[key] = chunk
+        return chunk
 
     def _shortfall(self, ask: SloAsk, ttft_s: float, tpot_s: float | None) -> Shortfall | None:
         if ttft_s > self.headroom * ask.ttft_target_s:
@@ -173,6 +191,55 @@ class SloForecaster:
         ):
             return Shortfall("tpot", tpot_target_s, tpot_s, 1.0)
         return None
+
+
+def largest_chunk(
+    latency: LatencyModel, running: BatchShape, limit_s: float, cap: int, hint: int | None
+) -> int:
+    """`latency.max_chunk(running, limit_s, prefix=0, cap=cap)` — the largest chunk l ≤ cap
+    whose iteration beside *running* is predicted within *limit_s*, 0 when none is — searched
+    outward from *hint* (a recent answer) by doubling steps, then by halves: exactly the same
+    answer (the prediction grows monotonically with l), in a few predictions when the answer is
+    near the hint."""
+    if hint is None or cap <= 0:
+        return latency.max_chunk(running, limit_s, prefix=0, cap=cap)
+
+    def fits(chunk: int) -> bool:
+        return latency.predict(running.with_prefill(chunk)) <= limit_s
+
+    probe = min(max(hint, 1), cap)
+    step = 1
+    if fits(probe):  # grow: lo fits; find an hi that does not
+        lo = probe
+        while True:
+            if lo == cap:
+                return cap
+            probe = min(cap, lo + step)
+            if not fits(probe):
+                hi = probe
+                break
+            lo, step = probe, step * 2
+    else:  # shrink: hi does not fit; find a lo that does
+        hi = probe
+        while True:
+            if hi == 1:
+                return 0
+            probe = max(1, hi - step)
+            if fits(probe):
+                lo = probe
+                break
+            hi, step = probe, step * 2
+    while hi - lo > 1:  # lo fits, hi does not
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+_MAX_MEMO = 256
+"""Chunk sizes a forecaster remembers (states × budgets) before it starts over."""
 
 
 def _decodes(count: int, context_tokens: int) -> BatchShape:

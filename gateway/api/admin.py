@@ -4,6 +4,7 @@ quotas and the latest requests."""
 from __future__ import annotations
 
 import hmac
+import math
 from datetime import UTC, datetime
 from typing import Literal
 
@@ -16,7 +17,7 @@ from gateway.errors import ApiError
 from gateway.reports import BadQuery, parse_query, to_csv, usage_report
 from gateway.state import ADMIN_TOKEN, AUTH, DB_ENGINE, STORE
 from gateway.store.errors import Conflict, NotFound
-from gateway.store.types import Quota, Slo, Tenant
+from gateway.store.types import OnUnattainable, Quota, Slo, Tenant
 
 routes = web.RouteTableDef()
 PREFIX = "/admin/v1"
@@ -35,6 +36,15 @@ class SloIn(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """BE: job deadline, seconds after arrival (None: pure best effort)."""
     allow_rt: bool = False
     """Whether a BE tenant may ask for tier "rt" per request (needs both RT targets)."""
+    on_unattainable: OnUnattainable = "reject"
+    """What the gateway does with an RT request its admission forecast says will miss the
+    targets at the engine's current load: "reject" (429 `slo_unattainable` with Retry-After, at
+    once), "downgrade" (run it as BE; the response carries `X-Tandem-Downgraded`) or "accept"
+    (run it as RT anyway, best effort). Only for tenants with RT requests (tier "rt", or
+    allow_rt)."""
+    weight: float = 1.0
+    """The tenant's weight in the engine's fair share between tenants (> 0, relative to the
+    other tenants' weights)."""
 
 
 # (Python name, JSON key) of every positive number in a contract, for the 422's param.
@@ -99,6 +109,17 @@ def validate_tenant(name: str, tier: str, slo: SloIn, quota: QuotaIn | Quota) ->
         value = getattr(slo, attr)
         if value is not None and value <= 0:
             raise _invalid(f"slo.{key}", f"slo.{key} must be positive, got {value}")
+    if not (math.isfinite(slo.weight) and slo.weight > 0):
+        raise _invalid("slo.weight", f"slo.weight must be a positive number, got {slo.weight}")
+    if slo.on_unattainable != "reject" and tier != "rt" and not slo.allow_rt:
+        # every tenant may run BE (resolve_tier: a looser tier is always allowed), so a
+        # downgrade is never refused for that; but a tenant without RT requests has nothing the
+        # SLO admission would ever judge, and a setting that can never apply is refused
+        raise _invalid(
+            "slo.on_unattainable",
+            f"slo.on_unattainable {slo.on_unattainable!r} applies to RT requests; a be tenant "
+            "without slo.allow_rt has none",
+        )
     limits = quota.over(Quota()) if isinstance(quota, QuotaIn) else quota
     for field in ("requests_per_min", "tokens_per_min", "max_concurrent", "monthly_tokens"):
         value = getattr(limits, field)
@@ -110,6 +131,8 @@ def validate_tenant(name: str, tier: str, slo: SloIn, quota: QuotaIn | Quota) ->
             tpot_target_ms=slo.tpot_target_ms,
             deadline_s=slo.deadline_s,
             allow_rt=slo.allow_rt,
+            on_unattainable=slo.on_unattainable,
+            weight=float(slo.weight),
         ),
         limits,
     )

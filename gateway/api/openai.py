@@ -28,6 +28,7 @@ from gateway.pipeline.stages import (
     place,
     prepare,
     recording,
+    response_headers,
     run,
 )
 from gateway.state import AUTH, CONFIG, TOKENIZER
@@ -85,7 +86,7 @@ async def _respond(app: web.Application, flight: Flight) -> web.Response:
         raise result.api_error()
     usage = usage_body(result.prompt_tokens, result.completion_tokens)
     body = completion_body(_head(flight), result.text, result.finish_reason, usage)
-    return web.json_response(body=_encoder.encode(body))
+    return web.json_response(body=_encoder.encode(body), headers=response_headers(flight))
 
 
 async def _stream(
@@ -109,6 +110,7 @@ async def _stream(
                 "Content-Type": "text/event-stream",
                 "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no",
+                **response_headers(flight),
             }
         )
         await resp.prepare(request)

@@ -20,9 +20,10 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from gateway.engine.stats import EngineStatsWindow
 from gateway.errors import ApiError
 from gateway.reports import tier_series, usage_report
-from gateway.state import ADMIN_TOKEN, DB_ENGINE, METRICS, STORE
+from gateway.state import ADMIN_TOKEN, DB_ENGINE, ENGINE_STATS, METRICS, STORE
 
 routes = web.RouteTableDef()
 PAGE = Path(__file__).resolve().parent / "index.html"
@@ -105,12 +106,22 @@ async def dashboard_data(request: web.Request) -> web.Response:
         ],
         "tiers": tiers,
         "engine": _engine_history(request, start.timestamp()),
+        "latency_model": _latency_model(request),
     }
     return web.Response(
         body=_encoder.encode(payload),
         content_type="application/json",
         headers={"Cache-Control": "no-store"},
     )
+
+
+def _latency_model(request: web.Request) -> dict[str, float | None]:
+    """The engine's latest latency-model errors (`EngineStatsWindow.latency_errors`); all None
+    when the gateway reads no engine statistics (tandem's policy not in charge)."""
+    window = request.app.get(ENGINE_STATS)
+    if window is None:
+        return EngineStatsWindow().latency_errors()
+    return window.latency_errors()
 
 
 def _engine_history(request: web.Request, since_s: float) -> list[dict[str, Any]]:

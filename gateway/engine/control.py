@@ -30,7 +30,7 @@ from common.wire import (
     LengthHistoryPush,
 )
 from gateway.engine.stats import EngineStatsWindow
-from gateway.state import CONFIG, METRICS, STORE
+from gateway.state import CONFIG, ENGINE_STATS, METRICS, STORE
 from gateway.store.repo import Store
 
 logger = logging.getLogger(__name__)
@@ -152,6 +152,7 @@ async def length_sync(app: web.Application) -> AsyncIterator[None]:
     task = None
     if app[CONFIG].engine.policy_in_charge:
         window = EngineStatsWindow()
+        app[ENGINE_STATS] = window
         if METRICS in app:
             app[METRICS].extra.append(window.collect)
         task = asyncio.create_task(_sync_loop(app, window), name="tandem-length-sync")

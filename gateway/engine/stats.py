@@ -74,6 +74,20 @@ class EngineStatsWindow:
             return None
         return min(1.0, max(0.0, (_num(self.latest, key) - _num(before, key)) / busy))
 
+    def latency_errors(self) -> dict[str, float | None]:
+        """The latest reading's prediction errors: error_p50/p99 (the profile's) and
+        corrected_error_p50/p99 (the calibrated prediction's), ratios; None where unknown."""
+        latest = self.latest or {}
+        out: dict[str, float | None] = {}
+        for name, key in (
+            ("error", "latency_error"),
+            ("corrected_error", "latency_corrected_error"),
+        ):
+            for _, suffix in _QUANTILES:
+                value = latest.get(f"{key}_{suffix}")
+                out[f"{name}_{suffix}"] = float(value) if isinstance(value, int | float) else None
+        return out
+
     def collect(self) -> Iterator[GaugeMetricFamily]:
         """The gauges that have a value (collected at scrape time)."""
         for name, key, doc in _SHARES:

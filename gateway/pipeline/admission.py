@@ -9,14 +9,25 @@ at the request as admitted so far (`Admitted`) and returns either
   may succeed and when.
 
 The first refusal ends admission, and the holds the earlier checks took are given back at once.
-Today there is one check, the tenant's quota (gateway/quotas). The next ones slot in after it:
+The checks, in order:
 
-* **SLO feasibility** — predict from the engine's live state whether the RT contract (TTFT,
-  TPOT) can be met; its outcomes are `Refused(429, code="slo_unattainable", retryable=True)`,
-  an `Admitted` whose request was rebuilt for tier "be" (a downgrade: `build_engine_request`
-  with tier "be" gives the BE metadata and priority; the response's id, the usage record and
-  the engine all follow the admitted request), or the `Admitted` it was given (accept).
-* **per-tenant fairness** — a tenant over its fair share of the engine while others wait:
+* **quota** — the tenant's limits (gateway/quotas): `QuotaCheck`.
+* **SLO feasibility** — `SloCheck`: for an RT request, forecast from the engine's live state
+  (`LOADS`: its latest `EngineLoad` and the RT work sent since) with the latency model the
+  engine's policy plans with (backend/policy/feasibility.py) whether the contract (TTFT, TPOT)
+  can be met. If it cannot, the tenant's contract (`Slo.on_unattainable`) decides:
+
+      reject     Refused(429, code="slo_unattainable", retryable=True, retry_after_s): the
+                 message names the target and by how much the forecast misses it
+      downgrade  an Admitted whose request was rebuilt for tier "be" (`in_tier`: the BE
+                 metadata and priority; the response's id, the usage record and the engine all
+                 follow the admitted request; the response says so in `X-Tandem-Downgraded`)
+      accept     the Admitted it was given, run as RT (best effort)
+
+  Each outcome is on the `Admitted` (`slo`), in the usage record (`admission`) and counted on
+  /metrics. The decision itself is `decide_slo`, a pure function of the contract, the ask, the
+  engine's state and the backlog; without state (no watcher, nothing reported yet) it admits.
+* **per-tenant fairness** (to come) — a tenant over its fair share of the engine while others wait:
   `Refused(429, retryable=True)` with a short `retry_after_s`, or a hold on its share.
 
 A check that needs the engine's state reads it through the app (it is given the app when
@@ -25,18 +36,26 @@ A check that needs the engine's state reads it through the app (it is given the 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
 from aiohttp import web
 
+from backend.policy.feasibility import Backlog, Shortfall, SloAsk, SloForecaster
+from backend.policy.latency import LatencyModel, load_profile
+from backend.policy.profiles import resolve_profile
+from common.config import Config
+from common.wire import EngineLoad
+from gateway.engine.load import LoadWatcher
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline.outcome import Refused
-from gateway.pipeline.prepare import EngineRequest
+from gateway.pipeline.placement import engine_candidates
+from gateway.pipeline.prepare import EngineRequest, in_tier
 from gateway.quotas.limiter import QuotaExceeded, QuotaLimiter, Ticket
-from gateway.state import METRICS, QUOTAS
-from gateway.store.types import Tenant
+from gateway.state import LOADS, METRICS, QUOTAS, SLO_FORECASTER
+from gateway.store.types import AdmissionOutcome, Slo, Tenant
 
 Origin = Literal["api", "batch"]
 """Where a request came from: a client's HTTP call, or a line of a Batch-API batch (which the
@@ -62,6 +81,8 @@ class Admitted:
     holds: tuple[Hold, ...] = ()
     """Given back by the record stage when the request ends (or by `admit_through` when a later
     check refuses it)."""
+    slo: SloDecision | None = None
+    """What the SLO admission decided (None: it did not judge this request — not RT)."""
 
     def holding(self, hold: Hold) -> Admitted:
         """This admission with one more hold."""
@@ -93,7 +114,11 @@ def release_holds(holds: Sequence[Hold], used_tokens: int) -> None:
 
 def admission_checks(app: web.Application) -> tuple[AdmissionCheck, ...]:
     """The checks every request passes, in order (the cheapest and most final first)."""
-    return (QuotaCheck(app[QUOTAS], app[METRICS]),)
+    metrics = app[METRICS]
+    return (
+        QuotaCheck(app[QUOTAS], metrics),
+        SloCheck(app.get(SLO_FORECASTER), load_watcher(app), metrics),
+    )
 
 
 # ---------------------------------------------------------------------------------- quotas
@@ -140,3 +165,133 @@ class QuotaCheck:
                 retry_after_s=int(exc.retry_after_s),
             )
         return admitted.holding(QuotaHold(self.limiter, ticket))
+
+
+# ---------------------------------------------------------------------------------- SLO feasibility
+
+
+@dataclass(frozen=True)
+class SloDecision:
+    """The SLO admission's verdict on one RT request."""
+
+    outcome: AdmissionOutcome
+    """admitted, unchecked, accepted, downgraded or shed (gateway.store.types)."""
+    shortfall: Shortfall | None = None
+    """The target the forecast misses and by how much (None: admitted or unchecked)."""
+
+    @property
+    def target(self) -> str:
+        """The missed target ("ttft", "tpot"), or "" when none was missed (a metric label)."""
+        return self.shortfall.target if self.shortfall is not None else ""
+
+
+_ON_MISS: dict[str, AdmissionOutcome] = {
+    "reject": "shed",
+    "downgrade": "downgraded",
+    "accept": "accepted",
+}
+
+
+def decide_slo(
+    forecaster: SloForecaster | None,
+    contract: Slo,
+    ask: SloAsk,
+    load: EngineLoad | None,
+    backlog: Backlog,
+) -> SloDecision:
+    """The verdict on an RT request asking *ask* of an engine in state *load* with *backlog*
+    sent since: admitted when its forecast meets the contract, else what the contract's
+    `on_unattainable` says; unchecked when there is no state (or no model) to forecast from.
+    Pure."""
+    if forecaster is None or load is None:
+        return SloDecision("unchecked")
+    shortfall = forecaster.forecast(load, ask, backlog).shortfall
+    if shortfall is None:
+        return SloDecision("admitted")
+    return SloDecision(_ON_MISS[contract.on_unattainable], shortfall)
+
+
+def slo_ask(request: EngineRequest, now_unix_s: float) -> SloAsk | None:
+    """What an RT request asks of the engine (None: not RT, or no TTFT target to judge)."""
+    meta = request.meta
+    if meta.tier != "rt" or meta.ttft_target_ms is None:
+        return None
+    return SloAsk(
+        prompt_tokens=len(request.input_ids),
+        ttft_target_s=meta.ttft_target_ms / 1000.0,
+        tpot_target_s=meta.tpot_target_ms / 1000.0 if meta.tpot_target_ms is not None else None,
+        waited_s=max(0.0, now_unix_s - meta.arrival_unix_s),
+    )
+
+
+def slo_unattainable(shortfall: Shortfall) -> Refused:
+    """The 429 of a request shed because its contract cannot be met now."""
+    retry_after_s = int(shortfall.retry_after_s)
+    return Refused(
+        kind="slo_unattainable",
+        http_status=429,
+        message=f"{shortfall.describe()}; retry in {retry_after_s} s",
+        code="slo_unattainable",
+        retryable=True,
+        retry_after_s=retry_after_s,
+    )
+
+
+@dataclass(frozen=True)
+class SloCheck:
+    """Forecasts an RT request's TTFT and TPOT on the engine's live state and applies the
+    tenant's contract when they miss (see the module doc). No I/O: it reads the watcher's latest
+    state, kept fresh by its own loop."""
+
+    forecaster: SloForecaster | None
+    """None: no latency model, nothing is forecast (every RT request is unchecked)."""
+    watcher: LoadWatcher | None
+    """The engine's live state; None: none is watched (every RT request is unchecked)."""
+    metrics: GatewayMetrics
+    clock: Callable[[], float] = time.time
+    """Wall clock, seconds (the request's arrival is a wall-clock time)."""
+
+    def __call__(self, admitted: Admitted) -> Admitted | Refused:
+        now_unix_s = self.clock()
+        ask = slo_ask(admitted.request, now_unix_s)
+        if ask is None:
+            return admitted
+        watcher = self.watcher
+        load = watcher.latest if watcher is not None else None
+        backlog = watcher.backlog() if watcher is not None and load is not None else Backlog()
+        decision = decide_slo(self.forecaster, admitted.tenant.slo, ask, load, backlog)
+        self.metrics.slo_admission(admitted.tenant.id, decision.outcome, decision.target)
+        if decision.outcome == "shed":
+            assert decision.shortfall is not None
+            return slo_unattainable(decision.shortfall)
+        if decision.outcome == "downgraded":
+            request = in_tier(admitted.request, admitted.tenant, "be")
+            return replace(admitted, request=request, slo=decision)
+        if watcher is not None:
+            watcher.sent(ask.prompt_tokens, now_unix_s)
+        return replace(admitted, slo=decision)
+
+
+def load_watcher(app: web.Application) -> LoadWatcher | None:
+    """The live state of the engine requests are placed on (`LOADS`, by engine name; the one
+    watcher there is when the names differ: the gateway fronts one engine today); None when the
+    app watches none."""
+    watchers = app.get(LOADS)
+    if not watchers:
+        return None
+    watcher = watchers.get(engine_candidates(app)[0].name)
+    if watcher is None and len(watchers) == 1:
+        watcher = next(iter(watchers.values()))
+    return watcher
+
+
+def engine_profile(config: Config) -> str:
+    """The latency profile the engine's policy plans with (a name or a path)."""
+    return config.engine.sim_profile if config.engine.kind == "sim" else config.engine.profile
+
+
+def build_forecaster(config: Config) -> SloForecaster:
+    """The SLO forecaster on the latency model the engine fits from the same profile.
+    Raises ValueError naming the profile when it cannot be read."""
+    profile = load_profile(resolve_profile(engine_profile(config)))
+    return SloForecaster(LatencyModel.fit(profile.samples))

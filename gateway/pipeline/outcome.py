@@ -14,6 +14,7 @@ from gateway.errors import ApiError
 FailureKind = Literal[
     "invalid_request",
     "rate_limited",
+    "slo_unattainable",
     "engine_unavailable",
     "engine_error",
     "aborted",
@@ -21,7 +22,8 @@ FailureKind = Literal[
     "internal_error",
 ]
 """The usage record's `status` of a request that failed (a completed one is "ok"); reports count
-"rate_limited" as 429s and anything but "ok" as an error."""
+"rate_limited" as quota 429s, "slo_unattainable" as requests the SLO admission shed (also 429s),
+and anything but "ok" as an error."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from common.wire import RequestMeta, Tier, meta_to_custom_params
@@ -188,16 +188,11 @@ def build_engine_request(
     arrival_unix_s: float | None = None,
 ) -> EngineRequest:
     """The `/generate` payload with sampling parameters and the scheduler metadata."""
-    slo = principal.tenant.slo
-    meta = RequestMeta(
-        tier=tier,
-        tenant_id=principal.tenant.id,
-        length_key=principal.tenant.id,
-        arrival_unix_s=arrival_unix_s if arrival_unix_s is not None else time.time(),
-        ttft_target_ms=slo.ttft_target_ms if tier == "rt" else None,
-        tpot_target_ms=slo.tpot_target_ms if tier == "rt" else None,
-        deadline_s=slo.deadline_s if tier == "be" else None,
-        max_tokens=max_tokens,
+    meta = request_meta(
+        principal.tenant,
+        tier,
+        max_tokens,
+        arrival_unix_s if arrival_unix_s is not None else time.time(),
     )
     rid = new_rid()
     payload = {
@@ -210,6 +205,40 @@ def build_engine_request(
     return EngineRequest(
         rid=rid, input_ids=input_ids, max_tokens=max_tokens, meta=meta, payload=payload
     )
+
+
+def request_meta(tenant: Tenant, tier: Tier, max_tokens: int, arrival_unix_s: float) -> RequestMeta:
+    """The scheduler metadata of a request of *tenant* run in *tier*: the contract's RT targets
+    or its BE deadline, and its fair-share weight."""
+    slo = tenant.slo
+    fields: dict[str, Any] = {}
+    if _META_HAS_WEIGHT:
+        fields["tenant_weight"] = slo.weight
+    return RequestMeta(
+        tier=tier,
+        tenant_id=tenant.id,
+        length_key=tenant.id,
+        arrival_unix_s=arrival_unix_s,
+        ttft_target_ms=slo.ttft_target_ms if tier == "rt" else None,
+        tpot_target_ms=slo.tpot_target_ms if tier == "rt" else None,
+        deadline_s=slo.deadline_s if tier == "be" else None,
+        max_tokens=max_tokens,
+        **fields,
+    )
+
+
+# The fair-share weight travels as RequestMeta.tenant_weight, a field the engine side adds; until
+# common/wire.py has it, the contract's weight is stored and served but not sent.
+_META_HAS_WEIGHT = "tenant_weight" in RequestMeta.__struct_fields__
+
+
+def in_tier(request: EngineRequest, tenant: Tenant, tier: Tier) -> EngineRequest:
+    """*request* to run in *tier* instead (the SLO admission's downgrade to BE): the metadata
+    and priority of that tier, the same rid, prompt and sampling (it has not reached an engine)."""
+    meta = request_meta(tenant, tier, request.max_tokens, request.meta.arrival_unix_s)
+    params = {**request.payload["sampling_params"], "custom_params": meta_to_custom_params(meta)}
+    payload = {**request.payload, "sampling_params": params, "priority": meta.sglang_priority}
+    return replace(request, meta=meta, payload=payload)
 
 
 def _sampling_params(req: SamplingFields, max_tokens: int, meta: RequestMeta) -> dict[str, Any]:

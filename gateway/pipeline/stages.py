@@ -67,7 +67,7 @@ from gateway.pipeline.prepare import (
 )
 from gateway.slo import RequestTimer, slo_met
 from gateway.state import CONFIG, METRICS, TOKENIZER, USAGE, spawn
-from gateway.store.types import UsageRecord
+from gateway.store.types import AdmissionOutcome, UsageRecord
 
 
 @dataclass
@@ -105,6 +105,8 @@ class Flight:
     request: EngineRequest | None = None
     """Set by prepare; admission may change its terms."""
     admitted: Admitted | None = None
+    admission: AdmissionOutcome | None = None
+    """The SLO admission's verdict (None: it did not judge the request)."""
     placement: Placement | None = None
     progress: Progress = field(default_factory=Progress)
     failure: Failure | None = None
@@ -165,12 +167,28 @@ def admit(app: web.Application, flight: Flight) -> Admitted | Refused:
     )
     outcome = admit_through(admission_checks(app), candidate)
     if isinstance(outcome, Refused):
+        if outcome.kind == "slo_unattainable":
+            flight.admission = "shed"
         flight.fail(outcome)
         return outcome
+    flight.admission = outcome.slo.outcome if outcome.slo is not None else None
     flight.admitted = outcome
     flight.request = outcome.request
     app[METRICS].request_started(outcome.tenant.id, outcome.request.meta.tier)
     return outcome
+
+
+DOWNGRADED_HEADER = "X-Tandem-Downgraded"
+"""Response header of a request the SLO admission ran as BE instead of RT; its value names the
+target the forecast said RT would miss ("ttft" or "tpot")."""
+
+
+def response_headers(flight: Flight) -> dict[str, str]:
+    """The headers the admission adds to a response (a downgrade says so)."""
+    admitted = flight.admitted
+    if admitted is None or admitted.slo is None or admitted.slo.outcome != "downgraded":
+        return {}
+    return {DOWNGRADED_HEADER: admitted.slo.target}
 
 
 def place(app: web.Application, flight: Flight) -> Placement:
@@ -333,6 +351,7 @@ def usage_record(flight: Flight) -> UsageRecord:
         http_status=failure.http_status if failure is not None else 200,
         error=failure.record_error if failure is not None else None,
         slo_met=met,
+        admission=flight.admission,
         created_at=flight.created_at,
         finished_at=datetime.now(UTC),
     )

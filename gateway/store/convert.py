@@ -8,7 +8,7 @@ import msgspec
 
 from common.wire import Tier
 from gateway.store.models import ApiKeyRow, QuotaRow, SloContractRow, TenantRow, UsageRow
-from gateway.store.types import ApiKey, Quota, Slo, Tenant, UsageRecord
+from gateway.store.types import ApiKey, OnUnattainable, Quota, Slo, Tenant, UsageRecord
 
 USAGE_FIELDS = tuple(
     f for f in msgspec.structs.fields(UsageRecord) if f.name not in ("id", "tbt_mean_ms")
@@ -23,6 +23,8 @@ def apply_slo(row: SloContractRow, slo: Slo) -> None:
     row.tpot_target_ms = slo.tpot_target_ms
     row.deadline_s = slo.deadline_s
     row.allow_rt = slo.allow_rt
+    row.on_unattainable = slo.on_unattainable
+    row.weight = slo.weight
 
 
 def apply_quota(row: QuotaRow, quota: Quota) -> None:
@@ -49,6 +51,8 @@ def tenant_struct(row: TenantRow) -> Tenant:
             tpot_target_ms=_float(row.slo.tpot_target_ms),
             deadline_s=_float(row.slo.deadline_s),
             allow_rt=row.slo.allow_rt,
+            on_unattainable=cast(OnUnattainable, row.slo.on_unattainable),
+            weight=float(row.slo.weight),
         )
     )
     quota = (

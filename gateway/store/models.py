@@ -135,6 +135,10 @@ class SloContractRow(Base):
     tpot_target_ms: Mapped[float | None] = mapped_column("tpot_ms", Float)
     deadline_s: Mapped[float | None] = mapped_column(Float)
     allow_rt: Mapped[bool] = mapped_column(Boolean, default=False)
+    on_unattainable: Mapped[str] = mapped_column(String(16), default="reject")
+    """"reject", "downgrade" or "accept" (gateway.store.types.OnUnattainable)."""
+    weight: Mapped[float] = mapped_column(Float, default=1.0)
+    """The tenant's fair-share weight (> 0)."""
     updated_at: Mapped[datetime]
 
 
@@ -180,6 +184,8 @@ class UsageRow(Base):
     http_status: Mapped[int] = mapped_column(Integer)
     error: Mapped[str | None] = mapped_column(Text)
     slo_met: Mapped[bool | None] = mapped_column(Boolean)
+    admission: Mapped[str | None] = mapped_column(String(16))
+    """The SLO admission's outcome (gateway.store.types.AdmissionOutcome); NULL: not checked."""
     created_at: Mapped[datetime]
     finished_at: Mapped[datetime]
 

@@ -6,10 +6,21 @@ Datetimes are timezone-aware UTC and serialize as ISO 8601 (``msgspec.json.encod
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Literal
 
 import msgspec
 
 from common.wire import Tier
+
+OnUnattainable = Literal["reject", "downgrade", "accept"]
+"""What the gateway does with an RT request whose contract its admission forecast says cannot be
+met at the engine's current load (gateway/pipeline/admission.py): refuse it at once (429
+`slo_unattainable`), run it as BE instead, or run it as RT anyway (best effort)."""
+
+AdmissionOutcome = Literal["admitted", "unchecked", "accepted", "downgraded", "shed"]
+"""How the SLO admission treated an RT request: admitted (its forecast meets the contract),
+unchecked (no engine state to forecast from: admitted), accepted (forecast to miss, run as RT
+anyway), downgraded (forecast to miss, run as BE) or shed (forecast to miss, refused)."""
 
 
 class Slo(msgspec.Struct, frozen=True, kw_only=True):
@@ -26,6 +37,12 @@ class Slo(msgspec.Struct, frozen=True, kw_only=True):
     """BE completion deadline, seconds after arrival (None: no deadline)."""
     allow_rt: bool = False
     """Whether a BE tenant may ask for tier "rt" per request."""
+    on_unattainable: OnUnattainable = "reject"
+    """What to do with an RT request the admission forecast says will miss its targets (see
+    `OnUnattainable`)."""
+    weight: float = 1.0
+    """The tenant's weight in the engine's fair share between tenants (> 0; relative to the
+    other tenants' weights)."""
 
 
 class Quota(msgspec.Struct, frozen=True, kw_only=True):
@@ -139,6 +156,9 @@ class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
     """Error message, if any."""
     slo_met: bool | None = None
     """Whether the request met its tenant's SLO (None: no SLO applied)."""
+    admission: AdmissionOutcome | None = None
+    """How the SLO admission treated it (None: it never reached that check — not an RT request,
+    refused earlier, or invalid)."""
     created_at: datetime
     """Request start (arrival at the gateway), UTC."""
     finished_at: datetime

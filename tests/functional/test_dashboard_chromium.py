@@ -79,6 +79,7 @@ async def seeded_gateway(
                         status="ok" if ok else "engine_error",
                         http_status=200 if ok else 400,
                         slo_met=ok and (tier == "be" or (t or 0) <= ttft * 1.2),
+                        admission="admitted" if tier == "rt" else None,
                         created_at=created,
                         finished_at=created + timedelta(seconds=2),
                     )
@@ -139,6 +140,16 @@ async def test_dashboard_renders_every_chart_without_console_errors(
             ".map(td => td.textContent)"
         )
         assert sorted(names) == ["agents-rt", "chat-rt", "nightly-be"]
+        admission = await page.evaluate(
+            "[...document.querySelectorAll('#admission tbody tr')]"
+            ".map(tr => [...tr.children].map(td => td.textContent))"
+        )
+        judged = {row[0]: int(row[3]) + int(row[4]) for row in admission}
+        assert judged["chat-rt"] > 0 and judged["agents-rt"] > 0 and judged["nightly-be"] == 0
+        model_rows = await page.evaluate(
+            "document.querySelectorAll('#latency-model tbody tr').length"
+        )
+        assert model_rows == 2  # the profile's error and the calibrated one
         shot = tmp_path / "dashboard.png"
         await page.screenshot(shot)
         assert shot.stat().st_size > 20_000

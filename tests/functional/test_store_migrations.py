@@ -20,7 +20,7 @@ from gateway.store.models import Base
 
 TABLES = {"tenants", "api_keys", "slo_contracts", "quotas", "usage_records", "length_history"}
 TABLES |= {"files", "batches", "batch_items"}  # 0002
-TABLES |= {"gateway_instances", "quota_demand", "quota_monthly"}  # 0003; 0004 adds none
+TABLES |= {"gateway_instances", "quota_demand", "quota_monthly"}  # 0003; 0004 and 0005 add none
 
 
 async def table_names(url: str) -> set[str]:
@@ -134,6 +134,41 @@ async def test_0004_drops_the_copied_columns_and_downgrade_restores_them(
             assert [tuple(r) for r in back] == [(21.0, 21.0)]  # refilled from tpot_ms
             back = await conn.execute(text("SELECT token_group, ttft_ms FROM slo_contracts"))
             assert [tuple(r) for r in back] == [(None, 200.0)]  # the column, not its values
+    finally:
+        await engine.dispose()
+
+
+async def test_0005_gives_existing_contracts_the_defaults_and_downgrade_drops_the_columns(
+    empty_db_url: str,
+) -> None:
+    await upgrade_async(empty_db_url, "0004")
+    engine = create_engine(empty_db_url)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(
+                text(
+                    "INSERT INTO tenants (id, name, tier, created_at, updated_at) "
+                    "VALUES ('ten_1', 'a', 'rt', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"
+                )
+            )
+            await conn.execute(
+                text(
+                    "INSERT INTO slo_contracts (tenant_id, ttft_ms, tpot_ms, allow_rt, "
+                    "updated_at) VALUES ('ten_1', 200, 50, false, CURRENT_TIMESTAMP)"
+                )
+            )
+        await upgrade_async(empty_db_url)
+        assert "admission" in await _columns(empty_db_url, "usage_records")
+        async with engine.connect() as conn:
+            kept = await conn.execute(
+                text("SELECT ttft_ms, on_unattainable, weight FROM slo_contracts")
+            )
+            assert [tuple(r) for r in kept] == [(200.0, "reject", 1.0)]
+
+        await asyncio.to_thread(command.downgrade, alembic_config(empty_db_url), "0004")
+        assert "admission" not in await _columns(empty_db_url, "usage_records")
+        columns = await _columns(empty_db_url, "slo_contracts")
+        assert "weight" not in columns and "on_unattainable" not in columns
     finally:
         await engine.dispose()
 

@@ -21,7 +21,8 @@ from tandem.cli import main as tandem
 from tests.functional.gateway_fixtures import GatewayHandle
 
 DAY = datetime(2026, 10, 5, tzinfo=UTC)
-STATUSES = ["ok"] * 8 + ["engine_error", "rate_limited"]
+STATUSES = ["ok"] * 8 + ["engine_error", "rate_limited", "slo_unattainable"]
+RAN_AS_RT = ("admitted", "unchecked", "accepted")
 
 
 def make_records(tenants: list[str], seed: int = 7) -> list[UsageRecord]:
@@ -32,11 +33,20 @@ def make_records(tenants: list[str], seed: int = 7) -> list[UsageRecord]:
         created = DAY + timedelta(hours=10, seconds=rng.uniform(0, 3 * 3600 - 1))
         status = rng.choice(STATUSES)
         ok = status == "ok"
+        tier = rng.choice(["rt", "be"])
+        refused = status in ("rate_limited", "slo_unattainable")
+        admission = rng.choice([*RAN_AS_RT, "downgraded", None])
+        if status == "slo_unattainable":
+            admission = "shed"
+        elif status == "rate_limited":
+            admission = None  # refused by the quota: the SLO admission never saw it
+        elif admission == "downgraded":
+            tier = "be"
         records.append(
             UsageRecord(
                 request_id=f"r{i}",
                 tenant_id=rng.choice(tenants),
-                tier=rng.choice(["rt", "be"]),
+                tier=tier,
                 model="tandem-tiny",
                 endpoint="chat",
                 prompt_tokens=rng.randint(1, 500),
@@ -44,8 +54,9 @@ def make_records(tenants: list[str], seed: int = 7) -> list[UsageRecord]:
                 ttft_ms=round(rng.lognormvariate(4, 1), 3) if ok else None,
                 tpot_ms=round(rng.uniform(5, 80), 3) if ok and rng.random() < 0.9 else None,
                 status=status,
-                http_status=200 if ok else 429 if status == "rate_limited" else 400,
-                slo_met=None if status == "rate_limited" else (ok and rng.random() < 0.8),
+                http_status=200 if ok else 429 if refused else 400,
+                slo_met=None if refused else (ok and rng.random() < 0.8),
+                admission=admission,
                 created_at=created,
                 finished_at=created + timedelta(seconds=1),
             )
@@ -106,6 +117,12 @@ def expected(
                 "slo_met": met,
                 "slo_judged": len(judged),
                 "slo_attainment": met / len(judged) if judged else None,
+                "shed": sum(1 for r in rs if r.admission == "shed"),
+                "downgraded": sum(1 for r in rs if r.admission == "downgraded"),
+                "admitted_met": sum(1 for r in rs if r.admission in RAN_AS_RT and r.slo_met),
+                "admitted_missed": sum(
+                    1 for r in rs if r.admission in RAN_AS_RT and r.slo_met is False
+                ),
             }
         )
     return rows
@@ -222,8 +239,10 @@ async def test_cli_prints_the_report_as_a_table(
         cells = line.split()
         assert cells[2] == row["tenant_name"] and int(cells[3]) == row["requests"]
         assert int(cells[4]) == row["prompt_tokens"] and int(cells[6]) == row["errors"]
-        assert cells[-1] == (
+        assert cells[-5] == (
             "-" if row["slo_attainment"] is None else f"{100 * row['slo_attainment']:.1f}%"
         )
+        admission = [row[k] for k in ("shed", "downgraded", "admitted_met", "admitted_missed")]
+        assert [int(c) for c in cells[-4:]] == admission
     code = await asyncio.to_thread(tandem, ["admin", "usage", "--tenant", "nobody"])
     assert code == 2 and "no tenant with id or name 'nobody'" in capsys.readouterr().err

@@ -27,6 +27,8 @@ from backend.policy.profiles import resolve_profile
 from backend.sim.server import create_sim_app_from_profile
 from common.config import load_config
 from gateway.app import create_app
+from gateway.engine.load import LoadWatcher
+from gateway.state import LOADS
 from gateway.store import upgrade_async
 from tests.waiting import wait_until
 
@@ -246,11 +248,13 @@ async def running_gateway(
     engine_port: int,
     *,
     template_db: Path | None = None,
+    loads: dict[str, LoadWatcher] | None = None,
     **env: str,
 ) -> AsyncIterator[Gateway]:
     """The gateway app on a fresh, migrated SQLite database in *tmp_path* (a copy of
     *template_db*, a database `migrated_database` made, when given: faster than migrating), in
-    front of the engine at *engine_port*; *env* are ``TANDEM_*`` config overrides."""
+    front of the engine at *engine_port*; *env* are ``TANDEM_*`` config overrides. *loads*: the
+    engine states the SLO admission reads (hand-built: the test sets each watcher's `latest`)."""
     db_path = tmp_path / "tandem.db"
     if template_db is not None:
         shutil.copyfile(template_db, db_path)
@@ -268,6 +272,11 @@ async def running_gateway(
         await upgrade_async(config.database.url)
     app = create_app(config, ADMIN_TOKEN, model_dir)
     async with serve(app) as server, aiohttp.ClientSession() as session:
+        if loads is not None:
+            # Hand-built engine states replace the watcher the app started (it keeps polling the
+            # engine, but the admission no longer reads it).
+            app[LOADS].clear()
+            app[LOADS].update(loads)
         yield Gateway(
             base_url=str(server.make_url("")).rstrip("/"),
             engine_url=f"http://127.0.0.1:{engine_port}",

@@ -96,6 +96,21 @@ async def test_a_deleted_tenants_keys_stop_working(gw: Gateway) -> None:
         ({"name": "x", "tier": "be", "slo": {"deadline_s": -1}}, "slo.deadline_s"),
         ({"name": "x", "tier": "be", "quota": {"max_concurrent": "many"}}, "quota.max_concurrent"),
         ({"name": "x", "tier": "be", "colour": "red"}, "colour"),
+        ({"name": "x", "tier": "be", "slo": {"weight": 0}}, "slo.weight"),
+        ({"name": "x", "tier": "be", "slo": {"weight": -2.5}}, "slo.weight"),
+        ({"name": "x", "tier": "be", "slo": {"weight": "heavy"}}, "slo.weight"),
+        (
+            {
+                "name": "x",
+                "tier": "rt",
+                "slo": {"ttft_ms": 1, "tpot_ms": 1, "on_unattainable": "x"},
+            },
+            "slo.on_unattainable",
+        ),
+        (
+            {"name": "x", "tier": "be", "slo": {"on_unattainable": "downgrade"}},
+            "slo.on_unattainable",
+        ),
     ],
 )
 async def test_bad_tenants_are_refused_naming_the_field(
@@ -105,6 +120,30 @@ async def test_bad_tenants_are_refused_naming_the_field(
     assert reply.status == 422, reply
     assert reply.error["param"] == param and reply.error["message"]
     assert (await gw.admin("GET", "/tenants")).body["data"] == []  # nothing was created
+
+
+async def test_the_contract_sets_what_an_unattainable_request_gets_and_the_tenant_weight(
+    gw: Gateway,
+) -> None:
+    slo = {"ttft_ms": 300, "tpot_ms": 60}
+    created = await gw.admin("POST", "/tenants", {"name": "c", "tier": "rt", "slo": slo})
+    assert created.status == 201, created
+    assert created.body["slo"]["on_unattainable"] == "reject"  # the defaults
+    assert created.body["slo"]["weight"] == 1.0
+    tenant_id = created.body["id"]
+    contract = {**slo, "on_unattainable": "downgrade", "weight": 2.5}
+    patched = await gw.admin("PATCH", f"/tenants/{tenant_id}", {"slo": contract})
+    assert patched.status == 200, patched
+    got = await gw.admin("GET", f"/tenants/{tenant_id}")
+    assert got.body["slo"]["on_unattainable"] == "downgrade" and got.body["slo"]["weight"] == 2.5
+    # a be tenant with allow_rt has RT requests: it may choose too
+    be_slo = {**slo, "allow_rt": True, "on_unattainable": "accept", "weight": 0.5}
+    be = await gw.admin("POST", "/tenants", {"name": "b", "tier": "be", "slo": be_slo})
+    assert be.status == 201 and be.body["slo"]["on_unattainable"] == "accept", be
+    # moving the rt tenant to be (no allow_rt) while it asks for a downgrade is refused
+    moved = await gw.admin("PATCH", f"/tenants/{tenant_id}", {"tier": "be"})
+    assert moved.status == 422 and moved.error["param"] == "slo.on_unattainable", moved
+    assert "allow_rt" in moved.error["message"]
 
 
 async def test_duplicate_name_is_a_conflict(gw: Gateway) -> None:

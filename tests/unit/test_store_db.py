@@ -125,6 +125,8 @@ def test_slo_targets_keep_their_json_keys() -> None:
         "tpot_ms": 50.0,
         "deadline_s": None,
         "allow_rt": False,
+        "on_unattainable": "reject",
+        "weight": 1.0,
     }
     assert msgspec.json.decode(b'{"ttft_ms": 1, "tpot_ms": 2}', type=Slo) == Slo(
         ttft_target_ms=1.0, tpot_target_ms=2.0
@@ -136,4 +138,4 @@ def test_head_revision_is_read_from_the_migrations_folder() -> None:
 
     versions = Path(__file__).resolve().parents[2] / "migrations" / "versions"
     newest = max(p.name.split("_", 1)[0] for p in versions.glob("[0-9]*_*.py"))
-    assert head_revision() == newest == "0004"
+    assert head_revision() == newest == "0005"

@@ -84,5 +84,8 @@ def test_table_is_aligned_and_says_when_empty() -> None:
         [period(), period(tenant_name="a-much-longer-name", requests=12345)]
     ).splitlines()
     assert len({len(line) for line in lines}) == 1  # every line as wide as the header
-    assert lines[1].split()[-1] == "75.0%" and " - " in lines[1]
+    assert lines[1].split()[-5] == "75.0%" and " - " in lines[1]
+    assert lines[0].split()[-4:] == ["shed", "downgr", "adm_met", "adm_miss"]
+    admission = to_table([period(shed=3, downgraded=2, admitted_met=4, admitted_missed=1)])
+    assert admission.splitlines()[1].split()[-4:] == ["3", "2", "4", "1"]
     assert "(no requests in this range)" in to_table([])

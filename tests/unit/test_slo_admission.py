@@ -1,0 +1,291 @@
+"""The SLO admission on hand-built engine states: a request whose forecast meets its contract is
+admitted as RT; one forecast to miss gets what its tenant's contract says (reject → 429
+`slo_unattainable` naming the target and the excess, downgrade → the same request as BE,
+accept → RT anyway); without engine state it is admitted unchecked. Every verdict is counted,
+written to the usage record, and a downgrade is announced in a response header."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from backend.policy.feasibility import Backlog, SloAsk, SloForecaster
+from backend.policy.latency import LatencyModel, load_profile
+from backend.policy.profiles import resolve_profile
+from common.wire import PRIORITY_RT, EngineLoad, meta_from_custom_params
+from gateway.engine.load import LoadWatcher
+from gateway.metrics import GatewayMetrics
+from gateway.pipeline.admission import (
+    Admitted,
+    SloCheck,
+    decide_slo,
+    load_watcher,
+    slo_ask,
+)
+from gateway.pipeline.outcome import Refused
+from gateway.pipeline.stages import (
+    DOWNGRADED_HEADER,
+    admit,
+    prepare,
+    record,
+    response_headers,
+)
+from gateway.state import LOADS, SLO_FORECASTER
+from tests.unit.pipeline_factories import (
+    FakeEngine,
+    chat_body,
+    make_app,
+    make_flight,
+    make_principal,
+    make_prompt,
+    make_request,
+    make_tenant,
+    replies,
+    usage_of,
+)
+
+NOW_S = 1_000_000.0
+IDLE = EngineLoad(iteration=10, at_unix_s=NOW_S - 0.01)
+"""An engine with nothing to do: any modest contract holds."""
+SWAMPED = EngineLoad(
+    iteration=10,
+    at_unix_s=NOW_S - 0.01,
+    iteration_s=0.05,
+    num_rt_waiting=20,
+    rt_waiting_prompt_tokens=40_000,
+    num_rt_running=30,
+    rt_context_tokens=30_000,
+)
+"""40k RT prompt tokens queued ahead: a 300 ms TTFT cannot hold (the model says ~0.8 s)."""
+
+
+@pytest.fixture(scope="module")
+def forecaster() -> SloForecaster:
+    profile = load_profile(resolve_profile("h100-llama8b-analytic"))
+    return SloForecaster(LatencyModel.fit(profile.samples))
+
+
+def rt_tenant(on_unattainable: str = "reject", **slo: Any) -> Any:
+    contract = {"ttft_target_ms": 300, "tpot_target_ms": 50, **slo}
+    return make_tenant("rt", on_unattainable=on_unattainable, **contract)
+
+
+def ask(ttft_target_s: float = 0.3, tpot_target_s: float | None = 0.05) -> SloAsk:
+    return SloAsk(prompt_tokens=10, ttft_target_s=ttft_target_s, tpot_target_s=tpot_target_s)
+
+
+def watched(load: EngineLoad | None) -> LoadWatcher:
+    watcher = LoadWatcher("engine")
+    watcher.latest = load
+    return watcher
+
+
+def check(forecaster: SloForecaster, load: EngineLoad | None) -> tuple[SloCheck, GatewayMetrics]:
+    metrics = GatewayMetrics()
+    return SloCheck(forecaster, watched(load), metrics, clock=lambda: NOW_S), metrics
+
+
+def candidate(tenant: Any, tier: str = "rt", prompt_len: int = 10) -> Admitted:
+    request = make_request(make_principal(tenant), prompt_len=prompt_len, tier=tier)
+    return Admitted(tenant=tenant, origin="api", request=request)
+
+
+def counted(metrics: GatewayMetrics, outcome: str, target: str) -> float:
+    value = metrics.registry.get_sample_value(
+        "tandem_slo_admissions_total",
+        {"tenant": "ten_rt", "outcome": outcome, "target": target},
+    )
+    return value or 0.0
+
+
+# ---------------------------------------------------------------------------------- the decision
+
+
+def test_a_contract_the_forecast_meets_is_admitted(forecaster: SloForecaster) -> None:
+    decision = decide_slo(forecaster, rt_tenant().slo, ask(), IDLE, Backlog())
+    assert decision.outcome == "admitted" and decision.shortfall is None
+
+
+@pytest.mark.parametrize(
+    ("on_unattainable", "outcome"),
+    [("reject", "shed"), ("downgrade", "downgraded"), ("accept", "accepted")],
+)
+def test_a_contract_forecast_to_miss_gets_what_the_tenant_chose(
+    forecaster: SloForecaster, on_unattainable: str, outcome: str
+) -> None:
+    decision = decide_slo(forecaster, rt_tenant(on_unattainable).slo, ask(), SWAMPED, Backlog())
+    assert decision.outcome == outcome
+    assert decision.shortfall is not None and decision.shortfall.target == "ttft"
+    assert decision.shortfall.predicted_s > 0.3
+
+
+def test_the_backlog_sent_since_the_last_state_counts(forecaster: SloForecaster) -> None:
+    contract = rt_tenant().slo
+    assert decide_slo(forecaster, contract, ask(), IDLE, Backlog()).outcome == "admitted"
+    backlog = Backlog(num_requests=20, prompt_tokens=40_000)
+    assert decide_slo(forecaster, contract, ask(), IDLE, backlog).outcome == "shed"
+
+
+def test_a_tpot_the_running_rt_decodes_cannot_keep_is_named(forecaster: SloForecaster) -> None:
+    crowded = EngineLoad(
+        iteration=1, at_unix_s=NOW_S, num_rt_running=400, rt_context_tokens=2_000_000
+    )
+    decision = decide_slo(
+        forecaster,
+        rt_tenant().slo,
+        ask(ttft_target_s=1000.0, tpot_target_s=0.001),
+        crowded,
+        Backlog(),
+    )
+    assert decision.outcome == "shed" and decision.target == "tpot"
+
+
+def test_without_engine_state_or_model_a_request_is_admitted_unchecked(
+    forecaster: SloForecaster,
+) -> None:
+    contract = rt_tenant().slo
+    assert decide_slo(forecaster, contract, ask(), None, Backlog()).outcome == "unchecked"
+    assert decide_slo(None, contract, ask(), SWAMPED, Backlog()).outcome == "unchecked"
+
+
+def test_the_ask_counts_the_time_already_waited() -> None:
+    request = make_request(make_principal(rt_tenant()), prompt_len=7)
+    got = slo_ask(request, request.meta.arrival_unix_s + 0.25)
+    assert got is not None
+    assert (got.prompt_tokens, got.ttft_target_s, got.tpot_target_s) == (7, 0.3, 0.05)
+    assert got.waited_s == pytest.approx(0.25)
+    be = make_request(make_principal(make_tenant("be")), tier="be")
+    assert slo_ask(be, NOW_S) is None  # BE has no contract to forecast
+
+
+# ---------------------------------------------------------------------------------- the check
+
+
+def test_reject_is_a_429_naming_the_target_and_the_excess_with_retry_after(
+    forecaster: SloForecaster,
+) -> None:
+    slo_check, metrics = check(forecaster, SWAMPED)
+    outcome = slo_check(candidate(rt_tenant("reject")))
+    assert isinstance(outcome, Refused)
+    assert (outcome.http_status, outcome.code, outcome.kind) == (
+        429,
+        "slo_unattainable",
+        "slo_unattainable",
+    )
+    assert outcome.retryable and outcome.retry_after_s is not None and outcome.retry_after_s >= 1
+    assert "time to first token target of 300 ms" in outcome.message
+    assert "ms over" in outcome.message
+    error = outcome.api_error()
+    assert error.headers == {"Retry-After": str(outcome.retry_after_s)}
+    assert counted(metrics, "shed", "ttft") == 1
+
+
+def test_downgrade_runs_the_same_request_as_be(forecaster: SloForecaster) -> None:
+    slo_check, metrics = check(forecaster, SWAMPED)
+    given = candidate(rt_tenant("downgrade", deadline_s=60.0))
+    outcome = slo_check(given)
+    assert isinstance(outcome, Admitted) and outcome.slo is not None
+    assert outcome.slo.outcome == "downgraded" and outcome.slo.target == "ttft"
+    request = outcome.request
+    assert request.rid == given.request.rid and request.input_ids == given.request.input_ids
+    assert request.meta.tier == "be" and request.meta.ttft_target_ms is None
+    assert request.meta.deadline_s == 60.0
+    assert request.payload["priority"] != PRIORITY_RT
+    sent = meta_from_custom_params(request.payload["sampling_params"]["custom_params"])
+    assert sent == request.meta  # the engine sees the BE terms
+    assert counted(metrics, "downgraded", "ttft") == 1
+    assert slo_check.watcher is not None and slo_check.watcher.backlog() == Backlog()  # not RT
+
+
+def test_accept_runs_it_as_rt_and_counts_it_as_sent(forecaster: SloForecaster) -> None:
+    slo_check, metrics = check(forecaster, SWAMPED)
+    outcome = slo_check(candidate(rt_tenant("accept"), prompt_len=12))
+    assert isinstance(outcome, Admitted) and outcome.slo is not None
+    assert outcome.slo.outcome == "accepted" and outcome.request.meta.tier == "rt"
+    assert counted(metrics, "accepted", "ttft") == 1
+    assert slo_check.watcher is not None
+    assert slo_check.watcher.backlog() == Backlog(num_requests=1, prompt_tokens=12)
+
+
+def test_an_admitted_request_joins_the_backlog_of_the_next_forecast(
+    forecaster: SloForecaster,
+) -> None:
+    slo_check, metrics = check(forecaster, IDLE)
+    tenant = rt_tenant(ttft_target_ms=1000)  # one 30k-token prompt fits (~0.6 s), two do not
+    outcome = slo_check(candidate(tenant, prompt_len=30_000))
+    assert isinstance(outcome, Admitted) and outcome.slo is not None
+    assert outcome.slo.outcome == "admitted"
+    # the engine has not reported it yet, but the next forecast knows it is ahead
+    second = slo_check(candidate(tenant, prompt_len=30_000))
+    assert isinstance(second, Refused) and second.code == "slo_unattainable"
+    assert counted(metrics, "admitted", "") == 1 and counted(metrics, "shed", "ttft") == 1
+
+
+def test_be_requests_are_not_judged(forecaster: SloForecaster) -> None:
+    slo_check, metrics = check(forecaster, SWAMPED)
+    given = candidate(make_tenant("be"), tier="be")
+    assert slo_check(given) is given
+    assert b"tandem_slo_admissions_total{" not in metrics.render()
+
+
+def test_no_watcher_admits_unchecked(forecaster: SloForecaster) -> None:
+    metrics = GatewayMetrics()
+    outcome = SloCheck(forecaster, None, metrics)(candidate(rt_tenant()))
+    assert isinstance(outcome, Admitted) and outcome.slo is not None
+    assert outcome.slo.outcome == "unchecked" and counted(metrics, "unchecked", "") == 1
+
+
+def test_the_watcher_is_the_engines_or_none() -> None:
+    app = make_app(FakeEngine(replies()))
+    assert load_watcher(app) is None
+    mine = LoadWatcher(FakeEngine.base_url)
+    app[LOADS] = {"other": LoadWatcher("other"), FakeEngine.base_url: mine}
+    assert load_watcher(app) is mine
+    only = LoadWatcher("named-differently")
+    app[LOADS] = {"named-differently": only}
+    assert load_watcher(app) is only
+
+
+# ---------------------------------------------------------------------------------- the stages
+
+
+def staged_app(forecaster: SloForecaster, load: EngineLoad | None) -> web.Application:
+    app = make_app(FakeEngine(replies()))
+    app[SLO_FORECASTER] = forecaster
+    app[LOADS] = {FakeEngine.base_url: watched(load)}
+    return app
+
+
+@pytest.mark.parametrize(
+    ("on_unattainable", "admission", "tier", "status"),
+    [
+        ("reject", "shed", "rt", "slo_unattainable"),
+        ("downgrade", "downgraded", "be", "client_disconnected"),
+        ("accept", "accepted", "rt", "client_disconnected"),
+    ],
+)
+def test_the_usage_record_says_how_admission_treated_it(
+    forecaster: SloForecaster, on_unattainable: str, admission: str, tier: str, status: str
+) -> None:
+    app = staged_app(forecaster, SWAMPED)
+    flight = make_flight(make_principal(rt_tenant(on_unattainable)))
+    prepare(app, flight, chat_body(), make_prompt())
+    admit(app, flight)
+    record(app, flight, cancelled=True)  # the run is not what these tests are about
+    (usage,) = usage_of(app).records
+    assert (usage.admission, usage.tier, usage.status) == (admission, tier, status)
+    if admission == "shed":
+        assert usage.http_status == 429 and usage.slo_met is None
+    headers = response_headers(flight)
+    assert headers == ({DOWNGRADED_HEADER: "ttft"} if admission == "downgraded" else {})
+
+
+def test_a_request_admitted_without_a_miss_records_admitted(forecaster: SloForecaster) -> None:
+    app = staged_app(forecaster, IDLE)
+    flight = make_flight(make_principal(rt_tenant()))
+    prepare(app, flight, chat_body(), make_prompt())
+    assert isinstance(admit(app, flight), Admitted)
+    record(app, flight, cancelled=True)
+    assert usage_of(app).records[0].admission == "admitted"
