@@ -13,6 +13,7 @@ import signal
 import sys
 from pathlib import Path
 
+import msgspec
 from aiohttp import web
 
 from backend.launch.sglang import (
@@ -87,6 +88,10 @@ def serve(config: Config) -> int:
                 print(f"tandem: error: the engine did not start: {exc}", file=sys.stderr)
                 return 1
             log.info("engine ready")
+        if chosen is not None:  # the gateway's SLO admission forecasts on the engine's profile
+            config = msgspec.structs.replace(
+                config, engine=msgspec.structs.replace(config.engine, profile=str(chosen.path))
+            )
         app = create_app(config, token, model_dir)
         _run(run_gateway(app, config.gateway.host, config.gateway.port))
     finally:

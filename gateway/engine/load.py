@@ -86,10 +86,10 @@ class LoadWatcher:
         now = time.time() if now_unix_s is None else now_unix_s
         self._sent.append(_Sent(now, seen, prompt_tokens))
 
-    def backlog(self) -> Backlog:
+    def backlog(self, now_unix_s: float | None = None) -> Backlog:
         """RT requests sent that `latest` cannot show yet (all of them before the first report;
-        see the module doc for when one counts as shown)."""
-        self._trim(time.time())
+        see the module doc for when one counts as shown); *now_unix_s*: the caller's clock."""
+        self._trim(time.time() if now_unix_s is None else now_unix_s)
         return Backlog(len(self._sent), sum(s.prompt_tokens for s in self._sent))
 
     def update(self, load: EngineLoad) -> None:

@@ -45,7 +45,7 @@ from aiohttp import web
 
 from backend.policy.feasibility import Backlog, Shortfall, SloAsk, SloForecaster
 from backend.policy.latency import LatencyModel, load_profile
-from backend.policy.profiles import resolve_profile
+from backend.policy.profiles import AUTO, bundled_profile_for, resolve_profile
 from common.config import Config
 from common.wire import EngineLoad
 from gateway.engine.load import LoadWatcher
@@ -258,7 +258,9 @@ class SloCheck:
             return admitted
         watcher = self.watcher
         load = watcher.latest if watcher is not None else None
-        backlog = watcher.backlog() if watcher is not None and load is not None else Backlog()
+        backlog = (
+            watcher.backlog(now_unix_s) if watcher is not None and load is not None else Backlog()
+        )
         decision = decide_slo(self.forecaster, admitted.tenant.slo, ask, load, backlog)
         self.metrics.slo_admission(admitted.tenant.id, decision.outcome, decision.target)
         if decision.outcome == "shed":
@@ -286,8 +288,14 @@ def load_watcher(app: web.Application) -> LoadWatcher | None:
 
 
 def engine_profile(config: Config) -> str:
-    """The latency profile the engine's policy plans with (a name or a path)."""
-    return config.engine.sim_profile if config.engine.kind == "sim" else config.engine.profile
+    """The latency profile the engine's policy plans with (a name or a path). "auto" (an engine
+    `tandem serve` did not choose a profile for: it names the one it chose) is the device's
+    bundled profile, as the engine launcher resolves it."""
+    if config.engine.kind == "sim":
+        return config.engine.sim_profile
+    if config.engine.profile == AUTO:
+        return bundled_profile_for(config.engine.device)
+    return config.engine.profile
 
 
 def build_forecaster(config: Config) -> SloForecaster:

@@ -196,7 +196,7 @@ def test_downgrade_runs_the_same_request_as_be(forecaster: SloForecaster) -> Non
     sent = meta_from_custom_params(request.payload["sampling_params"]["custom_params"])
     assert sent == request.meta  # the engine sees the BE terms
     assert counted(metrics, "downgraded", "ttft") == 1
-    assert slo_check.watcher is not None and slo_check.watcher.backlog() == Backlog()  # not RT
+    assert slo_check.watcher is not None and slo_check.watcher.backlog(NOW_S) == Backlog()  # not RT
 
 
 def test_accept_runs_it_as_rt_and_counts_it_as_sent(forecaster: SloForecaster) -> None:
@@ -206,7 +206,7 @@ def test_accept_runs_it_as_rt_and_counts_it_as_sent(forecaster: SloForecaster) -
     assert outcome.slo.outcome == "accepted" and outcome.request.meta.tier == "rt"
     assert counted(metrics, "accepted", "ttft") == 1
     assert slo_check.watcher is not None
-    assert slo_check.watcher.backlog() == Backlog(num_requests=1, prompt_tokens=12)
+    assert slo_check.watcher.backlog(NOW_S) == Backlog(num_requests=1, prompt_tokens=12)
 
 
 def test_an_admitted_request_joins_the_backlog_of_the_next_forecast(
