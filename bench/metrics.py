@@ -308,7 +308,8 @@ def tenant_metrics(
 ) -> dict[str, dict[str, Any]]:
     """Per-tenant metrics, keyed by tenant name, for workloads whose requests carry tenant names
     (`tenants`: bench.workloads.base.TenantSpec, with name, tier and weight; a request belongs
-    to tenant X when its tier is X's and its length_key — the simulator's tenant key — is X).
+    to tenant X when its tier is X's and its tenant_id — or, where it has none, its
+    length_key — is X).
 
     * `tier`: "rt" or "be"; `requests`: the tenant's requests; `weight`: its fair-share weight
       from the workload.
@@ -325,7 +326,8 @@ def tenant_metrics(
     """
     out: dict[str, dict[str, Any]] = {}
     by_tenant = {
-        t.name: [r for r in records if r.tier == t.tier and r.length_key == t.name] for t in tenants
+        t.name: [r for r in records if r.tier == t.tier and (r.tenant_id or r.length_key) == t.name]
+        for t in tenants
     }
     for tier in dict.fromkeys(t.tier for t in tenants):
         members = [t for t in tenants if t.tier == tier]

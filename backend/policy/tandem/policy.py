@@ -2,13 +2,17 @@
 
 plan(snapshot):
     view     = running split by tier/phase             (context.split_running)
-    queues   ← new waiting requests (O(new))            (queues.RtQueue / BeQueue)
+    queues   ← new waiting requests (O(new))            (queues.RtQueue / BeQueue: one lane
+                                                         per tenant, offered by fair share)
     RT phase : all RT decodes; τ from deadlines, ≤ L;   (rt_phase)
                τ ≤ allowance of BE deadlines            (be_phase.cap_for_be_deadlines)
                urgent prompts (τ raised as they need), window by best fit, ERA, admission
     BE phase : the time left under τ × BE share,        (be_phase)
                the KV left after the RT headroom
     feedback ← the earliest RT deadline this batch carries
+    fair share ← every token the plan schedules, charged to its tenant's counter in its tier
+                 as it is scheduled (TandemBatch.on_tokens), so later choices of the same plan
+                 see it
 observe(result):
     calibration ← (model prediction, measured time, regime): the per-regime factors that scale
                   every prediction of the next plans (calibration, timing.Timer.scale)
@@ -21,6 +25,7 @@ from typing import Any
 
 from backend.policy.calibration import LatencyCalibration, regime_of
 from backend.policy.common import PolicyBase, waiting_in
+from backend.policy.fair_share import FairShare
 from backend.policy.latency import LatencyModel
 from backend.policy.tandem import slack
 from backend.policy.tandem.admission import AdmissionRound, LengthModel, RtHeadroom
@@ -50,13 +55,19 @@ class TandemPolicy(PolicyBase):
         self.lengths = LengthModel(
             window=cfg.history_window, min_samples=cfg.history_min_samples, seed=cfg.seed
         )
-        self.rt_queue = RtQueue(self._rt_latest_start)
+        self.rt_fair = FairShare()
+        """Virtual token counters of the RT tenants."""
+        self.be_fair = FairShare()
+        """Virtual token counters of the BE tenants."""
+        self.rt_queue = RtQueue(self._rt_latest_start, self.rt_fair, by_tenant=cfg.use_fair_share)
         self.be_queue = BeQueue(
             self._be_latest_start,
             self._be_hopeless,
             seed=cfg.seed,
             order_prob=cfg.be_order_prob,
             max_wait_s=cfg.be_max_wait_s,
+            fair=self.be_fair,
+            by_tenant=cfg.use_fair_share,
         )
         self.headroom = RtHeadroom(
             window_s=cfg.rt_headroom_window_s,
@@ -127,7 +138,12 @@ class TandemPolicy(PolicyBase):
             now_s=snap.now_s,
             config=cfg,
             timer=self.timer,
-            batch=TandemBatch(snap, self.timer, min_chunk_tokens=cfg.min_chunk_tokens),
+            batch=TandemBatch(
+                snap,
+                self.timer,
+                min_chunk_tokens=cfg.min_chunk_tokens,
+                on_tokens=self._charge if cfg.use_fair_share else None,
+            ),
             view=view,
             admission=admission,
             lengths=self.lengths,
@@ -139,6 +155,11 @@ class TandemPolicy(PolicyBase):
             has_rt=has_rt,
             budget_s=cfg.latency_budget_s if has_rt else cfg.idle_budget_s,
         )
+
+    def _charge(self, r: ReqState, tokens: int) -> None:
+        """`tokens` of `r` are scheduled: its tenant's counter in its tier goes up."""
+        fair = self.rt_fair if r.tier == "rt" else self.be_fair
+        fair.charge(r.tenant_id, tokens, r.tenant_weight)
 
     def _rt_latest_start(self, r: ReqState) -> float:
         """Queue key of a waiting RT request: its deadline less the time its prompt takes
