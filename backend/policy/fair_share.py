@@ -87,25 +87,29 @@ class FairShare:
 
 
 def interleave(
-    streams: Mapping[str, Iterator[T]], pick: Callable[[Iterable[str]], str | None]
+    streams: Mapping[str, Iterator[T]],
+    fair: FairShare,
+    cost: Callable[[T], float],
+    offered: dict[str, float] | None = None,
 ) -> Iterator[T]:
-    """Merges per-tenant streams: each next item comes from the stream of `pick(tenants whose
-    streams are not exhausted)` — `FairShare.pick`, read afresh at every step, so service
-    charged between two steps (an item the consumer took) counts for the next one. Each
-    stream's own order is kept. One stream is passed through as it is."""
+    """Merges per-tenant streams in fair-share order: each next item comes from the stream of
+    the tenant with the least counter plus what this merge offered it so far; an item counts
+    `cost(item)` (weighted tokens: what serving it would charge) from the moment it is offered.
+    So a consumer that collects several items before serving any (a window of candidates)
+    still gets them interleaved as serving them would, while the counters themselves are only
+    charged with what is actually served. `offered` carries that tally across successive
+    merges of one pass (RT's feasible, then hopeless, stage). Each stream's own order is kept;
+    ties go to the tenant listed first. One stream is passed through as it is."""
     if len(streams) == 1:
         yield from next(iter(streams.values()))
         return
+    extra = offered if offered is not None else {}
     live = dict(streams)
     while live:
-        tenant = pick(live)
-        if tenant is None:
-            return
-        item = next(live[tenant], _END)
-        if item is _END:
+        tenant = min(live, key=lambda t: fair.counter(t) + extra.get(t, 0.0))
+        item = next(live[tenant], None)
+        if item is None:
             del live[tenant]
             continue
-        yield item  # type: ignore[misc]
-
-
-_END: object = object()
+        extra[tenant] = extra.get(tenant, 0.0) + cost(item)
+        yield item

@@ -10,9 +10,9 @@ plan(snapshot):
     BE phase : the time left under τ × BE share,        (be_phase)
                the KV left after the RT headroom
     feedback ← the earliest RT deadline this batch carries
-    fair share ← every token the plan schedules, charged to its tenant's counter in its tier
-                 as it is scheduled (TandemBatch.on_tokens), so later choices of the same plan
-                 see it
+    fair share ← every token the plan schedules (TandemBatch.on_tokens), charged to its
+                 tenant's counter in its tier once the plan is built (within the plan the queues
+                 count what they offer)
 observe(result):
     calibration ← (model prediction, measured time, regime): the per-regime factors that scale
                   every prediction of the next plans (calibration, timing.Timer.scale)
@@ -38,6 +38,7 @@ from backend.policy.tandem.queues import BeQueue, RtQueue
 from backend.policy.tandem.rt_phase import run_rt_decodes, run_rt_prefills
 from backend.policy.tandem.timing import BatchTotals, Timer
 from backend.policy.types import IterationResult, Plan, ReqState, Snapshot
+from common.wire import Tier
 
 
 class TandemPolicy(PolicyBase):
@@ -79,6 +80,7 @@ class TandemPolicy(PolicyBase):
         """The engine's pace relative to the profile, per batch regime, and the model's error
         (`calibration.summary()` is what the engine driver reports)."""
         self._max_prefill = 8192
+        self._served: dict[tuple[Tier, str], float] = {}  # (tier, tenant) → weighted tokens
         self._last_plan: Plan | None = None
         self._last_scale = self.timer.scale  # the factors the last plan was predicted with
 
@@ -95,6 +97,7 @@ class TandemPolicy(PolicyBase):
         run_rt_prefills(ctx)  # slack order; urgent ones raise τ; best-fit window; ERA
         run_be_phase(ctx)  # BE decodes, partial prompts, admissions in what is left
         self.feedback.expect(ctx.batch.rt_deadline_s, ctx.batch.rt_allowance_s)
+        self._charge_served()
         plan = ctx.batch.plan()
         self._last_plan, self._last_scale = plan, self.timer.scale
         return plan
@@ -157,9 +160,15 @@ class TandemPolicy(PolicyBase):
         )
 
     def _charge(self, r: ReqState, tokens: int) -> None:
-        """`tokens` of `r` are scheduled: its tenant's counter in its tier goes up."""
-        fair = self.rt_fair if r.tier == "rt" else self.be_fair
-        fair.charge(r.tenant_id, tokens, r.tenant_weight)
+        """`tokens` of `r` are scheduled: noted for its tenant (charged by `_charge_served`)."""
+        key = (r.tier, r.tenant_id)
+        self._served[key] = self._served.get(key, 0.0) + tokens / r.tenant_weight
+
+    def _charge_served(self) -> None:
+        """The plan's tokens go to their tenants' counters (already divided by the weight)."""
+        for (tier, tenant), weighted in self._served.items():
+            (self.rt_fair if tier == "rt" else self.be_fair).charge(tenant, weighted)
+        self._served.clear()
 
     def _rt_latest_start(self, r: ReqState) -> float:
         """Queue key of a waiting RT request: its deadline less the time its prompt takes

@@ -17,10 +17,11 @@ kept but not offered. Candidates popped during a plan but not taken are pushed b
 
 Tenants: each queue keeps one *lane* (its heaps) per tenant and offers the lanes' candidates
 interleaved by weighted fair share (backend.policy.fair_share): the next candidate comes from
-the tenant with the least virtual token counter among those with one left, each lane keeping
-the tier's own order (RT by latest start, BE by its resume/deadline/caller order). The policy
-charges the counters as it schedules tokens, so the interleaving follows the service given,
-within the plan too. A tenant's lane is backlogged while the WaitingSet holds a request of it.
+the tenant with the least virtual token counter among those with one left — each candidate
+offered counting its prompt for the rest of the pass, so a window collected before anything is
+scheduled is interleaved too — each lane keeping the tier's own order (RT by latest start, BE
+by its resume/deadline/caller order). The policy charges the counters with the tokens each
+plan schedules. A tenant's lane is backlogged while the WaitingSet holds a request of it.
 With one tenant the lane is the whole queue and the order is exactly the single-tenant one.
 """
 
@@ -47,6 +48,12 @@ def _tenant(r: ReqState) -> str:
 
 def _anonymous(r: ReqState) -> str:
     return ""
+
+
+def prompt_cost(r: ReqState) -> float:
+    """What serving a waiting request's prompt charges its tenant: the tokens still to
+    prefill over its weight."""
+    return (r.prefill_len - r.prefilled) / r.tenant_weight
 
 
 class WaitingSet:
@@ -237,13 +244,13 @@ class RtQueue:
         ones of every tenant, interleaved by fair share, each lane by latest start time (moving
         the ones found hopeless to its hopeless heap); then the hopeless ones, likewise."""
         lanes = self._backlogged()
-        pick = self.fair.pick
+        offered: dict[str, float] = {}
         seen: set[str] = set()
         for stage in (
             {t: lane.feasible_candidates(now_s) for t, lane in lanes.items()},
             {t: lane.hopeless_candidates() for t, lane in lanes.items()},
         ):
-            for r in interleave(stage, pick):
+            for r in interleave(stage, self.fair, prompt_cost, offered):
                 if r.rid not in seen:
                     seen.add(r.rid)
                     yield r
@@ -355,7 +362,7 @@ class BeQueue:
             for t, lane in self.lanes.items()
             if t in per_tenant
         }
-        yield from interleave(streams, self.fair.pick)
+        yield from interleave(streams, self.fair, prompt_cost)
 
     def _lane_candidates(self, lane: _BeLane, now_s: float) -> Iterator[ReqState]:
         seen: set[str] = set()
