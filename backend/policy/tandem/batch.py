@@ -2,8 +2,8 @@
 plus the planner's clock — its predicted time, and the exact-fill chunk for a time budget.
 
     time_s()                       predicted duration of what is in the batch so far
-    on_tokens(req, tokens)         told of every token scheduled (chunks and decodes): the
-                                   policy charges the tenant's fair-share counter as it plans
+    on_tokens(reqs, tokens)        told of every token scheduled (chunks and decodes): the
+                                   policy charges the tenants' fair-share counters
     chunk_for(req, limit_s)        the longest chunk of req that keeps time_s() ≤ limit_s and
                                    fits KV and the caps ("latency inversion", AccelGen's exact
                                    fill: the cut falls where the budget ends, not at a fixed size)
@@ -12,7 +12,7 @@ plus the planner's clock — its predicted time, and the exact-fill chunk for a 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from backend.policy.common import BatchBuilder, affordable_chunk, align_chunk, decode_cost
 from backend.policy.latency import LatencyModel
@@ -30,13 +30,13 @@ class TandemBatch(BatchBuilder):
         timer: Timer,
         *,
         min_chunk_tokens: int = 1,
-        on_tokens: Callable[[ReqState, int], None] | None = None,
+        on_tokens: Callable[[Sequence[ReqState], int], None] | None = None,
     ) -> None:
         super().__init__(snapshot)
         self.timer = timer
         self.on_tokens = on_tokens
-        """Called with each request and the tokens it is scheduled to be served in this plan
-        (a chunk's length, 1 for a decode)."""
+        """Called with requests scheduled in this plan and the tokens each is served (a
+        chunk's length, 1 for decodes)."""
         self.min_chunk_tokens = min_chunk_tokens
         """Chunks shorter than this are not worth a slot (unless they finish the prompt)."""
         self.first_tokens = 0
@@ -65,22 +65,21 @@ class TandemBatch(BatchBuilder):
         self.decode_context_sq += sum([c * c for c in contexts])
         self.num_decode += len(reqs)
         if self.on_tokens is not None:
-            for r in reqs:
-                self.on_tokens(r, 1)
+            self.on_tokens(reqs, 1)
         return True
 
     def add_decode(self, req: ReqState) -> bool:
         if not super().add_decode(req):
             return False
         if self.on_tokens is not None:
-            self.on_tokens(req, 1)
+            self.on_tokens((req,), 1)
         return True
 
     def add_prefill(self, req: ReqState, tokens: int) -> bool:
         if not super().add_prefill(req, tokens):
             return False
         if self.on_tokens is not None:
-            self.on_tokens(req, tokens)
+            self.on_tokens((req,), tokens)
         return True
 
     def chunk_for(self, req: ReqState, time_limit_s: float) -> int:

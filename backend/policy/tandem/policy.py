@@ -21,6 +21,7 @@ observe(result):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from backend.policy.calibration import LatencyCalibration, regime_of
@@ -159,10 +160,13 @@ class TandemPolicy(PolicyBase):
             budget_s=cfg.latency_budget_s if has_rt else cfg.idle_budget_s,
         )
 
-    def _charge(self, r: ReqState, tokens: int) -> None:
-        """`tokens` of `r` are scheduled: noted for its tenant (charged by `_charge_served`)."""
-        key = (r.tier, r.tenant_id)
-        self._served[key] = self._served.get(key, 0.0) + tokens / r.tenant_weight
+    def _charge(self, reqs: Sequence[ReqState], tokens: int) -> None:
+        """`tokens` of each of `reqs` are scheduled: noted for their tenants (charged by
+        `_charge_served`)."""
+        served = self._served
+        for r in reqs:
+            key = (r.tier, r.tenant_id)
+            served[key] = served.get(key, 0.0) + tokens / r.tenant_weight
 
     def _charge_served(self) -> None:
         """The plan's tokens go to their tenants' counters (already divided by the weight)."""
