@@ -6,7 +6,11 @@ one tenant (or the switch off) plans exactly as before."""
 from __future__ import annotations
 
 from backend.policy.types import ReqState
-from tests.unit.tandem_factories import NOW, chunks, make_policy, make_request, snapshot
+from backend.sim.config import SimConfig
+from backend.sim.engine import simulate
+from backend.sim.source import ListSource
+from tests.unit.sim_factories import make_request as sim_request
+from tests.unit.tandem_factories import LATENCY, NOW, chunks, make_policy, make_request, snapshot
 
 
 def burst_and_steady() -> tuple[list[ReqState], ReqState]:
@@ -75,3 +79,34 @@ def test_one_tenant_plans_as_with_the_switch_off() -> None:
     on = make_policy().plan(snapshot(waiting=[*burst, *be]))
     off = make_policy(use_fair_share=False).plan(snapshot(waiting=[*burst, *be]))
     assert on.prefills == off.prefills and on.decodes == off.decodes
+
+
+def test_on_the_simulator_two_backlogged_tenants_get_tokens_by_weight() -> None:
+    # two BE tenants with a backlog each, weights 2 : 1: while both are backlogged the engine
+    # serves them prompt + output tokens 2 : 1 (one request's worth of slack: 220 tokens)
+    reqs = [
+        sim_request(
+            tier="be",
+            prompt_len=200,
+            output_len=20,
+            rid=f"{tenant}-{i}",
+            tenant_id=tenant,
+            tenant_weight=weight,
+            order_key=float(i),
+        )
+        for tenant, weight in (("gold", 2.0), ("bronze", 1.0))
+        for i in range(300)
+    ]
+    result = simulate(
+        ListSource(reqs),
+        make_policy(),
+        LATENCY,
+        SimConfig(kv_capacity_tokens=20_000, horizon_s=2.0),
+    )
+    served = dict.fromkeys(("gold", "bronze"), 0)
+    for rec in result.requests:
+        if rec.first_token_s is not None:
+            served[rec.tenant_id] += rec.prompt_len + rec.generated
+    assert all(rec.finish_s is None for rec in result.requests if rec.rid.endswith("-299"))
+    assert served["bronze"] > 5_000
+    assert abs(served["gold"] - 2 * served["bronze"]) <= 3 * 220
