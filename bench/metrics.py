@@ -264,12 +264,31 @@ def goodput_metrics(records: Sequence[RequestRecord], rt: Metrics, window_s: flo
 def _outstanding(records: Sequence[RequestRecord], end_s: float) -> list[tuple[float, float]]:
     """The union of the closed intervals [arrival, finish] of these requests (an unfinished one
     until end_s), as sorted disjoint intervals."""
-    spans = sorted(
-        (r.arrival_s, r.finish_s if r.finish_s is not None else max(end_s, r.arrival_s))
-        for r in records
+    return _union(
+        [
+            (r.arrival_s, r.finish_s if r.finish_s is not None else max(end_s, r.arrival_s))
+            for r in records
+        ]
     )
+
+
+def _queued(records: Sequence[RequestRecord], end_s: float) -> list[tuple[float, float]]:
+    """The union of the closed intervals [arrival, first admission] of these requests — while
+    they waited in the engine's queue (one never admitted: until it finished, or end_s) — as
+    sorted disjoint intervals."""
+    spans = []
+    for r in records:
+        stop = next(
+            (t for t in (r.admitted_s, r.first_token_s, r.finish_s) if t is not None), end_s
+        )
+        spans.append((r.arrival_s, max(stop, r.arrival_s)))
+    return _union(spans)
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Closed intervals merged into sorted disjoint ones."""
     merged: list[tuple[float, float]] = []
-    for start, stop in spans:
+    for start, stop in sorted(spans):
         if merged and start <= merged[-1][1]:
             merged[-1] = (merged[-1][0], max(merged[-1][1], stop))
         else:
@@ -316,7 +335,8 @@ def tenant_metrics(
 ) -> dict[str, dict[str, Any]]:
     """Per-tenant metrics, keyed by tenant name, for workloads whose requests carry tenant names
     (`tenants`: bench.workloads.base.TenantSpec, with name, tier and weight; a request belongs
-    to tenant X when its tier is X's and its length_key — the simulator's tenant key — is X).
+    to tenant X when its tier is X's and its tenant_id — or, where it has none, its
+    length_key — is X).
 
     * `tier`: "rt" or "be"; `requests`: the tenant's requests; `weight`: its fair-share weight
       from the workload.
@@ -330,24 +350,30 @@ def tenant_metrics(
       tier's tenants; a request's prompt tokens count at its first-token time, its output tokens
       at their emission times. Under weighted fairness it would be weight / the tier's weights.
       None when C is empty or no token was served in it.
+    * `queued_s`, `tokens_in_queued`, `token_share_queued`: the same over the tier's
+      backlogged window Q ⊆ C, the times at which every tenant of the tier had a request
+      waiting to be admitted ([arrival, first admission]) — where a fair scheduler has a
+      choice to make, so where the shares should follow the weights most closely.
     """
     out: dict[str, dict[str, Any]] = {}
     offered = {
-        t.name: [r for r in records if r.tier == t.tier and r.length_key == t.name] for t in tenants
+        t.name: [r for r in records if r.tier == t.tier and (r.tenant_id or r.length_key) == t.name]
+        for t in tenants
     }
     # A shed request never ran: it holds nothing outstanding and is served no token.
     by_tenant = {name: [r for r in recs if r.admission != "shed"] for name, recs in offered.items()}
     for tier in dict.fromkeys(t.tier for t in tenants):
         members = [t for t in tenants if t.tier == tier]
-        window: list[tuple[float, float]] | None = None
-        for t in members:
-            spans = _outstanding(by_tenant[t.name], end_s)
-            window = spans if window is None else _intersect(window, spans)
-        window = window or []
+        window = _common_window([_outstanding(by_tenant[t.name], end_s) for t in members])
+        queued = _common_window([_queued(by_tenant[t.name], end_s) for t in members])
         served = {
             t.name: sum(served_tokens_within(r, window) for r in by_tenant[t.name]) for t in members
         }
+        served_queued = {
+            t.name: sum(served_tokens_within(r, queued) for r in by_tenant[t.name]) for t in members
+        }
         total = sum(served.values())
+        total_queued = sum(served_queued.values())
         contended = sum(stop - start for start, stop in window)
         for t in members:
             recs = by_tenant[t.name]
@@ -360,8 +386,23 @@ def tenant_metrics(
             row["contended_s"] = contended
             row["tokens_in_contended"] = served[t.name]
             row["token_share"] = served[t.name] / total if total else None
+            row["queued_s"] = sum(stop - start for start, stop in queued)
+            row["tokens_in_queued"] = served_queued[t.name]
+            row["token_share_queued"] = (
+                served_queued[t.name] / total_queued if total_queued else None
+            )
             out[t.name] = row
     return out
+
+
+def _common_window(spans: list[list[tuple[float, float]]]) -> list[tuple[float, float]]:
+    """The times covered by every one of the interval lists."""
+    if not spans:
+        return []
+    window = spans[0]
+    for other in spans[1:]:
+        window = _intersect(window, other)
+    return window
 
 
 def _col(log: IterationLog, name: str) -> np.ndarray:

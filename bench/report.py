@@ -123,10 +123,12 @@ def _tenant_table(run: BenchRun) -> list[str]:
         return []
     lines = [
         "Per tenant (token share: of the tokens served to the tier while every tenant of the "
-        "tier had work outstanding; fair share = weight ÷ the tier's weights):",
+        "tier had work outstanding; queued share: while every tenant of the tier had a request "
+        "waiting for admission; fair share = weight ÷ the tier's weights):",
         "",
-        "| policy | tenant | tier | weight | requests | RT adm. att. | token share | contended s |",
-        "|---|---|---|---:|---:|---:|---:|---:|",
+        "| policy | tenant | tier | weight | requests | RT adm. att. | token share | contended s "
+        "| queued share | queued s |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, tenants in rows:
         for tenant, m in tenants.items():
@@ -139,6 +141,8 @@ def _tenant_table(run: BenchRun) -> list[str]:
                 _fmt(m.get("rt_admitted_attainment"), "pct"),
                 _fmt(m.get("token_share"), "pct"),
                 _fmt(m.get("contended_s"), "s"),
+                _fmt(m.get("token_share_queued"), "pct"),
+                _fmt(m.get("queued_s"), "s"),
             ]
             lines.append("| " + " | ".join(cells) + " |")
     return [*lines, ""]

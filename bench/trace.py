@@ -139,6 +139,7 @@ def trace_requests(
                 ttft_target_s=ttft_target_s if rt else None,
                 tpot_target_s=tpot_target_s if rt else None,
                 length_key=row["tenant"] or row["tier"],
+                tenant_id=row["tenant"] or "",
                 order_key=float(row["line"]),
                 prefix_hashes=row["prefix_hashes"],
             )

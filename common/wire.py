@@ -12,6 +12,7 @@ only (de)serialisers; both validate.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import msgspec
@@ -47,6 +48,13 @@ class RequestMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """BE: completion deadline, seconds after arrival (job deadline). None: pure best effort."""
     max_tokens: int | None = None
     """The request's output-length cap (prior for the length predictor)."""
+    tenant_weight: float = 1.0
+    """The tenant's fair-share weight within its tier (from its contract; > 0): while several
+    tenants of a tier have work waiting, the engine serves them tokens in proportion to it."""
+
+    def __post_init__(self) -> None:
+        if not (self.tenant_weight > 0 and math.isfinite(self.tenant_weight)):
+            raise ValueError(f"tenant_weight must be a finite number > 0, got {self.tenant_weight}")
 
     @property
     def ttft_due_unix_s(self) -> float | None:

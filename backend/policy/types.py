@@ -41,6 +41,11 @@ class ReqState(msgspec.Struct, kw_only=True):
     """Output cap, tokens (the request ends at this length or at EOS)."""
     length_key: str = ""
     """Key of the output-length history that predicts this request (tenant or job)."""
+    tenant_id: str = ""
+    """The tenant it is served for: the unit of weighted fair share within its tier
+    (backend.policy.fair_share); "" is one anonymous tenant."""
+    tenant_weight: float = 1.0
+    """The tenant's fair-share weight within its tier (> 0; from its contract)."""
     ttft_due_s: float | None = None
     """RT: the instant (engine clock) by which the first token is due: arrival + the contract's
     `ttft_target_ms`."""

@@ -145,6 +145,8 @@ class ReqMirror:
             prompt_len=prompt_len,
             max_new_tokens=max_new,
             length_key=meta.length_key,
+            tenant_id=meta.tenant_id,
+            tenant_weight=meta.tenant_weight,
             ttft_due_s=_engine_time(self, meta.ttft_due_unix_s),
             tpot_target_s=tpot_target_s(meta),
             deadline_due_s=_engine_time(self, meta.deadline_due_unix_s),

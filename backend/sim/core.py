@@ -101,6 +101,8 @@ class EngineCore:
             prompt_len=req.prompt_len,
             max_new_tokens=req.max_new_tokens,
             length_key=req.length_key,
+            tenant_id=req.length_key if req.tenant_id is None else req.tenant_id,
+            tenant_weight=req.tenant_weight,
             ttft_due_s=None if req.ttft_target_s is None else req.arrival_s + req.ttft_target_s,
             tpot_target_s=req.tpot_target_s,
             deadline_due_s=None if req.deadline_s is None else req.arrival_s + req.deadline_s,

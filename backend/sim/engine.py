@@ -204,6 +204,7 @@ def _record(t: Track) -> RequestRecord:
         tpot_target_s=req.tpot_target_s,
         deadline_s=s.deadline_due_s,
         length_key=s.length_key,
+        tenant_id=s.tenant_id,
         max_new_tokens=s.max_new_tokens,
         admitted_s=t.admitted_s,
     )

@@ -46,6 +46,8 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     deadline_s: float | None
     """BE completion deadline, absolute simulated time."""
     length_key: str
+    tenant_id: str = ""
+    """The tenant it was served for ("" where the source named none)."""
     max_new_tokens: int = 0
     """The output cap the policy saw."""
     admitted_s: float | None = None

@@ -151,6 +151,8 @@ def _sim_request(body: GenerateBody, arrival_s: float) -> SimRequest:
         else None,
         deadline_s=_left(meta.deadline_s, 1.0, late_s) if meta else None,
         length_key=meta.length_key if meta else "",
+        tenant_id=meta.tenant_id if meta else "",
+        tenant_weight=meta.tenant_weight if meta else 1.0,
         prefix_hashes=_block_hashes(body.input_ids or [], 512),
     )
 

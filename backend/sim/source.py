@@ -39,6 +39,10 @@ class SimRequest(msgspec.Struct, kw_only=True):
     """BE: completion deadline, seconds after arrival."""
     length_key: str = ""
     """Output-length history key (tenant or job)."""
+    tenant_id: str | None = None
+    """The tenant it is served for (fair share within its tier); None: its `length_key`."""
+    tenant_weight: float = 1.0
+    """The tenant's fair-share weight within its tier (> 0)."""
     order_key: float = 0.0
     """BE order given by the caller (lower first)."""
     prefix_hashes: tuple[int, ...] = ()

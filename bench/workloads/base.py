@@ -53,6 +53,12 @@ class RequestSpec:
     """BE: job completion deadline relative to arrival, seconds."""
     length_key: str = ""
     """Request class (output-length history key for predicting policies)."""
+    tenant_id: str = ""
+    """The tenant it is served for (fair share within its tier); "" — every workload but
+    W6 — is one anonymous tenant per tier (length keys there are request classes or jobs, not
+    tenants)."""
+    tenant_weight: float = 1.0
+    """The tenant's fair-share weight within its tier (its TenantSpec's weight)."""
     order_key: float = 0.0
     """BE submission order within its job (lower first)."""
     prefix_hashes: tuple[int, ...] = ()

@@ -223,6 +223,8 @@ class SimSource:
                 tpot_target_s=s.tpot_target_s,
                 deadline_s=s.deadline_s,
                 length_key=s.length_key,
+                tenant_id=s.tenant_id,
+                tenant_weight=s.tenant_weight,
                 order_key=s.order_key,
                 prefix_hashes=s.prefix_hashes,
             )

@@ -1,8 +1,8 @@
 """W6 — multi-tenant fairness (issue 15): two RT tenants of equal weight, one of them bursty,
 and two BE tenants of equal weight, each with its own backlog.
 
-Tenants (weight 1.0 each; the tenant name is every request's `length_key`, the simulator's
-tenant key):
+Tenants (weight 1.0 each; the tenant name is every request's `tenant_id` and `length_key`,
+and its weight from TENANTS the request's `tenant_weight`):
 
 * `rt-steady`: W1's RT chat requests (lognormal lengths, prompt 223±256, output 235±269 tokens;
   class SLO TTFT 0.4 s, TPOT 0.2 s), Poisson arrivals at s = R / 2 req/s all the time.
@@ -60,6 +60,8 @@ TENANTS = (
     TenantSpec(BE_A, "be", 1.0),
     TenantSpec(BE_B, "be", 1.0),
 )
+WEIGHTS = {t.name: t.weight for t in TENANTS}
+"""Each tenant's fair-share weight, as its requests carry it (`tenant_weight`)."""
 
 
 def burst_times(params: WorkloadParams, steady_rate: float, duration_s: float) -> list[float]:
@@ -107,6 +109,8 @@ def tenant_rt_requests(
             ttft_target_s=FULL_SHAPE.ttft_target_s,
             tpot_target_s=FULL_SHAPE.tpot_target_s,
             length_key=tenant,
+            tenant_id=tenant,
+            tenant_weight=WEIGHTS[tenant],
         )
         for i in range(n)
     ]
@@ -137,6 +141,8 @@ def be_batch(
             output_len=int(outputs[j]),
             max_new_tokens=max_new_for(params, int(outputs[j]), FULL_SHAPE.be_output[1]),
             length_key=tenant,
+            tenant_id=tenant,
+            tenant_weight=WEIGHTS[tenant],
             order_key=float(j),
         )
         for j in range(BE_BATCH_SIZE)

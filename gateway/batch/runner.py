@@ -12,9 +12,12 @@ together), and each batch's feed (backend/policy/batch_order/feed.py) keeps its 
 footprint within the engine's KV pool, so BE work queues here, in SQL, not inside the engine,
 where it would sit in front of RT requests' memory.
 
-Order across batches: earliest deadline first (a short completion window or the tenant's BE
-deadline), then the earliest expiry. Deadline-carrying lines tell the engine the time left, so
-its policy can rush them.
+Order across batches (gateway/batch/fair.py): among tenants, weighted fair share — the next
+line comes from the tenant with the least weighted tokens sent (prompt at dispatch, output at
+finish), so one tenant's large batch cannot hold another's back; among one tenant's batches,
+earliest deadline first (a short completion window or the tenant's BE deadline), then the
+earliest expiry; within a batch, its feed's (prefix-tree) order. Deadline-carrying lines tell
+the engine the time left, so its policy can rush them.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 from aiohttp import web
@@ -30,6 +34,7 @@ from aiohttp import web
 from backend.policy.batch_order.feed import BatchFeed, FeedSettings
 from backend.policy.batch_order.tree import OrderItem
 from gateway.batch.execute import ActiveBatch, execute_line, refusal, settle_failure
+from gateway.batch.fair import TenantShares, tenant_weight
 from gateway.batch.lines import now_utc
 from gateway.batch.output import build_files
 from gateway.batch.prepare import prepare_lines
@@ -48,7 +53,13 @@ _ACTIVE_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
 class BatchRunner:
     """Runs in the gateway process (one per database; see `batch.runner_enabled`)."""
 
-    def __init__(self, app: web.Application, store: BatchStore) -> None:
+    def __init__(
+        self,
+        app: web.Application,
+        store: BatchStore,
+        *,
+        weight_of: Callable[[Tenant], float] = tenant_weight,
+    ) -> None:
         self._app = app
         self._store = store
         self._config = app[CONFIG]
@@ -56,6 +67,9 @@ class BatchRunner:
         self._task: asyncio.Task[None] | None = None
         self._active: dict[str, ActiveBatch] = {}
         self._inflight = 0
+        self._shares = TenantShares()
+        self._weight_of = weight_of
+        """A tenant's fair-share weight (its contract's, 1.0 where it has none)."""
 
     async def start(self) -> None:
         """Resumes what a previous process left running, then starts the loop."""
@@ -215,17 +229,21 @@ class BatchRunner:
     # ------------------------------------------------------------------ dispatch
 
     def _dispatch(self) -> None:
-        """Starts lines while the global bound allows, most urgent batch first."""
-        limit = self._config.batch.max_inflight
+        """Starts lines while the global bound allows: tenants by fair share, a tenant's
+        batches most urgent first (module docstring)."""
+        by_tenant: dict[str, list[ActiveBatch]] = {}
         for active in sorted(self._active.values(), key=lambda a: a.priority):
-            if active.stopping is not None:
-                continue
-            while self._inflight < limit:
-                line_no = self._next_line(active)
-                if line_no is None:
-                    break
-                self._inflight += 1
-                active.tasks[line_no] = asyncio.create_task(self._run_line(active, line_no))
+            if active.stopping is None:
+                by_tenant.setdefault(active.info.tenant_id, []).append(active)
+        self._shares.set_backlogged(by_tenant)
+        room = self._config.batch.max_inflight - self._inflight
+        for active, line_no in self._shares.pick_lines(by_tenant, self._next_line, room):
+            prompt_tokens = len(active.prepared[line_no].prompt.input_ids)
+            self._shares.charge(
+                active.info.tenant_id, prompt_tokens, self._weight_of(active.tenant)
+            )
+            self._inflight += 1
+            active.tasks[line_no] = asyncio.create_task(self._run_line(active, line_no))
 
     def _next_line(self, active: ActiveBatch) -> int | None:
         now = time.monotonic()
@@ -250,6 +268,10 @@ class BatchRunner:
         finally:
             self._inflight -= 1
             active.tasks.pop(line_no, None)
+            if output_len:
+                self._shares.charge(
+                    active.info.tenant_id, output_len, self._weight_of(active.tenant)
+                )
             active.feed.finished(line_no, output_len)  # retries bypass the feed
             self._wake.set()
 

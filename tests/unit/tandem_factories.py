@@ -35,6 +35,8 @@ def make_request(
     deadline_due_s: float | None = None,
     order_key: float = 0.0,
     length_key: str = "",
+    tenant_id: str = "",
+    tenant_weight: float = 1.0,
 ) -> ReqState:
     """A policy-side request. RT gets a TTFT deadline `ttft_target_s` after arrival and a TPOT
     target; one that generated tokens has emitted its last at `last_token_s` (default: NOW).
@@ -51,6 +53,8 @@ def make_request(
         is_running=running,
         order_key=order_key,
         length_key=length_key or tier,
+        tenant_id=tenant_id,
+        tenant_weight=tenant_weight,
         ttft_due_s=arrival_s + ttft_target_s if is_rt and ttft_target_s is not None else None,
         tpot_target_s=tpot_target_s if is_rt else None,
         deadline_due_s=deadline_due_s,

@@ -43,10 +43,12 @@ def req(
     tpot_target_ms: float | None = None,
     arrived_s_ago: float = 0.0,
     key: str = "k",
+    tenant_weight: float = 1.0,
 ) -> FakeReq:
     meta = RequestMeta(
         tier=tier,
         tenant_id="t",
+        tenant_weight=tenant_weight,
         length_key=key,  # type: ignore[arg-type]
         arrival_unix_s=time.time() - arrived_s_ago,
         ttft_target_ms=ttft_target_ms,
@@ -312,7 +314,7 @@ def test_a_length_history_push_replaces_the_keys_history_at_the_next_iteration()
 def test_the_snapshot_carries_deadlines_on_the_engine_clock() -> None:
     policy = ScriptedPolicy(Plan())
     drv = EngineDriver(policy)  # type: ignore[arg-type]
-    w = req("w", "rt", ttft_target_ms=500, tpot_target_ms=50, arrived_s_ago=0.2)
+    w = req("w", "rt", ttft_target_ms=500, tpot_target_ms=50, arrived_s_ago=0.2, tenant_weight=3)
     chunked = req("c", "be", prompt=300)
     chunked.prefix_len = 120
     s = sched([w])
@@ -323,6 +325,7 @@ def test_the_snapshot_carries_deadlines_on_the_engine_clock() -> None:
     assert state.ttft_due_s is not None
     assert abs((state.ttft_due_s - snap.now_s) - 0.3) < 0.05
     assert state.tpot_target_s == 0.05 and snap.waiting_rt == [state]
+    assert (state.tenant_id, state.tenant_weight) == ("t", 3.0)  # the fair-share unit
     (partial,) = snap.running
     assert partial.prefilled == 120 and partial.prompt_left == 180
     assert snap.max_prefill_tokens == 512 and snap.kv_free_tokens == 9_000

@@ -291,3 +291,24 @@ def test_config_is_validated() -> None:
         SimConfig(kv_capacity_tokens=100, page_size=16, prefix_block_tokens=500)
     with pytest.raises(ValueError, match="kv_capacity_tokens"):
         SimConfig(kv_capacity_tokens=0)
+
+
+def test_a_request_without_a_tenant_is_its_length_keys_and_records_keep_it() -> None:
+    named = make_request(length_key="chat", tenant_id="acme", tenant_weight=2.0, rid="named")
+    keyed = make_request(length_key="chat", rid="keyed")
+    seen: dict[str, tuple[str, float]] = {}
+
+    class Spy(_Checked):
+        def plan(self, snapshot: Snapshot) -> Plan:
+            for r in snapshot.waiting:
+                seen[r.rid] = (r.tenant_id, r.tenant_weight)
+            return super().plan(snapshot)
+
+    res = simulate(
+        ListSource([named, keyed]),
+        Spy(make_policy("tandem", LATENCY)),
+        LATENCY,
+        SimConfig(kv_capacity_tokens=4000),
+    )
+    assert seen == {"named": ("acme", 2.0), "keyed": ("chat", 1.0)}
+    assert {r.rid: r.tenant_id for r in res.requests} == {"named": "acme", "keyed": "chat"}

@@ -54,3 +54,57 @@ def test_be_queue_resumes_evicted_work_first_then_deadlines_then_the_mix() -> No
     )
     oldest_first.sync(plain)
     assert [r.rid for r in oldest_first.candidates(NOW)] == ["p2", "p1", "p0"]
+
+
+def test_rt_queue_offers_the_least_served_tenant_first_each_lane_by_latest_start() -> None:
+    queue = RtQueue(lambda r: r.ttft_due_s or 0.0)
+    burst = [
+        make_request(f"b{i}", tenant_id="burst", arrival_s=NOW - 0.3 + i * 0.01) for i in range(3)
+    ]
+    steady = [
+        make_request("s-late", tenant_id="steady", arrival_s=NOW),
+        make_request("s-early", tenant_id="steady", arrival_s=NOW - 0.05),
+    ]
+    queue.sync([*burst, *steady])
+    queue.fair.charge("burst", 1000)  # its running decodes and earlier prompts
+    order = [r.rid for r in queue.candidates(NOW)]
+    # steady is behind by more than its two prompts (100 tokens each): they go first, by
+    # latest start, then burst's in their own order
+    assert order == ["s-early", "s-late", "b0", "b1", "b2"]
+    queue.restore()
+    # taken ones leave their lane; a lane with nothing waiting is idle for the fair share
+    for r in steady:
+        queue.take(r)
+    assert queue.fair.backlogged == {"burst"}
+
+
+def test_rt_queue_serves_every_tenants_feasible_requests_before_any_hopeless_one() -> None:
+    queue = RtQueue(lambda r: r.ttft_due_s or 0.0)
+    lost = make_request("lost", tenant_id="a", arrival_s=NOW - 5.0)  # TTFT long gone
+    fresh = make_request("fresh", tenant_id="b", arrival_s=NOW)
+    queue.sync([lost, fresh])
+    queue.fair.charge("b", 10_000)  # b is far ahead, yet its feasible one goes first
+    assert [r.rid for r in queue.candidates(NOW)] == ["fresh", "lost"]
+
+
+def test_be_queue_interleaves_tenants_by_weight_keeping_each_batchs_order() -> None:
+    queue = BeQueue(lambda r: 0.0, lambda r, now: False, seed=0, order_prob=1.0, max_wait_s=60.0)
+    lines = [
+        make_request(f"{t}{i}", tier="be", tenant_id=t, tenant_weight=w, order_key=i)
+        for t, w in (("a", 2.0), ("b", 1.0))
+        for i in range(6)
+    ]
+    queue.sync(lines)
+    order = [r.rid for r in queue.candidates(NOW)]  # 100-token prompts: a's cost 50, b's 100
+    assert order[:6] == ["a0", "b0", "a1", "a2", "b1", "a3"]  # 2 : 1 by tokens
+    assert [x for x in order if x[0] == "a"] == [f"a{i}" for i in range(6)]  # prefix order kept
+    assert [x for x in order if x[0] == "b"] == [f"b{i}" for i in range(6)]
+
+
+def test_with_fair_share_off_tenants_share_one_lane() -> None:
+    queue = RtQueue(lambda r: r.ttft_due_s or 0.0, by_tenant=False)
+    a = make_request("a", tenant_id="x", arrival_s=NOW - 0.2)
+    b = make_request("b", tenant_id="y", arrival_s=NOW - 0.1)
+    queue.sync([b, a])
+    queue.fair.charge("x", 10_000)
+    assert [r.rid for r in queue.candidates(NOW)] == ["a", "b"]  # latest start only

@@ -10,6 +10,7 @@ from array import array
 from collections import Counter
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from backend.policy.latency import LatencyModel
@@ -49,8 +50,8 @@ def test_w6_has_four_tenants_with_tiers_and_equal_weights() -> None:
         ("be-a", "be", 1.0),
         ("be-b", "be", 1.0),
     }
-    tiers = {(s.length_key, s.tier) for s in w6_specs()}
-    assert tiers == {(t.name, t.tier) for t in workload.tenants}
+    tiers = {(s.length_key, s.tenant_id, s.tier, s.tenant_weight) for s in w6_specs()}
+    assert tiers == {(t.name, t.name, t.tier, t.weight) for t in workload.tenants}
 
 
 def test_w6_burster_sends_five_times_the_steady_rate_in_bursts_and_its_share_overall() -> None:
@@ -139,6 +140,30 @@ def test_token_shares_count_only_the_contended_window() -> None:
     # BE tenants without requests: no contended window, no share
     assert out["x"]["token_share"] is None and out["x"]["requests"] == 0
     assert "rt_admitted_attainment" not in out["x"]
+
+
+def test_queued_shares_count_only_while_every_tenant_has_a_request_waiting() -> None:
+    records = [
+        # a waits [0, 2] (admitted when its first token comes: the records' fallback) and
+        # [6, 7]; b waits [1, 3] and [6.5, 9]: Q = [1, 2] ∪ [6.5, 7]
+        rec("a1", "a", arrival_s=0.0, times=(2.0, 2.5, 8.0)),  # prompt 10 at 2.0 in, 2.5 out
+        rec("a2", "a", arrival_s=6.0, times=(7.0,)),  # prompt 10 in
+        rec("b1", "b", arrival_s=1.0, times=(3.0, 6.8), prompt_len=20),  # 6.8 in
+        rec("b2", "b", arrival_s=6.5, times=(9.0,), prompt_len=20),
+    ]
+    out = tenant_metrics(records, TENANTS, end_s=20.0)
+    a, b = out["a"], out["b"]
+    assert a["queued_s"] == b["queued_s"] == pytest.approx(1.0 + 0.5)
+    assert (a["tokens_in_queued"], b["tokens_in_queued"]) == (10 + 1 + 10 + 1, 1)
+    assert a["token_share_queued"] == pytest.approx(22 / 23)
+    assert out["x"]["token_share_queued"] is None and out["x"]["queued_s"] == 0
+
+
+def test_requests_belong_to_their_tenant_id_before_their_length_key() -> None:
+    mine = msgspec.structs.replace(rec("r", "x-history", times=(1.0,)), tenant_id="a")
+    other = rec("o", "b", times=(1.0,))
+    out = tenant_metrics([mine, other], TENANTS, end_s=5.0)
+    assert out["a"]["requests"] == 1 and out["b"]["requests"] == 1
 
 
 def test_rt_admitted_attainment_per_tenant_and_overall() -> None:

@@ -100,3 +100,14 @@ def test_absolute_deadlines() -> None:
     assert rt.deadline_due_unix_s is None
     assert be.deadline_due_unix_s == pytest.approx(be.arrival_unix_s + 30.0)
     assert be.ttft_due_unix_s is None
+
+
+def test_the_tenant_weight_defaults_to_one_and_must_be_positive() -> None:
+    assert make_meta("be").tenant_weight == 1.0
+    weighted = make_meta("be", tenant_weight=2.5)
+    assert meta_from_custom_params(meta_to_custom_params(weighted)) == weighted
+    for bad in (0.0, -1.0, float("inf")):
+        with pytest.raises(msgspec.ValidationError, match="tenant_weight"):
+            make_meta("be", tenant_weight=bad)
+    with pytest.raises(ValueError, match="tenant_weight"):
+        RequestMeta(tier="rt", tenant_id="a", length_key="a", arrival_unix_s=0.0, tenant_weight=0)

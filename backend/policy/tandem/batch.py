@@ -2,6 +2,8 @@
 plus the planner's clock — its predicted time, and the exact-fill chunk for a time budget.
 
     time_s()                       predicted duration of what is in the batch so far
+    on_tokens(reqs, tokens)        told of every token scheduled (chunks and decodes): the
+                                   policy charges the tenants' fair-share counters
     chunk_for(req, limit_s)        the longest chunk of req that keeps time_s() ≤ limit_s and
                                    fits KV and the caps ("latency inversion", AccelGen's exact
                                    fill: the cut falls where the budget ends, not at a fixed size)
@@ -10,6 +12,7 @@ plus the planner's clock — its predicted time, and the exact-fill chunk for a 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 
 from backend.policy.common import BatchBuilder, affordable_chunk, align_chunk, decode_cost
 from backend.policy.latency import LatencyModel
@@ -21,9 +24,19 @@ class TandemBatch(BatchBuilder):
     """A BatchBuilder (which keeps the latency-model totals, F_p inputs included) that answers
     time questions through a `Timer` and adds decodes in bulk."""
 
-    def __init__(self, snapshot: Snapshot, timer: Timer, *, min_chunk_tokens: int = 1) -> None:
+    def __init__(
+        self,
+        snapshot: Snapshot,
+        timer: Timer,
+        *,
+        min_chunk_tokens: int = 1,
+        on_tokens: Callable[[Sequence[ReqState], int], None] | None = None,
+    ) -> None:
         super().__init__(snapshot)
         self.timer = timer
+        self.on_tokens = on_tokens
+        """Called with requests scheduled in this plan and the tokens each is served (a
+        chunk's length, 1 for decodes)."""
         self.min_chunk_tokens = min_chunk_tokens
         """Chunks shorter than this are not worth a slot (unless they finish the prompt)."""
         self.first_tokens = 0
@@ -51,6 +64,22 @@ class TandemBatch(BatchBuilder):
         self.decode_context += sum(contexts)
         self.decode_context_sq += sum([c * c for c in contexts])
         self.num_decode += len(reqs)
+        if self.on_tokens is not None:
+            self.on_tokens(reqs, 1)
+        return True
+
+    def add_decode(self, req: ReqState) -> bool:
+        if not super().add_decode(req):
+            return False
+        if self.on_tokens is not None:
+            self.on_tokens((req,), 1)
+        return True
+
+    def add_prefill(self, req: ReqState, tokens: int) -> bool:
+        if not super().add_prefill(req, tokens):
+            return False
+        if self.on_tokens is not None:
+            self.on_tokens((req,), tokens)
         return True
 
     def chunk_for(self, req: ReqState, time_limit_s: float) -> int:

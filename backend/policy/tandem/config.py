@@ -91,6 +91,10 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
     """AIMD on ε and the BE share; off: both fixed at their initial values (BE share 1)."""
     use_era: bool = True
     """At most `max_long_prefills` long prompts mid-prefill per tier; off: no limit."""
+    use_fair_share: bool = True
+    """Weighted fair share among the tenants of a tier (backend.policy.fair_share): waiting
+    requests are offered tenant by tenant, the least served (weighted tokens) first; off: one
+    queue per tier, whatever the tenant."""
     use_calibration: bool = True
     """Online latency calibration (`backend.policy.calibration`): predictions are scaled by the
     learned per-regime factor of the engine's pace; off: the profile as measured (the error

@@ -2,13 +2,17 @@
 
 plan(snapshot):
     view     = running split by tier/phase             (context.split_running)
-    queues   ← new waiting requests (O(new))            (queues.RtQueue / BeQueue)
+    queues   ← new waiting requests (O(new))            (queues.RtQueue / BeQueue: one lane
+                                                         per tenant, offered by fair share)
     RT phase : all RT decodes; τ from deadlines, ≤ L;   (rt_phase)
                τ ≤ allowance of BE deadlines            (be_phase.cap_for_be_deadlines)
                urgent prompts (τ raised as they need), window by best fit, ERA, admission
     BE phase : the time left under τ × BE share,        (be_phase)
                the KV left after the RT headroom
     feedback ← the earliest RT deadline this batch carries
+    fair share ← every token the plan schedules (TandemBatch.on_tokens), charged to its
+                 tenant's counter in its tier once the plan is built (within the plan the queues
+                 count what they offer)
 observe(result):
     calibration ← (model prediction, measured time, regime): the per-regime factors that scale
                   every prediction of the next plans (calibration, timing.Timer.scale)
@@ -17,10 +21,12 @@ observe(result):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from backend.policy.calibration import LatencyCalibration, regime_of
 from backend.policy.common import PolicyBase, waiting_in
+from backend.policy.fair_share import FairShare
 from backend.policy.feasibility import SloForecaster
 from backend.policy.latency import LatencyModel
 from backend.policy.tandem import slack
@@ -34,6 +40,7 @@ from backend.policy.tandem.queues import BeQueue, RtQueue
 from backend.policy.tandem.rt_phase import run_rt_decodes, run_rt_prefills
 from backend.policy.tandem.timing import BatchTotals, Timer
 from backend.policy.types import IterationResult, Plan, ReqState, Snapshot
+from common.wire import Tier
 
 
 class TandemPolicy(PolicyBase):
@@ -51,13 +58,19 @@ class TandemPolicy(PolicyBase):
         self.lengths = LengthModel(
             window=cfg.history_window, min_samples=cfg.history_min_samples, seed=cfg.seed
         )
-        self.rt_queue = RtQueue(self._rt_latest_start)
+        self.rt_fair = FairShare()
+        """Virtual token counters of the RT tenants."""
+        self.be_fair = FairShare()
+        """Virtual token counters of the BE tenants."""
+        self.rt_queue = RtQueue(self._rt_latest_start, self.rt_fair, by_tenant=cfg.use_fair_share)
         self.be_queue = BeQueue(
             self._be_latest_start,
             self._be_hopeless,
             seed=cfg.seed,
             order_prob=cfg.be_order_prob,
             max_wait_s=cfg.be_max_wait_s,
+            fair=self.be_fair,
+            by_tenant=cfg.use_fair_share,
         )
         self.headroom = RtHeadroom(
             window_s=cfg.rt_headroom_window_s,
@@ -69,6 +82,7 @@ class TandemPolicy(PolicyBase):
         """The engine's pace relative to the profile, per batch regime, and the model's error
         (`calibration.summary()` is what the engine driver reports)."""
         self._max_prefill = 8192
+        self._served: dict[tuple[Tier, str], float] = {}  # (tier, tenant) → weighted tokens
         self._last_plan: Plan | None = None
         self._last_scale = self.timer.scale  # the factors the last plan was predicted with
 
@@ -104,6 +118,7 @@ class TandemPolicy(PolicyBase):
         run_rt_prefills(ctx)  # slack order; urgent ones raise τ; best-fit window; ERA
         run_be_phase(ctx)  # BE decodes, partial prompts, admissions in what is left
         self.feedback.expect(ctx.batch.rt_deadline_s, ctx.batch.rt_allowance_s)
+        self._charge_served()
         plan = ctx.batch.plan()
         self._last_plan, self._last_scale = plan, self.timer.scale
         return plan
@@ -147,7 +162,12 @@ class TandemPolicy(PolicyBase):
             now_s=snap.now_s,
             config=cfg,
             timer=self.timer,
-            batch=TandemBatch(snap, self.timer, min_chunk_tokens=cfg.min_chunk_tokens),
+            batch=TandemBatch(
+                snap,
+                self.timer,
+                min_chunk_tokens=cfg.min_chunk_tokens,
+                on_tokens=self._charge if cfg.use_fair_share else None,
+            ),
             view=view,
             admission=admission,
             lengths=self.lengths,
@@ -159,6 +179,20 @@ class TandemPolicy(PolicyBase):
             has_rt=has_rt,
             budget_s=cfg.latency_budget_s if has_rt else cfg.idle_budget_s,
         )
+
+    def _charge(self, reqs: Sequence[ReqState], tokens: int) -> None:
+        """`tokens` of each of `reqs` are scheduled: noted for their tenants (charged by
+        `_charge_served`)."""
+        served = self._served
+        for r in reqs:
+            key = (r.tier, r.tenant_id)
+            served[key] = served.get(key, 0.0) + tokens / r.tenant_weight
+
+    def _charge_served(self) -> None:
+        """The plan's tokens go to their tenants' counters (already divided by the weight)."""
+        for (tier, tenant), weighted in self._served.items():
+            (self.rt_fair if tier == "rt" else self.be_fair).charge(tenant, weighted)
+        self._served.clear()
 
     def _rt_latest_start(self, r: ReqState) -> float:
         """Queue key of a waiting RT request: its deadline less the time its prompt takes

@@ -14,6 +14,15 @@ was pushed in (a request admitted and later evicted comes back in a new epoch, s
 entries stay dead). A valid entry whose request still runs (evicted by the plan being built) is
 kept but not offered. Candidates popped during a plan but not taken are pushed back by
 `restore`.
+
+Tenants: each queue keeps one *lane* (its heaps) per tenant and offers the lanes' candidates
+interleaved by weighted fair share (backend.policy.fair_share): the next candidate comes from
+the tenant with the least virtual token counter among those with one left — each candidate
+offered counting its prompt for the rest of the pass, so a window collected before anything is
+scheduled is interleaved too — each lane keeping the tier's own order (RT by latest start, BE
+by its resume/deadline/caller order). The policy charges the counters with the tokens each
+plan schedules. A tenant's lane is backlogged while the WaitingSet holds a request of it.
+With one tenant the lane is the whole queue and the order is exactly the single-tenant one.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import math
 import random
 from collections.abc import Callable, Iterator
 
+from backend.policy.fair_share import FairShare, interleave
 from backend.policy.types import ReqState
 
 FULL_SYNC_EVERY = 64
@@ -32,14 +42,35 @@ FULL_SYNC_EVERY = 64
 Entry = tuple[float, float, int, str, int]  # (key, tie-break, sequence, rid, epoch)
 
 
-class WaitingSet:
-    """Which requests of one tier are waiting, as far as the policy knows."""
+def _tenant(r: ReqState) -> str:
+    return r.tenant_id
 
-    def __init__(self) -> None:
+
+def _anonymous(r: ReqState) -> str:
+    return ""
+
+
+def prompt_cost(r: ReqState) -> float:
+    """What serving a waiting request's prompt charges its tenant: the tokens still to
+    prefill over its weight."""
+    return (r.prefill_len - r.prefilled) / r.tenant_weight
+
+
+class WaitingSet:
+    """Which requests of one tier are waiting, as far as the policy knows, and so which
+    tenants are backlogged (told to `fair`)."""
+
+    def __init__(self, fair: FairShare | None = None, *, by_tenant: bool = True) -> None:
         self.reqs: dict[str, ReqState] = {}
         """Waiting requests by rid."""
         self.epochs: dict[str, int] = {}
         """The epoch each known request entered in."""
+        self.fair = fair if fair is not None else FairShare()
+        """The tier's fair-share counters: a tenant is backlogged while it has a request here."""
+        self.per_tenant: dict[str, int] = {}
+        """tenant → its requests in `reqs` (tenants with none are absent)."""
+        self.tenant_of: Callable[[ReqState], str] = _tenant if by_tenant else _anonymous
+        """The lane a request waits in: its tenant, or "" for all (fair share off)."""
         self._epoch = itertools.count()
         self._syncs = 0
 
@@ -80,11 +111,25 @@ class WaitingSet:
 
     def take(self, rid: str) -> None:
         """The request was admitted by the plan being built."""
-        self.reqs.pop(rid, None)
+        req = self.reqs.pop(rid, None)
         self.epochs.pop(rid, None)
+        if req is not None:
+            tenant = self.tenant_of(req)
+            left = self.per_tenant[tenant] - 1
+            if left:
+                self.per_tenant[tenant] = left
+            else:
+                del self.per_tenant[tenant]
+                self.fair.set_idle(tenant)
 
     def add(self, req: ReqState) -> None:
         """The request is (or, evicted by the plan, will be) waiting: a new epoch."""
+        if req.rid not in self.reqs:
+            tenant = self.tenant_of(req)
+            count = self.per_tenant.get(tenant, 0)
+            if not count:
+                self.fair.set_backlogged(tenant)
+            self.per_tenant[tenant] = count + 1
         self.reqs[req.rid] = req
         self.epochs[req.rid] = next(self._epoch)
 
@@ -150,19 +195,28 @@ class KeyedHeap:
 
 
 class RtQueue:
-    """Waiting RT requests: feasible ones by latest start time (deadline − standalone prefill
-    time), then hopeless ones (the TTFT is lost whatever happens) oldest first.
+    """Waiting RT requests, per tenant (interleaved by fair share, see the module docstring):
+    feasible ones by latest start time (deadline − standalone prefill time), then hopeless ones
+    (the TTFT is lost whatever happens) oldest first.
 
     Serving a hopeless request before a feasible one only turns a second request into a miss
-    (EDF's domino effect under overload), so they wait behind every feasible one; they are
-    still RT, so they still go before any BE. A request that already emitted tokens (evicted
-    mid-decode) is never hopeless: its TPOT can still be met, so it goes first.
+    (EDF's domino effect under overload), so they wait behind every feasible one — of every
+    tenant; they are still RT, so they still go before any BE. A request that already emitted
+    tokens (evicted mid-decode) is never hopeless: its TPOT can still be met, so it goes first
+    in its lane.
     """
 
-    def __init__(self, lst_of: Callable[[ReqState], float]) -> None:
-        self.known = WaitingSet()
-        self.feasible = KeyedHeap(self.known)
-        self.hopeless = KeyedHeap(self.known)
+    def __init__(
+        self,
+        lst_of: Callable[[ReqState], float],
+        fair: FairShare | None = None,
+        *,
+        by_tenant: bool = True,
+    ) -> None:
+        self.known = WaitingSet(fair, by_tenant=by_tenant)
+        self.fair = self.known.fair
+        self.lanes: dict[str, _RtLane] = {}
+        """tenant → its heaps."""
         self._lst_of = lst_of
 
     def __len__(self) -> int:
@@ -173,8 +227,12 @@ class RtQueue:
             self._push(r)
 
     def _push(self, r: ReqState) -> None:
+        tenant = self.known.tenant_of(r)
+        lane = self.lanes.get(tenant)
+        if lane is None:
+            lane = self.lanes[tenant] = _RtLane(self.known)
         key = -math.inf if r.first_token_s is not None else self._lst_of(r)
-        self.feasible.push(r, key, r.arrival_s)
+        lane.feasible.push(r, key, r.arrival_s)
 
     def requeue(self, r: ReqState) -> None:
         """An evicted RT request waits again."""
@@ -182,32 +240,59 @@ class RtQueue:
         self._push(r)
 
     def candidates(self, now_s: float) -> Iterator[ReqState]:
-        """Waiting RT requests in service order (popping; `restore` afterwards): feasible by
-        latest start time, moving the ones found hopeless to the hopeless heap; then those."""
+        """Waiting RT requests in service order (popping; `restore` afterwards): the feasible
+        ones of every tenant, interleaved by fair share, each lane by latest start time (moving
+        the ones found hopeless to its hopeless heap); then the hopeless ones, likewise."""
+        lanes = self._backlogged()
+        offered: dict[str, float] = {}
         seen: set[str] = set()
-        for lst, r in self.feasible.iter_valid():
-            if lst < now_s and r.first_token_s is None:
-                self.feasible.drop_popped(r.rid)
-                self.hopeless.push(r, r.arrival_s)
-                continue
-            if r.rid not in seen:
-                seen.add(r.rid)
-                yield r
-        for _, r in self.hopeless.iter_valid():
-            if r.rid not in seen:
-                seen.add(r.rid)
-                yield r
+        for stage in (
+            {t: lane.feasible_candidates(now_s) for t, lane in lanes.items()},
+            {t: lane.hopeless_candidates() for t, lane in lanes.items()},
+        ):
+            for r in interleave(stage, self.fair, prompt_cost, offered):
+                if r.rid not in seen:
+                    seen.add(r.rid)
+                    yield r
+
+    def _backlogged(self) -> dict[str, _RtLane]:
+        per_tenant = self.known.per_tenant
+        return {t: lane for t, lane in self.lanes.items() if t in per_tenant}
 
     def take(self, r: ReqState) -> None:
         self.known.take(r.rid)
 
     def restore(self) -> None:
-        self.feasible.restore()
-        self.hopeless.restore()
+        for lane in self.lanes.values():
+            lane.feasible.restore()
+            lane.hopeless.restore()
+
+
+class _RtLane:
+    """One tenant's waiting RT requests: feasible by latest start, then hopeless by age."""
+
+    def __init__(self, known: WaitingSet) -> None:
+        self.feasible = KeyedHeap(known)
+        self.hopeless = KeyedHeap(known)
+
+    def feasible_candidates(self, now_s: float) -> Iterator[ReqState]:
+        """Feasible ones by latest start; a fresh one whose latest start has passed moves to
+        the hopeless heap instead."""
+        for lst, r in self.feasible.iter_valid():
+            if lst < now_s and r.first_token_s is None:
+                self.feasible.drop_popped(r.rid)
+                self.hopeless.push(r, r.arrival_s)
+                continue
+            yield r
+
+    def hopeless_candidates(self) -> Iterator[ReqState]:
+        for _, r in self.hopeless.iter_valid():
+            yield r
 
 
 class BeQueue:
-    """Waiting BE requests in service order:
+    """Waiting BE requests, per tenant (interleaved by fair share, see the module docstring),
+    each lane in service order:
 
     1. resumed — evicted BE requests first, in eviction order (their work resumes, and their
        prefix is likely still cached);
@@ -215,8 +300,9 @@ class BeQueue:
        standalone JCT); one that can no longer make it at the engine's current pace
        (`is_hopeless`) drops to the plain order, so the ones that still can go first;
     3. aged — the oldest request once it has waited `max_wait_s` (bounded wait);
-    4. otherwise the caller's order (ReqState.order_key) with probability `order_prob`, else the
-       oldest (HyGen's freshness mix: every request reaches the head eventually).
+    4. otherwise the caller's order (ReqState.order_key: a batch's prefix-tree order, so the
+       tenant's prefix locality is kept) with probability `order_prob`, else the oldest
+       (HyGen's freshness mix: every request reaches the head eventually).
     """
 
     def __init__(
@@ -227,13 +313,13 @@ class BeQueue:
         seed: int,
         order_prob: float,
         max_wait_s: float,
+        fair: FairShare | None = None,
+        by_tenant: bool = True,
     ) -> None:
-        self.known = WaitingSet()
-        self.resumed = KeyedHeap(self.known)
-        self.deadline = KeyedHeap(self.known)
-        self.by_order = KeyedHeap(self.known)
-        self.by_age = KeyedHeap(self.known)
-        self._heaps = (self.resumed, self.deadline, self.by_order, self.by_age)
+        self.known = WaitingSet(fair, by_tenant=by_tenant)
+        self.fair = self.known.fair
+        self.lanes: dict[str, _BeLane] = {}
+        """tenant → its heaps."""
         self._lst_of = deadline_lst_of
         self._is_hopeless = is_hopeless
         self._rng = random.Random(seed)
@@ -248,48 +334,65 @@ class BeQueue:
         for r in self.known.sync(waiting):
             self._push(r)
 
+    def _lane(self, r: ReqState) -> _BeLane:
+        tenant = self.known.tenant_of(r)
+        lane = self.lanes.get(tenant)
+        if lane is None:
+            lane = self.lanes[tenant] = _BeLane(self.known)
+        return lane
+
     def _push(self, r: ReqState) -> None:
+        lane = self._lane(r)
         if r.deadline_due_s is not None:
-            self.deadline.push(r, self._lst_of(r), r.arrival_s)
-        self.by_order.push(r, r.order_key, r.arrival_s)
-        self.by_age.push(r, r.arrival_s, r.order_key)
+            lane.deadline.push(r, self._lst_of(r), r.arrival_s)
+        lane.by_order.push(r, r.order_key, r.arrival_s)
+        lane.by_age.push(r, r.arrival_s, r.order_key)
 
     def requeue(self, r: ReqState) -> None:
-        """An evicted BE request waits again (it resumes first)."""
+        """An evicted BE request waits again (it resumes first in its lane)."""
         self.known.add(r)
-        self.resumed.push(r, float(next(self._evictions)))
+        self._lane(r).resumed.push(r, float(next(self._evictions)))
         self._push(r)
 
     def candidates(self, now_s: float) -> Iterator[ReqState]:
         """Waiting BE requests in service order (popping; `restore` afterwards)."""
+        per_tenant = self.known.per_tenant
+        streams = {
+            t: self._lane_candidates(lane, now_s)
+            for t, lane in self.lanes.items()
+            if t in per_tenant
+        }
+        yield from interleave(streams, self.fair, prompt_cost)
+
+    def _lane_candidates(self, lane: _BeLane, now_s: float) -> Iterator[ReqState]:
         seen: set[str] = set()
-        for _, r in self.resumed.iter_valid():
+        for _, r in lane.resumed.iter_valid():
             seen.add(r.rid)
             yield r
-        for lst, r in self.deadline.iter_valid():
+        for lst, r in lane.deadline.iter_valid():
             if lst < now_s or self._is_hopeless(r, now_s):  # plain order from now on
-                self.deadline.drop_popped(r.rid)
+                lane.deadline.drop_popped(r.rid)
                 continue
             if r.rid not in seen:
                 seen.add(r.rid)
                 yield r
         while True:
-            item = self._next_plain(now_s)
+            item = self._next_plain(lane, now_s)
             if item is None:
                 return
             if item.rid not in seen:
                 seen.add(item.rid)
                 yield item
 
-    def _next_plain(self, now_s: float) -> ReqState | None:
-        oldest = self.by_age.peek_valid()
+    def _next_plain(self, lane: _BeLane, now_s: float) -> ReqState | None:
+        oldest = lane.by_age.peek_valid()
         if oldest is not None and now_s - oldest[1].arrival_s > self.max_wait_s:
-            popped = self.by_age.pop_valid()
+            popped = lane.by_age.pop_valid()
             return None if popped is None else popped[1]
-        heap = self.by_order if self._rng.random() < self.order_prob else self.by_age
+        heap = lane.by_order if self._rng.random() < self.order_prob else lane.by_age
         popped = heap.pop_valid()
         if popped is None:
-            other = self.by_age if heap is self.by_order else self.by_order
+            other = lane.by_age if heap is lane.by_order else lane.by_order
             popped = other.pop_valid()
         return None if popped is None else popped[1]
 
@@ -297,5 +400,17 @@ class BeQueue:
         self.known.take(r.rid)
 
     def restore(self) -> None:
-        for heap in self._heaps:
-            heap.restore()
+        for lane in self.lanes.values():
+            for heap in lane.heaps:
+                heap.restore()
+
+
+class _BeLane:
+    """One tenant's waiting BE requests (the heaps of BeQueue's order)."""
+
+    def __init__(self, known: WaitingSet) -> None:
+        self.resumed = KeyedHeap(known)
+        self.deadline = KeyedHeap(known)
+        self.by_order = KeyedHeap(known)
+        self.by_age = KeyedHeap(known)
+        self.heaps = (self.resumed, self.deadline, self.by_order, self.by_age)
