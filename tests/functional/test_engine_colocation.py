@@ -125,7 +125,11 @@ async def test_be_decodes_that_sat_out_complete_with_the_right_tokens(
     be_id, be_key = await gateway.new_tenant("colo-park-be", "be")
     # A 5 ms TPOT target is tighter than any CPU iteration: every iteration that carries RT
     # tokens leaves BE only its minimum share, whatever the machine's speed.
-    _, rt_key = await gateway.new_tenant("colo-park-rt", "rt", ttft_ms=1000, tpot_ms=5)
+    # A contract the CPU engine cannot keep on purpose (it drives the scheduler): the gateway's
+    # SLO admission must let it through as RT.
+    _, rt_key = await gateway.new_tenant(
+        "colo-park-rt", "rt", ttft_ms=1000, tpot_ms=5, on_unattainable="accept"
+    )
     # Twelve BE requests with 400-token contexts: their decodes cost more than a tight RT
     # TPOT leaves once the RT rows are in.
     prompts = [prompt_ids(200 + i, 400) for i in range(12)]
