@@ -26,9 +26,9 @@ DEFAULT_WEIGHT = 1.0
 
 
 def tenant_weight(tenant: Any) -> float:
-    """A tenant's fair-share weight: its contract's `weight` attribute when the tenant record
-    has one, else DEFAULT_WEIGHT."""
-    weight = getattr(tenant, "weight", None)
+    """A tenant's fair-share weight: its SLO contract's `weight` (`tenant.slo.weight`) when the
+    tenant record carries a positive one, else DEFAULT_WEIGHT."""
+    weight = getattr(getattr(tenant, "slo", None), "weight", None)
     return float(weight) if isinstance(weight, int | float) and weight > 0 else DEFAULT_WEIGHT
 
 

@@ -211,9 +211,6 @@ def request_meta(tenant: Tenant, tier: Tier, max_tokens: int, arrival_unix_s: fl
     """The scheduler metadata of a request of *tenant* run in *tier*: the contract's RT targets
     or its BE deadline, and its fair-share weight."""
     slo = tenant.slo
-    fields: dict[str, Any] = {}
-    if _META_HAS_WEIGHT:
-        fields["tenant_weight"] = slo.weight
     return RequestMeta(
         tier=tier,
         tenant_id=tenant.id,
@@ -223,13 +220,8 @@ def request_meta(tenant: Tenant, tier: Tier, max_tokens: int, arrival_unix_s: fl
         tpot_target_ms=slo.tpot_target_ms if tier == "rt" else None,
         deadline_s=slo.deadline_s if tier == "be" else None,
         max_tokens=max_tokens,
-        **fields,
+        tenant_weight=slo.weight,
     )
-
-
-# The fair-share weight travels as RequestMeta.tenant_weight, a field the engine side adds; until
-# common/wire.py has it, the contract's weight is stored and served but not sent.
-_META_HAS_WEIGHT = "tenant_weight" in RequestMeta.__struct_fields__
 
 
 def in_tier(request: EngineRequest, tenant: Tenant, tier: Tier) -> EngineRequest:

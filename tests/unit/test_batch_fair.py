@@ -67,14 +67,18 @@ def test_a_tenant_back_after_idling_starts_level_not_ahead() -> None:
     assert shares.fair.backlogged == {"late"}
 
 
-def test_the_weight_comes_from_the_tenant_record_when_it_has_one() -> None:
+def test_the_weight_comes_from_the_tenants_slo_contract_when_it_has_one() -> None:
     @dataclass
-    class WithWeight:
+    class Contract:
         weight: float
+
+    @dataclass
+    class Tenant:
+        slo: Contract
 
     class Without:
         pass
 
-    assert tenant_weight(WithWeight(3.0)) == 3.0
+    assert tenant_weight(Tenant(Contract(3.0))) == 3.0
     assert tenant_weight(Without()) == DEFAULT_WEIGHT == 1.0
-    assert tenant_weight(WithWeight(0.0)) == DEFAULT_WEIGHT  # not a valid weight
+    assert tenant_weight(Tenant(Contract(0.0))) == DEFAULT_WEIGHT  # not a valid weight
