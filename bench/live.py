@@ -237,7 +237,7 @@ def _stack(
     config section)."""
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "tandem.db").unlink(missing_ok=True)  # a rerun into the same folder
-    engine_port, gateway_port = _free_port(), _free_port()
+    engine_port, gateway_port = free_port(), free_port()
     engine = engine_section(name, run, profile, profile_path, engine_port, workdir / "engine.log")
     cfg = {
         "gateway": {"host": "127.0.0.1", "port": gateway_port},
@@ -306,21 +306,28 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 def _engine_stats(engine: dict[str, Any]) -> dict[str, Any]:
     """The engine's counters from its control endpoint (`GET /stats` on its Unix socket)."""
-    from common.config import EngineConfig
     from common.wire import CONTROL_STATS_PATH
 
-    path = EngineConfig(port=int(engine["port"])).control_socket_path
-    conn = _UnixHTTPConnection(path, timeout=10.0)
+    status, body = engine_control_get(int(engine["port"]), CONTROL_STATS_PATH, 10.0)
+    if status != 200 or not isinstance(body, dict):
+        return {"error": body if status == 0 else f"GET {CONTROL_STATS_PATH}: HTTP {status}"}
+    return body
+
+
+def engine_control_get(port: int, path: str, timeout_s: float) -> tuple[int, Any]:
+    """`GET path` on the control endpoint (Unix socket) of the engine serving on *port*: the
+    HTTP status and the decoded JSON body; (0, the error's text) when it cannot be reached
+    (stock SGLang has no control endpoint)."""
+    from common.config import EngineConfig
+
+    conn = _UnixHTTPConnection(EngineConfig(port=port).control_socket_path, timeout=timeout_s)
     try:
-        conn.request("GET", CONTROL_STATS_PATH)
+        conn.request("GET", path)
         resp = conn.getresponse()
-        body = resp.read()
-        if resp.status != 200:
-            return {"error": f"GET {CONTROL_STATS_PATH}: HTTP {resp.status}"}
-        stats: dict[str, Any] = json.loads(body)
-        return stats
+        raw = resp.read()
+        return resp.status, json.loads(raw) if raw else None
     except (OSError, http.client.HTTPException, ValueError) as exc:
-        return {"error": str(exc)}
+        return 0, str(exc)
     finally:
         conn.close()
 
@@ -453,7 +460,7 @@ def _say(config: BenchConfig, line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as sock:

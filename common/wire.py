@@ -157,6 +157,11 @@ class EngineLoad(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """When the iteration ended (wall clock)."""
     iteration_s: float = 0.0
     """The last iteration's measured duration, seconds (0 before the first)."""
+    predicted_iteration_s: float = 0.0
+    """What the policy's calibrated latency model predicted for that iteration when it planned
+    it, seconds (0: no prediction — before the first iteration, or a policy that predicts
+    none). predicted ÷ measured, iteration by iteration, is how well the closed loop tracks the
+    engine's real pace right now."""
     num_rt_waiting: int = 0
     """RT requests whose prompt is not fully computed yet (queued or partly prefilled)."""
     rt_waiting_prompt_tokens: int = 0

@@ -264,6 +264,7 @@ def load_of(
     iteration: int,
     at_unix_s: float,
     iteration_s: float,
+    predicted_iteration_s: float = 0.0,
     latency_factors: tuple[float, float, float] = (1.0, 1.0, 1.0),
 ) -> EngineLoad:
     """The `EngineLoad` an engine reports from the snapshot its policy planned from (the
@@ -298,6 +299,7 @@ def load_of(
         iteration=iteration,
         at_unix_s=at_unix_s,
         iteration_s=iteration_s,
+        predicted_iteration_s=predicted_iteration_s,
         num_rt_waiting=rt_waiting,
         rt_waiting_prompt_tokens=rt_prompt,
         num_rt_running=rt_running,

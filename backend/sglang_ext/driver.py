@@ -105,6 +105,7 @@ class EngineDriver:
         self._finished: list[FinishedRequest] = []
         self._reported: set[str] = set()
         self._last_iteration_s: float | None = None
+        self._last_predicted_s = 0.0  # what the plan of that iteration predicted (0: nothing)
         self._calib_samples = 0  # calibration samples already copied into the stats
         self._calib_off_since: float | None = None  # a factor left the band at this instant
         self._calib_warned = False  # this episode's warning was logged
@@ -117,6 +118,7 @@ class EngineDriver:
         if self._iter_start_s is not None and self._iter_plan is not None:
             duration = t0 - self._iter_start_s
             self._last_iteration_s = duration
+            self._last_predicted_s = self._iter_plan.predicted_s or 0.0
             self.iterations += 1
             self.stats.iterations += 1
             self.stats.busy_s += duration
@@ -365,6 +367,7 @@ class EngineDriver:
                 iteration=self.iterations,
                 at_unix_s=self.wall_clock(),
                 iteration_s=self._last_iteration_s or 0.0,
+                predicted_iteration_s=self._last_predicted_s,
                 latency_factors=policy_factors(self.policy),
             )
         )

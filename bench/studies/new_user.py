@@ -1,0 +1,638 @@
+"""The new user's scenario on the real engine: the README's chat tenant while a batch runs.
+
+A user who follows the README starts `tandem serve` (the built-in tiny model on this CPU, the
+default config: patched SGLang, tandem's policy, the engine profile measured on first start),
+creates an RT tenant with the README's contract (TTFT 500 ms, TPOT 100 ms) and a BE tenant, and
+chats. This study does exactly that, through the OpenAI API, once per policy, on a fresh
+`tandem serve` each:
+
+1. **alone** — `--chats` sequential streamed chats, nothing else running;
+2. **beside a batch** — a Batch API batch of `--batch-lines` lines (`--batch-max-tokens` each)
+   is created; once the engine runs its lines, the same chats again, one after the other;
+3. **under a CPU burner** (tandem only, `--burn-s` > 0) — with the batch still running, processes
+   that spin on every core start; the chats go on for `--burn-s` seconds while the study follows
+   the engine's per-iteration state (`/load`: measured iteration time, and what the calibrated
+   model predicted for it) to see how fast the prediction error comes back within 20 %;
+4. the batch is waited for to the end and its output file checked line by line.
+
+Chats stream and the client stamps every chunk: TTFT is the first content chunk's arrival from
+the request's start, TPOT the mean gap between the first and the last chunk. Every chat asks
+`ignore_eos` so it always produces `--chat-max-tokens` tokens (the dummy-weight model would
+otherwise stop at random), and so do the batch lines.
+
+Reported per policy (``results.json`` and ``README.md`` under ``--out``): TTFT and TPOT p50 of
+each phase and their ratio to the alone phase, the chats that met the contract, the chats the
+gateway refused (429 `slo_unattainable`) or downgraded, the batch's outcome and duration, the
+engine's latency calibration; for the burner, the prediction error's timeline and the seconds it
+took to come back within 20 %.
+
+    python -m bench.studies.new_user                       # tandem and stock SGLang (fcfs)
+    python -m bench.studies.new_user --policies tandem --burn-s 40
+
+Every process the study starts (the servers, the burners) is stopped when it ends or fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import secrets
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from bench.live import READY_TIMEOUT_S, engine_control_get, free_port, served
+from common.config import DEFAULT_CONFIG_PATH
+from common.wire import CONTROL_LOAD_PATH, CONTROL_STATS_PATH
+
+MODEL = "tandem-tiny"
+README_CONTRACT = {"ttft_ms": 500, "tpot_ms": 100}
+"""The README's chat tenant (`tandem admin tenant create chat --tier rt --ttft-ms 500
+--tpot-ms 100`)."""
+ERROR_BAND = 0.2
+"""The prediction error counts as back when |predicted ÷ measured − 1| ≤ this."""
+ERROR_WINDOW_S = 1.0
+"""The error is judged on the median over the iterations of this trailing window, seconds (one
+iteration's ratio is noisy on a shared CPU)."""
+BATCH_TIMEOUT_S = 1800.0
+POLICIES = ("tandem", "fcfs")
+CHAT_PROMPT = "Hello! Can you tell me a bit about how large language models are served?"
+DOCUMENT = (
+    "Quarterly report. Revenue grew in every region; the northern division opened two plants, "
+    "the southern division closed one and moved its staff. Costs rose with energy prices. "
+)
+
+
+@dataclass
+class Chat:
+    """One streamed chat as the client saw it."""
+
+    status: int
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    tokens: int = 0
+    downgraded: str | None = None
+    error_code: str | None = None
+    started_s: float = 0.0
+    """When it was sent, seconds from the phase's start."""
+
+    def met(self, contract: dict[str, float]) -> bool:
+        """Served as RT within the contract's TTFT and TPOT."""
+        return (
+            self.status == 200
+            and self.downgraded is None
+            and self.ttft_s is not None
+            and self.ttft_s * 1000 <= contract["ttft_ms"]
+            and (self.tpot_s is None or self.tpot_s * 1000 <= contract["tpot_ms"])
+        )
+
+
+@dataclass
+class Phase:
+    """The chats of one phase and what they add up to."""
+
+    name: str
+    chats: list[Chat] = field(default_factory=list)
+
+    def summary(self, contract: dict[str, float]) -> dict[str, Any]:
+        served_rt = [c for c in self.chats if c.status == 200 and c.downgraded is None]
+        ttfts = [c.ttft_s for c in served_rt if c.ttft_s is not None]
+        tpots = [c.tpot_s for c in served_rt if c.tpot_s is not None]
+        return {
+            "chats": len(self.chats),
+            "served_rt": len(served_rt),
+            "refused": sum(c.status == 429 for c in self.chats),
+            "downgraded": sum(c.downgraded is not None for c in self.chats),
+            "failed": sum(c.status not in (200, 429) for c in self.chats),
+            "met": sum(c.met(contract) for c in self.chats),
+            "admitted_attainment": (
+                sum(c.met(contract) for c in served_rt) / len(served_rt) if served_rt else None
+            ),
+            "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
+            "tpot_p50_s": statistics.median(tpots) if tpots else None,
+        }
+
+
+# --- the client side -----------------------------------------------------------------------
+
+
+async def chat(
+    session: aiohttp.ClientSession, base_url: str, key: str, max_tokens: int, t0: float
+) -> Chat:
+    """One streamed chat completion; its timings from the client's clock."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": CHAT_PROMPT}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    started = time.perf_counter()
+    stamps: list[float] = []
+    async with session.post(
+        f"{base_url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+    ) as resp:
+        record = Chat(
+            status=resp.status,
+            downgraded=resp.headers.get("X-Tandem-Downgraded"),
+            started_s=started - t0,
+        )
+        if resp.status != 200:
+            try:
+                record.error_code = (await resp.json())["error"]["code"]
+            except (aiohttp.ContentTypeError, KeyError, TypeError, ValueError):
+                record.error_code = f"HTTP {resp.status}"
+            return record
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            event = json.loads(line[5:])
+            for choice in event.get("choices", []):
+                if choice.get("delta", {}).get("content"):
+                    stamps.append(time.perf_counter())
+    record.tokens = len(stamps)
+    if stamps:
+        record.ttft_s = stamps[0] - started
+    if len(stamps) > 1:
+        record.tpot_s = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+    return record
+
+
+async def chats_in_a_row(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    key: str,
+    phase: Phase,
+    *,
+    count: int | None = None,
+    for_s: float | None = None,
+    max_tokens: int,
+) -> Phase:
+    """Sequential chats: *count* of them, or as many as start within *for_s* seconds."""
+    t0 = time.perf_counter()
+    while True:
+        if count is not None and len(phase.chats) >= count:
+            return phase
+        if for_s is not None and time.perf_counter() - t0 >= for_s:
+            return phase
+        phase.chats.append(await chat(session, base_url, key, max_tokens, t0))
+
+
+class Gateway:
+    """The gateway as an operator and its tenants use it (admin API, Files and Batch API)."""
+
+    def __init__(self, base_url: str, admin_token: str, session: aiohttp.ClientSession) -> None:
+        self.base_url = base_url
+        self.session = session
+        self._admin = {"Authorization": f"Bearer {admin_token}"}
+
+    async def tenant(self, name: str, tier: str, slo: dict[str, Any]) -> str:
+        """A new tenant and a key for it; the key."""
+        admin = f"{self.base_url}/admin/v1"
+        body = {"name": name, "tier": tier, "slo": slo}
+        async with self.session.post(f"{admin}/tenants", json=body, headers=self._admin) as r:
+            tenant = await r.json()
+            if r.status != 201:
+                raise RuntimeError(f"creating tenant {name}: HTTP {r.status} {tenant}")
+        async with self.session.post(
+            f"{admin}/tenants/{tenant['id']}/keys", headers=self._admin
+        ) as r:
+            key = await r.json()
+            if r.status != 201:
+                raise RuntimeError(f"creating a key for {name}: HTTP {r.status} {key}")
+        return str(key["key"])
+
+    async def create_batch(self, key: str, lines: int, max_tokens: int) -> str:
+        """Uploads a batch input file of *lines* chat lines and creates the batch; its id."""
+        content = b"".join(
+            json.dumps(
+                {
+                    "custom_id": f"doc-{i}",
+                    "method": "POST",
+                    "url": "/v1/chat/completions",
+                    "body": {
+                        "model": MODEL,
+                        "messages": [
+                            {"role": "user", "content": f"Summarise document {i}: " + DOCUMENT * 3}
+                        ],
+                        "max_tokens": max_tokens,
+                        "ignore_eos": True,
+                    },
+                }
+            ).encode()
+            + b"\n"
+            for i in range(lines)
+        )
+        form = aiohttp.FormData()
+        form.add_field("purpose", "batch")
+        form.add_field("file", content, filename="docs.jsonl", content_type="application/jsonl")
+        auth = {"Authorization": f"Bearer {key}"}
+        async with self.session.post(f"{self.base_url}/v1/files", data=form, headers=auth) as r:
+            file = await r.json()
+            if r.status != 200:
+                raise RuntimeError(f"uploading the batch file: HTTP {r.status} {file}")
+        body = {
+            "input_file_id": file["id"],
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+        }
+        async with self.session.post(f"{self.base_url}/v1/batches", json=body, headers=auth) as r:
+            batch = await r.json()
+            if r.status != 200:
+                raise RuntimeError(f"creating the batch: HTTP {r.status} {batch}")
+        return str(batch["id"])
+
+    async def batch(self, key: str, batch_id: str) -> dict[str, Any]:
+        async with self.session.get(
+            f"{self.base_url}/v1/batches/{batch_id}", headers={"Authorization": f"Bearer {key}"}
+        ) as r:
+            body: dict[str, Any] = await r.json()
+            if r.status != 200:
+                raise RuntimeError(f"reading batch {batch_id}: HTTP {r.status} {body}")
+            return body
+
+    async def output_lines(self, key: str, file_id: str | None) -> list[dict[str, Any]]:
+        if file_id is None:
+            return []
+        async with self.session.get(
+            f"{self.base_url}/v1/files/{file_id}/content",
+            headers={"Authorization": f"Bearer {key}"},
+        ) as r:
+            text = await r.text()
+            if r.status != 200:
+                raise RuntimeError(f"reading file {file_id}: HTTP {r.status} {text[:200]}")
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+async def wait_for(predicate: Any, timeout_s: float, what: str, every_s: float = 0.5) -> Any:
+    """Polls the coroutine function *predicate* until it returns something truthy."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = await predicate()
+        if value:
+            return value
+        await asyncio.sleep(every_s)
+    raise TimeoutError(f"waited {timeout_s:.0f} s for {what}")
+
+
+# --- the engine's per-iteration state (for the burner phase) ------------------------------
+
+
+async def follow_iterations(
+    port: int, samples: list[dict[str, float]], stop: asyncio.Event
+) -> None:
+    """Long-polls the engine's `/load` and keeps (time, measured, predicted) per iteration."""
+    after = 0
+    while not stop.is_set():
+        status, load = await asyncio.to_thread(
+            engine_control_get, port, f"{CONTROL_LOAD_PATH}?after={after}&wait_s=1", 5.0
+        )
+        if status != 200 or not isinstance(load, dict):
+            await asyncio.sleep(0.2)
+            continue
+        if load["iteration"] > after:  # the newest iteration (ones in between are skipped)
+            samples.append(
+                {
+                    "at_unix_s": load["at_unix_s"],
+                    "measured_s": load["iteration_s"],
+                    "predicted_s": load.get("predicted_iteration_s", 0.0),
+                    "factor_decode": load["latency_factors"][0],
+                    "factor_prefill": load["latency_factors"][1],
+                    "factor_mixed": load["latency_factors"][2],
+                }
+            )
+            after = load["iteration"]
+
+
+def error_timeline(samples: list[dict[str, float]], window_s: float) -> list[tuple[float, float]]:
+    """(time, median |predicted ÷ measured − 1| over the trailing *window_s*) per sample with a
+    prediction."""
+    good = [s for s in samples if s["predicted_s"] > 0 and s["measured_s"] > 0]
+    out: list[tuple[float, float]] = []
+    lo = 0
+    for i, s in enumerate(good):
+        while good[lo]["at_unix_s"] < s["at_unix_s"] - window_s:
+            lo += 1
+        errors = [abs(g["predicted_s"] / g["measured_s"] - 1.0) for g in good[lo : i + 1]]
+        out.append((s["at_unix_s"], statistics.median(errors)))
+    return out
+
+
+def recovery_s(
+    timeline: list[tuple[float, float]], start_unix_s: float, band: float
+) -> float | None:
+    """Seconds from *start_unix_s* until the windowed error is within *band* and stays there for
+    the rest of the timeline's first half after that (None: never)."""
+    after = [(t, e) for t, e in timeline if t >= start_unix_s]
+    for i, (t, e) in enumerate(after):
+        if e <= band and all(e2 <= band * 1.5 for _, e2 in after[i : i + 20]):
+            return t - start_unix_s
+    return None
+
+
+def _spin() -> None:  # pragma: no cover - runs in the burner processes
+    while True:
+        pass
+
+
+@contextmanager
+def cpu_burners(count: int) -> Iterator[list[multiprocessing.Process]]:
+    """*count* processes spinning on the CPU until the block ends (killed also on errors)."""
+    procs = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(count)]
+    for p in procs:
+        p.start()
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.join(timeout=10)
+
+
+# --- one policy ----------------------------------------------------------------------------
+
+
+@dataclass
+class Options:
+    chats: int = 10
+    chat_max_tokens: int = 32
+    batch_lines: int = 50
+    batch_max_tokens: int = 200
+    burn_s: float = 0.0
+    burners: int = 0
+    """CPU-spinning processes of the burner phase (0: one per core)."""
+    profile: str = "auto"
+    """The tandem engine's profile (`auto`: measured for this engine on first start, cached)."""
+
+
+def config_for(policy: str, workdir: Path, options: Options) -> tuple[dict[str, Any], int]:
+    """The default config (config.yaml) with a fresh database, free ports and *policy*'s engine
+    settings; and the gateway's port."""
+    cfg: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())
+    port = free_port()
+    cfg["gateway"]["port"] = port
+    cfg["database"]["url"] = f"sqlite+aiosqlite:///{workdir / 'tandem.db'}"
+    engine = cfg["engine"]
+    engine.update(
+        port=free_port(), log_file=str(workdir / "engine.log"), startup_timeout_s=READY_TIMEOUT_S
+    )
+    if policy == "tandem":
+        engine["profile"] = options.profile
+    else:  # stock SGLang: the patch off, its own FCFS (or priority) scheduling
+        engine.update(patch=False, policy="none", profile="auto")
+        engine["enable_priority_scheduling"] = policy == "priority"
+    return cfg, port
+
+
+def run_policy(policy: str, out_dir: Path, options: Options) -> dict[str, Any]:
+    """The scenario on a fresh `tandem serve` of *policy*; its results."""
+    workdir = out_dir / policy
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "tandem.db").unlink(missing_ok=True)
+    cfg, port = config_for(policy, workdir, options)
+    config_path = workdir / "config.yaml"
+    config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    token = secrets.token_hex(16)
+    engine_port = int(cfg["engine"]["port"])
+    started = time.monotonic()
+    with served(config_path, token, workdir / "gateway.log", port) as base_url:
+        ready_s = time.monotonic() - started
+        print(f"[{policy}] serving after {ready_s:.0f} s", file=sys.stderr)
+        result = asyncio.run(_scenario(policy, base_url, token, engine_port, options))
+    result["ready_s"] = round(ready_s, 1)
+    (workdir / "result.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+async def _scenario(
+    policy: str, base_url: str, token: str, engine_port: int, options: Options
+) -> dict[str, Any]:
+    contract = README_CONTRACT
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        gw = Gateway(base_url, token, session)
+        chat_key = await gw.tenant("chat", "rt", contract)
+        docs_key = await gw.tenant("docs", "be", {})
+        say = lambda line: print(f"[{policy}] {line}", file=sys.stderr)  # noqa: E731
+        n, mt = options.chats, options.chat_max_tokens
+        await chats_in_a_row(session, base_url, chat_key, Phase("warm-up"), count=2, max_tokens=mt)
+        alone = await chats_in_a_row(
+            session, base_url, chat_key, Phase("alone"), count=n, max_tokens=mt
+        )
+        say(f"alone: {alone.summary(contract)}")
+
+        batch_id = await gw.create_batch(docs_key, options.batch_lines, options.batch_max_tokens)
+        batch_started = time.monotonic()
+
+        async def be_running() -> bool:
+            status, load = await asyncio.to_thread(
+                engine_control_get, engine_port, CONTROL_LOAD_PATH, 5.0
+            )
+            if status == 200 and isinstance(load, dict):
+                return bool(load.get("num_be_running"))
+            # stock SGLang has no control endpoint: the batch's progress says it runs
+            batch = await gw.batch(docs_key, batch_id)
+            return batch["status"] == "in_progress"
+
+        await wait_for(be_running, 300, "the batch's lines to run on the engine")
+        before = await gw.batch(docs_key, batch_id)
+        beside = await chats_in_a_row(
+            session, base_url, chat_key, Phase("beside_batch"), count=n, max_tokens=mt
+        )
+        after = await gw.batch(docs_key, batch_id)
+        say(f"beside the batch: {beside.summary(contract)}")
+
+        burn: dict[str, Any] | None = None
+        if options.burn_s > 0 and policy == "tandem":
+            burn = await _burn_phase(session, gw, chat_key, engine_port, options, say)
+
+        async def batch_done() -> dict[str, Any] | None:
+            b = await gw.batch(docs_key, batch_id)
+            return b if b["status"] in ("completed", "failed", "expired", "cancelled") else None
+
+        final = await wait_for(batch_done, BATCH_TIMEOUT_S, "the batch to end", every_s=2.0)
+        batch_s = time.monotonic() - batch_started
+        lines = await gw.output_lines(docs_key, final.get("output_file_id"))
+        full = sum(
+            1
+            for line in lines
+            if line.get("response", {}).get("status_code") == 200
+            and line["response"]["body"]["usage"]["completion_tokens"] == options.batch_max_tokens
+        )
+        _, stats = await asyncio.to_thread(engine_control_get, engine_port, CONTROL_STATS_PATH, 10)
+    a, b = alone.summary(contract), beside.summary(contract)
+    return {
+        "policy": policy,
+        "contract": contract,
+        "options": asdict(options),
+        "alone": a,
+        "beside_batch": b,
+        "ttft_p50_ratio": _ratio(b["ttft_p50_s"], a["ttft_p50_s"]),
+        "tpot_p50_ratio": _ratio(b["tpot_p50_s"], a["tpot_p50_s"]),
+        "batch_completed_during_chats": after["request_counts"]["completed"]
+        - before["request_counts"]["completed"],
+        "batch": {
+            "status": final["status"],
+            "request_counts": final["request_counts"],
+            "lines_with_full_output": full,
+            "seconds": round(batch_s, 1),
+        },
+        "burn": burn,
+        "engine_stats": stats if isinstance(stats, dict) else None,
+        "chats": {
+            "alone": [asdict(c) for c in alone.chats],
+            "beside_batch": [asdict(c) for c in beside.chats],
+        },
+    }
+
+
+async def _burn_phase(
+    session: aiohttp.ClientSession,
+    gw: Gateway,
+    chat_key: str,
+    engine_port: int,
+    options: Options,
+    say: Any,
+) -> dict[str, Any]:
+    """Chats for `burn_s` seconds with CPU burners started after the first quarter of it; the
+    per-iteration prediction error around the start."""
+    samples: list[dict[str, float]] = []
+    stop = asyncio.Event()
+    follower = asyncio.create_task(follow_iterations(engine_port, samples, stop))
+    lead_s = options.burn_s / 4
+    phase = Phase("burn")
+    try:
+        await chats_in_a_row(
+            session,
+            gw.base_url,
+            chat_key,
+            Phase("before_burn"),
+            for_s=lead_s,
+            max_tokens=options.chat_max_tokens,
+        )
+        burners = options.burners or os.cpu_count() or 2
+        burn_start = time.time()
+        with cpu_burners(burners):
+            await chats_in_a_row(
+                session,
+                gw.base_url,
+                chat_key,
+                phase,
+                for_s=options.burn_s - lead_s,
+                max_tokens=options.chat_max_tokens,
+            )
+    finally:
+        stop.set()
+        await follower
+    timeline = error_timeline(samples, ERROR_WINDOW_S)
+    before = [e for t, e in timeline if t < burn_start]
+    summary = phase.summary(README_CONTRACT)
+    back_s = recovery_s(timeline, burn_start, ERROR_BAND)
+    say(f"burn: {summary}, error back within {ERROR_BAND:.0%} after {back_s} s")
+    return {
+        "burners": burners,
+        "chats": summary,
+        "error_before_p50": statistics.median(before) if before else None,
+        "error_back_within_band_s": back_s,
+        "iterations": len(samples),
+        "timeline": [{"t_s": round(t - burn_start, 3), "error": round(e, 4)} for t, e in timeline],
+        "samples": samples,
+    }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else round(a / b, 3)
+
+
+# --- report ----------------------------------------------------------------------------------
+
+
+def report(results: list[dict[str, Any]], command: str) -> str:
+    """The README of a run: one table row per policy, then the burner."""
+
+    def ms(v: float | None) -> str:
+        return "–" if v is None else f"{v * 1000:.0f}"
+
+    lines = [
+        "# The new user's scenario on the real engine",
+        "",
+        f"`{command}`",
+        "",
+        "| policy | TTFT p50 alone / beside batch (ms) | ratio | TPOT p50 alone / beside (ms) "
+        "| ratio | met alone | met beside | refused | batch | batch s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        a, b = r["alone"], r["beside_batch"]
+        counts = r["batch"]["request_counts"]
+        lines.append(
+            f"| {r['policy']} | {ms(a['ttft_p50_s'])} / {ms(b['ttft_p50_s'])} "
+            f"| {r['ttft_p50_ratio']} | {ms(a['tpot_p50_s'])} / {ms(b['tpot_p50_s'])} "
+            f"| {r['tpot_p50_ratio']} | {a['met']}/{a['chats']} | {b['met']}/{b['chats']} "
+            f"| {b['refused']} | {counts['completed']}/{counts['total']} "
+            f"({r['batch']['lines_with_full_output']} full) | {r['batch']['seconds']} |"
+        )
+    for r in results:
+        burn = r.get("burn")
+        if burn:
+            c = burn["chats"]
+            lines += [
+                "",
+                f"Burner ({r['policy']}, {burn['burners']} spinning processes): prediction error "
+                f"p50 before {burn['error_before_p50']}, back within {ERROR_BAND:.0%} after "
+                f"{burn['error_back_within_band_s']} s; chats {c['chats']}, served as RT "
+                f"{c['served_rt']}, refused {c['refused']}, admitted attainment "
+                f"{c['admitted_attainment']}.",
+            ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.studies.new_user", description=__doc__)
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--chats", type=int, default=10)
+    parser.add_argument("--chat-max-tokens", type=int, default=32)
+    parser.add_argument("--batch-lines", type=int, default=50)
+    parser.add_argument("--batch-max-tokens", type=int, default=200)
+    parser.add_argument("--burn-s", type=float, default=0.0)
+    parser.add_argument("--burners", type=int, default=0)
+    parser.add_argument("--profile", default="auto")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/new_user"))
+    args = parser.parse_args(argv)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in ("tandem", "fcfs", "priority")]
+    if unknown:
+        parser.error(f"unknown policy {unknown[0]!r} (tandem, fcfs, priority)")
+    options = Options(
+        chats=args.chats,
+        chat_max_tokens=args.chat_max_tokens,
+        batch_lines=args.batch_lines,
+        batch_max_tokens=args.batch_max_tokens,
+        burn_s=args.burn_s,
+        burners=args.burners,
+        profile=args.profile,
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = [run_policy(p, args.out, options) for p in policies]
+    command = "python -m bench.studies.new_user " + " ".join(argv or sys.argv[1:])
+    (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    (args.out / "README.md").write_text(report(results, command.strip()))
+    print(report(results, command.strip()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
