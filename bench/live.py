@@ -34,6 +34,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -265,11 +266,31 @@ def served(config_path: Path, admin_token: str, log_path: Path, port: int) -> It
             start_new_session=True,
         )
     base_url = f"http://127.0.0.1:{port}"
+    with _exit_on_sigterm():
+        try:
+            _wait_ready(proc, base_url, log_path)
+            yield base_url
+        finally:
+            _stop(proc)
+
+
+@contextmanager
+def _exit_on_sigterm() -> Iterator[None]:
+    """A SIGTERM (a `kill`, a CI timeout) raises SystemExit in the main thread while the block
+    runs, so the `finally` clauses that stop the servers run too: Python's default action for
+    SIGTERM ends the process at once and would leave them running."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def leave(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, leave)
     try:
-        _wait_ready(proc, base_url, log_path)
-        yield base_url
+        yield
     finally:
-        _stop(proc)
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _wait_ready(proc: subprocess.Popen[bytes], base_url: str, log_path: Path) -> None:

@@ -67,6 +67,13 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
     be_min_share: float = 0.05
     """BE always gets at least this fraction of τ when it has work (starvation freedom under
     sustained RT load), even past τ."""
+    rt_stretch: float | None = None
+    """How much longer BE may make an iteration that carries RT work, as a fraction of that
+    RT work's own predicted time (0.3: RT tokens come at most 30 % later than they would with
+    no BE at all; the BE starvation floor still applies). None: only τ and the RT deadlines
+    bound it, so BE stretches RT iterations up to what the contracts allow. A contract is a
+    bound, not what a user is used to: with a lax TPOT target (100 ms) on a fast engine (10 ms
+    alone), the deadlines alone would let BE make every RT token ×9 slower, within contract."""
     be_max_wait_s: float = 60.0
     """A waiting BE request older than this is admitted before the caller's order (aging)."""
     be_order_prob: float = 0.8
@@ -140,6 +147,8 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("need 0 ≤ eps_min ≤ eps_init ≤ eps_max < 1")
         if not 0.0 < self.be_frac_reset <= 1.0 or not 0.0 < self.be_frac_init <= 1.0:
             raise ValueError("be_frac_init and be_frac_reset must be in (0, 1]")
+        if self.rt_stretch is not None and self.rt_stretch < 0:
+            raise ValueError(f"rt_stretch must be ≥ 0 (or null), got {self.rt_stretch}")
         if self.rt_prefill_floor_tokens < 0:
             raise ValueError(
                 f"rt_prefill_floor_tokens must be ≥ 0, got {self.rt_prefill_floor_tokens}"

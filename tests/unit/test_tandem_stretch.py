@@ -1,0 +1,56 @@
+"""tandem's `rt_stretch` on hand-built snapshots (LATENCY: 10 ms + 20 ms per 1K prefill tokens +
+1 ms per 1K decode context): BE may lengthen an iteration that carries RT work by at most that
+fraction of the RT work's own time, so RT tokens beside BE come about as fast as alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from backend.policy.tandem.config import TandemConfig
+from tests.unit.tandem_factories import chunks, make_policy, make_request, snapshot
+
+WIDE_OPEN = {"latency_budget_s": 0.04, "be_frac_init": 1.0, "be_min_share": 0.0}
+"""BE may take all the time RT leaves under τ (no AIMD share, no floor) unless stretch caps it."""
+
+
+def test_be_adds_at_most_the_stretch_to_an_iteration_that_emits_a_first_token() -> None:
+    rt = make_request("rt", prompt_len=500, ttft_target_s=5.0)  # alone: 10 + 10 = 20 ms
+    be = make_request("be", tier="be", prompt_len=5000)
+    unbounded = make_policy(**WIDE_OPEN).plan(snapshot(waiting=[rt, be]))
+    assert chunks(unbounded) == {"rt": 500, "be": 1000}  # BE fills τ = 40 ms
+    plan = make_policy(**WIDE_OPEN, rt_stretch=0.3).plan(snapshot(waiting=[rt, be]))
+    assert chunks(plan)["rt"] == 500
+    assert chunks(plan)["be"] == pytest.approx(300, abs=1)  # 30 % of 20 ms = 6 ms of prefill
+
+
+def test_be_adds_at_most_the_stretch_to_rt_decodes() -> None:
+    decoding = [
+        make_request(f"d{i}", prompt_len=999, running=True, generated=1, tpot_target_s=1.0)
+        for i in range(4)
+    ]  # 10 ms + 4 × 1000 tokens of context at 1 ms per 1K = 14 ms
+    be = make_request("be", tier="be", prompt_len=5000)
+    plan = make_policy(**WIDE_OPEN, rt_stretch=0.5).plan(snapshot(waiting=[be], running=decoding))
+    assert chunks(plan)["be"] == pytest.approx(350, abs=1)  # 7 ms of prefill, not 26 ms
+    assert len(plan.decodes) == 4
+
+
+def test_an_iteration_without_rt_work_is_not_stretch_bound() -> None:
+    be = make_request("be", tier="be", prompt_len=5000)
+    plan = make_policy(**WIDE_OPEN, rt_stretch=0.0, idle_budget_s=0.05).plan(
+        snapshot(waiting=[be])
+    )
+    assert chunks(plan)["be"] == 2000  # BE alone fills the idle budget: 10 + 40 ms
+
+
+def test_the_starvation_floor_still_holds_under_a_zero_stretch() -> None:
+    rt = make_request("rt", prompt_len=500, ttft_target_s=5.0)
+    be = make_request("be", tier="be", prompt_len=5000)
+    plan = make_policy(**{**WIDE_OPEN, "be_min_share": 0.05}, rt_stretch=0.0).plan(
+        snapshot(waiting=[rt, be])
+    )
+    assert chunks(plan)["be"] == pytest.approx(100, abs=1)  # 5 % of L = 2 ms, RT or not
+
+
+def test_a_negative_stretch_is_refused_with_its_name() -> None:
+    with pytest.raises(ValueError, match="rt_stretch"):
+        TandemConfig(rt_stretch=-0.1)
