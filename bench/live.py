@@ -61,15 +61,18 @@ from bench.runner import BenchConfig, build, measure_rate, sim_config
 from bench.series import PolicySeries, compute_series
 from bench.workloads.base import RequestSpec, Workload
 from bench.workloads.sources import SimSource
+from common.config import DEFAULT_CONFIG_PATH
 
 LIVE_POLICIES = ("tandem", "fcfs", "priority")
 """What `--engine sglang` can run, in run order."""
 DEFAULT_PROFILE = "cpu-tiny"
 DEFAULT_VARIANT = {"W1": "cpu"}
 """The workload variant sized for the CPU engine, where the workload has one."""
-CPU_POLICY_OPTIONS: dict[str, Any] = {"latency_budget_s": 0.2, "idle_budget_s": 0.5}
-"""tandem's time budgets for the tiny model on CPU, as in config.yaml (the sim twin uses the
-same)."""
+CPU_POLICY_OPTIONS: dict[str, Any] = dict(
+    yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())["engine"]["policy_options"]
+)
+"""tandem's options for the tiny model on CPU: exactly what config.yaml ships, what a user's
+`tandem serve` runs with (the sim twin uses the same)."""
 MAX_RUNNING = 64
 READY_TIMEOUT_S = 420.0
 CAPACITY_PROBE_S = 20.0

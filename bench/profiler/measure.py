@@ -235,8 +235,10 @@ async def _decode_points(prober: Prober, grid: ProfileGrid, say: Progress) -> li
         for context in grid.decode_contexts:
             limit = facts.chunked_prefill_size - batch  # decodes share the chunk budget
             mixed = [p for p in grid.mixed_prefill_tokens if p <= limit]
-            # Slack: each mixed probe lets the decodes run on for its round trip (aborted after).
-            max_new = WARMUP_TOKENS + grid.decode_steps + 24 * len(mixed) + 32
+            # Slack: each mixed probe lets the decodes run on for its round trip (aborted after,
+            # so slack costs nothing); on a loaded 2-core CI machine a probe's round trip was
+            # seen to take 50+ decode steps, so the slack is generous.
+            max_new = WARMUP_TOKENS + grid.decode_steps + 96 * len(mixed) + 64
             if batch > facts.max_running_requests or not _fits(
                 facts, batch * (context + max_new) + max(mixed, default=0), context + max_new
             ):
