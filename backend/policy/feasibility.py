@@ -27,10 +27,14 @@ the same latency model the engine's policy plans with, corrected by that pace:
           its own, and of every other tenant U only as much as U's share of that:
               own = waiting_T + backlog_T + prompt
               W   = own + Σ_U min(waiting_U + backlog_U, own × w_U / w_T)
-          A tenant sending more than its share therefore sees its own queue and is shed first,
-          while the others' requests still fit; with equal weights and equal backlogs W is the
-          whole queue, as without tenants. RT work the report does not attribute to a tenant
-          (an engine that does not split it, a backlog given as totals) counts in full.
+          — and the whole share own × w_U / w_T for a U with requests decoding: an active
+          tenant keeps sending while this request waits, and its new prompts (its counter
+          level with T's) are served before T's up to that share, so this bounds W whatever U
+          sends. A tenant sending more than its share therefore sees its own queue and is shed
+          first, while the others' requests still fit; with equal weights and equal backlogs
+          of idle tenants W is the whole queue, as without tenants. RT work the report does
+          not attribute to a tenant (an engine that does not split it, a backlog given as
+          totals) counts in full.
 
 A forecast is compared with the time the request has left (its target less the time it already
 waited) times `headroom` (< 1: the forecast is a mean, the SLO a bound): over it, the request
@@ -48,7 +52,7 @@ from typing import Any, Literal
 from backend.policy.calibration import DECODE, MIXED, PREFILL
 from backend.policy.latency import BatchShape, LatencyModel
 from backend.policy.types import ReqState, Snapshot
-from common.wire import EngineLoad, TenantWaiting
+from common.wire import EngineLoad, TenantLoad
 
 Target = Literal["ttft", "tpot"]
 
@@ -76,7 +80,7 @@ class Backlog:
 
     num_requests: int = 0
     prompt_tokens: int = 0
-    by_tenant: tuple[TenantWaiting, ...] = ()
+    by_tenant: tuple[TenantLoad, ...] = ()
     """The same split by tenant (what of the totals no entry claims counts as ahead of every
     request: a backlog known as totals only)."""
 
@@ -217,7 +221,8 @@ class SloForecaster:
 def prompt_tokens_ahead(load: EngineLoad, ask: SloAsk, backlog: Backlog = Backlog()) -> int:
     """RT prompt tokens computed before *ask*'s first token, its own included: its tenant's
     waiting work and its prompt, plus each other tenant's waiting work up to that tenant's
-    weighted share of it (the module doc's W).
+    weighted share of it — all of that share for a tenant with requests decoding (the module
+    doc's W).
 
     From the waiting work alone, not the engine's fair-share counters: the counters differ from
     "level" only by what the tenants were served while both were backlogged (within about one
@@ -228,13 +233,16 @@ def prompt_tokens_ahead(load: EngineLoad, ask: SloAsk, backlog: Backlog = Backlo
     request, and the gateway's backlog (work the engine's counters cannot know yet) would have
     to be folded in anyway."""
     total = load.rt_waiting_prompt_tokens + backlog.prompt_tokens + ask.prompt_tokens
-    if not load.rt_waiting_by_tenant and not backlog.by_tenant:
+    if not load.rt_by_tenant and not backlog.by_tenant:
         return total  # no split reported: every waiting prompt is ahead
     waiting: dict[str, int] = {}
     weights: dict[str, float] = {}
-    for entry in load.rt_waiting_by_tenant:
+    active: set[str] = set()
+    for entry in load.rt_by_tenant:
         waiting[entry.tenant_id] = entry.waiting_prompt_tokens
         weights[entry.tenant_id] = entry.weight
+        if entry.num_running:
+            active.add(entry.tenant_id)
     for entry in backlog.by_tenant:
         waiting[entry.tenant_id] = waiting.get(entry.tenant_id, 0) + entry.waiting_prompt_tokens
         weights.setdefault(entry.tenant_id, entry.weight)
@@ -243,7 +251,8 @@ def prompt_tokens_ahead(load: EngineLoad, ask: SloAsk, backlog: Backlog = Backlo
     ahead = float(own + max(0, total - attributed))  # work no tenant claims: ahead in full
     per_weight = own / ask.weight  # the own tenant's tokens per unit of weight
     for tenant_id, tokens in waiting.items():
-        ahead += min(tokens, per_weight * weights[tenant_id])
+        share = per_weight * weights[tenant_id]
+        ahead += share if tenant_id in active else min(tokens, share)
     return math.ceil(ahead)
 
 
@@ -327,7 +336,7 @@ def load_of(
     left of its prompt is ahead of any new prompt; waiting RT work is also split by tenant."""
     rt_waiting = rt_prompt = rt_running = rt_context = 0
     be_waiting = be_running = be_context = be_kv = 0
-    # tenant → [weight, requests, prompt tokens left]
+    # tenant → [weight, requests waiting, prompt tokens left, requests decoding]
     by_tenant: dict[str, list[Any]] = {}
     for r in snapshot.running:
         if r.tier == "rt":
@@ -337,6 +346,7 @@ def load_of(
                 _count_waiting(by_tenant, r)
             else:
                 rt_running += 1
+                _tenant_entry(by_tenant, r)[3] += 1
                 rt_context += r.prompt_len + r.generated
         else:
             be_kv += r.prefilled + (r.generated if r.prefilled >= r.prefill_len else 0)
@@ -368,20 +378,29 @@ def load_of(
         be_kv_tokens=be_kv,
         max_prefill_tokens=snapshot.max_prefill_tokens,
         latency_factors=latency_factors,
-        rt_waiting_by_tenant=tuple(
-            TenantWaiting(
-                tenant_id=tenant_id, weight=weight, num_waiting=count, waiting_prompt_tokens=tokens
+        rt_by_tenant=tuple(
+            TenantLoad(
+                tenant_id=tenant_id,
+                weight=weight,
+                num_waiting=count,
+                waiting_prompt_tokens=tokens,
+                num_running=running,
             )
-            for tenant_id, (weight, count, tokens) in by_tenant.items()
+            for tenant_id, (weight, count, tokens, running) in by_tenant.items()
         ),
     )
 
 
-def _count_waiting(by_tenant: dict[str, list[Any]], r: ReqState) -> None:
-    """Adds a waiting RT request's prompt left to its tenant's entry."""
+def _tenant_entry(by_tenant: dict[str, list[Any]], r: ReqState) -> list[Any]:
+    """The RT request's tenant's entry in `load_of`'s tally (a new one when first seen)."""
     entry = by_tenant.get(r.tenant_id)
     if entry is None:
-        by_tenant[r.tenant_id] = [r.tenant_weight, 1, r.prefill_len - r.prefilled]
-    else:
-        entry[1] += 1
-        entry[2] += r.prefill_len - r.prefilled
+        entry = by_tenant[r.tenant_id] = [r.tenant_weight, 0, 0, 0]
+    return entry
+
+
+def _count_waiting(by_tenant: dict[str, list[Any]], r: ReqState) -> None:
+    """Adds a waiting RT request's prompt left to its tenant's entry."""
+    entry = _tenant_entry(by_tenant, r)
+    entry[1] += 1
+    entry[2] += r.prefill_len - r.prefilled

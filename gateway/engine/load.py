@@ -39,7 +39,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from backend.policy.feasibility import Backlog
 from common.config import EngineConfig
-from common.wire import CONTROL_LOAD_PATH, EngineLoad, TenantWaiting
+from common.wire import CONTROL_LOAD_PATH, EngineLoad, TenantLoad
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class LoadWatcher:
             len(self._sent),
             total,
             tuple(
-                TenantWaiting(
+                TenantLoad(
                     tenant_id=tenant_id,
                     weight=weight,
                     num_waiting=count,

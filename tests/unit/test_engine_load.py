@@ -8,13 +8,14 @@ import threading
 import time
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 
 from backend.policy.feasibility import Backlog, load_of
 from backend.policy.load_report import NO_CALIBRATION, policy_factors
 from backend.policy.types import ReqState, Snapshot
 from backend.sglang_ext.load_board import LoadBoard
-from common.wire import MAX_LOAD_WAIT_S, EngineLoad, TenantWaiting, load_query
+from common.wire import MAX_LOAD_WAIT_S, EngineLoad, TenantLoad, load_query
 from gateway.engine.load import SENT_KEPT_S, LoadWatcher
 
 
@@ -52,7 +53,7 @@ def test_report_sums_the_snapshot_by_tier_and_state() -> None:
         state("w2", "be", prompt=50, prefilled=0),
     ]
     running = [
-        state("r1", "rt", prompt=10, prefilled=10, out=5),  # decoding: context 15
+        state("r1", "rt", prompt=10, prefilled=10, out=5, tenant="a"),  # decoding: context 15
         # mid-prefill: 136 left, counts as waiting
         state("r2", "rt", prompt=200, prefilled=64, tenant="b", weight=2.0),
         state("b1", "be", prompt=20, prefilled=20, out=2),  # decoding: context 22, KV 22
@@ -87,9 +88,11 @@ def test_report_sums_the_snapshot_by_tier_and_state() -> None:
         be_kv_tokens=30,
         max_prefill_tokens=512,
         latency_factors=(1.1, 1.2, 1.3),
-        rt_waiting_by_tenant=(  # in the order first seen: running, then waiting
-            TenantWaiting(tenant_id="b", weight=2.0, num_waiting=2, waiting_prompt_tokens=166),
-            TenantWaiting(tenant_id="a", weight=1.0, num_waiting=1, waiting_prompt_tokens=100),
+        rt_by_tenant=(  # in the order first seen: running, then waiting
+            TenantLoad(
+                tenant_id="a", weight=1.0, num_waiting=1, waiting_prompt_tokens=100, num_running=1
+            ),
+            TenantLoad(tenant_id="b", weight=2.0, num_waiting=2, waiting_prompt_tokens=166),
         ),
     )
 
@@ -182,7 +185,24 @@ def test_backlog_is_split_by_tenant_with_its_weight() -> None:
         3,
         180,
         (
-            TenantWaiting(tenant_id="a", weight=1.0, num_waiting=2, waiting_prompt_tokens=150),
-            TenantWaiting(tenant_id="b", weight=2.0, num_waiting=1, waiting_prompt_tokens=30),
+            TenantLoad(tenant_id="a", weight=1.0, num_waiting=2, waiting_prompt_tokens=150),
+            TenantLoad(tenant_id="b", weight=2.0, num_waiting=1, waiting_prompt_tokens=30),
         ),
     )
+
+
+def test_the_split_travels_on_the_wire_and_older_reports_still_decode() -> None:
+    load = EngineLoad(
+        iteration=3,
+        at_unix_s=1.0,
+        num_rt_waiting=1,
+        rt_waiting_prompt_tokens=40,
+        rt_by_tenant=(
+            TenantLoad(
+                tenant_id="a", weight=2.0, num_waiting=1, waiting_prompt_tokens=40, num_running=2
+            ),
+        ),
+    )
+    assert msgspec.json.decode(msgspec.json.encode(load), type=EngineLoad) == load
+    older = b'{"iteration": 3, "at_unix_s": 1.0, "num_rt_waiting": 1}'
+    assert msgspec.json.decode(older, type=EngineLoad).rt_by_tenant == ()

@@ -19,7 +19,7 @@ from backend.sim.engine import simulate
 from backend.sim.front_door import FrontDoor
 from backend.sim.records import RequestRecord
 from backend.sim.source import ListSource
-from common.wire import EngineLoad, TenantWaiting
+from common.wire import EngineLoad, TenantLoad
 from tests.unit.sim_factories import LATENCY, make_req, make_request, make_snapshot
 from tests.unit.tandem_factories import make_policy
 
@@ -94,18 +94,24 @@ def test_too_many_rt_decodes_miss_the_tpot_target() -> None:
 # ---------------------------------------------------------------------------------- per tenant
 
 
-def waiting(tenant_id: str, tokens: int, weight: float = 1.0, count: int = 1) -> TenantWaiting:
-    return TenantWaiting(
-        tenant_id=tenant_id, weight=weight, num_waiting=count, waiting_prompt_tokens=tokens
+def waiting(
+    tenant_id: str, tokens: int, weight: float = 1.0, count: int = 1, running: int = 0
+) -> TenantLoad:
+    return TenantLoad(
+        tenant_id=tenant_id,
+        weight=weight,
+        num_waiting=count,
+        waiting_prompt_tokens=tokens,
+        num_running=running,
     )
 
 
-def split(*tenants: TenantWaiting, **fields: Any) -> EngineLoad:
+def split(*tenants: TenantLoad, **fields: Any) -> EngineLoad:
     """An engine state whose waiting RT work is *tenants*' (totals summed)."""
     return idle(
         num_rt_waiting=sum(t.num_waiting for t in tenants),
         rt_waiting_prompt_tokens=sum(t.waiting_prompt_tokens for t in tenants),
-        rt_waiting_by_tenant=tenants,
+        rt_by_tenant=tenants,
         **fields,
     )
 
@@ -146,6 +152,19 @@ def test_weights_two_to_one_shift_the_split() -> None:
     assert not FORECASTER.forecast(load, light).feasible  # 10 chunks + 1000: 0.53 s
 
 
+def test_an_active_tenant_counts_its_whole_share_ahead() -> None:
+    # burst queued 20K; steady has nothing waiting but requests decoding: it keeps sending,
+    # and what it sends while burst's request waits is served first, up to its share
+    ask = SloAsk(prompt_tokens=1000, ttft_target_s=0.5, tenant_id="burst")
+    idle_steady = split(waiting("burst", 20_000, count=10), waiting("steady", 0, count=0))
+    assert prompt_tokens_ahead(idle_steady, ask) == 21_000
+    active = split(waiting("burst", 20_000, count=10), waiting("steady", 0, count=0, running=3))
+    assert prompt_tokens_ahead(active, ask) == 42_000
+    # and for steady's own request burst's share is bounded by steady's own work either way
+    steady = SloAsk(prompt_tokens=1000, ttft_target_s=0.5, tenant_id="steady")
+    assert prompt_tokens_ahead(active, steady) == 2000
+
+
 def test_the_gateway_backlog_counts_by_tenant_and_unattributed_work_in_full() -> None:
     ask = SloAsk(prompt_tokens=1000, ttft_target_s=0.5, tenant_id="steady")
     load = split(waiting("steady", 1000))
@@ -164,10 +183,15 @@ def test_load_of_splits_waiting_rt_work_by_tenant() -> None:
     new_b.tenant_id = "b"
     snap = make_snapshot(running=[chunked], waiting=[new_a, new_b], kv_capacity=100_000)
     load = load_of(snap, iteration=1, at_unix_s=0.0, iteration_s=0.0)
-    assert load.rt_waiting_by_tenant == (
+    assert load.rt_by_tenant == (
         waiting("a", 2700, weight=2.0, count=2),
         waiting("b", 300),
     )
+    decoding = make_req("d", prompt_len=100, running=True, generated=3)
+    decoding.tenant_id = "b"
+    snap = make_snapshot(running=[decoding], waiting=[new_b], kv_capacity=100_000)
+    load = load_of(snap, iteration=1, at_unix_s=0.0, iteration_s=0.0)
+    assert load.rt_by_tenant == (waiting("b", 300, running=1),)
 
 
 def test_the_front_door_forecasts_for_the_arrivals_tenant() -> None:

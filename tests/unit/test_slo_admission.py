@@ -15,7 +15,7 @@ from aiohttp import web
 from backend.policy.feasibility import Backlog, SloAsk, SloForecaster
 from backend.policy.latency import LatencyModel, load_profile
 from backend.policy.profiles import resolve_profile
-from common.wire import PRIORITY_RT, EngineLoad, TenantWaiting, meta_from_custom_params
+from common.wire import PRIORITY_RT, EngineLoad, TenantLoad, meta_from_custom_params
 from gateway.engine.load import LoadWatcher
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline.admission import (
@@ -215,7 +215,7 @@ def test_accept_runs_it_as_rt_and_counts_it_as_sent(forecaster: SloForecaster) -
         num_requests=1,
         prompt_tokens=12,
         by_tenant=(
-            TenantWaiting(tenant_id="ten_rt", weight=1.0, num_waiting=1, waiting_prompt_tokens=12),
+            TenantLoad(tenant_id="ten_rt", weight=1.0, num_waiting=1, waiting_prompt_tokens=12),
         ),
     )
 
@@ -238,8 +238,8 @@ def test_the_check_forecasts_for_the_requests_tenant(forecaster: SloForecaster) 
     # another tenant has 40k prompt tokens queued (SWAMPED's queue, all of it one tenant's)
     burst = msgspec.structs.replace(
         SWAMPED,
-        rt_waiting_by_tenant=(
-            TenantWaiting(
+        rt_by_tenant=(
+            TenantLoad(
                 tenant_id="ten_burst", weight=1.0, num_waiting=20, waiting_prompt_tokens=40_000
             ),
         ),
