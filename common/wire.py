@@ -146,6 +146,24 @@ def load_query(after: str | None, wait_s: str | None) -> tuple[int, float]:
     return after_iteration, min(wait, MAX_LOAD_WAIT_S)
 
 
+class TenantLoad(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One RT tenant's part of the engine's RT work: its prompt work not computed yet (what
+    weighted fair share weighs against another tenant's when it orders the tier's prompts) and
+    whether it is active (the SLO admission's per-tenant view)."""
+
+    tenant_id: str
+    """The tenant ("" is the one anonymous tenant, as in `RequestMeta`)."""
+    weight: float = 1.0
+    """Its fair-share weight within the tier (> 0)."""
+    num_waiting: int = 0
+    """Its requests whose prompt is not fully computed yet (queued or partly prefilled)."""
+    waiting_prompt_tokens: int = 0
+    """Prompt tokens those requests still have to compute."""
+    num_running: int = 0
+    """Its requests decoding (a tenant with none waiting but some decoding is still active:
+    it is likely to send more while another tenant's request waits)."""
+
+
 class EngineLoad(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The engine's live state after one iteration: what the SLO admission predicts from.
 
@@ -183,3 +201,7 @@ class EngineLoad(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     latency_factors: tuple[float, float, float] = (1.0, 1.0, 1.0)
     """The calibration's pace per batch regime (decode, prefill, mixed): measured ÷ profile
     (backend/policy/calibration.py); 1.0 where the profile is right."""
+    rt_by_tenant: tuple[TenantLoad, ...] = ()
+    """`num_rt_waiting`, `rt_waiting_prompt_tokens` and `num_rt_running` split by tenant, in
+    the order the tenants were first seen (empty from an engine that does not report it: the
+    admission then counts all waiting RT work as ahead of every request, as before)."""

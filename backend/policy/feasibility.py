@@ -11,14 +11,30 @@ the same latency model the engine's policy plans with, corrected by that pace:
           tandem gives BE only the time RT leaves under its deadlines, so BE does not count;
           a TPOT the RT decodes alone cannot keep, no schedule keeps.
 
-    TTFT  the iteration in flight, then the RT prompt tokens ahead of it (waiting RT, the
-          gateway's backlog) and its own prompt, computed in chunks beside those decodes:
+    TTFT  the iteration in flight, then the RT prompt tokens W ahead of it (below) and its
+          own prompt, computed in chunks beside those decodes:
               iteration_s + ⌈W / c⌉ × f_mixed × predict(decodes + chunk c)
           where c is the largest chunk whose iteration stays within the per-iteration budget
           (`iteration_budget_s`, the policy's τ; the request's own TPOT target when smaller),
           capped by the engine's max prefill. RT prompts are served before any BE prompt, so
           BE's queue does not count either; its running decodes do, through the measured
           iteration in flight.
+
+    W     the RT prompt work weighted fair share serves before it (`prompt_tokens_ahead`). The
+          engine offers a tier's waiting prompts tenant by tenant, least served first (virtual
+          token counters: tokens ÷ weight, backend/policy/fair_share.py), so a request of
+          tenant T waits for T's own waiting prompts (the engine's and the gateway's backlog),
+          its own, and of every other tenant U only as much as U's share of that:
+              own = waiting_T + backlog_T + prompt
+              W   = own + Σ_U min(waiting_U + backlog_U, own × w_U / w_T)
+          — and the whole share own × w_U / w_T for a U with requests decoding: an active
+          tenant keeps sending while this request waits, and its new prompts (its counter
+          level with T's) are served before T's up to that share, so this bounds W whatever U
+          sends. A tenant sending more than its share therefore sees its own queue and is shed
+          first, while the others' requests still fit; with equal weights and equal backlogs
+          of idle tenants W is the whole queue, as without tenants. RT work the report does
+          not attribute to a tenant (an engine that does not split it, a backlog given as
+          totals) counts in full.
 
 A forecast is compared with the time the request has left (its target less the time it already
 waited) times `headroom` (< 1: the forecast is a mean, the SLO a bound): over it, the request
@@ -31,19 +47,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from backend.policy.calibration import DECODE, MIXED, PREFILL
 from backend.policy.latency import BatchShape, LatencyModel
-from backend.policy.types import Snapshot
-from common.wire import EngineLoad
+from backend.policy.types import ReqState, Snapshot
+from common.wire import EngineLoad, TenantLoad
 
 Target = Literal["ttft", "tpot"]
 
 
 @dataclass(frozen=True)
 class SloAsk:
-    """An RT request's contract and size, as the admission sees it."""
+    """An RT request's contract, size and tenant, as the admission sees it."""
 
     prompt_tokens: int
     ttft_target_s: float
@@ -52,6 +68,10 @@ class SloAsk:
     """Time per output token after the first, seconds; None: no TPOT target."""
     waited_s: float = 0.0
     """Time already spent since arrival (parsing, tokenising, the gateway's own queue)."""
+    tenant_id: str = ""
+    """The tenant it is served for (its fair-share lane; "" is the anonymous tenant)."""
+    weight: float = 1.0
+    """The tenant's fair-share weight within the RT tier (> 0; from its contract)."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +80,9 @@ class Backlog:
 
     num_requests: int = 0
     prompt_tokens: int = 0
+    by_tenant: tuple[TenantLoad, ...] = ()
+    """The same split by tenant (what of the totals no entry claims counts as ahead of every
+    request: a backlog known as totals only)."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +166,7 @@ class SloForecaster:
         f_prefill = load.latency_factors[PREFILL]
         running = _decodes(load.num_rt_running, load.rt_context_tokens)
         # Everyone ahead decodes beside it once prefilled: contexts of about their prompts.
+        # (All of them, whatever their tenant: fair share orders prompts, not who decodes.)
         later = load.num_rt_waiting + backlog.num_requests + 1
         later_tokens = load.rt_waiting_prompt_tokens + backlog.prompt_tokens + ask.prompt_tokens
         decoding = _decodes(load.num_rt_running + later, load.rt_context_tokens + later_tokens)
@@ -152,7 +176,8 @@ class SloForecaster:
         if ask.tpot_target_s is not None:
             budget_s = min(budget_s, ask.tpot_target_s)
         chunk = self._chunk(running, budget_s, f_mixed if running.num_decode else f_prefill, load)
-        full, rest = divmod(later_tokens, chunk)
+        ahead_tokens = prompt_tokens_ahead(load, ask, backlog)
+        full, rest = divmod(ahead_tokens, chunk)
         f_chunk = f_mixed if running.num_decode else f_prefill
         prefill_s = full * f_chunk * self.latency.predict(running.with_prefill(chunk))
         if rest:
@@ -191,6 +216,44 @@ class SloForecaster:
         ):
             return Shortfall("tpot", tpot_target_s, tpot_s, 1.0)
         return None
+
+
+def prompt_tokens_ahead(load: EngineLoad, ask: SloAsk, backlog: Backlog = Backlog()) -> int:
+    """RT prompt tokens computed before *ask*'s first token, its own included: its tenant's
+    waiting work and its prompt, plus each other tenant's waiting work up to that tenant's
+    weighted share of it — all of that share for a tenant with requests decoding (the module
+    doc's W).
+
+    From the waiting work alone, not the engine's fair-share counters: the counters differ from
+    "level" only by what the tenants were served while both were backlogged (within about one
+    request's tokens: VTC serves the least-served first) — a tenant that idled is lifted to the
+    least-served backlogged one when it comes back — so among the tenants waiting now, serving
+    by counter is serving their waiting work in proportion to their weights from about the same
+    start. The counters would add a second per-tenant list to every report for an error of one
+    request, and the gateway's backlog (work the engine's counters cannot know yet) would have
+    to be folded in anyway."""
+    total = load.rt_waiting_prompt_tokens + backlog.prompt_tokens + ask.prompt_tokens
+    if not load.rt_by_tenant and not backlog.by_tenant:
+        return total  # no split reported: every waiting prompt is ahead
+    waiting: dict[str, int] = {}
+    weights: dict[str, float] = {}
+    active: set[str] = set()
+    for entry in load.rt_by_tenant:
+        waiting[entry.tenant_id] = entry.waiting_prompt_tokens
+        weights[entry.tenant_id] = entry.weight
+        if entry.num_running:
+            active.add(entry.tenant_id)
+    for entry in backlog.by_tenant:
+        waiting[entry.tenant_id] = waiting.get(entry.tenant_id, 0) + entry.waiting_prompt_tokens
+        weights.setdefault(entry.tenant_id, entry.weight)
+    own = waiting.pop(ask.tenant_id, 0) + ask.prompt_tokens
+    attributed = own + sum(waiting.values())
+    ahead = float(own + max(0, total - attributed))  # work no tenant claims: ahead in full
+    per_weight = own / ask.weight  # the own tenant's tokens per unit of weight
+    for tenant_id, tokens in waiting.items():
+        share = per_weight * weights[tenant_id]
+        ahead += share if tenant_id in active else min(tokens, share)
+    return math.ceil(ahead)
 
 
 def largest_chunk(
@@ -271,16 +334,20 @@ def load_of(
     SGLang driver and the simulator build it the same way). One pass over the requests.
 
     A running request still prefilling (a chunked prompt) counts as waiting RT work: what is
-    left of its prompt is ahead of any new prompt."""
+    left of its prompt is ahead of any new prompt; waiting RT work is also split by tenant."""
     rt_waiting = rt_prompt = rt_running = rt_context = 0
     be_waiting = be_running = be_context = be_kv = 0
+    # tenant → [weight, requests waiting, prompt tokens left, requests decoding]
+    by_tenant: dict[str, list[Any]] = {}
     for r in snapshot.running:
         if r.tier == "rt":
             if r.prefilled < r.prefill_len:
                 rt_waiting += 1
                 rt_prompt += r.prefill_len - r.prefilled
+                _count_waiting(by_tenant, r)
             else:
                 rt_running += 1
+                _tenant_entry(by_tenant, r)[3] += 1
                 rt_context += r.prompt_len + r.generated
         else:
             be_kv += r.prefilled + (r.generated if r.prefilled >= r.prefill_len else 0)
@@ -293,6 +360,7 @@ def load_of(
         if r.tier == "rt":
             rt_waiting += 1
             rt_prompt += r.prefill_len - r.prefilled
+            _count_waiting(by_tenant, r)
         else:
             be_waiting += 1
     return EngineLoad(
@@ -312,4 +380,29 @@ def load_of(
         be_kv_tokens=be_kv,
         max_prefill_tokens=snapshot.max_prefill_tokens,
         latency_factors=latency_factors,
+        rt_by_tenant=tuple(
+            TenantLoad(
+                tenant_id=tenant_id,
+                weight=weight,
+                num_waiting=count,
+                waiting_prompt_tokens=tokens,
+                num_running=running,
+            )
+            for tenant_id, (weight, count, tokens, running) in by_tenant.items()
+        ),
     )
+
+
+def _tenant_entry(by_tenant: dict[str, list[Any]], r: ReqState) -> list[Any]:
+    """The RT request's tenant's entry in `load_of`'s tally (a new one when first seen)."""
+    entry = by_tenant.get(r.tenant_id)
+    if entry is None:
+        entry = by_tenant[r.tenant_id] = [r.tenant_weight, 0, 0, 0]
+    return entry
+
+
+def _count_waiting(by_tenant: dict[str, list[Any]], r: ReqState) -> None:
+    """Adds a waiting RT request's prompt left to its tenant's entry."""
+    entry = _tenant_entry(by_tenant, r)
+    entry[1] += 1
+    entry[2] += r.prefill_len - r.prefilled

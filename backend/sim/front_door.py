@@ -7,7 +7,8 @@ forecaster (`backend.policy.feasibility`), from the same `EngineLoad` the engine
 (`load_of` on the core's snapshot) and the pace the policy has learned. Arrivals enter the core
 at iteration boundaries, so the state it reads is current (the gateway's is at most one
 iteration old) and no iteration is in flight; the time the request already waited for that
-boundary counts against its TTFT.
+boundary counts against its TTFT. The forecast is per tenant: a request waits behind its own
+tenant's queue and the others' weighted share of it, as the engine's fair share serves them.
 
 What happens to a request whose contract cannot be met is the contract's `SloUnattainable`:
 "reject" sheds it (it never reaches the engine), "downgrade" runs it as BE, "accept" runs it as
@@ -63,6 +64,9 @@ class FrontDoor:
             ttft_target_s=req.ttft_target_s,
             tpot_target_s=req.tpot_target_s,
             waited_s=max(0.0, now_s - req.arrival_s),
+            # the tenant as the core files it (backend/sim/core.py): its fair-share lane
+            tenant_id=req.length_key if req.tenant_id is None else req.tenant_id,
+            weight=req.tenant_weight,
         )
         if self.forecaster.forecast(load, ask).feasible:
             return req

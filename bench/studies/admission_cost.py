@@ -29,7 +29,7 @@ import msgspec
 from backend.policy.feasibility import SloForecaster
 from backend.policy.latency import LatencyModel, load_profile
 from backend.policy.profiles import resolve_profile
-from common.wire import EngineLoad
+from common.wire import EngineLoad, TenantLoad
 from gateway.api.schemas import ChatCompletionRequest
 from gateway.auth import Principal
 from gateway.engine.load import LoadWatcher
@@ -56,16 +56,30 @@ IDLE = EngineLoad(
     rt_context_tokens=4_000,
     kv_used_tokens=4_000,
     kv_capacity_tokens=400_000,
+    # the RT work split by tenant, as engines report it: the forecast is per tenant
+    rt_by_tenant=(
+        TenantLoad(tenant_id="ten_other", num_running=2),
+        TenantLoad(tenant_id="ten_reject", num_running=2),
+    ),
 )
-SWAMPED = EngineLoad(
-    iteration=1,
-    at_unix_s=0.0,
-    iteration_s=0.05,
-    num_rt_waiting=20,
-    rt_waiting_prompt_tokens=40_000,
-    num_rt_running=30,
-    rt_context_tokens=30_000,
-)
+
+
+def swamped(asking_tenant_id: str) -> EngineLoad:
+    """40K RT prompt tokens queued, half of them *asking_tenant_id*'s own (with equal weights
+    all of the queue is ahead of its request)."""
+    return EngineLoad(
+        iteration=1,
+        at_unix_s=0.0,
+        iteration_s=0.05,
+        num_rt_waiting=20,
+        rt_waiting_prompt_tokens=40_000,
+        num_rt_running=30,
+        rt_context_tokens=30_000,
+        rt_by_tenant=tuple(
+            TenantLoad(tenant_id=t, num_waiting=10, waiting_prompt_tokens=20_000, num_running=15)
+            for t in ("ten_other", asking_tenant_id)
+        ),
+    )
 
 
 def _tenant(on_unattainable: str) -> Tenant:
@@ -176,7 +190,7 @@ def main() -> None:
         ),
         run_scenario(
             "swamped engine, shed (reject)",
-            SWAMPED,
+            swamped("ten_reject"),
             "reject",
             args.requests,
             args.state_every,
@@ -184,7 +198,7 @@ def main() -> None:
         ),
         run_scenario(
             "swamped engine, downgraded to BE",
-            SWAMPED,
+            swamped("ten_downgrade"),
             "downgrade",
             args.requests,
             args.state_every,

@@ -11,14 +11,15 @@ them in `missed_iterations` (the measured staleness). The patched SGLang engine 
 its control socket (Unix), the simulator on its HTTP port (it has no control socket): the same
 path and semantics, another transport.
 
-Backlog: an RT request the gateway dispatched reaches the engine's queue a little later (HTTP,
-SGLang's tokenizer process), so a report taken just after the send may not show it yet. Each
-send is remembered with the wall-clock instant and the iteration the watcher had seen, and is
-dropped once a report was taken after the send (`at_unix_s`: the engine's wall clock, on the same
-host as the gateway, so the two clocks agree) *and* at least two iterations after the one seen
-then (the engine may have been one ahead; the next full iteration started after the send, with
-the request queued unless dispatch took longer than an iteration). Until then it is counted
-twice at worst — a conservative forecast for an iteration or two, never a blind one.
+Backlog (in total and by tenant, for the per-tenant forecast): an RT request the gateway
+dispatched reaches the engine's queue a little later (HTTP, SGLang's tokenizer process), so a
+report taken just after the send may not show it yet. Each send is remembered with the
+wall-clock instant, the iteration the watcher had seen and its tenant, and is dropped once a
+report was taken after the send (`at_unix_s`: the engine's wall clock, on the same host as the
+gateway, so the two clocks agree) *and* at least two iterations after the one seen then (the
+engine may have been one ahead; the next full iteration started after the send, with the request
+queued unless dispatch took longer than an iteration). Until then it is counted twice at worst —
+a conservative forecast for an iteration or two, never a blind one.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import msgspec
@@ -37,7 +39,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from backend.policy.feasibility import Backlog
 from common.config import EngineConfig
-from common.wire import CONTROL_LOAD_PATH, EngineLoad
+from common.wire import CONTROL_LOAD_PATH, EngineLoad, TenantLoad
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +52,7 @@ SENT_KEPT_S = 60.0
 """A sent request no report accounted for within this long is forgotten (a safety bound: an
 engine that never reports again must not inflate the backlog forever)."""
 _DECODER = msgspec.json.Decoder(EngineLoad)
+_NO_BACKLOG = Backlog()
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,8 @@ class _Sent:
     at_unix_s: float
     seen_iteration: int
     prompt_tokens: int
+    tenant_id: str
+    weight: float
 
 
 class LoadWatcher:
@@ -80,17 +85,50 @@ class LoadWatcher:
         """Times the engine's endpoint stopped answering (or the engine restarted)."""
         self._sent: collections.deque[_Sent] = collections.deque()
 
-    def sent(self, prompt_tokens: int, now_unix_s: float | None = None) -> None:
-        """An RT request with *prompt_tokens* was just sent to the engine."""
+    def sent(
+        self,
+        prompt_tokens: int,
+        now_unix_s: float | None = None,
+        tenant_id: str = "",
+        weight: float = 1.0,
+    ) -> None:
+        """An RT request with *prompt_tokens* of tenant *tenant_id* (fair-share *weight*) was
+        just sent to the engine."""
         seen = self.latest.iteration if self.latest is not None else -1
         now = time.time() if now_unix_s is None else now_unix_s
-        self._sent.append(_Sent(now, seen, prompt_tokens))
+        self._sent.append(_Sent(now, seen, prompt_tokens, tenant_id, weight))
 
     def backlog(self, now_unix_s: float | None = None) -> Backlog:
         """RT requests sent that `latest` cannot show yet (all of them before the first report;
-        see the module doc for when one counts as shown); *now_unix_s*: the caller's clock."""
+        see the module doc for when one counts as shown), in total and by tenant; *now_unix_s*:
+        the caller's clock."""
         self._trim(time.time() if now_unix_s is None else now_unix_s)
-        return Backlog(len(self._sent), sum(s.prompt_tokens for s in self._sent))
+        if not self._sent:
+            return _NO_BACKLOG
+        # tenant → [weight, requests, prompt tokens]; a handful of sends (an iteration's worth)
+        by_tenant: dict[str, list[Any]] = {}
+        total = 0
+        for s in self._sent:
+            total += s.prompt_tokens
+            entry = by_tenant.get(s.tenant_id)
+            if entry is None:
+                by_tenant[s.tenant_id] = [s.weight, 1, s.prompt_tokens]
+            else:
+                entry[1] += 1
+                entry[2] += s.prompt_tokens
+        return Backlog(
+            len(self._sent),
+            total,
+            tuple(
+                TenantLoad(
+                    tenant_id=tenant_id,
+                    weight=weight,
+                    num_waiting=count,
+                    waiting_prompt_tokens=tokens,
+                )
+                for tenant_id, (weight, count, tokens) in by_tenant.items()
+            ),
+        )
 
     def update(self, load: EngineLoad) -> None:
         """Takes a report from the engine (older or repeated ones change nothing; an iteration

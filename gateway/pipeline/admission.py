@@ -15,7 +15,9 @@ The checks, in order:
 * **SLO feasibility** — `SloCheck`: for an RT request, forecast from the engine's live state
   (`LOADS`: its latest `EngineLoad` and the RT work sent since) with the latency model the
   engine's policy plans with (backend/policy/feasibility.py) whether the contract (TTFT, TPOT)
-  can be met. If it cannot, the tenant's contract (`Slo.on_unattainable`) decides:
+  can be met — per tenant: the request waits behind its own tenant's queue and the others'
+  weighted fair share of it, so a tenant over its share is shed first. If it cannot, the
+  tenant's contract (`Slo.on_unattainable`) decides:
 
       reject     Refused(429, code="slo_unattainable", retryable=True, retry_after_s): the
                  message names the target and by how much the forecast misses it
@@ -212,7 +214,9 @@ def decide_slo(
 
 
 def slo_ask(request: EngineRequest, now_unix_s: float) -> SloAsk | None:
-    """What an RT request asks of the engine (None: not RT, or no TTFT target to judge)."""
+    """What an RT request asks of the engine (None: not RT, or no TTFT target to judge), for
+    its tenant and fair-share weight as the engine will see them (its `RequestMeta`, built from
+    the tenant's contract: `tenant.slo.weight`)."""
     meta = request.meta
     if meta.tier != "rt" or meta.ttft_target_ms is None:
         return None
@@ -221,6 +225,8 @@ def slo_ask(request: EngineRequest, now_unix_s: float) -> SloAsk | None:
         ttft_target_s=meta.ttft_target_ms / 1000.0,
         tpot_target_s=meta.tpot_target_ms / 1000.0 if meta.tpot_target_ms is not None else None,
         waited_s=max(0.0, now_unix_s - meta.arrival_unix_s),
+        tenant_id=meta.tenant_id,
+        weight=meta.tenant_weight,
     )
 
 
@@ -270,7 +276,7 @@ class SloCheck:
             request = in_tier(admitted.request, admitted.tenant, "be")
             return replace(admitted, request=request, slo=decision)
         if watcher is not None:
-            watcher.sent(ask.prompt_tokens, now_unix_s)
+            watcher.sent(ask.prompt_tokens, now_unix_s, ask.tenant_id, ask.weight)
         return replace(admitted, slo=decision)
 
 

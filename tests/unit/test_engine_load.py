@@ -8,17 +8,27 @@ import threading
 import time
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 
 from backend.policy.feasibility import Backlog, load_of
 from backend.policy.load_report import NO_CALIBRATION, policy_factors
 from backend.policy.types import ReqState, Snapshot
 from backend.sglang_ext.load_board import LoadBoard
-from common.wire import MAX_LOAD_WAIT_S, EngineLoad, load_query
+from common.wire import MAX_LOAD_WAIT_S, EngineLoad, TenantLoad, load_query
 from gateway.engine.load import SENT_KEPT_S, LoadWatcher
 
 
-def state(rid: str, tier: str, *, prompt: int, prefilled: int, out: int = 0) -> ReqState:
+def state(
+    rid: str,
+    tier: str,
+    *,
+    prompt: int,
+    prefilled: int,
+    out: int = 0,
+    tenant: str = "",
+    weight: float = 1.0,
+) -> ReqState:
     running = prefilled > 0
     return ReqState(
         rid=rid,
@@ -31,17 +41,21 @@ def state(rid: str, tier: str, *, prompt: int, prefilled: int, out: int = 0) -> 
         generated=out,
         kv_tokens=prefilled + out,
         is_running=running,
+        tenant_id=tenant,
+        tenant_weight=weight,
     )
 
 
 def test_report_sums_the_snapshot_by_tier_and_state() -> None:
     waiting = [
-        state("w1", "rt", prompt=100, prefilled=0),
+        state("w1", "rt", prompt=100, prefilled=0, tenant="a"),
+        state("w3", "rt", prompt=30, prefilled=0, tenant="b", weight=2.0),
         state("w2", "be", prompt=50, prefilled=0),
     ]
     running = [
-        state("r1", "rt", prompt=10, prefilled=10, out=5),  # decoding: context 15
-        state("r2", "rt", prompt=200, prefilled=64),  # mid-prefill: 136 left, counts as waiting
+        state("r1", "rt", prompt=10, prefilled=10, out=5, tenant="a"),  # decoding: context 15
+        # mid-prefill: 136 left, counts as waiting
+        state("r2", "rt", prompt=200, prefilled=64, tenant="b", weight=2.0),
         state("b1", "be", prompt=20, prefilled=20, out=2),  # decoding: context 22, KV 22
         state("b2", "be", prompt=40, prefilled=8),  # mid-prefill BE: KV 8
     ]
@@ -62,8 +76,8 @@ def test_report_sums_the_snapshot_by_tier_and_state() -> None:
         iteration=7,
         at_unix_s=123.0,
         iteration_s=0.02,
-        num_rt_waiting=2,
-        rt_waiting_prompt_tokens=100 + 136,
+        num_rt_waiting=3,
+        rt_waiting_prompt_tokens=100 + 30 + 136,
         num_rt_running=1,
         rt_context_tokens=15,
         num_be_waiting=2,
@@ -74,6 +88,12 @@ def test_report_sums_the_snapshot_by_tier_and_state() -> None:
         be_kv_tokens=30,
         max_prefill_tokens=512,
         latency_factors=(1.1, 1.2, 1.3),
+        rt_by_tenant=(  # in the order first seen: running, then waiting
+            TenantLoad(
+                tenant_id="a", weight=1.0, num_waiting=1, waiting_prompt_tokens=100, num_running=1
+            ),
+            TenantLoad(tenant_id="b", weight=2.0, num_waiting=2, waiting_prompt_tokens=166),
+        ),
     )
 
 
@@ -109,25 +129,29 @@ def load(iteration: int, at_unix_s: float) -> EngineLoad:
     return EngineLoad(iteration=iteration, at_unix_s=at_unix_s)
 
 
+def totals(backlog: Backlog) -> tuple[int, int]:
+    return backlog.num_requests, backlog.prompt_tokens
+
+
 def test_backlog_counts_sends_until_a_later_report_two_iterations_on() -> None:
     now = time.time()
     watcher = LoadWatcher("e")
     watcher.sent(100, now - 1.0)  # before any report: counted
-    assert watcher.backlog() == Backlog(1, 100)
+    assert totals(watcher.backlog()) == (1, 100)
     watcher.update(load(5, now - 0.5))
     # Taken after the send, but the engine may not have queued it yet: iteration 5 ≥ -1 + 2
     # holds (the first send saw no report), so it is dropped.
-    assert watcher.backlog() == Backlog(0, 0)
+    assert totals(watcher.backlog()) == (0, 0)
 
     watcher.sent(30, now - 0.4)  # seen: iteration 5
     watcher.update(load(6, now - 0.3))  # one iteration later: maybe not queued yet
-    assert watcher.backlog() == Backlog(1, 30)
+    assert totals(watcher.backlog()) == (1, 30)
     watcher.update(load(7, now - 0.2))  # two later and taken after the send: shown
-    assert watcher.backlog() == Backlog(0, 0)
+    assert totals(watcher.backlog()) == (0, 0)
 
     watcher.sent(40, now - 0.1)  # seen: iteration 7
     watcher.update(load(9, now - 0.15))  # two iterations on, but taken before the send
-    assert watcher.backlog() == Backlog(1, 40)
+    assert totals(watcher.backlog()) == (1, 40)
     assert watcher.missed_iterations == 1  # iteration 8 never reported
 
 
@@ -140,11 +164,45 @@ def test_restart_and_outage_forget_the_backlog_and_old_sends_expire() -> None:
     assert watcher.reports == 1
     watcher.update(load(2, now))  # the counter went back: a new engine
     assert watcher.latest is not None and watcher.latest.iteration == 2
-    assert watcher.backlog() == Backlog(0, 0)
+    assert totals(watcher.backlog()) == (0, 0)
     assert watcher.outages == 1
     watcher.sent(10, now)
     watcher.lost()
-    assert watcher.latest is None and watcher.backlog() == Backlog(0, 0)
+    assert watcher.latest is None and totals(watcher.backlog()) == (0, 0)
     watcher.sent(10, now - SENT_KEPT_S - 1.0)  # no report for a minute: forgotten
     watcher.sent(20, now)
-    assert watcher.backlog() == Backlog(1, 20)
+    assert totals(watcher.backlog()) == (1, 20)
+
+
+def test_backlog_is_split_by_tenant_with_its_weight() -> None:
+    now = time.time()
+    watcher = LoadWatcher("e")
+    assert watcher.backlog(now) == Backlog()
+    watcher.sent(100, now, "a", 1.0)
+    watcher.sent(30, now, "b", 2.0)
+    watcher.sent(50, now, "a", 1.0)
+    assert watcher.backlog(now) == Backlog(
+        3,
+        180,
+        (
+            TenantLoad(tenant_id="a", weight=1.0, num_waiting=2, waiting_prompt_tokens=150),
+            TenantLoad(tenant_id="b", weight=2.0, num_waiting=1, waiting_prompt_tokens=30),
+        ),
+    )
+
+
+def test_the_split_travels_on_the_wire_and_older_reports_still_decode() -> None:
+    load = EngineLoad(
+        iteration=3,
+        at_unix_s=1.0,
+        num_rt_waiting=1,
+        rt_waiting_prompt_tokens=40,
+        rt_by_tenant=(
+            TenantLoad(
+                tenant_id="a", weight=2.0, num_waiting=1, waiting_prompt_tokens=40, num_running=2
+            ),
+        ),
+    )
+    assert msgspec.json.decode(msgspec.json.encode(load), type=EngineLoad) == load
+    older = b'{"iteration": 3, "at_unix_s": 1.0, "num_rt_waiting": 1}'
+    assert msgspec.json.decode(older, type=EngineLoad).rt_by_tenant == ()

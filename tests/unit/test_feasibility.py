@@ -7,12 +7,19 @@ from typing import Any
 
 import pytest
 
-from backend.policy.feasibility import Backlog, SloAsk, SloForecaster, load_of
+from backend.policy.feasibility import (
+    Backlog,
+    SloAsk,
+    SloForecaster,
+    load_of,
+    prompt_tokens_ahead,
+)
 from backend.sim.config import SimConfig, SloUnattainable
 from backend.sim.engine import simulate
+from backend.sim.front_door import FrontDoor
 from backend.sim.records import RequestRecord
 from backend.sim.source import ListSource
-from common.wire import EngineLoad
+from common.wire import EngineLoad, TenantLoad
 from tests.unit.sim_factories import LATENCY, make_req, make_request, make_snapshot
 from tests.unit.tandem_factories import make_policy
 
@@ -82,6 +89,122 @@ def test_too_many_rt_decodes_miss_the_tpot_target() -> None:
         load, SloAsk(prompt_tokens=1000, ttft_target_s=10.0, tpot_target_s=0.5)
     )
     assert relaxed.feasible
+
+
+# ---------------------------------------------------------------------------------- per tenant
+
+
+def waiting(
+    tenant_id: str, tokens: int, weight: float = 1.0, count: int = 1, running: int = 0
+) -> TenantLoad:
+    return TenantLoad(
+        tenant_id=tenant_id,
+        weight=weight,
+        num_waiting=count,
+        waiting_prompt_tokens=tokens,
+        num_running=running,
+    )
+
+
+def split(*tenants: TenantLoad, **fields: Any) -> EngineLoad:
+    """An engine state whose waiting RT work is *tenants*' (totals summed)."""
+    return idle(
+        num_rt_waiting=sum(t.num_waiting for t in tenants),
+        rt_waiting_prompt_tokens=sum(t.waiting_prompt_tokens for t in tenants),
+        rt_by_tenant=tenants,
+        **fields,
+    )
+
+
+def test_the_tenant_over_its_share_is_shed_and_the_other_admitted_on_the_same_load() -> None:
+    load = split(waiting("burst", 20_000, count=10))
+    steady = SloAsk(prompt_tokens=1000, ttft_target_s=0.5, tenant_id="steady")
+    burst = SloAsk(prompt_tokens=1000, ttft_target_s=0.5, tenant_id="burst")
+    # steady: its prompt, and of burst's queue only as much again (equal weights): one chunk
+    assert prompt_tokens_ahead(load, steady) == 2000
+    admitted = FORECASTER.forecast(load, steady)
+    assert admitted.feasible and admitted.ttft_s == pytest.approx(0.05)
+    # burst: its whole queue is ahead of its own request
+    assert prompt_tokens_ahead(load, burst) == 21_000
+    assert not FORECASTER.forecast(load, burst).feasible
+    # the same queue reported without the split: all of it is ahead of everyone, as before
+    totals = idle(num_rt_waiting=10, rt_waiting_prompt_tokens=20_000)
+    assert not FORECASTER.forecast(totals, steady).feasible
+
+
+def test_equal_weights_and_equal_backlogs_forecast_as_one_queue() -> None:
+    load = split(waiting("a", 5000, count=3), waiting("b", 5000, count=3), iteration_s=0.02)
+    whole = idle(num_rt_waiting=6, rt_waiting_prompt_tokens=10_000, iteration_s=0.02)
+    for tenant_id in ("a", "b"):
+        ask = SloAsk(prompt_tokens=1000, ttft_target_s=0.5, tpot_target_s=0.2, tenant_id=tenant_id)
+        assert prompt_tokens_ahead(load, ask) == 11_000
+        assert FORECASTER.forecast(load, ask) == FORECASTER.forecast(whole, ask)
+
+
+def test_weights_two_to_one_shift_the_split() -> None:
+    load = split(waiting("heavy", 10_000, weight=2.0), waiting("light", 10_000, weight=1.0))
+    heavy = SloAsk(prompt_tokens=1000, ttft_target_s=0.6, tenant_id="heavy", weight=2.0)
+    light = SloAsk(prompt_tokens=1000, ttft_target_s=0.6, tenant_id="light", weight=1.0)
+    # heavy: its 11K, and light's half of that; light: its 11K, and all of heavy's 10K (≤ 22K)
+    assert prompt_tokens_ahead(load, heavy) == 11_000 + 5_500
+    assert prompt_tokens_ahead(load, light) == 11_000 + 10_000
+    assert FORECASTER.forecast(load, heavy).feasible  # 8 chunks + 500 tokens: 0.42 s ≤ 0.48
+    assert not FORECASTER.forecast(load, light).feasible  # 10 chunks + 1000: 0.53 s
+
+
+def test_an_active_tenant_counts_its_whole_share_ahead() -> None:
+    # burst queued 20K; steady has nothing waiting but requests decoding: it keeps sending,
+    # and what it sends while burst's request waits is served first, up to its share
+    ask = SloAsk(prompt_tokens=1000, ttft_target_s=0.5, tenant_id="burst")
+    idle_steady = split(waiting("burst", 20_000, count=10), waiting("steady", 0, count=0))
+    assert prompt_tokens_ahead(idle_steady, ask) == 21_000
+    active = split(waiting("burst", 20_000, count=10), waiting("steady", 0, count=0, running=3))
+    assert prompt_tokens_ahead(active, ask) == 42_000
+    # and for steady's own request burst's share is bounded by steady's own work either way
+    steady = SloAsk(prompt_tokens=1000, ttft_target_s=0.5, tenant_id="steady")
+    assert prompt_tokens_ahead(active, steady) == 2000
+
+
+def test_the_gateway_backlog_counts_by_tenant_and_unattributed_work_in_full() -> None:
+    ask = SloAsk(prompt_tokens=1000, ttft_target_s=0.5, tenant_id="steady")
+    load = split(waiting("steady", 1000))
+    sent_by_burst = Backlog(8, 16_000, (waiting("burst", 16_000, count=8),))
+    assert prompt_tokens_ahead(load, ask, sent_by_burst) == 2000 + 2000
+    sent_by_steady = Backlog(8, 16_000, (waiting("steady", 16_000, count=8),))
+    assert prompt_tokens_ahead(load, ask, sent_by_steady) == 18_000
+    assert prompt_tokens_ahead(load, ask, Backlog(8, 16_000)) == 18_000  # totals only
+
+
+def test_load_of_splits_waiting_rt_work_by_tenant() -> None:
+    chunked = make_req("c", prompt_len=3000, running=True, prefilled=1000)
+    chunked.tenant_id, chunked.tenant_weight = "a", 2.0
+    new_a, new_b = make_req("n1", prompt_len=700), make_req("n2", prompt_len=300)
+    new_a.tenant_id, new_a.tenant_weight = "a", 2.0
+    new_b.tenant_id = "b"
+    snap = make_snapshot(running=[chunked], waiting=[new_a, new_b], kv_capacity=100_000)
+    load = load_of(snap, iteration=1, at_unix_s=0.0, iteration_s=0.0)
+    assert load.rt_by_tenant == (
+        waiting("a", 2700, weight=2.0, count=2),
+        waiting("b", 300),
+    )
+    decoding = make_req("d", prompt_len=100, running=True, generated=3)
+    decoding.tenant_id = "b"
+    snap = make_snapshot(running=[decoding], waiting=[new_b], kv_capacity=100_000)
+    load = load_of(snap, iteration=1, at_unix_s=0.0, iteration_s=0.0)
+    assert load.rt_by_tenant == (waiting("b", 300, running=1),)
+
+
+def test_the_front_door_forecasts_for_the_arrivals_tenant() -> None:
+    queued = [make_req(f"b{i}", prompt_len=2000) for i in range(10)]
+    for r in queued:
+        r.tenant_id = "burst"
+    snap = make_snapshot(waiting=queued, kv_capacity=400_000)
+    door = FrontDoor(FORECASTER, lambda: (1.0, 1.0, 1.0), "reject")
+    steady = make_request(prompt_len=1000, ttft_target_s=0.5, tenant_id="steady")
+    burst = make_request(prompt_len=1000, ttft_target_s=0.5, tenant_id="burst")
+    assert door.admit(steady, snap, now_s=0.0) is steady
+    assert door.admit(burst, snap, now_s=0.0) is None
+    assert door.outcomes == {burst.rid: "shed"}
 
 
 def test_bad_settings_are_refused() -> None:

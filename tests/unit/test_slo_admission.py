@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 from aiohttp import web
 
 from backend.policy.feasibility import Backlog, SloAsk, SloForecaster
 from backend.policy.latency import LatencyModel, load_profile
 from backend.policy.profiles import resolve_profile
-from common.wire import PRIORITY_RT, EngineLoad, meta_from_custom_params
+from common.wire import PRIORITY_RT, EngineLoad, TenantLoad, meta_from_custom_params
 from gateway.engine.load import LoadWatcher
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline.admission import (
@@ -156,6 +157,10 @@ def test_the_ask_counts_the_time_already_waited() -> None:
     assert got is not None
     assert (got.prompt_tokens, got.ttft_target_s, got.tpot_target_s) == (7, 0.3, 0.05)
     assert got.waited_s == pytest.approx(0.25)
+    assert (got.tenant_id, got.weight) == ("ten_rt", 1.0)
+    heavy = make_request(make_principal(rt_tenant(weight=3.0)), prompt_len=7)
+    got = slo_ask(heavy, NOW_S)
+    assert got is not None and (got.tenant_id, got.weight) == ("ten_rt", 3.0)
     be = make_request(make_principal(make_tenant("be")), tier="be")
     assert slo_ask(be, NOW_S) is None  # BE has no contract to forecast
 
@@ -206,7 +211,13 @@ def test_accept_runs_it_as_rt_and_counts_it_as_sent(forecaster: SloForecaster) -
     assert outcome.slo.outcome == "accepted" and outcome.request.meta.tier == "rt"
     assert counted(metrics, "accepted", "ttft") == 1
     assert slo_check.watcher is not None
-    assert slo_check.watcher.backlog(NOW_S) == Backlog(num_requests=1, prompt_tokens=12)
+    assert slo_check.watcher.backlog(NOW_S) == Backlog(
+        num_requests=1,
+        prompt_tokens=12,
+        by_tenant=(
+            TenantLoad(tenant_id="ten_rt", weight=1.0, num_waiting=1, waiting_prompt_tokens=12),
+        ),
+    )
 
 
 def test_an_admitted_request_joins_the_backlog_of_the_next_forecast(
@@ -221,6 +232,27 @@ def test_an_admitted_request_joins_the_backlog_of_the_next_forecast(
     second = slo_check(candidate(tenant, prompt_len=30_000))
     assert isinstance(second, Refused) and second.code == "slo_unattainable"
     assert counted(metrics, "admitted", "") == 1 and counted(metrics, "shed", "ttft") == 1
+
+
+def test_the_check_forecasts_for_the_requests_tenant(forecaster: SloForecaster) -> None:
+    # another tenant has 40k prompt tokens queued (SWAMPED's queue, all of it one tenant's)
+    burst = msgspec.structs.replace(
+        SWAMPED,
+        rt_by_tenant=(
+            TenantLoad(
+                tenant_id="ten_burst", weight=1.0, num_waiting=20, waiting_prompt_tokens=40_000
+            ),
+        ),
+    )
+    slo_check, metrics = check(forecaster, burst)
+    outcome = slo_check(candidate(rt_tenant("reject")))  # ten_rt: under its share
+    assert isinstance(outcome, Admitted) and outcome.slo is not None
+    assert outcome.slo.outcome == "admitted"
+    # the same request of the tenant that queued all of it waits behind its own queue
+    over = msgspec.structs.replace(rt_tenant("reject"), id="ten_burst")
+    refused = slo_check(candidate(over))
+    assert isinstance(refused, Refused) and refused.code == "slo_unattainable"
+    assert counted(metrics, "admitted", "") == 1
 
 
 def test_be_requests_are_not_judged(forecaster: SloForecaster) -> None:
