@@ -36,9 +36,7 @@ def test_be_adds_at_most_the_stretch_to_rt_decodes() -> None:
 
 def test_an_iteration_without_rt_work_is_not_stretch_bound() -> None:
     be = make_request("be", tier="be", prompt_len=5000)
-    plan = make_policy(**WIDE_OPEN, rt_stretch=0.0, idle_budget_s=0.05).plan(
-        snapshot(waiting=[be])
-    )
+    plan = make_policy(**WIDE_OPEN, rt_stretch=0.0, idle_budget_s=0.05).plan(snapshot(waiting=[be]))
     assert chunks(plan)["be"] == 2000  # BE alone fills the idle budget: 10 + 40 ms
 
 
