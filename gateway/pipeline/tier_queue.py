@@ -25,15 +25,14 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol, Self, TypeVar
 
 from common.config import GatewayConfig
 from common.wire import Tier
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline.outcome import Refused
-
-if TYPE_CHECKING:  # admission.py imports this module to run the check
-    from gateway.pipeline.admission import Admitted
+from gateway.pipeline.prepare import EngineRequest
+from gateway.store.types import Tenant
 
 TIER_QUEUE_RETRY_AFTER_S = 1
 """`Retry-After` of a refusal, seconds: the engine finishes requests every few iterations, so a
@@ -106,6 +105,22 @@ def tier_queue_full(tier: Tier, bound: int) -> Refused:
     )
 
 
+class Candidate(Protocol):
+    """What the check reads of a request admitted so far (admission.py's `Admitted`, which
+    imports this module: a protocol keeps the two from importing each other)."""
+
+    @property
+    def origin(self) -> str: ...
+    @property
+    def tenant(self) -> Tenant: ...
+    @property
+    def request(self) -> EngineRequest: ...
+    def holding(self, hold: TierSlot) -> Self: ...
+
+
+C = TypeVar("C", bound=Candidate)
+
+
 @dataclass(frozen=True)
 class TierQueueCheck:
     """The admission check: an interactive request takes a slot of its tier's queue on the
@@ -116,7 +131,7 @@ class TierQueueCheck:
     """The engine requests are placed on (`EngineHandle.name`)."""
     metrics: GatewayMetrics
 
-    def __call__(self, admitted: Admitted) -> Admitted | Refused:
+    def __call__(self, admitted: C) -> C | Refused:
         if admitted.origin != "api":
             return admitted  # batch lines: the runner's own bound and pause (module doc)
         tier = admitted.request.meta.tier
