@@ -206,3 +206,38 @@ def test_slots_held_by_rt_are_never_taken_from_rt_for_another_rt_prompt() -> Non
         )
     )
     assert plan.evictions == [] and "rt-new" not in chunks(plan)
+
+
+def test_a_long_be_prompt_mid_prefill_holding_the_whole_pool_gives_way_to_rt() -> None:
+    # a 20K-token BE prompt has 16380 of its tokens in the 16384-token pool, mid-prefill
+    long_be = make_request(
+        "be-long",
+        tier="be",
+        prompt_len=20_000,
+        running=True,
+        prefilled=16_380,
+        deadline_due_s=NOW + 100.0,
+    )
+    rt = make_request("rt", prompt_len=300, arrival_s=NOW, ttft_target_s=5.0)
+    policy = make_policy()
+    plan = policy.plan(
+        snapshot(waiting=[rt], running=[long_be], kv_capacity=POOL_TOKENS, max_running=MAX_RUNNING)
+    )
+    assert chunks(plan) == {"rt": 300} and plan.evictions == ["be-long"]
+    assert _first_be_offered(policy, long_be) is long_be
+    assert long_be.deadline_due_s == NOW + 100.0
+
+
+def test_a_burst_of_rt_prompts_each_gets_a_slot_held_by_be_in_the_same_plan() -> None:
+    be = [
+        make_request(f"be{i}", tier="be", prompt_len=500, running=True, generated=5 + i)
+        for i in range(MAX_RUNNING)
+    ]
+    burst = [
+        make_request(f"rt{i}", prompt_len=200, arrival_s=NOW, ttft_target_s=5.0) for i in range(4)
+    ]
+    plan = make_policy().plan(
+        snapshot(waiting=burst, running=be, kv_capacity=POOL_TOKENS, max_running=MAX_RUNNING)
+    )
+    assert chunks(plan) == {f"rt{i}": 200 for i in range(4)}
+    assert plan.evictions == ["be0", "be1", "be2", "be3"]  # the least advanced BE first
