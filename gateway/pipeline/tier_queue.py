@@ -14,7 +14,12 @@ was accepted is dropped later for lack of room.
 Batch-API lines are not counted and never refused here: the batch runner bounds them itself
 (`batch.max_inflight`), pauses them while RT waits on the engine (gateway/batch/runner.py), and a
 refusal would only cost a line an attempt. An RT request the SLO admission downgraded counts as
-BE (the check runs after it, on the tier the request will run in).
+BE (the check runs after it, on the tier the request will run in); the price of that order is
+that an RT request refused here was already counted by the SLO check (its verdict on /metrics,
+and the watcher's backlog for an iteration or two: a conservative forecast, never a blind one).
+
+A refusal is recorded like a quota's: usage status "rate_limited" (HTTP 429), and
+`tandem_quota_rejections{limit="rt_queue"|"be_queue"}` on /metrics.
 
 `TierQueues` is the count (app state `TIER_QUEUES`, one per gateway process), `TierQueueCheck`
 the admission check (gateway/pipeline/admission.py runs it last): it takes a `TierSlot` hold that
