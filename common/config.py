@@ -62,6 +62,17 @@ class GatewayConfig(_Section, frozen=True):
     """`Retry-After` sent with a 503 when the engine is unreachable, seconds."""
     default_max_tokens: int = 1024
     """Output cap of a request that sets no max_tokens, tokens (never beyond the context)."""
+    max_inflight_rt: int = 128
+    """Interactive RT requests in flight on one engine at once (sent, not finished), requests:
+    the RT queue's bound. One more is refused at once with 429 `tier_queue_full` and
+    Retry-After instead of queueing without end (gateway/pipeline/tier_queue.py). Larger than
+    the BE bound (BE is shed first); the default is twice the bundled engine's request slots
+    (engine.max_running_requests 64)."""
+    max_inflight_be: int = 64
+    """Interactive BE requests in flight on one engine at once, requests: the BE queue's bound
+    (429 `tier_queue_full` beyond it). Batch-API lines are bounded by batch.max_inflight
+    instead. The default is the bundled engine's request slots: a full set queued behind the
+    running ones."""
 
 
 class DatabaseConfig(_Section, frozen=True):
@@ -295,6 +306,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
         _check_positive("engine.port", self.engine.port)
         _check_positive("gateway.max_body_bytes", self.gateway.max_body_bytes)
         _check_positive("gateway.default_max_tokens", self.gateway.default_max_tokens)
+        _check_positive("gateway.max_inflight_rt", self.gateway.max_inflight_rt)
+        _check_positive("gateway.max_inflight_be", self.gateway.max_inflight_be)
         _check_positive("engine.max_total_tokens", self.engine.max_total_tokens)
         _check_positive("engine.max_running_requests", self.engine.max_running_requests)
         _check_positive("engine.chunked_prefill_size", self.engine.chunked_prefill_size)

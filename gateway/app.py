@@ -23,6 +23,7 @@ from gateway.engine.load import LoadWatcher, serves_load, watch
 from gateway.errors import error_middleware
 from gateway.operator import install as install_operator_tools
 from gateway.pipeline.admission import build_forecaster
+from gateway.pipeline.tier_queue import TierQueues, tier_bounds
 from gateway.state import (
     ADMIN_TOKEN,
     AUTH,
@@ -34,6 +35,7 @@ from gateway.state import (
     METRICS,
     SLO_FORECASTER,
     STORE,
+    TIER_QUEUES,
     TOKENIZER,
     USAGE,
 )
@@ -57,6 +59,7 @@ def create_app(config: Config, admin_token: str, model_dir: Path) -> web.Applica
     app[BACKGROUND] = set()
     app[LOADS] = {}
     app[SLO_FORECASTER] = build_forecaster(config)
+    app[TIER_QUEUES] = TierQueues(tier_bounds(config.gateway))
     app.cleanup_ctx.append(_database)
     app.cleanup_ctx.append(_engine_client)
     app.cleanup_ctx.append(_load_watchers)  # the engine's live state, for the SLO admission

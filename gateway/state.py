@@ -16,6 +16,7 @@ from gateway.engine.client import EngineClient
 from gateway.engine.load import LoadWatcher
 from gateway.engine.stats import EngineStatsWindow
 from gateway.metrics import METRICS_KEY
+from gateway.pipeline.tier_queue import TierQueues
 from gateway.quotas.limiter import QuotaLimiter
 from gateway.store.repo import Store
 from gateway.tokenizer import ModelTokenizer
@@ -38,6 +39,8 @@ ENGINE_STATS = web.AppKey("engine_stats", EngineStatsWindow)
 """The engine's last two `/stats` readings (set when tandem's policy is in charge)."""
 SLO_FORECASTER = web.AppKey("slo_forecaster", SloForecaster)
 """The SLO admission's forecaster, on the latency model the engine's policy plans with."""
+TIER_QUEUES = web.AppKey("tier_queues", TierQueues)
+"""Interactive requests in flight per engine and tier, against the tiers' bounds."""
 BACKGROUND: web.AppKey[set[asyncio.Task[None]]] = web.AppKey("background_tasks")
 """Fire-and-forget tasks (engine aborts after a disconnect) kept referenced until done."""
 

@@ -12,6 +12,13 @@ together), and each batch's feed (backend/policy/batch_order/feed.py) keeps its 
 footprint within the engine's KV pool, so BE work queues here, in SQL, not inside the engine,
 where it would sit in front of RT requests' memory.
 
+RT first: while the engine reports RT requests waiting (`EngineLoad.num_rt_waiting` > 0, from the
+gateway's `LoadWatcher`), no new line is sent (`be_dispatch_paused`); the lines on the engine run
+on (its policy evicts BE for RT as it needs), and the paused ones keep their place in their feed
+and their deadline — they are only sent later, when the report shows the RT queue empty (the
+runner's poll looks again every `batch.poll_interval_s`). Without a watcher (stock SGLang, or
+its reports down) nothing pauses.
+
 Order across batches (gateway/batch/fair.py): among tenants, weighted fair share — the next
 line comes from the tenant with the least weighted tokens sent (prompt at dispatch, output at
 finish), so one tenant's large batch cannot hold another's back; among one tenant's batches,
@@ -33,6 +40,7 @@ from aiohttp import web
 
 from backend.policy.batch_order.feed import BatchFeed, FeedSettings
 from backend.policy.batch_order.tree import OrderItem
+from common.wire import EngineLoad
 from gateway.batch.execute import ActiveBatch, execute_line, refusal, settle_failure
 from gateway.batch.fair import TenantShares, tenant_weight
 from gateway.batch.lines import now_utc
@@ -41,6 +49,7 @@ from gateway.batch.prepare import prepare_lines
 from gateway.batch.store import BatchStore
 from gateway.batch.types import ENDPOINTS, BatchInfo
 from gateway.batch.validate import validate_lines
+from gateway.pipeline.admission import load_watcher
 from gateway.pipeline.outcome import internal_error
 from gateway.state import CONFIG, STORE, TOKENIZER
 from gateway.store.types import Tenant
@@ -48,6 +57,13 @@ from gateway.store.types import Tenant
 log = logging.getLogger(__name__)
 
 _ACTIVE_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
+
+
+def be_dispatch_paused(load: EngineLoad | None) -> bool:
+    """Whether the runner holds its lines back: the engine's newest report shows RT requests
+    waiting (BE is paused before RT ever waits for it). No report (no watcher, or the engine's
+    reports down): False — nothing to go by, and the engine's policy still puts RT first."""
+    return load is not None and load.num_rt_waiting > 0
 
 
 class BatchRunner:
@@ -70,6 +86,8 @@ class BatchRunner:
         self._shares = TenantShares()
         self._weight_of = weight_of
         """A tenant's fair-share weight (its contract's, 1.0 where it has none)."""
+        self._paused = False
+        """Whether the last dispatch held the lines back for RT (`be_dispatch_paused`)."""
 
     async def start(self) -> None:
         """Resumes what a previous process left running, then starts the loop."""
@@ -230,7 +248,17 @@ class BatchRunner:
 
     def _dispatch(self) -> None:
         """Starts lines while the global bound allows: tenants by fair share, a tenant's
-        batches most urgent first (module docstring)."""
+        batches most urgent first; none while RT waits on the engine (module docstring)."""
+        watcher = load_watcher(self._app)
+        paused = be_dispatch_paused(watcher.latest if watcher is not None else None)
+        if paused != self._paused:
+            self._paused = paused
+            log.info(
+                "batch runner: %s",
+                "paused: RT requests wait on the engine" if paused else "resumed: no RT waits",
+            )
+        if paused:
+            return
         by_tenant: dict[str, list[ActiveBatch]] = {}
         for active in sorted(self._active.values(), key=lambda a: a.priority):
             if active.stopping is None:

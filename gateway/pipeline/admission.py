@@ -29,6 +29,9 @@ The checks, in order:
   Each outcome is on the `Admitted` (`slo`), in the usage record (`admission`) and counted on
   /metrics. The decision itself is `decide_slo`, a pure function of the contract, the ask, the
   engine's state and the backlog; without state (no watcher, nothing reported yet) it admits.
+* **tier queue** — `TierQueueCheck` (gateway/pipeline/tier_queue.py): an interactive request
+  whose tier already has `gateway.max_inflight_<tier>` requests in flight on the engine is
+  refused (429 `tier_queue_full`, Retry-After); otherwise it holds a place in that queue.
 * **per-tenant fairness** (to come) — a tenant over its fair share of the engine while others wait:
   `Refused(429, retryable=True)` with a short `retry_after_s`, or a hold on its share.
 
@@ -55,8 +58,9 @@ from gateway.metrics import GatewayMetrics
 from gateway.pipeline.outcome import Refused
 from gateway.pipeline.placement import engine_candidates
 from gateway.pipeline.prepare import EngineRequest, in_tier
+from gateway.pipeline.tier_queue import TierQueueCheck
 from gateway.quotas.limiter import QuotaExceeded, QuotaLimiter, Ticket
-from gateway.state import LOADS, METRICS, QUOTAS, SLO_FORECASTER
+from gateway.state import LOADS, METRICS, QUOTAS, SLO_FORECASTER, TIER_QUEUES
 from gateway.store.types import AdmissionOutcome, Slo, Tenant
 
 Origin = Literal["api", "batch"]
@@ -117,10 +121,15 @@ def release_holds(holds: Sequence[Hold], used_tokens: int) -> None:
 def admission_checks(app: web.Application) -> tuple[AdmissionCheck, ...]:
     """The checks every request passes, in order (the cheapest and most final first)."""
     metrics = app[METRICS]
-    return (
+    checks: tuple[AdmissionCheck, ...] = (
         QuotaCheck(app[QUOTAS], metrics),
         SloCheck(app.get(SLO_FORECASTER), load_watcher(app), metrics),
     )
+    queues = app.get(TIER_QUEUES)
+    if queues is None:  # an app without the bounds (unit tests' minimal apps)
+        return checks
+    # last: it counts the tier the request runs in, after the SLO check may have downgraded it
+    return (*checks, TierQueueCheck(queues, engine_candidates(app)[0].name, metrics))
 
 
 # ---------------------------------------------------------------------------------- quotas

@@ -72,3 +72,46 @@ def test_a_short_mixed_run_keeps_rt_targets_and_serves_be(name: str) -> None:
         gaps = [b - a for a, b in zip(r.token_times, r.token_times[1:], strict=False)]
         assert not gaps or sum(gaps) / len(gaps) <= 0.1
     assert result.num_evictions == 0
+
+
+def test_a_long_prompt_mix_where_8k_be_prompts_fill_the_pool_loses_nothing_and_rt_goes_first() -> (
+    None
+):
+    # the bundled CPU engine's shape (16384-token pool, 16 slots); BE prompts of 8K+ tokens,
+    # each half the pool or more, queued at once with deadlines; RT arrives all along
+    rng = random.Random(1)
+    be = [
+        make_request(
+            tier="be",
+            prompt_len=rng.randint(8192, 12_000),
+            output_len=rng.randint(5, 40),
+            arrival_s=0.0,
+            deadline_s=600.0,
+            order_key=float(j),
+        )
+        for j in range(12)
+    ]
+    rt = [
+        make_request(
+            tier="rt",
+            prompt_len=rng.randint(50, 600),
+            output_len=rng.randint(1, 30),
+            arrival_s=0.2 + i * 0.1,
+            ttft_target_s=0.5,
+            tpot_target_s=0.1,
+        )
+        for i in range(60)
+    ]
+    result = simulate(
+        ListSource(be + rt),
+        make_policy("tandem", LATENCY),
+        LATENCY,
+        SimConfig(kv_capacity_tokens=16_384, max_running=16),
+    )
+    assert all(r.finish_s is not None for r in result.requests)  # nothing lost, BE included
+    done_rt = [r for r in result.requests if r.tier == "rt"]
+    assert len(done_rt) == len(rt)
+    ttft_met = sum(
+        r.first_token_s is not None and r.first_token_s - r.arrival_s <= 0.5 for r in done_rt
+    )
+    assert ttft_met >= 0.95 * len(done_rt)

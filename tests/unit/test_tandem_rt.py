@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 
 from backend.policy.latency import BatchShape
+from backend.policy.tandem.policy import TandemPolicy
+from backend.policy.types import ReqState
 from tests.unit.tandem_factories import LATENCY, NOW, chunks, make_policy, make_request, snapshot
 
 
@@ -130,3 +132,112 @@ def test_the_window_is_placed_by_best_fit_finishers_first() -> None:
     c = make_request("c", prompt_len=900, arrival_s=NOW - 0.01, ttft_target_s=5.0)
     plan = make_policy(latency_budget_s=0.03).plan(snapshot(waiting=[a, b, c]))
     assert [(p.rid, p.tokens) for p in plan.prefills] == [("c", 900), ("a", 100)]
+
+
+# --------------------------------------------------------------- overload: BE holds the engine
+# The bundled CPU engine's shape: a 16384-token pool and 16 request slots.
+POOL_TOKENS, MAX_RUNNING = 16_384, 16
+
+
+def _long_be(rid: str, *, prompt_len: int = 8190, deadline_due_s: float = NOW + 100.0) -> ReqState:
+    return make_request(
+        rid,
+        tier="be",
+        prompt_len=prompt_len,
+        running=True,
+        generated=1,
+        deadline_due_s=deadline_due_s,
+    )
+
+
+def _first_be_offered(policy: TandemPolicy, victim: ReqState) -> ReqState:
+    """The request the policy's BE queue would admit next once *victim*'s eviction ran (the
+    engine then reports it waiting, its KV gone); the queue is left as it was."""
+    victim.is_running, victim.prefilled, victim.kv_tokens = False, 0, 0
+    offered = next(iter(policy.be_queue.candidates(NOW)))
+    policy.be_queue.restore()
+    return offered
+
+
+@pytest.mark.parametrize("ttft_target_s", [0.5, 5.0], ids=["urgent", "relaxed"])
+def test_an_rt_prompt_finding_the_pool_full_of_8k_be_prompts_is_planned_at_once(
+    ttft_target_s: float,
+) -> None:
+    # two 8K BE prompts hold 16380 of 16384 slots; an RT prompt of 300 arrives
+    be = [_long_be("be-a"), _long_be("be-b", deadline_due_s=NOW + 50.0)]
+    rt = make_request("rt", prompt_len=300, arrival_s=NOW, ttft_target_s=ttft_target_s)
+    policy = make_policy()
+    plan = policy.plan(
+        snapshot(waiting=[rt], running=be, kv_capacity=POOL_TOKENS, max_running=MAX_RUNNING)
+    )
+    assert chunks(plan).get("rt") == 300  # in its first plan, whole
+    assert len(plan.evictions) == 1 and plan.evictions[0].startswith("be-")
+    # the victim waits again at the front of BE, its deadline unchanged
+    victim = next(r for r in be if r.rid == plan.evictions[0])
+    assert _first_be_offered(policy, victim) is victim
+    assert victim.deadline_due_s == {"be-a": NOW + 100.0, "be-b": NOW + 50.0}[victim.rid]
+
+
+def test_an_rt_prompt_finding_every_request_slot_held_by_be_evicts_one_for_a_slot() -> None:
+    # 16 BE requests take every slot (KV is plentiful): RT must not wait for one to finish
+    be = [
+        make_request(f"be{i}", tier="be", prompt_len=500, running=True, generated=5 + i)
+        for i in range(MAX_RUNNING)
+    ]
+    rt = make_request("rt", prompt_len=300, arrival_s=NOW, ttft_target_s=5.0)
+    policy = make_policy()
+    plan = policy.plan(
+        snapshot(waiting=[rt], running=be, kv_capacity=POOL_TOKENS, max_running=MAX_RUNNING)
+    )
+    assert chunks(plan) == {"rt": 300}
+    assert plan.evictions == ["be0"]  # the least progress: the least recompute lost
+    assert _first_be_offered(policy, be[0]) is be[0]
+
+
+def test_slots_held_by_rt_are_never_taken_from_rt_for_another_rt_prompt() -> None:
+    rt_running = [
+        make_request(f"rt{i}", prompt_len=100, running=True, generated=2, ttft_target_s=5.0)
+        for i in range(MAX_RUNNING)
+    ]
+    fresh = make_request("rt-new", prompt_len=300, arrival_s=NOW, ttft_target_s=5.0)
+    plan = make_policy().plan(
+        snapshot(
+            waiting=[fresh], running=rt_running, kv_capacity=POOL_TOKENS, max_running=MAX_RUNNING
+        )
+    )
+    assert plan.evictions == [] and "rt-new" not in chunks(plan)
+
+
+def test_a_long_be_prompt_mid_prefill_holding_the_whole_pool_gives_way_to_rt() -> None:
+    # a 20K-token BE prompt has 16380 of its tokens in the 16384-token pool, mid-prefill
+    long_be = make_request(
+        "be-long",
+        tier="be",
+        prompt_len=20_000,
+        running=True,
+        prefilled=16_380,
+        deadline_due_s=NOW + 100.0,
+    )
+    rt = make_request("rt", prompt_len=300, arrival_s=NOW, ttft_target_s=5.0)
+    policy = make_policy()
+    plan = policy.plan(
+        snapshot(waiting=[rt], running=[long_be], kv_capacity=POOL_TOKENS, max_running=MAX_RUNNING)
+    )
+    assert chunks(plan) == {"rt": 300} and plan.evictions == ["be-long"]
+    assert _first_be_offered(policy, long_be) is long_be
+    assert long_be.deadline_due_s == NOW + 100.0
+
+
+def test_a_burst_of_rt_prompts_each_gets_a_slot_held_by_be_in_the_same_plan() -> None:
+    be = [
+        make_request(f"be{i}", tier="be", prompt_len=500, running=True, generated=5 + i)
+        for i in range(MAX_RUNNING)
+    ]
+    burst = [
+        make_request(f"rt{i}", prompt_len=200, arrival_s=NOW, ttft_target_s=5.0) for i in range(4)
+    ]
+    plan = make_policy().plan(
+        snapshot(waiting=burst, running=be, kv_capacity=POOL_TOKENS, max_running=MAX_RUNNING)
+    )
+    assert chunks(plan) == {f"rt{i}": 200 for i in range(4)}
+    assert plan.evictions == ["be0", "be1", "be2", "be3"]  # the least advanced BE first

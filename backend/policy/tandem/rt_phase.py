@@ -9,7 +9,9 @@
    * then a window of non-urgent ones (within γ of the first one's slack, at most K) placed
      by best fit on (compute tokens, KV) until τ is used up;
    * at most one long prompt mid-prefill (ERA) unless urgent; Past-Future admission for new
-     ones (BE memory counts as free).
+     ones (BE memory counts as free);
+   * a new prompt that finds every request slot taken evicts the BE request with the least
+     progress for one (`_free_slot`): RT never waits for a slot BE holds.
 Chunks are cut exactly where τ ends (`TandemBatch.chunk_for`).
 """
 
@@ -22,7 +24,7 @@ from collections.abc import Iterator
 from backend.policy.common import decode_cost, prefill_cost
 from backend.policy.tandem import slack
 from backend.policy.tandem.context import PlanContext
-from backend.policy.tandem.victims import evict_for, victim_order
+from backend.policy.tandem.victims import evict_for, progress, victim_order
 from backend.policy.types import ReqState
 
 STOP, SKIP, DONE = 0, 1, 2
@@ -136,6 +138,8 @@ def _prefill(
     _raise_for_floor(ctx, r)
     if not r.is_running and ctx.config.use_pastfuture and not ctx.admission.admit_rt(r):
         return STOP  # RT alone would overflow KV: later prompts would too
+    if not r.is_running and b.running_slots < 1 and not _free_slot(ctx, r):
+        return STOP  # every slot is RT's own: later prompts would find none either
     chunk = b.chunk_for(r, ctx.tau_s)
     chunk = _make_room(ctx, r, chunk, urgent)
     if chunk <= 0:
@@ -171,6 +175,21 @@ def _raise_for_floor(ctx: PlanContext, r: ReqState) -> None:
     want = min(r.prefill_len - r.prefilled, room)
     need = ctx.timer.with_chunk(b, want, r.prefilled)
     ctx.tau_s = max(ctx.tau_s, min(need, (1 - ctx.eps) * ctx.hard_s))
+
+
+def _free_slot(ctx: PlanContext, r: ReqState) -> bool:
+    """Every request slot (the engine's max_running) is taken and `r` needs one: evicts the
+    running BE request with the least progress (re-queued at the front of BE: it keeps its
+    place and deadline) — RT never waits for a slot BE holds. False when no BE request can
+    give one up (all RT, or all scheduled in this plan already)."""
+    b = ctx.batch
+    skip = b.scheduled | set(b.evictions)
+    for victim in sorted(ctx.view.be_running, key=progress):
+        if victim.rid not in skip and victim.rid != r.rid:
+            b.evict(victim)
+            ctx.on_evict(victim)
+            return True
+    return False
 
 
 def _make_room(ctx: PlanContext, r: ReqState, chunk: int, urgent: bool) -> int:
