@@ -86,6 +86,8 @@ class Chat:
     error_code: str | None = None
     started_s: float = 0.0
     """When it was sent, seconds from the phase's start."""
+    retry_after_s: float | None = None
+    """A refusal's `Retry-After`, seconds."""
 
     def met(self, contract: dict[str, float]) -> bool:
         """Served as RT within the contract's TTFT and TPOT."""
@@ -149,6 +151,8 @@ async def chat(
             started_s=started - t0,
         )
         if resp.status != 200:
+            if "Retry-After" in resp.headers:
+                record.retry_after_s = float(resp.headers["Retry-After"])
             try:
                 record.error_code = (await resp.json())["error"]["code"]
             except (aiohttp.ContentTypeError, KeyError, TypeError, ValueError):
@@ -180,14 +184,18 @@ async def chats_in_a_row(
     for_s: float | None = None,
     max_tokens: int,
 ) -> Phase:
-    """Sequential chats: *count* of them, or as many as start within *for_s* seconds."""
+    """Sequential chats: *count* of them, or as many as start within *for_s* seconds. After a
+    429 the next chat waits for its `Retry-After`, as the OpenAI client libraries do."""
     t0 = time.perf_counter()
     while True:
         if count is not None and len(phase.chats) >= count:
             return phase
         if for_s is not None and time.perf_counter() - t0 >= for_s:
             return phase
-        phase.chats.append(await chat(session, base_url, key, max_tokens, t0))
+        record = await chat(session, base_url, key, max_tokens, t0)
+        phase.chats.append(record)
+        if record.retry_after_s:
+            await asyncio.sleep(record.retry_after_s)
 
 
 class Gateway:

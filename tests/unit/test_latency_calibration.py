@@ -114,10 +114,10 @@ def test_outliers_are_clipped_and_the_factor_stays_within_its_bounds() -> None:
     assert 1.0 < calib.factor(DECODE) < 1.1
     calib.observe(0.03, 1e-6, DECODE)  # one absurdly short measurement
     assert calib.factor(DECODE) > 0.95
-    feed(calib, 10.0, 30.0, 0.03, DECODE)
-    assert calib.factor(DECODE) == pytest.approx(4.0)  # max_factor
-    feed(calib, 0.1, 120.0, 0.03, DECODE)
-    assert calib.factor(DECODE) == pytest.approx(0.5)  # min_factor
+    feed(calib, 100.0, 3000.0, 0.03, DECODE)
+    assert calib.factor(DECODE) == pytest.approx(32.0)  # max_factor
+    feed(calib, 0.01, 120.0, 0.03, DECODE)
+    assert calib.factor(DECODE) == pytest.approx(1 / 32)  # min_factor
     before = calib.factors
     for bad in (0.0, -1.0, math.inf, math.nan):
         calib.observe(0.03, bad, DECODE)

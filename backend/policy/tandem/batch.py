@@ -97,6 +97,18 @@ class TandemBatch(BatchBuilder):
             return 0
         return tokens
 
+    def least_chunk(self, req: ReqState) -> int:
+        """The chunk of `req` that an engine with nothing else to run computes whatever the time
+        budget says: `min_chunk_tokens` (or the rest of the prompt), within the KV available
+        and the engine caps; 0 when even that does not fit. Progress before budgets: a model
+        that overestimates the engine (a profile measured on a busy machine) must not leave it
+        idle with work queued."""
+        left = req.prefill_len - req.prefilled
+        cap = min(left, self.prefill_left, affordable_chunk(req, self.kv_avail, self.page))
+        if cap <= 0 or (not req.is_running and self.running_slots < 1):
+            return 0
+        return align_chunk(req, min(cap, max(1, self.min_chunk_tokens)), self.page)
+
     def note_rt_token(self, deadline_s: float, allowance_s: float) -> None:
         """Records that this batch emits an RT token due at `deadline_s`."""
         if deadline_s < self.rt_deadline_s:

@@ -45,35 +45,6 @@ def run_be_phase(ctx: PlanContext) -> None:
         if r.rid not in b.evictions and (chunk := b.chunk_for(r, limit)) > 0:
             b.add_prefill(r, chunk)
     _admit_be(ctx, limit)
-    if not (b.decodes or b.prefills):
-        _ensure_progress(ctx)
-
-
-def _ensure_progress(ctx: PlanContext) -> None:
-    """An empty plan would stall the engine (nothing else changes its state): run the BE
-    decodes, or else the oldest partial prompt's next chunk, whatever the time limit says; on
-    an idle engine, admit the head of the BE queue under the RT limit alone (the headroom is
-    for RT requests that have not come; on an idle engine it may not block all progress)."""
-    b = ctx.batch
-    decodes = [r for r in ctx.view.be_decode if r.rid not in b.evictions]
-    if decodes and b.add_decodes(decodes):
-        return
-    limit = max(ctx.tau_s, ctx.budget_s)
-    for r in sorted(ctx.view.be_partial, key=lambda x: x.arrival_s):
-        chunk = b.chunk_for(r, limit)
-        if chunk > 0 and r.rid not in b.evictions:
-            b.add_prefill(r, chunk)
-            return
-    if ctx.view.rt_running or ctx.view.be_running:
-        return
-    for r in ctx.be_queue.candidates(ctx.now_s):
-        chunk = b.chunk_for(r, limit)
-        if chunk > 0 and ctx.admission.admit_be(r, limit=ctx.admission.rt_limit):
-            b.add_prefill(r, chunk)
-            ctx.started(r, chunk, "be")
-            ctx.be_queue.take(r)
-        break
-    ctx.be_queue.restore()
 
 
 def be_time_limit(ctx: PlanContext) -> float:

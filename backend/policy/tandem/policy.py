@@ -36,6 +36,7 @@ from backend.policy.tandem.be_phase import cap_for_be_deadlines, run_be_phase
 from backend.policy.tandem.config import TandemConfig
 from backend.policy.tandem.context import PlanContext, RunningView, split_running
 from backend.policy.tandem.feedback import Feedback
+from backend.policy.tandem.progress import ensure_progress
 from backend.policy.tandem.queues import BeQueue, RtQueue
 from backend.policy.tandem.rt_phase import run_rt_decodes, run_rt_prefills
 from backend.policy.tandem.timing import BatchTotals, Timer
@@ -117,6 +118,8 @@ class TandemPolicy(PolicyBase):
         cap_for_be_deadlines(ctx)  # τ ≤ the tightest JCT allowance of a running BE
         run_rt_prefills(ctx)  # slack order; urgent ones raise τ; best-fit window; ERA
         run_be_phase(ctx)  # BE decodes, partial prompts, admissions in what is left
+        if not (ctx.batch.decodes or ctx.batch.prefills):
+            ensure_progress(ctx)  # never an empty plan while there is work it could run
         self.feedback.expect(ctx.batch.rt_deadline_s, ctx.batch.rt_allowance_s)
         self._charge_served()
         plan = ctx.batch.plan()
