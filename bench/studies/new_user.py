@@ -9,10 +9,11 @@ chats. This study does exactly that, through the OpenAI API, once per policy, on
 1. **alone** — `--chats` sequential streamed chats, nothing else running;
 2. **beside a batch** — a Batch API batch of `--batch-lines` lines (`--batch-max-tokens` each)
    is created; once the engine runs its lines, the same chats again, one after the other;
-3. **under a CPU burner** (tandem only, `--burn-s` > 0) — with the batch still running, processes
-   that spin on every core start; the chats go on for `--burn-s` seconds while the study follows
-   the engine's per-iteration state (`/load`: measured iteration time, and what the calibrated
-   model predicted for it) to see how fast the prediction error comes back within 20 %;
+3. **under a CPU burner** (tandem only, `--burn-s` > 0) — with the batch still running,
+   `--burners` processes (default one) that spin on the CPU start; the chats go on for
+   `--burn-s` seconds while the study follows the engine's per-iteration state (`/load`: the
+   measured iteration time, and what the calibrated model predicted for it) to see how fast
+   the prediction error comes back within 20 %;
 4. the batch is waited for to the end and its output file checked line by line.
 
 Chats stream and the client stamps every chunk: TTFT is the first content chunk's arrival from
@@ -38,7 +39,6 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import os
 import secrets
 import statistics
 import sys
@@ -380,8 +380,8 @@ class Options:
     batch_lines: int = 50
     batch_max_tokens: int = 200
     burn_s: float = 0.0
-    burners: int = 0
-    """CPU-spinning processes of the burner phase (0: one per core)."""
+    burners: int = 1
+    """CPU-spinning processes of the burner phase (the issue's scenario: one)."""
     profile: str = "auto"
     """The tandem engine's profile (`auto`: measured for this engine on first start, cached)."""
 
@@ -531,7 +531,7 @@ async def _burn_phase(
             for_s=lead_s,
             max_tokens=options.chat_max_tokens,
         )
-        burners = options.burners or os.cpu_count() or 2
+        burners = options.burners
         burn_start = time.time()
         with cpu_burners(burners):
             await chats_in_a_row(
@@ -616,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-lines", type=int, default=50)
     parser.add_argument("--batch-max-tokens", type=int, default=200)
     parser.add_argument("--burn-s", type=float, default=0.0)
-    parser.add_argument("--burners", type=int, default=0)
+    parser.add_argument("--burners", type=int, default=1)
     parser.add_argument("--profile", default="auto")
     parser.add_argument("--out", type=Path, default=Path("bench/results/new_user"))
     args = parser.parse_args(argv)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from backend.policy.tandem.config import TandemConfig
-from tests.unit.tandem_factories import chunks, make_policy, make_request, snapshot
+from tests.unit.tandem_factories import NOW, chunks, make_policy, make_request, snapshot
 
 WIDE_OPEN = {"latency_budget_s": 0.04, "be_frac_init": 1.0, "be_min_share": 0.0}
 """BE may take all the time RT leaves under τ (no AIMD share, no floor) unless stretch caps it."""
@@ -52,3 +52,23 @@ def test_the_starvation_floor_still_holds_under_a_zero_stretch() -> None:
 def test_a_negative_stretch_is_refused_with_its_name() -> None:
     with pytest.raises(ValueError, match="rt_stretch"):
         TandemConfig(rt_stretch=-0.1)
+
+
+def test_be_alone_iterations_stay_short_while_rt_is_active_and_grow_after() -> None:
+    policy = make_policy(
+        latency_budget_s=0.04, idle_budget_s=0.05, rt_stretch=0.3, rt_active_window_s=10.0
+    )
+    rt = make_request("rt", prompt_len=500, ttft_target_s=5.0)  # its first iteration: 20 ms
+    policy.plan(snapshot(waiting=[rt]))  # an RT request was here at NOW
+    be = make_request("be", tier="be", prompt_len=5000)
+    soon = policy.plan(snapshot(waiting=[be], now_s=NOW + 1.0))
+    assert chunks(soon)["be"] == pytest.approx(800, abs=1)  # 1.3 × 20 ms = 26 ms: 10 + 16
+    later = policy.plan(snapshot(waiting=[be], now_s=NOW + 11.0))
+    assert chunks(later)["be"] == 2000  # the window passed: the idle budget, 50 ms
+
+
+def test_without_stretch_be_alone_iterations_use_the_idle_budget_at_once() -> None:
+    policy = make_policy(latency_budget_s=0.04, idle_budget_s=0.05)
+    policy.plan(snapshot(waiting=[make_request("rt", prompt_len=500, ttft_target_s=5.0)]))
+    be = make_request("be", tier="be", prompt_len=5000)
+    assert chunks(policy.plan(snapshot(waiting=[be], now_s=NOW + 1.0)))["be"] == 2000

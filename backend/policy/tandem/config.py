@@ -74,6 +74,12 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
     bound it, so BE stretches RT iterations up to what the contracts allow. A contract is a
     bound, not what a user is used to: with a lax TPOT target (100 ms) on a fast engine (10 ms
     alone), the deadlines alone would let BE make every RT token ×9 slower, within contract."""
+    rt_active_window_s: float = 10.0
+    """With `rt_stretch` set: for this long after an RT request was last waiting or running, an
+    iteration without RT work is held to (1 + rt_stretch) × the predicted time of a typical RT
+    request's first iteration (its prompt alone), since the next RT arrival waits for the
+    iteration in flight; after that, BE iterations grow to `idle_budget_s` (long iterations
+    amortise the per-iteration cost). Seconds."""
     be_max_wait_s: float = 60.0
     """A waiting BE request older than this is admitted before the caller's order (aging)."""
     be_order_prob: float = 0.8
@@ -121,6 +127,7 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
             "idle_budget_s",
             "window_s",
             "rt_headroom_window_s",
+            "rt_active_window_s",
             "be_max_wait_s",
         ):
             if getattr(self, name) <= 0:

@@ -21,6 +21,7 @@ observe(result):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,6 +43,9 @@ from backend.policy.tandem.rt_phase import run_rt_decodes, run_rt_prefills
 from backend.policy.tandem.timing import BatchTotals, Timer
 from backend.policy.types import IterationResult, Plan, ReqState, Snapshot
 from common.wire import Tier
+
+RT_PROMPT_EWMA = 0.2
+"""Weight of each new RT prompt in the moving mean of RT prompt lengths."""
 
 
 class TandemPolicy(PolicyBase):
@@ -86,6 +90,8 @@ class TandemPolicy(PolicyBase):
         self._served: dict[tuple[Tier, str], float] = {}  # (tier, tenant) → weighted tokens
         self._last_plan: Plan | None = None
         self._last_scale = self.timer.scale  # the factors the last plan was predicted with
+        self._rt_seen_s = -math.inf  # when an RT request was last waiting or running
+        self._rt_prompt_tokens = 0.0  # moving mean of RT prompt lengths, tokens
 
     def slo_forecaster(self) -> SloForecaster | None:
         """The SLO admission for this policy's engine: chunked to its latency budget L, within
@@ -110,7 +116,10 @@ class TandemPolicy(PolicyBase):
         cfg = self.config
         self._max_prefill = snapshot.max_prefill_tokens
         view = split_running(snapshot.running, cfg.long_prompt_tokens)
-        self.rt_queue.sync(waiting_in(snapshot, "rt"))
+        for r in self.rt_queue.sync(waiting_in(snapshot, "rt")):
+            if self._rt_prompt_tokens == 0.0:
+                self._rt_prompt_tokens = float(r.prompt_len)
+            self._rt_prompt_tokens += RT_PROMPT_EWMA * (r.prompt_len - self._rt_prompt_tokens)
         self.be_queue.sync(waiting_in(snapshot, "be"))
         self.headroom.update(snapshot.now_s, view.rt_kv_tokens)
         ctx = self._context(snapshot, view)
@@ -161,6 +170,8 @@ class TandemPolicy(PolicyBase):
             be_limit=be_limit,
         )
         has_rt = bool(view.rt_decode or view.rt_partial or len(self.rt_queue))
+        if has_rt:
+            self._rt_seen_s = snap.now_s
         return PlanContext(
             now_s=snap.now_s,
             config=cfg,
@@ -180,8 +191,20 @@ class TandemPolicy(PolicyBase):
             be_frac=self.feedback.be_frac,
             max_prefill=snap.max_prefill_tokens,
             has_rt=has_rt,
-            budget_s=cfg.latency_budget_s if has_rt else cfg.idle_budget_s,
+            budget_s=cfg.latency_budget_s if has_rt else self._be_alone_budget_s(snap.now_s),
         )
+
+    def _be_alone_budget_s(self, now_s: float) -> float:
+        """The budget of an iteration with no RT request around: `idle_budget_s`, or, within
+        `rt_active_window_s` of the last RT request (with `rt_stretch` set), what a typical RT
+        prompt's own first iteration takes × (1 + rt_stretch) — the next RT arrival will wait
+        for this iteration, and should notice BE no more than that."""
+        cfg = self.config
+        if cfg.rt_stretch is None or now_s - self._rt_seen_s > cfg.rt_active_window_s:
+            return cfg.idle_budget_s
+        prompt = max(1, round(self._rt_prompt_tokens))
+        rt_first_s = self.timer.with_chunk(BatchTotals(), prompt, 0)
+        return min(cfg.idle_budget_s, (1.0 + cfg.rt_stretch) * rt_first_s)
 
     def _charge(self, reqs: Sequence[ReqState], tokens: int) -> None:
         """`tokens` of each of `reqs` are scheduled: noted for their tenants (charged by

@@ -222,9 +222,12 @@ class RtQueue:
     def __len__(self) -> int:
         return len(self.known.reqs)
 
-    def sync(self, waiting: list[ReqState]) -> None:
-        for r in self.known.sync(waiting):
+    def sync(self, waiting: list[ReqState]) -> list[ReqState]:
+        """Takes in the waiting RT requests not seen before; those newcomers."""
+        new = self.known.sync(waiting)
+        for r in new:
             self._push(r)
+        return new
 
     def _push(self, r: ReqState) -> None:
         tenant = self.known.tenant_of(r)
