@@ -26,12 +26,17 @@ a fast one (time constant `tau_fast_s`) and a slow one (`tau_slow_s`); the facto
 larger. The time constants are in seconds of engine time — each sample weighs
 1 − exp(−dt/τ), dt the iteration's *expected* duration (factor × prediction, not the measured
 one: weighting by the noisy measurement would bias the mean upward by σ²) — so the estimate
-converges equally fast at any iteration rate. The max of the two makes the factor rise at the
-fast pace (an engine that became slower is believed within ~2 τ_fast: being late costs RT its
-SLO) and fall at the slow pace (an engine that became faster is believed within ~2 τ_slow:
-being conservative for a few seconds costs only a little BE throughput). Each mean alone is
-unbiased for the median of the ratio; the max adds an upward bias of a fraction of the fast
-mean's noise (≈ 1 % for σ = 0.3 lognormal noise at 30 ms iterations), on the safe side.
+converges equally fast at any iteration rate. Except for a surprise: an iteration that took
+more than twice its expected time weighs half its measured time, up to τ_fast / 2
+(`SURPRISE_WEIGHT`). When the engine turns 10× slower than believed (a CPU-bound neighbour on a
+small host), its iterations come 10× less often, and at the expected weight the factor would take
+10× as long in wall time to learn it; ordinary noise (σ = 0.3: 1 % of samples beyond 2×) is
+hardly affected. The max of the two makes the factor rise at the fast pace (an engine that
+became slower is believed within ~2 τ_fast: being late costs RT its SLO) and fall at the slow
+pace (an engine that became faster is believed within ~2 τ_slow: being conservative for a few
+seconds costs only a little BE throughput). Each mean alone is unbiased for the median of the
+ratio; the max adds an upward bias of a fraction of the fast mean's noise (≈ 1 % for σ = 0.3
+lognormal noise at 30 ms iterations), on the safe side.
 
 Robustness: a sample's log-ratio is clipped to ±log(`clip_ratio`) around each estimate (a 10×
 stall moves the factor no more than a 4× one), and both means stay within
@@ -66,6 +71,13 @@ def regime_of(num_prefill: int | float, num_decode: int | float) -> int:
     if num_prefill == 0:
         return DECODE
     return PREFILL if num_decode == 0 else MIXED
+
+
+SURPRISE_WEIGHT = 0.5
+"""A sample weighs max(expected duration, min(this × measured duration, τ_fast / 2)) seconds of
+engine time: only an iteration more than 1 / this × slower than expected weighs more than usual,
+and no single one more than τ_fast / 2 (one stall moves the factor by ×1.7 at most, for about a
+second; a sustained slowdown of ×40 is learned in about six iterations)."""
 
 
 class _LogMean:
@@ -146,7 +158,10 @@ class LatencyCalibration:
         est = self._regimes[regime]
         if est.samples == 0:  # first sample of its own: start from what every batch says
             est.fast, est.slow = self._pooled.fast, self._pooled.slow
-        dt = used * predicted_s  # the expected duration: engine time, free of this sample's noise
+        # The sample's weight in engine time: its expected duration (free of its own noise),
+        # or half the measured one when that is longer — an engine far slower than believed
+        # must not take as many samples to learn it as at the old pace (their rate dropped).
+        dt = max(used * predicted_s, min(SURPRISE_WEIGHT * measured_s, self.tau_fast_s / 2))
         self._update(est, x, dt)
         self._update(self._pooled, x, dt)
         d, p, m = (math.exp((e if e.samples else self._pooled).log_factor) for e in self._regimes)
