@@ -23,6 +23,13 @@ def test_be_adds_at_most_the_stretch_to_an_iteration_that_emits_a_first_token() 
     assert chunks(plan)["be"] == pytest.approx(300, abs=1)  # 30 % of 20 ms = 6 ms of prefill
 
 
+def test_the_first_token_share_scales_the_stretch() -> None:
+    rt = make_request("rt", prompt_len=500, ttft_target_s=5.0)  # alone: 20 ms
+    be = make_request("be", tier="be", prompt_len=5000)
+    policy = make_policy(**WIDE_OPEN, rt_stretch=0.5, first_token_be_frac=0.2)
+    assert chunks(policy.plan(snapshot(waiting=[rt, be])))["be"] == pytest.approx(100, abs=1)
+
+
 def test_be_adds_at_most_the_stretch_to_rt_decodes() -> None:
     decoding = [
         make_request(f"d{i}", prompt_len=999, running=True, generated=1, tpot_target_s=1.0)
@@ -62,7 +69,7 @@ def test_be_alone_iterations_stay_short_while_rt_is_active_and_grow_after() -> N
     policy.plan(snapshot(waiting=[rt]))  # an RT request was here at NOW
     be = make_request("be", tier="be", prompt_len=5000)
     soon = policy.plan(snapshot(waiting=[be], now_s=NOW + 1.0))
-    assert chunks(soon)["be"] == pytest.approx(800, abs=1)  # 1.3 × 20 ms = 26 ms: 10 + 16
+    assert chunks(soon)["be"] == pytest.approx(500, abs=1)  # as long as the RT one: 10 + 10 ms
     later = policy.plan(snapshot(waiting=[be], now_s=NOW + 11.0))
     assert chunks(later)["be"] == 2000  # the window passed: the idle budget, 50 ms
 

@@ -4,7 +4,8 @@ the KV left after the RT headroom.
     limit = T(RT part) + BE share × (τ − T(RT part))        the share is AIMD-controlled
                                                             (1 when no RT is around)
           ≤ T(RT part) × (1 + rt_stretch)  when the batch carries RT work and rt_stretch is
-                                           set (RT tokens barely notice BE)
+                                           set (RT tokens barely notice BE; × the first-token
+                                           share when it emits RT first tokens)
           ≥ T(RT part) + be_min_share × τ  when BE has work   (BE never starves)
           ≤ hard cap                                        (never makes an RT token late)
     and τ itself was lowered to the tightest allowance of a running BE deadline
@@ -57,7 +58,10 @@ def be_time_limit(ctx: PlanContext) -> float:
     limit = t_rt + share * max(0.0, ctx.tau_s - t_rt)
     floor = t_rt + cfg.be_min_share * min(ctx.tau_s, ctx.budget_s)
     if cfg.rt_stretch is not None and (ctx.batch.decodes or ctx.batch.prefills):
-        limit = min(limit, t_rt * (1.0 + cfg.rt_stretch))  # the batch so far is all RT
+        stretch = cfg.rt_stretch  # the batch so far is all RT
+        if ctx.batch.first_tokens:
+            stretch *= cfg.first_token_be_frac
+        limit = min(limit, t_rt * (1.0 + stretch))
     return min(max(limit, floor), ctx.hard_s)
 
 

@@ -61,9 +61,9 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
     """An RT token emitted within this fraction of its allowance before its deadline is a
     near miss (the feedback backs off as for a miss)."""
     first_token_be_frac: float = 1.0
-    """Scales the BE share in an iteration that emits RT first tokens: every second of BE work
-    there is a second of TTFT for each of them (HyGen's mean-TTFT interference); 1 = no
-    difference, 0 = such iterations carry only the BE starvation floor."""
+    """Scales the BE share (and `rt_stretch`) in an iteration that emits RT first tokens: every
+    second of BE work there is a second of TTFT for each of them (HyGen's mean-TTFT
+    interference); 1 = no difference, 0 = such iterations carry only the BE starvation floor."""
     be_min_share: float = 0.05
     """BE always gets at least this fraction of τ when it has work (starvation freedom under
     sustained RT load), even past τ."""
@@ -76,10 +76,10 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
     alone), the deadlines alone would let BE make every RT token ×9 slower, within contract."""
     rt_active_window_s: float = 10.0
     """With `rt_stretch` set: for this long after an RT request was last waiting or running, an
-    iteration without RT work is held to (1 + rt_stretch) × the predicted time of a typical RT
-    request's first iteration (its prompt alone), since the next RT arrival waits for the
-    iteration in flight; after that, BE iterations grow to `idle_budget_s` (long iterations
-    amortise the per-iteration cost). Seconds."""
+    iteration without RT work is held to the predicted time of a typical RT request's first
+    iteration (its prompt alone), since the next RT arrival waits for the iteration in flight;
+    after that, BE iterations grow to `idle_budget_s` (long iterations amortise the
+    per-iteration cost). Seconds."""
     be_max_wait_s: float = 60.0
     """A waiting BE request older than this is admitted before the caller's order (aging)."""
     be_order_prob: float = 0.8

@@ -197,14 +197,14 @@ class TandemPolicy(PolicyBase):
     def _be_alone_budget_s(self, now_s: float) -> float:
         """The budget of an iteration with no RT request around: `idle_budget_s`, or, within
         `rt_active_window_s` of the last RT request (with `rt_stretch` set), what a typical RT
-        prompt's own first iteration takes × (1 + rt_stretch) — the next RT arrival will wait
-        for this iteration, and should notice BE no more than that."""
+        prompt's own first iteration takes — the next RT arrival waits for the iteration in
+        flight (half of it on average), so BE-alone iterations no longer than its own keep its
+        TTFT within about 1.5× of what it gets on an idle engine."""
         cfg = self.config
         if cfg.rt_stretch is None or now_s - self._rt_seen_s > cfg.rt_active_window_s:
             return cfg.idle_budget_s
         prompt = max(1, round(self._rt_prompt_tokens))
-        rt_first_s = self.timer.with_chunk(BatchTotals(), prompt, 0)
-        return min(cfg.idle_budget_s, (1.0 + cfg.rt_stretch) * rt_first_s)
+        return min(cfg.idle_budget_s, self.timer.with_chunk(BatchTotals(), prompt, 0))
 
     def _charge(self, reqs: Sequence[ReqState], tokens: int) -> None:
         """`tokens` of each of `reqs` are scheduled: noted for their tenants (charged by
