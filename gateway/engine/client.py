@@ -65,14 +65,20 @@ class EngineClient:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5.0)
         self._decoder = msgspec.json.Decoder(_GenerateOut)
 
-    async def generate(self, payload: dict[str, Any]) -> AsyncGenerator[EngineChunk, None]:
+    async def generate(
+        self, payload: dict[str, Any], *, stream: bool = True
+    ) -> AsyncGenerator[EngineChunk, None]:
         """Streams the generation for one `/generate` payload (which must carry a unique rid).
+        With *stream* off the engine answers once, at the end, and this yields one chunk with
+        everything: for work nobody watches token by token (batch lines), since SGLang streams
+        the cumulative text on every token — O(n²) bytes to encode, send and decode per request,
+        CPU that an engine sharing the host's cores takes from everyone's iterations.
 
         Raises EngineUnavailable when the engine cannot be reached and EngineRequestError when it
         rejects the request. Closing the iterator early closes the upstream connection; callers
         also call `abort` so the engine frees the request's KV at once.
         """
-        body = dict(payload, stream=True)
+        body = dict(payload, stream=stream)
         try:
             async with self._session.post(
                 f"{self.base_url}/generate", json=body, timeout=self._timeout
@@ -81,6 +87,12 @@ class EngineClient:
                     raise EngineUnavailable(f"engine answered {resp.status}")
                 if resp.status >= 400:
                     raise EngineRequestError(await _error_message(resp), resp.status)
+                if not stream:
+                    out = self._decoder.decode(await resp.read())
+                    if out.error is not None:
+                        raise EngineRequestError(str(out.error.get("message", "engine error")))
+                    yield _to_chunk(out, 0)
+                    return
                 emitted = 0
                 async for data in _sse_data(resp.content):
                     if data == b"[DONE]":

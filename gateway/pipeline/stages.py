@@ -206,9 +206,11 @@ async def run(app: web.Application, flight: Flight) -> AsyncGenerator[EngineChun
     request, placement = flight.request, flight.placement
     assert request is not None and placement is not None, "place runs before run"
     progress = flight.progress
+    stream = flight.origin != "batch"  # a batch line is read whole: one answer at the end
     try:
         # aclosing: a consumer that stops early (client gone) closes the engine's stream now
-        async with contextlib.aclosing(placement.engine.client.generate(request.payload)) as chunks:
+        generation = placement.engine.client.generate(request.payload, stream=stream)
+        async with contextlib.aclosing(generation) as chunks:
             async for chunk in chunks:
                 flight.timer.on_tokens(chunk.completion_tokens)
                 progress.completion_tokens = chunk.completion_tokens

@@ -113,10 +113,14 @@ class FakeEngine:
     def __init__(self, script: Script) -> None:
         self.script = script
         self.payloads: list[dict[str, Any]] = []
+        self.streamed: list[bool] = []
         self.aborted: list[str] = []
 
-    async def generate(self, payload: dict[str, Any]) -> AsyncGenerator[EngineChunk, None]:
+    async def generate(
+        self, payload: dict[str, Any], *, stream: bool = True
+    ) -> AsyncGenerator[EngineChunk, None]:
         self.payloads.append(payload)
+        self.streamed.append(stream)
         async for c in self.script():
             yield c
 

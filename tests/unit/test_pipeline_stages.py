@@ -135,6 +135,18 @@ async def test_over_quota_is_refused_before_the_engine_with_a_typed_outcome() ->
     assert record.prompt_tokens == 4
 
 
+async def test_batch_lines_are_read_whole_from_the_engine_and_api_requests_stream() -> None:
+    engine = FakeEngine(WHOLE)
+    app = make_app(engine)
+    tenant = make_tenant("be", deadline_s=3600)
+    for origin in ("batch", "api"):
+        flight = make_flight(make_principal(tenant), origin=origin)
+        with recording(app, flight):
+            prepare(app, flight, chat_body(), make_prompt())
+            assert isinstance(await complete(app, flight), Completion)
+    assert engine.streamed == [False, True]
+
+
 async def test_batch_lines_count_toward_the_monthly_budget_only() -> None:
     app = make_app(FakeEngine(WHOLE))
     tenant = make_tenant("be", quota=Quota(requests_per_min=1), deadline_s=3600)
