@@ -53,7 +53,7 @@ def test_the_starvation_floor_still_holds_under_a_zero_stretch() -> None:
     plan = make_policy(**{**WIDE_OPEN, "be_min_share": 0.05}, rt_stretch=0.0).plan(
         snapshot(waiting=[rt, be])
     )
-    assert chunks(plan)["be"] == pytest.approx(100, abs=1)  # 5 % of L = 2 ms, RT or not
+    assert chunks(plan)["be"] == pytest.approx(50, abs=1)  # 5 % of the RT work's 20 ms
 
 
 def test_a_negative_stretch_is_refused_with_its_name() -> None:

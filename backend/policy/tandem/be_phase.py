@@ -6,7 +6,8 @@ the KV left after the RT headroom.
           ≤ T(RT part) × (1 + rt_stretch)  when the batch carries RT work and rt_stretch is
                                            set (RT tokens barely notice BE; × the first-token
                                            share when it emits RT first tokens)
-          ≥ T(RT part) + be_min_share × τ  when BE has work   (BE never starves)
+          ≥ T(RT part) + be_min_share × τ  when BE has work   (BE never starves; with
+                                           rt_stretch: + be_min_share × T(RT part))
           ≤ hard cap                                        (never makes an RT token late)
     and τ itself was lowered to the tightest allowance of a running BE deadline
     (`cap_for_be_deadlines`, before the RT prompts: its JCT is kept, AccelGen)
@@ -62,6 +63,9 @@ def be_time_limit(ctx: PlanContext) -> float:
         if ctx.batch.first_tokens:
             stretch *= cfg.first_token_be_frac
         limit = min(limit, t_rt * (1.0 + stretch))
+        # the floor in the stretch's terms: a share of the RT work's own time, not of τ (on an
+        # engine whose τ is 10× its RT iterations, 5 % of τ would double them)
+        floor = t_rt * (1.0 + cfg.be_min_share)
     return min(max(limit, floor), ctx.hard_s)
 
 

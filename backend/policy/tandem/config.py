@@ -66,7 +66,8 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
     interference); 1 = no difference, 0 = such iterations carry only the BE starvation floor."""
     be_min_share: float = 0.05
     """BE always gets at least this fraction of τ when it has work (starvation freedom under
-    sustained RT load), even past τ."""
+    sustained RT load), even past τ; with `rt_stretch` set, this fraction of the RT work's own
+    predicted time in an iteration that carries RT work."""
     rt_stretch: float | None = None
     """How much longer BE may make an iteration that carries RT work, as a fraction of that
     RT work's own predicted time (0.3: RT tokens come at most 30 % later than they would with
