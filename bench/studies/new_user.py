@@ -39,6 +39,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
 import secrets
 import statistics
 import sys
@@ -350,15 +351,19 @@ def recovery_s(
     return None
 
 
-def _spin() -> None:  # pragma: no cover - runs in the burner processes
+def _spin(niceness: int) -> None:  # pragma: no cover - runs in the burner processes
+    os.nice(niceness)
     while True:
         pass
 
 
 @contextmanager
-def cpu_burners(count: int) -> Iterator[list[multiprocessing.Process]]:
-    """*count* processes spinning on the CPU until the block ends (killed also on errors)."""
-    procs = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(count)]
+def cpu_burners(count: int, niceness: int = 0) -> Iterator[list[multiprocessing.Process]]:
+    """*count* processes spinning on the CPU at *niceness* until the block ends (killed also on
+    errors)."""
+    procs = [
+        multiprocessing.Process(target=_spin, args=(niceness,), daemon=True) for _ in range(count)
+    ]
     for p in procs:
         p.start()
     try:
@@ -382,6 +387,9 @@ class Options:
     burn_s: float = 0.0
     burners: int = 1
     """CPU-spinning processes of the burner phase (the issue's scenario: one)."""
+    burner_nice: int = 0
+    """Their niceness: 0 competes with the engine as an equal (on 2 cores that makes the
+    engine's iterations 7-40× slower), higher values model a milder neighbour."""
     profile: str = "auto"
     """The tandem engine's profile (`auto`: measured for this engine on first start, cached)."""
 
@@ -533,7 +541,7 @@ async def _burn_phase(
         )
         burners = options.burners
         burn_start = time.time()
-        with cpu_burners(burners):
+        with cpu_burners(burners, options.burner_nice):
             await chats_in_a_row(
                 session,
                 gw.base_url,
@@ -552,6 +560,7 @@ async def _burn_phase(
     say(f"burn: {summary}, error back within {ERROR_BAND:.0%} after {back_s} s")
     return {
         "burners": burners,
+        "burner_nice": options.burner_nice,
         "chats": summary,
         "error_before_p50": statistics.median(before) if before else None,
         "error_back_within_band_s": back_s,
@@ -599,7 +608,8 @@ def report(results: list[dict[str, Any]], command: str) -> str:
             c = burn["chats"]
             lines += [
                 "",
-                f"Burner ({r['policy']}, {burn['burners']} spinning processes): prediction error "
+                f"Burner ({r['policy']}, {burn['burners']} spinning, nice {burn['burner_nice']}): "
+                f"prediction error "
                 f"p50 before {burn['error_before_p50']}, back within {ERROR_BAND:.0%} after "
                 f"{burn['error_back_within_band_s']} s; chats {c['chats']}, served as RT "
                 f"{c['served_rt']}, refused {c['refused']}, admitted attainment "
@@ -617,6 +627,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-max-tokens", type=int, default=200)
     parser.add_argument("--burn-s", type=float, default=0.0)
     parser.add_argument("--burners", type=int, default=1)
+    parser.add_argument("--burner-nice", type=int, default=0)
     parser.add_argument("--profile", default="auto")
     parser.add_argument("--out", type=Path, default=Path("bench/results/new_user"))
     args = parser.parse_args(argv)
@@ -631,6 +642,7 @@ def main(argv: list[str] | None = None) -> int:
         batch_max_tokens=args.batch_max_tokens,
         burn_s=args.burn_s,
         burners=args.burners,
+        burner_nice=args.burner_nice,
         profile=args.profile,
     )
     args.out.mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,14 @@ def test_the_first_token_share_scales_the_stretch() -> None:
     assert chunks(policy.plan(snapshot(waiting=[rt, be])))["be"] == pytest.approx(100, abs=1)
 
 
+def test_the_iteration_after_a_first_token_counts_as_a_first_token_one() -> None:
+    just_prefilled = make_request("d", prompt_len=999, running=True, generated=1)  # 11 ms
+    be = make_request("be", tier="be", prompt_len=5000)
+    policy = make_policy(**WIDE_OPEN, rt_stretch=1.0, first_token_be_frac=0.5)
+    plan = policy.plan(snapshot(waiting=[be], running=[just_prefilled]))
+    assert chunks(plan)["be"] == pytest.approx(275, abs=1)  # 50 % of 11 ms, not 100 %
+
+
 def test_be_adds_at_most_the_stretch_to_rt_decodes() -> None:
     decoding = [
         make_request(f"d{i}", prompt_len=999, running=True, generated=1, tpot_target_s=1.0)

@@ -60,7 +60,10 @@ def be_time_limit(ctx: PlanContext) -> float:
     floor = t_rt + cfg.be_min_share * min(ctx.tau_s, ctx.budget_s)
     if cfg.rt_stretch is not None and (ctx.batch.decodes or ctx.batch.prefills):
         stretch = cfg.rt_stretch  # the batch so far is all RT
-        if ctx.batch.first_tokens:
+        # An RT request's first token reaches its client with the *next* iteration's output
+        # (SGLang streams it then; on the CPU engine 8-14 ms after its prefill ends), so the
+        # iteration after a first token is still on its TTFT.
+        if ctx.batch.first_tokens or any(r.generated <= 1 for r in ctx.view.rt_decode):
             stretch *= cfg.first_token_be_frac
         limit = min(limit, t_rt * (1.0 + stretch))
         # the floor in the stretch's terms: a share of the RT work's own time, not of τ (on an
