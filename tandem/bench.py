@@ -289,7 +289,8 @@ def _cmd_bench_live(cfg: BenchConfig) -> int:
     from bench.live import live_config, run_live
     from bench.live_report import write_live_outputs
 
-    cfg = replace(live_config(cfg), command=cfg.command)
+    cfg = live_config(cfg)
+    cfg = replace(cfg, command=_command(cfg))  # the profile and variant the live run uses
     run = run_live(cfg)
     return _finish(write_live_outputs(run, cfg.out_dir), run.failed)
 

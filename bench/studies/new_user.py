@@ -392,6 +392,8 @@ class Options:
     engine's iterations 7-40× slower), higher values model a milder neighbour."""
     profile: str = "auto"
     """The tandem engine's profile (`auto`: measured for this engine on first start, cached)."""
+    contract: dict[str, float] = field(default_factory=lambda: dict(README_CONTRACT))
+    """The chat tenant's SLO contract (ttft_ms, tpot_ms)."""
 
 
 def config_for(policy: str, workdir: Path, options: Options) -> tuple[dict[str, Any], int]:
@@ -436,7 +438,7 @@ def run_policy(policy: str, out_dir: Path, options: Options) -> dict[str, Any]:
 async def _scenario(
     policy: str, base_url: str, token: str, engine_port: int, options: Options
 ) -> dict[str, Any]:
-    contract = README_CONTRACT
+    contract = options.contract
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         gw = Gateway(base_url, token, session)
@@ -555,7 +557,7 @@ async def _burn_phase(
         await follower
     timeline = error_timeline(samples, ERROR_WINDOW_S)
     before = [e for t, e in timeline if t < burn_start]
-    summary = phase.summary(README_CONTRACT)
+    summary = phase.summary(options.contract)
     back_s = recovery_s(timeline, burn_start, ERROR_BAND)
     say(f"burn: {summary}, error back within {ERROR_BAND:.0%} after {back_s} s")
     return {

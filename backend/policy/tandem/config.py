@@ -81,6 +81,11 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
     iteration (its prompt alone), since the next RT arrival waits for the iteration in flight;
     after that, BE iterations grow to `idle_budget_s` (long iterations amortise the
     per-iteration cost). Seconds."""
+    be_min_time_share: float = 0.0
+    """With `rt_stretch` set: BE's share of the engine's time (predicted, over about the last
+    second in which BE had work) is kept at least this. An iteration with RT work gives BE up to
+    this share of it while BE is behind, whatever the stretch allows: under sustained RT load,
+    with RT first tokens in nearly every iteration, the stretch alone starves BE."""
     be_max_wait_s: float = 60.0
     """A waiting BE request older than this is admitted before the caller's order (aging)."""
     be_order_prob: float = 0.8
@@ -141,6 +146,7 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
             "rt_headroom_max_frac",
             "near_miss_frac",
             "be_min_share",
+            "be_min_time_share",
             "first_token_be_frac",
             "rt_slot_reserve_frac",
             "be_order_prob",

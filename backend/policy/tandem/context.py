@@ -81,6 +81,8 @@ class PlanContext:
     """τ: the iteration-time target."""
     hard_s: float = math.inf
     """No RT token in the batch may be emitted later than now + this (its allowance)."""
+    be_time_share: float = 1.0
+    """BE's recent share of the engine's predicted time while it had work (1: not behind)."""
 
     def cap_tau(self) -> None:
         """Keeps τ within (1 − ε) × the hard cap."""

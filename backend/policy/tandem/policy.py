@@ -46,6 +46,9 @@ from common.wire import Tier
 
 RT_PROMPT_EWMA = 0.2
 """Weight of each new RT prompt in the moving mean of RT prompt lengths."""
+BE_SHARE_WINDOW_S = 1.0
+"""Time constant of BE's recent share of the engine's time (`be_min_time_share`), seconds of
+predicted iteration time."""
 
 
 class TandemPolicy(PolicyBase):
@@ -92,6 +95,8 @@ class TandemPolicy(PolicyBase):
         self._last_scale = self.timer.scale  # the factors the last plan was predicted with
         self._rt_seen_s = -math.inf  # when an RT request was last waiting or running
         self._rt_prompt_tokens = 0.0  # moving mean of RT prompt lengths, tokens
+        self._be_time_s = 0.0  # BE's predicted time in recent iterations where it had work
+        self._be_window_s = 0.0  # all predicted time of those iterations (decayed alike)
 
     def slo_forecaster(self) -> SloForecaster | None:
         """The SLO admission for this policy's engine: chunked to its latency budget L, within
@@ -126,9 +131,13 @@ class TandemPolicy(PolicyBase):
         run_rt_decodes(ctx)  # stall-free; hard cap and τ ≤ L from their deadlines
         cap_for_be_deadlines(ctx)  # τ ≤ the tightest JCT allowance of a running BE
         run_rt_prefills(ctx)  # slack order; urgent ones raise τ; best-fit window; ERA
+        rt_s = ctx.batch.time_s() if (ctx.batch.decodes or ctx.batch.prefills) else 0.0
+        be_has_work = bool(view.be_decode or view.be_partial or len(self.be_queue))
         run_be_phase(ctx)  # BE decodes, partial prompts, admissions in what is left
         if not (ctx.batch.decodes or ctx.batch.prefills):
             ensure_progress(ctx)  # never an empty plan while there is work it could run
+        if be_has_work:
+            self._note_be_time(rt_s, ctx.batch.time_s())
         self.feedback.expect(ctx.batch.rt_deadline_s, ctx.batch.rt_allowance_s)
         self._charge_served()
         plan = ctx.batch.plan()
@@ -191,8 +200,22 @@ class TandemPolicy(PolicyBase):
             be_frac=self.feedback.be_frac,
             max_prefill=snap.max_prefill_tokens,
             has_rt=has_rt,
+            be_time_share=self._be_time_share(),
             budget_s=cfg.latency_budget_s if has_rt else self._be_alone_budget_s(snap.now_s),
         )
+
+    def _note_be_time(self, rt_s: float, total_s: float) -> None:
+        """A planned iteration in which BE had work: `total_s` predicted, `rt_s` of it RT's.
+        Keeps BE's share of such time over about the last BE_SHARE_WINDOW_S of it."""
+        if total_s <= 0.0:
+            return
+        keep = math.exp(-total_s / BE_SHARE_WINDOW_S)
+        self._be_time_s = keep * self._be_time_s + max(0.0, total_s - rt_s)
+        self._be_window_s = keep * self._be_window_s + total_s
+
+    def _be_time_share(self) -> float:
+        """BE's recent share of the predicted engine time while it had work (1 before any)."""
+        return self._be_time_s / self._be_window_s if self._be_window_s > 0.0 else 1.0
 
     def _be_alone_budget_s(self, now_s: float) -> float:
         """The budget of an iteration with no RT request around: `idle_budget_s`, or, within
