@@ -114,6 +114,11 @@ class LiveRun:
     """tandem's in-engine counters (control endpoint) per policy that has them."""
     failed: dict[str, str] = field(default_factory=dict)
     wall_s: dict[str, float] = field(default_factory=dict)
+    sim_pace: float = 1.0
+    """How much slower than its profile the simulator twin runs: the real engine's pace as
+    tandem's calibration learned it (the geometric mean of its per-regime factors at the end
+    of its run); 1 until tandem has run. The profile was measured on another machine, or on
+    this one at another time: a twin at the profile's pace predicts a different engine."""
 
 
 def live_config(config: BenchConfig) -> BenchConfig:
@@ -177,6 +182,7 @@ def run_live(config: BenchConfig) -> LiveRun:
         run.series[name] = compute_series(result, window or result.end_s)
         if stats:
             run.engine_stats[name] = stats
+            run.sim_pace = learned_pace(stats)
         sim_result = run_sim(name, run, latency, base)
         run.sim[name] = compute_metrics(sim_result, window)
         _say(config, f"{name}: real {_brief(run.real[name])} | sim {_brief(run.sim[name])}")
@@ -449,8 +455,20 @@ def run_sim(name: str, run: LiveRun, latency: LatencyModel, base: Any) -> SimRes
     options = run.policy_options if name == "tandem" else {}
     policy = make_policy(SIM_POLICY[name], latency, **options)
     source = SimSource(run.workload.source(run.rt_rate_req_s, True), SimRequest)
-    # the engine's request cap, as the real engine has it
-    return simulate(source, policy, latency, struct_replace(base, max_running=MAX_RUNNING))
+    # the engine's request cap, and its pace, as the real engine has them
+    sim = struct_replace(base, max_running=MAX_RUNNING, engine_slowdown=((0.0, run.sim_pace),))
+    return simulate(source, policy, latency, sim)
+
+
+def learned_pace(stats: dict[str, Any]) -> float:
+    """The engine's pace relative to its profile from tandem's `/stats` (the geometric mean of
+    the calibration's factors); 1.0 when they are missing."""
+    factors = [
+        float(stats[key])
+        for key in ("latency_factor_decode", "latency_factor_prefill", "latency_factor_mixed")
+        if isinstance(stats.get(key), int | float) and stats[key] > 0
+    ]
+    return float(np.exp(np.mean(np.log(factors)))) if factors else 1.0
 
 
 def sim_real_ratios(run: LiveRun) -> dict[str, dict[str, float | None]]:

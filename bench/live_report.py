@@ -57,6 +57,7 @@ def results_dict(run: LiveRun) -> dict[str, Any]:
         "sim_rt_capacity_req_s": run.sim_capacity_req_s,
         "capacity_probes": [list(p) for p in run.capacity_probes],
         "policy_options": run.policy_options,
+        "sim_pace": run.sim_pace,
         "command": cfg.command,
         "policies": {name: rounded(m) for name, m in run.real.items()},
         "sim": {name: rounded(m) for name, m in run.sim.items()},
@@ -97,6 +98,8 @@ def report_markdown(run: LiveRun, plots: list[str]) -> str:
         f"* KV pool {run.kv_capacity_tokens} tokens; arrival window "
         f"{run.workload.window_s} s; seed {cfg.seed}; exact output lengths (ignore_eos)",
         f"* tandem's options: `{json.dumps(run.policy_options)}`",
+        f"* the simulator twin runs {run.sim_pace:.3g}× slower than the profile: the real "
+        f"engine's pace as tandem's calibration learned it (`--engine-slowdown` of the twin)",
         "",
         "## Real engine",
         "",
