@@ -61,20 +61,30 @@ class TenantKeys:
                 "ttft_ms": round(1000 * (ttft_target_s or 1.0), 3),
                 "tpot_ms": round(1000 * (tpot_target_s or 1.0), 3),
             }
-        admin = f"{self.base_url}/admin/v1"
-        async with self.session.post(
-            f"{admin}/tenants", headers=self.headers, json={"name": name, "tier": tier, "slo": slo}
-        ) as resp:
-            tenant = await resp.json()
-            if resp.status != 201:
-                raise RuntimeError(f"creating tenant {name}: {resp.status} {tenant}")
-        async with self.session.post(
-            f"{admin}/tenants/{tenant['id']}/keys", headers=self.headers
-        ) as resp:
-            body = await resp.json()
-            if resp.status != 201:
-                raise RuntimeError(f"creating a key for {name}: {resp.status} {body}")
-        return str(body["key"])
+        return await create_tenant_key(self.session, self.base_url, self.headers, name, tier, slo)
+
+
+async def create_tenant_key(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    admin_headers: dict[str, str],
+    name: str,
+    tier: str,
+    slo: dict[str, Any],
+) -> str:
+    """A new tenant made through the gateway's admin API, and a key for it; the key.
+    RuntimeError naming the tenant when the gateway refuses either."""
+    admin = f"{base_url}/admin/v1"
+    body = {"name": name, "tier": tier, "slo": slo}
+    async with session.post(f"{admin}/tenants", headers=admin_headers, json=body) as resp:
+        tenant = await resp.json()
+        if resp.status != 201:
+            raise RuntimeError(f"creating tenant {name}: HTTP {resp.status} {tenant}")
+    async with session.post(f"{admin}/tenants/{tenant['id']}/keys", headers=admin_headers) as resp:
+        key = await resp.json()
+        if resp.status != 201:
+            raise RuntimeError(f"creating a key for {name}: HTTP {resp.status} {key}")
+    return str(key["key"])
 
 
 def prompt_for(spec: RequestSpec) -> list[int]:

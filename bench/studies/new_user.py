@@ -54,6 +54,7 @@ import aiohttp
 import yaml
 
 from bench.live import READY_TIMEOUT_S, engine_control_get, free_port, served
+from bench.live_client import create_tenant_key
 from common.config import DEFAULT_CONFIG_PATH
 from common.wire import CONTROL_LOAD_PATH, CONTROL_STATS_PATH
 
@@ -209,19 +210,7 @@ class Gateway:
 
     async def tenant(self, name: str, tier: str, slo: dict[str, Any]) -> str:
         """A new tenant and a key for it; the key."""
-        admin = f"{self.base_url}/admin/v1"
-        body = {"name": name, "tier": tier, "slo": slo}
-        async with self.session.post(f"{admin}/tenants", json=body, headers=self._admin) as r:
-            tenant = await r.json()
-            if r.status != 201:
-                raise RuntimeError(f"creating tenant {name}: HTTP {r.status} {tenant}")
-        async with self.session.post(
-            f"{admin}/tenants/{tenant['id']}/keys", headers=self._admin
-        ) as r:
-            key = await r.json()
-            if r.status != 201:
-                raise RuntimeError(f"creating a key for {name}: HTTP {r.status} {key}")
-        return str(key["key"])
+        return await create_tenant_key(self.session, self.base_url, self._admin, name, tier, slo)
 
     async def create_batch(self, key: str, lines: int, max_tokens: int) -> str:
         """Uploads a batch input file of *lines* chat lines and creates the batch; its id."""
@@ -444,7 +433,10 @@ async def _scenario(
         gw = Gateway(base_url, token, session)
         chat_key = await gw.tenant("chat", "rt", contract)
         docs_key = await gw.tenant("docs", "be", {})
-        say = lambda line: print(f"[{policy}] {line}", file=sys.stderr)  # noqa: E731
+
+        def say(line: str) -> None:
+            print(f"[{policy}] {line}", file=sys.stderr)
+
         n, mt = options.chats, options.chat_max_tokens
         await chats_in_a_row(session, base_url, chat_key, Phase("warm-up"), count=2, max_tokens=mt)
         alone = await chats_in_a_row(
@@ -463,7 +455,7 @@ async def _scenario(
                 return bool(load.get("num_be_running"))
             # stock SGLang has no control endpoint: the batch's progress says it runs
             batch = await gw.batch(docs_key, batch_id)
-            return batch["status"] == "in_progress"
+            return bool(batch["status"] == "in_progress")
 
         await wait_for(be_running, 300, "the batch's lines to run on the engine")
         before = await gw.batch(docs_key, batch_id)
