@@ -13,6 +13,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from backend.policy.feasibility import TtftFeedback
 from common.config import Config
 from gateway.api import admin, batches, files, openai, ops
 from gateway.auth import AuthCache
@@ -37,6 +38,7 @@ from gateway.state import (
     STORE,
     TIER_QUEUES,
     TOKENIZER,
+    TTFT_FEEDBACK,
     USAGE,
 )
 from gateway.store.db import create_engine, session_factory
@@ -59,6 +61,7 @@ def create_app(config: Config, admin_token: str, model_dir: Path) -> web.Applica
     app[BACKGROUND] = set()
     app[LOADS] = {}
     app[SLO_FORECASTER] = build_forecaster(config)
+    app[TTFT_FEEDBACK] = TtftFeedback()
     app[TIER_QUEUES] = TierQueues(tier_bounds(config.gateway))
     app.cleanup_ctx.append(_database)
     app.cleanup_ctx.append(_engine_client)

@@ -9,7 +9,7 @@ from typing import Any
 from aiohttp import web
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backend.policy.feasibility import SloForecaster
+from backend.policy.feasibility import SloForecaster, TtftFeedback
 from common.config import Config
 from gateway.auth import AuthCache
 from gateway.engine.client import EngineClient
@@ -39,6 +39,8 @@ ENGINE_STATS = web.AppKey("engine_stats", EngineStatsWindow)
 """The engine's last two `/stats` readings (set when tandem's policy is in charge)."""
 SLO_FORECASTER = web.AppKey("slo_forecaster", SloForecaster)
 """The SLO admission's forecaster, on the latency model the engine's policy plans with."""
+TTFT_FEEDBACK = web.AppKey("ttft_feedback", TtftFeedback)
+"""What admitted RT requests' real TTFT taught the SLO admission about its forecast."""
 TIER_QUEUES = web.AppKey("tier_queues", TierQueues)
 """Interactive requests in flight per engine and tier, against the tiers' bounds."""
 BACKGROUND: web.AppKey[set[asyncio.Task[None]]] = web.AppKey("background_tasks")

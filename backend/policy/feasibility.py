@@ -159,8 +159,15 @@ class SloForecaster:
         # chunk starts from the last one found for the same budget (contexts grow a token per
         # decode per iteration, so it barely moves): two predictions when it did not move.
 
-    def forecast(self, load: EngineLoad, ask: SloAsk, backlog: Backlog = Backlog()) -> Forecast:
-        """The ask's predicted TTFT and TPOT on an engine in state *load*."""
+    def forecast(
+        self,
+        load: EngineLoad,
+        ask: SloAsk,
+        backlog: Backlog = Backlog(),
+        ttft_factor: float = 1.0,
+    ) -> Forecast:
+        """The ask's predicted TTFT and TPOT on an engine in state *load*; *ttft_factor* scales
+        the TTFT still to come (`TtftFeedback.factor`: what the engine model does not see)."""
         f_decode = load.latency_factors[DECODE]
         f_mixed = load.latency_factors[MIXED]
         f_prefill = load.latency_factors[PREFILL]
@@ -182,7 +189,7 @@ class SloForecaster:
         prefill_s = full * f_chunk * self.latency.predict(running.with_prefill(chunk))
         if rest:
             prefill_s += f_chunk * self.latency.predict(running.with_prefill(rest))
-        ttft_s = ask.waited_s + load.iteration_s + prefill_s
+        ttft_s = ask.waited_s + ttft_factor * (load.iteration_s + prefill_s)
         return Forecast(
             ttft_s=ttft_s, tpot_s=tpot_s, shortfall=self._shortfall(ask, ttft_s, tpot_s)
         )
@@ -216,6 +223,65 @@ class SloForecaster:
         ):
             return Shortfall("tpot", tpot_target_s, tpot_s, 1.0)
         return None
+
+
+class TtftFeedback:
+    """How much later admitted RT requests got their first token than their forecast said:
+    a correction of the TTFT forecast learned from outcomes, for the time the engine model
+    cannot see (a request's path through the gateway, the engine's HTTP server and tokenizer —
+    on a host whose CPU another process takes, most of its TTFT).
+
+    Per sample x = log(observed ÷ forecast), clipped to ±log(`clip_ratio`) around the estimate
+    m; m moves toward x by `up_weight` when x is above it (a forecast that proved optimistic is
+    believed at once: every admitted request that misses was promised its contract) and by
+    `down_weight` when below. m ≥ 0: this only corrects optimism (the forecast's own headroom
+    is the safety margin when it is right). Between samples m decays toward 0 with time
+    constant `decay_s`: when the correction makes the admission shed everything, no sample
+    comes back, and the engine that became fast again must be tried again.
+
+    factor = exp(m × e^(−(now − last sample) / decay_s)). Pure; the caller gives the clock."""
+
+    def __init__(
+        self,
+        *,
+        up_weight: float = 0.5,
+        down_weight: float = 0.1,
+        decay_s: float = 20.0,
+        clip_ratio: float = 8.0,
+        max_factor: float = 256.0,
+    ) -> None:
+        if not (0.0 < down_weight <= up_weight <= 1.0):
+            raise ValueError("need 0 < down_weight ≤ up_weight ≤ 1")
+        if decay_s <= 0.0 or clip_ratio <= 1.0 or max_factor < 1.0:
+            raise ValueError("need decay_s > 0, clip_ratio > 1, max_factor ≥ 1")
+        self.up_weight = up_weight
+        self.down_weight = down_weight
+        self.decay_s = decay_s
+        self._clip = math.log(clip_ratio)
+        self._max = math.log(max_factor)
+        self._log = 0.0
+        self._at_s = 0.0
+        self.samples = 0
+        """Samples taken."""
+
+    def factor(self, now_s: float) -> float:
+        """The correction at *now_s* (≥ 1)."""
+        if self._log == 0.0:
+            return 1.0
+        return math.exp(self._log * math.exp(-max(0.0, now_s - self._at_s) / self.decay_s))
+
+    def observe(self, forecast_s: float, observed_s: float, now_s: float) -> None:
+        """An admitted request forecast to get its first token after *forecast_s* got it after
+        *observed_s* (both from its arrival). Samples without positive, finite times are
+        ignored."""
+        if not (0.0 < forecast_s < math.inf and 0.0 < observed_s < math.inf):
+            return
+        m = math.log(self.factor(now_s))
+        x = min(m + self._clip, max(m - self._clip, math.log(observed_s / forecast_s)))
+        weight = self.up_weight if x > m else self.down_weight
+        self._log = min(self._max, max(0.0, m + weight * (x - m)))
+        self._at_s = now_s
+        self.samples += 1
 
 
 def prompt_tokens_ahead(load: EngineLoad, ask: SloAsk, backlog: Backlog = Backlog()) -> int:

@@ -48,7 +48,7 @@ from typing import Literal, Protocol
 
 from aiohttp import web
 
-from backend.policy.feasibility import Backlog, Shortfall, SloAsk, SloForecaster
+from backend.policy.feasibility import Backlog, Shortfall, SloAsk, SloForecaster, TtftFeedback
 from backend.policy.latency import LatencyModel, load_profile
 from backend.policy.profiles import AUTO, bundled_profile_for, resolve_profile
 from common.config import Config
@@ -60,7 +60,7 @@ from gateway.pipeline.placement import engine_candidates
 from gateway.pipeline.prepare import EngineRequest, in_tier
 from gateway.pipeline.tier_queue import TierQueueCheck
 from gateway.quotas.limiter import QuotaExceeded, QuotaLimiter, Ticket
-from gateway.state import LOADS, METRICS, QUOTAS, SLO_FORECASTER, TIER_QUEUES
+from gateway.state import LOADS, METRICS, QUOTAS, SLO_FORECASTER, TIER_QUEUES, TTFT_FEEDBACK
 from gateway.store.types import AdmissionOutcome, Slo, Tenant
 
 Origin = Literal["api", "batch"]
@@ -123,7 +123,9 @@ def admission_checks(app: web.Application) -> tuple[AdmissionCheck, ...]:
     metrics = app[METRICS]
     checks: tuple[AdmissionCheck, ...] = (
         QuotaCheck(app[QUOTAS], metrics),
-        SloCheck(app.get(SLO_FORECASTER), load_watcher(app), metrics),
+        SloCheck(
+            app.get(SLO_FORECASTER), load_watcher(app), metrics, feedback=app.get(TTFT_FEEDBACK)
+        ),
     )
     queues = app.get(TIER_QUEUES)
     if queues is None:  # an app without the bounds (unit tests' minimal apps)
@@ -189,6 +191,11 @@ class SloDecision:
     """admitted, unchecked, accepted, downgraded or shed (gateway.store.types)."""
     shortfall: Shortfall | None = None
     """The target the forecast misses and by how much (None: admitted or unchecked)."""
+    forecast_ttft_s: float | None = None
+    """The time to first token still to come at admission as the engine model forecast it
+    (before `TtftFeedback`'s factor), seconds; None: nothing was forecast."""
+    waited_s: float = 0.0
+    """Time the request had already spent at admission, seconds."""
 
     @property
     def target(self) -> str:
@@ -209,17 +216,19 @@ def decide_slo(
     ask: SloAsk,
     load: EngineLoad | None,
     backlog: Backlog,
+    ttft_factor: float = 1.0,
 ) -> SloDecision:
     """The verdict on an RT request asking *ask* of an engine in state *load* with *backlog*
-    sent since: admitted when its forecast meets the contract, else what the contract's
+    sent since: admitted when its forecast (its TTFT to come scaled by *ttft_factor*, what
+    outcomes taught: `TtftFeedback`) meets the contract, else what the contract's
     `on_unattainable` says; unchecked when there is no state (or no model) to forecast from.
     Pure."""
     if forecaster is None or load is None:
         return SloDecision("unchecked")
-    shortfall = forecaster.forecast(load, ask, backlog).shortfall
-    if shortfall is None:
-        return SloDecision("admitted")
-    return SloDecision(_ON_MISS[contract.on_unattainable], shortfall)
+    forecast = forecaster.forecast(load, ask, backlog, ttft_factor)
+    to_come_s = (forecast.ttft_s - ask.waited_s) / ttft_factor  # the model's own forecast
+    outcome = "admitted" if forecast.shortfall is None else _ON_MISS[contract.on_unattainable]
+    return SloDecision(outcome, forecast.shortfall, to_come_s, ask.waited_s)
 
 
 def slo_ask(request: EngineRequest, now_unix_s: float) -> SloAsk | None:
@@ -265,6 +274,8 @@ class SloCheck:
     metrics: GatewayMetrics
     clock: Callable[[], float] = time.time
     """Wall clock, seconds (the request's arrival is a wall-clock time)."""
+    feedback: TtftFeedback | None = None
+    """What admitted requests' real TTFT taught about the forecast (None: nothing learned)."""
 
     def __call__(self, admitted: Admitted) -> Admitted | Refused:
         now_unix_s = self.clock()
@@ -276,7 +287,8 @@ class SloCheck:
         backlog = (
             watcher.backlog(now_unix_s) if watcher is not None and load is not None else Backlog()
         )
-        decision = decide_slo(self.forecaster, admitted.tenant.slo, ask, load, backlog)
+        factor = self.feedback.factor(now_unix_s) if self.feedback is not None else 1.0
+        decision = decide_slo(self.forecaster, admitted.tenant.slo, ask, load, backlog, factor)
         self.metrics.slo_admission(admitted.tenant.id, decision.outcome, decision.target)
         if decision.outcome == "shed":
             assert decision.shortfall is not None

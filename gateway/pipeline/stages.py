@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -66,7 +67,7 @@ from gateway.pipeline.prepare import (
     resolve_tier,
 )
 from gateway.slo import RequestTimer, slo_met
-from gateway.state import CONFIG, METRICS, TOKENIZER, USAGE, spawn
+from gateway.state import CONFIG, METRICS, TOKENIZER, TTFT_FEEDBACK, USAGE, spawn
 from gateway.store.types import AdmissionOutcome, UsageRecord
 
 
@@ -250,10 +251,25 @@ def record(app: web.Application, flight: Flight, *, cancelled: bool) -> None:
         used = progress.prompt_tokens + progress.completion_tokens if ran else 0
         release_holds(flight.admitted.holds, used)
     usage = usage_record(flight)
+    _teach_forecast(app, flight, usage)
     meta = flight.request.meta if flight.request is not None else None
     length_key = meta.length_key if meta is not None and flight.failure is None else None
     app[METRICS].request_finished(usage, started=flight.admitted is not None)
     app[USAGE].record(usage, length_key=length_key, key_id=flight.principal.key_id)
+
+
+def _teach_forecast(app: web.Application, flight: Flight, usage: UsageRecord) -> None:
+    """An RT request the SLO admission admitted on a TTFT forecast, and that got its first
+    token, tells the admission how right the forecast was (`TtftFeedback`)."""
+    feedback = app.get(TTFT_FEEDBACK)
+    admitted = flight.admitted
+    if feedback is None or admitted is None or usage.ttft_ms is None:
+        return
+    slo = admitted.slo
+    if slo is None or slo.outcome != "admitted" or slo.forecast_ttft_s is None:
+        return
+    observed_s = usage.ttft_ms / 1000.0 - slo.waited_s  # from admission, as forecast
+    feedback.observe(slo.forecast_ttft_s, observed_s, time.time())
 
 
 # ---------------------------------------------------------------------------------- drivers

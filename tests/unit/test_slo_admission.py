@@ -12,7 +12,7 @@ import msgspec
 import pytest
 from aiohttp import web
 
-from backend.policy.feasibility import Backlog, SloAsk, SloForecaster
+from backend.policy.feasibility import Backlog, SloAsk, SloForecaster, TtftFeedback
 from backend.policy.latency import LatencyModel, load_profile
 from backend.policy.profiles import resolve_profile
 from common.wire import PRIORITY_RT, EngineLoad, TenantLoad, meta_from_custom_params
@@ -33,7 +33,7 @@ from gateway.pipeline.stages import (
     record,
     response_headers,
 )
-from gateway.state import LOADS, SLO_FORECASTER
+from gateway.state import LOADS, SLO_FORECASTER, TTFT_FEEDBACK
 from tests.unit.pipeline_factories import (
     FakeEngine,
     chat_body,
@@ -321,3 +321,26 @@ def test_a_request_admitted_without_a_miss_records_admitted(forecaster: SloForec
     assert isinstance(admit(app, flight), Admitted)
     record(app, flight, cancelled=True)
     assert usage_of(app).records[0].admission == "admitted"
+
+
+def test_first_tokens_later_than_forecast_teach_the_admission_to_shed(
+    forecaster: SloForecaster,
+) -> None:
+    # the engine's state says idle (7 ms to a first token), but every admitted request's first
+    # token comes 1 s after its arrival (time outside the engine model: a host CPU taken by
+    # another process)
+    app = staged_app(forecaster, IDLE)
+    app[TTFT_FEEDBACK] = feedback = TtftFeedback(decay_s=1e9)
+    outcomes = []
+    for _ in range(12):
+        flight = make_flight(make_principal(rt_tenant()))
+        prepare(app, flight, chat_body(), make_prompt())
+        outcome = admit(app, flight)
+        outcomes.append("shed" if isinstance(outcome, Refused) else "admitted")
+        if not isinstance(outcome, Refused):
+            flight.timer.start_s -= 1.0
+            flight.timer.on_tokens(1)
+        record(app, flight, cancelled=True)
+    assert outcomes[0] == "admitted" and outcomes[-1] == "shed"
+    assert feedback.samples == outcomes.count("admitted")  # only admitted ones teach
+    assert feedback.factor(0.0) > 10.0
