@@ -288,6 +288,7 @@ class SloCheck:
             watcher.backlog(now_unix_s) if watcher is not None and load is not None else Backlog()
         )
         factor = self.feedback.factor(now_unix_s) if self.feedback is not None else 1.0
+        self.metrics.slo_ttft_feedback.set(factor)
         decision = decide_slo(self.forecaster, admitted.tenant.slo, ask, load, backlog, factor)
         self.metrics.slo_admission(admitted.tenant.id, decision.outcome, decision.target)
         if decision.outcome == "shed":

@@ -33,7 +33,7 @@ from gateway.pipeline.stages import (
     record,
     response_headers,
 )
-from gateway.state import LOADS, SLO_FORECASTER, TTFT_FEEDBACK
+from gateway.state import LOADS, METRICS, SLO_FORECASTER, TTFT_FEEDBACK
 from tests.unit.pipeline_factories import (
     FakeEngine,
     chat_body,
@@ -344,3 +344,5 @@ def test_first_tokens_later_than_forecast_teach_the_admission_to_shed(
     assert outcomes[0] == "admitted" and outcomes[-1] == "shed"
     assert feedback.samples == outcomes.count("admitted")  # only admitted ones teach
     assert feedback.factor(0.0) > 10.0
+    gauge = app[METRICS].registry.get_sample_value("tandem_slo_ttft_feedback_factor")
+    assert gauge is not None and gauge > 10.0  # operators see the admission grow stricter
