@@ -112,12 +112,11 @@ class GatewayMetrics:
             registry=r,
         )
         self.slo_ttft_feedback = Gauge(
-            "tandem_slo_ttft_feedback_factor",
+            "tandem_slo_ttft_feedback_seconds",
             "How much later than the engine model forecast admitted RT requests got their first "
-            "token lately: the SLO admission scales its TTFT forecasts by it (1: as forecast).",
+            "token lately: the SLO admission adds it to its TTFT forecasts (0: as forecast).",
             registry=r,
         )
-        self.slo_ttft_feedback.set(1.0)
         self.quota_rejections = Counter(
             "tandem_quota_rejections",
             "Requests refused with 429, by the limit they hit.",

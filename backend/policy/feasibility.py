@@ -164,10 +164,10 @@ class SloForecaster:
         load: EngineLoad,
         ask: SloAsk,
         backlog: Backlog = Backlog(),
-        ttft_factor: float = 1.0,
+        ttft_extra_s: float = 0.0,
     ) -> Forecast:
-        """The ask's predicted TTFT and TPOT on an engine in state *load*; *ttft_factor* scales
-        the TTFT still to come (`TtftFeedback.factor`: what the engine model does not see)."""
+        """The ask's predicted TTFT and TPOT on an engine in state *load*; *ttft_extra_s* is
+        added to the TTFT (`TtftFeedback.extra_s`: what the engine model does not see)."""
         f_decode = load.latency_factors[DECODE]
         f_mixed = load.latency_factors[MIXED]
         f_prefill = load.latency_factors[PREFILL]
@@ -189,7 +189,7 @@ class SloForecaster:
         prefill_s = full * f_chunk * self.latency.predict(running.with_prefill(chunk))
         if rest:
             prefill_s += f_chunk * self.latency.predict(running.with_prefill(rest))
-        ttft_s = ask.waited_s + ttft_factor * (load.iteration_s + prefill_s)
+        ttft_s = ask.waited_s + load.iteration_s + prefill_s + ttft_extra_s
         return Forecast(
             ttft_s=ttft_s, tpot_s=tpot_s, shortfall=self._shortfall(ask, ttft_s, tpot_s)
         )
@@ -226,20 +226,22 @@ class SloForecaster:
 
 
 class TtftFeedback:
-    """How much later admitted RT requests got their first token than their forecast said:
-    a correction of the TTFT forecast learned from outcomes, for the time the engine model
-    cannot see (a request's path through the gateway, the engine's HTTP server and tokenizer —
-    on a host whose CPU another process takes, most of its TTFT).
+    """How much later admitted RT requests got their first token than the engine model
+    forecast: a correction of the TTFT forecast learned from outcomes, for the time the model
+    cannot see — a request's path through the gateway, the engine's HTTP server and tokenizer;
+    on a host whose CPU another process takes, most of its TTFT.
 
-    Per sample x = log(observed ÷ forecast), clipped to ±log(`clip_ratio`) around the estimate
-    m; m moves toward x by `up_weight` when x is above it (a forecast that proved optimistic is
-    believed at once: every admitted request that misses was promised its contract) and by
-    `down_weight` when below. m ≥ 0: this only corrects optimism (the forecast's own headroom
-    is the safety margin when it is right). Between samples m decays toward 0 with time
-    constant `decay_s`: when the correction makes the admission shed everything, no sample
-    comes back, and the engine that became fast again must be tried again.
+    Additive, in seconds, not a factor: that time is mostly a fixed cost per request, and a
+    factor learned on an idle engine (10 ms forecast, 25 ms observed: ×2.5) would multiply a
+    busy engine's long queue by it. Per sample x = observed − forecast (≥ 0: this only corrects
+    optimism; the forecast's headroom is the margin when it is right), the estimate e moves
+    toward x by `up_weight` when x is above it (a forecast that proved optimistic is believed at
+    once: every admitted request that misses was promised its contract) and by `down_weight`
+    when below. Between samples e decays toward 0 with time constant `decay_s`: when the
+    correction makes the admission shed everything, no sample comes back, and an engine that
+    became fast again must be tried again.
 
-    factor = exp(m × e^(−(now − last sample) / decay_s)). Pure; the caller gives the clock."""
+    extra_s(now) = e × exp(−(now − last sample) / decay_s). Pure; the caller gives the clock."""
 
     def __init__(
         self,
@@ -247,39 +249,36 @@ class TtftFeedback:
         up_weight: float = 0.5,
         down_weight: float = 0.1,
         decay_s: float = 20.0,
-        clip_ratio: float = 8.0,
-        max_factor: float = 256.0,
+        max_extra_s: float = 60.0,
     ) -> None:
         if not (0.0 < down_weight <= up_weight <= 1.0):
             raise ValueError("need 0 < down_weight ≤ up_weight ≤ 1")
-        if decay_s <= 0.0 or clip_ratio <= 1.0 or max_factor < 1.0:
-            raise ValueError("need decay_s > 0, clip_ratio > 1, max_factor ≥ 1")
+        if decay_s <= 0.0 or max_extra_s <= 0.0:
+            raise ValueError("need decay_s > 0 and max_extra_s > 0")
         self.up_weight = up_weight
         self.down_weight = down_weight
         self.decay_s = decay_s
-        self._clip = math.log(clip_ratio)
-        self._max = math.log(max_factor)
-        self._log = 0.0
+        self.max_extra_s = max_extra_s
+        self._extra_s = 0.0
         self._at_s = 0.0
         self.samples = 0
         """Samples taken."""
 
-    def factor(self, now_s: float) -> float:
-        """The correction at *now_s* (≥ 1)."""
-        if self._log == 0.0:
-            return 1.0
-        return math.exp(self._log * math.exp(-max(0.0, now_s - self._at_s) / self.decay_s))
+    def extra_s(self, now_s: float) -> float:
+        """Seconds to add to a TTFT forecast at *now_s* (≥ 0)."""
+        if self._extra_s == 0.0:
+            return 0.0
+        return self._extra_s * math.exp(-max(0.0, now_s - self._at_s) / self.decay_s)
 
     def observe(self, forecast_s: float, observed_s: float, now_s: float) -> None:
-        """An admitted request forecast to get its first token after *forecast_s* got it after
-        *observed_s* (both from its arrival). Samples without positive, finite times are
-        ignored."""
-        if not (0.0 < forecast_s < math.inf and 0.0 < observed_s < math.inf):
+        """An admitted request forecast to get its first token *forecast_s* after its admission
+        got it *observed_s* after. Samples that are not finite are ignored."""
+        if not (math.isfinite(forecast_s) and math.isfinite(observed_s)):
             return
-        m = math.log(self.factor(now_s))
-        x = min(m + self._clip, max(m - self._clip, math.log(observed_s / forecast_s)))
-        weight = self.up_weight if x > m else self.down_weight
-        self._log = min(self._max, max(0.0, m + weight * (x - m)))
+        e = self.extra_s(now_s)
+        x = max(0.0, observed_s - forecast_s)
+        weight = self.up_weight if x > e else self.down_weight
+        self._extra_s = min(self.max_extra_s, e + weight * (x - e))
         self._at_s = now_s
         self.samples += 1
 

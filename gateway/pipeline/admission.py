@@ -193,7 +193,7 @@ class SloDecision:
     """The target the forecast misses and by how much (None: admitted or unchecked)."""
     forecast_ttft_s: float | None = None
     """The time to first token still to come at admission as the engine model forecast it
-    (before `TtftFeedback`'s factor), seconds; None: nothing was forecast."""
+    (without `TtftFeedback`'s extra), seconds; None: nothing was forecast."""
     waited_s: float = 0.0
     """Time the request had already spent at admission, seconds."""
 
@@ -216,17 +216,16 @@ def decide_slo(
     ask: SloAsk,
     load: EngineLoad | None,
     backlog: Backlog,
-    ttft_factor: float = 1.0,
+    ttft_extra_s: float = 0.0,
 ) -> SloDecision:
     """The verdict on an RT request asking *ask* of an engine in state *load* with *backlog*
-    sent since: admitted when its forecast (its TTFT to come scaled by *ttft_factor*, what
-    outcomes taught: `TtftFeedback`) meets the contract, else what the contract's
-    `on_unattainable` says; unchecked when there is no state (or no model) to forecast from.
-    Pure."""
+    sent since: admitted when its forecast (plus *ttft_extra_s*, what outcomes taught:
+    `TtftFeedback`) meets the contract, else what the contract's `on_unattainable` says;
+    unchecked when there is no state (or no model) to forecast from. Pure."""
     if forecaster is None or load is None:
         return SloDecision("unchecked")
-    forecast = forecaster.forecast(load, ask, backlog, ttft_factor)
-    to_come_s = (forecast.ttft_s - ask.waited_s) / ttft_factor  # the model's own forecast
+    forecast = forecaster.forecast(load, ask, backlog, ttft_extra_s)
+    to_come_s = forecast.ttft_s - ask.waited_s - ttft_extra_s  # the model's own forecast
     outcome = "admitted" if forecast.shortfall is None else _ON_MISS[contract.on_unattainable]
     return SloDecision(outcome, forecast.shortfall, to_come_s, ask.waited_s)
 
@@ -287,9 +286,9 @@ class SloCheck:
         backlog = (
             watcher.backlog(now_unix_s) if watcher is not None and load is not None else Backlog()
         )
-        factor = self.feedback.factor(now_unix_s) if self.feedback is not None else 1.0
-        self.metrics.slo_ttft_feedback.set(factor)
-        decision = decide_slo(self.forecaster, admitted.tenant.slo, ask, load, backlog, factor)
+        extra_s = self.feedback.extra_s(now_unix_s) if self.feedback is not None else 0.0
+        self.metrics.slo_ttft_feedback.set(extra_s)
+        decision = decide_slo(self.forecaster, admitted.tenant.slo, ask, load, backlog, extra_s)
         self.metrics.slo_admission(admitted.tenant.id, decision.outcome, decision.target)
         if decision.outcome == "shed":
             assert decision.shortfall is not None

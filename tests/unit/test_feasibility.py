@@ -78,47 +78,44 @@ def test_time_already_waited_counts_against_the_ttft_target() -> None:
     assert not forecast.feasible
 
 
-def test_what_outcomes_taught_scales_the_ttft_still_to_come() -> None:
+def test_what_outcomes_taught_is_added_to_the_ttft() -> None:
     ask = SloAsk(prompt_tokens=1000, ttft_target_s=0.5, waited_s=0.1)
     plain = FORECASTER.forecast(idle(), ask)
-    taught = FORECASTER.forecast(idle(), ask, ttft_factor=4.0)
-    assert plain.ttft_s == pytest.approx(0.1 + 0.03)
-    assert taught.ttft_s == pytest.approx(0.1 + 4 * 0.03)  # what was waited is not scaled
+    taught = FORECASTER.forecast(idle(), ask, ttft_extra_s=0.5)
+    assert plain.ttft_s == pytest.approx(0.1 + 0.03) and plain.feasible
+    assert taught.ttft_s == pytest.approx(0.1 + 0.03 + 0.5) and not taught.feasible
 
 
 def test_feedback_believes_a_late_first_token_at_once_and_a_prompt_one_slowly() -> None:
     feedback = TtftFeedback(up_weight=0.5, down_weight=0.1, decay_s=1e9)
-    assert feedback.factor(0.0) == 1.0
-    for t in range(4):  # first tokens 4x later than forecast
-        feedback.observe(0.1, 0.4, float(t))
-    assert 3.0 < feedback.factor(4.0) < 4.0  # 1 − 0.5⁴ of the way in four samples
+    assert feedback.extra_s(0.0) == 0.0
+    for t in range(4):  # first tokens 1 s later than forecast
+        feedback.observe(0.1, 1.1, float(t))
+    assert feedback.extra_s(4.0) == pytest.approx(1 - 0.5**4)
     for t in range(4, 8):  # and then as forecast
         feedback.observe(0.1, 0.1, float(t))
-    assert feedback.factor(8.0) > 2.0  # 0.9⁴ of the log left: down slowly
-    for t in range(8, 200):
-        feedback.observe(0.1, 0.05, float(t))  # earlier than forecast: never below 1
-    assert feedback.factor(200.0) == 1.0
+    assert feedback.extra_s(8.0) == pytest.approx((1 - 0.5**4) * 0.9**4)  # down slowly
+    for t in range(8, 400):
+        feedback.observe(0.1, 0.05, float(t))  # earlier than forecast: never below 0
+    assert feedback.extra_s(400.0) == pytest.approx(0.0, abs=1e-9)
 
 
 def test_feedback_fades_when_nothing_is_admitted_to_learn_from() -> None:
     feedback = TtftFeedback(up_weight=1.0, decay_s=10.0)
-    feedback.observe(0.1, 0.8, 0.0)  # one first token 8× late
-    assert feedback.factor(0.0) == pytest.approx(8.0)
-    assert feedback.factor(10.0) == pytest.approx(8.0 ** math.exp(-1.0))
-    assert feedback.factor(100.0) < 1.001  # tried again, as if never taught
+    feedback.observe(0.1, 0.9, 0.0)  # one first token 0.8 s late
+    assert feedback.extra_s(0.0) == pytest.approx(0.8)
+    assert feedback.extra_s(10.0) == pytest.approx(0.8 * math.exp(-1.0))
+    assert feedback.extra_s(100.0) < 0.001  # tried again, as if never taught
 
 
 def test_feedback_ignores_nonsense_and_stays_bounded() -> None:
-    feedback = TtftFeedback(up_weight=1.0, decay_s=1e9, clip_ratio=8.0, max_factor=32.0)
-    for bad in (0.0, -1.0, math.inf, math.nan):
+    feedback = TtftFeedback(up_weight=1.0, decay_s=1e9, max_extra_s=60.0)
+    for bad in (math.inf, math.nan):
         feedback.observe(0.1, bad, 0.0)
         feedback.observe(bad, 0.1, 0.0)
-    assert feedback.factor(0.0) == 1.0 and feedback.samples == 0
-    feedback.observe(0.001, 100.0, 0.0)  # ×100 000: clipped to ×8 per sample
-    assert feedback.factor(0.0) == pytest.approx(8.0)
-    for t in range(1, 10):
-        feedback.observe(0.001, 100.0, float(t))
-    assert feedback.factor(10.0) == pytest.approx(32.0)
+    assert feedback.extra_s(0.0) == 0.0 and feedback.samples == 0
+    feedback.observe(0.001, 1e6, 0.0)
+    assert feedback.extra_s(0.0) == 60.0
     with pytest.raises(ValueError):
         TtftFeedback(up_weight=0.1, down_weight=0.5)
 

@@ -328,11 +328,11 @@ def test_first_tokens_later_than_forecast_teach_the_admission_to_shed(
 ) -> None:
     # the engine's state says idle (7 ms to a first token), but every admitted request's first
     # token comes 1 s after its arrival (time outside the engine model: a host CPU taken by
-    # another process)
+    # another process); the contract's TTFT is 300 ms
     app = staged_app(forecaster, IDLE)
     app[TTFT_FEEDBACK] = feedback = TtftFeedback(decay_s=1e9)
     outcomes = []
-    for _ in range(12):
+    for _ in range(4):
         flight = make_flight(make_principal(rt_tenant()))
         prepare(app, flight, chat_body(), make_prompt())
         outcome = admit(app, flight)
@@ -341,8 +341,8 @@ def test_first_tokens_later_than_forecast_teach_the_admission_to_shed(
             flight.timer.start_s -= 1.0
             flight.timer.on_tokens(1)
         record(app, flight, cancelled=True)
-    assert outcomes[0] == "admitted" and outcomes[-1] == "shed"
-    assert feedback.samples == outcomes.count("admitted")  # only admitted ones teach
-    assert feedback.factor(0.0) > 10.0
-    gauge = app[METRICS].registry.get_sample_value("tandem_slo_ttft_feedback_factor")
-    assert gauge is not None and gauge > 10.0  # operators see the admission grow stricter
+    assert outcomes == ["admitted", "shed", "shed", "shed"]  # one miss is enough
+    assert feedback.samples == 1  # only admitted ones teach
+    assert feedback.extra_s(0.0) > 0.4
+    gauge = app[METRICS].registry.get_sample_value("tandem_slo_ttft_feedback_seconds")
+    assert gauge is not None and gauge > 0.4  # operators see the admission grow stricter
