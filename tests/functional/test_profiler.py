@@ -4,6 +4,7 @@ model fits; the command writes the file and reports the fit; errors are one line
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from backend.policy.latency import LatencyModel, Profile, load_profile, mape
 from bench.profiler.measure import ProfileGrid, profile_engine
 from bench.profiler.probe import Stream, median_run, repeat_until_stable, steady_gap
 from tandem.profile import add_profile_parser
-from tests.functional.engine_fixtures import EngineServer, free_port
+from tests.functional.engine_fixtures import EngineServer, free_port, running_engine
 
 
 def kinds(profile: Profile) -> dict[str, int]:
@@ -31,8 +32,19 @@ def run_cli(argv: list[str]) -> int:
     return int(args.func(args))
 
 
+@pytest.fixture(scope="module")
+def unscheduled_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineServer]:
+    """The engine as `tandem serve` profiles it: patched, but with SGLang's own scheduling
+    (policy none). Under tandem's policy, whose calibration carries whatever the session's
+    earlier tests taught it, the probes' chunks would be cut and their prefills held back while
+    the decode streams ran out (seen in the suite, never alone)."""
+    with running_engine(tmp_path_factory.mktemp("profiled-engine"), policy="none") as engine:
+        yield engine
+
+
 @pytest.mark.slow
-async def test_quick_profile_of_the_real_engine(engine_server: EngineServer) -> None:
+async def test_quick_profile_of_the_real_engine(unscheduled_engine: EngineServer) -> None:
+    engine_server = unscheduled_engine
     lines: list[str] = []
     profile = await profile_engine(
         engine_server.base_url, grid=ProfileGrid.quick(), name="quick", progress=lines.append
