@@ -60,8 +60,7 @@ async def test_the_runner_sends_no_line_while_rt_waits_then_every_line_once() ->
     runner._active[active.info.id] = active
 
     watcher.update(EngineLoad(iteration=1, at_unix_s=time.time(), num_rt_waiting=2))
-    runner._dispatch()
-    await asyncio.sleep(0)
+    runner._dispatch()  # synchronous: a line it sent would be a task in active.tasks now
     assert sent == [] and not active.tasks  # paused: nothing sent, nothing lost
     watcher.update(EngineLoad(iteration=2, at_unix_s=time.time(), num_rt_waiting=0))
     runner._dispatch()
