@@ -180,6 +180,11 @@ class EngineLoad(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     it, seconds (0: no prediction — before the first iteration, or a policy that predicts
     none). predicted ÷ measured, iteration by iteration, is how well the closed loop tracks the
     engine's real pace right now."""
+    pace_ratio_p90: float = 1.0
+    """p90 of measured ÷ predicted over the engine's last 32 iterations (`PaceSpread` in
+    backend/policy/calibration.py; 1.0 from an engine that predicts nothing): how much slower
+    than its calibrated model the engine has recently run at worst, but for one iteration in
+    ten. The SLO admission scales its forecasts by it when it is above 1."""
     num_rt_waiting: int = 0
     """RT requests whose prompt is not fully computed yet (queued or partly prefilled)."""
     rt_waiting_prompt_tokens: int = 0

@@ -40,7 +40,10 @@ lognormal noise at 30 ms iterations), on the safe side.
 
 Robustness: a sample's log-ratio is clipped to ±log(`clip_ratio`) around each estimate (a 10×
 stall moves the factor no more than a 4× one), and both means stay within
-[log `min_factor`, log `max_factor`] (no wind-up, no divergence). Exactness: a ratio within
+[log `min_factor`, log `max_factor`] (no wind-up, no divergence; 1/256…256 by default: a
+spinning neighbour on a 2-core host slows small CPU decode batches ×60 — torch's worker threads
+wait for each other — and a bound below the real slowdown would leave the model optimistic for
+as long as it lasts). Exactness: a ratio within
 `exact_tol` of 1 counts as exactly 1, so an engine that runs as its profile predicts (the
 simulator, whose two evaluations of the same model may differ in the last bit) keeps every
 factor at exactly 1.0 and the planner's arithmetic bit-for-bit unchanged.
@@ -103,8 +106,8 @@ class LatencyCalibration:
         *,
         tau_fast_s: float = 0.5,
         tau_slow_s: float = 2.0,
-        min_factor: float = 1 / 32,
-        max_factor: float = 32.0,
+        min_factor: float = 1 / 256,
+        max_factor: float = 256.0,
         clip_ratio: float = 4.0,
         exact_tol: float = 1e-6,
         window: int = 1000,
@@ -204,3 +207,37 @@ class LatencyCalibration:
             latency_corrected_error_p99=c99,
         )
         return out
+
+
+class PaceSpread:
+    """How much slower than the calibrated prediction the engine's recent iterations ran: the
+    upper quantile of measured ÷ predicted over the last `window` iterations.
+
+    The calibration's factors are means, and deliberately smooth (one stall must not move
+    them); the SLO admission needs a bound. On a quiet engine the ratio's p90 is about 1.2
+    (noise); while the engine's pace changes — a neighbour takes the CPU — it is the size of
+    the change at once, iterations before the factors have learned it, and it stays high while
+    the engine is erratic (a host whose iterations swing between 40 and 600 ms). The gateway
+    multiplies its forecasts by it (backend/policy/feasibility.py), so neither the
+    calibration's lag nor its averaging admits a request the engine's recent iterations say
+    will be late. Pure; the caller feeds it."""
+
+    def __init__(self, window: int = 32, quantile: float = 0.9) -> None:
+        if window < 1 or not 0.0 < quantile <= 1.0:
+            raise ValueError("need window ≥ 1 and 0 < quantile ≤ 1")
+        self.quantile = quantile
+        self._ratios: deque[float] = deque(maxlen=window)
+
+    def observe(self, predicted_s: float, measured_s: float) -> None:
+        """One iteration's calibrated prediction and measured time; ignored unless both are
+        positive and finite."""
+        if 0 < predicted_s < math.inf and 0 < measured_s < math.inf:
+            self._ratios.append(measured_s / predicted_s)
+
+    def upper(self) -> float:
+        """The quantile of measured ÷ predicted over the window (nearest rank; 1.0 before any
+        sample)."""
+        if not self._ratios:
+            return 1.0
+        values = sorted(self._ratios)
+        return values[min(len(values) - 1, int(self.quantile * len(values)))]

@@ -168,6 +168,10 @@ class SloForecaster:
     ) -> Forecast:
         """The ask's predicted TTFT and TPOT on an engine in state *load*; *ttft_extra_s* is
         added to the TTFT (`TtftFeedback.extra_s`: what the engine model does not see)."""
+        # The calibrated factors are means; the engine's recent worst pace (but one iteration
+        # in ten) bounds them from above while the pace changes or swings (`PaceSpread`). The
+        # engine's policy sizes its chunks with the factors; the spread stretches their time.
+        spread = max(1.0, load.pace_ratio_p90) if math.isfinite(load.pace_ratio_p90) else 1.0
         f_decode = load.latency_factors[DECODE]
         f_mixed = load.latency_factors[MIXED]
         f_prefill = load.latency_factors[PREFILL]
@@ -177,7 +181,7 @@ class SloForecaster:
         later = load.num_rt_waiting + backlog.num_requests + 1
         later_tokens = load.rt_waiting_prompt_tokens + backlog.prompt_tokens + ask.prompt_tokens
         decoding = _decodes(load.num_rt_running + later, load.rt_context_tokens + later_tokens)
-        tpot_s = f_decode * self.latency.predict(decoding) if ask.tpot_target_s else None
+        tpot_s = spread * f_decode * self.latency.predict(decoding) if ask.tpot_target_s else None
 
         budget_s = self.iteration_budget_s
         if ask.tpot_target_s is not None:
@@ -189,7 +193,7 @@ class SloForecaster:
         prefill_s = full * f_chunk * self.latency.predict(running.with_prefill(chunk))
         if rest:
             prefill_s += f_chunk * self.latency.predict(running.with_prefill(rest))
-        ttft_s = ask.waited_s + load.iteration_s + prefill_s + ttft_extra_s
+        ttft_s = ask.waited_s + load.iteration_s + spread * prefill_s + ttft_extra_s
         return Forecast(
             ttft_s=ttft_s, tpot_s=tpot_s, shortfall=self._shortfall(ask, ttft_s, tpot_s)
         )
@@ -394,6 +398,7 @@ def load_of(
     iteration_s: float,
     predicted_iteration_s: float = 0.0,
     latency_factors: tuple[float, float, float] = (1.0, 1.0, 1.0),
+    pace_ratio_p90: float = 1.0,
 ) -> EngineLoad:
     """The `EngineLoad` an engine reports from the snapshot its policy planned from (the
     SGLang driver and the simulator build it the same way). One pass over the requests.
@@ -433,6 +438,7 @@ def load_of(
         at_unix_s=at_unix_s,
         iteration_s=iteration_s,
         predicted_iteration_s=predicted_iteration_s,
+        pace_ratio_p90=pace_ratio_p90,
         num_rt_waiting=rt_waiting,
         rt_waiting_prompt_tokens=rt_prompt,
         num_rt_running=rt_running,

@@ -33,6 +33,7 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from types import MappingProxyType
 
+from backend.policy.calibration import PaceSpread
 from backend.policy.feasibility import load_of
 from backend.policy.load_report import policy_factors
 from backend.policy.tandem import slack
@@ -106,6 +107,7 @@ class EngineDriver:
         self._reported: set[str] = set()
         self._last_iteration_s: float | None = None
         self._last_predicted_s = 0.0  # what the plan of that iteration predicted (0: nothing)
+        self._pace = PaceSpread()  # measured ÷ predicted of the recent iterations
         self._calib_samples = 0  # calibration samples already copied into the stats
         self._calib_off_since: float | None = None  # a factor left the band at this instant
         self._calib_warned = False  # this episode's warning was logged
@@ -119,6 +121,7 @@ class EngineDriver:
             duration = t0 - self._iter_start_s
             self._last_iteration_s = duration
             self._last_predicted_s = self._iter_plan.predicted_s or 0.0
+            self._pace.observe(self._last_predicted_s, duration)
             self.iterations += 1
             self.stats.iterations += 1
             self.stats.busy_s += duration
@@ -369,6 +372,7 @@ class EngineDriver:
                 iteration_s=self._last_iteration_s or 0.0,
                 predicted_iteration_s=self._last_predicted_s,
                 latency_factors=policy_factors(self.policy),
+                pace_ratio_p90=self._pace.upper(),
             )
         )
 

@@ -396,7 +396,7 @@ def test_rt_time_share_is_all_or_nothing_for_single_tier_iterations() -> None:
 def test_each_completed_iteration_publishes_the_load_it_plans_from() -> None:
     rt = req("rt", "rt", prompt=100, out=3)
     new_rt = req("new", "rt", prompt=40)
-    policy = ScriptedPolicy(Plan(decodes=["rt"]))
+    policy = ScriptedPolicy(Plan(decodes=["rt"], predicted_s=0.02))
     policy.calibration = SimpleNamespace(  # type: ignore[attr-defined]
         factors=(1.5, 1.0, 2.0), samples=0, last_error=None
     )
@@ -407,6 +407,8 @@ def test_each_completed_iteration_publishes_the_load_it_plans_from() -> None:
     load = drv.loads.latest
     assert load.iteration == 1
     assert load.iteration_s == pytest.approx(0.05)
+    assert load.predicted_iteration_s == pytest.approx(0.02)
+    assert load.pace_ratio_p90 == pytest.approx(2.5)  # the one iteration: 50 ms for 20 predicted
     assert (load.num_rt_running, load.rt_context_tokens) == (1, 103)
     assert (load.num_rt_waiting, load.rt_waiting_prompt_tokens) == (1, 40)
     assert load.latency_factors == (1.5, 1.0, 2.0)

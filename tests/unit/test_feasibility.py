@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from backend.policy.calibration import PaceSpread
 from backend.policy.feasibility import (
     Backlog,
     SloAsk,
@@ -61,6 +62,40 @@ def test_a_slower_engine_turns_a_feasible_request_away() -> None:
     assert FORECASTER.forecast(load, ask).feasible  # 5 chunks of 50 ms
     slow = idle(num_rt_waiting=4, rt_waiting_prompt_tokens=8000, latency_factors=(3.0, 3.0, 3.0))
     assert not FORECASTER.forecast(slow, ask).feasible
+
+
+def test_recent_iterations_slower_than_the_calibrated_model_scale_the_forecast() -> None:
+    ask = SloAsk(prompt_tokens=2000, ttft_target_s=0.5, tpot_target_s=0.05)
+    steady = FORECASTER.forecast(idle(num_rt_running=2, rt_context_tokens=2000), ask)
+    # the calibration has not caught up yet: 1 iteration in 10 ran 4× over its prediction
+    swinging = idle(num_rt_running=2, rt_context_tokens=2000, pace_ratio_p90=4.0)
+    late = FORECASTER.forecast(swinging, ask)
+    assert steady.feasible and late.ttft_s == pytest.approx(4 * steady.ttft_s)
+    assert late.tpot_s == pytest.approx(4 * (steady.tpot_s or 0.0))
+    shortfall = late.shortfall
+    assert shortfall is not None and shortfall.target == "tpot"  # 4 × 14 ms over 0.8 × 50 ms
+    # faster than predicted never makes a forecast more optimistic than the calibrated model
+    quick = FORECASTER.forecast(
+        idle(num_rt_running=2, rt_context_tokens=2000, pace_ratio_p90=0.5), ask
+    )
+    assert quick.ttft_s == pytest.approx(steady.ttft_s)
+
+
+def test_pace_spread_is_the_recent_upper_ratio_and_forgets_old_iterations() -> None:
+    spread = PaceSpread(window=10, quantile=0.9)
+    assert spread.upper() == 1.0  # nothing measured yet: the calibrated model as it is
+    for _ in range(10):
+        spread.observe(0.01, 0.011)
+    assert spread.upper() == pytest.approx(1.1)
+    spread.observe(0.01, 0.4)  # the neighbour starts: the very next forecast knows
+    assert spread.upper() == pytest.approx(40.0)
+    for _ in range(10):
+        spread.observe(0.01, 0.01)
+    assert spread.upper() == pytest.approx(1.0)  # ten iterations later it is gone
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        spread.observe(bad, 0.01)
+        spread.observe(0.01, bad)
+    assert spread.upper() == pytest.approx(1.0)
 
 
 def test_work_sent_but_not_yet_reported_counts_like_the_queue() -> None:

@@ -115,10 +115,10 @@ def test_outliers_are_clipped_and_the_factor_stays_within_its_bounds() -> None:
     assert feed(calib, 1.0, 1.0, 0.03, DECODE) and calib.factor(DECODE) < 1.1  # gone in 1 s
     calib.observe(0.03, 1e-6, DECODE)  # one absurdly short measurement
     assert calib.factor(DECODE) > 0.95
-    feed(calib, 100.0, 3000.0, 0.03, DECODE)
-    assert calib.factor(DECODE) == pytest.approx(32.0)  # max_factor
-    feed(calib, 0.01, 120.0, 0.03, DECODE)
-    assert calib.factor(DECODE) == pytest.approx(1 / 32)  # min_factor
+    feed(calib, 1000.0, 3000.0, 0.03, DECODE)
+    assert calib.factor(DECODE) == pytest.approx(256.0)  # max_factor
+    feed(calib, 0.001, 120.0, 0.03, DECODE)
+    assert calib.factor(DECODE) == pytest.approx(1 / 256)  # min_factor
     before = calib.factors
     for bad in (0.0, -1.0, math.inf, math.nan):
         calib.observe(0.03, bad, DECODE)
