@@ -329,13 +329,19 @@ def error_timeline(samples: list[dict[str, float]], window_s: float) -> list[tup
 
 
 def recovery_s(
-    timeline: list[tuple[float, float]], start_unix_s: float, band: float
+    timeline: list[tuple[float, float]], start_unix_s: float, band: float, hold_s: float = 3.0
 ) -> float | None:
-    """Seconds from *start_unix_s* until the windowed error is within *band* and stays there for
-    the rest of the timeline's first half after that (None: never)."""
+    """Seconds from *start_unix_s* until the windowed error, once the disturbance has shown
+    (the first point after the start above *band*), is back within *band* and stays within
+    1.5 × *band* for the next *hold_s* seconds (or to the timeline's end); 0.0 when it never
+    left the band, None when it never came back."""
     after = [(t, e) for t, e in timeline if t >= start_unix_s]
-    for i, (t, e) in enumerate(after):
-        if e <= band and all(e2 <= band * 1.5 for _, e2 in after[i : i + 20]):
+    hit = next((i for i, (_, e) in enumerate(after) if e > band), None)
+    if hit is None:
+        return 0.0
+    for i in range(hit, len(after)):
+        t, e = after[i]
+        if e <= band and all(e2 <= band * 1.5 for t2, e2 in after[i:] if t2 <= t + hold_s):
             return t - start_unix_s
     return None
 
@@ -556,6 +562,7 @@ async def _burn_phase(
         "burners": burners,
         "burner_nice": options.burner_nice,
         "chats": summary,
+        "chat_log": [asdict(c) for c in phase.chats],
         "error_before_p50": statistics.median(before) if before else None,
         "error_back_within_band_s": back_s,
         "iterations": len(samples),
