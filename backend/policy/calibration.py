@@ -27,18 +27,13 @@ larger. The time constants are in seconds of engine time — each sample weighs
 1 − exp(−dt/τ), dt the iteration's *expected* duration (factor × prediction, not the measured
 one: weighting by the noisy measurement would bias the mean upward by σ²) — so the estimate
 converges equally fast at any iteration rate. Except for a surprise: an iteration that took
-more than twice its expected time (`SURPRISE_RATIO`) weighs half its measured time, up to
-τ_fast / 2 (`SURPRISE_WEIGHT`). When the engine turns 10× slower than believed (a CPU-bound
-neighbour on a small host), its iterations come 10× less often, and at the expected weight the
-factor would take 10× as long in wall time to learn it; ordinary noise (σ = 0.3: 1 % of samples
-beyond 2×) is hardly affected. A surprise also moves the regimes that are not running: it is a
-change of pace, which a regime met next would otherwise meet with its old factor (measured on a
-real 2-core engine: a spinner started while only decodes ran; the BE prompts that came seconds
-later ran 17× over their prefill factor).
-
-The max of the two means makes the factor rise at the fast pace (an engine that became slower
-is believed within ~2 τ_fast: being late costs RT its SLO) and fall at the slow pace (an engine
-that became faster is believed within ~2 τ_slow: being conservative for a few
+more than twice its expected time weighs half its measured time, up to τ_fast / 2
+(`SURPRISE_WEIGHT`). When the engine turns 10× slower than believed (a CPU-bound neighbour on a
+small host), its iterations come 10× less often, and at the expected weight the factor would take
+10× as long in wall time to learn it; ordinary noise (σ = 0.3: 1 % of samples beyond 2×) is
+hardly affected. The max of the two makes the factor rise at the fast pace (an engine that
+became slower is believed within ~2 τ_fast: being late costs RT its SLO) and fall at the slow
+pace (an engine that became faster is believed within ~2 τ_slow: being conservative for a few
 seconds costs only a little BE throughput). Each mean alone is unbiased for the median of the
 ratio; the max adds an upward bias of a fraction of the fast mean's noise (≈ 1 % for σ = 0.3
 lognormal noise at 30 ms iterations), on the safe side.
@@ -81,15 +76,11 @@ def regime_of(num_prefill: int | float, num_decode: int | float) -> int:
     return PREFILL if num_decode == 0 else MIXED
 
 
-SURPRISE_RATIO = 2.0
-"""An iteration more than this × slower than expected is a surprise: it weighs its measured
-time, not its expected one (up to τ_fast / 2), and every regime learns it (module doc)."""
 SURPRISE_WEIGHT = 0.5
 """A sample weighs max(expected duration, min(this × measured duration, τ_fast / 2)) seconds of
-engine time — only a surprise weighs more than usual, and no single one more than τ_fast / 2
-(one stall moves the factors by ×1.7 at most, for about a second; a sustained slowdown of ×40
-is learned in about six iterations). A weight of the whole measured time would learn it faster,
-but would bias the factor up by 6 % under ordinary σ = 0.3 noise instead of 2 %."""
+engine time: only an iteration more than 1 / this × slower than expected weighs more than usual,
+and no single one more than τ_fast / 2 (one stall moves the factor by ×1.7 at most, for about a
+second; a sustained slowdown of ×40 is learned in about six iterations)."""
 
 
 class _LogMean:
@@ -173,19 +164,9 @@ class LatencyCalibration:
         # The sample's weight in engine time: its expected duration (free of its own noise),
         # or half the measured one when that is longer — an engine far slower than believed
         # must not take as many samples to learn it as at the old pace (their rate dropped).
-        expected_s = used * predicted_s
-        dt = max(expected_s, min(SURPRISE_WEIGHT * measured_s, self.tau_fast_s / 2))
+        dt = max(used * predicted_s, min(SURPRISE_WEIGHT * measured_s, self.tau_fast_s / 2))
         self._update(est, x, dt)
         self._update(self._pooled, x, dt)
-        if measured_s > SURPRISE_RATIO * expected_s:
-            # A surprise is a change of pace, not a regime's shape (the regimes of one engine
-            # differ by less): the regimes not running now would meet it with their stale
-            # factors — a neighbour that takes the CPU slows prefill as much as the decodes
-            # that first showed it. Each learns the same surprise, relative to its own factor.
-            surprise = math.log(measured_s / expected_s)
-            for other in self._regimes:
-                if other is not est and other.samples:
-                    self._update(other, other.log_factor + surprise, dt)
         d, p, m = (math.exp((e if e.samples else self._pooled).log_factor) for e in self._regimes)
         self.factors = (d, p, m)
 

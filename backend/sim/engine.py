@@ -85,6 +85,8 @@ def simulate(
                 )
             continue
         clock.now_s += duration
+        if door is not None and duration > 0.0:  # the engine's recent pace, as /load reports it
+            door.pace.observe(log.predicted_s[-1], duration)
         idle_plans = idle_plans + 1 if duration <= 0.0 else 0
         if idle_plans > _MAX_IDLE_PLANS:
             raise StalledPolicyError(

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from backend.policy.calibration import PaceSpread
 from backend.policy.common import PolicyBase
 from backend.policy.feasibility import SloAsk, SloForecaster, load_of
 from backend.policy.types import Policy, Snapshot
@@ -46,6 +47,9 @@ class FrontDoor:
         """rid → how it was admitted, for the requests that were not simply admitted."""
         self.shed: list[RequestRecord] = []
         """The requests it refused (they never reached the engine)."""
+        self.pace = PaceSpread()
+        """The engine's recent measured ÷ predicted iteration times (the simulator's loop feeds
+        it), as the real engine reports them in `EngineLoad.pace_ratio_p90`."""
 
     def admit(self, req: SimRequest, snapshot: Snapshot, now_s: float) -> SimRequest | None:
         """The request to hand to the engine (*req*, or *req* as BE), or None when it is shed.
@@ -58,6 +62,7 @@ class FrontDoor:
             at_unix_s=now_s,
             iteration_s=0.0,
             latency_factors=self.latency_factors(),
+            pace_ratio_p90=self.pace.upper(),
         )
         ask = SloAsk(
             prompt_tokens=req.prompt_len,

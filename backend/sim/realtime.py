@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 
+from backend.policy.calibration import PaceSpread
 from backend.policy.feasibility import load_of
 from backend.policy.latency import LatencyModel
 from backend.policy.load_report import policy_factors
@@ -74,6 +75,7 @@ class RealtimeEngine:
         self._aborts: list[str] = []
         self.iterations = 0
         """Iterations run since start."""
+        self._pace = PaceSpread()  # measured ÷ predicted of the recent iterations
         self.load = EngineLoad(
             iteration=0,
             at_unix_s=time.time(),
@@ -150,6 +152,7 @@ class RealtimeEngine:
             )
         )
         self.iterations += 1
+        self._pace.observe(plan.predicted_s or 0.0, end - start)
         self._publish_load(end)
         return True
 
@@ -162,6 +165,7 @@ class RealtimeEngine:
             at_unix_s=time.time(),
             iteration_s=self.core.last_iteration_s or 0.0,
             latency_factors=policy_factors(self.policy),
+            pace_ratio_p90=self._pace.upper(),
         )
         published, self._load_published = self._load_published, asyncio.Event()
         published.set()

@@ -136,30 +136,15 @@ def test_regimes_learn_independently_and_an_unseen_one_uses_the_pooled_factor() 
     # MIXED has never run: it borrows the pooled estimate (in between, never the optimistic
     # profile when batches are running slow)
     assert 1.0 < calib.factor(MIXED) < 2.0
-    feed(calib, 2.5, 10.0, 0.03, MIXED)  # a shape of its own: no surprise, learned alone
-    assert calib.factor(MIXED) == pytest.approx(2.5, rel=0.01)
+    feed(calib, 3.0, 10.0, 0.03, MIXED)
+    assert calib.factor(MIXED) == pytest.approx(3.0, rel=0.01)
+    # a change seen in one regime only never moves another: a regime the policy plans rarely
+    # would keep a factor it can never correct (tried: surprises spread to every regime pushed
+    # the mixed factor to its bound on a busy host, and the policy stopped planning mixed
+    # batches). A regime met after a change of pace learns it from its own first iterations
+    # (surprise weight), and the SLO admission sees the misprediction at once (`PaceSpread`).
     assert calib.factor(DECODE) == pytest.approx(2.0, rel=0.02)
     assert calib.factor(PREFILL) == pytest.approx(1.0, rel=0.02)
-
-
-def test_a_surprise_in_one_regime_moves_the_regimes_that_are_not_running() -> None:
-    # a real 2-core engine: a spinner started while only decodes ran, and the BE prompts that
-    # came seconds later ran 17× over their prefill factor, which had not moved
-    calib = LatencyCalibration()
-    for _ in range(400):
-        calib.observe(0.02, 0.03, DECODE)
-        calib.observe(0.05, 0.05, PREFILL)
-        calib.observe(0.04, 0.048, MIXED)
-    wall_s = time_to_within(calib, 1.5 * 25, 0.012, tol=0.2, regime=DECODE)
-    assert wall_s < 5.0
-    # the same change of pace, relative to each one's own factor (shapes kept), as far as the
-    # decodes were surprised: within 2× of it (the last 2× only their own samples can tell)
-    assert 25.0 / 2 < calib.factor(PREFILL) < 25.0
-    assert 1.2 * 25 / 2 < calib.factor(MIXED) < 1.2 * 25
-    # each regime's own samples still rule: prefill runs and turns out only 10× slower
-    feed(calib, 10.0, 20.0, 0.05, PREFILL)
-    assert calib.factor(PREFILL) == pytest.approx(10.0, rel=0.05)
-    assert calib.factor(DECODE) > 25.0  # a speedup is believed only where it is seen
 
 
 def test_error_percentiles_on_a_known_sequence() -> None:
