@@ -42,6 +42,12 @@ class ModelTokenizer:
             or tok_config.get("model_max_length")
             or DEFAULT_CONTEXT_LEN
         )
+        self.vocab_size: int = _model_vocab_size(model_config) or int(
+            self._tokenizer.get_vocab_size(with_added_tokens=True)
+        )
+        """The model's vocabulary, tokens: the rows of its embedding table, as the engine reads
+        them (config.json's `vocab_size`; the tokenizer's size when the config has none). A
+        prompt token id at or above it reads past the table and kills the engine."""
         template = tok_config.get("chat_template")
         if isinstance(template, list):  # HF allows named templates; take the default one
             named = {t.get("name"): t.get("template") for t in template}
@@ -84,6 +90,14 @@ def _compile(template: str) -> jinja2.Template:
 
     env.globals["raise_exception"] = raise_exception
     return env.from_string(template)
+
+
+def _model_vocab_size(model_config: dict[str, Any]) -> int | None:
+    # a multimodal model keeps its language model's settings under text_config
+    for config in (model_config, model_config.get("text_config")):
+        if isinstance(config, dict) and isinstance(config.get("vocab_size"), int):
+            return int(config["vocab_size"])
+    return None
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -3,10 +3,19 @@
 Decoding a body validates every known field's type in one pass (a wrong type is a 422 naming the
 field); unknown fields are ignored, as OpenAI-compatible servers do, because client libraries add
 fields of their own. Range checks that msgspec cannot express live in `check_sampling`.
+
+Every value the gateway forwards is range-checked here or in gateway/pipeline/prepare.py before
+the engine sees it: SGLang checks some values itself (and answers 400), but others it takes on
+trust, and one of those kills its scheduler for every tenant — `top_k` ≥ 2³¹ overflows the int32
+tensor it is copied into, a prompt token id beyond the vocabulary indexes past the embedding
+table (issue 16). The ranges follow SGLang's own (`SamplingParams.verify`) and the width of the
+tensor each value lands in, and OpenAI's where those are narrower.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Literal
 
 import msgspec
@@ -37,21 +46,33 @@ class SamplingFields(msgspec.Struct, kw_only=True):
 
     model: str
     max_tokens: int | None = None
+    """Output cap, tokens: [1, the context left after the prompt] (default: the gateway's)."""
     temperature: float | None = None
+    """[0, 2]; 0 is greedy."""
     top_p: float | None = None
+    """(0, 1]."""
     n: int = 1
+    """Choices per request: only 1."""
     stop: str | list[str] | None = None
+    """At most 4 non-empty strings."""
     stream: bool = False
     stream_options: StreamOptions | None = None
     seed: int | None = None
+    """[-2**63, 2**63 - 1] (the engine's int64)."""
     presence_penalty: float | None = None
+    """[-2, 2]."""
     frequency_penalty: float | None = None
+    """[-2, 2]."""
     user: str | None = None
     # engine extensions that benchmark clients send
     top_k: int | None = None
+    """-1 (all tokens) or [1, 2**31 - 1] (the engine's int32)."""
     min_p: float | None = None
+    """[0, 1]."""
     repetition_penalty: float | None = None
+    """(0, 2]; 1 is none."""
     min_tokens: int | None = None
+    """Output tokens before a stop may end it: [0, the output cap]."""
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     # tandem: ask for a tier within what the tenant's contract allows
@@ -61,11 +82,13 @@ class SamplingFields(msgspec.Struct, kw_only=True):
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    """OpenAI's newer name of max_tokens (it wins when both are sent); same range."""
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
-    prompt: str | list[str | int]
-    """Text, a one-element list of text, or token ids (a list mixing both is refused)."""
+    prompt: str | list[str | int | list[int]]
+    """Text, a one-element list of text, token ids, or a one-element list of token ids (a list
+    mixing them is refused); token ids must be in [0, the model's vocab_size)."""
     echo: bool = False
 
 
@@ -89,36 +112,77 @@ def decode_body(raw: bytes, kind: type[msgspec.Struct]) -> msgspec.Struct:
         raise validation_error(exc) from None
 
 
+INT32_MAX = 2**31 - 1
+"""The largest 32-bit signed integer: the engine copies top_k (and lengths) into int32 tensors,
+where a larger value wraps around and crashes the scheduler."""
+INT64_MIN = -(2**63)
+"""The smallest 64-bit signed integer (the engine's seed tensor is int64)."""
+INT64_MAX = 2**63 - 1
+"""The largest 64-bit signed integer (the engine's seed tensor is int64)."""
+MAX_STOP_SEQUENCES = 4
+"""Stop strings per request at most (OpenAI's limit)."""
+
+
 def check_sampling(req: SamplingFields) -> None:
-    """Range checks msgspec's types cannot express; raises 400 naming the field."""
-    _check_range("temperature", req.temperature, 0.0, 2.0)
-    _check_range("top_p", req.top_p, 0.0, 1.0, low_open=True)
-    _check_range("presence_penalty", req.presence_penalty, -2.0, 2.0)
-    _check_range("frequency_penalty", req.frequency_penalty, -2.0, 2.0)
-    _check_range("min_p", req.min_p, 0.0, 1.0)
-    if req.repetition_penalty is not None and req.repetition_penalty <= 0:
-        raise _bad("repetition_penalty", "repetition_penalty must be positive")
-    if req.top_k is not None and req.top_k < -1:
-        raise _bad("top_k", "top_k must be -1 (all) or a positive count")
-    if req.max_tokens is not None and req.max_tokens < 1:
-        raise _bad("max_tokens", "max_tokens must be at least 1")
-    if req.min_tokens is not None and req.min_tokens < 0:
-        raise _bad("min_tokens", "min_tokens must not be negative")
+    """Range checks msgspec's types cannot express; raises 400 naming the field and its range.
+
+    Checks the body alone; what depends on the model or the prompt (token ids against the
+    vocabulary, the output cap against the context, min_tokens against the cap) is checked
+    where the prompt is prepared (gateway/pipeline/prepare.py)."""
+    check_float_range("temperature", req.temperature, 0.0, 2.0)
+    check_float_range("top_p", req.top_p, 0.0, 1.0, low_open=True)
+    check_float_range("presence_penalty", req.presence_penalty, -2.0, 2.0)
+    check_float_range("frequency_penalty", req.frequency_penalty, -2.0, 2.0)
+    check_float_range("min_p", req.min_p, 0.0, 1.0)
+    check_float_range("repetition_penalty", req.repetition_penalty, 0.0, 2.0, low_open=True)
+    if req.top_k is not None and req.top_k != -1 and not 1 <= req.top_k <= INT32_MAX:
+        raise _bad(
+            "top_k",
+            f"top_k must be -1 (all tokens) or in [1, {INT32_MAX}], got {req.top_k}",
+        )
+    check_int_range("max_tokens", req.max_tokens, 1, INT32_MAX)
+    if isinstance(req, ChatCompletionRequest):
+        check_int_range("max_completion_tokens", req.max_completion_tokens, 1, INT32_MAX)
+    check_int_range("min_tokens", req.min_tokens, 0, INT32_MAX)
+    check_int_range("seed", req.seed, INT64_MIN, INT64_MAX)
     if req.n != 1:
         raise _bad("n", "only n=1 is supported; send several requests for several choices")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-    if len(stops) > 4 or any(not s for s in stops):
-        raise _bad("stop", "stop must be at most 4 non-empty strings")
+    if len(stops) > MAX_STOP_SEQUENCES or any(not s for s in stops):
+        raise _bad("stop", f"stop must be at most {MAX_STOP_SEQUENCES} non-empty strings")
 
 
-def _check_range(
-    name: str, value: float | None, low: float, high: float, *, low_open: bool = False
+def check_int_range(param: str, value: int | None, low: int, high: int) -> None:
+    """400 naming *param* unless *value* is None or in [low, high]."""
+    if value is not None and not low <= value <= high:
+        raise _bad(param, f"{param} must be in [{low}, {high}], got {value}")
+
+
+def check_float_range(
+    param: str, value: float | None, low: float, high: float, *, low_open: bool = False
 ) -> None:
+    """400 naming *param* unless *value* is None or a finite number in [low, high] ((low, high]
+    with *low_open*). NaN fails every comparison, so it is refused explicitly."""
     if value is None:
         return
-    if value > high or value < low or (low_open and value == low):
+    above_low = value > low if low_open else value >= low
+    if not math.isfinite(value) or not above_low or value > high:
         bracket = "(" if low_open else "["
-        raise _bad(name, f"{name} must be in {bracket}{low}, {high}], got {value}")
+        raise _bad(
+            param, f"{param} must be a finite number in {bracket}{low}, {high}], got {value}"
+        )
+
+
+def check_token_ids(param: str, ids: Sequence[int], vocab_size: int) -> None:
+    """400 naming the first id of *ids* (`param[i]`) outside [0, vocab_size): the engine looks
+    each up in the model's embedding table, whose rows are the vocabulary."""
+    for index, token_id in enumerate(ids):
+        if not 0 <= token_id < vocab_size:
+            raise _bad(
+                f"{param}[{index}]",
+                f"{param}[{index}] is {token_id}, not a token of the model: token ids must be in"
+                f" [0, {vocab_size - 1}] (the vocabulary has {vocab_size} tokens)",
+            )
 
 
 def _bad(param: str, message: str) -> ApiError:

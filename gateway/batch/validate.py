@@ -5,7 +5,8 @@ Structural problems — a line that is not a JSON object, a missing or repeated 
 request of that endpoint (wrong types, out-of-range sampling values, another model, `stream`) —
 fail the whole batch, with one error per bad line (`line` is 1-based, as OpenAI reports it), so
 nothing runs until the file is right. Problems only the model can find (a prompt longer than the
-context) fail that line alone, into the error file, while the rest runs.
+context, a token id beyond its vocabulary) fail that line alone, into the error file, while the
+rest runs; so does a line stored before a check was added, when the batch is loaded.
 """
 
 from __future__ import annotations

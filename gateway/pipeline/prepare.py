@@ -19,6 +19,7 @@ from gateway.api.schemas import (
     OpenAIRequest,
     SamplingFields,
     check_sampling,
+    check_token_ids,
     decode_body,
 )
 from gateway.auth import Principal
@@ -82,17 +83,31 @@ def prepare_prompt(
 ) -> PreparedPrompt:
     """The prompt's token ids and the output cap of a parsed body (API request or batch line
     alike, so both are refused for the same reasons with the same error)."""
+    requested, requested_param = body.max_tokens, "max_tokens"
     if isinstance(body, ChatCompletionRequest):
         input_ids = chat_prompt_ids(body, tokenizer)
-        requested = body.max_completion_tokens or body.max_tokens
+        if body.max_completion_tokens is not None:  # OpenAI's newer name wins
+            requested, requested_param = body.max_completion_tokens, "max_completion_tokens"
     else:
         if body.echo:
             raise ApiError(400, "echo is not supported", param="echo")
         input_ids = completion_prompt_ids(body, tokenizer)
-        requested = body.max_tokens
     max_tokens = output_cap(
-        body, requested, len(input_ids), tokenizer.context_len, default_max_tokens
+        body,
+        requested,
+        len(input_ids),
+        tokenizer.context_len,
+        default_max_tokens,
+        requested_param=requested_param,
     )
+    if body.min_tokens is not None and body.min_tokens > max_tokens:
+        # the engine refuses it too, but only after the admission counted the request
+        raise ApiError(
+            400,
+            f"min_tokens must be in [0, {max_tokens}] (the output cap), got {body.min_tokens}",
+            param="min_tokens",
+            code="invalid_value",
+        )
     return PreparedPrompt(input_ids=input_ids, max_tokens=max_tokens)
 
 
@@ -108,28 +123,34 @@ def chat_prompt_ids(req: ChatCompletionRequest, tokenizer: ModelTokenizer) -> li
 
 
 def completion_prompt_ids(req: CompletionRequest, tokenizer: ModelTokenizer) -> list[int]:
-    """Token ids of a text completion's prompt (a string, one-string list, or token ids)."""
+    """Token ids of a text completion's prompt: a string, a one-string list, token ids, or a
+    one-element list of token ids. Token ids outside the model's vocabulary are a 400 naming the
+    first one (`prompt[i]`, `prompt[0][i]`): the engine would crash on them."""
     prompt = req.prompt
     if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt)
-    elif prompt and all(isinstance(p, str) for p in prompt):
-        if len(prompt) != 1:
-            raise ApiError(
-                400,
-                "only one prompt per request is supported",
-                param="prompt",
-                code="invalid_value",
-            )
-        ids = tokenizer.encode(str(prompt[0]))
-    elif all(isinstance(p, int) and p >= 0 for p in prompt):
-        ids = [int(p) for p in prompt]
-    else:
+        return _non_empty(tokenizer.encode(prompt))
+    if len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise ApiError(
+            400, "only one prompt per request is supported", param="prompt", code="invalid_value"
+        )
+    if len(prompt) == 1 and isinstance(prompt[0], str):
+        return _non_empty(tokenizer.encode(prompt[0]))
+    if len(prompt) == 1 and isinstance(prompt[0], list):
+        check_token_ids("prompt[0]", prompt[0], tokenizer.vocab_size)
+        return _non_empty(list(prompt[0]))
+    ids = [p for p in prompt if isinstance(p, int)]
+    if len(ids) != len(prompt):
         raise ApiError(
             400,
-            "prompt must be a string or a list of token ids (ints >= 0)",
+            "prompt must be a string or a list of token ids, not a mix of both",
             param="prompt",
             code="invalid_value",
         )
+    check_token_ids("prompt", ids, tokenizer.vocab_size)
+    return _non_empty(ids)
+
+
+def _non_empty(ids: list[int]) -> list[int]:
     if not ids:
         raise ApiError(400, "prompt must not be empty", param="prompt", code="invalid_value")
     return ids
@@ -141,8 +162,11 @@ def output_cap(
     prompt_len: int,
     context_len: int,
     default_max_tokens: int,
+    *,
+    requested_param: str = "max_tokens",
 ) -> int:
-    """The request's max output tokens; 400 naming `max_tokens` when it cannot fit."""
+    """The request's max output tokens; 400 naming *requested_param* (the field *requested*
+    came from) when it cannot fit."""
     room = context_len - prompt_len
     if room < 1:
         raise ApiError(
@@ -153,15 +177,14 @@ def output_cap(
         )
     if requested is None:
         return min(room, default_max_tokens)
-    if requested < 1:
-        raise ApiError(400, "max_tokens must be at least 1", param="max_tokens")
-    if requested > room:
+    if not 1 <= requested <= room:
         raise ApiError(
             400,
-            f"max_tokens is {requested}, but the prompt ({prompt_len} tokens) leaves room for at"
-            f" most {room} in the model's context of {context_len} tokens",
-            param="max_tokens",
-            code="context_length_exceeded",
+            f"{requested_param} must be in [1, {room}]: the prompt ({prompt_len} tokens) leaves"
+            f" room for at most {room} in the model's context of {context_len} tokens,"
+            f" got {requested}",
+            param=requested_param,
+            code="context_length_exceeded" if requested > room else "invalid_value",
         )
     return requested
 

@@ -162,6 +162,45 @@ async def test_lines_the_model_cannot_take_go_to_the_error_file(gw: Gateway) -> 
     assert error["body"]["error"]["code"] == "context_length_exceeded"
 
 
+async def test_a_token_id_beyond_the_vocabulary_goes_to_the_error_file(gw: Gateway) -> None:
+    _, key = await gw.new_tenant("batch-vocab", "be")
+    lines = [
+        {
+            "custom_id": custom_id,
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": MODEL, "prompt": prompt, "max_tokens": 2},
+        }
+        for custom_id, prompt in [("ok", [1, 2]), ("beyond", [[3, 1_000_000]]), ("text", "hi")]
+    ]
+    file = await upload(gw, key, jsonl(lines))
+    batch = await create_batch(gw, key, file.body["id"], endpoint="/v1/completions")
+    done = await wait_for(gw, key, batch.body["id"])
+    assert done["status"] == "completed", done
+    assert done["request_counts"] == {"total": 3, "completed": 2, "failed": 1}
+    out = await read_lines(gw, key, done["output_file_id"])
+    errors = await read_lines(gw, key, done["error_file_id"])
+    assert sorted(line["custom_id"] for line in out) == ["ok", "text"]
+    assert [line["custom_id"] for line in errors] == ["beyond"]
+    error = errors[0]["response"]
+    assert error["status_code"] == 400
+    assert error["body"]["error"]["param"] == "prompt[0][1]"
+
+
+async def test_an_engine_crashing_sampling_value_fails_validation_naming_line_and_field(
+    gw: Gateway,
+) -> None:
+    _, key = await gw.new_tenant("batch-top-k", "be")
+    lines = [chat_line("ok", "hi"), chat_line("huge-top-k", "hi", top_k=2**31)]
+    file = await upload(gw, key, jsonl(lines))
+    batch = await create_batch(gw, key, file.body["id"])
+    done = await wait_for(gw, key, batch.body["id"])
+    assert done["status"] == "failed", done
+    [error] = done["errors"]["data"]
+    assert error["line"] == 2 and error["param"] == "body.top_k"
+    assert "2147483647" in error["message"]
+
+
 async def test_an_invalid_file_fails_validation_naming_each_bad_line(gw: Gateway) -> None:
     _, key = await gw.new_tenant("batch-invalid", "be")
     content = (

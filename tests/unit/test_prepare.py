@@ -4,6 +4,7 @@ metadata."""
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from typing import Any
 
 import msgspec
 import pytest
@@ -134,7 +135,72 @@ def test_echo_is_refused_for_api_requests_and_batch_lines_alike() -> None:
 def test_a_token_id_prompt_gets_the_default_cap_within_the_context() -> None:
     class Tokenizer:
         context_len = 10
+        vocab_size = 100
 
     body = msgspec.convert({"model": "m", "prompt": [1, 2, 3, 4]}, CompletionRequest)
     prompt = prepare_prompt(body, Tokenizer(), 16)  # type: ignore[arg-type]
     assert prompt.input_ids == [1, 2, 3, 4] and prompt.max_tokens == 6
+
+
+class TinyTokenizer:
+    """The tokenizer facts preparing a token-id prompt needs."""
+
+    context_len = 64
+    vocab_size = 100
+
+
+def completion(**fields: object) -> CompletionRequest:
+    return msgspec.convert({"model": "m", **fields}, CompletionRequest)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "param"),
+    [([1, 100], "prompt[1]"), ([[7, 8, 2**40]], "prompt[0][2]"), ([-1], "prompt[0]")],
+)
+def test_a_token_id_outside_the_vocabulary_is_a_400_naming_it(prompt: object, param: str) -> None:
+    with pytest.raises(ApiError) as info:
+        prepare_prompt(completion(prompt=prompt), TinyTokenizer(), 16)  # type: ignore[arg-type]
+    assert info.value.status == 400 and info.value.param == param
+    assert "[0, 99]" in info.value.message
+
+
+@pytest.mark.parametrize("prompt", [[0, 99], [[0, 99]]])
+def test_token_ids_within_the_vocabulary_are_the_prompt(prompt: object) -> None:
+    prepared = prepare_prompt(completion(prompt=prompt), TinyTokenizer(), 16)  # type: ignore[arg-type]
+    assert prepared.input_ids == [0, 99]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [([[1], [2]], "only one prompt"), ([1, "a"], "not a mix"), ([[]], "empty"), ([], "empty")],
+)
+def test_prompt_shapes_the_engine_cannot_take_are_refused(prompt: object, message: str) -> None:
+    with pytest.raises(ApiError) as info:
+        prepare_prompt(completion(prompt=prompt), TinyTokenizer(), 16)  # type: ignore[arg-type]
+    assert info.value.param == "prompt" and message in info.value.message
+
+
+def test_max_completion_tokens_wins_and_is_named_when_it_cannot_fit() -> None:
+    tokenizer: Any = _ChatTokenizer()  # the chat template is not what this is about
+    body = chat(messages=USER, max_tokens=5, max_completion_tokens=70)
+    with pytest.raises(ApiError) as info:
+        prepare_prompt(body, tokenizer, 16)
+    assert info.value.param == "max_completion_tokens" and "[1, 62]" in info.value.message
+    body = chat(messages=USER, max_tokens=5, max_completion_tokens=3)
+    assert prepare_prompt(body, tokenizer, 16).max_tokens == 3
+
+
+def test_min_tokens_beyond_the_output_cap_is_a_400_naming_it() -> None:
+    with pytest.raises(ApiError) as info:
+        prepare_prompt(completion(prompt=[1], max_tokens=4, min_tokens=5), TinyTokenizer(), 16)  # type: ignore[arg-type]
+    assert info.value.param == "min_tokens" and "[0, 4]" in info.value.message
+    ok = prepare_prompt(completion(prompt=[1], max_tokens=4, min_tokens=4), TinyTokenizer(), 16)  # type: ignore[arg-type]
+    assert ok.max_tokens == 4
+
+
+USER = [{"role": "user", "content": "x"}]
+
+
+class _ChatTokenizer(TinyTokenizer):
+    def encode_chat(self, messages: object) -> list[int]:
+        return [1, 2]
