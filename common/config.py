@@ -262,7 +262,10 @@ class BatchConfig(_Section, frozen=True):
     retry_after_s: float = 2.0
     """Pause before a line is retried after the engine was unreachable or aborted it, seconds."""
     max_attempts: int = 5
-    """Attempts per line before it is written to the error file, attempts."""
+    """Attempts per line before it is written to the error file, attempts. Counted in SQL when a
+    line is sent (so across gateway and engine restarts): an attempt the engine aborted, failed,
+    or did not survive (the connection broke, or the gateway stopped with the line in flight)
+    counts; one that found the engine unreachable does not."""
     runner_enabled: bool = True
     """Run the batch runner in this gateway process. Exactly one process per database may run it
     (a second gateway replica sets this to false)."""

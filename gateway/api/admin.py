@@ -1,5 +1,5 @@
 """Admin REST API (`/admin/v1`, bearer `TANDEM_ADMIN_TOKEN`): tenants, keys, SLO contracts,
-quotas and the latest requests."""
+quotas, the latest requests, and cancelling any tenant's batch."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ from typing import Literal
 import msgspec
 from aiohttp import web
 
+from gateway.api.batches import batch_not_found, cancel
 from gateway.api.schemas import decode_body
 from gateway.auth import bearer_token
+from gateway.batch.app import BATCH_STORE
 from gateway.errors import ApiError
 from gateway.reports import BadQuery, parse_query, to_csv, usage_report
 from gateway.state import ADMIN_TOKEN, AUTH, DB_ENGINE, STORE
@@ -285,6 +287,18 @@ async def usage(request: web.Request) -> web.Response:
             "data": rows,
         }
     )
+
+
+@routes.post(f"{PREFIX}/batches/{{batch_id}}/cancel")
+async def cancel_any_batch(request: web.Request) -> web.Response:
+    """Cancels any tenant's batch, as its tenant's own cancel does (e.g. a batch whose lines
+    take the engine down for everyone): the batch object, or 404 / 409."""
+    check_admin(request)
+    batch_id = request.match_info["batch_id"]
+    batch = await request.app[BATCH_STORE].get_batch(batch_id)
+    if batch is None:
+        raise batch_not_found(batch_id)
+    return web.json_response((await cancel(request.app, batch)).to_openai())
 
 
 async def _resolve_tenant(request: web.Request, ident: str) -> str:

@@ -175,10 +175,18 @@ async def list_batches(request: web.Request) -> web.Response:
 @routes.post("/v1/batches/{batch_id}/cancel")
 async def cancel_batch(request: web.Request) -> web.Response:
     batch = await _own_batch(request)
-    store = request.app[BATCH_STORE]
+    return web.json_response((await cancel(request.app, batch)).to_openai())
+
+
+async def cancel(app: web.Application, batch: BatchInfo) -> BatchInfo:
+    """Cancels *batch* (the tenant's own cancel and the admin's): `cancelling` now, and the
+    runner winds it down (running lines stopped, the rest `batch_cancelled` in the error file).
+    Cancelling a batch already `cancelling` is a no-op; one that has ended is a 409. Returns the
+    batch as it is now."""
+    store = app[BATCH_STORE]
     if batch.status in ("validating", "in_progress"):
         await store.set_status(batch.id, "cancelling", expect=("validating", "in_progress"))
-        wake_runner(request.app)
+        wake_runner(app)
     elif batch.status != "cancelling":
         raise ApiError(
             409,
@@ -188,4 +196,4 @@ async def cancel_batch(request: web.Request) -> web.Response:
         )
     updated = await store.get_batch(batch.id, batch.tenant_id)
     assert updated is not None
-    return web.json_response(updated.to_openai())
+    return updated

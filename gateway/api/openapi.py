@@ -415,6 +415,14 @@ OPERATIONS: list[Op] = [
         response=schema_ref("ApiKey"),
     ),
     Op(
+        "POST",
+        "/admin/v1/batches/{batch_id}/cancel",
+        "Cancel any tenant's batch (as the tenant's own cancel)",
+        "admin",
+        ADMIN,
+        errors=(401, 404, 409),
+    ),
+    Op(
         "GET",
         "/admin/v1/usage",
         "Usage per tenant and day or hour: requests, tokens, TTFT and "

@@ -5,11 +5,20 @@ the request pipeline (gateway/pipeline/stages.py) as a BE request of the batch's
 commits the outcome to SQL as it arrives: `succeeded` with the completion body, `failed` with an
 error-file line, or back to `pending` with a time to retry when the failure was retryable (the
 engine down, aborting it, a quota).
+
+Attempts are counted in SQL (`batch_items.attempts`) when a line is taken to run, before its
+request is sent: a line that crashes the engine — or the gateway — on every try is counted
+across restarts of both, and after `batch.max_attempts` it goes to the error file instead of
+crashing the engine again after every restart. A try that never reached the engine (it was
+unreachable, or refused it for capacity) is given back: an engine that is down only delays
+lines, however long it takes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -27,10 +36,12 @@ from gateway.batch.lines import now_utc
 from gateway.batch.prepare import PreparedLine
 from gateway.batch.store import BatchStore
 from gateway.batch.types import BatchInfo, ItemResult
-from gateway.pipeline.outcome import Failure
+from gateway.pipeline.outcome import Failure, attempts_exhausted, internal_error
 from gateway.pipeline.stages import Completion, Flight, complete, prepare, recording
 from gateway.state import CONFIG
 from gateway.store.types import Tenant
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -46,8 +57,6 @@ class ActiveBatch:
     tasks: dict[int, asyncio.Task[None]] = field(default_factory=dict)
     retry: list[tuple[float, int]] = field(default_factory=list)
     """(monotonic time when it may run again, line) of lines the engine could not take."""
-    failures: dict[int, int] = field(default_factory=dict)
-    """Engine aborts/refusals per line (an unreachable engine does not count)."""
     down_streak: int = 0
     """Consecutive lines that found the engine unreachable (backs the retries off)."""
     stopping: str | None = None
@@ -66,8 +75,32 @@ async def execute_line(
     """Runs one line through the request pipeline and commits how it ended; returns its output
     length when it succeeded."""
     batch_id = active.info.id
-    if not await store.mark_running(batch_id, line_no):
+    cfg = app[CONFIG].batch
+    attempt = await store.mark_running(batch_id, line_no)
+    if attempt is None:
         return None
+    if attempt > cfg.max_attempts:
+        # Only a line whose last attempt was in flight when the gateway stopped gets here (any
+        # other failure settles at the bound): it is not sent again.
+        await store.finish_item(batch_id, line_no, refusal(attempts_exhausted(attempt - 1)))
+        return None
+    try:
+        return await _run_attempt(app, store, active, line_no, attempt)
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("batch %s line %d failed unexpectedly", batch_id, line_no)
+        with contextlib.suppress(Exception):  # the database may be what failed
+            await settle_failure(store, cfg, active, line_no, internal_error(), attempt)
+        return None
+
+
+async def _run_attempt(
+    app: web.Application, store: BatchStore, active: ActiveBatch, line_no: int, attempt: int
+) -> int | None:
+    """The line's request, marked running as its attempt number *attempt*, through the
+    pipeline; commits the result (or settles the failure)."""
+    batch_id = active.info.id
     prepared = active.prepared[line_no]
     flight = Flight(
         principal=batch_principal(active),
@@ -79,7 +112,7 @@ async def execute_line(
         prepare(app, flight, prepared.body, prepared.prompt)
         result = await complete(app, flight)
     if not isinstance(result, Completion):
-        await settle_failure(store, app[CONFIG].batch, active, line_no, result)
+        await settle_failure(store, app[CONFIG].batch, active, line_no, result, attempt)
         return None
     active.down_streak = 0  # the engine answers: retries need no back-off
     request = flight.request  # as admitted (admission may change a request's terms)
@@ -101,23 +134,33 @@ async def execute_line(
 
 
 async def settle_failure(
-    store: BatchStore, cfg: BatchConfig, active: ActiveBatch, line_no: int, failure: Failure
+    store: BatchStore,
+    cfg: BatchConfig,
+    active: ActiveBatch,
+    line_no: int,
+    failure: Failure,
+    attempt: int,
 ) -> None:
-    """A line that did not complete: to the error file when retrying cannot help; otherwise back
-    to pending. An engine that is down (or restarting) only delays a line, however long it
-    takes; any other retryable failure (the engine aborted it, a quota, a gateway error) costs
-    an attempt, and after `batch.max_attempts` the line goes to the error file."""
+    """A line that did not complete on its attempt number *attempt* (`batch_items.attempts`
+    with this one; 0 when the line failed before it was counted): to the error file when
+    retrying cannot help; otherwise back to pending.
+
+    An engine that was unreachable (or refused the line for capacity) only delays it, however
+    long it takes: the attempt is given back. Any other retryable failure — the engine aborted
+    it, went away while it ran (`is_engine_lost`), a quota, a gateway error — keeps the
+    attempt, and the line's `batch.max_attempts`-th goes to the error file: with its own error,
+    or, when the engine went away, `attempts_exhausted` (it may be what crashes the engine)."""
     batch_id = active.info.id
     if not failure.retryable:
         await store.finish_item(batch_id, line_no, refusal(failure))
         return
     down = failure.kind == "engine_unavailable"
-    if not down:
-        active.failures[line_no] = active.failures.get(line_no, 0) + 1
-        if active.failures[line_no] >= cfg.max_attempts:
-            await store.finish_item(batch_id, line_no, refusal(failure))
-            return
-    await store.requeue_item(batch_id, line_no)
+    never_reached = down and not failure.is_engine_lost
+    if not never_reached and attempt >= cfg.max_attempts:
+        last = attempts_exhausted(attempt) if failure.is_engine_lost else failure
+        await store.finish_item(batch_id, line_no, refusal(last))
+        return
+    await store.requeue_item(batch_id, line_no, is_attempt_refunded=never_reached)
     active.down_streak = active.down_streak + 1 if down else 0
     pause = cfg.retry_after_s * (2 ** min(active.down_streak, 4) if down else 1)
     active.retry.append((time.monotonic() + pause, line_no))

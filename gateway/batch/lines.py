@@ -99,8 +99,10 @@ class LineQueries:
             await session.connection()  # one executemany, not one round trip per line
             await session.execute(statement, rows)
 
-    async def mark_running(self, batch_id: str, line_no: int) -> bool:
-        """pending → running (one attempt more); False if the line is no longer pending."""
+    async def mark_running(self, batch_id: str, line_no: int) -> int | None:
+        """pending → running, counting one attempt more before the request is sent (so a crash
+        of the engine or of the gateway during it still counts); returns the line's attempts
+        with this one, or None if the line is no longer pending."""
         async with self._sessions.begin() as session:
             result = await session.execute(
                 update(BatchItemRow)
@@ -111,7 +113,14 @@ class LineQueries:
                 )
                 .values(status="running", started_at=now_utc(), attempts=BatchItemRow.attempts + 1)
             )
-            return bool(getattr(result, "rowcount", 0))
+            if not getattr(result, "rowcount", 0):
+                return None
+            attempts = await session.scalar(
+                select(BatchItemRow.attempts).where(
+                    BatchItemRow.batch_id == batch_id, BatchItemRow.line_no == line_no
+                )
+            )
+            return int(attempts or 0)
 
     async def finish_item(self, batch_id: str, line_no: int, result: ItemResult) -> None:
         """running → its final status with the response or error, and the batch's usage."""
@@ -145,8 +154,14 @@ class LineQueries:
                     )
                 )
 
-    async def requeue_item(self, batch_id: str, line_no: int) -> None:
-        """running → pending (the engine was unreachable or aborted it; it runs again)."""
+    async def requeue_item(
+        self, batch_id: str, line_no: int, *, is_attempt_refunded: bool = False
+    ) -> None:
+        """running → pending (it runs again). *is_attempt_refunded*: the request never reached
+        the engine (it was unreachable), so this run does not count as an attempt."""
+        values: dict[str, object] = {"status": "pending", "started_at": None}
+        if is_attempt_refunded:
+            values["attempts"] = BatchItemRow.attempts - 1
         async with self._sessions.begin() as session:
             await session.execute(
                 update(BatchItemRow)
@@ -155,7 +170,7 @@ class LineQueries:
                     BatchItemRow.line_no == line_no,
                     BatchItemRow.status == "running",
                 )
-                .values(status="pending", started_at=None)
+                .values(**values)
             )
 
     async def end_pending(self, batch_id: str, status: str) -> int:

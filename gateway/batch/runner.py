@@ -4,7 +4,9 @@ order, writes every result to SQL as it arrives, and finalizes, expires and canc
 Durability: a line's life is a row (pending → running → succeeded | failed). Results are
 committed one by one, and the output file is built only at the end from the rows, in file order,
 one line per row (unique per custom_id), so a crash at any point loses at most the lines that
-were running (they go back to pending at start-up and run again) and can never duplicate one.
+were running (they go back to pending at start-up and run again, their interrupted attempt
+counted: a line in flight at every crash ends in the error file after `batch.max_attempts`) and
+can never duplicate one.
 Running one line and committing its result (or its retry) is gateway/batch/execute.py.
 
 Backpressure: at most `batch.max_inflight` lines are on the engine at once (all batches
@@ -287,11 +289,11 @@ class BatchRunner:
             output_len = await execute_line(self._app, self._store, active, line_no)
         except asyncio.CancelledError:
             raise
-        except Exception:
+        except Exception:  # before the attempt was counted (execute_line settles the rest)
             log.exception("batch %s line %d failed unexpectedly", active.info.id, line_no)
             with contextlib.suppress(Exception):  # the database may be what failed
                 await settle_failure(
-                    self._store, self._config.batch, active, line_no, internal_error()
+                    self._store, self._config.batch, active, line_no, internal_error(), attempt=0
                 )
         finally:
             self._inflight -= 1

@@ -18,7 +18,16 @@ log = logging.getLogger(__name__)
 
 
 class EngineUnavailable(Exception):
-    """The engine could not be reached or refused the request for capacity reasons."""
+    """The engine could not be reached, refused the request for capacity reasons, or went away
+    while it had the request (`is_lost`)."""
+
+    def __init__(self, message: str, *, is_lost: bool = False) -> None:
+        super().__init__(message)
+        self.is_lost = is_lost
+        """The request was sent and the engine went away before answering (the connection broke,
+        it timed out, or it answered a server error other than 429/503): the engine may have run
+        it, and may have died of it. False: the engine never took it (connection refused, or a
+        429/503 for capacity)."""
 
 
 class EngineRequestError(Exception):
@@ -74,9 +83,10 @@ class EngineClient:
         the cumulative text on every token — O(n²) bytes to encode, send and decode per request,
         CPU that an engine sharing the host's cores takes from everyone's iterations.
 
-        Raises EngineUnavailable when the engine cannot be reached and EngineRequestError when it
-        rejects the request. Closing the iterator early closes the upstream connection; callers
-        also call `abort` so the engine frees the request's KV at once.
+        Raises EngineUnavailable when the engine cannot be reached or goes away with the request
+        (`is_lost`), and EngineRequestError when it rejects the request. Closing the iterator
+        early closes the upstream connection; callers also call `abort` so the engine frees the
+        request's KV at once.
         """
         body = dict(payload, stream=stream)
         try:
@@ -84,7 +94,9 @@ class EngineClient:
                 f"{self.base_url}/generate", json=body, timeout=self._timeout
             ) as resp:
                 if resp.status >= 500 or resp.status == 429:
-                    raise EngineUnavailable(f"engine answered {resp.status}")
+                    raise EngineUnavailable(
+                        f"engine answered {resp.status}", is_lost=resp.status not in (429, 503)
+                    )
                 if resp.status >= 400:
                     raise EngineRequestError(await _error_message(resp), resp.status)
                 if not stream:
@@ -103,8 +115,13 @@ class EngineClient:
                     chunk = _to_chunk(out, emitted)
                     emitted += len(chunk.text_delta)
                     yield chunk
-        except (TimeoutError, aiohttp.ClientConnectionError) as exc:
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+            # The connection was never made: the engine did not see the request.
             raise EngineUnavailable(f"engine unreachable: {exc.__class__.__name__}") from None
+        except (TimeoutError, aiohttp.ClientConnectionError) as exc:
+            raise EngineUnavailable(
+                f"engine lost: {exc.__class__.__name__}", is_lost=True
+            ) from None
 
     async def abort(self, rid: str) -> None:
         """Asks the engine to drop request *rid* (best effort; never raises)."""

@@ -47,6 +47,10 @@ class Failure:
     detail: str | None = None
     """What the usage record's `error` says when it differs from *message* (the engine's own
     words, which the client is not shown)."""
+    is_engine_lost: bool = False
+    """The engine went away after the request was sent (an `engine_unavailable` whose
+    connection broke or timed out): the request may be what brought the engine down, so the
+    batch runner counts the attempt, unlike one that never reached the engine."""
 
     @property
     def record_error(self) -> str:
@@ -77,8 +81,9 @@ def invalid_request(exc: ApiError) -> Failure:
     )
 
 
-def engine_unavailable(detail: str, retry_after_s: int) -> Failure:
-    """The engine could not be reached, or refused the request for capacity."""
+def engine_unavailable(detail: str, retry_after_s: int, *, is_engine_lost: bool = False) -> Failure:
+    """The engine could not be reached, or refused the request for capacity; *is_engine_lost*:
+    it went away after the request was sent."""
     return Failure(
         kind="engine_unavailable",
         http_status=503,
@@ -87,6 +92,21 @@ def engine_unavailable(detail: str, retry_after_s: int) -> Failure:
         retryable=True,
         retry_after_s=retry_after_s,
         detail=detail,
+        is_engine_lost=is_engine_lost,
+    )
+
+
+def attempts_exhausted(attempts: int) -> Failure:
+    """A batch line that used up its *attempts* and whose last one was lost with the engine (or
+    the gateway) before an answer: it may be what crashes them, so it is not sent again."""
+    return Failure(
+        kind="engine_error",
+        http_status=500,
+        message=(
+            f"no answer after {attempts} attempts, the last of which the engine (or the gateway) "
+            "did not survive; the request is not sent again, as it may be what crashes the engine"
+        ),
+        code="batch_attempts_exhausted",
     )
 
 

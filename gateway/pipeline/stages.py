@@ -222,7 +222,8 @@ async def run(app: web.Application, flight: Flight) -> AsyncGenerator[EngineChun
                     progress.finish_reason = chunk.finish_reason
                 yield chunk
     except EngineUnavailable as exc:
-        flight.fail(engine_unavailable(str(exc), app[CONFIG].gateway.engine_retry_after_s))
+        retry_after_s = app[CONFIG].gateway.engine_retry_after_s
+        flight.fail(engine_unavailable(str(exc), retry_after_s, is_engine_lost=exc.is_lost))
         return
     except EngineRequestError as exc:
         flight.fail(engine_rejected(str(exc)))

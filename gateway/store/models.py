@@ -283,7 +283,10 @@ class BatchItemRow(Base):
     Unique (batch_id, custom_id) and (batch_id, line_no): a line exists once, so a restart can
     only resume it, never duplicate it. ``order_rank`` is the line's place in the runner's
     resource-aware order (NULL until the batch is planned). ``response``/``error`` hold the
-    output-file and error-file objects for the line as JSON.
+    output-file and error-file objects for the line as JSON. ``attempts`` counts the line's
+    tries, each counted as the line is taken to run, before its request is sent (so one the
+    engine or the gateway did not survive still counts, across restarts), and given back when
+    the engine turned out unreachable; `batch.max_attempts` bounds it.
     """
 
     __tablename__ = "batch_items"

@@ -122,6 +122,28 @@ async def test_a_line_exists_once_and_resumes_after_a_crash(
     assert await batches.start(batch_id, items(4), None, None) == "in_progress"  # no re-insert
 
 
+async def test_attempts_are_counted_at_dispatch_and_survive_a_restart(
+    store: Store, store_engine: AsyncEngine
+) -> None:
+    batches = BatchStore(session_factory(store_engine))
+    batch_id = await new_batch(batches, await tenant(store, "dave"), 2)
+    assert await batches.mark_running(batch_id, 1) == 1  # counted before the request is sent
+    await batches.requeue_item(batch_id, 1)  # the engine went away with it: the attempt stays
+    assert await batches.mark_running(batch_id, 1) == 2
+    await batches.requeue_item(batch_id, 1, is_attempt_refunded=True)  # engine never reached
+    assert await batches.mark_running(batch_id, 1) == 2
+    # the gateway dies with the line in flight; a new process, with a new store, resumes it
+    restarted = BatchStore(session_factory(store_engine))
+    assert await restarted.reset_running() == 1
+    assert [(p.line_no, p.attempts) for p in await restarted.pending_items(batch_id)] == [
+        (1, 2),
+        (2, 0),
+    ]
+    assert await restarted.mark_running(batch_id, 1) == 3
+    assert await restarted.mark_running(batch_id, 1) is None  # running: not taken twice
+    assert await restarted.mark_running(batch_id, 2) == 1  # each line has its own count
+
+
 async def test_finalize_writes_each_line_once_into_output_or_error_file(
     store: Store, store_engine: AsyncEngine
 ) -> None:

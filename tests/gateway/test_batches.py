@@ -297,6 +297,45 @@ async def test_cancel_stops_the_batch_and_keeps_what_finished(gw: Gateway) -> No
     assert again.status == 409 and again.error["code"] == "batch_not_cancellable"
 
 
+async def test_the_admin_cancels_any_tenants_batch(gw: Gateway) -> None:
+    _, key = await gw.new_tenant("flooder", "be")
+    _, other_key = await gw.new_tenant("bystander", "be")
+    lines = [chat_line(f"a-{i}", f"story {i}", max_tokens=400) for i in range(40)]
+    batch = (await create_batch(gw, key, (await upload(gw, key, jsonl(lines))).body["id"])).body
+    await wait_for(gw, key, batch["id"], ("in_progress", *DONE))
+    path = f"/admin/v1/batches/{batch['id']}/cancel"
+    assert (await gw.request("POST", path)).status == 401
+    for tenant_key in (other_key, key):  # a tenant's key is not the admin token, not even its own
+        refused = await gw.request("POST", path, key=tenant_key)
+        assert refused.status == 401 and refused.error["code"] == "invalid_admin_token"
+    cancelling = await gw.request("POST", path, admin=True)
+    assert cancelling.status == 200, cancelling
+    assert cancelling.body["id"] == batch["id"]
+    assert cancelling.body["status"] in ("cancelling", "cancelled")
+    done = await wait_for(gw, key, batch["id"])
+    assert done["status"] == "cancelled" and done["cancelled_at"]
+    out = await read_lines(gw, key, done["output_file_id"])
+    errors = await read_lines(gw, key, done["error_file_id"])
+    ids = [line["custom_id"] for line in out + errors]
+    assert sorted(ids) == sorted(line["custom_id"] for line in lines)  # each exactly once
+    assert errors and all(e["error"]["code"] == "batch_cancelled" for e in errors)
+    again = await gw.request("POST", path, admin=True)
+    assert again.status == 409 and again.error["code"] == "batch_not_cancellable"
+
+
+async def test_the_admin_cancel_of_an_unknown_batch_is_a_404(gw: Gateway) -> None:
+    reply = await gw.request("POST", "/admin/v1/batches/batch_nope/cancel", admin=True)
+    assert reply.status == 404
+    assert reply.body == {
+        "error": {
+            "message": "No such Batch object: batch_nope",
+            "type": "not_found_error",
+            "param": "batch_id",
+            "code": "batch_not_found",
+        }
+    }
+
+
 async def test_file_listing_content_and_delete(gw: Gateway) -> None:
     _, key = await gw.new_tenant("files", "be")
     content = jsonl([chat_line("z", "hi")])

@@ -1,10 +1,19 @@
-"""Turning SGLang's cumulative stream into deltas."""
+"""Turning SGLang's cumulative stream into deltas; telling an engine that never took a request
+from one that went away with it."""
 
 from __future__ import annotations
 
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
-from gateway.engine.client import _GenerateOut, _to_chunk
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from gateway.engine.client import EngineClient, EngineUnavailable, _GenerateOut, _to_chunk
 
 
 def out(text: str, finish: Any = None, tokens: int = 1, **meta: Any) -> _GenerateOut:
@@ -57,3 +66,54 @@ def test_last_chunk_carries_finish_and_counts() -> None:
     assert chunk.finish_reason == "stop" and chunk.matched_stop == "\n"
     assert chunk.completion_tokens == 3 and chunk.prompt_tokens == 5
     assert chunk.queue_time_s == 0.25 and chunk.cached_tokens == 2 and chunk.num_retractions == 1
+
+
+@asynccontextmanager
+async def engine_answering(handler: Any) -> AsyncIterator[str]:
+    """The base URL of an in-process engine whose `/generate` is *handler*."""
+    app = web.Application()
+    app.router.add_post("/generate", handler)
+    server = TestServer(app, host="127.0.0.1", port=0)
+    await server.start_server()
+    try:
+        yield str(server.make_url("")).rstrip("/")
+    finally:
+        await server.close()
+
+
+async def unavailable(base_url: str) -> EngineUnavailable:
+    async with aiohttp.ClientSession() as session:
+        client = EngineClient(base_url, session, timeout_s=5.0)
+        with pytest.raises(EngineUnavailable) as caught:
+            async for _ in client.generate({"rid": "r1", "text": "hi"}, stream=False):
+                pass
+        return caught.value
+
+
+async def test_an_engine_that_refuses_the_connection_never_had_the_request() -> None:
+    with socket.socket() as sock:  # bound, never listening: connection refused
+        sock.bind(("127.0.0.1", 0))
+        error = await unavailable(f"http://127.0.0.1:{sock.getsockname()[1]}")
+    assert not error.is_lost
+
+
+async def test_an_engine_that_drops_the_connection_was_lost_with_the_request() -> None:
+    async def crash(request: web.Request) -> web.Response:
+        await request.read()
+        assert request.transport is not None
+        request.transport.abort()  # as when the engine process dies mid-request
+        return web.Response()
+
+    async with engine_answering(crash) as url:
+        assert (await unavailable(url)).is_lost
+
+
+@pytest.mark.parametrize(("status", "is_lost"), [(503, False), (429, False), (500, True)])
+async def test_capacity_answers_never_took_the_request_other_server_errors_may_have(
+    status: int, is_lost: bool
+) -> None:
+    async def answer(request: web.Request) -> web.Response:
+        return web.Response(status=status)
+
+    async with engine_answering(answer) as url:
+        assert (await unavailable(url)).is_lost is is_lost
