@@ -78,7 +78,8 @@ def regime_of(num_prefill: int | float, num_decode: int | float) -> int:
 
 SURPRISE_WEIGHT = 0.5
 """A sample weighs max(expected duration, min(this × measured duration, τ_fast / 2)) seconds of
-engine time: only an iteration more than 1 / this × slower than expected weighs more than usual,
+engine time, or its measured duration when that is less than this × the expected one: only an
+iteration more than 1 / this × slower or faster than expected weighs other than usual,
 and no single one more than τ_fast / 2 (one stall moves the factor by ×1.7 at most, for about a
 second; a sustained slowdown of ×40 is learned in about six iterations)."""
 
@@ -163,8 +164,15 @@ class LatencyCalibration:
             est.fast, est.slow = self._pooled.fast, self._pooled.slow
         # The sample's weight in engine time: its expected duration (free of its own noise),
         # or half the measured one when that is longer — an engine far slower than believed
-        # must not take as many samples to learn it as at the old pace (their rate dropped).
-        dt = max(used * predicted_s, min(SURPRISE_WEIGHT * measured_s, self.tau_fast_s / 2))
+        # must not take as many samples to learn it as at the old pace (their rate dropped) —
+        # or the measured one when that is less than half of it: a run of iterations far faster
+        # than believed (a neighbour pausing for a second) comes at a higher rate, and at the
+        # expected weight it would take the factor down in a fraction of τ_slow of wall time.
+        expected_s = used * predicted_s
+        if measured_s < SURPRISE_WEIGHT * expected_s:
+            dt = measured_s
+        else:
+            dt = max(expected_s, min(SURPRISE_WEIGHT * measured_s, self.tau_fast_s / 2))
         self._update(est, x, dt)
         self._update(self._pooled, x, dt)
         d, p, m = (math.exp((e if e.samples else self._pooled).log_factor) for e in self._regimes)

@@ -265,3 +265,17 @@ def test_a_much_slower_engine_is_learned_within_seconds_of_wall_time() -> None:
     calib = LatencyCalibration()
     wall_s = time_to_within(calib, 40.0, 0.012, tol=0.2)
     assert wall_s < 5.0
+
+
+def test_a_second_of_much_faster_iterations_weighs_a_second_not_their_expected_time() -> None:
+    # a real 2-core engine under a CPU spinner (×35): the spinner paused for about a second,
+    # twenty 5 ms iterations came where 60 ms were expected, and at their expected weight they
+    # took the factor from 38 to 11 — the next admitted chat then ran at ×35 and missed
+    calib = LatencyCalibration()
+    feed(calib, 35.0, 30.0, 0.004, DECODE)
+    assert calib.factor(DECODE) == pytest.approx(35.0, rel=0.01)
+    feed(calib, 1.2, 0.1, 0.004, DECODE)
+    assert calib.factor(DECODE) > 0.85 * 35.0  # falls at the slow pace, in its own time
+    # a speedup that lasts is still believed within a few seconds of wall time
+    wall_s = feed(calib, 1.2, 6.0, 0.004, DECODE)
+    assert wall_s <= 6.01 and calib.factor(DECODE) < 2.0
