@@ -76,6 +76,18 @@ def regime_of(num_prefill: int | float, num_decode: int | float) -> int:
     return PREFILL if num_decode == 0 else MIXED
 
 
+def budget_pace(factors: tuple[float, ...], pace_max: float) -> float:
+    """How much an iteration budget stretches on an engine whose learned pace is *factors*
+    (one per regime): their geometric mean, within [1, pace_max]. A budget given in the
+    profile's seconds buys the same work on a slower engine; a faster engine keeps the budget
+    in wall seconds (its iterations get shorter anyway)."""
+    finite = [f for f in factors if math.isfinite(f) and f > 0.0]
+    if not finite:
+        return 1.0
+    mean = math.exp(sum(math.log(f) for f in finite) / len(finite))
+    return min(max(mean, 1.0), pace_max)
+
+
 SURPRISE_WEIGHT = 0.5
 """A sample weighs max(expected duration, min(this × measured duration, τ_fast / 2)) seconds of
 engine time, or its measured duration when that is less than this × the expected one: only an

@@ -49,7 +49,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from backend.policy.calibration import DECODE, MIXED, PREFILL
+from backend.policy.calibration import DECODE, MIXED, PREFILL, budget_pace
 from backend.policy.latency import BatchShape, LatencyModel
 from backend.policy.types import ReqState, Snapshot
 from common.wire import EngineLoad, TenantLoad
@@ -135,6 +135,7 @@ class SloForecaster:
         latency: LatencyModel,
         *,
         iteration_budget_s: float = 0.05,
+        budget_pace_max: float = 1.0,
         headroom: float = 0.85,
         min_chunk_tokens: int = 64,
     ) -> None:
@@ -145,6 +146,9 @@ class SloForecaster:
         self.latency = latency
         self.iteration_budget_s = iteration_budget_s
         """Per-iteration time the RT prompts are chunked to (the policy's τ), seconds."""
+        self.budget_pace_max = budget_pace_max
+        """The budget follows the engine's learned pace up to this factor, as the policy's
+        does (`calibration.budget_pace`; 1: wall seconds)."""
         self.headroom = headroom
         """Fraction of the time left that a forecast may use."""
         self.min_chunk_tokens = min_chunk_tokens
@@ -183,7 +187,7 @@ class SloForecaster:
         decoding = _decodes(load.num_rt_running + later, load.rt_context_tokens + later_tokens)
         tpot_s = spread * f_decode * self.latency.predict(decoding) if ask.tpot_target_s else None
 
-        budget_s = self.iteration_budget_s
+        budget_s = self.iteration_budget_s * budget_pace(load.latency_factors, self.budget_pace_max)
         if ask.tpot_target_s is not None:
             budget_s = min(budget_s, ask.tpot_target_s)
         chunk = self._chunk(running, budget_s, f_mixed if running.num_decode else f_prefill, load)

@@ -46,11 +46,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
+import msgspec
 from aiohttp import web
 
 from backend.policy.feasibility import Backlog, Shortfall, SloAsk, SloForecaster, TtftFeedback
 from backend.policy.latency import LatencyModel, load_profile
 from backend.policy.profiles import AUTO, bundled_profile_for, resolve_profile
+from backend.policy.tandem.config import TandemConfig
 from common.config import Config
 from common.wire import EngineLoad
 from gateway.engine.load import LoadWatcher
@@ -326,7 +328,24 @@ def engine_profile(config: Config) -> str:
 
 
 def build_forecaster(config: Config) -> SloForecaster:
-    """The SLO forecaster on the latency model the engine fits from the same profile.
-    Raises ValueError naming the profile when it cannot be read."""
+    """The SLO forecaster on the latency model the engine fits from the same profile, chunking
+    and keeping headroom as the engine's tandem policy is configured to (the simulator's front
+    door forecasts with the same options, so the twin and the real engine admit alike); the
+    forecaster's defaults for an engine run by another policy. Raises ValueError naming the
+    profile when it cannot be read, or the option the policy would refuse."""
     profile = load_profile(resolve_profile(engine_profile(config)))
-    return SloForecaster(LatencyModel.fit(profile.samples))
+    latency = LatencyModel.fit(profile.samples)
+    sim = config.engine.kind == "sim"  # the simulator's server runs its policy's defaults
+    if (config.engine.sim_policy if sim else config.engine.policy) != "tandem":
+        return SloForecaster(latency)
+    try:
+        options = msgspec.convert({} if sim else config.engine.policy_options, TandemConfig)
+    except (msgspec.ValidationError, ValueError) as exc:
+        raise ValueError(f"engine.policy_options: {exc}") from None
+    return SloForecaster(
+        latency,
+        iteration_budget_s=options.latency_budget_s,
+        budget_pace_max=options.latency_budget_pace_max if options.use_calibration else 1.0,
+        headroom=options.slo_headroom,
+        min_chunk_tokens=options.min_chunk_tokens,
+    )

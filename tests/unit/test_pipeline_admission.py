@@ -6,8 +6,18 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import msgspec
+import pytest
+
+from common.config import Config, EngineConfig
 from gateway.metrics import GatewayMetrics
-from gateway.pipeline.admission import Admitted, QuotaCheck, QuotaHold, admit_through
+from gateway.pipeline.admission import (
+    Admitted,
+    QuotaCheck,
+    QuotaHold,
+    admit_through,
+    build_forecaster,
+)
 from gateway.pipeline.outcome import Refused
 from gateway.quotas.limiter import QuotaLimiter
 from gateway.store.types import Quota
@@ -80,3 +90,23 @@ def test_batch_lines_are_not_held_to_the_per_minute_limits() -> None:
     quota = Quota(requests_per_min=1)
     outcomes = [check(candidate(quota, origin="batch")) for _ in range(3)]
     assert all(isinstance(o, Admitted) for o in outcomes)
+
+
+def test_the_gateway_forecasts_with_the_engine_policys_options() -> None:
+    """The SLO forecast chunks and keeps headroom as the engine's tandem policy is configured
+    (the simulator's front door does the same), not with the forecaster's defaults."""
+    engine = EngineConfig(
+        kind="sglang",
+        policy="tandem",
+        profile="cpu-tiny",
+        policy_options={"latency_budget_s": 0.2, "slo_headroom": 0.5},
+    )
+    forecaster = build_forecaster(Config(engine=engine))
+    assert forecaster.iteration_budget_s == 0.2
+    assert forecaster.headroom == 0.5
+    assert forecaster.budget_pace_max == 4.0  # tandem's default: L follows the engine's pace
+    stock = build_forecaster(Config(engine=msgspec.structs.replace(engine, policy="fcfs")))
+    assert stock.iteration_budget_s == 0.05  # the forecaster's own defaults for another policy
+    bad = msgspec.structs.replace(engine, policy_options={"latency_budget_s": -1.0})
+    with pytest.raises(ValueError, match=r"engine\.policy_options: latency_budget_s"):
+        build_forecaster(Config(engine=bad))

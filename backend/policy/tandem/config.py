@@ -16,6 +16,13 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
     """L: soft cap on the predicted iteration time, seconds (HyGen's profiled latency budget).
     It bounds RT TBT and the wait of a newly arrived RT request; an urgent RT prefill may exceed
     it, never the hard cap set by the RT deadlines in the batch."""
+    latency_budget_pace_max: float = 4.0
+    """L follows the engine's learned pace (`use_calibration`; the geometric mean of the
+    calibration's factors, never below 1) up to this factor: an engine slower than its profile
+    does the same work per iteration. At a fixed L in wall seconds a 2× slower engine computes
+    half the tokens per iteration, pays the fixed per-iteration cost twice as often and loses
+    more than half its RT capacity (W1 at slowdown 2: 41 req/s in SLO where stock FCFS keeps
+    50). The RT deadlines' hard cap still bounds every iteration. 1: L in wall seconds."""
     idle_budget_s: float = 0.06
     """Iteration-time cap when no RT request is running or waiting, seconds (BE alone: longer
     iterations amortise the fixed per-iteration cost; an RT arrival waits at most this)."""
@@ -138,6 +145,10 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.latency_budget_pace_max < 1.0:
+            raise ValueError(
+                f"latency_budget_pace_max must be ≥ 1, got {self.latency_budget_pace_max}"
+            )
         if not 0.0 < self.slo_headroom <= 1.0:
             raise ValueError(f"slo_headroom must be in (0, 1], got {self.slo_headroom}")
         for name in (

@@ -25,7 +25,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from backend.policy.calibration import LatencyCalibration, regime_of
+from backend.policy.calibration import LatencyCalibration, budget_pace, regime_of
 from backend.policy.common import PolicyBase, waiting_in
 from backend.policy.fair_share import FairShare
 from backend.policy.feasibility import SloForecaster
@@ -107,6 +107,7 @@ class TandemPolicy(PolicyBase):
         return SloForecaster(
             self.latency,
             iteration_budget_s=cfg.latency_budget_s,
+            budget_pace_max=cfg.latency_budget_pace_max if cfg.use_calibration else 1.0,
             headroom=cfg.slo_headroom,
             min_chunk_tokens=cfg.min_chunk_tokens,
         )
@@ -201,7 +202,7 @@ class TandemPolicy(PolicyBase):
             max_prefill=snap.max_prefill_tokens,
             has_rt=has_rt,
             be_time_share=self._be_time_share(),
-            budget_s=cfg.latency_budget_s if has_rt else self._be_alone_budget_s(snap.now_s),
+            budget_s=self._rt_budget_s() if has_rt else self._be_alone_budget_s(snap.now_s),
         )
 
     def _note_be_time(self, rt_s: float, total_s: float) -> None:
@@ -216,6 +217,11 @@ class TandemPolicy(PolicyBase):
     def _be_time_share(self) -> float:
         """BE's recent share of the predicted engine time while it had work (1 before any)."""
         return self._be_time_s / self._be_window_s if self._be_window_s > 0.0 else 1.0
+
+    def _rt_budget_s(self) -> float:
+        """L, stretched by the engine's learned pace (`latency_budget_pace_max`)."""
+        cfg = self.config
+        return cfg.latency_budget_s * budget_pace(self.timer.scale, cfg.latency_budget_pace_max)
 
     def _be_alone_budget_s(self, now_s: float) -> float:
         """The budget of an iteration with no RT request around: `idle_budget_s`, or, within
