@@ -146,6 +146,36 @@ def load_query(after: str | None, wait_s: str | None) -> tuple[int, float]:
     return after_iteration, min(wait, MAX_LOAD_WAIT_S)
 
 
+CONTROL_ITERATIONS_PATH = "/iterations"
+"""GET (query `after=<iteration>`, `wait_s=<seconds>`, as `CONTROL_LOAD_PATH`): the engine's
+recent iterations later than `after`, oldest first, as :class:`IterationLog` — every one, where
+a `/load` poll only sees the newest (an observer that falls behind, as one starved of CPU
+does, would otherwise see the long iterations and miss the short ones)."""
+ITERATION_LOG_SIZE = 1024
+"""Iterations an engine keeps for `CONTROL_ITERATIONS_PATH` (older ones are gone)."""
+
+
+class IterationRecord(msgspec.Struct, frozen=True, array_like=True):
+    """One scheduler iteration: when it ended, how long it took, what the model predicted."""
+
+    iteration: int
+    at_unix_s: float
+    """When it ended (wall clock)."""
+    iteration_s: float
+    """Its measured duration, seconds."""
+    predicted_iteration_s: float
+    """The calibrated model's prediction for it when it was planned, seconds (0: none)."""
+
+
+class IterationLog(msgspec.Struct, frozen=True, kw_only=True):
+    """The answer of `CONTROL_ITERATIONS_PATH`."""
+
+    iterations: list[IterationRecord]
+    """Iterations later than the query's `after`, oldest first (at most ITERATION_LOG_SIZE)."""
+    missed: int = 0
+    """Iterations later than `after` that are no longer kept (the caller polled too rarely)."""
+
+
 class TenantLoad(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One RT tenant's part of the engine's RT work: its prompt work not computed yet (what
     weighted fair share weighs against another tenant's when it orders the tier's prompts) and

@@ -32,6 +32,7 @@ import msgspec
 from backend.sglang_ext.driver import EngineDriver
 from common.wire import (
     CONTROL_HEALTH_PATH,
+    CONTROL_ITERATIONS_PATH,
     CONTROL_LENGTHS_PATH,
     CONTROL_LOAD_PATH,
     CONTROL_STATS_PATH,
@@ -57,7 +58,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         url = urlsplit(self.path)
-        if url.path == CONTROL_LOAD_PATH:
+        if url.path in (CONTROL_LOAD_PATH, CONTROL_ITERATIONS_PATH):
             try:
                 query = parse_qs(url.query)
                 after, wait_s = load_query(
@@ -66,8 +67,11 @@ class _Handler(BaseHTTPRequestHandler):
             except ValueError as exc:
                 self._reply(400, {"error": str(exc)})
                 return
-            load = self.server.driver.loads.wait_after(after, wait_s)
-            self._reply_bytes(200, msgspec.json.encode(load))
+            board = self.server.driver.loads
+            if url.path == CONTROL_LOAD_PATH:
+                self._reply_bytes(200, msgspec.json.encode(board.wait_after(after, wait_s)))
+            else:
+                self._reply_bytes(200, msgspec.json.encode(board.iterations_after(after, wait_s)))
         elif self.path == CONTROL_STATS_PATH:
             from backend.sglang_ext.kv_layout_engine import stats as kv_layout_stats
 

@@ -10,8 +10,9 @@ notify: the scheduler never waits on a reader.
 from __future__ import annotations
 
 import threading
+from collections import deque
 
-from common.wire import EngineLoad
+from common.wire import ITERATION_LOG_SIZE, EngineLoad, IterationLog, IterationRecord
 
 
 class LoadBoard:
@@ -20,6 +21,7 @@ class LoadBoard:
     def __init__(self, initial: EngineLoad) -> None:
         self._cond = threading.Condition()
         self._load = initial
+        self._log: deque[IterationRecord] = deque(maxlen=ITERATION_LOG_SIZE)
 
     @property
     def latest(self) -> EngineLoad:
@@ -28,8 +30,13 @@ class LoadBoard:
 
     def publish(self, load: EngineLoad) -> None:
         """Makes *load* the newest and wakes every waiter (the scheduler thread calls this)."""
+        record = IterationRecord(
+            load.iteration, load.at_unix_s, load.iteration_s, load.predicted_iteration_s
+        )
         with self._cond:
             self._load = load
+            if load.iteration > 0:
+                self._log.append(record)
             self._cond.notify_all()
 
     def wait_after(self, after_iteration: int, wait_s: float) -> EngineLoad:
@@ -38,3 +45,14 @@ class LoadBoard:
         with self._cond:
             self._cond.wait_for(lambda: self._load.iteration > after_iteration, timeout=wait_s)
             return self._load
+
+    def iterations_after(self, after_iteration: int, wait_s: float) -> IterationLog:
+        """Every kept iteration past *after_iteration*, oldest first, once there is one (or
+        after *wait_s* seconds, maybe none); `missed` counts those no longer kept."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._load.iteration > after_iteration, timeout=wait_s)
+            records = [r for r in self._log if r.iteration > after_iteration]
+            newest = self._load.iteration
+        first = records[0].iteration if records else newest + 1
+        missed = max(0, first - max(after_iteration, 0) - 1) if after_iteration >= 0 else 0
+        return IterationLog(iterations=records, missed=missed)

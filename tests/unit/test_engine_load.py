@@ -15,7 +15,14 @@ from backend.policy.feasibility import Backlog, load_of
 from backend.policy.load_report import NO_CALIBRATION, policy_factors
 from backend.policy.types import ReqState, Snapshot
 from backend.sglang_ext.load_board import LoadBoard
-from common.wire import MAX_LOAD_WAIT_S, EngineLoad, TenantLoad, load_query
+from common.wire import (
+    ITERATION_LOG_SIZE,
+    MAX_LOAD_WAIT_S,
+    EngineLoad,
+    IterationLog,
+    TenantLoad,
+    load_query,
+)
 from gateway.engine.load import SENT_KEPT_S, LoadWatcher
 
 
@@ -123,6 +130,34 @@ def test_board_answers_at_once_when_newer_else_after_the_wait() -> None:
     waiter.join(timeout=30.0)
     assert not waiter.is_alive()
     assert got[0].iteration == 1
+
+
+def test_board_keeps_every_iteration_for_an_observer_that_falls_behind() -> None:
+    """A `/load` poll sees only the newest iteration; `/iterations` hands over each one since
+    the caller's last, and says how many it no longer keeps."""
+    board = LoadBoard(EngineLoad(iteration=0, at_unix_s=0.0))
+    assert board.iterations_after(-1, 0.0).iterations == []  # nothing has run yet
+    for i in range(1, 6):  # a long iteration, then four short ones
+        board.publish(
+            EngineLoad(
+                iteration=i,
+                at_unix_s=float(i),
+                iteration_s=0.8 if i == 1 else 0.02,
+                predicted_iteration_s=0.1,
+            )
+        )
+    log = board.iterations_after(2, 0.0)
+    assert [r.iteration for r in log.iterations] == [3, 4, 5]
+    assert [r.iteration_s for r in log.iterations] == [0.02, 0.02, 0.02]
+    assert log.missed == 0
+    assert board.iterations_after(5, 0.0).iterations == []
+    for i in range(6, 6 + ITERATION_LOG_SIZE + 10):
+        board.publish(EngineLoad(iteration=i, at_unix_s=float(i)))
+    behind = board.iterations_after(5, 0.0)
+    assert len(behind.iterations) == ITERATION_LOG_SIZE
+    assert behind.missed == 10
+    encoded = msgspec.json.encode(behind)  # what the control endpoint sends
+    assert msgspec.json.decode(encoded, type=IterationLog) == behind
 
 
 def load(iteration: int, at_unix_s: float) -> EngineLoad:
