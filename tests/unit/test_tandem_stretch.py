@@ -82,6 +82,18 @@ def test_be_alone_iterations_stay_short_while_rt_is_active_and_grow_after() -> N
     assert chunks(later)["be"] == 2000  # the window passed: the idle budget, 50 ms
 
 
+def test_be_alone_iterations_of_the_active_window_scale_by_their_fraction() -> None:
+    policy = make_policy(
+        latency_budget_s=0.04, idle_budget_s=0.05, rt_stretch=0.3, rt_active_be_frac=0.75
+    )
+    policy.plan(snapshot(waiting=[make_request("rt", prompt_len=500, ttft_target_s=5.0)]))
+    be = make_request("be", tier="be", prompt_len=5000)
+    soon = policy.plan(snapshot(waiting=[be], now_s=NOW + 1.0))
+    assert chunks(soon)["be"] == pytest.approx(250, abs=1)  # 0.75 × 20 ms = 10 + 5 ms
+    with pytest.raises(ValueError, match="rt_active_be_frac"):
+        TandemConfig(rt_active_be_frac=0.0)
+
+
 def test_without_stretch_be_alone_iterations_use_the_idle_budget_at_once() -> None:
     policy = make_policy(latency_budget_s=0.04, idle_budget_s=0.05)
     policy.plan(snapshot(waiting=[make_request("rt", prompt_len=500, ttft_target_s=5.0)]))

@@ -88,6 +88,11 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
     iteration (its prompt alone), since the next RT arrival waits for the iteration in flight;
     after that, BE iterations grow to `idle_budget_s` (long iterations amortise the
     per-iteration cost). Seconds."""
+    rt_active_be_frac: float = 1.0
+    """With `rt_stretch` set: the BE-alone iterations of the RT-active window are held to this
+    fraction of a typical RT prompt's first iteration (an RT arrival waits for the one in flight,
+    half of it on average: 0.5 halves that wait, at the cost of BE paying the fixed
+    per-iteration cost twice as often while anyone chats). In (0, 1]."""
     be_min_time_share: float = 0.0
     """With `rt_stretch` set: BE's share of the engine's time (predicted, over about the last
     second in which BE had work) is kept at least this. An iteration with RT work gives BE up to
@@ -159,11 +164,12 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
             "be_min_share",
             "be_min_time_share",
             "first_token_be_frac",
+            "rt_active_be_frac",
             "rt_slot_reserve_frac",
             "be_order_prob",
         ):
             value = getattr(self, name)
-            if name in ("be_order_prob", "first_token_be_frac"):
+            if name in ("be_order_prob", "first_token_be_frac", "rt_active_be_frac"):
                 if not 0.0 <= value <= 1.0:
                     raise ValueError(f"{name} must be in [0, 1], got {value}")
             elif not 0.0 <= value < 1.0:
@@ -172,6 +178,8 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("need 0 ≤ eps_min ≤ eps_init ≤ eps_max < 1")
         if not 0.0 < self.be_frac_reset <= 1.0 or not 0.0 < self.be_frac_init <= 1.0:
             raise ValueError("be_frac_init and be_frac_reset must be in (0, 1]")
+        if self.rt_active_be_frac <= 0.0:
+            raise ValueError(f"rt_active_be_frac must be in (0, 1], got {self.rt_active_be_frac}")
         if self.rt_stretch is not None and self.rt_stretch < 0:
             raise ValueError(f"rt_stretch must be ≥ 0 (or null), got {self.rt_stretch}")
         if self.rt_prefill_floor_tokens < 0:

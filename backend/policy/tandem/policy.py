@@ -226,14 +226,15 @@ class TandemPolicy(PolicyBase):
     def _be_alone_budget_s(self, now_s: float) -> float:
         """The budget of an iteration with no RT request around: `idle_budget_s`, or, within
         `rt_active_window_s` of the last RT request (with `rt_stretch` set), what a typical RT
-        prompt's own first iteration takes — the next RT arrival waits for the iteration in
-        flight (half of it on average), so BE-alone iterations no longer than its own keep its
-        TTFT within about 1.5× of what it gets on an idle engine."""
+        prompt's own first iteration takes (× `rt_active_be_frac`) — the next RT arrival waits
+        for the iteration in flight (half of it on average), so BE-alone iterations no longer
+        than its own keep its TTFT within about 1.5× of what it gets on an idle engine."""
         cfg = self.config
         if cfg.rt_stretch is None or now_s - self._rt_seen_s > cfg.rt_active_window_s:
             return cfg.idle_budget_s
         prompt = max(1, round(self._rt_prompt_tokens))
-        return min(cfg.idle_budget_s, self.timer.with_chunk(BatchTotals(), prompt, 0))
+        rt_first_s = self.timer.with_chunk(BatchTotals(), prompt, 0)
+        return min(cfg.idle_budget_s, cfg.rt_active_be_frac * rt_first_s)
 
     def _charge(self, reqs: Sequence[ReqState], tokens: int) -> None:
         """`tokens` of each of `reqs` are scheduled: noted for their tenants (charged by
