@@ -40,6 +40,7 @@ import asyncio
 import json
 import multiprocessing
 import os
+import re
 import secrets
 import statistics
 import sys
@@ -51,10 +52,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 import yaml
 
+from backend.policy.tandem.config import TandemConfig
 from bench.live import READY_TIMEOUT_S, engine_control_get, free_port, served
 from bench.live_client import create_tenant_key
+from bench.policy_spec import base_name, parse_policy_spec
 from common.config import DEFAULT_CONFIG_PATH
 from common.wire import CONTROL_ITERATIONS_PATH, CONTROL_LOAD_PATH, CONTROL_STATS_PATH
 
@@ -413,17 +417,21 @@ def config_for(policy: str, workdir: Path, options: Options) -> tuple[dict[str, 
     engine.update(
         port=free_port(), log_file=str(workdir / "engine.log"), startup_timeout_s=READY_TIMEOUT_S
     )
-    if policy == "tandem":
+    name, extra = parse_policy_spec(policy)
+    if name == "tandem":  # tandem:KEY=VALUE… overrides config.yaml's policy options
         engine["profile"] = options.profile
+        engine["policy_options"] = {**(engine.get("policy_options") or {}), **extra}
+    elif extra:
+        raise ValueError(f"{policy}: options are for tandem only (stock SGLang takes none)")
     else:  # stock SGLang: the patch off, its own FCFS (or priority) scheduling
         engine.update(patch=False, policy="none", profile="auto")
-        engine["enable_priority_scheduling"] = policy == "priority"
+        engine["enable_priority_scheduling"] = name == "priority"
     return cfg, port
 
 
 def run_policy(policy: str, out_dir: Path, options: Options) -> dict[str, Any]:
     """The scenario on a fresh `tandem serve` of *policy*; its results."""
-    workdir = out_dir / policy
+    workdir = out_dir / re.sub(r"[^A-Za-z0-9_.=-]+", "_", policy)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "tandem.db").unlink(missing_ok=True)
     cfg, port = config_for(policy, workdir, options)
@@ -483,7 +491,7 @@ async def _scenario(
         say(f"beside the batch: {beside.summary(contract)}")
 
         burn: dict[str, Any] | None = None
-        if options.burn_s > 0 and policy == "tandem":
+        if options.burn_s > 0 and base_name(policy) == "tandem":
             burn = await _burn_phase(session, gw, chat_key, engine_port, options, say)
 
         async def batch_done() -> dict[str, Any] | None:
@@ -665,9 +673,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench/results/new_user"))
     args = parser.parse_args(argv)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in ("tandem", "fcfs", "priority")]
+    unknown = [p for p in policies if base_name(p) not in ("tandem", "fcfs", "priority")]
     if unknown:
-        parser.error(f"unknown policy {unknown[0]!r} (tandem, fcfs, priority)")
+        parser.error(f"unknown policy {unknown[0]!r} (tandem[:KEY=VALUE…], fcfs, priority)")
+    for spec in policies:
+        try:
+            name, extra = parse_policy_spec(spec)
+            if name == "tandem":  # a bad option fails now, not after minutes of the run
+                unknown_keys = sorted(set(extra) - set(TandemConfig.__struct_fields__))
+                if unknown_keys:
+                    raise ValueError(f"tandem has no option {unknown_keys[0]!r}")
+                msgspec.convert(extra, TandemConfig)
+            elif extra:
+                raise ValueError("options are for tandem only")
+        except (ValueError, msgspec.ValidationError) as exc:
+            parser.error(f"--policies {spec!r}: {exc}")
     options = Options(
         chats=args.chats,
         chat_max_tokens=args.chat_max_tokens,
