@@ -6,6 +6,7 @@ parameter and body field, undeclared methods, and cases hypothesis generates fro
 
 from __future__ import annotations
 
+import pytest
 from schemathesis import GenerationMode
 
 from tests.reliability.fuzzing import Prober
@@ -16,6 +17,7 @@ EXAMPLES_PER_MODE = 20
 MIN_CASES = 1000
 
 
+@pytest.mark.slow
 def test_no_request_gets_a_5xx_or_an_undocumented_answer(live: LiveGateway) -> None:
     prober = Prober.of(live)
     for operation in prober.operations():
