@@ -243,7 +243,9 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     argv = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider"]
     argv += ["tests/reliability", *(["-k", args.k] if args.k else [])]
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, check=False)
-    counts = [line for line in proc.stdout.splitlines() if line.startswith("reliability ")]
+    # pytest's progress letters may precede a test's printed line on the same line
+    lines = proc.stdout.splitlines()
+    counts = [line[line.index("reliability ") :] for line in lines if "reliability " in line]
     for line in counts:
         print(line)
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
