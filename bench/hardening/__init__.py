@@ -1,0 +1,1 @@
+"""The hardening bench (issue 16): see __main__.py and README.md."""
