@@ -56,8 +56,10 @@ class GatewayConfig(_Section, frozen=True):
     max_body_bytes: int = 4 * 1024 * 1024
     """Largest accepted request body, bytes; a larger one is answered 413."""
     auth_cache_ttl_s: float = 5.0
-    """How long a key→tenant lookup is cached, seconds. Revocation through this gateway's admin
-    API is immediate; other processes see changes after at most this long."""
+    """How long a key→tenant lookup is cached, seconds. A change made through the admin API
+    (revocation, tenant, contract, quota) applies at once in this process and, on PostgreSQL, in
+    every other gateway process on the database (LISTEN/NOTIFY, gateway/auth_sync.py); this is
+    the bound for a change they missed (their listener's connection was down)."""
     engine_retry_after_s: int = 5
     """`Retry-After` sent with a 503 when the engine is unreachable, seconds."""
     default_max_tokens: int = 1024
