@@ -3,10 +3,13 @@ scrape token and without tenant names, downloads whose file name cannot break th
 
 from __future__ import annotations
 
+import urllib.parse
+
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.gateway.conftest import GatewayFactory
 from tests.gateway.harness import ADMIN_TOKEN, Gateway
+from tests.gateway.test_batches import chat_line, jsonl
 
 SCRAPE_TOKEN = "scrape-token-for-tests"
 
@@ -58,3 +61,45 @@ async def test_metrics_need_the_scrape_token_once_one_is_set(
         # the other operations endpoints stay open (probes carry no token)
         for path in ("/healthz", "/readyz"):
             assert (await gw.request("GET", path)).status == 200
+
+
+def upload_body(filename: str, content: bytes) -> bytes:
+    """A multipart upload whose file name travels percent-encoded (RFC 8187), as a browser sends
+    one that is not plain ASCII."""
+    encoded = urllib.parse.quote(filename, safe="")
+    return (
+        b'--BOUNDARY\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        b"--BOUNDARY\r\nContent-Disposition: form-data; name=\"file\"; filename*=UTF-8''"
+        + encoded.encode()
+        + b"\r\nContent-Type: application/jsonl\r\n\r\n"
+        + content
+        + b"\r\n--BOUNDARY--\r\n"
+    )
+
+
+async def test_a_download_is_saved_under_its_uploaded_name(gw: Gateway) -> None:
+    """Any name an upload may carry comes back whole in `filename*` (the old header replaced
+    every non-ASCII character by "_") and safe in the plain `filename`."""
+    _, key = await gw.new_tenant("files", "be")
+    content = jsonl([chat_line("a", "hi")])
+    for name, plain in [
+        ("naïve résumé 日本.jsonl", "na_ve r_sum_ __.jsonl"),
+        ('q"uo\\te; x=1, y.jsonl', "q_uo_te; x=1, y.jsonl"),
+    ]:
+        uploaded = await gw.request(
+            "POST",
+            "/v1/files",
+            key=key,
+            data=upload_body(name, content),
+            headers={"Content-Type": "multipart/form-data; boundary=BOUNDARY"},
+        )
+        assert uploaded.status == 200 and uploaded.body["filename"] == name, uploaded
+        async with gw.session.get(
+            f"{gw.base_url}/v1/files/{uploaded.body['id']}/content",
+            headers={"Authorization": f"Bearer {key}"},
+        ) as resp:
+            assert resp.status == 200 and await resp.read() == content
+            disposition = resp.content_disposition
+            assert disposition is not None and disposition.type == "attachment"
+            assert disposition.filename == name  # what a client saves it as
+            assert disposition.parameters["filename"] == plain
