@@ -45,6 +45,8 @@ Security = list[dict[str, list[str]]]
 TENANT: Security = [{"tenantKey": []}]
 ADMIN: Security = [{"adminToken": []}]
 DASHBOARD: Security = [{"adminToken": []}, {"adminBasic": []}]
+SCRAPE: Security = [{}, {"scrapeToken": []}, {"adminToken": []}]
+"""/metrics: open, or (with metrics.scrape_token set) the scrape token or the admin token."""
 NONE: Security = []
 
 
@@ -400,6 +402,11 @@ def document(app: web.Application | None = None) -> dict[str, Any]:
                     "scheme": "bearer",
                     "description": "TANDEM_ADMIN_TOKEN",
                 },
+                "scrapeToken": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "metrics.scrape_token (TANDEM_METRICS__SCRAPE_TOKEN)",
+                },
                 "adminBasic": {
                     "type": "http",
                     "scheme": "basic",
@@ -464,12 +471,13 @@ OPERATIONS: list[Op] = [
     Op(
         "GET",
         "/metrics",
-        "Prometheus metrics (text format)",
+        "Prometheus metrics (text format); with metrics.scrape_token set, only for a bearer "
+        "of it or of the admin token",
         "operations",
-        NONE,
+        SCRAPE,
         response={"type": "string"},
         response_type="text/plain",
-        errors=(),
+        errors=(401,),
     ),
     Op("GET", "/openapi.json", "This document", "operations", NONE, errors=()),
     # OpenAI-compatible
