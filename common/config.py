@@ -56,8 +56,10 @@ class GatewayConfig(_Section, frozen=True):
     max_body_bytes: int = 4 * 1024 * 1024
     """Largest accepted request body, bytes; a larger one is answered 413."""
     auth_cache_ttl_s: float = 5.0
-    """How long a key→tenant lookup is cached, seconds. Revocation through this gateway's admin
-    API is immediate; other processes see changes after at most this long."""
+    """How long a key→tenant lookup is cached, seconds. A change made through the admin API
+    (revocation, tenant, contract, quota) applies at once in this process and, on PostgreSQL, in
+    every other gateway process on the database (LISTEN/NOTIFY, gateway/auth_sync.py); this is
+    the bound for a change they missed (their listener's connection was down)."""
     engine_retry_after_s: int = 5
     """`Retry-After` sent with a 503 when the engine is unreachable, seconds."""
     default_max_tokens: int = 1024
@@ -290,6 +292,15 @@ class MetricsConfig(_Section, frozen=True):
     """How often the engine's load (queues, KV use) and the batch backlog are sampled, seconds."""
     history_s: float = 6 * 3600.0
     """How much sampled engine history the dashboard can show, seconds."""
+    scrape_token: str | None = None
+    """Bearer token `GET /metrics` requires (``Authorization: Bearer <token>``; the admin token
+    works too), at least 8 characters; null: /metrics is open to anyone who reaches the port.
+    Set it with ``TANDEM_METRICS__SCRAPE_TOKEN`` rather than in a file (quote an all-digit token,
+    which the override would read as a number)."""
+    tenant_names: bool = False
+    """Publish each tenant's name on `tandem_tenant_info` (label `name`, joined to the other
+    series by their `tenant` id label). Off: /metrics carries tenant ids and tiers only, so a
+    scrape does not list the customers."""
 
 
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -321,6 +332,9 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
         _check_positive("batch.max_inflight", self.batch.max_inflight)
         _check_positive("batch.poll_interval_s", self.batch.poll_interval_s)
         _check_positive("batch.max_attempts", self.batch.max_attempts)
+        token = self.metrics.scrape_token
+        if token is not None and len(token.strip()) < 8:
+            raise ConfigError("metrics.scrape_token must be a secret of at least 8 characters")
         if not 0.0 <= self.batch.pilot_fraction <= 1.0:
             raise ConfigError("batch.pilot_fraction must be in [0, 1]")
         if not self.engine.profile.strip():

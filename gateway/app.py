@@ -17,6 +17,7 @@ from backend.policy.feasibility import TtftFeedback
 from common.config import Config
 from gateway.api import admin, batches, files, openai, ops
 from gateway.auth import AuthCache
+from gateway.auth_sync import auth_sync
 from gateway.batch.app import batch_context
 from gateway.engine.client import EngineClient
 from gateway.engine.control import length_sync
@@ -64,6 +65,7 @@ def create_app(config: Config, admin_token: str, model_dir: Path) -> web.Applica
     app[TTFT_FEEDBACK] = TtftFeedback()
     app[TIER_QUEUES] = TierQueues(tier_bounds(config.gateway))
     app.cleanup_ctx.append(_database)
+    app.cleanup_ctx.append(auth_sync)  # revocations reach the other processes (PostgreSQL)
     app.cleanup_ctx.append(_engine_client)
     app.cleanup_ctx.append(_load_watchers)  # the engine's live state, for the SLO admission
     app.cleanup_ctx.append(_usage_recorder)

@@ -1,10 +1,16 @@
 """Authentication: API key → tenant, contract and quota, through a small TTL cache of the store.
 
 Lookups go by the key's non-secret prefix; the secret is checked by a constant-time comparison
-of SHA-256 digests. A hit is cached for `ttl_s` so the hot path makes no SQL query; revocations
-made through this gateway's admin API invalidate the cache at once, other processes see them after
-at most `ttl_s`. Unknown keys are cached briefly too, so a flood of bad keys cannot hammer the
-database.
+of SHA-256 digests. A hit is cached for `ttl_s` so the hot path makes no SQL query. Changes made
+through the admin API (revocations, tenant and contract changes) invalidate the cache at once, in
+this process and, on PostgreSQL, in every other gateway process on the database
+(gateway/auth_sync.py: LISTEN/NOTIFY); `ttl_s` bounds how long a change made any other way, or
+a notification lost while the database was unreachable, can go unseen.
+
+A refused key costs the same whether its prefix exists or not, so the time of a refusal is no
+oracle for valid prefixes: one hash, two constant-time comparisons (with a stand-in digest where
+there is no row) and one store query, whatever the cache holds for the prefix; then the refused
+key's digest is remembered for a second, so a flood of one bad key cannot hammer the database.
 """
 
 from __future__ import annotations
@@ -42,38 +48,75 @@ class AuthCache:
         self._store = store
         self._ttl_s = ttl_s
         self._clock = clock
-        self._entries: dict[str, tuple[float, AuthRecord | None]] = {}
+        self._entries: dict[str, tuple[float, AuthRecord]] = {}
+        """Key prefix → (expiry, the store's record): keys that exist."""
+        self._refused: dict[str, float] = {}
+        """Digest of a refused key → expiry: no store query for it again until then."""
+        self._generation = 0
+        """Counts invalidations: a store answer read across one is not cached (it may be stale)."""
+        self.publish: Callable[[str | None], None] | None = None
+        """Tells the other gateway processes about an `invalidate` (set by gateway/auth_sync.py
+        on PostgreSQL); None: there are none to tell (SQLite: one process)."""
 
     async def authenticate(self, key: str) -> Principal:
         """The principal for *key*; raises a 401 ApiError for a missing, unknown or revoked key."""
         prefix = keys.parse_prefix(key)
         if prefix is None:
             raise _unauthorized("invalid API key")
-        record = await self._lookup(prefix)
-        if record is None or not keys.digest_matches(key, record.secret_sha256):
+        record = await self._lookup(prefix, keys.hash_key(key))
+        if record is None:
             raise _unauthorized("invalid API key")
         if record.revoked or record.tenant.deleted:
             raise _unauthorized("API key has been revoked")
         return Principal(tenant=record.tenant, key_id=record.key_id, key_prefix=record.prefix)
 
     def invalidate(self, prefix: str | None = None) -> None:
-        """Drops one cached key (or all): called after admin changes."""
+        """Drops one cached key (or all) here and in the other gateway processes: called after
+        admin changes (a revoked key, a changed or deleted tenant)."""
+        self.drop(prefix)
+        if self.publish is not None:
+            self.publish(prefix)
+
+    def drop(self, prefix: str | None = None) -> None:
+        """Drops one cached key (or all) in this process only (another process changed it)."""
+        self._generation += 1
         if prefix is None:
             self._entries.clear()
+            self._refused.clear()
         else:
             self._entries.pop(prefix, None)
 
-    async def _lookup(self, prefix: str) -> AuthRecord | None:
+    async def _lookup(self, prefix: str, sha256: str) -> AuthRecord | None:
+        """The record of the key with digest *sha256*, or None when no key has it. Every
+        refusal does the same work (see the module doc)."""
         now = self._clock()
         cached = self._entries.get(prefix)
-        if cached is not None and cached[0] > now:
-            return cached[1]
+        hit = cached[1] if cached is not None and cached[0] > now else None
+        if _matches(sha256, hit) and hit is not None:
+            return hit
+        refused_until = self._refused.get(sha256)
+        if refused_until is not None and refused_until > now:
+            return None
+        generation = self._generation
         record = await self._store.lookup_key(prefix)
-        ttl = self._ttl_s if record is not None else min(self._ttl_s, _NEGATIVE_TTL_S)
-        if len(self._entries) >= _MAX_ENTRIES:
-            self._entries.clear()
-        self._entries[prefix] = (now + ttl, record)
-        return record
+        now = self._clock()
+        if _matches(sha256, record) and record is not None:
+            if generation == self._generation:
+                if len(self._entries) >= _MAX_ENTRIES:
+                    self._entries.clear()
+                self._entries[prefix] = (now + self._ttl_s, record)
+            return record
+        if len(self._refused) >= _MAX_ENTRIES:
+            self._refused.clear()
+        self._refused[sha256] = now + min(self._ttl_s, _NEGATIVE_TTL_S)
+        return None
+
+
+def _matches(sha256: str, record: AuthRecord | None) -> bool:
+    """Whether *record* is the key's; compares digests (a stand-in one without a record), so a
+    missing record costs what a wrong secret does."""
+    stored = record.secret_sha256 if record is not None else keys.UNKNOWN_KEY_SHA256
+    return keys.digests_equal(sha256, stored)
 
 
 def bearer_token(request: web.Request) -> str:

@@ -94,7 +94,14 @@ def _from_http_exception(exc: web.HTTPException) -> ApiError:
     if exc.status == 404:
         return ApiError(404, "unknown route", code="unknown_route")
     if exc.status == 405:
-        return ApiError(405, "method not allowed on this route", code="method_not_allowed")
+        # RFC 9110: a 405 must list the route's methods in Allow (aiohttp's exception has it)
+        allow = exc.headers.get("Allow", "")
+        return ApiError(
+            405,
+            f"method not allowed on this route (allowed: {allow.replace(',', ', ')})",
+            code="method_not_allowed",
+            headers={"Allow": allow},
+        )
     return ApiError(exc.status, exc.reason or "request failed")
 
 

@@ -58,4 +58,14 @@ def parse_prefix(key: str) -> str | None:
 
 def digest_matches(key: str, stored_sha256: str) -> bool:
     """Constant-time comparison of *key*'s digest with the stored one."""
-    return hmac.compare_digest(hash_key(key), stored_sha256)
+    return digests_equal(hash_key(key), stored_sha256)
+
+
+def digests_equal(sha256: str, stored_sha256: str) -> bool:
+    """Constant-time comparison of two hex digests (a key's `hash_key` and a stored one)."""
+    return hmac.compare_digest(sha256, stored_sha256)
+
+
+UNKNOWN_KEY_SHA256 = hash_key(f"{KEY_SCHEME}_{'0' * PREFIX_HEX_LEN}_no-such-key")
+"""What a key whose prefix has no row is compared with: a miss does the same work as a key with
+the wrong secret, so the time of a refusal does not tell whether a prefix exists."""

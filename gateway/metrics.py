@@ -7,12 +7,15 @@ refusals by limit. `EngineSampler` (gateway.engine.sampler) polls the engine's `
 (running and waiting requests, KV use) and the batch tables (BE backlog, batch progress) every
 ``metrics.engine_poll_s`` and keeps ``metrics.history_s`` of samples for the dashboard. Each app
 has its own registry, so two gateways in one process (tests) never share series. Tenants are
-labelled by id; the name and tier are on ``tandem_tenant_info``.
+labelled by id; ``tandem_tenant_info`` gives each id its tier, and its name only where the
+operator asks for names (``metrics.tenant_names``). With ``metrics.scrape_token`` set, a scrape
+must present that token (or the admin token) as a bearer token.
 """
 
 from __future__ import annotations
 
 import collections
+import hmac
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import cast
@@ -26,6 +29,7 @@ from sqlalchemy import Table, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.engine.sampler import EngineSampler
+from gateway.errors import ApiError
 from gateway.store.models import TenantRow
 from gateway.store.types import UsageRecord
 
@@ -66,9 +70,13 @@ _TPOT_BUCKETS_S = (
 
 
 class GatewayMetrics:
-    """Every series of this gateway, in its own registry."""
+    """Every series of this gateway, in its own registry.
 
-    def __init__(self) -> None:
+    *scrape_tokens*: the bearer tokens a scrape may present (the scrape token and the admin
+    token); empty: scrapes need none."""
+
+    def __init__(self, scrape_tokens: tuple[str, ...] = ()) -> None:
+        self.scrape_tokens = scrape_tokens
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         tt = ["tenant", "tier"]
@@ -220,18 +228,26 @@ class _Dynamic:
 
 
 def tenant_info_collector(
-    tenants: Callable[[], list[tuple[str, str, str]]],
+    tenants: Callable[[], list[tuple[str, str, str]]], *, with_names: bool
 ) -> Callable[[], Iterator[GaugeMetricFamily]]:
-    """`tandem_tenant_info{tenant,name,tier} 1` from a cached (id, name, tier) list."""
+    """`tandem_tenant_info{tenant,tier} 1` from a cached (id, name, tier) list; with the label
+    `name` too when *with_names* (the operator's choice: a scrape then lists the customers)."""
 
     def collect() -> Iterator[GaugeMetricFamily]:
-        info = GaugeMetricFamily(
-            "tandem_tenant_info",
-            "A tenant's name and tier (value 1).",
-            labels=["tenant", "name", "tier"],
-        )
-        for tenant_id, name, tier in tenants():
-            info.add_metric([tenant_id, name, tier], 1)
+        if with_names:
+            info = GaugeMetricFamily(
+                "tandem_tenant_info",
+                "A tenant's name and tier (value 1).",
+                labels=["tenant", "name", "tier"],
+            )
+            for tenant_id, name, tier in tenants():
+                info.add_metric([tenant_id, name, tier], 1)
+        else:
+            info = GaugeMetricFamily(
+                "tandem_tenant_info", "A tenant's tier (value 1).", labels=["tenant", "tier"]
+            )
+            for tenant_id, _, tier in tenants():
+                info.add_metric([tenant_id, tier], 1)
         yield info
 
     return collect
@@ -253,9 +269,31 @@ METRICS_KEY = web.AppKey("metrics", GatewayMetrics)
 
 @routes.get("/metrics")
 async def metrics_endpoint(request: web.Request) -> web.Response:
-    """Prometheus text format (no auth, like the other operations endpoints)."""
+    """Prometheus text format; with a scrape token configured, only for its bearer (or the
+    admin token's)."""
     registry = request.app[METRICS_KEY]
+    check_scrape_auth(request, registry.scrape_tokens)
     for refresh in registry.before_scrape:
         await refresh()
     body = registry.render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def check_scrape_auth(request: web.Request, tokens: tuple[str, ...]) -> None:
+    """401 unless *tokens* is empty or the request's bearer token is one of them (each compared
+    in constant time, all of them every time)."""
+    if not tokens:
+        return
+    scheme, _, value = request.headers.get("Authorization", "").partition(" ")
+    presented = value.strip().encode() if scheme.lower() == "bearer" else b""
+    matched = False
+    for token in tokens:
+        matched |= hmac.compare_digest(presented, token.encode())
+    if not presented or not matched:
+        raise ApiError(
+            401,
+            "/metrics needs the scrape token (metrics.scrape_token) or the admin token: send "
+            "'Authorization: Bearer <token>'",
+            code="invalid_metrics_token",
+            headers={"WWW-Authenticate": "Bearer"},
+        )

@@ -16,7 +16,7 @@ from gateway.dashboard import routes as dashboard_routes
 from gateway.engine.sampler import EngineSampler, gauge
 from gateway.quotas.limiter import QuotaLimiter
 from gateway.quotas.sync import QuotaSync
-from gateway.state import CONFIG, DB_ENGINE, METRICS, QUOTAS, USAGE
+from gateway.state import ADMIN_TOKEN, CONFIG, DB_ENGINE, METRICS, QUOTAS, USAGE
 
 _TENANT_INFO_TIMEOUT_S = 2.0
 
@@ -26,7 +26,10 @@ def install(app: web.Application) -> None:
     /metrics, /admin/v1/dashboard… and /openapi.json. Call after the database's cleanup context
     is registered (the tasks here use it)."""
     app[QUOTAS] = QuotaLimiter(instance_id=f"gw_{secrets.token_hex(6)}")
-    app[METRICS] = metrics.GatewayMetrics()
+    scrape_token = app[CONFIG].metrics.scrape_token
+    app[METRICS] = metrics.GatewayMetrics(
+        scrape_tokens=(scrape_token, app[ADMIN_TOKEN]) if scrape_token else ()
+    )
     app.cleanup_ctx.append(_quota_sync)
     app.cleanup_ctx.append(_engine_sampler)
     app.add_routes(metrics.routes)
@@ -87,7 +90,9 @@ async def _engine_sampler(app: web.Application) -> AsyncIterator[None]:
     )
     registry.sampler = sampler
     tenants: list[tuple[str, str, str]] = []
-    registry.extra.append(metrics.tenant_info_collector(lambda: tenants))
+    registry.extra.append(
+        metrics.tenant_info_collector(lambda: tenants, with_names=config.metrics.tenant_names)
+    )
     registry.extra.append(
         lambda: iter(
             [

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from aiohttp import BodyPartReader, web
 
+from gateway.api.disposition import attachment
 from gateway.api.openai import authenticate
 from gateway.batch.app import BATCH_STORE
 from gateway.batch.types import FILE_PURPOSES, FileInfo
@@ -187,13 +188,8 @@ async def file_content(request: web.Request) -> web.Response:
     return web.Response(
         body=content,
         content_type="application/octet-stream",
-        headers={"Content-Disposition": f'attachment; filename="{_safe(info.filename)}"'},
+        headers={"Content-Disposition": attachment(info.filename)},
     )
-
-
-def _safe(filename: str) -> str:
-    """The file name for a header: printable ASCII without quotes or backslashes."""
-    return "".join(c if 32 <= ord(c) < 127 and c not in '"\\' else "_" for c in filename)
 
 
 @routes.delete("/v1/files/{file_id}")

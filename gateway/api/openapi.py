@@ -5,6 +5,13 @@ module): add one for every new route. The document lists those the running app h
 registered (so it never promises a route that is not there); a test enumerates the app's router
 and fails for any route missing from `OPERATIONS`. Request and response bodies that have a
 msgspec type take their schema from it, so field docs and types cannot drift.
+
+The schemas are as strict as the server: what the handlers refuse beyond the types (ranges,
+enums, lengths, non-empty lists, which fields one another requires) is added to msgspec's schemas
+by `_tighten`, so a body the document allows is refused only for what no schema can know (the
+prompt's length against the context, the tenant's current contract in a PATCH, an id that does
+not exist). tests/gateway/test_openapi_contract.py sends what the server refuses and checks the
+document refuses it too, and sends generated schema-valid bodies and checks none gets a 5xx.
 """
 
 from __future__ import annotations
@@ -16,8 +23,18 @@ import msgspec
 from aiohttp import web
 
 from gateway.api.admin import KeyCreate, TenantCreate, TenantPatch
-from gateway.api.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.reports import UsagePeriod
+from gateway.api.batches import MAX_METADATA_PAIRS, CreateBatchRequest
+from gateway.api.schemas import (
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_STOP_SEQUENCES,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+from gateway.batch.types import ENDPOINTS, FILE_PURPOSES
+from gateway.reports import GROUP_BY_S, UsagePeriod
+from gateway.state import CONFIG, TOKENIZER
 from gateway.store.types import ApiKey, Tenant, UsageRecord
 
 REF_TEMPLATE = "#/components/schemas/{name}"
@@ -28,6 +45,8 @@ Security = list[dict[str, list[str]]]
 TENANT: Security = [{"tenantKey": []}]
 ADMIN: Security = [{"adminToken": []}]
 DASHBOARD: Security = [{"adminToken": []}, {"adminBasic": []}]
+SCRAPE: Security = [{}, {"scrapeToken": []}, {"adminToken": []}]
+"""/metrics: open, or (with metrics.scrape_token set) the scrape token or the admin token."""
 NONE: Security = []
 
 
@@ -47,8 +66,8 @@ class Op:
     """Schema of the 200/201 body (default: a free-form JSON object)."""
     response_type: str = "application/json"
     status: int = 200
-    query: list[tuple[str, str, str]] = field(default_factory=list)
-    """(name, JSON type, description) of query parameters."""
+    query: list[tuple[str, dict[str, Any], str]] = field(default_factory=list)
+    """(name, JSON schema, description) of query parameters."""
     errors: tuple[int, ...] = (400, 401, 404, 422)
 
 
@@ -75,6 +94,7 @@ _STRUCTS: list[type[msgspec.Struct]] = [
     TenantCreate,
     TenantPatch,
     KeyCreate,
+    CreateBatchRequest,
     Tenant,
     ApiKey,
     UsageRecord,
@@ -132,8 +152,8 @@ def _operation(op: Op) -> dict[str, Any]:
         for name in _path_params(op.path)
     ]
     params += [
-        {"name": n, "in": "query", "required": False, "schema": {"type": t}, "description": d}
-        for n, t, d in op.query
+        {"name": n, "in": "query", "required": False, "schema": s, "description": d}
+        for n, s, d in op.query
     ]
     if params:
         out["parameters"] = params
@@ -175,10 +195,170 @@ def registered(app: web.Application) -> set[tuple[str, str]]:
     return out
 
 
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [schema, {"type": "null"}], "default": None}
+
+
+def _number(low: float, high: float | None = None, *, low_open: bool = False) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": "number", ("exclusiveMinimum" if low_open else "minimum"): low}
+    if high is not None:
+        out["maximum"] = high
+    return out
+
+
+def _integer(low: int, high: int) -> dict[str, Any]:
+    return {"type": "integer", "minimum": low, "maximum": high}
+
+
+def _requires_targets(schema: dict[str, Any]) -> dict[str, Any]:
+    """*schema* (of a contract) with both RT targets required, as numbers."""
+    return {
+        **schema,
+        "required": ["ttft_ms", "tpot_ms"],
+        "properties": {"ttft_ms": {"type": "number"}, "tpot_ms": {"type": "number"}},
+    }
+
+
+_SAMPLING: dict[str, dict[str, Any]] = {
+    "max_tokens": _nullable(_integer(1, INT32_MAX)),
+    "temperature": _nullable(_number(0.0, 2.0)),
+    "top_p": _nullable(_number(0.0, 1.0, low_open=True)),
+    "n": {"type": "integer", "const": 1, "default": 1},
+    "stop": {
+        "anyOf": [
+            {"type": "string", "minLength": 1},
+            {
+                "type": "array",
+                "items": {"type": "string", "minLength": 1},
+                "maxItems": MAX_STOP_SEQUENCES,
+            },
+            {"type": "null"},
+        ],
+        "default": None,
+    },
+    "seed": _nullable(_integer(INT64_MIN, INT64_MAX)),
+    "presence_penalty": _nullable(_number(-2.0, 2.0)),
+    "frequency_penalty": _nullable(_number(-2.0, 2.0)),
+    "top_k": {
+        "anyOf": [{"const": -1}, _integer(1, INT32_MAX), {"type": "null"}],
+        "default": None,
+    },
+    "min_p": _nullable(_number(0.0, 1.0)),
+    "repetition_penalty": _nullable(_number(0.0, 2.0, low_open=True)),
+    "min_tokens": _nullable(_integer(0, INT32_MAX)),
+}
+"""What `check_sampling` (gateway/api/schemas.py) refuses beyond the types."""
+_WINDOW_PATTERN = (
+    "^(?:(?:[1-9]|1[0-9]|2[0-4])h"
+    "|(?:[1-9]|[1-9][0-9]|[1-9][0-9]{2}|1[0-3][0-9]{2}|14[0-3][0-9]|1440)m"
+    "|(?:[6-9][0-9]|[1-9][0-9]{2,3}|[1-7][0-9]{4}|8[0-5][0-9]{3}|86[0-3][0-9]{2}|86400)s)$"
+)
+"""A whole number of hours, minutes or seconds from 1 min to 24 h (batches.parse_window)."""
+_NAME = {"type": "string", "minLength": 1, "maxLength": 100, "pattern": "\\S"}
+"""A tenant's name: 1 to 100 characters, not only spaces (admin.validate_tenant)."""
+
+
+def _tighten(schemas: dict[str, Any], app: web.Application | None) -> None:
+    """Adds to msgspec's *schemas* what the handlers check beyond the types (see the module
+    doc); with *app*, also what depends on its model: its name and vocabulary."""
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        props = schemas[name]["properties"]
+        props.update(_SAMPLING)
+        if app is not None:
+            props["model"] = {"type": "string", "enum": [app[CONFIG].model.name]}
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    chat["messages"]["minItems"] = 1
+    chat["max_completion_tokens"] = _nullable(_integer(1, INT32_MAX))
+    schemas["ContentPart"]["properties"] = {
+        "type": {"const": "text"},
+        "text": {"type": "string"},
+    }
+    schemas["ContentPart"]["required"] = ["type", "text"]
+    token_id: dict[str, Any] = {"type": "integer", "minimum": 0}
+    token_ids: dict[str, Any] = {"type": "array", "items": token_id, "minItems": 1}
+    if app is not None:
+        token_id["maximum"] = app[TOKENIZER].vocab_size - 1
+        token_ids["maxItems"] = app[TOKENIZER].context_len - 1
+    completion = schemas["CompletionRequest"]["properties"]
+    completion["prompt"] = {
+        "anyOf": [
+            {"type": "string", "minLength": 1},
+            {
+                "type": "array",
+                "items": {"type": "string", "minLength": 1},
+                "minItems": 1,
+                "maxItems": 1,
+            },
+            token_ids,
+            {"type": "array", "items": token_ids, "minItems": 1, "maxItems": 1},
+        ],
+        "description": "text, a one-element list of text, token ids, or a one-element list of "
+        "token ids; token ids are in [0, the model's vocab_size)",
+    }
+    completion["echo"] = {"type": "boolean", "const": False, "default": False}
+    slo = schemas["SloIn"]
+    for key in ("ttft_ms", "tpot_ms", "deadline_s"):
+        slo["properties"][key] = _nullable(_number(0.0, low_open=True))
+    slo["properties"]["weight"] = {**_number(0.0, low_open=True), "default": 1.0}
+    slo["if"] = {"properties": {"allow_rt": {"const": True}}, "required": ["allow_rt"]}
+    slo["then"] = _requires_targets({})
+    quota = schemas["QuotaIn"]["properties"]
+    for key, high in (
+        ("requests_per_min", INT32_MAX),
+        ("tokens_per_min", INT64_MAX),
+        ("max_concurrent", INT32_MAX),
+        ("monthly_tokens", INT64_MAX),
+    ):
+        quota[key] = {"anyOf": [_integer(0, high), {"type": "null"}]}
+    create = schemas["TenantCreate"]
+    create["properties"]["name"] = _NAME
+    create["allOf"] = [
+        {  # an rt tenant needs both targets
+            "if": {"properties": {"tier": {"const": "rt"}}},
+            "then": {"required": ["slo"], "properties": {"slo": _requires_targets({})}},
+        },
+        {  # what an unattainable RT request gets means nothing without RT requests
+            "if": {"properties": {"slo": {"properties": {"on_unattainable": {"const": "reject"}}}}},
+            "else": {
+                "anyOf": [
+                    {"properties": {"tier": {"const": "rt"}}},
+                    {
+                        "properties": {
+                            "slo": {
+                                "required": ["allow_rt"],
+                                "properties": {"allow_rt": {"const": True}},
+                            }
+                        }
+                    },
+                ]
+            },
+        },
+    ]
+    schemas["TenantPatch"]["properties"]["name"] = _nullable(_NAME)
+    schemas["KeyCreate"]["properties"]["name"] = _nullable({"type": "string", "maxLength": 200})
+    batch = schemas["CreateBatchRequest"]["properties"]
+    batch["endpoint"] = {"enum": sorted(ENDPOINTS)}
+    batch["completion_window"] = {
+        "type": "string",
+        "pattern": _WINDOW_PATTERN,
+        "description": "24h, or a shorter window of at least 1m: 1h, 30m, 90s (whole hours, "
+        "minutes or seconds; the server also takes decimals, as in 1.5h)",
+    }
+    batch["metadata"] = _nullable(
+        {
+            "type": "object",
+            "maxProperties": MAX_METADATA_PAIRS,
+            "propertyNames": {"maxLength": 64},
+            "additionalProperties": {"type": "string", "maxLength": 512},
+        }
+    )
+
+
 def document(app: web.Application | None = None) -> dict[str, Any]:
     """The OpenAPI document (of the operations *app* registers, or of all)."""
     served = registered(app) if app is not None else None
     _, schemas = msgspec.json.schema_components(_STRUCTS, ref_template=REF_TEMPLATE)
+    _tighten(schemas, app)
     schemas["Error"] = {
         "type": "object",
         "required": ["error"],
@@ -222,6 +402,11 @@ def document(app: web.Application | None = None) -> dict[str, Any]:
                     "scheme": "bearer",
                     "description": "TANDEM_ADMIN_TOKEN",
                 },
+                "scrapeToken": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "metrics.scrape_token (TANDEM_METRICS__SCRAPE_TOKEN)",
+                },
                 "adminBasic": {
                     "type": "http",
                     "scheme": "basic",
@@ -239,16 +424,27 @@ async def openapi_json(request: web.Request) -> web.Response:
 
 # ------------------------------------------------------------------ the operations
 
+_STRING: dict[str, Any] = {"type": "string"}
+_DATE_TIME: dict[str, Any] = {
+    "type": "string",
+    "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}([T ][0-9]{2}(:[0-9]{2}(:[0-9]{2}([.][0-9]{1,6})?)?)?"
+    "(Z|[+-][0-9]{2}:[0-9]{2})?)?$",
+    "description": "ISO 8601: a date, or a date and time (UTC unless it has an offset)",
+}
 _USAGE_QUERY = [
-    ("tenant", "string", "tenant id or name (default: all tenants)"),
+    ("tenant", _STRING, "tenant id or name (default: all tenants)"),
     (
         "start",
-        "string",
+        _DATE_TIME,
         "ISO 8601 start (inclusive, UTC if no zone; default: 30 days / 24 hours before end)",
     ),
-    ("end", "string", "ISO 8601 end (exclusive; default: now)"),
-    ("group_by", "string", "day (default) or hour"),
-    ("format", "string", "json (default) or csv"),
+    ("end", _DATE_TIME, "ISO 8601 end (exclusive; default: now)"),
+    ("group_by", {"enum": sorted(GROUP_BY_S)}, "day (default) or hour"),
+    ("format", {"enum": ["csv", "json"]}, "json (default) or csv"),
+]
+_PAGE_QUERY = [
+    ("limit", _integer(1, 100), "page size (default 20)"),
+    ("after", _STRING, "cursor: the last id of the previous page"),
 ]
 _GEN_ERRORS = (400, 401, 403, 422, 429, 503)
 
@@ -275,12 +471,13 @@ OPERATIONS: list[Op] = [
     Op(
         "GET",
         "/metrics",
-        "Prometheus metrics (text format)",
+        "Prometheus metrics (text format); with metrics.scrape_token set, only for a bearer "
+        "of it or of the admin token",
         "operations",
-        NONE,
+        SCRAPE,
         response={"type": "string"},
         response_type="text/plain",
-        errors=(),
+        errors=(401,),
     ),
     Op("GET", "/openapi.json", "This document", "operations", NONE, errors=()),
     # OpenAI-compatible
@@ -313,7 +510,15 @@ OPERATIONS: list[Op] = [
         body_type="multipart/form-data",
         errors=(400, 401, 413, 422),
     ),
-    Op("GET", "/v1/files", "The tenant's files", "batch", TENANT, errors=(401,)),
+    Op(
+        "GET",
+        "/v1/files",
+        "The tenant's files",
+        "batch",
+        TENANT,
+        query=[*_PAGE_QUERY, ("purpose", {"enum": list(FILE_PURPOSES)}, "only files of it")],
+        errors=(400, 401),
+    ),
     Op("GET", "/v1/files/{file_id}", "A file's metadata", "batch", TENANT),
     Op("DELETE", "/v1/files/{file_id}", "Delete a file", "batch", TENANT),
     Op(
@@ -331,6 +536,7 @@ OPERATIONS: list[Op] = [
         "Create a batch from an uploaded file (OpenAI Batch semantics)",
         "batch",
         TENANT,
+        body="CreateBatchRequest",
         errors=(400, 401, 404, 422, 429),
     ),
     Op(
@@ -339,7 +545,7 @@ OPERATIONS: list[Op] = [
         "The tenant's batches, newest first",
         "batch",
         TENANT,
-        query=[("limit", "integer", "page size"), ("after", "string", "cursor: a batch id")],
+        query=_PAGE_QUERY,
     ),
     Op("GET", "/v1/batches/{batch_id}", "A batch", "batch", TENANT),
     Op("POST", "/v1/batches/{batch_id}/cancel", "Cancel a batch", "batch", TENANT),
@@ -450,8 +656,8 @@ OPERATIONS: list[Op] = [
         ADMIN,
         response=list_of("UsageRecord"),
         query=[
-            ("tenant", "string", "tenant id (default: all)"),
-            ("limit", "integer", "1-1000, default 100"),
+            ("tenant", _STRING, "tenant id (default: all)"),
+            ("limit", _integer(1, 1000), "1-1000, default 100"),
         ],
         errors=(400, 401),
     ),
@@ -471,7 +677,7 @@ OPERATIONS: list[Op] = [
         "The dashboard's series for the last hours",
         "admin",
         DASHBOARD,
-        query=[("hours", "number", "window, (0, 72], default 6")],
+        query=[("hours", _number(0.0, 72.0, low_open=True), "window, (0, 72], default 6")],
         errors=(400, 401),
     ),
 ]

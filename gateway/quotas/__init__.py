@@ -11,7 +11,8 @@ How it works
   unused part of the tokens/min reservation back (prompt + completion really used) and adds the
   used tokens to the month. Limits come with the tenant from the auth cache, so a change made
   through the admin API applies on this process at once (the cache is invalidated) and on the
-  others within ``gateway.auth_cache_ttl_s``; no restart.
+  others as soon as PostgreSQL's notification reaches them (gateway/auth_sync.py), at the latest
+  within ``gateway.auth_cache_ttl_s``; no restart.
 * **Several gateway processes, one database.** Each process owns a *share* of every limit, and
   the shares add up to the limit, so no process ever needs to ask another before admitting.
   Every ``quota.sync_interval_s`` each process (`QuotaSync`, one short transaction) writes a

@@ -123,7 +123,7 @@ async def test_metrics_expose_requests_latency_slo_engine_and_batches(
     assert value(m, "tandem_slo_requests_total", **t, result="met") == 2  # generous targets
     assert value(m, "tandem_slo_attainment_ratio", **t) == 1.0
     assert value(m, "tandem_requests_in_flight", **t) == 0
-    assert value(m, "tandem_tenant_info", tenant=tenant_id, name="metrics-tenant", tier="rt") == 1
+    assert value(m, "tandem_tenant_info", tenant=tenant_id, tier="rt") == 1  # ids, not names
     assert value(m, "tandem_engine_up") == 1
     kv = value(m, "tandem_engine_kv_usage_ratio")
     assert kv is not None and 0.0 <= kv <= 1.0

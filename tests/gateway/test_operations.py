@@ -84,7 +84,7 @@ async def test_metrics_count_requests_tokens_latency_slo_quota_engine_and_batche
     assert metric(m, "tandem_slo_requests_total", **t, result="met") == 2  # generous targets
     assert metric(m, "tandem_slo_attainment_ratio", **t) == 1.0
     assert metric(m, "tandem_requests_in_flight", **t) == 0
-    assert metric(m, "tandem_tenant_info", tenant=tenant_id, name="metrics", tier="rt") == 1
+    assert metric(m, "tandem_tenant_info", tenant=tenant_id, tier="rt") == 1  # no name: ids only
     kv = metric(m, "tandem_engine_kv_usage_ratio")
     assert kv is not None and 0.0 <= kv <= 1.0
     assert (metric(m, "tandem_engine_kv_capacity_tokens") or 0) > 0
