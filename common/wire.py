@@ -236,6 +236,10 @@ class EngineLoad(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     latency_factors: tuple[float, float, float] = (1.0, 1.0, 1.0)
     """The calibration's pace per batch regime (decode, prefill, mixed): measured ÷ profile
     (backend/policy/calibration.py); 1.0 where the profile is right."""
+    calibration_samples: int = 0
+    """Iterations the calibration has learned from (0: none yet, or a policy that does not
+    calibrate): a forecast no measured iteration has checked yet is the profile's word alone,
+    and a profile measured on a busy machine can be many times too slow."""
     rt_by_tenant: tuple[TenantLoad, ...] = ()
     """`num_rt_waiting`, `rt_waiting_prompt_tokens` and `num_rt_running` split by tenant, in
     the order the tenants were first seen (empty from an engine that does not report it: the

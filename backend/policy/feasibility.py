@@ -198,9 +198,19 @@ class SloForecaster:
         if rest:
             prefill_s += f_chunk * self.latency.predict(running.with_prefill(rest))
         ttft_s = ask.waited_s + load.iteration_s + spread * prefill_s + ttft_extra_s
-        return Forecast(
-            ttft_s=ttft_s, tpot_s=tpot_s, shortfall=self._shortfall(ask, ttft_s, tpot_s)
-        )
+        shortfall = self._shortfall(ask, ttft_s, tpot_s)
+        if (
+            shortfall is not None
+            and unverified_and_idle(load, backlog)
+            and ask.waited_s + ttft_extra_s <= self.headroom * ask.ttft_target_s
+        ):
+            # Refusing on the model's word alone would refuse for good: an idle engine runs no
+            # iteration that could correct it, and a profile measured on a busy machine is many
+            # times too slow. The request runs alone, the best the engine can do for it, and its
+            # iterations calibrate the model for the next forecast. (What it has already waited,
+            # and what outcomes taught, are measured: they still count.)
+            shortfall = None
+        return Forecast(ttft_s=ttft_s, tpot_s=tpot_s, shortfall=shortfall)
 
     def _chunk(self, running: BatchShape, budget_s: float, factor: float, load: EngineLoad) -> int:
         """Prompt tokens one iteration computes beside the running RT decodes within the budget."""
@@ -289,6 +299,23 @@ class TtftFeedback:
         self._extra_s = min(self.max_extra_s, e + weight * (x - e))
         self._at_s = now_s
         self.samples += 1
+
+
+MIN_VERIFIED_ITERATIONS = 16
+"""Iterations the calibration must have learned from before a forecast on an idle engine may
+refuse a request (`unverified_and_idle`)."""
+
+
+def unverified_and_idle(load: EngineLoad, backlog: Backlog = Backlog()) -> bool:
+    """The engine has nothing running or waiting (nor in flight to it), and its latency model
+    has not been checked against enough measured iterations to be trusted over the request's
+    own run: a forecast that misses the contract there admits the request anyway."""
+    return (
+        load.calibration_samples < MIN_VERIFIED_ITERATIONS
+        and load.num_rt_waiting == load.num_rt_running == 0
+        and load.num_be_waiting == load.num_be_running == 0
+        and backlog.num_requests == 0
+    )
 
 
 def prompt_tokens_ahead(load: EngineLoad, ask: SloAsk, backlog: Backlog = Backlog()) -> int:
@@ -403,6 +430,7 @@ def load_of(
     predicted_iteration_s: float = 0.0,
     latency_factors: tuple[float, float, float] = (1.0, 1.0, 1.0),
     pace_ratio_p90: float = 1.0,
+    calibration_samples: int = 0,
 ) -> EngineLoad:
     """The `EngineLoad` an engine reports from the snapshot its policy planned from (the
     SGLang driver and the simulator build it the same way). One pass over the requests.
@@ -455,6 +483,7 @@ def load_of(
         be_kv_tokens=be_kv,
         max_prefill_tokens=snapshot.max_prefill_tokens,
         latency_factors=latency_factors,
+        calibration_samples=calibration_samples,
         rt_by_tenant=tuple(
             TenantLoad(
                 tenant_id=tenant_id,

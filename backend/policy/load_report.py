@@ -22,3 +22,9 @@ def policy_factors(policy: Any) -> tuple[float, float, float]:
         return NO_CALIBRATION
     d, p, m = calib.factors
     return (float(d), float(p), float(m))
+
+
+def policy_calibration_samples(policy: Any) -> int:
+    """Iterations the policy's latency calibration has learned from (0 without one)."""
+    calib = getattr(policy, "calibration", None)
+    return 0 if calib is None else int(calib.samples)

@@ -35,7 +35,7 @@ from types import MappingProxyType
 
 from backend.policy.calibration import PaceSpread
 from backend.policy.feasibility import load_of
-from backend.policy.load_report import policy_factors
+from backend.policy.load_report import policy_calibration_samples, policy_factors
 from backend.policy.tandem import slack
 from backend.policy.tandem.victims import victim_order
 from backend.policy.time_share import plan_times_s
@@ -373,6 +373,7 @@ class EngineDriver:
                 predicted_iteration_s=self._last_predicted_s,
                 latency_factors=policy_factors(self.policy),
                 pace_ratio_p90=self._pace.upper(),
+                calibration_samples=policy_calibration_samples(self.policy),
             )
         )
 

@@ -24,6 +24,7 @@ import msgspec
 from backend.policy.calibration import PaceSpread
 from backend.policy.common import PolicyBase
 from backend.policy.feasibility import SloAsk, SloForecaster, load_of
+from backend.policy.load_report import policy_calibration_samples
 from backend.policy.types import Policy, Snapshot
 from backend.sim.config import SloUnattainable
 from backend.sim.records import Admission, RequestRecord
@@ -38,10 +39,13 @@ class FrontDoor:
         forecaster: SloForecaster,
         latency_factors: Callable[[], tuple[float, float, float]],
         on_unattainable: SloUnattainable,
+        calibration_samples: Callable[[], int] = lambda: 0,
     ) -> None:
         self.forecaster = forecaster
         self.latency_factors = latency_factors
         """The engine's pace as the policy has learned it, read at every forecast."""
+        self.calibration_samples = calibration_samples
+        """Iterations the policy's calibration has learned from, read at every forecast."""
         self.on_unattainable: SloUnattainable = on_unattainable
         self.outcomes: dict[str, Admission] = {}
         """rid → how it was admitted, for the requests that were not simply admitted."""
@@ -63,6 +67,7 @@ class FrontDoor:
             iteration_s=0.0,
             latency_factors=self.latency_factors(),
             pace_ratio_p90=self.pace.upper(),
+            calibration_samples=self.calibration_samples(),
         )
         ask = SloAsk(
             prompt_tokens=req.prompt_len,
@@ -93,7 +98,12 @@ def front_door_for(policy: Policy, on_unattainable: SloUnattainable) -> FrontDoo
     forecaster = policy.slo_forecaster()
     if forecaster is None:
         return None
-    return FrontDoor(forecaster, policy.latency_factors, on_unattainable)
+    return FrontDoor(
+        forecaster,
+        policy.latency_factors,
+        on_unattainable,
+        lambda: policy_calibration_samples(policy),
+    )
 
 
 def _shed_record(req: SimRequest) -> RequestRecord:

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from backend.policy.feasibility import MIN_VERIFIED_ITERATIONS
 from gateway.pipeline.admission import load_watcher
 from tests.functional.engine_fixtures import EngineServer
 from tests.functional.gateway_fixtures import GatewayHandle
@@ -30,11 +31,30 @@ UNMEETABLE = {"ttft_ms": TTFT_TARGET_MS, "tpot_ms": 1}
 
 
 async def engine_state_is_watched(gw: GatewayHandle) -> None:
-    """Waits for the gateway's first engine state; skips when no watcher is wired."""
+    """Waits until the gateway watches the engine's state and the engine's latency model has
+    been checked against enough iterations to refuse on (an idle engine whose model no
+    iteration has checked admits what it forecasts late: `unverified_and_idle`); serves a
+    chat of a tenant with a lax contract until it has. Skips when no watcher is wired."""
     watcher = load_watcher(gw.app)
     if watcher is None:
         pytest.skip("the gateway watches no engine state (LOADS is not wired in the app)")
     await wait_until(lambda: watcher.latest, 30.0, what="the engine's first load report")
+    latest = watcher.latest
+    assert latest is not None
+    if latest.calibration_samples >= MIN_VERIFIED_ITERATIONS:
+        return
+    _, warm_key = await gw.new_tenant(f"slo-warm-{time.monotonic_ns()}", "rt", ttft_ms=60_000, tpot_ms=10_000)
+    body = {"model": MODEL, "prompt": "warm up", "max_tokens": 2 * MIN_VERIFIED_ITERATIONS}
+    async with gw.session.post(
+        f"{gw.base_url}/v1/completions", json=body, headers={"Authorization": f"Bearer {warm_key}"}
+    ) as resp:
+        assert resp.status == 200, await resp.text()
+
+    def verified() -> bool:
+        load = watcher.latest
+        return load is not None and load.calibration_samples >= MIN_VERIFIED_ITERATIONS
+
+    await wait_until(verified, 30.0, what="a calibrated engine model")
 
 
 async def chat(gw: GatewayHandle, key: str) -> tuple[int, dict[str, str], Any]:

@@ -10,12 +10,14 @@ import pytest
 
 from backend.policy.calibration import PaceSpread
 from backend.policy.feasibility import (
+    MIN_VERIFIED_ITERATIONS,
     Backlog,
     SloAsk,
     SloForecaster,
     TtftFeedback,
     load_of,
     prompt_tokens_ahead,
+    unverified_and_idle,
 )
 from backend.sim.config import SimConfig, SloUnattainable
 from backend.sim.engine import simulate
@@ -40,6 +42,30 @@ def test_an_idle_engine_meets_a_short_prompt() -> None:
     # one chunk of 1000 tokens: 10 ms + 20 ms
     assert forecast.ttft_s == pytest.approx(0.030)
     assert forecast.feasible
+
+
+def test_an_idle_engine_whose_model_no_iteration_has_checked_admits_what_it_forecasts_late() -> (
+    None
+):
+    """A profile measured on a busy machine can be many times too slow; on an idle engine no
+    iteration would ever correct it, so refusing there would refuse for good."""
+    ask = SloAsk(prompt_tokens=1000, ttft_target_s=0.1)
+    pessimistic = (25.0, 25.0, 25.0)  # what a stale profile looks like once calibrated
+    # the model says 30 ms × 25 = 750 ms: over the target, on every kind of engine state
+    assert FORECASTER.forecast(idle(latency_factors=pessimistic), ask).ttft_s > 0.1
+    unverified = FORECASTER.forecast(idle(), SloAsk(prompt_tokens=10_000, ttft_target_s=0.1))
+    assert unverified.ttft_s > 0.1 and unverified.feasible  # idle, no iteration checked it yet
+    verified = idle(calibration_samples=MIN_VERIFIED_ITERATIONS)
+    assert not FORECASTER.forecast(
+        verified, SloAsk(prompt_tokens=10_000, ttft_target_s=0.1)
+    ).feasible
+    busy = idle(num_be_running=1)
+    assert not FORECASTER.forecast(busy, SloAsk(prompt_tokens=10_000, ttft_target_s=0.1)).feasible
+    in_flight = Backlog(num_requests=1, prompt_tokens=10)
+    assert not FORECASTER.forecast(
+        idle(), SloAsk(prompt_tokens=10_000, ttft_target_s=0.1), in_flight
+    ).feasible
+    assert unverified_and_idle(idle()) and not unverified_and_idle(verified)
 
 
 def test_rt_prompts_ahead_delay_the_first_token_and_the_excess_is_named() -> None:
