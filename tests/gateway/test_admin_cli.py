@@ -165,13 +165,14 @@ async def test_the_usage_report_as_a_table_json_and_csv(gw: Gateway, cli: Cli) -
     assert row["requests"] == 3
 
     cli.use(gw.base_url)
-    rows = await cli.json("admin", "usage", "--group-by", "hour", "--tenant", "reported", "--format", "json")  # fmt: skip
+    usage = ("admin", "usage", "--group-by", "hour")
+    rows = await cli.json(*usage, "--tenant", "reported", "--format", "json")
     assert rows == api.body["data"]
-    code, out, err = await cli.run("admin", "usage", "--group-by", "hour", "--format", "csv")
+    code, out, err = await cli.run(*usage, "--format", "csv")
     assert code == 0, err
     (line,) = list(csv.DictReader(io.StringIO(out)))
     assert line["tenant_name"] == "reported" and int(line["requests"]) == 3
-    code, out, err = await cli.run("admin", "usage", "--group-by", "hour")
+    code, out, err = await cli.run(*usage)
     assert code == 0, err
     header, cells = (line.split() for line in out.strip().splitlines())
     assert header[:3] == ["period", "tenant", "requests"]
