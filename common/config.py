@@ -6,8 +6,9 @@ Every key can be overridden by an environment variable ``TANDEM_<SECTION>__<KEY>
 the key.
 
 The server's and the engine's environment variables are read here and nowhere else (the
-launcher only passes its own environment on to the engine; the ``tandem batch`` client reads its
-API key itself). There are three readers:
+launcher only passes its own environment on to the engine; the ``tandem batch`` and ``tandem
+admin`` clients read the gateway's URL, ``TANDEM_URL``, and the batch client its API key
+themselves). There are three readers:
 
 * :func:`load_config`: the ``TANDEM_<SECTION>__<KEY>`` overrides;
 * :func:`admin_token`: ``TANDEM_ADMIN_TOKEN``;
@@ -81,8 +82,10 @@ class DatabaseConfig(_Section, frozen=True):
     """The SQL store (SQLAlchemy URL; sqlite+aiosqlite or postgresql+asyncpg)."""
 
     url: str = "sqlite+aiosqlite:///tandem.db"
-    """Database URL. A relative SQLite path is relative to the working directory. Plain
-    `sqlite://` and `postgresql://` URLs are given their async driver."""
+    """Database URL. A relative SQLite path is relative to the folder of the config file (the
+    repository's config.yaml by default), never the working directory: every command reading
+    one config finds one database. Plain `sqlite://` and `postgresql://` URLs are given their
+    async driver."""
     echo: bool = False
     """Log every SQL statement (debugging)."""
 
@@ -359,18 +362,37 @@ def _check_positive(key: str, value: float) -> None:
 
 
 def load_config(path: str | Path | None = None, environ: Mapping[str, str] | None = None) -> Config:
-    """Reads *path* (default: the repository's config.yaml), applies ``TANDEM_*`` overrides."""
+    """Reads *path* (default: the repository's config.yaml), applies ``TANDEM_*`` overrides;
+    a relative SQLite path in ``database.url`` is made absolute against *path*'s folder."""
     env = os.environ if environ is None else environ
-    raw = _read_yaml(Path(path) if path else DEFAULT_CONFIG_PATH)
+    config_path = Path(path) if path else DEFAULT_CONFIG_PATH
+    raw = _read_yaml(config_path)
     _apply_env_overrides(raw, env)
     try:
-        return msgspec.convert(raw, Config)
+        config = msgspec.convert(raw, Config)
+        url = _sqlite_path_from(config.database.url, config_path.resolve().parent)
+        if url == config.database.url:
+            return config
+        database = msgspec.structs.replace(config.database, url=url)
+        return msgspec.structs.replace(config, database=database)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"config: {_describe(exc)}") from None
     except ConfigError:
         raise
     except ValueError as exc:
         raise ConfigError(f"config: {exc}") from None
+
+
+def _sqlite_path_from(url: str, folder: Path) -> str:
+    """*url* with a relative SQLite file path made absolute against *folder* (in-memory and
+    absolute paths, other databases: unchanged)."""
+    scheme, sep, rest = url.partition(":///")
+    if not sep or not scheme.startswith("sqlite"):
+        return url
+    file, question, query = rest.partition("?")
+    if not file or file.startswith(("/", ":memory:", "file:")):
+        return url
+    return f"{scheme}:///{(folder / Path(file).expanduser()).as_posix()}{question}{query}"
 
 
 def admin_token(environ: Mapping[str, str] | None = None) -> str:

@@ -5,9 +5,9 @@
     tandem batch get ID | list | cancel ID
     tandem batch results ID [--output FILE] [--errors FILE]
 
-The gateway is `--url` (default: this config's gateway address); the tenant key is `--api-key`
-(default: $TANDEM_API_KEY). Every failure is one line, `tandem: error: …` (exit 2 for bad input,
-1 when the gateway refuses or cannot be reached).
+The gateway is `--url` (default: $TANDEM_URL, else this config's gateway address); the tenant
+key is `--api-key` (default: $TANDEM_API_KEY). Every failure is one line, `tandem: error: …`
+(exit 2 for bad input, 1 when the gateway refuses or cannot be reached).
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 API_KEY_ENV = "TANDEM_API_KEY"
+URL_ENV = "TANDEM_URL"
+"""The gateway's base URL when `--url` is not given (as for `tandem admin`)."""
 FINAL = ("completed", "failed", "expired", "cancelled")
 _BAR_WIDTH = 30
 
@@ -41,7 +43,7 @@ def add_batch_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
     batch = subparsers.add_parser("batch", help="BE batches: create, watch, results")
     actions = batch.add_subparsers(metavar="ACTION")
     conn = argparse.ArgumentParser(add_help=False, parents=[common])
-    conn.add_argument("--url", help="gateway base URL (default: from the config)")
+    conn.add_argument("--url", help=f"gateway base URL (default: ${URL_ENV}, else from the config)")
     conn.add_argument("--api-key", help=f"tenant API key (default: ${API_KEY_ENV})")
 
     create = actions.add_parser(
@@ -81,7 +83,7 @@ def add_batch_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
 def _entry(args: argparse.Namespace) -> int:
     """Runs a `tandem batch` action; one-line errors."""
     try:
-        url = args.url or _config_url(args.config)
+        url = args.url or os.environ.get(URL_ENV, "").strip() or _config_url(args.config)
         return int(args.batch_action(_Client(url, _key(args)), args) or 0)
     except BatchCliError as exc:
         print(f"tandem: error: {exc}", file=sys.stderr)

@@ -1,9 +1,9 @@
 """The engine sampler: polls the engine's `/v1/loads` and the batch tables for `GET /metrics`.
 
 Every ``metrics.engine_poll_s`` it reads running and waiting requests and KV use (summed over
-data-parallel ranks) and the BE backlog (batch lines not finished, batch progress), and keeps
-``metrics.history_s`` of samples for the dashboard. Its gauges are collected at scrape time by
-`gateway.metrics.GatewayMetrics`.
+data-parallel ranks) and the BE backlog (batch lines not finished, batch progress, BE requests
+in flight), and keeps ``metrics.history_s`` of samples for the dashboard. Its gauges are
+collected at scrape time by `gateway.metrics.GatewayMetrics`.
 """
 
 from __future__ import annotations
@@ -48,7 +48,12 @@ class EngineSample:
     kv_capacity_tokens: int | None
     """Size of the KV pool, tokens."""
     batch_lines_pending: int
-    """Batch-API lines not finished yet (of batches still running)."""
+    """Batch-API lines not finished yet (of batches still running): waiting to be sent or in
+    flight."""
+    be_backlog: int = 0
+    """BE work not finished, each piece once: batch lines waiting to be sent, plus the BE
+    requests in flight in this gateway (interactive ones and the batch lines it runs), read
+    together."""
 
 
 class EngineSampler:
@@ -102,7 +107,10 @@ class EngineSampler:
     async def sample(self) -> EngineSample:
         """Reads the engine and the batch tables now and appends the sample to the history."""
         load = await self._engine_load()
-        pending = await self._batch_backlog()
+        pending, waiting = await self._batch_backlog()
+        # Read right after the tables: a line goes from waiting to in flight in between only in
+        # the few milliseconds of this poll (it is then missed once, never counted twice).
+        be_in_flight = self._be_in_flight()
         sample = EngineSample(
             time_s=time.time(),
             up=load is not None,
@@ -111,6 +119,7 @@ class EngineSampler:
             kv_usage=_float((load or {}).get("token_usage")),
             kv_capacity_tokens=_int((load or {}).get("max_total_num_tokens")),
             batch_lines_pending=pending,
+            be_backlog=waiting + be_in_flight,
         )
         self.history.append(sample)
         return sample
@@ -129,7 +138,8 @@ class EngineSampler:
             return _sum_ranks(loads)
         return body if isinstance(body, dict) else None
 
-    async def _batch_backlog(self) -> int:
+    async def _batch_backlog(self) -> tuple[int, int]:
+        """(lines not finished, lines waiting to be sent) of the batches still running."""
         batches = cast(Table, BatchRow.__table__)
         items = cast(Table, BatchItemRow.__table__)
         try:
@@ -149,7 +159,9 @@ class EngineSampler:
                     per_batch.setdefault(batch_id, {})[status] = int(n)
         except Exception as exc:  # database down or not migrated: keep the last figures
             log.warning("reading the batch backlog failed: %s", exc)
-            return self.history[-1].batch_lines_pending if self.history else 0
+            if not self.history:
+                return 0, 0
+            return self.history[-1].batch_lines_pending, self.batch_items.get("pending", 0)
         totals: dict[str, int] = collections.Counter()
         progress = {}
         for batch_id, counts in per_batch.items():
@@ -158,7 +170,8 @@ class EngineSampler:
             progress[batch_id] = done / max(sum(counts.values()), 1)
         self.batch_items = dict(totals)
         self.batch_progress = progress
-        return sum(n for s, n in totals.items() if s not in _DONE_ITEM_STATUSES)
+        unfinished = sum(n for s, n in totals.items() if s not in _DONE_ITEM_STATUSES)
+        return unfinished, totals.get("pending", 0)
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         last = self.history[-1] if self.history else None
@@ -184,11 +197,12 @@ class EngineSampler:
                     "Size of the KV pool, tokens.",
                     last.kv_capacity_tokens,
                 )
-        pending = last.batch_lines_pending if last else 0
+        # A running batch line is also a BE request in flight: counted as the latter only.
         yield gauge(
             "tandem_be_backlog_requests",
-            "BE work not finished: batch lines pending plus BE requests in flight.",
-            pending + self._be_in_flight(),
+            "BE work not finished, each request once: batch lines waiting to be sent plus BE "
+            "requests in flight in this gateway (interactive ones and batch lines).",
+            last.be_backlog if last else 0,
         )
         batches = GaugeMetricFamily("tandem_batches", "Batches by status.", labels=["status"])
         for status, n in sorted(self.batches.items()):

@@ -65,13 +65,14 @@ class EngineStatsWindow:
 
     def share(self, key: str) -> float | None:
         """Δkey / Δbusy_s between the last two readings (since the engine started when there
-        is one); None before a reading with busy time."""
+        is one); 0 over an interval without busy time (an idle engine: nothing of its time went
+        to *key*, and the gauge must not vanish); None before the first reading."""
         if self.latest is None:
             return None
         before = self.previous or {}
         busy = _num(self.latest, "busy_s") - _num(before, "busy_s")
         if busy <= 0:
-            return None
+            return 0.0
         return min(1.0, max(0.0, (_num(self.latest, key) - _num(before, key)) / busy))
 
     def latency_errors(self) -> dict[str, float | None]:

@@ -9,9 +9,8 @@ from typing import Any
 
 import pytest
 
-from gateway.state import CONFIG
 from tandem.cli import main as tandem
-from tests.functional.gateway_fixtures import GatewayHandle
+from tests.functional.gateway_fixtures import ADMIN_TOKEN, GatewayHandle
 
 
 async def post_chat(gw: GatewayHandle, key: str) -> tuple[int, dict[str, str], Any]:
@@ -92,7 +91,8 @@ async def test_cli_creates_a_tenant_with_a_quota(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     gw = gateway_without_engine
-    monkeypatch.setenv("TANDEM_DATABASE__URL", gw.app[CONFIG].database.url)
+    monkeypatch.setenv("TANDEM_URL", gw.base_url)  # the CLI talks to the gateway's admin API
+    monkeypatch.setenv("TANDEM_ADMIN_TOKEN", ADMIN_TOKEN)
     code = await asyncio.to_thread(
         tandem,
         [

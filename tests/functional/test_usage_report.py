@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gateway.state import CONFIG, STORE
+from gateway.state import STORE
 from gateway.store.types import UsageRecord
 from tandem.cli import main as tandem
-from tests.functional.gateway_fixtures import GatewayHandle
+from tests.functional.gateway_fixtures import ADMIN_TOKEN, GatewayHandle
 
 DAY = datetime(2026, 10, 5, tzinfo=UTC)
 STATUSES = ["ok"] * 8 + ["engine_error", "rate_limited", "slo_unattainable"]
@@ -224,7 +224,8 @@ async def test_cli_prints_the_report_as_a_table(
 ) -> None:
     gw = gateway_without_engine
     records, names = await seeded(gw)
-    monkeypatch.setenv("TANDEM_DATABASE__URL", gw.app[CONFIG].database.url)
+    monkeypatch.setenv("TANDEM_URL", gw.base_url)  # the CLI talks to the gateway's admin API
+    monkeypatch.setenv("TANDEM_ADMIN_TOKEN", ADMIN_TOKEN)
     code = await asyncio.to_thread(
         tandem,
         ["admin", "usage", "--group-by", "hour", "--start", "2026-10-05", "--end", "2026-10-06"],
@@ -245,4 +246,4 @@ async def test_cli_prints_the_report_as_a_table(
         admission = [row[k] for k in ("shed", "downgraded", "admitted_met", "admitted_missed")]
         assert [int(c) for c in cells[-4:]] == admission
     code = await asyncio.to_thread(tandem, ["admin", "usage", "--tenant", "nobody"])
-    assert code == 2 and "no tenant with id or name 'nobody'" in capsys.readouterr().err
+    assert code == 2 and "tenant 'nobody' not found" in capsys.readouterr().err

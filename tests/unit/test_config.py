@@ -9,6 +9,7 @@ import msgspec
 import pytest
 
 from common.config import (
+    DEFAULT_CONFIG_PATH,
     ENGINE_SETTINGS_ENV,
     ConfigError,
     EngineSettings,
@@ -30,6 +31,44 @@ def test_repository_config_loads_with_documented_defaults() -> None:
     assert config.database.url.startswith("sqlite+aiosqlite:///")
     assert config.engine.kind == "sglang" and config.engine.device == "cpu"
     assert config.model.path is None
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("sqlite:///tandem.db", "sqlite:///{dir}/tandem.db"),
+        (
+            "sqlite+aiosqlite:///data/t.db?timeout=5",
+            "sqlite+aiosqlite:///{dir}/data/t.db?timeout=5",
+        ),
+        ("sqlite+aiosqlite:////var/lib/tandem/t.db", "sqlite+aiosqlite:////var/lib/tandem/t.db"),
+        ("sqlite://", "sqlite://"),
+        ("postgresql+asyncpg://u@db/tandem", "postgresql+asyncpg://u@db/tandem"),
+    ],
+)
+def test_a_relative_sqlite_path_is_relative_to_the_config_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, url: str, expected: str
+) -> None:
+    # issue 17: resolved against the working directory, `tandem admin` and `tandem db upgrade`
+    # run elsewhere made a second, empty database there
+    folder = tmp_path / "etc"
+    folder.mkdir()
+    path = write(folder, f"database:\n  url: {url}\n")
+    monkeypatch.chdir(tmp_path)
+    want = expected.format(dir=folder.resolve().as_posix())
+    assert load_config(path, environ={}).database.url == want
+    # an override in the environment is a value of the same config
+    assert (
+        load_config(write(folder, ""), environ={"TANDEM_DATABASE__URL": url}).database.url == want
+    )
+
+
+def test_the_default_database_lies_beside_the_default_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    url = load_config(environ={}).database.url
+    assert url == f"sqlite+aiosqlite:///{DEFAULT_CONFIG_PATH.parent.as_posix()}/tandem.db"
 
 
 def test_env_overrides_keep_yaml_types(tmp_path: Path) -> None:

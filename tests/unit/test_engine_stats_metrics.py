@@ -16,11 +16,17 @@ def gauges(window: EngineStatsWindow) -> dict[str, float]:
     return {m.name: m.samples[0].value for m in window.collect()}
 
 
-def test_no_gauges_before_the_engine_was_busy() -> None:
+def test_no_gauges_before_the_engine_reported() -> None:
+    assert gauges(EngineStatsWindow()) == {}
+
+
+def test_an_engine_that_was_never_busy_reads_zero_shares() -> None:
     window = EngineStatsWindow()
-    assert gauges(window) == {}
     window.add(reading(0.0, 0.0))
-    assert gauges(window) == {}
+    assert gauges(window) == {
+        "tandem_engine_rt_time_share": 0.0,
+        "tandem_engine_scheduler_overhead_share": 0.0,
+    }
 
 
 def test_shares_cover_the_last_interval_not_the_whole_run() -> None:
@@ -40,11 +46,17 @@ def test_a_restarted_engine_starts_a_new_interval() -> None:
     assert gauges(window)["tandem_engine_rt_time_share"] == pytest.approx(0.75)
 
 
-def test_an_idle_interval_keeps_no_share() -> None:
+def test_an_idle_interval_reads_zero_not_nothing() -> None:
+    # issue 17: the RT time share vanished from /metrics while the engine was idle
     window = EngineStatsWindow()
     window.add(reading(5.0, 1.0))
     window.add(reading(5.0, 1.0))  # no iteration since the last reading
-    assert gauges(window) == {}
+    assert gauges(window) == {
+        "tandem_engine_rt_time_share": 0.0,
+        "tandem_engine_scheduler_overhead_share": 0.0,
+    }
+    window.add(reading(7.0, 2.0))  # busy again: the share of the new interval
+    assert gauges(window)["tandem_engine_rt_time_share"] == pytest.approx(0.5)
 
 
 def test_the_latency_model_error_and_the_pace_factors_are_gauges() -> None:

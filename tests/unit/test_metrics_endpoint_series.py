@@ -88,6 +88,7 @@ def test_engine_gauges_come_from_the_latest_sample() -> None:
             kv_usage=0.4,
             kv_capacity_tokens=1000,
             batch_lines_pending=5,
+            be_backlog=4,
         )
     )
     m.sampler = sampler
@@ -95,7 +96,7 @@ def test_engine_gauges_come_from_the_latest_sample() -> None:
     assert s[("tandem_engine_up", ())] == 1
     assert s[("tandem_engine_waiting_requests", ())] == 7
     assert s[("tandem_engine_kv_usage_ratio", ())] == 0.4
-    assert s[("tandem_be_backlog_requests", ())] == 7  # 5 batch lines + 2 BE requests in flight
+    assert s[("tandem_be_backlog_requests", ())] == 4  # the sample's, not a live reading
     sampler.history.append(
         EngineSample(
             time_s=2.0,
