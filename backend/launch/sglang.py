@@ -217,10 +217,22 @@ class EngineProcess:
         """True between start() and the main process's exit."""
         return self._proc is not None and self._proc.poll() is None
 
+    @property
+    def returncode(self) -> int | None:
+        """The main process's exit status once it has exited (negative: the signal that killed
+        it), else None."""
+        return None if self._proc is None else self._proc.poll()
+
     def start(self) -> None:
-        """Launches the server in a new session (so its own process group); returns at once."""
-        if self._proc is not None:
+        """Launches the server in a new session (so its own process group); returns at once.
+
+        An engine whose previous process has exited may be started again (a supervisor's
+        restart): what is left of the old one is stopped and reaped first."""
+        if self.is_running:
             raise RuntimeError("engine already started")
+        if self._proc is not None:
+            self.stop()
+            self._proc = None
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
@@ -254,11 +266,52 @@ class EngineProcess:
         deadline = time.monotonic() + timeout_s
         while True:
             self._check_alive()
-            if await _health_async(self.base_url) == 200:
+            if await health_status(self.base_url) == 200:
                 return
             if time.monotonic() > deadline:
                 raise EngineStartError(self._failure(f"not healthy after {timeout_s:.0f} s"))
             await asyncio.sleep(poll_s)
+
+    async def wait_exit(self, poll_s: float = 0.5) -> int:
+        """Waits (without blocking the event loop) until the main process exits, reaps it and
+        returns its exit status. On Linux a pidfd wakes the loop the moment it exits; elsewhere
+        its status is polled every *poll_s*."""
+        proc = self._proc
+        if proc is None:
+            raise RuntimeError("engine not started")
+        if proc.poll() is not None:
+            return proc.returncode
+        try:
+            pidfd = os.pidfd_open(proc.pid)
+        except (AttributeError, OSError):  # not Linux ≥ 5.3
+            pidfd = None
+        if pidfd is None:
+            while proc.poll() is None:
+                await asyncio.sleep(poll_s)
+            return proc.returncode
+        loop = asyncio.get_running_loop()
+        exited = loop.create_future()
+
+        def readable() -> None:
+            if not exited.done():
+                exited.set_result(None)
+
+        loop.add_reader(pidfd, readable)
+        try:
+            await exited
+        finally:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+        return proc.wait()  # reaps it: no zombie is left behind
+
+    def kill(self) -> int | None:
+        """SIGKILL to the whole group at once (an engine that no longer answers gets no chance
+        to drain), reaping the main process; its exit status."""
+        proc = self._proc
+        if proc is None:
+            return None
+        _signal_group(proc.pid, signal.SIGKILL)
+        return self.stop(timeout_s=5.0)
 
     def stop(self, timeout_s: float = 15.0) -> int | None:
         """SIGTERM, wait up to *timeout_s*, then SIGKILL to the whole group; the exit code.
@@ -356,7 +409,7 @@ def _health_sync(base_url: str, timeout_s: float = 5.0) -> int | None:
         conn.close()
 
 
-async def _health_async(base_url: str, timeout_s: float = 5.0) -> int | None:
+async def health_status(base_url: str, timeout_s: float = 5.0) -> int | None:
     """:func:`_health_sync` over asyncio streams (no HTTP client library needed)."""
     url = urlsplit(base_url)
     host = url.hostname or "127.0.0.1"
