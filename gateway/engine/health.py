@@ -1,6 +1,7 @@
 """What the gateway knows of an engine's health, kept current in the background so that reading it
 costs nothing: `/readyz` answers from it without a round trip to the engine, and `/metrics`
-shows it (``tandem_engine_up``, ``tandem_engine_restarts_total``).
+shows it (``tandem_engine_healthy``, ``tandem_engine_restarts_total``; ``tandem_engine_up`` is the
+metrics sampler's, whether the engine answered its last load poll).
 
 Two sources keep it current, never both:
 
@@ -86,7 +87,7 @@ class EngineHealth:
     def collect(self) -> Iterator[Metric]:
         """`/metrics`: whether the engine is up, and how often it was restarted."""
         up = GaugeMetricFamily(
-            "tandem_engine_up",
+            "tandem_engine_healthy",
             "1 while the engine answers its health probe, 0 while it is down, restarting or "
             "unresponsive (what /readyz answers from).",
             labels=["engine"],
