@@ -183,7 +183,7 @@ class EngineSupervisor:
             delay_s = self.policy.delay_s(deaths_in_a_row)
             self._set(
                 "down",
-                f"{reason}; restart {self._restarts + 1} in {delay_s:.1f} s",
+                f"{reason}; restart {self._restarts + 1} in {delay_s:.3g} s",
                 level=logging.ERROR,
             )
             await asyncio.sleep(delay_s)
