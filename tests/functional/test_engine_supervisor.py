@@ -10,6 +10,8 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
+
 from backend.launch.supervisor import EngineStatus, EngineSupervisor, RestartPolicy
 from tests.functional.test_engine_launcher import fake_engine, is_alive
 from tests.waiting import wait_until
@@ -86,3 +88,21 @@ async def test_a_frozen_engine_is_killed_and_restarted(tmp_path: Path) -> None:
     down = next(s for s in seen if s.phase == "down")
     assert "failed 2 health probes in a row" in down.detail
     assert "killed by SIGKILL" in down.detail
+
+
+def test_a_stopped_engine_is_never_signalled_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pids are reused (this machine's pid_max is 32768): once the engine's process is reaped,
+    the id of its process group may name another process's group, so a second stop() or a
+    kill() (a supervisor's, an atexit handler's) must not signal it."""
+    engine = fake_engine(tmp_path, delay_s=0.2)
+    engine.start()
+    engine.wait_ready_sync(timeout_s=60)
+    engine.stop()
+    signalled: list[tuple[int, int]] = []
+    monkeypatch.setattr(os, "killpg", lambda pgid, sig: signalled.append((pgid, sig)))
+    monkeypatch.setattr(os, "kill", lambda pid, sig: signalled.append((pid, sig)))
+    engine.stop()
+    engine.kill()
+    assert signalled == []
