@@ -176,6 +176,30 @@ class EngineConfig(_Section, frozen=True):
     """How long `tandem serve` waits for the engine to become healthy, seconds."""
     request_timeout_s: float = 600.0
     """Upper bound on one engine request, seconds."""
+    supervise: bool = True
+    """With `launch`: `tandem serve` restarts the engine when it dies (its process exits, or
+    its health probe fails `health_probe_failures` times in a row), after a back-off; False:
+    a dead engine stays dead (every request gets 503) until `tandem serve` is restarted."""
+    restart_backoff_s: float = 1.0
+    """Wait before restarting an engine that died, seconds; doubled after each death that
+    follows the previous restart within `restart_stable_s`, up to `restart_backoff_max_s`."""
+    restart_backoff_max_s: float = 60.0
+    """Longest wait before a restart, seconds: an engine that keeps dying is restarted at most
+    this often, for ever (nothing gives up on it)."""
+    restart_stable_s: float = 120.0
+    """An engine that has served this long since its last restart, seconds, starts the back-off
+    over at `restart_backoff_s` when it dies."""
+    health_probe_interval_s: float = 5.0
+    """Time between two health probes (`GET /health`) of the engine, seconds: how stale the
+    gateway's view of a live engine may be (`/readyz` answers from it, without a round trip).
+    A process that exits is noticed at once, without waiting for a probe."""
+    health_probe_timeout_s: float = 30.0
+    """How long one health probe may take, seconds (SGLang's own /health gives up on a silent
+    scheduler after 20 s and answers 503)."""
+    health_probe_failures: int = 3
+    """Failed health probes in a row after which a supervised engine that is still running is
+    taken for hung: it is killed and restarted. Any failed probe makes `/readyz` answer 503
+    until one succeeds."""
     log_file: str | None = None
     """Where the engine's output goes (None: inherited stdout/stderr)."""
     sim_profile: str = "h100-llama8b-analytic"
@@ -328,6 +352,11 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
         _check_positive("engine.max_total_tokens", self.engine.max_total_tokens)
         _check_positive("engine.max_running_requests", self.engine.max_running_requests)
         _check_positive("engine.chunked_prefill_size", self.engine.chunked_prefill_size)
+        _check_positive("engine.restart_backoff_s", self.engine.restart_backoff_s)
+        _check_positive("engine.restart_backoff_max_s", self.engine.restart_backoff_max_s)
+        _check_positive("engine.health_probe_interval_s", self.engine.health_probe_interval_s)
+        _check_positive("engine.health_probe_timeout_s", self.engine.health_probe_timeout_s)
+        _check_positive("engine.health_probe_failures", self.engine.health_probe_failures)
         _check_positive("usage.batch_size", self.usage.batch_size)
         _check_positive("usage.length_history_window", self.usage.length_history_window)
         _check_positive("batch.max_file_bytes", self.batch.max_file_bytes)

@@ -7,11 +7,14 @@ created and closed in a cleanup context, in dependency order.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import cast
 
 import aiohttp
 from aiohttp import web
+from prometheus_client.registry import Collector
 
 from backend.policy.feasibility import TtftFeedback
 from common.config import Config
@@ -21,6 +24,7 @@ from gateway.auth_sync import auth_sync
 from gateway.batch.app import batch_context
 from gateway.engine.client import EngineClient
 from gateway.engine.control import length_sync
+from gateway.engine.health import FIRST_PROBE_TIMEOUT_S, EngineHealth
 from gateway.engine.load import LoadWatcher, serves_load, watch
 from gateway.errors import error_middleware
 from gateway.operator import install as install_operator_tools
@@ -33,6 +37,7 @@ from gateway.state import (
     CONFIG,
     DB_ENGINE,
     ENGINE,
+    ENGINE_HEALTH,
     LOADS,
     METRICS,
     SLO_FORECASTER,
@@ -67,6 +72,7 @@ def create_app(config: Config, admin_token: str, model_dir: Path) -> web.Applica
     app.cleanup_ctx.append(_database)
     app.cleanup_ctx.append(auth_sync)  # revocations reach the other processes (PostgreSQL)
     app.cleanup_ctx.append(_engine_client)
+    app.cleanup_ctx.append(_engine_health)  # what /readyz answers from
     app.cleanup_ctx.append(_load_watchers)  # the engine's live state, for the SLO admission
     app.cleanup_ctx.append(_usage_recorder)
     app.cleanup_ctx.append(_background_tasks)
@@ -100,6 +106,32 @@ async def _engine_client(app: web.Application) -> AsyncIterator[None]:
     app[ENGINE] = EngineClient(base_url, session, timeout_s=config.engine.request_timeout_s)
     yield
     await session.close()
+
+
+async def _engine_health(app: web.Application) -> AsyncIterator[None]:
+    """The engine's health: the launcher's supervisor feeds it when it set `ENGINE_HEALTH`;
+    else the gateway probes the engine itself (once before serving, then in the background)."""
+    if ENGINE_HEALTH in app:
+        health, watcher = app[ENGINE_HEALTH], None
+    else:
+        engine = app[CONFIG].engine
+        client = app[ENGINE]
+        health = app[ENGINE_HEALTH] = EngineHealth(client.base_url)
+        await health.probe(
+            client.is_healthy, min(engine.health_probe_timeout_s, FIRST_PROBE_TIMEOUT_S)
+        )
+        watcher = asyncio.create_task(
+            health.watch(
+                client.is_healthy, engine.health_probe_interval_s, engine.health_probe_timeout_s
+            )
+        )
+    if METRICS in app:
+        app[METRICS].registry.register(cast(Collector, health))
+    yield
+    if watcher is not None:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
 
 
 async def _load_watchers(app: web.Application) -> AsyncIterator[None]:

@@ -13,6 +13,7 @@ from backend.policy.feasibility import SloForecaster, TtftFeedback
 from common.config import Config
 from gateway.auth import AuthCache
 from gateway.engine.client import EngineClient
+from gateway.engine.health import EngineHealth
 from gateway.engine.load import LoadWatcher
 from gateway.engine.stats import EngineStatsWindow
 from gateway.metrics import METRICS_KEY
@@ -29,6 +30,9 @@ DB_ENGINE = web.AppKey("db_engine", AsyncEngine)
 STORE = web.AppKey("store", Store)
 AUTH = web.AppKey("auth", AuthCache)
 ENGINE = web.AppKey("engine", EngineClient)
+ENGINE_HEALTH = web.AppKey("engine_health", EngineHealth)
+"""The engine's health as last seen (`gateway.engine.health`): fed by its supervisor when the
+launcher sets it before the app starts, else by the gateway's own probe."""
 USAGE = web.AppKey("usage", UsageRecorder)
 QUOTAS = web.AppKey("quotas", QuotaLimiter)
 METRICS = METRICS_KEY

@@ -2,15 +2,19 @@
 (``tandem.engine_profile``), start the engine, then the gateway; stop both cleanly.
 
 The engine runs in its own process group and is stopped (the whole group) however the gateway
-exits: Ctrl-C, SIGTERM, or an error.
+exits: Ctrl-C, SIGTERM, or an error. While the gateway serves, the engine is supervised
+(``engine.supervise``): when it dies it is reaped and restarted with a back-off, and `/readyz`
+answers 503 until it serves again (``backend/launch/supervisor.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
@@ -24,9 +28,12 @@ from backend.launch.sglang import (
     server_argv,
 )
 from backend.launch.sim import sim_argv
+from backend.launch.supervisor import EngineStatus, EngineSupervisor, RestartPolicy
 from backend.launch.tiny_model import ensure_tiny_model
 from common.config import Config, ConfigError, ModelConfig, admin_token
 from gateway.app import create_app
+from gateway.engine.health import EngineHealth
+from gateway.state import ENGINE_HEALTH
 from gateway.store.migrate import upgrade
 from tandem.engine_profile import choose_profile, needs_profile
 from tandem.errors import CliError
@@ -93,11 +100,40 @@ def serve(config: Config) -> int:
                 config, engine=msgspec.structs.replace(config.engine, profile=str(chosen.path))
             )
         app = create_app(config, token, model_dir)
+        if engine is not None and config.engine.supervise:
+            _supervise(app, engine, RestartPolicy.of(config.engine))
         _run(run_gateway(app, config.gateway.host, config.gateway.port))
     finally:
         if engine is not None:
             engine.stop()
     return 0
+
+
+def _supervise(app: web.Application, engine: EngineProcess, policy: RestartPolicy) -> None:
+    """While the gateway serves, the engine's supervisor restarts it whenever it dies, and its
+    view is the gateway's `ENGINE_HEALTH` (what /readyz and /metrics show) instead of a probe of
+    the gateway's own."""
+    health = EngineHealth(engine.base_url, is_up=True, state="up")
+    app[ENGINE_HEALTH] = health
+
+    def show(status: EngineStatus) -> None:
+        health.update(
+            is_up=status.is_serving,
+            state=status.phase,
+            detail=status.detail,
+            restarts=status.restarts,
+        )
+
+    async def supervising(app: web.Application) -> AsyncIterator[None]:
+        # Appended after the app's own contexts, so it stops first: no restart while the
+        # gateway shuts down (`serve` stops the engine once the gateway is gone).
+        task = asyncio.create_task(EngineSupervisor(engine, policy, on_status=show).run())
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    app.cleanup_ctx.append(supervising)
 
 
 def _run(coro: object) -> None:

@@ -215,12 +215,24 @@ class EngineProcess:
     @property
     def is_running(self) -> bool:
         """True between start() and the main process's exit."""
-        return self._proc is not None and self._proc.poll() is None
+        return self._proc is not None and _exit_status(self._proc) is None
+
+    @property
+    def returncode(self) -> int | None:
+        """The main process's exit status once it has exited (negative: the signal that killed
+        it), else None."""
+        return None if self._proc is None else _exit_status(self._proc)
 
     def start(self) -> None:
-        """Launches the server in a new session (so its own process group); returns at once."""
-        if self._proc is not None:
+        """Launches the server in a new session (so its own process group); returns at once.
+
+        An engine whose previous process has exited may be started again (a supervisor's
+        restart): what is left of the old one is stopped and reaped first."""
+        if self.is_running:
             raise RuntimeError("engine already started")
+        if self._proc is not None:
+            self.stop()  # reaps it, if that is not done yet
+            self._proc = None
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
@@ -254,11 +266,53 @@ class EngineProcess:
         deadline = time.monotonic() + timeout_s
         while True:
             self._check_alive()
-            if await _health_async(self.base_url) == 200:
+            if await health_status(self.base_url) == 200:
                 return
             if time.monotonic() > deadline:
                 raise EngineStartError(self._failure(f"not healthy after {timeout_s:.0f} s"))
             await asyncio.sleep(poll_s)
+
+    async def wait_exit(self, poll_s: float = 0.5) -> int:
+        """Waits (without blocking the event loop) until the main process exits, reaps it and
+        returns its exit status. On Linux a pidfd wakes the loop the moment it exits; elsewhere
+        its status is polled every *poll_s*."""
+        proc = self._proc
+        if proc is None:
+            raise RuntimeError("engine not started")
+        if _exit_status(proc) is not None:
+            return _reap(proc)
+        try:
+            pidfd = os.pidfd_open(proc.pid)
+        except (AttributeError, OSError):  # not Linux ≥ 5.3
+            pidfd = None
+        if pidfd is None:
+            while _exit_status(proc) is None:
+                await asyncio.sleep(poll_s)
+            return _reap(proc)
+        loop = asyncio.get_running_loop()
+        exited = loop.create_future()
+
+        def readable() -> None:
+            if not exited.done():
+                exited.set_result(None)
+
+        loop.add_reader(pidfd, readable)
+        try:
+            await exited
+        finally:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+        return _reap(proc)  # no zombie is left behind, nor anything of its group
+
+    def kill(self) -> int | None:
+        """SIGKILL to the whole group at once (an engine that no longer answers gets no chance
+        to drain), reaping the main process; its exit status."""
+        proc = self._proc
+        if proc is None:
+            return None
+        if proc.returncode is None:  # not reaped: its pid still names its group
+            _signal_group(proc.pid, signal.SIGKILL)
+        return self.stop(timeout_s=5.0)
 
     def stop(self, timeout_s: float = 15.0) -> int | None:
         """SIGTERM, wait up to *timeout_s*, then SIGKILL to the whole group; the exit code.
@@ -266,19 +320,20 @@ class EngineProcess:
         SIGTERM goes to the main process only: SGLang then drains and stops its scheduler and
         detokenizer itself (about 4 s). Signalling the group instead kills the scheduler first,
         and the main process, taking that for a crash, spends 5 s more on crash diagnostics.
+        Idempotent: an engine already stopped (its process reaped) is not signalled again.
         """
         proc = self._proc
         if proc is None:
             return None
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _signal_group(proc.pid, signal.SIGKILL)
-            proc.wait()
-        # Stragglers (a scheduler that ignored SIGTERM) share the group: make sure of them too.
-        _signal_group(proc.pid, signal.SIGKILL)
+        if _exit_status(proc) is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            while _exit_status(proc) is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+        # Past the deadline the main process goes too; stragglers (a scheduler that ignored
+        # SIGTERM) share the group: make sure of them.
+        _reap(proc)
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -309,7 +364,7 @@ class EngineProcess:
     def _check_alive(self) -> None:
         if self._proc is None:
             raise RuntimeError("engine not started")
-        code = self._proc.poll()
+        code = _exit_status(self._proc)
         if code is not None:
             self.stop()  # reap whatever the main process left in its group
             raise EngineStartError(self._failure(f"exited with code {code}"))
@@ -335,6 +390,31 @@ def _die_with_parent(parent_pid: int) -> Callable[[], None]:
     return arm
 
 
+def _exit_status(proc: subprocess.Popen[bytes]) -> int | None:
+    """The exit status of *proc* once it has exited (negative: killed by that signal), else
+    None — without reaping it: until `_reap`, its pid (and so the id of its process group) is
+    still its own, so signalling the group cannot reach another process that reused the id."""
+    if proc.returncode is not None:
+        return proc.returncode
+    try:
+        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except (AttributeError, ChildProcessError, OSError):  # no waitid, or reaped elsewhere
+        return proc.poll()
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+def _reap(proc: subprocess.Popen[bytes]) -> int:
+    """SIGKILLs what is left of *proc*'s group, then reaps *proc* (waiting for it if it still
+    runs); its exit status. Once reaped, the group is never signalled again: its id may name
+    another process's group by then (pids are reused)."""
+    if proc.returncode is None:
+        _signal_group(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return proc.returncode
+
+
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is already gone
         os.killpg(pgid, sig)
@@ -356,7 +436,7 @@ def _health_sync(base_url: str, timeout_s: float = 5.0) -> int | None:
         conn.close()
 
 
-async def _health_async(base_url: str, timeout_s: float = 5.0) -> int | None:
+async def health_status(base_url: str, timeout_s: float = 5.0) -> int | None:
     """:func:`_health_sync` over asyncio streams (no HTTP client library needed)."""
     url = urlsplit(base_url)
     host = url.hostname or "127.0.0.1"

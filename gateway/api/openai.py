@@ -8,6 +8,7 @@ body or a stream of server-sent events, rendered by gateway/api/render.py.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any
 
 import msgspec
@@ -17,13 +18,14 @@ from gateway.api.render import ResponseHead, StreamRenderer, completion_body, us
 from gateway.api.schemas import Endpoint, StreamOptions
 from gateway.auth import Principal, bearer_token
 from gateway.engine.client import EngineChunk
-from gateway.pipeline.outcome import Refused
+from gateway.pipeline.outcome import Refused, internal_error
 from gateway.pipeline.stages import (
     Completion,
     Flight,
     Progress,
     admit,
     complete,
+    is_cancellation,
     parse,
     place,
     prepare,
@@ -33,6 +35,7 @@ from gateway.pipeline.stages import (
 )
 from gateway.state import AUTH, CONFIG, TOKENIZER
 
+log = logging.getLogger(__name__)
 routes = web.RouteTableDef()
 _encoder = msgspec.json.Encoder()
 
@@ -114,9 +117,17 @@ async def _stream(
             }
         )
         await resp.prepare(request)
-        await _send_chunk(resp, render, first, flight.progress, options)
-        async for chunk in chunks:
-            await _send_chunk(resp, render, chunk, flight.progress, options)
+        try:
+            await _send_chunk(resp, render, first, flight.progress, options)
+            async for chunk in chunks:
+                await _send_chunk(resp, render, chunk, flight.progress, options)
+        except Exception as exc:
+            if is_cancellation(exc):  # the client went away: nobody to tell
+                raise
+            # The headers are out: an error response now would be written into the stream
+            # (a second status line the client cannot read). The stream ends in-band instead.
+            log.exception("stream %s failed", flight.request and flight.request.rid)
+            flight.fail(internal_error())
     if flight.failure is not None:
         await _send(resp, flight.failure.api_error().body())
     elif options.include_usage:

@@ -84,9 +84,10 @@ class EngineClient:
         CPU that an engine sharing the host's cores takes from everyone's iterations.
 
         Raises EngineUnavailable when the engine cannot be reached or goes away with the request
-        (`is_lost`), and EngineRequestError when it rejects the request. Closing the iterator
-        early closes the upstream connection; callers also call `abort` so the engine frees the
-        request's KV at once.
+        (`is_lost`: whatever broke the exchange once the request was sent, a response cut short
+        included), and EngineRequestError when it rejects the request; nothing else. Closing the
+        iterator early closes the upstream connection; callers also call `abort` so the engine
+        frees the request's KV at once.
         """
         body = dict(payload, stream=stream)
         try:
@@ -118,7 +119,9 @@ class EngineClient:
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
             # The connection was never made: the engine did not see the request.
             raise EngineUnavailable(f"engine unreachable: {exc.__class__.__name__}") from None
-        except (TimeoutError, aiohttp.ClientConnectionError) as exc:
+        except (TimeoutError, aiohttp.ClientError, msgspec.DecodeError) as exc:
+            # Sent, then the engine went away: the connection broke (a dead engine's stream ends
+            # mid-body, ClientPayloadError), timed out, or its last line was cut short.
             raise EngineUnavailable(
                 f"engine lost: {exc.__class__.__name__}", is_lost=True
             ) from None
@@ -132,14 +135,17 @@ class EngineClient:
                 timeout=aiohttp.ClientTimeout(total=5.0),
             ) as resp:
                 await resp.read()
+        except aiohttp.ClientConnectorError as exc:  # the engine is down: it holds nothing
+            log.debug("abort of %s not sent: %s", rid, exc)
         except (TimeoutError, aiohttp.ClientError) as exc:
             log.warning("abort of %s failed: %s", rid, exc)
 
-    async def is_healthy(self) -> bool:
-        """True when the engine answers its health probe."""
+    async def is_healthy(self, timeout_s: float = 5.0) -> bool:
+        """True when the engine answers its health probe (``GET /health``: SGLang's runs a
+        one-token generation, about a second) with 200 within *timeout_s*."""
         try:
             async with self._session.get(
-                f"{self.base_url}/health", timeout=aiohttp.ClientTimeout(total=5.0)
+                f"{self.base_url}/health", timeout=aiohttp.ClientTimeout(total=timeout_s)
             ) as resp:
                 return resp.status == 200
         except (TimeoutError, aiohttp.ClientError):

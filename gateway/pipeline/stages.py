@@ -67,7 +67,15 @@ from gateway.pipeline.prepare import (
     resolve_tier,
 )
 from gateway.slo import RequestTimer, slo_met
-from gateway.state import CONFIG, METRICS, TOKENIZER, TTFT_FEEDBACK, USAGE, spawn
+from gateway.state import (
+    CONFIG,
+    ENGINE_HEALTH,
+    METRICS,
+    TOKENIZER,
+    TTFT_FEEDBACK,
+    USAGE,
+    spawn,
+)
 from gateway.store.types import AdmissionOutcome, UsageRecord
 
 
@@ -222,6 +230,9 @@ async def run(app: web.Application, flight: Flight) -> AsyncGenerator[EngineChun
                     progress.finish_reason = chunk.finish_reason
                 yield chunk
     except EngineUnavailable as exc:
+        health = app.get(ENGINE_HEALTH)
+        if health is not None:
+            health.suspect()  # /readyz learns of it at once, not at the next probe
         retry_after_s = app[CONFIG].gateway.engine_retry_after_s
         flight.fail(engine_unavailable(str(exc), retry_after_s, is_engine_lost=exc.is_lost))
         return

@@ -172,3 +172,18 @@ def test_bad_engine_settings_name_the_problem(value: str, message: str) -> None:
 def test_engine_settings_are_no_config_override(tmp_path: Path) -> None:
     # TANDEM_ENGINE_SETTINGS has no "__": load_config never takes it for a section key
     load_config(write(tmp_path, ""), environ={ENGINE_SETTINGS_ENV: '{"policy": 3}'})
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "restart_backoff_s",
+        "restart_backoff_max_s",
+        "health_probe_interval_s",
+        "health_probe_timeout_s",
+        "health_probe_failures",
+    ],
+)
+def test_engine_supervision_settings_must_be_positive(tmp_path: Path, key: str) -> None:
+    with pytest.raises(ConfigError, match=rf"engine\.{key} must be positive"):
+        load_config(write(tmp_path, f"engine:\n  {key}: 0\n"), environ={})
