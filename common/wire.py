@@ -148,7 +148,7 @@ def load_query(after: str | None, wait_s: str | None) -> tuple[int, float]:
 
 CONTROL_ITERATIONS_PATH = "/iterations"
 """GET (query `after=<iteration>`, `wait_s=<seconds>`, as `CONTROL_LOAD_PATH`): the engine's
-recent iterations later than `after`, oldest first, as :class:`IterationLog` — every one, where
+recent iterations later than `after`, oldest first, as :class:`RecentIterations` — every one, where
 a `/load` poll only sees the newest (an observer that falls behind, as one starved of CPU
 does, would otherwise see the long iterations and miss the short ones)."""
 ITERATION_LOG_SIZE = 1024
@@ -167,7 +167,7 @@ class IterationRecord(msgspec.Struct, frozen=True, array_like=True):
     """The calibrated model's prediction for it when it was planned, seconds (0: none)."""
 
 
-class IterationLog(msgspec.Struct, frozen=True, kw_only=True):
+class RecentIterations(msgspec.Struct, frozen=True, kw_only=True):
     """The answer of `CONTROL_ITERATIONS_PATH`."""
 
     iterations: list[IterationRecord]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 
-from common.wire import ITERATION_LOG_SIZE, EngineLoad, IterationLog, IterationRecord
+from common.wire import ITERATION_LOG_SIZE, EngineLoad, IterationRecord, RecentIterations
 
 
 class LoadBoard:
@@ -46,7 +46,7 @@ class LoadBoard:
             self._cond.wait_for(lambda: self._load.iteration > after_iteration, timeout=wait_s)
             return self._load
 
-    def iterations_after(self, after_iteration: int, wait_s: float) -> IterationLog:
+    def iterations_after(self, after_iteration: int, wait_s: float) -> RecentIterations:
         """Every kept iteration past *after_iteration*, oldest first, once there is one (or
         after *wait_s* seconds, maybe none); `missed` counts those no longer kept."""
         with self._cond:
@@ -55,4 +55,4 @@ class LoadBoard:
             newest = self._load.iteration
         first = records[0].iteration if records else newest + 1
         missed = max(0, first - max(after_iteration, 0) - 1) if after_iteration >= 0 else 0
-        return IterationLog(iterations=records, missed=missed)
+        return RecentIterations(iterations=records, missed=missed)

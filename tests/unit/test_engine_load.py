@@ -19,7 +19,7 @@ from common.wire import (
     ITERATION_LOG_SIZE,
     MAX_LOAD_WAIT_S,
     EngineLoad,
-    IterationLog,
+    RecentIterations,
     TenantLoad,
     load_query,
 )
@@ -157,7 +157,7 @@ def test_board_keeps_every_iteration_for_an_observer_that_falls_behind() -> None
     assert len(behind.iterations) == ITERATION_LOG_SIZE
     assert behind.missed == 10
     encoded = msgspec.json.encode(behind)  # what the control endpoint sends
-    assert msgspec.json.decode(encoded, type=IterationLog) == behind
+    assert msgspec.json.decode(encoded, type=RecentIterations) == behind
 
 
 def load(iteration: int, at_unix_s: float) -> EngineLoad:
