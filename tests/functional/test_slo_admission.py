@@ -43,7 +43,9 @@ async def engine_state_is_watched(gw: GatewayHandle) -> None:
     assert latest is not None
     if latest.calibration_samples >= MIN_VERIFIED_ITERATIONS:
         return
-    _, warm_key = await gw.new_tenant(f"slo-warm-{time.monotonic_ns()}", "rt", ttft_ms=60_000, tpot_ms=10_000)
+    _, warm_key = await gw.new_tenant(
+        f"slo-warm-{time.monotonic_ns()}", "rt", ttft_ms=60_000, tpot_ms=10_000
+    )
     body = {"model": MODEL, "prompt": "warm up", "max_tokens": 2 * MIN_VERIFIED_ITERATIONS}
     async with gw.session.post(
         f"{gw.base_url}/v1/completions", json=body, headers={"Authorization": f"Bearer {warm_key}"}
