@@ -171,14 +171,48 @@ class SloForecaster:
         ttft_extra_s: float = 0.0,
     ) -> Forecast:
         """The ask's predicted TTFT and TPOT on an engine in state *load*; *ttft_extra_s* is
-        added to the TTFT (`TtftFeedback.extra_s`: what the engine model does not see)."""
+        added to the TTFT (`TtftFeedback.extra_s`: what the engine model does not see).
+
+        On an idle engine (nothing running, waiting or in flight to it) a forecast that misses
+        does not refuse on what no iteration can re-check there: an unverified model
+        (`unverified_and_idle`) admits the request, and so does one that misses only by the
+        pace learned earlier — the request is judged at the profile's own pace (factors above 1
+        and the spread dropped). Refusing would otherwise be for good: an idle engine runs
+        nothing that could correct the model (a profile measured on a busy machine, the slow
+        first iterations of a fresh engine), and the request would run alone, the best the
+        engine can do for it, while its iterations re-check the pace. What it has already
+        waited, and what outcomes taught, are measured: they count either way; a contract the
+        profile's own pace misses is refused."""
         # The calibrated factors are means; the engine's recent worst pace (but one iteration
         # in ten) bounds them from above while the pace changes or swings (`PaceSpread`). The
         # engine's policy sizes its chunks with the factors; the spread stretches their time.
         spread = max(1.0, load.pace_ratio_p90) if math.isfinite(load.pace_ratio_p90) else 1.0
-        f_decode = load.latency_factors[DECODE]
-        f_mixed = load.latency_factors[MIXED]
-        f_prefill = load.latency_factors[PREFILL]
+        ttft_s, tpot_s = self._predict(load, ask, backlog, load.latency_factors, spread)
+        ttft_s += ask.waited_s + ttft_extra_s
+        shortfall = self._shortfall(ask, ttft_s, tpot_s)
+        if shortfall is not None and idle(load, backlog):
+            at_pace: tuple[float, float | None]
+            if load.calibration_samples < MIN_VERIFIED_ITERATIONS:
+                at_pace = (ask.waited_s + ttft_extra_s, None)  # the model is the profile's word
+            else:
+                factors = tuple(min(1.0, f) for f in load.latency_factors)
+                ttft_at, tpot_at = self._predict(load, ask, backlog, factors, 1.0)
+                at_pace = (ttft_at + ask.waited_s + ttft_extra_s, tpot_at)
+            if self._shortfall(ask, *at_pace) is None:
+                shortfall = None
+        return Forecast(ttft_s=ttft_s, tpot_s=tpot_s, shortfall=shortfall)
+
+    def _predict(
+        self,
+        load: EngineLoad,
+        ask: SloAsk,
+        backlog: Backlog,
+        factors: tuple[float, ...],
+        spread: float,
+    ) -> tuple[float, float | None]:
+        """(TTFT from now, before what was waited and taught; TPOT or None) at the engine's
+        pace *factors* (decode, prefill, mixed), stretched by *spread*."""
+        f_decode, f_prefill, f_mixed = factors[DECODE], factors[PREFILL], factors[MIXED]
         running = _decodes(load.num_rt_running, load.rt_context_tokens)
         # Everyone ahead decodes beside it once prefilled: contexts of about their prompts.
         # (All of them, whatever their tenant: fair share orders prompts, not who decodes.)
@@ -187,30 +221,17 @@ class SloForecaster:
         decoding = _decodes(load.num_rt_running + later, load.rt_context_tokens + later_tokens)
         tpot_s = spread * f_decode * self.latency.predict(decoding) if ask.tpot_target_s else None
 
-        budget_s = self.iteration_budget_s * budget_pace(load.latency_factors, self.budget_pace_max)
+        budget_s = self.iteration_budget_s * budget_pace(factors, self.budget_pace_max)
         if ask.tpot_target_s is not None:
             budget_s = min(budget_s, ask.tpot_target_s)
-        chunk = self._chunk(running, budget_s, f_mixed if running.num_decode else f_prefill, load)
+        f_chunk = f_mixed if running.num_decode else f_prefill
+        chunk = self._chunk(running, budget_s, f_chunk, load)
         ahead_tokens = prompt_tokens_ahead(load, ask, backlog)
         full, rest = divmod(ahead_tokens, chunk)
-        f_chunk = f_mixed if running.num_decode else f_prefill
         prefill_s = full * f_chunk * self.latency.predict(running.with_prefill(chunk))
         if rest:
             prefill_s += f_chunk * self.latency.predict(running.with_prefill(rest))
-        ttft_s = ask.waited_s + load.iteration_s + spread * prefill_s + ttft_extra_s
-        shortfall = self._shortfall(ask, ttft_s, tpot_s)
-        if (
-            shortfall is not None
-            and unverified_and_idle(load, backlog)
-            and ask.waited_s + ttft_extra_s <= self.headroom * ask.ttft_target_s
-        ):
-            # Refusing on the model's word alone would refuse for good: an idle engine runs no
-            # iteration that could correct it, and a profile measured on a busy machine is many
-            # times too slow. The request runs alone, the best the engine can do for it, and its
-            # iterations calibrate the model for the next forecast. (What it has already waited,
-            # and what outcomes taught, are measured: they still count.)
-            shortfall = None
-        return Forecast(ttft_s=ttft_s, tpot_s=tpot_s, shortfall=shortfall)
+        return load.iteration_s + spread * prefill_s, tpot_s
 
     def _chunk(self, running: BatchShape, budget_s: float, factor: float, load: EngineLoad) -> int:
         """Prompt tokens one iteration computes beside the running RT decodes within the budget."""
@@ -302,17 +323,14 @@ class TtftFeedback:
 
 
 MIN_VERIFIED_ITERATIONS = 16
-"""Iterations the calibration must have learned from before a forecast on an idle engine may
-refuse a request (`unverified_and_idle`)."""
+"""Iterations the calibration must have learned from before its pace may refuse a request on
+an idle engine (`SloForecaster.forecast`): until then the model is the profile's word alone."""
 
 
-def unverified_and_idle(load: EngineLoad, backlog: Backlog = Backlog()) -> bool:
-    """The engine has nothing running or waiting (nor in flight to it), and its latency model
-    has not been checked against enough measured iterations to be trusted over the request's
-    own run: a forecast that misses the contract there admits the request anyway."""
+def idle(load: EngineLoad, backlog: Backlog = Backlog()) -> bool:
+    """The engine has nothing running or waiting, and nothing is in flight to it."""
     return (
-        load.calibration_samples < MIN_VERIFIED_ITERATIONS
-        and load.num_rt_waiting == load.num_rt_running == 0
+        load.num_rt_waiting == load.num_rt_running == 0
         and load.num_be_waiting == load.num_be_running == 0
         and backlog.num_requests == 0
     )

@@ -15,9 +15,9 @@ from backend.policy.feasibility import (
     SloAsk,
     SloForecaster,
     TtftFeedback,
+    idle,
     load_of,
     prompt_tokens_ahead,
-    unverified_and_idle,
 )
 from backend.sim.config import SimConfig, SloUnattainable
 from backend.sim.engine import simulate
@@ -32,44 +32,53 @@ from tests.unit.tandem_factories import make_policy
 FORECASTER = SloForecaster(LATENCY, iteration_budget_s=0.05, headroom=0.8)
 
 
-def idle(**fields: Any) -> EngineLoad:
+def idle_load(**fields: Any) -> EngineLoad:
     """An engine state after its first iteration: empty unless *fields* say otherwise."""
     return EngineLoad(iteration=1, at_unix_s=0.0, **fields)
 
 
 def test_an_idle_engine_meets_a_short_prompt() -> None:
-    forecast = FORECASTER.forecast(idle(), SloAsk(prompt_tokens=1000, ttft_target_s=1.0))
+    forecast = FORECASTER.forecast(idle_load(), SloAsk(prompt_tokens=1000, ttft_target_s=1.0))
     # one chunk of 1000 tokens: 10 ms + 20 ms
     assert forecast.ttft_s == pytest.approx(0.030)
     assert forecast.feasible
 
 
-def test_an_idle_engine_whose_model_no_iteration_has_checked_admits_what_it_forecasts_late() -> (
-    None
-):
+def test_an_idle_engine_whose_model_is_unchecked_admits_what_it_forecasts_late() -> None:
     """A profile measured on a busy machine can be many times too slow; on an idle engine no
     iteration would ever correct it, so refusing there would refuse for good."""
-    ask = SloAsk(prompt_tokens=1000, ttft_target_s=0.1)
-    pessimistic = (25.0, 25.0, 25.0)  # what a stale profile looks like once calibrated
-    # the model says 30 ms × 25 = 750 ms: over the target, on every kind of engine state
-    assert FORECASTER.forecast(idle(latency_factors=pessimistic), ask).ttft_s > 0.1
-    unverified = FORECASTER.forecast(idle(), SloAsk(prompt_tokens=10_000, ttft_target_s=0.1))
-    assert unverified.ttft_s > 0.1 and unverified.feasible  # idle, no iteration checked it yet
-    verified = idle(calibration_samples=MIN_VERIFIED_ITERATIONS)
-    assert not FORECASTER.forecast(
-        verified, SloAsk(prompt_tokens=10_000, ttft_target_s=0.1)
-    ).feasible
-    busy = idle(num_be_running=1)
-    assert not FORECASTER.forecast(busy, SloAsk(prompt_tokens=10_000, ttft_target_s=0.1)).feasible
+    long_ask = SloAsk(prompt_tokens=10_000, ttft_target_s=0.1)  # 10 chunks of 50 ms: 0.5 s
+    unverified = FORECASTER.forecast(idle_load(), long_ask)
+    assert unverified.ttft_s > 0.1 and unverified.feasible
+    verified = idle_load(calibration_samples=MIN_VERIFIED_ITERATIONS)
+    assert not FORECASTER.forecast(verified, long_ask).feasible  # the profile's pace misses
+    assert not FORECASTER.forecast(idle_load(num_be_running=1), long_ask).feasible  # busy
     in_flight = Backlog(num_requests=1, prompt_tokens=10)
-    assert not FORECASTER.forecast(
-        idle(), SloAsk(prompt_tokens=10_000, ttft_target_s=0.1), in_flight
-    ).feasible
-    assert unverified_and_idle(idle()) and not unverified_and_idle(verified)
+    assert not FORECASTER.forecast(idle_load(), long_ask, in_flight).feasible
+    # what is measured still counts: the wait so far, what outcomes taught
+    waited = SloAsk(prompt_tokens=10_000, ttft_target_s=0.1, waited_s=0.09)
+    assert not FORECASTER.forecast(idle_load(), waited).feasible
+    assert not FORECASTER.forecast(idle_load(), long_ask, ttft_extra_s=0.09).feasible
+    assert idle(idle_load()) and not idle(idle_load(num_rt_waiting=1))
+
+
+def test_an_idle_engine_re_checks_a_pace_learned_earlier_instead_of_refusing_on_it() -> None:
+    """A pace learned before the engine went idle (its slow first iterations, a neighbour
+    gone since) would refuse every request for good: nothing runs that could re-check it."""
+    ask = SloAsk(prompt_tokens=1000, ttft_target_s=0.1, tpot_target_s=0.02)
+    slow: dict[str, Any] = {"latency_factors": (4.0, 4.0, 4.0), "pace_ratio_p90": 3.0}
+    learned = idle_load(calibration_samples=500, **slow)
+    forecast = FORECASTER.forecast(learned, ask)
+    assert forecast.ttft_s > 0.1  # 30 ms × 4 × 3: the pace says it misses
+    assert forecast.feasible  # but at the profile's pace, alone, it is met: it runs
+    busy = idle_load(calibration_samples=500, num_rt_running=1, rt_context_tokens=100, **slow)
+    assert not FORECASTER.forecast(busy, ask).feasible  # with work to re-check the pace: refused
+    impossible = SloAsk(prompt_tokens=1000, ttft_target_s=0.1, tpot_target_s=0.001)
+    assert not FORECASTER.forecast(learned, impossible).feasible  # 10 ms decodes at any pace
 
 
 def test_rt_prompts_ahead_delay_the_first_token_and_the_excess_is_named() -> None:
-    load = idle(num_rt_waiting=10, rt_waiting_prompt_tokens=20_000, iteration_s=0.05)
+    load = idle_load(num_rt_waiting=10, rt_waiting_prompt_tokens=20_000, iteration_s=0.05)
     ask = SloAsk(prompt_tokens=1000, ttft_target_s=0.5, tpot_target_s=0.2)
     forecast = FORECASTER.forecast(load, ask)
     # the iteration in flight, then 21K tokens in 2000-token chunks (50 ms each), the last 1000
@@ -83,18 +92,20 @@ def test_rt_prompts_ahead_delay_the_first_token_and_the_excess_is_named() -> Non
 
 
 def test_a_slower_engine_turns_a_feasible_request_away() -> None:
-    load = idle(num_rt_waiting=4, rt_waiting_prompt_tokens=8000)
+    load = idle_load(num_rt_waiting=4, rt_waiting_prompt_tokens=8000)
     ask = SloAsk(prompt_tokens=2000, ttft_target_s=0.5)
     assert FORECASTER.forecast(load, ask).feasible  # 5 chunks of 50 ms
-    slow = idle(num_rt_waiting=4, rt_waiting_prompt_tokens=8000, latency_factors=(3.0, 3.0, 3.0))
+    slow = idle_load(
+        num_rt_waiting=4, rt_waiting_prompt_tokens=8000, latency_factors=(3.0, 3.0, 3.0)
+    )
     assert not FORECASTER.forecast(slow, ask).feasible
 
 
 def test_recent_iterations_slower_than_the_calibrated_model_scale_the_forecast() -> None:
     ask = SloAsk(prompt_tokens=2000, ttft_target_s=0.5, tpot_target_s=0.05)
-    steady = FORECASTER.forecast(idle(num_rt_running=2, rt_context_tokens=2000), ask)
+    steady = FORECASTER.forecast(idle_load(num_rt_running=2, rt_context_tokens=2000), ask)
     # the calibration has not caught up yet: 1 iteration in 10 ran 4× over its prediction
-    swinging = idle(num_rt_running=2, rt_context_tokens=2000, pace_ratio_p90=4.0)
+    swinging = idle_load(num_rt_running=2, rt_context_tokens=2000, pace_ratio_p90=4.0)
     late = FORECASTER.forecast(swinging, ask)
     assert steady.feasible and late.ttft_s == pytest.approx(4 * steady.ttft_s)
     assert late.tpot_s == pytest.approx(4 * (steady.tpot_s or 0.0))
@@ -102,7 +113,7 @@ def test_recent_iterations_slower_than_the_calibrated_model_scale_the_forecast()
     assert shortfall is not None and shortfall.target == "tpot"  # 4 × 14 ms over 0.8 × 50 ms
     # faster than predicted never makes a forecast more optimistic than the calibrated model
     quick = FORECASTER.forecast(
-        idle(num_rt_running=2, rt_context_tokens=2000, pace_ratio_p90=0.5), ask
+        idle_load(num_rt_running=2, rt_context_tokens=2000, pace_ratio_p90=0.5), ask
     )
     assert quick.ttft_s == pytest.approx(steady.ttft_s)
 
@@ -126,23 +137,23 @@ def test_pace_spread_is_the_recent_upper_ratio_and_forgets_old_iterations() -> N
 
 def test_work_sent_but_not_yet_reported_counts_like_the_queue() -> None:
     ask = SloAsk(prompt_tokens=1000, ttft_target_s=0.5)
-    queued = FORECASTER.forecast(idle(num_rt_waiting=8, rt_waiting_prompt_tokens=16_000), ask)
-    in_flight = FORECASTER.forecast(idle(), ask, Backlog(num_requests=8, prompt_tokens=16_000))
+    queued = FORECASTER.forecast(idle_load(num_rt_waiting=8, rt_waiting_prompt_tokens=16_000), ask)
+    in_flight = FORECASTER.forecast(idle_load(), ask, Backlog(num_requests=8, prompt_tokens=16_000))
     assert in_flight.ttft_s == pytest.approx(queued.ttft_s)
     assert not in_flight.feasible
 
 
 def test_time_already_waited_counts_against_the_ttft_target() -> None:
     ask = SloAsk(prompt_tokens=1000, ttft_target_s=0.5, waited_s=0.45)
-    forecast = FORECASTER.forecast(idle(), ask)
+    forecast = FORECASTER.forecast(idle_load(), ask)
     assert forecast.ttft_s == pytest.approx(0.48)
     assert not forecast.feasible
 
 
 def test_what_outcomes_taught_is_added_to_the_ttft() -> None:
     ask = SloAsk(prompt_tokens=1000, ttft_target_s=0.5, waited_s=0.1)
-    plain = FORECASTER.forecast(idle(), ask)
-    taught = FORECASTER.forecast(idle(), ask, ttft_extra_s=0.5)
+    plain = FORECASTER.forecast(idle_load(), ask)
+    taught = FORECASTER.forecast(idle_load(), ask, ttft_extra_s=0.5)
     assert plain.ttft_s == pytest.approx(0.1 + 0.03) and plain.feasible
     assert taught.ttft_s == pytest.approx(0.1 + 0.03 + 0.5) and not taught.feasible
 
@@ -183,7 +194,7 @@ def test_feedback_ignores_nonsense_and_stays_bounded() -> None:
 
 def test_too_many_rt_decodes_miss_the_tpot_target() -> None:
     # 300 decodes of 1000 context: 10 ms + 300 ms per iteration
-    load = idle(num_rt_running=299, rt_context_tokens=299_000)
+    load = idle_load(num_rt_running=299, rt_context_tokens=299_000)
     forecast = FORECASTER.forecast(
         load, SloAsk(prompt_tokens=1000, ttft_target_s=10.0, tpot_target_s=0.2)
     )
@@ -213,7 +224,7 @@ def waiting(
 
 def split(*tenants: TenantLoad, **fields: Any) -> EngineLoad:
     """An engine state whose waiting RT work is *tenants*' (totals summed)."""
-    return idle(
+    return idle_load(
         num_rt_waiting=sum(t.num_waiting for t in tenants),
         rt_waiting_prompt_tokens=sum(t.waiting_prompt_tokens for t in tenants),
         rt_by_tenant=tenants,
@@ -233,13 +244,13 @@ def test_the_tenant_over_its_share_is_shed_and_the_other_admitted_on_the_same_lo
     assert prompt_tokens_ahead(load, burst) == 21_000
     assert not FORECASTER.forecast(load, burst).feasible
     # the same queue reported without the split: all of it is ahead of everyone, as before
-    totals = idle(num_rt_waiting=10, rt_waiting_prompt_tokens=20_000)
+    totals = idle_load(num_rt_waiting=10, rt_waiting_prompt_tokens=20_000)
     assert not FORECASTER.forecast(totals, steady).feasible
 
 
 def test_equal_weights_and_equal_backlogs_forecast_as_one_queue() -> None:
     load = split(waiting("a", 5000, count=3), waiting("b", 5000, count=3), iteration_s=0.02)
-    whole = idle(num_rt_waiting=6, rt_waiting_prompt_tokens=10_000, iteration_s=0.02)
+    whole = idle_load(num_rt_waiting=6, rt_waiting_prompt_tokens=10_000, iteration_s=0.02)
     for tenant_id in ("a", "b"):
         ask = SloAsk(prompt_tokens=1000, ttft_target_s=0.5, tpot_target_s=0.2, tenant_id=tenant_id)
         assert prompt_tokens_ahead(load, ask) == 11_000
