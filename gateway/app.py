@@ -16,6 +16,7 @@ from aiohttp import web
 from backend.policy.feasibility import TtftFeedback
 from common.config import Config
 from gateway.api import admin, batches, files, openai, ops
+from gateway.api.body import body_guard
 from gateway.auth import AuthCache
 from gateway.batch.app import batch_context
 from gateway.engine.client import EngineClient
@@ -53,7 +54,7 @@ _ENGINE_READ_BUFSIZE = 4 * 1024 * 1024
 def create_app(config: Config, admin_token: str, model_dir: Path) -> web.Application:
     """The gateway for *config*, serving the model in *model_dir* (its tokenizer is loaded now)."""
     app = web.Application(
-        middlewares=[error_middleware], client_max_size=config.gateway.max_body_bytes
+        middlewares=[error_middleware, body_guard], client_max_size=config.gateway.max_body_bytes
     )
     app[CONFIG] = config
     app[ADMIN_TOKEN] = admin_token

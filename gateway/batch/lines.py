@@ -8,17 +8,42 @@ turns back to pending at the next start.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import cast
 
 import msgspec
-from sqlalchemy import Table, bindparam, func, select, update
+from sqlalchemy import Table, bindparam, func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.batch.types import ItemResult, PendingItem
+from gateway.batch.types import ItemResult, NewItem, PendingItem
 from gateway.store.models import BatchItemRow, BatchRow
 
 _json = msgspec.json.Encoder()
+
+INSERT_CHUNK_LINES = 1000
+"""Lines per INSERT when a batch starts: each chunk is one round trip, and the event loop serves
+other requests between two (50,000 ORM objects flushed at once held it for seconds)."""
+
+
+async def insert_lines(session: AsyncSession, batch_id: str, items: Sequence[NewItem]) -> None:
+    """The batch's lines as `pending` rows, inside the caller's transaction, in chunks."""
+    table = cast(Table, BatchItemRow.__table__)
+    for start in range(0, len(items), INSERT_CHUNK_LINES):
+        rows = [
+            {
+                "batch_id": batch_id,
+                "line_no": it.line_no,
+                "custom_id": it.custom_id,
+                "method": it.method,
+                "url": it.url,
+                "body": it.body,
+                "status": "pending",
+                "attempts": 0,
+            }
+            for it in items[start : start + INSERT_CHUNK_LINES]
+        ]
+        await session.execute(insert(table), rows)
 
 
 def now_utc() -> datetime:
