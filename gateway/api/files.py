@@ -30,6 +30,7 @@ _MALFORMED_MULTIPART = (
     RuntimeError,  # an unknown Content-Encoding or Content-Transfer-Encoding of a part
     zlib.error,  # a part whose Content-Encoding (gzip, deflate) does not decode
     HttpProcessingError,  # a part with too many headers
+    RuntimeWarning,  # a bad Content-Disposition: raised only where warnings are errors
 )
 """What aiohttp's multipart reader raises on a body that is not valid multipart/form-data
 (the client's error: a 400, not a 500)."""
