@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 from sqlalchemy import func, select, update
-from sqlalchemy.exc import DataError, IntegrityError
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.batch.lines import LineQueries, insert_lines, now_utc
@@ -297,7 +297,9 @@ class BatchStore(LineQueries):
         database's reason, so it cannot stop the runner's other batches."""
         try:
             return await self._start(batch_id, items, model, errors)
-        except (DataError, IntegrityError, UnicodeEncodeError) as exc:
+        except (DBAPIError, UnicodeEncodeError) as exc:
+            if not _is_bad_data(exc):
+                raise  # e.g. the database is down: not this batch's fault
             log.warning("batch %s: its lines cannot be stored: %s", batch_id, exc)
             reason = str(getattr(exc, "orig", None) or exc).splitlines()[0][:500]
             error = {
@@ -373,6 +375,17 @@ class BatchStore(LineQueries):
             row.status = final_status
             setattr(row, f"{final_status}_at", stamp)
             return True
+
+
+def _is_bad_data(exc: Exception) -> bool:
+    """Whether the database refused *exc*'s statement for the data it carried (SQLSTATE class
+    22, data exception, or 23, integrity violation; asyncpg's reach SQLAlchemy as a plain
+    DBAPIError), not for its own state (down, or out of connections)."""
+    if isinstance(exc, (DataError, IntegrityError, UnicodeEncodeError)):
+        return True
+    orig = getattr(exc, "orig", None)
+    sqlstate = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+    return isinstance(sqlstate, str) and sqlstate[:2] in ("22", "23")
 
 
 async def _counts(session: AsyncSession, rows: Sequence[BatchRow]) -> dict[str, RequestCounts]:
