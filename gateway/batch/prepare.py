@@ -58,6 +58,8 @@ def prepare_lines(
     encoded: dict[int, list[int] | TextTooLong] = {}
     for add_special_tokens in (True, False):
         group = [n for n, src in texts.items() if src.add_special_tokens == add_special_tokens]
+        if not group:
+            continue
         results = tokenizer.encode_many(
             [texts[n].text or "" for n in group], add_special_tokens=add_special_tokens
         )
