@@ -8,6 +8,7 @@ import asyncio
 import json
 import random
 import shutil
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -288,8 +289,9 @@ async def test_a_large_batch_is_ingested_without_stalling_interactive_requests(
     gw: Gateway,
 ) -> None:
     """20,000 lines: validated, stored, tokenized and planned while a chat tenant keeps sending
-    small requests; none of them waits more than a fraction of the ingestion (before: the
-    lines' storing and planning held the event loop for seconds at a time)."""
+    small requests; none of them waits much longer than they usually take (before: storing and
+    planning the lines held the event loop for a second at a time, and the batch's cancel did
+    not finish within 30 s)."""
     _, batch_key = await gw.new_tenant("bulk", tier="be")
     _, chat_key = await gw.new_tenant("chat")
     lines = [chat_line(f"line-{i}", f"question number {i} about things") for i in range(20_000)]
@@ -309,7 +311,10 @@ async def test_a_large_batch_is_ingested_without_stalling_interactive_requests(
     task = asyncio.ensure_future(ingested())
     latencies = await small_requests_while(gw, chat_key, task)
     ingest_s = time.perf_counter() - started
+    # measured on a loaded 2-core machine: before, the longest answer took 285x the median
+    # (1.1 s vs 3.9 ms; the batch took 32 s to its first line); after, 29x (0.20 s vs 6.8 ms; 4 s)
+    assert len(latencies) >= 5, (latencies, ingest_s)
+    longest, typical = max(latencies), statistics.median(latencies)
+    assert longest < 100 * typical and longest < ingest_s / 5, (longest, typical, ingest_s)
     await gw.request("POST", f"/v1/batches/{batch.body['id']}/cancel", key=batch_key)
     await wait_for(gw, batch_key, batch.body["id"])  # wound down before the gateway stops
-    assert len(latencies) >= 5, (latencies, ingest_s)
-    assert max(latencies) < ingest_s / 5, (max(latencies), ingest_s)
