@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 from backend.policy.feasibility import TtftFeedback
 from common.config import Config
 from gateway.api import admin, batches, files, openai, ops
+from gateway.api.body import body_guard
 from gateway.auth import AuthCache
 from gateway.auth_sync import auth_sync
 from gateway.batch.app import batch_context
@@ -59,7 +60,7 @@ _ENGINE_READ_BUFSIZE = 4 * 1024 * 1024
 def create_app(config: Config, admin_token: str, model_dir: Path) -> web.Application:
     """The gateway for *config*, serving the model in *model_dir* (its tokenizer is loaded now)."""
     app = web.Application(
-        middlewares=[error_middleware], client_max_size=config.gateway.max_body_bytes
+        middlewares=[error_middleware, body_guard], client_max_size=config.gateway.max_body_bytes
     )
     app[CONFIG] = config
     app[ADMIN_TOKEN] = admin_token

@@ -5,11 +5,21 @@ engine sees it (context-length checks, quotas, the scheduler's memory admission)
 engine token ids. It uses the Rust `tokenizers` library on the model directory's
 tokenizer.json and renders the chat template from tokenizer_config.json with a sandboxed Jinja
 environment, as Hugging Face's `apply_chat_template` does.
+
+Tokenizing holds the CPU for about a second per megabyte of text, so a long prompt must neither
+reach the tokenizer when it cannot fit the context (`max_text_chars`: a text longer than that is
+refused unread) nor be tokenized on the event loop (`encode_off_loop`: a worker thread, while the
+Rust library has released the GIL) - otherwise one request freezes the gateway for every tenant
+(issue 16).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +28,36 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 DEFAULT_CONTEXT_LEN = 4096
+GIL_FREE_MIN_CHARS = 2048
+"""Texts at least this long are encoded through `encode_batch`, the tokenizers call that releases
+the GIL while it works (`encode` holds it), so the event loop runs while a worker thread
+tokenizes; shorter ones are faster the plain way."""
+ENCODE_CHUNK_TEXTS = 256
+"""Texts per `encode_batch` call when many are encoded (a batch file's lines)."""
+TOKENIZER_THREADS = 2
+"""Worker threads that tokenize long prompts off the event loop."""
+NFC_SHRINK = 4
+"""The most characters Unicode canonical composition (NFC, NFKC) turns into one: no character's
+canonical decomposition is longer than 4 code points (e.g. U+1F82)."""
+
+
+_pool: ThreadPoolExecutor | None = None
+"""The tokenizing threads (created with the first long prompt)."""
 
 
 class TemplateError(ValueError):
     """The chat template rejected the conversation (message names the reason)."""
+
+
+class TextTooLong(ValueError):
+    """A text that cannot fit the context however it is tokenized (checked before tokenizing)."""
+
+    def __init__(self, chars: int, min_tokens: int, max_chars_per_token: int) -> None:
+        super().__init__(f"{chars} characters make at least {min_tokens} tokens")
+        self.chars = chars
+        self.min_tokens = min_tokens
+        """A lower bound of the text's length in tokens."""
+        self.max_chars_per_token = max_chars_per_token
 
 
 class ModelTokenizer:
@@ -48,6 +84,15 @@ class ModelTokenizer:
         """The model's vocabulary, tokens: the rows of its embedding table, as the engine reads
         them (config.json's `vocab_size`; the tokenizer's size when the config has none). A
         prompt token id at or above it reads past the table and kills the engine."""
+        self.max_chars_per_token: int | None = max_chars_per_token(_read_json(tokenizer_file))
+        """The most characters of text one token ever stands for (None: the tokenizer may drop
+        text, so no such bound holds): a text of n characters is at least n / this tokens."""
+        self.max_text_chars: int | None = (
+            self.context_len * self.max_chars_per_token
+            if self.max_chars_per_token is not None
+            else None
+        )
+        """Texts longer than this cannot fit the context: `encode` refuses them unread."""
         template = tok_config.get("chat_template")
         if isinstance(template, list):  # HF allows named templates; take the default one
             named = {t.get("name"): t.get("template") for t in template}
@@ -55,8 +100,59 @@ class ModelTokenizer:
         self._template = _compile(template) if template else None
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of *text*."""
-        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        """Token ids of *text*; raises TextTooLong, without tokenizing, for a text longer than
+        `max_text_chars`."""
+        self.check_length(text)
+        if len(text) < GIL_FREE_MIN_CHARS:
+            return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        [encoding] = self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+        return list(encoding.ids)
+
+    def encode_many(
+        self, texts: Sequence[str], *, add_special_tokens: bool = True
+    ) -> list[list[int] | TextTooLong]:
+        """Token ids of each text (TextTooLong in its place for one too long), a chunk of texts
+        per call that releases the GIL: for a worker thread tokenizing a whole batch file."""
+        out: list[list[int] | TextTooLong] = []
+        for start in range(0, len(texts), ENCODE_CHUNK_TEXTS):
+            chunk = texts[start : start + ENCODE_CHUNK_TEXTS]
+            results: list[list[int] | TextTooLong] = []
+            fitting: list[str] = []
+            for text in chunk:
+                try:
+                    self.check_length(text)
+                except TextTooLong as exc:
+                    results.append(exc)
+                    continue
+                results.append([])
+                fitting.append(text)
+            encodings = iter(
+                self._tokenizer.encode_batch(fitting, add_special_tokens=add_special_tokens)
+                if fitting
+                else []
+            )
+            out.extend(
+                r if isinstance(r, TextTooLong) else list(next(encodings).ids) for r in results
+            )
+        return out
+
+    async def encode_off_loop(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """`encode` in one of the tokenizing threads (TOKENIZER_THREADS of them, shared by the
+        process: long prompts wait for each other, never for the event loop or short prompts)."""
+        self.check_length(text)  # refused at once, not after the long prompts queued before it
+        global _pool
+        if _pool is None:
+            _pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            _pool, lambda: self.encode(text, add_special_tokens=add_special_tokens)
+        )
+
+    def check_length(self, text: str) -> None:
+        """Raises TextTooLong when *text* is longer than `max_text_chars` (cheap: no tokenizing)."""
+        bound, per_token = self.max_text_chars, self.max_chars_per_token
+        if bound is not None and per_token is not None and len(text) > bound:
+            raise TextTooLong(len(text), math.ceil(len(text) / per_token), per_token)
 
     def decode(self, ids: list[int]) -> str:
         return str(self._tokenizer.decode(ids, skip_special_tokens=True))
@@ -80,6 +176,94 @@ class ModelTokenizer:
         holds any BOS token, so no special tokens are added again."""
         text = self.render_chat(messages, add_generation_prompt=True)
         return self.encode(text, add_special_tokens=False)
+
+
+# Normalizers that never make a text shorter (in characters), and the shrink factor of those that
+# may, by a bounded factor; pre-tokenizers that keep every character (a Split or Punctuation whose
+# behavior is "Removed", or Whitespace, drop some). Anything else: no bound.
+_SHRINK_BY_NORMALIZER = {
+    "NFD": 1,
+    "NFKD": 1,
+    "Lowercase": 1,
+    "Prepend": 1,
+    "NFC": NFC_SHRINK,
+    "NFKC": NFC_SHRINK,
+}
+_KEEPING_PRE_TOKENIZERS = {
+    "ByteLevel",
+    "Metaspace",
+    "Digits",
+    "UnicodeScripts",
+    "Split",
+    "Punctuation",
+}
+
+
+def max_chars_per_token(spec: dict[str, Any]) -> int | None:
+    """From a tokenizer.json: the most characters of input text one token can stand for, or None
+    when the pipeline may drop or fuse text (then no text is too long to try).
+
+    A BPE token is a string of its vocabulary (or an added token), covering at most that many
+    characters of the normalized, pre-tokenized text (with ByteLevel: bytes, never fewer than
+    characters). That holds when nothing shrinks the text on the way: normalizers that may merge
+    characters (NFC composes at most NFC_SHRINK into one) scale the bound, ones that may delete
+    them (Strip, StripAccents, a regex Replace, Precompiled, BertNormalizer) void it, as do
+    pre-tokenizers that remove characters, and an unknown-token that absorbs any run of
+    characters (`fuse_unk` without byte fallback)."""
+    model = spec.get("model")
+    if not isinstance(model, dict) or model.get("type") != "BPE":
+        return None  # WordPiece, Unigram, WordLevel map a whole unknown word to one token
+    if (
+        model.get("unk_token") is not None
+        and model.get("fuse_unk")
+        and not model.get("byte_fallback")
+    ):
+        return None
+    shrink = _normalizer_shrink(spec.get("normalizer"))
+    if shrink is None or not _keeps_characters(spec.get("pre_tokenizer")):
+        return None
+    vocab = model.get("vocab")
+    if not isinstance(vocab, dict) or not vocab:
+        return None
+    longest = max(len(token) for token in vocab)
+    for added in spec.get("added_tokens") or []:
+        if isinstance(added, dict) and isinstance(added.get("content"), str):
+            longest = max(longest, len(added["content"]))
+    return max(1, longest) * shrink
+
+
+def _normalizer_shrink(normalizer: Any) -> int | None:
+    if normalizer is None:
+        return 1
+    if not isinstance(normalizer, dict):
+        return None
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for part in normalizer.get("normalizers") or []:
+            part_factor = _normalizer_shrink(part)
+            if part_factor is None:
+                return None
+            factor *= part_factor
+        return factor
+    if kind == "Replace":  # a plain string replaced by one at least as long keeps the length
+        pattern, content = normalizer.get("pattern"), normalizer.get("content")
+        plain = pattern.get("String") if isinstance(pattern, dict) else None
+        if isinstance(plain, str) and isinstance(content, str) and len(content) >= len(plain):
+            return 1
+        return None
+    return _SHRINK_BY_NORMALIZER.get(str(kind))
+
+
+def _keeps_characters(pre_tokenizer: Any) -> bool:
+    if pre_tokenizer is None:
+        return True
+    if not isinstance(pre_tokenizer, dict):
+        return False
+    kind = pre_tokenizer.get("type")
+    if kind == "Sequence":
+        return all(_keeps_characters(p) for p in pre_tokenizer.get("pretokenizers") or [])
+    return kind in _KEEPING_PRE_TOKENIZERS and pre_tokenizer.get("behavior") != "Removed"
 
 
 def _compile(template: str) -> jinja2.Template:

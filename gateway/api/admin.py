@@ -92,6 +92,29 @@ class KeyCreate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     name: str | None = None
 
 
+MAX_NAME_CHARS = 100
+"""Longest tenant or key name, characters (the columns hold 200)."""
+_INT32_MAX = 2**31 - 1
+_INT64_MAX = 2**63 - 1
+_QUOTA_MAX = {
+    "requests_per_min": _INT32_MAX,
+    "tokens_per_min": _INT64_MAX,
+    "max_concurrent": _INT32_MAX,
+    "monthly_tokens": _INT64_MAX,
+}
+"""The largest value of each quota limit: its column's integer type (INTEGER or BIGINT in
+PostgreSQL); a larger one fails the insert."""
+
+
+def check_name(param: str, name: str) -> None:
+    """422 naming *param* unless *name* is 1 to MAX_NAME_CHARS characters, not all blank, without
+    a NUL (no PostgreSQL text column stores one)."""
+    if not name.strip() or len(name) > MAX_NAME_CHARS:
+        raise _invalid(param, f"{param} must be 1 to {MAX_NAME_CHARS} characters")
+    if "\x00" in name:
+        raise _invalid(param, f"{param} must not contain a NUL character (\\u0000)")
+
+
 def check_admin(request: web.Request) -> None:
     """401 unless the request carries the admin token."""
     token = bearer_token(request)
@@ -101,8 +124,7 @@ def check_admin(request: web.Request) -> None:
 
 def validate_tenant(name: str, tier: str, slo: SloIn, quota: QuotaIn | Quota) -> tuple[Slo, Quota]:
     """Checks a tenant's contract and quota; 422 naming the field."""
-    if not name.strip() or len(name) > 100:
-        raise _invalid("name", "name must be 1 to 100 characters")
+    check_name("name", name)
     if tier == "rt" and (slo.ttft_target_ms is None or slo.tpot_target_ms is None):
         raise _invalid("slo", "an rt tenant needs slo.ttft_ms and slo.tpot_ms")
     if slo.allow_rt and (slo.ttft_target_ms is None or slo.tpot_target_ms is None):
@@ -123,10 +145,10 @@ def validate_tenant(name: str, tier: str, slo: SloIn, quota: QuotaIn | Quota) ->
             "without slo.allow_rt has none",
         )
     limits = quota.over(Quota()) if isinstance(quota, QuotaIn) else quota
-    for field in ("requests_per_min", "tokens_per_min", "max_concurrent", "monthly_tokens"):
+    for field, most in _QUOTA_MAX.items():
         value = getattr(limits, field)
-        if value is not None and value < 0:
-            raise _invalid(f"quota.{field}", f"quota.{field} must not be negative, got {value}")
+        if value is not None and not 0 <= value <= most:
+            raise _invalid(f"quota.{field}", f"quota.{field} must be in [0, {most}], got {value}")
     return (
         Slo(
             ttft_target_ms=slo.ttft_target_ms,
@@ -207,6 +229,8 @@ async def create_key(request: web.Request) -> web.Response:
     raw = await request.read()
     body = decode_body(raw, KeyCreate) if raw.strip() else KeyCreate()
     assert isinstance(body, KeyCreate)
+    if body.name is not None and body.name.strip():  # a blank key name is no name
+        check_name("name", body.name)
     try:
         key, secret = await request.app[STORE].create_key(tenant.id, name=body.name)
     except NotFound:

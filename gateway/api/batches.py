@@ -18,10 +18,11 @@ from aiohttp import web
 
 from gateway.api.files import file_not_found, list_params, page
 from gateway.api.openai import authenticate
+from gateway.api.schemas import check_text, decode_body
 from gateway.batch.app import BATCH_STORE, wake_runner
 from gateway.batch.lines import now_utc
 from gateway.batch.types import ENDPOINTS, BatchInfo
-from gateway.errors import ApiError, validation_error
+from gateway.errors import ApiError
 from gateway.state import CONFIG
 
 routes = web.RouteTableDef()
@@ -30,6 +31,8 @@ MAX_WINDOW = timedelta(hours=24)
 MIN_WINDOW = timedelta(minutes=1)
 _WINDOW = re.compile(r"^(\d+(?:\.\d+)?)([hms])$")
 _UNIT_S = {"h": 3600.0, "m": 60.0, "s": 1.0}
+MAX_WINDOW_CHARS = 16
+"""Longest `completion_window` text, characters (the batches column's size)."""
 MAX_METADATA_PAIRS = 16
 
 
@@ -41,25 +44,32 @@ class CreateBatchRequest(msgspec.Struct, kw_only=True):
 
 
 def parse_window(text: str) -> timedelta:
-    """ "24h", "90m", "3600s" → a timedelta within [1 min, 24 h]; 400 naming the field."""
-    match = _WINDOW.match(text.strip())
+    """ "24h", "90m", "3600s" → a timedelta within [1 min, 24 h]; 400 naming the field. The text
+    is stored as sent, so it is at most MAX_WINDOW_CHARS long (the column's size)."""
+    match = _WINDOW.fullmatch(text.strip()) if len(text) <= MAX_WINDOW_CHARS else None
     if match is None:
         raise ApiError(
             400,
             f"completion_window must look like '24h' (or a shorter window such "
-            f"as '1h' or '30m'), got {text!r}",
+            f"as '1h' or '30m'), got {_shown(text)}",
             param="completion_window",
             code="invalid_value",
         )
-    window = timedelta(seconds=float(match.group(1)) * _UNIT_S[match.group(2)])
-    if not MIN_WINDOW <= window <= MAX_WINDOW:
+    # compared in seconds first: "9999999999999h" is past what a timedelta can hold
+    seconds = float(match.group(1)) * _UNIT_S[match.group(2)]
+    if not MIN_WINDOW.total_seconds() <= seconds <= MAX_WINDOW.total_seconds():
         raise ApiError(
             400,
-            f"completion_window must be between 1m and 24h, got {text!r}",
+            f"completion_window must be between 1m and 24h, got {_shown(text)}",
             param="completion_window",
             code="invalid_value",
         )
-    return window
+    return timedelta(seconds=seconds)
+
+
+def _shown(text: str) -> str:
+    """*text* quoted for an error message, cut at MAX_WINDOW_CHARS characters."""
+    return repr(text) if len(text) <= MAX_WINDOW_CHARS else f"{text[:MAX_WINDOW_CHARS]!r}..."
 
 
 def _check_metadata(metadata: dict[str, str] | None) -> None:
@@ -92,13 +102,9 @@ def batch_not_found(batch_id: str) -> ApiError:
 @routes.post("/v1/batches")
 async def create_batch(request: web.Request) -> web.Response:
     principal = await authenticate(request)
-    raw = await request.read()
-    try:
-        body = msgspec.json.decode(raw, type=CreateBatchRequest)
-    except msgspec.ValidationError as exc:
-        raise validation_error(exc) from None
-    except msgspec.DecodeError as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    body = decode_body(await request.read(), CreateBatchRequest)
+    assert isinstance(body, CreateBatchRequest)
+    check_text("input_file_id", body.input_file_id)
     if body.endpoint not in ENDPOINTS:
         raise ApiError(
             400,

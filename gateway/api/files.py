@@ -8,8 +8,12 @@ tenant's id answers 404, exactly like an unknown one. Uploads are streamed and c
 
 from __future__ import annotations
 
-from aiohttp import BodyPartReader, web
+import zlib
 
+from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
+
+from gateway.api.body import payload_error
 from gateway.api.disposition import attachment
 from gateway.api.openai import authenticate
 from gateway.batch.app import BATCH_STORE
@@ -21,6 +25,16 @@ routes = web.RouteTableDef()
 
 _MAX_FILENAME_CHARS = 255
 _CHUNK_BYTES = 1 << 16
+_MALFORMED_MULTIPART = (
+    ValueError,  # boundaries, lengths, base64 and charsets (UnicodeDecodeError)
+    LookupError,  # an unknown charset
+    RuntimeError,  # an unknown Content-Encoding or Content-Transfer-Encoding of a part
+    zlib.error,  # a part whose Content-Encoding (gzip, deflate) does not decode
+    HttpProcessingError,  # a part with too many headers
+    RuntimeWarning,  # a bad Content-Disposition: raised only where warnings are errors
+)
+"""What aiohttp's multipart reader raises on a body that is not valid multipart/form-data
+(the client's error: a 400, not a 500)."""
 
 
 def file_not_found(file_id: str) -> ApiError:
@@ -73,7 +87,17 @@ async def upload_file(request: web.Request) -> web.Response:
             "upload the file as multipart/form-data with fields 'purpose' and 'file'",
             code="invalid_request",
         )
-    purpose, filename, content = await _read_upload(request, limits.max_file_bytes)
+    try:
+        purpose, filename, content = await _read_upload(request, limits.max_file_bytes)
+    except web.RequestPayloadError:  # the body's Content-Encoding did not decode
+        raise payload_error(request) from None
+    except _MALFORMED_MULTIPART as exc:
+        raise ApiError(
+            400,
+            f"the body is not valid multipart/form-data ({type(exc).__name__}: {exc}); send"
+            " fields 'purpose' and 'file'",
+            code="invalid_multipart",
+        ) from None
     if purpose is None:
         raise ApiError(400, "missing field 'purpose'", param="purpose", code="missing_field")
     if purpose not in FILE_PURPOSES:
@@ -85,6 +109,7 @@ async def upload_file(request: web.Request) -> web.Response:
         )
     if content is None or filename is None:
         raise ApiError(400, "missing field 'file'", param="file", code="missing_field")
+    check_filename(filename)
     lines = _count_lines(content, limits.max_lines)
     info = await request.app[BATCH_STORE].create_file(
         principal.tenant.id, purpose, filename[:_MAX_FILENAME_CHARS], content, lines
@@ -121,6 +146,19 @@ async def _read_capped(part: BodyPartReader, max_bytes: int) -> bytes:
             raise _too_large(size, max_bytes)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def check_filename(filename: str) -> None:
+    """400 naming `file` when the upload's file name holds a control character: a NUL cannot be
+    stored (PostgreSQL refuses it), and a CR or LF would break the download's header."""
+    bad = next((c for c in filename if ord(c) < 32 or ord(c) == 127), None)
+    if bad is not None:
+        raise ApiError(
+            400,
+            f"the file name must not contain control characters, got {bad!r} in {filename!r}",
+            param="file",
+            code="invalid_filename",
+        )
 
 
 def _too_large(size: int, limit: int) -> ApiError:

@@ -19,6 +19,7 @@ from gateway.api.schemas import Endpoint, StreamOptions
 from gateway.auth import Principal, bearer_token
 from gateway.engine.client import EngineChunk
 from gateway.pipeline.outcome import Refused, internal_error
+from gateway.pipeline.prepare import prepare_prompt_off_loop
 from gateway.pipeline.stages import (
     Completion,
     Flight,
@@ -76,7 +77,12 @@ async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
     )
     with recording(app, flight):
         body = parse(app, flight, await request.read())
-        prepare(app, flight, body)
+        # a long prompt is tokenized off the event loop (gateway/pipeline/prepare.py)
+        gateway_config = app[CONFIG].gateway
+        prompt = await prepare_prompt_off_loop(
+            body, app[TOKENIZER], gateway_config.default_max_tokens
+        )
+        prepare(app, flight, body, prompt)
         if body.stream:
             return await _stream(request, flight, body.stream_options or StreamOptions())
         return await _respond(app, flight)

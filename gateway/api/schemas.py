@@ -99,17 +99,45 @@ OpenAIRequest = ChatCompletionRequest | CompletionRequest
 
 
 def decode_body(raw: bytes, kind: type[msgspec.Struct]) -> msgspec.Struct:
-    """Decodes and type-checks a JSON body; malformed JSON → 400, wrong types → 422."""
+    """Decodes and type-checks a JSON body; malformed JSON (bytes that are not UTF-8, nesting
+    deeper than the decoder's recursion limit included) → 400, wrong types → 422."""
     if not raw.strip():
         raise ApiError(400, "request body is empty; expected a JSON object", code="invalid_json")
-    try:
-        msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    decode_json(raw)
     try:
         return msgspec.json.decode(raw, type=kind)
     except msgspec.ValidationError as exc:
         raise validation_error(exc) from None
+
+
+def decode_json(raw: bytes) -> object:
+    """*raw* as untyped JSON; 400 `invalid_json` saying what is wrong with it. msgspec raises
+    UnicodeDecodeError on bytes that are not UTF-8 and RecursionError on nesting deeper than
+    Python's recursion limit (e.g. 100,000 `[`): both are the client's malformed JSON, not the
+    server's error."""
+    try:
+        return msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    except UnicodeDecodeError as exc:
+        raise ApiError(
+            400,
+            f"request body is not valid JSON: it is not UTF-8 text ({exc.reason} in a string)",
+            code="invalid_json",
+        ) from None
+    except RecursionError:
+        raise ApiError(
+            400,
+            "request body is not valid JSON for this API: it is nested too deeply",
+            code="invalid_json",
+        ) from None
+
+
+def check_text(param: str, value: str | None) -> None:
+    """400 naming *param* when *value* holds a NUL character: no PostgreSQL text column can store
+    one (the insert fails), and no name, id or file name needs one."""
+    if value is not None and "\x00" in value:
+        raise _bad(param, f"{param} must not contain a NUL character (\\u0000)")
 
 
 INT32_MAX = 2**31 - 1

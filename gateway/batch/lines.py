@@ -8,17 +8,43 @@ turns back to pending at the next start.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import cast
 
 import msgspec
-from sqlalchemy import Table, bindparam, func, select, update
+from sqlalchemy import Table, bindparam, func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.batch.types import ItemResult, PendingItem
+from gateway.batch.types import ItemResult, NewItem, PendingItem
 from gateway.store.models import BatchItemRow, BatchRow
 
 _json = msgspec.json.Encoder()
+
+SQL_CHUNK_LINES = 1000
+"""Lines per statement when many lines are written or read at once (a batch starts, is ordered
+or loaded): the event loop serves other requests between two chunks (50,000 ORM objects
+flushed at once held it for seconds)."""
+
+
+async def insert_lines(session: AsyncSession, batch_id: str, items: Sequence[NewItem]) -> None:
+    """The batch's lines as `pending` rows, inside the caller's transaction, in chunks."""
+    table = cast(Table, BatchItemRow.__table__)
+    for start in range(0, len(items), SQL_CHUNK_LINES):
+        rows = [
+            {
+                "batch_id": batch_id,
+                "line_no": it.line_no,
+                "custom_id": it.custom_id,
+                "method": it.method,
+                "url": it.url,
+                "body": it.body,
+                "status": "pending",
+                "attempts": 0,
+            }
+            for it in items[start : start + SQL_CHUNK_LINES]
+        ]
+        await session.execute(insert(table), rows)
 
 
 def now_utc() -> datetime:
@@ -52,23 +78,35 @@ class LineQueries:
             return int(getattr(result, "rowcount", 0) or 0)
 
     async def pending_items(self, batch_id: str) -> list[PendingItem]:
-        """The batch's lines still to run, in file order."""
+        """The batch's lines still to run, in file order (read a page at a time, so the event
+        loop serves other requests between two pages of a large batch)."""
+        items: list[PendingItem] = []
         async with self._sessions() as session:
-            rows = (
-                await session.execute(
-                    select(
-                        BatchItemRow.line_no,
-                        BatchItemRow.custom_id,
-                        BatchItemRow.body,
-                        BatchItemRow.attempts,
+            while True:
+                after = items[-1].line_no if items else -1
+                rows = (
+                    await session.execute(
+                        select(
+                            BatchItemRow.line_no,
+                            BatchItemRow.custom_id,
+                            BatchItemRow.body,
+                            BatchItemRow.attempts,
+                        )
+                        .where(
+                            BatchItemRow.batch_id == batch_id,
+                            BatchItemRow.status == "pending",
+                            BatchItemRow.line_no > after,
+                        )
+                        .order_by(BatchItemRow.line_no)
+                        .limit(SQL_CHUNK_LINES)
                     )
-                    .where(BatchItemRow.batch_id == batch_id, BatchItemRow.status == "pending")
-                    .order_by(BatchItemRow.line_no)
+                ).all()
+                items.extend(
+                    PendingItem(line_no=r[0], custom_id=r[1], body=r[2], attempts=r[3])
+                    for r in rows
                 )
-            ).all()
-            return [
-                PendingItem(line_no=r[0], custom_id=r[1], body=r[2], attempts=r[3]) for r in rows
-            ]
+                if len(rows) < SQL_CHUNK_LINES:
+                    return items
 
     async def finished_lengths(self, batch_id: str) -> dict[int, int]:
         """Output lengths of the batch's succeeded lines, by line (samples after a restart)."""
@@ -96,8 +134,11 @@ class LineQueries:
         )
         rows = [{"b_line_no": n, "b_rank": r} for n, r in ranks.items()]
         async with self._sessions.begin() as session:
-            await session.connection()  # one executemany, not one round trip per line
-            await session.execute(statement, rows)
+            await session.connection()
+            # an executemany per chunk, not one round trip per line, nor one for 50,000 lines
+            # (building its parameters alone held the event loop for most of a second)
+            for start in range(0, len(rows), SQL_CHUNK_LINES):
+                await session.execute(statement, rows[start : start + SQL_CHUNK_LINES])
 
     async def mark_running(self, batch_id: str, line_no: int) -> int | None:
         """pending → running, counting one attempt more before the request is sent (so a crash

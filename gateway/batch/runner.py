@@ -39,6 +39,7 @@ from collections.abc import Callable
 from datetime import timedelta
 
 from aiohttp import web
+from sqlalchemy.exc import InterfaceError, OperationalError
 
 from backend.policy.batch_order.feed import BatchFeed, FeedSettings
 from backend.policy.batch_order.tree import OrderItem
@@ -89,6 +90,8 @@ class BatchRunner:
         self._weight_of = weight_of
         """A tenant's fair-share weight (its contract's, 1.0 where it has none)."""
         self._paused = False
+        self._replans: dict[str, asyncio.Task[None]] = {}
+        """Re-plans running in a worker thread, by batch id."""
         """Whether the last dispatch held the lines back for RT (`be_dispatch_paused`)."""
 
     async def start(self) -> None:
@@ -108,6 +111,7 @@ class BatchRunner:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         tasks = [t for a in self._active.values() for t in a.tasks.values()]
+        tasks += self._replans.values()
         for task in tasks:
             task.cancel()
         if tasks:
@@ -132,7 +136,12 @@ class BatchRunner:
 
     async def _tick(self) -> None:
         for info in await self._store.batches_with_status(_ACTIVE_STATUSES):
-            await self._advance(info)
+            try:
+                await self._advance(info)
+            except (asyncio.CancelledError, OperationalError, InterfaceError, OSError):
+                raise  # stopping, or the database is down for every batch: the loop waits
+            except Exception:  # one batch that cannot advance must not hold the others back
+                log.exception("batch %s could not advance", info.id)
         self._dispatch()
 
     async def _advance(self, info: BatchInfo) -> None:
@@ -205,7 +214,11 @@ class BatchRunner:
             )
             for n, p in prepared.items()
         ]
-        feed = BatchFeed(items, await self._feed_settings(tenant), known_output=known)
+        settings = await self._feed_settings(tenant)
+        # planning 50,000 lines takes a second or more: not on the loop that serves requests
+        feed = await asyncio.to_thread(
+            BatchFeed, items, settings, known_output=known, defer_replans=True
+        )
         active = ActiveBatch(
             info=info,
             tenant=tenant,
@@ -303,6 +316,20 @@ class BatchRunner:
                     active.info.tenant_id, output_len, self._weight_of(active.tenant)
                 )
             active.feed.finished(line_no, output_len)  # retries bypass the feed
+            if active.feed.replan_due and active.info.id not in self._replans:
+                self._replans[active.info.id] = asyncio.create_task(self._replan(active))
+            self._wake.set()
+
+    async def _replan(self, active: ActiveBatch) -> None:
+        """Re-plans a batch's feed in a worker thread (pilot results came in); the feed goes on
+        with its current plan meanwhile."""
+        try:
+            draft = await asyncio.to_thread(active.feed.draft_replan())
+            active.feed.adopt(draft)
+        except Exception:  # the current plan still holds every line
+            log.exception("batch %s: re-planning failed", active.info.id)
+        finally:
+            self._replans.pop(active.info.id, None)
             self._wake.set()
 
     # ------------------------------------------------------------------ endings

@@ -8,6 +8,7 @@ read takes the tenant id and answers None for another tenant's object (the API t
 from __future__ import annotations
 
 import hashlib
+import logging
 import secrets
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
@@ -15,9 +16,10 @@ from typing import Any
 
 import msgspec
 from sqlalchemy import func, select, update
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.batch.lines import LineQueries, now_utc
+from gateway.batch.lines import LineQueries, insert_lines, now_utc
 from gateway.batch.types import (
     BatchInfo,
     FileInfo,
@@ -27,6 +29,7 @@ from gateway.batch.types import (
 from gateway.store.models import BatchItemRow, BatchRow, FileRow
 
 _json = msgspec.json.Encoder()
+log = logging.getLogger(__name__)
 
 
 def new_id(prefix: str) -> str:
@@ -289,7 +292,33 @@ class BatchStore(LineQueries):
         errors: list[dict[str, Any]] | None,
     ) -> str:
         """Ends validation in one transaction: the lines and `in_progress`, or `failed` with the
-        errors. Returns the new status (the current one if the batch left `validating`)."""
+        errors. Returns the new status (the current one if the batch left `validating`). Lines
+        the database refuses to store (validation missed something) fail the batch with the
+        database's reason, so it cannot stop the runner's other batches."""
+        try:
+            return await self._start(batch_id, items, model, errors)
+        except (DBAPIError, UnicodeEncodeError) as exc:
+            if not _is_bad_data(exc):
+                raise  # e.g. the database is down: not this batch's fault
+            log.warning("batch %s: its lines cannot be stored: %s", batch_id, exc)
+            reason = str(getattr(exc, "orig", None) or exc).splitlines()[0][:500]
+            error = {
+                "code": "invalid_file",
+                "message": f"the input file's lines could not be stored: {reason}",
+                "param": None,
+                "line": None,
+            }
+            await self.set_status(batch_id, "failed", expect=("validating",), errors=[error])
+            current = await self.get_batch(batch_id)
+            return current.status if current is not None else "failed"
+
+    async def _start(
+        self,
+        batch_id: str,
+        items: Sequence[NewItem],
+        model: str | None,
+        errors: list[dict[str, Any]] | None,
+    ) -> str:
         async with self._sessions.begin() as session:
             row = await session.get(BatchRow, batch_id, with_for_update=True)
             if row is None or row.status != "validating":
@@ -299,19 +328,7 @@ class BatchStore(LineQueries):
                 row.status, row.failed_at = "failed", stamp
                 row.errors = _json.encode(errors).decode()
                 return row.status
-            session.add_all(
-                BatchItemRow(
-                    batch_id=batch_id,
-                    line_no=it.line_no,
-                    custom_id=it.custom_id,
-                    method=it.method,
-                    url=it.url,
-                    body=it.body,
-                    status="pending",
-                    attempts=0,
-                )
-                for it in items
-            )
+            await insert_lines(session, batch_id, items)
             row.status, row.in_progress_at, row.model = "in_progress", stamp, model
             row.request_total = len(items)
             return row.status
@@ -358,6 +375,17 @@ class BatchStore(LineQueries):
             row.status = final_status
             setattr(row, f"{final_status}_at", stamp)
             return True
+
+
+def _is_bad_data(exc: Exception) -> bool:
+    """Whether the database refused *exc*'s statement for the data it carried (SQLSTATE class
+    22, data exception, or 23, integrity violation; asyncpg's reach SQLAlchemy as a plain
+    DBAPIError), not for its own state (down, or out of connections)."""
+    if isinstance(exc, (DataError, IntegrityError, UnicodeEncodeError)):
+        return True
+    orig = getattr(exc, "orig", None)
+    sqlstate = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+    return isinstance(sqlstate, str) and sqlstate[:2] in ("22", "23")
 
 
 async def _counts(session: AsyncSession, rows: Sequence[BatchRow]) -> dict[str, RequestCounts]:

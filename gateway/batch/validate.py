@@ -109,9 +109,18 @@ def _check_line(
         raise LineError("invalid_json", f"line {line_no} is not valid JSON: {exc}") from None
     except msgspec.ValidationError:
         raise LineError("invalid_json", f"line {line_no} is not a JSON object") from None
+    except UnicodeDecodeError:
+        raise LineError("invalid_json", f"line {line_no} is not UTF-8 text") from None
+    except RecursionError:
+        raise LineError("invalid_json", f"line {line_no} is nested too deeply") from None
     custom_id = line.custom_id
     if not isinstance(custom_id, str) or not custom_id:
         raise LineError("missing_custom_id", "custom_id must be a non-empty string", "custom_id")
+    if "\x00" in custom_id:
+        # stored as text: PostgreSQL refuses a NUL, and the batch could never start
+        raise LineError(
+            "invalid_custom_id", "custom_id must not contain a NUL character (\\u0000)", "custom_id"
+        )
     if len(custom_id) > MAX_CUSTOM_ID_CHARS:
         raise LineError(
             "invalid_custom_id",

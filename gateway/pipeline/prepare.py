@@ -25,7 +25,7 @@ from gateway.api.schemas import (
 from gateway.auth import Principal
 from gateway.errors import ApiError
 from gateway.store.types import Tenant
-from gateway.tokenizer import ModelTokenizer, TemplateError
+from gateway.tokenizer import ModelTokenizer, TemplateError, TextTooLong
 
 
 @dataclass(frozen=True)
@@ -78,20 +78,92 @@ def check_model(model: str, served: str) -> None:
         )
 
 
+@dataclass(frozen=True)
+class PromptSource:
+    """A body's prompt before tokenizing: the text to encode, or the token ids it gave."""
+
+    param: str
+    """The field it came from ("messages" or "prompt"), for the errors that name it."""
+    text: str | None = None
+    add_special_tokens: bool = True
+    ids: list[int] | None = None
+
+
+INLINE_MAX_CHARS = 8192
+"""Prompts up to this long are tokenized on the event loop (well under a millisecond); longer
+ones in a worker thread (`prepare_prompt_off_loop`), so that a long prompt never holds the loop
+that serves every other request."""
+
+
 def prepare_prompt(
     body: OpenAIRequest, tokenizer: ModelTokenizer, default_max_tokens: int
 ) -> PreparedPrompt:
     """The prompt's token ids and the output cap of a parsed body (API request or batch line
     alike, so both are refused for the same reasons with the same error)."""
-    requested, requested_param = body.max_tokens, "max_tokens"
-    if isinstance(body, ChatCompletionRequest):
-        input_ids = chat_prompt_ids(body, tokenizer)
-        if body.max_completion_tokens is not None:  # OpenAI's newer name wins
-            requested, requested_param = body.max_completion_tokens, "max_completion_tokens"
+    source = prompt_source(body, tokenizer)
+    return finish_prompt(body, prompt_ids(source, tokenizer), tokenizer, default_max_tokens)
+
+
+async def prepare_prompt_off_loop(
+    body: OpenAIRequest, tokenizer: ModelTokenizer, default_max_tokens: int
+) -> PreparedPrompt:
+    """`prepare_prompt` with a long prompt tokenized in a worker thread (INLINE_MAX_CHARS), and
+    one too long for the context refused before it is tokenized at all."""
+    source = prompt_source(body, tokenizer)
+    if source.text is None or len(source.text) <= INLINE_MAX_CHARS:
+        ids = prompt_ids(source, tokenizer)
     else:
-        if body.echo:
-            raise ApiError(400, "echo is not supported", param="echo")
-        input_ids = completion_prompt_ids(body, tokenizer)
+        try:
+            ids = await tokenizer.encode_off_loop(
+                source.text, add_special_tokens=source.add_special_tokens
+            )
+        except TextTooLong as exc:
+            raise _too_long(source.param, exc, tokenizer.context_len) from None
+        ids = _non_empty(ids)
+    return finish_prompt(body, ids, tokenizer, default_max_tokens)
+
+
+def prompt_source(body: OpenAIRequest, tokenizer: ModelTokenizer) -> PromptSource:
+    """What a body's prompt is before tokenizing: chat messages rendered with the model's chat
+    template, a completion's text, or its token ids (checked against the vocabulary)."""
+    if isinstance(body, ChatCompletionRequest):
+        return PromptSource(
+            param="messages", text=chat_prompt_text(body, tokenizer), add_special_tokens=False
+        )
+    if body.echo:
+        raise ApiError(400, "echo is not supported", param="echo")
+    return completion_prompt_source(body, tokenizer)
+
+
+def prompt_ids(
+    source: PromptSource,
+    tokenizer: ModelTokenizer,
+    encoded: list[int] | TextTooLong | None = None,
+) -> list[int]:
+    """The token ids of a prompt: tokenized here (call it off the loop for a long text), or
+    *encoded*, the text's `ModelTokenizer.encode_many` result, when given."""
+    if source.ids is not None:
+        return source.ids
+    assert source.text is not None
+    if encoded is None:
+        try:
+            encoded = tokenizer.encode(source.text, add_special_tokens=source.add_special_tokens)
+        except TextTooLong as exc:
+            encoded = exc
+    if isinstance(encoded, TextTooLong):
+        raise _too_long(source.param, encoded, tokenizer.context_len)
+    return _non_empty(encoded)
+
+
+def finish_prompt(
+    body: OpenAIRequest, input_ids: list[int], tokenizer: ModelTokenizer, default_max_tokens: int
+) -> PreparedPrompt:
+    """The prepared prompt of a body whose prompt is *input_ids*: its output cap checked
+    against the context."""
+    requested, requested_param = body.max_tokens, "max_tokens"
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        # OpenAI's newer name wins
+        requested, requested_param = body.max_completion_tokens, "max_completion_tokens"
     max_tokens = output_cap(
         body,
         requested,
@@ -111,33 +183,34 @@ def prepare_prompt(
     return PreparedPrompt(input_ids=input_ids, max_tokens=max_tokens)
 
 
-def chat_prompt_ids(req: ChatCompletionRequest, tokenizer: ModelTokenizer) -> list[int]:
-    """Token ids of the conversation rendered with the model's chat template."""
+def chat_prompt_text(req: ChatCompletionRequest, tokenizer: ModelTokenizer) -> str:
+    """The conversation rendered with the model's chat template (the text to tokenize)."""
     if not req.messages:
         raise ApiError(400, "messages must not be empty", param="messages", code="invalid_value")
     messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
     try:
-        return tokenizer.encode_chat(messages)
+        return tokenizer.render_chat(messages, add_generation_prompt=True)
     except TemplateError as exc:
         raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
 
 
-def completion_prompt_ids(req: CompletionRequest, tokenizer: ModelTokenizer) -> list[int]:
-    """Token ids of a text completion's prompt: a string, a one-string list, token ids, or a
-    one-element list of token ids. Token ids outside the model's vocabulary are a 400 naming the
-    first one (`prompt[i]`, `prompt[0][i]`): the engine would crash on them."""
+def completion_prompt_source(req: CompletionRequest, tokenizer: ModelTokenizer) -> PromptSource:
+    """A text completion's prompt: a string, a one-string list, token ids, or a one-element
+    list of token ids. Token ids outside the model's vocabulary are a 400 naming the first one
+    (`prompt[i]`, `prompt[0][i]`): the engine would crash on them."""
     prompt = req.prompt
     if isinstance(prompt, str):
-        return _non_empty(tokenizer.encode(prompt))
+        return PromptSource(param="prompt", text=prompt)
     if len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise ApiError(
             400, "only one prompt per request is supported", param="prompt", code="invalid_value"
         )
     if len(prompt) == 1 and isinstance(prompt[0], str):
-        return _non_empty(tokenizer.encode(prompt[0]))
+        return PromptSource(param="prompt", text=prompt[0])
     if len(prompt) == 1 and isinstance(prompt[0], list):
+        _check_fits(len(prompt[0]), tokenizer.context_len)
         check_token_ids("prompt[0]", prompt[0], tokenizer.vocab_size)
-        return _non_empty(list(prompt[0]))
+        return PromptSource(param="prompt", ids=_non_empty(list(prompt[0])))
     ids = [p for p in prompt if isinstance(p, int)]
     if len(ids) != len(prompt):
         raise ApiError(
@@ -146,14 +219,38 @@ def completion_prompt_ids(req: CompletionRequest, tokenizer: ModelTokenizer) -> 
             param="prompt",
             code="invalid_value",
         )
+    _check_fits(len(ids), tokenizer.context_len)
     check_token_ids("prompt", ids, tokenizer.vocab_size)
-    return _non_empty(ids)
+    return PromptSource(param="prompt", ids=_non_empty(ids))
 
 
 def _non_empty(ids: list[int]) -> list[int]:
     if not ids:
         raise ApiError(400, "prompt must not be empty", param="prompt", code="invalid_value")
     return ids
+
+
+def _check_fits(prompt_len: int, context_len: int) -> None:
+    """The context check of a token-id prompt, before each id is looked at (a million ids
+    take a while)."""
+    if prompt_len >= context_len:
+        raise ApiError(
+            400,
+            f"prompt is {prompt_len} tokens; the model's context is {context_len} tokens",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+
+
+def _too_long(param: str, exc: TextTooLong, context_len: int) -> ApiError:
+    return ApiError(
+        400,
+        f"prompt is {exc.chars} characters, so at least {exc.min_tokens} tokens (no token of the"
+        f" model stands for more than {exc.max_chars_per_token} characters); the model's context"
+        f" is {context_len} tokens",
+        param=param,
+        code="context_length_exceeded",
+    )
 
 
 def output_cap(

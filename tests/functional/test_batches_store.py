@@ -210,3 +210,37 @@ async def test_validation_failure_keeps_the_errors(store: Store, store_engine: A
     info = await batches.get_batch(batch.id)
     assert info is not None and info.errors == errors and info.failed_at is not None
     assert info.to_openai()["errors"] == {"object": "list", "data": errors}
+
+
+async def test_lines_the_database_refuses_fail_their_batch_with_the_reason(
+    store: Store, store_engine: AsyncEngine
+) -> None:
+    """Defence in depth behind validation (issue 16): a line the database cannot store (a NUL
+    in a custom_id, which PostgreSQL refuses) fails its batch with the database's reason instead
+    of raising at every poll of the runner; the other batches start as usual."""
+    batches = BatchStore(session_factory(store_engine))
+    owner = await tenant(store, "grace")
+    file = await batches.create_file(owner, "batch", "in.jsonl", b"x\n" * 3, 3)
+    bad = await batches.create_batch(
+        tenant_id=owner,
+        key_id=None,
+        input_file_id=file.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        window=timedelta(hours=24),
+        deadline_at=None,
+        metadata=None,
+        request_total=3,
+    )
+    lines = items(3)
+    lines[1] = NewItem(line_no=2, custom_id="c\x00", method="POST", url=lines[1].url, body="{}")
+    lines[2] = NewItem(line_no=3, custom_id="x" * 600, method="POST", url=lines[2].url, body="{}")
+    status = await batches.start(bad.id, lines, "tandem-tiny", None)
+    info = await batches.get_batch(bad.id)
+    assert info is not None and info.status == status
+    if store_engine.dialect.name == "postgresql":  # SQLite stores both
+        assert status == "failed" and info.errors is not None
+        [error] = info.errors
+        assert error["code"] == "invalid_file" and "could not be stored" in error["message"]
+        assert info.request_counts.total == 3  # no line was stored
+    assert await new_batch(batches, owner, 2)  # the next batch starts

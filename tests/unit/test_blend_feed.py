@@ -126,3 +126,55 @@ def test_choose_pilot_is_small_spread_and_deterministic() -> None:
     assert len(pilot) == 10 and pilot == choose_pilot(lines, 0.01, 32)
     assert choose_pilot(lines, 0.0, 32) == [] and choose_pilot([], 0.5, 32) == []
     assert len(choose_pilot(lines, 0.5, 32)) == 32
+
+
+@pytest.mark.parametrize("ordering", ["fcfs", "dfs", "blend"])
+def test_a_deferred_re_plan_drafted_while_lines_go_out_sends_every_line_once(
+    ordering: str,
+) -> None:
+    """The runner drafts re-plans in a worker thread (`defer_replans`): the feed keeps handing
+    out lines from its current plan meanwhile, and the adopted plan skips those."""
+    lines, lengths = items(300)
+    settings = FeedSettings(
+        ordering=ordering,  # type: ignore[arg-type]
+        memory_tokens=50_000,
+        max_inflight=16,
+        pilot_fraction=0.05,
+    )
+    feed = BatchFeed(lines, settings, defer_replans=True)
+    rng = random.Random(2)
+    sent: list[int] = []
+    running: list[int] = []
+    drafts = 0
+    while True:
+        while (index := feed.next()) is not None:
+            sent.append(index)
+            running.append(index)
+        if not running:
+            break
+        done = running.pop(rng.randrange(len(running)))
+        feed.finished(done, lengths[done])
+        if feed.replan_due:
+            draft = feed.draft_replan()  # the snapshot is taken now...
+            while len(running) < 8 and (index := feed.next()) is not None:
+                sent.append(index)  # ...lines go out while the draft is computed...
+                running.append(index)
+            feed.adopt(draft())  # ...and the adopted plan leaves them out
+            drafts += 1
+    assert drafts == 3  # a quarter, half and all of the pilot
+    assert sorted(sent) == list(range(300)) and feed.exhausted and feed.in_flight == 0
+
+
+def test_a_deferred_re_plan_is_the_plan_the_feed_would_make_at_once() -> None:
+    lines, lengths = items(200)
+    settings = FeedSettings(memory_tokens=50_000, max_inflight=400, pilot_fraction=0.05)
+    at_once, deferred = BatchFeed(lines, settings), BatchFeed(lines, settings, defer_replans=True)
+    pilot = [at_once.next() for _ in at_once.pilot]
+    assert pilot == [deferred.next() for _ in deferred.pilot]
+    for index in pilot:
+        assert index is not None
+        at_once.finished(index, lengths[index])
+        deferred.finished(index, lengths[index])
+    assert deferred.replan_due and deferred.plans == 1 and at_once.plans == 4  # 3 re-plans
+    deferred.adopt(deferred.draft_replan()())
+    assert deferred.planned_order() == at_once.planned_order()

@@ -202,5 +202,8 @@ USER = [{"role": "user", "content": "x"}]
 
 
 class _ChatTokenizer(TinyTokenizer):
-    def encode_chat(self, messages: object) -> list[int]:
+    def render_chat(self, messages: object, *, add_generation_prompt: bool) -> str:
+        return "x"
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return [1, 2]

@@ -9,9 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from backend.launch.tiny_model import ensure_tiny_model
-from gateway.tokenizer import ModelTokenizer
+from gateway.tokenizer import NFC_SHRINK, ModelTokenizer, TextTooLong, max_chars_per_token
 
 
 @pytest.fixture(scope="module")
@@ -51,3 +53,77 @@ def test_without_a_config_vocab_size_the_tokenizers_size_counts(
     tokenizer = ModelTokenizer(with_config(model_dir, tmp_path, {}))
     expected = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     assert tokenizer.vocab_size == expected
+
+
+# -- the length bound: a text too long for the context is refused before it is tokenized -------
+
+# Unicode text of every kind, long runs of one character included (the tokenizer merges those
+# into its longest tokens).
+_TEXTS = st.one_of(
+    st.text(max_size=400),
+    st.builds(lambda c, n: c * n, st.characters(), st.integers(1, 400)),
+    st.lists(st.sampled_from(["=", " ", "\n", "<|endoftext|>", "ab", "é", "😀"]), max_size=200).map(
+        "".join
+    ),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=_TEXTS)
+def test_no_token_stands_for_more_characters_than_the_bound(model_dir: Path, text: str) -> None:
+    """The bound refuses no text that could fit: n characters are at least n / bound tokens."""
+    tokenizer = _tokenizer(model_dir)
+    assert tokenizer.max_chars_per_token is not None
+    for add_special_tokens in (True, False):
+        ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        assert len(ids) * tokenizer.max_chars_per_token >= len(text)
+
+
+_TOKENIZERS: dict[Path, ModelTokenizer] = {}
+
+
+def _tokenizer(model_dir: Path) -> ModelTokenizer:
+    if model_dir not in _TOKENIZERS:
+        _TOKENIZERS[model_dir] = ModelTokenizer(model_dir)
+    return _TOKENIZERS[model_dir]
+
+
+def test_a_text_longer_than_the_bound_is_refused_unread(model_dir: Path) -> None:
+    tokenizer = _tokenizer(model_dir)
+    assert tokenizer.max_chars_per_token is not None and tokenizer.max_text_chars is not None
+    assert tokenizer.max_text_chars == tokenizer.context_len * tokenizer.max_chars_per_token
+    tokenizer.check_length("x" * tokenizer.max_text_chars)  # at the bound: tokenized
+    with pytest.raises(TextTooLong) as info:
+        tokenizer.encode("x" * (tokenizer.max_text_chars + 1))
+    assert info.value.min_tokens > tokenizer.context_len
+
+
+def test_long_texts_encode_as_short_ones_do(model_dir: Path) -> None:
+    """Texts past GIL_FREE_MIN_CHARS go through encode_batch (it releases the GIL): same ids."""
+    tokenizer = _tokenizer(model_dir)
+    text = "the quick brown fox, 12345 " * 200
+    plain = list(tokenizer._tokenizer.encode(text).ids)
+    assert tokenizer.encode(text) == plain
+    assert tokenizer.encode_many(["a", text]) == [tokenizer.encode("a"), plain]
+
+
+@pytest.mark.parametrize(
+    ("change", "bounded"),
+    [
+        ({"normalizer": {"type": "NFC"}}, True),
+        ({"normalizer": {"type": "Sequence", "normalizers": [{"type": "NFD"}]}}, True),
+        ({"normalizer": {"type": "Strip", "strip_left": True, "strip_right": True}}, False),
+        ({"normalizer": {"type": "BertNormalizer"}}, False),
+        ({"pre_tokenizer": {"type": "Whitespace"}}, False),
+        ({"pre_tokenizer": {"type": "Split", "behavior": "Removed"}}, False),
+        ({"model": {"type": "WordPiece", "vocab": {"a": 0}}}, False),
+    ],
+)
+def test_tokenizers_that_may_drop_text_have_no_bound(
+    model_dir: Path, change: dict[str, Any], bounded: bool
+) -> None:
+    spec = {**json.loads((model_dir / "tokenizer.json").read_text()), **change}
+    bound = max_chars_per_token(spec)
+    assert (bound is not None) == bounded
+    if change.get("normalizer", {}).get("type") == "NFC":
+        assert bound == NFC_SHRINK * max_chars_per_token({**spec, "normalizer": None})  # type: ignore[operator]

@@ -21,13 +21,14 @@ dual scanner over ρ-sorted units).
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from backend.policy.batch_order.cost import LLAMA8B_A100, DensityModel
 from backend.policy.batch_order.plan import (
     MIN_UNIT_ITEMS,
+    Unit,
     dfs_items,
     layer_sort,
     merge_units,
@@ -96,10 +97,17 @@ class BatchFeed:
         settings: FeedSettings,
         *,
         known_output: Mapping[int, int] | None = None,
+        defer_replans: bool = False,
     ) -> None:
         """`items`: the lines still to run. `known_output`: output lengths of lines of the same
-        batch that already finished (after a restart: they are samples, not work)."""
+        batch that already finished (after a restart: they are samples, not work).
+        `defer_replans`: a pilot result that calls for a re-plan only sets `replan_due`, and the
+        owner re-plans (`draft_replan` in a worker thread, then `adopt`): re-planning 50,000
+        lines takes a second or more, too long for a server's event loop."""
         self.settings = settings
+        self._defer_replans = defer_replans
+        self.replan_due = False
+        """A re-plan is called for and not yet adopted (only with `defer_replans`)."""
         self._items = {it.index: it for it in items}
         self._known: dict[int, int] = dict(known_output or {})
         self._pilot = (
@@ -196,7 +204,10 @@ class BatchFeed:
                     self._replans_done < len(_REPLAN_AT) and share >= _REPLAN_AT[self._replans_done]
                 ):
                     self._replans_done += 1
-                self._plan()
+                if self._defer_replans:
+                    self.replan_due = True
+                else:
+                    self._plan()
 
     # --- internals ---
     def _hand(self, index: int, *, from_scanner: bool) -> int:
@@ -211,14 +222,26 @@ class BatchFeed:
 
     def _plan(self) -> None:
         """(Re)plans the lines not yet handed out."""
+        self.adopt(self.draft_replan()())
+
+    def draft_replan(self) -> Callable[[], PlanDraft]:
+        """The expensive half of a re-plan (the prefix tree, its estimates and units), as a call
+        on a snapshot of what is known now: it touches nothing of the feed, so it may run in a
+        worker thread while the feed goes on handing out lines; `adopt` installs its result."""
         s = self.settings
         rest = [it for i, it in self._items.items() if i not in self._handed]
-        prior = statistics.fmean(self._known.values()) if self._known else s.prior_output_len
+        known = dict(self._known)
+        prior = statistics.fmean(known.values()) if known else s.prior_output_len
         # The finished lines stay in the tree as samples of their subtrees; the scanner skips them.
-        sampled = [self._items[i] for i in self._known if i in self._items and i in self._handed]
-        tree_items = rest + sampled
-        tree = PrefixTree(tree_items, tokens_per_element=s.tokens_per_element)
-        tree.annotate(s.model, self._known, prior, class_of=_cap_class)
+        sampled = [self._items[i] for i in known if i in self._items and i in self._handed]
+        return lambda: _draft(rest + sampled, known, prior, s)
+
+    def adopt(self, draft: PlanDraft) -> None:
+        """Installs a re-plan: its order without the lines handed out meanwhile (they stay in
+        flight, charged to the new scanner until they finish)."""
+        s = self.settings
+        tree = draft.tree
+        self.replan_due = False
         self._estimates = {it.index: tree.estimates[p] for p, it in enumerate(tree.items)}
         self._scanner_items = [it.index for it in tree.items]
         self._pos_in_scanner = {index: p for p, index in enumerate(self._scanner_items)}
@@ -230,20 +253,15 @@ class BatchFeed:
         ]
         self._carried = sum(self._in_flight.values())
         memory = max(0.0, s.memory_tokens - self._carried)
-        if s.ordering == "blend":
-            layer_sort(tree)
-            units, _ = split_units(tree, s.split_alpha * tree.root.unique_below)
-            for unit in units:
-                unit.items = [p for p in unit.items if p not in handed_pos]
+        if draft.units is not None:
+            units = [
+                replace(u, items=[p for p in u.items if p not in handed_pos]) for u in draft.units
+            ]
             units = merge_units([u for u in units if u.items], s.min_unit_items)
             self._scanner = DualScanner(units, footprints, memory, tree.root.rho)
             self._order = [self._scanner_items[p] for u in units for p in u.items]
         else:
-            if s.ordering == "dfs":
-                order = list(dfs_items(tree.root))
-            else:
-                order = sorted(range(len(tree.items)), key=lambda p: tree.items[p].index)
-            order = [p for p in order if p not in handed_pos]
+            order = [p for p in draft.order if p not in handed_pos]
             self._scanner = SequentialScanner(order, footprints, memory)
             self._order = [self._scanner_items[p] for p in order]
         self.plans += 1
@@ -251,6 +269,34 @@ class BatchFeed:
     def _scanner_grow(self, tokens: float) -> None:
         assert self._scanner is not None
         self._scanner.add_memory(tokens)
+
+
+@dataclass(frozen=True)
+class PlanDraft:
+    """A re-plan before it is installed (`BatchFeed.draft_replan`)."""
+
+    tree: PrefixTree
+    """The tree of the lines not handed out when it was drafted (and the finished samples)."""
+    units: list[Unit] | None
+    """blend: the ρ-sorted units of tree positions (None for dfs and fcfs)."""
+    order: list[int]
+    """dfs / fcfs: the tree positions in sending order (empty for blend)."""
+
+
+def _draft(
+    tree_items: list[OrderItem], known: dict[int, int], prior: float, s: FeedSettings
+) -> PlanDraft:
+    tree = PrefixTree(tree_items, tokens_per_element=s.tokens_per_element)
+    tree.annotate(s.model, known, prior, class_of=_cap_class)
+    if s.ordering == "blend":
+        layer_sort(tree)
+        units, _ = split_units(tree, s.split_alpha * tree.root.unique_below)
+        return PlanDraft(tree=tree, units=units, order=[])
+    if s.ordering == "dfs":
+        order = list(dfs_items(tree.root))
+    else:
+        order = sorted(range(len(tree.items)), key=lambda p: tree.items[p].index)
+    return PlanDraft(tree=tree, units=None, order=order)
 
 
 def _cap_class(item: OrderItem) -> int | None:
