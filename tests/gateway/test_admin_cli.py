@@ -124,7 +124,7 @@ async def test_every_failure_is_one_clear_line(gw: Gateway, cli: Cli) -> None:
         (("tenant", "create", "x", "--tier", "rt"), "needs --ttft-ms and --tpot-ms"),
         (
             ("tenant", "create", "x", "--tier", "be", "--max-concurrent", "-1"),
-            "--max-concurrent must not be negative, got -1",
+            "--max-concurrent must be in [0, 2147483647], got -1",
         ),
         (("tenant", "update", "dup", "--weight", "0"), "--weight must be a positive number"),
         (("tenant", "update", "dup"), "nothing to change"),
