@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import cast
 
 import aiohttp
 from aiohttp import web
+from prometheus_client.registry import Collector
 
 from backend.policy.feasibility import TtftFeedback
 from common.config import Config
@@ -23,6 +25,7 @@ from gateway.engine.control import length_sync
 from gateway.engine.load import LoadWatcher, serves_load, watch
 from gateway.errors import error_middleware
 from gateway.operator import install as install_operator_tools
+from gateway.overload import OVERLOAD, OverloadGuard
 from gateway.pipeline.admission import build_forecaster
 from gateway.pipeline.tier_queue import TierQueues, tier_bounds
 from gateway.state import (
@@ -52,9 +55,12 @@ _ENGINE_READ_BUFSIZE = 4 * 1024 * 1024
 
 def create_app(config: Config, admin_token: str, model_dir: Path) -> web.Application:
     """The gateway for *config*, serving the model in *model_dir* (its tokenizer is loaded now)."""
+    guard = OverloadGuard(config.gateway)  # first: a flood is shed before any other work
     app = web.Application(
-        middlewares=[error_middleware], client_max_size=config.gateway.max_body_bytes
+        middlewares=[guard.middleware, error_middleware],
+        client_max_size=config.gateway.max_body_bytes,
     )
+    app[OVERLOAD] = guard
     app[CONFIG] = config
     app[ADMIN_TOKEN] = admin_token
     app[TOKENIZER] = ModelTokenizer(model_dir)
@@ -71,6 +77,7 @@ def create_app(config: Config, admin_token: str, model_dir: Path) -> web.Applica
     app.cleanup_ctx.append(batch_context)  # closes first: its line aborts reach _background_tasks
     app.cleanup_ctx.append(length_sync)  # engine's length histories ← SQL
     install_operator_tools(app)  # quotas, /metrics, dashboard, /openapi.json
+    app[METRICS].registry.register(cast(Collector, guard))
     app.add_routes(ops.routes)
     app.add_routes(openai.routes)
     app.add_routes(admin.routes)
