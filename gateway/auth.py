@@ -4,7 +4,9 @@ Lookups go by the key's non-secret prefix; the secret is checked by a constant-t
 of SHA-256 digests. A hit is cached for `ttl_s` so the hot path makes no SQL query; revocations
 made through this gateway's admin API invalidate the cache at once, other processes see them after
 at most `ttl_s`. Unknown keys are cached briefly too, so a flood of bad keys cannot hammer the
-database.
+database. When an entry expires under load, one lookup per key runs and the concurrent requests
+for that key await it (gateway/singleflight.py), so an expiry never becomes a stampede that
+exhausts the database pool.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from aiohttp import web
 
 from gateway import keys
 from gateway.errors import ApiError
+from gateway.singleflight import SingleFlight
 from gateway.store.repo import Store
 from gateway.store.types import AuthRecord, Tenant
 
@@ -43,6 +46,9 @@ class AuthCache:
         self._ttl_s = ttl_s
         self._clock = clock
         self._entries: dict[str, tuple[float, AuthRecord | None]] = {}
+        self._lookups: SingleFlight[str, AuthRecord | None] = SingleFlight()
+        self._generation = 0
+        """Bumped by `invalidate`: a lookup that began before it must not fill the cache."""
 
     async def authenticate(self, key: str) -> Principal:
         """The principal for *key*; raises a 401 ApiError for a missing, unknown or revoked key."""
@@ -58,6 +64,8 @@ class AuthCache:
 
     def invalidate(self, prefix: str | None = None) -> None:
         """Drops one cached key (or all): called after admin changes."""
+        self._generation += 1
+        self._lookups.forget(prefix)  # requests from now on look the key up afresh
         if prefix is None:
             self._entries.clear()
         else:
@@ -68,7 +76,15 @@ class AuthCache:
         cached = self._entries.get(prefix)
         if cached is not None and cached[0] > now:
             return cached[1]
+        return await self._lookups.run(prefix, lambda: self._fetch(prefix))
+
+    async def _fetch(self, prefix: str) -> AuthRecord | None:
+        """The store's record for *prefix*, cached unless the cache was invalidated meanwhile."""
+        now = self._clock()
+        generation = self._generation
         record = await self._store.lookup_key(prefix)
+        if generation != self._generation:
+            return record
         ttl = self._ttl_s if record is not None else min(self._ttl_s, _NEGATIVE_TTL_S)
         if len(self._entries) >= _MAX_ENTRIES:
             self._entries.clear()
