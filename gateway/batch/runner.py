@@ -34,31 +34,38 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import operator
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 
+import msgspec
 from aiohttp import web
 
 from backend.policy.batch_order.feed import BatchFeed, FeedSettings
 from backend.policy.batch_order.tree import OrderItem
 from common.wire import EngineLoad
+from gateway.api.schemas import CompletionRequest, Endpoint
 from gateway.batch.execute import ActiveBatch, execute_line, refusal, settle_failure
 from gateway.batch.fair import TenantShares, tenant_weight
 from gateway.batch.lines import now_utc
 from gateway.batch.output import build_files
-from gateway.batch.prepare import prepare_lines
+from gateway.batch.prepare import PreparedLine, prepare_lines
 from gateway.batch.store import BatchStore
-from gateway.batch.types import ENDPOINTS, BatchInfo
+from gateway.batch.types import ENDPOINTS, BatchInfo, PendingItem
 from gateway.batch.validate import validate_lines
 from gateway.pipeline.admission import load_watcher
-from gateway.pipeline.outcome import internal_error
+from gateway.pipeline.outcome import Failure, internal_error
 from gateway.state import CONFIG, STORE, TOKENIZER
 from gateway.store.types import Tenant
+from gateway.tokenizer import ModelTokenizer
 
 log = logging.getLogger(__name__)
 
 _ACTIVE_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
+_PREPARE_CHUNK_LINES = 256
+"""Lines tokenized before their token ids are compacted (`_prepare_compact`)."""
 
 
 def be_dispatch_paused(load: EngineLoad | None) -> bool:
@@ -66,6 +73,40 @@ def be_dispatch_paused(load: EngineLoad | None) -> bool:
     waiting (BE is paused before RT ever waits for it). No report (no watcher, or the engine's
     reports down): False — nothing to go by, and the engine's policy still puts RT first."""
     return load is not None and load.num_rt_waiting > 0
+
+
+def _prepare_compact(
+    pending: list[PendingItem],
+    kind: Endpoint,
+    tokenizer: ModelTokenizer,
+    model: str,
+    default_max_tokens: int,
+) -> tuple[dict[int, PreparedLine], dict[int, Failure]]:
+    """`prepare_lines`, with every prompt's token ids sharing one int object per id.
+
+    A batch's prepared lines stay in memory while it runs (the feed's prefix tree holds their
+    prompts), and the tokenizer returns a fresh int object for every token id: 36 bytes a
+    token, 14 kB for a 355-token prompt, about 700 MB for a 50,000-line batch. Drawn from one
+    table of the ids' int objects, a token costs the list's 8-byte pointer (4.7 kB for that
+    line, its body included). Lines are prepared a chunk at a time, so the fresh ints of only
+    one chunk exist at once. CPU work: call it in a worker thread."""
+    ints = list(range(tokenizer.vocab_size))
+    prepared: dict[int, PreparedLine] = {}
+    refused: dict[int, Failure] = {}
+    for start in range(0, len(pending), _PREPARE_CHUNK_LINES):
+        chunk = pending[start : start + _PREPARE_CHUNK_LINES]
+        lines, failures = prepare_lines(chunk, kind, tokenizer, model, default_max_tokens)
+        refused.update(failures)
+        for line_no, line in lines.items():
+            ids = line.prompt.input_ids
+            if len(ids) > 1 and max(ids) < len(ints):  # (itemgetter of one id: no tuple)
+                shared = list(operator.itemgetter(*ids)(ints))
+                body = line.body
+                if isinstance(body, CompletionRequest) and body.prompt == ids:
+                    body = msgspec.structs.replace(body, prompt=shared)  # token ids: one copy
+                line = PreparedLine(body=body, prompt=replace(line.prompt, input_ids=shared))
+            prepared[line_no] = line
+    return prepared, refused
 
 
 class BatchRunner:
@@ -186,7 +227,7 @@ class BatchRunner:
         known = await self._store.finished_lengths(info.id)
         kind = ENDPOINTS[info.endpoint]
         prepared, refused = await asyncio.to_thread(
-            prepare_lines,
+            _prepare_compact,
             pending,
             kind,
             self._app[TOKENIZER],
