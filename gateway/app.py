@@ -45,6 +45,7 @@ from gateway.state import (
     USAGE,
 )
 from gateway.store.db import create_engine, session_factory
+from gateway.store.outage import DATABASE_OUTAGE, outage_of
 from gateway.store.repo import Store
 from gateway.tokenizer import ModelTokenizer
 from gateway.usage import UsageRecorder
@@ -89,6 +90,7 @@ def create_app(config: Config, admin_token: str, model_dir: Path) -> web.Applica
 async def _database(app: web.Application) -> AsyncIterator[None]:
     engine = create_engine(app[CONFIG].database.url, echo=app[CONFIG].database.echo)
     app[DB_ENGINE] = engine
+    app[DATABASE_OUTAGE] = outage_of(engine)  # 503s and one log line per outage
     app[STORE] = Store(session_factory(engine))
     app[AUTH] = AuthCache(app[STORE], ttl_s=app[CONFIG].gateway.auth_cache_ttl_s)
     yield
@@ -123,7 +125,7 @@ async def _load_watchers(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _usage_recorder(app: web.Application) -> AsyncIterator[None]:
-    recorder = UsageRecorder(app[STORE], app[CONFIG].usage)
+    recorder = UsageRecorder(app[STORE], app[CONFIG].usage, app[DATABASE_OUTAGE])
     app[USAGE] = recorder
     recorder.start()
     yield

@@ -58,6 +58,7 @@ from gateway.batch.validate import validate_lines
 from gateway.pipeline.admission import load_watcher
 from gateway.pipeline.outcome import Failure, internal_error
 from gateway.state import CONFIG, STORE, TOKENIZER
+from gateway.store.outage import DATABASE_OUTAGE, DatabaseOutage
 from gateway.store.types import Tenant
 from gateway.tokenizer import ModelTokenizer
 
@@ -131,6 +132,8 @@ class BatchRunner:
         """A tenant's fair-share weight (its contract's, 1.0 where it has none)."""
         self._paused = False
         """Whether the last dispatch held the lines back for RT (`be_dispatch_paused`)."""
+        self._outage = app.get(DATABASE_OUTAGE) or DatabaseOutage()
+        """Database failures, logged once per outage (gateway/store/outage.py)."""
 
     async def start(self) -> None:
         """Resumes what a previous process left running, then starts the loop."""
@@ -165,8 +168,9 @@ class BatchRunner:
                 await self._tick()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # keep running: one bad batch must not stop the others
-                log.exception("batch runner tick failed")
+            except Exception as exc:  # keep running: one bad batch must not stop the others
+                if not self._outage.report(exc, "batch runner"):
+                    log.exception("batch runner tick failed")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=interval)
             self._wake.clear()
@@ -330,8 +334,9 @@ class BatchRunner:
             output_len = await execute_line(self._app, self._store, active, line_no)
         except asyncio.CancelledError:
             raise
-        except Exception:  # before the attempt was counted (execute_line settles the rest)
-            log.exception("batch %s line %d failed unexpectedly", active.info.id, line_no)
+        except Exception as exc:  # before the attempt was counted (execute_line settles the rest)
+            if not self._outage.report(exc, f"batch {active.info.id} line {line_no}"):
+                log.exception("batch %s line %d failed unexpectedly", active.info.id, line_no)
             with contextlib.suppress(Exception):  # the database may be what failed
                 await settle_failure(
                     self._store, self._config.batch, active, line_no, internal_error(), attempt=0
@@ -352,9 +357,33 @@ class BatchRunner:
         if active.tasks or active.retry or not active.feed.exhausted:
             return
         if await self._store.count_unfinished(active.info.id):
+            await self._requeue_untracked(active)
             return
         if await self._store.set_status(active.info.id, "finalizing", expect=("in_progress",)):
             await self._finalize(active.info.id, "completed")
+
+    async def _requeue_untracked(self, active: ActiveBatch) -> None:
+        """Runs again the lines SQL still shows unfinished although nothing here runs or waits
+        for them: lines whose outcome could not be written (the database failed while they ran,
+        leaving them `running`, or before they were marked, leaving them `pending`). Called only
+        when the batch has no line in flight, none waiting for a retry and none left in its
+        feed, so every unfinished line is such a one; no line starts meanwhile (dispatching
+        happens in this same loop). Their interrupted attempt stays counted, as after a
+        restart."""
+        batch_id = active.info.id
+        reset = await self._store.reset_batch_running(batch_id)
+        lines = [item.line_no for item in await self._store.pending_items(batch_id)]
+        known = [n for n in lines if n in active.prepared]
+        now = time.monotonic()
+        active.retry.extend((now, line_no) for line_no in known)
+        log.warning(
+            "batch %s: %d lines whose outcome was never written run again (%d were left running)",
+            batch_id,
+            len(known),
+            reset,
+        )
+        if len(known) < len(lines):  # not prepared here (a line added since?): load afresh
+            self._active.pop(batch_id, None)
 
     async def _wind_down(self, info: BatchInfo, active: ActiveBatch | None, final: str) -> None:
         """Expiry or cancellation: nothing new starts, running lines are stopped, the rest is
