@@ -73,7 +73,10 @@ def connection_cap(config: Config) -> int:
                 pass
     if soft == resource.RLIM_INFINITY or soft >= wanted + reserved:
         return wanted
+    reserved = min(reserved, soft // 2)  # half the files at least go to client connections
     allowed = max(1, soft - reserved)
+    if allowed >= wanted:
+        return wanted
     log.warning(
         "gateway.max_connections %d lowered to %d: the open-file limit is %d and %d files are "
         "kept for the gateway's own connections (raise `ulimit -n`)",
