@@ -77,6 +77,30 @@ class GatewayConfig(_Section, frozen=True):
     instead. The default is the bundled engine's request slots: a full set queued behind the
     running ones."""
 
+    # -- the gateway's own protection (gateway/overload.py, gateway/server.py) ----------------
+    max_requests_in_flight: int = 512
+    """Requests inside this gateway process at once (accepted and not yet answered, streams
+    until their last event; every route but the health probes `/healthz`, `/health`, `/readyz`
+    and `/metrics`), requests. One more is answered at once, before authentication or reading
+    its body, with 503 `server_overloaded` and Retry-After: the gateway-wide bound in front of
+    the per-tier queues (`max_inflight_rt` + `max_inflight_be`, which it should exceed), so
+    that a flood waits nowhere unbounded."""
+    overload_retry_after_s: int = 1
+    """`Retry-After` of a 503 `server_overloaded` (or of a connection refused beyond
+    `max_connections`), seconds."""
+    max_connections: int = 4096
+    """Client connections open at once, connections (idle keep-alive ones included). A
+    connection beyond it is answered 503 and closed at once, without reading it, while the open
+    ones go on. Lowered to what the process's open-file limit allows, with a warning."""
+    idle_timeout_s: float = 15.0
+    """How long a client connection may go without a request, seconds: from its opening until
+    a request's head has fully arrived, and between two requests of a keep-alive connection.
+    Then it is closed (a half-open or trickling connection holds nothing for long)."""
+    body_read_timeout_s: float = 120.0
+    """How long a request's body may take to arrive in full, seconds from the start of its
+    handling; a slower one is answered 408 `request_timeout` and its connection closed."""
+    # -------------------------------------------------------------------------------------------
+
 
 class DatabaseConfig(_Section, frozen=True):
     """The SQL store (SQLAlchemy URL; sqlite+aiosqlite or postgresql+asyncpg)."""
@@ -349,6 +373,14 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
         _check_positive("gateway.default_max_tokens", self.gateway.default_max_tokens)
         _check_positive("gateway.max_inflight_rt", self.gateway.max_inflight_rt)
         _check_positive("gateway.max_inflight_be", self.gateway.max_inflight_be)
+        for key in (  # the gateway's own protection
+            "max_requests_in_flight",
+            "overload_retry_after_s",
+            "max_connections",
+            "idle_timeout_s",
+            "body_read_timeout_s",
+        ):
+            _check_positive(f"gateway.{key}", getattr(self.gateway, key))
         _check_positive("engine.max_total_tokens", self.engine.max_total_tokens)
         _check_positive("engine.max_running_requests", self.engine.max_running_requests)
         _check_positive("engine.chunked_prefill_size", self.engine.chunked_prefill_size)

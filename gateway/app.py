@@ -29,6 +29,7 @@ from gateway.engine.health import FIRST_PROBE_TIMEOUT_S, EngineHealth
 from gateway.engine.load import LoadWatcher, serves_load, watch
 from gateway.errors import error_middleware
 from gateway.operator import install as install_operator_tools
+from gateway.overload import OVERLOAD, OverloadGuard
 from gateway.pipeline.admission import build_forecaster
 from gateway.pipeline.tier_queue import TierQueues, tier_bounds
 from gateway.state import (
@@ -49,6 +50,7 @@ from gateway.state import (
     USAGE,
 )
 from gateway.store.db import create_engine, session_factory
+from gateway.store.outage import DATABASE_OUTAGE, outage_of
 from gateway.store.repo import Store
 from gateway.tokenizer import ModelTokenizer
 from gateway.usage import UsageRecorder
@@ -59,9 +61,12 @@ _ENGINE_READ_BUFSIZE = 4 * 1024 * 1024
 
 def create_app(config: Config, admin_token: str, model_dir: Path) -> web.Application:
     """The gateway for *config*, serving the model in *model_dir* (its tokenizer is loaded now)."""
+    guard = OverloadGuard(config.gateway)  # first: a flood is shed before any other work
     app = web.Application(
-        middlewares=[error_middleware, body_guard], client_max_size=config.gateway.max_body_bytes
+        middlewares=[guard.middleware, error_middleware, body_guard],
+        client_max_size=config.gateway.max_body_bytes,
     )
+    app[OVERLOAD] = guard
     app[CONFIG] = config
     app[ADMIN_TOKEN] = admin_token
     app[TOKENIZER] = ModelTokenizer(model_dir)
@@ -80,6 +85,7 @@ def create_app(config: Config, admin_token: str, model_dir: Path) -> web.Applica
     app.cleanup_ctx.append(batch_context)  # closes first: its line aborts reach _background_tasks
     app.cleanup_ctx.append(length_sync)  # engine's length histories ← SQL
     install_operator_tools(app)  # quotas, /metrics, dashboard, /openapi.json
+    app[METRICS].registry.register(cast(Collector, guard))
     app.add_routes(ops.routes)
     app.add_routes(openai.routes)
     app.add_routes(admin.routes)
@@ -91,6 +97,7 @@ def create_app(config: Config, admin_token: str, model_dir: Path) -> web.Applica
 async def _database(app: web.Application) -> AsyncIterator[None]:
     engine = create_engine(app[CONFIG].database.url, echo=app[CONFIG].database.echo)
     app[DB_ENGINE] = engine
+    app[DATABASE_OUTAGE] = outage_of(engine)  # 503s and one log line per outage
     app[STORE] = Store(session_factory(engine))
     app[AUTH] = AuthCache(app[STORE], ttl_s=app[CONFIG].gateway.auth_cache_ttl_s)
     yield
@@ -151,7 +158,7 @@ async def _load_watchers(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _usage_recorder(app: web.Application) -> AsyncIterator[None]:
-    recorder = UsageRecorder(app[STORE], app[CONFIG].usage)
+    recorder = UsageRecorder(app[STORE], app[CONFIG].usage, app[DATABASE_OUTAGE])
     app[USAGE] = recorder
     recorder.start()
     yield

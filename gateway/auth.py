@@ -11,6 +11,9 @@ A refused key costs the same whether its prefix exists or not, so the time of a 
 oracle for valid prefixes: one hash, two constant-time comparisons (with a stand-in digest where
 there is no row) and one store query, whatever the cache holds for the prefix; then the refused
 key's digest is remembered for a second, so a flood of one bad key cannot hammer the database.
+When an entry expires under load, one store lookup per key runs and the concurrent requests for
+that key await it (gateway/singleflight.py), so an expiry never becomes a stampede that exhausts
+the database pool.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from aiohttp import web
 
 from gateway import keys
 from gateway.errors import ApiError
+from gateway.singleflight import SingleFlight
 from gateway.store.repo import Store
 from gateway.store.types import AuthRecord, Tenant
 
@@ -57,6 +61,8 @@ class AuthCache:
         self.publish: Callable[[str | None], None] | None = None
         """Tells the other gateway processes about an `invalidate` (set by gateway/auth_sync.py
         on PostgreSQL); None: there are none to tell (SQLite: one process)."""
+        self._lookups: SingleFlight[str, AuthRecord | None] = SingleFlight()
+        """One store lookup per key prefix at a time; concurrent requests await it."""
 
     async def authenticate(self, key: str) -> Principal:
         """The principal for *key*; raises a 401 ApiError for a missing, unknown or revoked key."""
@@ -80,6 +86,7 @@ class AuthCache:
     def drop(self, prefix: str | None = None) -> None:
         """Drops one cached key (or all) in this process only (another process changed it)."""
         self._generation += 1
+        self._lookups.forget(prefix)  # requests from now on look the key up afresh
         if prefix is None:
             self._entries.clear()
             self._refused.clear()
@@ -98,7 +105,7 @@ class AuthCache:
         if refused_until is not None and refused_until > now:
             return None
         generation = self._generation
-        record = await self._store.lookup_key(prefix)
+        record = await self._lookups.run(prefix, lambda: self._store.lookup_key(prefix))
         now = self._clock()
         if _matches(sha256, record) and record is not None:
             if generation == self._generation:

@@ -2,7 +2,8 @@
 
 Every error a client sees has the body ``{"error": {"message", "type", "param", "code"}}``; no
 stack trace ever reaches a client (unexpected exceptions are logged and answered with a generic
-500).
+500; one that says the database is unreachable is a 503 `database_unavailable` with Retry-After,
+logged once per outage: gateway/store/outage.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from collections.abc import Awaitable, Callable, Mapping
 
 import msgspec
 from aiohttp import web
+
+from gateway.store.outage import DATABASE_OUTAGE
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +119,20 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if exc.status < 400:
             raise
         return _from_http_exception(exc).to_response()
-    except Exception:
+    except Exception as exc:
+        outage = request.app.get(DATABASE_OUTAGE)
+        if outage is not None and outage.report(exc, f"{request.method} {request.path}"):
+            return database_unavailable(outage.retry_after_s).to_response()  # logged once
         log.exception("unhandled error on %s %s", request.method, request.path)
         return ApiError(500, "internal error", code="internal_error").to_response()
+
+
+def database_unavailable(retry_after_s: int) -> ApiError:
+    """The 503 of a request that failed because the database is unreachable (transient: the
+    client may retry after *retry_after_s*)."""
+    return ApiError(
+        503,
+        f"the database is unavailable; retry in {retry_after_s} s",
+        code="database_unavailable",
+        headers={"Retry-After": str(retry_after_s)},
+    )

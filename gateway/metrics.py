@@ -14,9 +14,7 @@ must present that token (or the admin token) as a bearer token.
 
 from __future__ import annotations
 
-import collections
 import hmac
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import cast
 
@@ -30,6 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.engine.sampler import EngineSampler
 from gateway.errors import ApiError
+from gateway.slo import SloWindow
 from gateway.store.models import TenantRow
 from gateway.store.types import UsageRecord
 
@@ -145,7 +144,7 @@ class GatewayMetrics:
             ["tenant", "admission", "result"],
             registry=r,
         )
-        self._slo_window: dict[tuple[str, str], collections.deque[tuple[float, bool]]] = {}
+        self._slo_window = SloWindow[tuple[str, str]](SLO_WINDOW_S)  # bounded even unscraped
         self.sampler: EngineSampler | None = None
         self.before_scrape: list[Callable[[], Awaitable[None]]] = []
         """Refreshes run before each scrape (the tenant list of `tandem_tenant_info`)."""
@@ -172,8 +171,7 @@ class GatewayMetrics:
             self.tpot.labels(*labels).observe(record.tpot_ms / 1000.0)
         if record.slo_met is not None:
             self.slo.labels(*labels, "met" if record.slo_met else "missed").inc()
-            window = self._slo_window.setdefault(labels, collections.deque())
-            window.append((time.monotonic(), record.slo_met))
+            self._slo_window.add(labels, record.slo_met)
             if record.admission in ("admitted", "unchecked", "accepted"):
                 result = "met" if record.slo_met else "missed"
                 self.slo_admitted.labels(record.tenant_id, record.admission, result).inc()
@@ -187,16 +185,7 @@ class GatewayMetrics:
 
     def slo_attainment(self) -> dict[tuple[str, str], float]:
         """Share of requests meeting their SLO over the last `SLO_WINDOW_S`, per tenant and tier."""
-        cutoff = time.monotonic() - SLO_WINDOW_S
-        out = {}
-        for labels, window in list(self._slo_window.items()):
-            while window and window[0][0] < cutoff:
-                window.popleft()
-            if window:
-                out[labels] = sum(met for _, met in window) / len(window)
-            else:
-                del self._slo_window[labels]
-        return out
+        return self._slo_window.attainment()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

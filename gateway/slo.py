@@ -7,8 +7,12 @@ so the numbers are what the client experiences (minus the network).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)
 
 
 @dataclass
@@ -114,3 +118,68 @@ def slo_met(
     if deadline_s is None:
         return None
     return ok and e2e_ms <= deadline_s * 1000.0
+
+
+class SloWindow(Generic[K]):
+    """SLO verdicts of the last `window_s` seconds per key (tenant and tier), for a windowed
+    attainment ratio: how many met and how many were judged, in buckets of `bucket_s`.
+
+    Memory is bounded by time, never by the request rate: a key holds at most
+    ``window_s / bucket_s + 1`` buckets, each two counts, and old buckets are dropped on every
+    insert as well as on every read, so a gateway whose attainment is never read (no /metrics
+    scrape) keeps no more than one that is scraped. The ratio's window is exact to a bucket.
+    """
+
+    def __init__(
+        self, window_s: float, bucket_s: float = 1.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if window_s <= 0 or bucket_s <= 0:
+            raise ValueError("window_s and bucket_s must be positive")
+        self.window_s = window_s
+        """How far back verdicts count, seconds."""
+        self.bucket_s = bucket_s
+        """Width of one bucket, seconds."""
+        self._clock = clock
+        self._buckets: dict[K, deque[list[int]]] = {}
+        """key → [bucket index, verdicts met, verdicts judged], oldest first."""
+
+    def add(self, key: K, met: bool) -> None:
+        """Counts one verdict for *key* now."""
+        index = self._index()
+        buckets = self._buckets.get(key)
+        if buckets is None:
+            buckets = self._buckets[key] = deque()
+        if buckets and buckets[-1][0] == index:
+            bucket = buckets[-1]
+        else:
+            bucket = [index, 0, 0]
+            buckets.append(bucket)
+            self._trim(buckets, index)
+        bucket[1] += met
+        bucket[2] += 1
+
+    def attainment(self) -> dict[K, float]:
+        """Share of verdicts met within the window, per key with any; forgets the others."""
+        index = self._index()
+        out: dict[K, float] = {}
+        for key, buckets in list(self._buckets.items()):
+            self._trim(buckets, index)
+            judged = sum(b[2] for b in buckets)
+            if judged:
+                out[key] = sum(b[1] for b in buckets) / judged
+            else:
+                del self._buckets[key]
+        return out
+
+    @property
+    def buckets(self) -> int:
+        """Buckets held now, all keys together (what the window's memory grows with)."""
+        return sum(len(b) for b in self._buckets.values())
+
+    def _index(self) -> int:
+        return int(self._clock() // self.bucket_s)
+
+    def _trim(self, buckets: deque[list[int]], index: int) -> None:
+        oldest = index - int(self.window_s // self.bucket_s)
+        while buckets and buckets[0][0] < oldest:
+            buckets.popleft()

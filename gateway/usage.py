@@ -15,6 +15,7 @@ import logging
 from datetime import UTC, datetime
 
 from common.config import UsageConfig
+from gateway.store.outage import DatabaseOutage
 from gateway.store.repo import Store
 from gateway.store.types import UsageRecord
 
@@ -25,9 +26,13 @@ _RETRY_DELAY_S = 1.0
 class UsageRecorder:
     """Buffers finished requests' records and writes them in batches."""
 
-    def __init__(self, store: Store, config: UsageConfig) -> None:
+    def __init__(
+        self, store: Store, config: UsageConfig, outage: DatabaseOutage | None = None
+    ) -> None:
         self._store = store
         self._config = config
+        self._outage = outage or DatabaseOutage()
+        """Database failures, logged once per outage (gateway/store/outage.py)."""
         self._records: collections.deque[UsageRecord] = collections.deque()
         self._lengths: collections.deque[tuple[str, int, int | None]] = collections.deque()
         self._used_key_ids: set[str] = set()
@@ -86,8 +91,9 @@ class UsageRecorder:
             self._wakeup.clear()
             try:
                 await self.flush()
-            except Exception:  # the database may be down: keep the records, retry later
-                log.exception("writing usage records failed; %d queued", len(self._records))
+            except Exception as exc:  # the database may be down: keep the records, retry later
+                if not self._outage.report(exc, "writing usage records"):  # else: once an outage
+                    log.exception("writing usage records failed; %d queued", len(self._records))
                 await asyncio.sleep(_RETRY_DELAY_S)
 
     async def _write_batch(self) -> None:

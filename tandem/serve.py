@@ -33,6 +33,7 @@ from backend.launch.tiny_model import ensure_tiny_model
 from common.config import Config, ConfigError, ModelConfig, admin_token
 from gateway.app import create_app
 from gateway.engine.health import EngineHealth
+from gateway.server import GuardedSite, runner_options
 from gateway.state import ENGINE_HEALTH
 from gateway.store.migrate import upgrade
 from tandem.engine_profile import choose_profile, needs_profile
@@ -149,10 +150,10 @@ async def run_gateway(app: web.Application, host: str, port: int) -> None:
     """Serves *app* until SIGINT or SIGTERM."""
     # handler_cancellation: a client that disconnects cancels its handler, which aborts the
     # engine request so its KV is freed at once
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, **runner_options(app))
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port)
+        site = GuardedSite(runner, host, port)  # with the connection cap (gateway/server.py)
         await site.start()
         log.info("gateway listening on http://%s:%d", host, port)
         print(f"tandem: serving on http://{host}:{port}", file=sys.stderr, flush=True)

@@ -39,6 +39,7 @@ from gateway.batch.types import BatchInfo, ItemResult
 from gateway.pipeline.outcome import Failure, attempts_exhausted, internal_error
 from gateway.pipeline.stages import Completion, Flight, complete, prepare, recording
 from gateway.state import CONFIG
+from gateway.store.outage import DATABASE_OUTAGE
 from gateway.store.types import Tenant
 
 log = logging.getLogger(__name__)
@@ -88,8 +89,10 @@ async def execute_line(
         return await _run_attempt(app, store, active, line_no, attempt)
     except asyncio.CancelledError:
         raise
-    except Exception:
-        log.exception("batch %s line %d failed unexpectedly", batch_id, line_no)
+    except Exception as exc:
+        outage = app.get(DATABASE_OUTAGE)
+        if outage is None or not outage.report(exc, f"batch {batch_id} line {line_no}"):
+            log.exception("batch %s line %d failed unexpectedly", batch_id, line_no)
         with contextlib.suppress(Exception):  # the database may be what failed
             await settle_failure(store, cfg, active, line_no, internal_error(), attempt)
         return None

@@ -23,6 +23,7 @@ from sqlalchemy import Table, func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.store.models import BatchItemRow, BatchRow
+from gateway.store.outage import outage_of
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +159,8 @@ class EngineSampler:
                 for batch_id, status, n in rows.all():
                     per_batch.setdefault(batch_id, {})[status] = int(n)
         except Exception as exc:  # database down or not migrated: keep the last figures
-            log.warning("reading the batch backlog failed: %s", exc)
+            if not outage_of(self._db).report(exc, "reading the batch backlog"):
+                log.warning("reading the batch backlog failed: %s", exc)
             if not self.history:
                 return 0, 0
             return self.history[-1].batch_lines_pending, self.batch_items.get("pending", 0)

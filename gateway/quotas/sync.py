@@ -21,6 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from gateway.quotas.limiter import DemandReport, QuotaLimiter, SyncView, month_key
 from gateway.store.models import GatewayInstanceRow, QuotaDemandRow, QuotaMonthlyRow
+from gateway.store.outage import outage_of
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,8 @@ class QuotaSync:
         except Exception as exc:
             self.failures += 1
             self._limiter.sync_failed(deltas)
-            log.warning("quota sync failed (%s); keeping the current shares", exc)
+            if not outage_of(self._engine).report(exc, "quota sync"):  # else: once per outage
+                log.warning("quota sync failed (%s); keeping the current shares", exc)
             return False
         self._limiter.apply_sync(view)
         return True

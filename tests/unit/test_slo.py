@@ -1,10 +1,16 @@
-"""Latency measurement and SLO verdicts."""
+"""Latency measurement, SLO verdicts and the windowed SLO attainment."""
 
 from __future__ import annotations
 
+import gc
+import tracemalloc
+from datetime import UTC, datetime
+
 import pytest
 
-from gateway.slo import RequestTimer, slo_met
+from gateway.metrics import GatewayMetrics
+from gateway.slo import RequestTimer, SloWindow, slo_met
+from gateway.store.types import UsageRecord
 
 
 class FakeClock:
@@ -57,3 +63,53 @@ def test_be_slo_is_the_deadline_or_none() -> None:
     assert slo_met(**be, deadline_s=None, ok=True, ttft_ms=1, tpot_ms=1, e2e_ms=9e9) is None
     assert slo_met(**be, deadline_s=10, ok=True, ttft_ms=1, tpot_ms=1, e2e_ms=9_000) is True
     assert slo_met(**be, deadline_s=10, ok=True, ttft_ms=1, tpot_ms=1, e2e_ms=11_000) is False
+
+
+def test_slo_window_holds_a_bounded_number_of_buckets_however_many_verdicts() -> None:
+    now = [0.0]
+    window = SloWindow[str](window_s=300.0, bucket_s=1.0, clock=lambda: now[0])
+    for step in range(100_000):  # 1000 s at 100 verdicts a second, never read
+        now[0] = step / 100.0
+        window.add("rt", met=step % 4 != 0)
+    assert window.buckets <= 301
+    assert window.attainment() == {"rt": pytest.approx(0.75)}
+    now[0] += 301.0  # nothing judged within the window: the key is forgotten
+    assert window.attainment() == {} and window.buckets == 0
+
+
+def test_unscraped_metrics_memory_does_not_grow_with_requests() -> None:
+    """A gateway whose /metrics is never scraped keeps no per-request state (it grew by about
+    90 B a request: every verdict stayed in the SLO window until a scrape trimmed it)."""
+    metrics = GatewayMetrics()
+    finished = UsageRecord(
+        request_id="r",
+        tenant_id="ten_a",
+        tier="rt",
+        model="m",
+        endpoint="chat",
+        prompt_tokens=10,
+        completion_tokens=5,
+        ttft_ms=120.0,
+        tpot_ms=20.0,
+        e2e_ms=300.0,
+        status="ok",
+        http_status=200,
+        slo_met=True,
+        created_at=datetime(2026, 11, 21, tzinfo=UTC),
+        finished_at=datetime(2026, 11, 21, tzinfo=UTC),
+    )
+    for _ in range(100):  # every series and label set exists now
+        metrics.request_started("ten_a", "rt")
+        metrics.request_finished(finished, started=True)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(20_000):
+            metrics.request_started("ten_a", "rt")
+            metrics.request_finished(finished, started=True)
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 20_000 * 5, f"{grown / 20_000:.0f} B per request"
