@@ -197,17 +197,18 @@ async def test_a_lookup_raced_by_an_invalidation_is_not_cached() -> None:
     material = keys.generate_key()
     store.add(material)
     auth = AuthCache(store, ttl_s=60.0)  # type: ignore[arg-type]
-    release = asyncio.Event()
+    release, read = asyncio.Event(), asyncio.Event()
     real_lookup = store.lookup_key
 
     async def slow_lookup(prefix: str) -> AuthRecord | None:
         record = await real_lookup(prefix)
+        read.set()
         await release.wait()
         return record
 
     store.lookup_key = slow_lookup  # type: ignore[method-assign]
     pending = asyncio.ensure_future(auth.authenticate(material.key))
-    await asyncio.sleep(0)
+    await read.wait()  # the store has answered (the lookup runs as its own task: single flight)
     store.add(material, revoked=True)  # revoked after the read, before its answer arrived
     auth.invalidate(material.prefix)
     release.set()
