@@ -122,4 +122,4 @@ async def test_cli_creates_a_tenant_with_a_quota(
         tandem, ["admin", "tenant", "create", "cli-bad", "--tier", "be", "--max-concurrent", "-1"]
     )
     assert code == 2
-    assert "--max-concurrent must not be negative" in capsys.readouterr().err
+    assert "--max-concurrent must be in [0, 2147483647], got -1" in capsys.readouterr().err
