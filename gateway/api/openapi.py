@@ -65,10 +65,23 @@ class Op:
     response: dict[str, Any] | None = None
     """Schema of the 200/201 body (default: a free-form JSON object)."""
     response_type: str = "application/json"
+    other_responses: tuple[tuple[str, dict[str, Any]], ...] = ()
+    """Other media types the success may come as: (type, schema), e.g. the server-sent events
+    of `stream: true`, a report's CSV."""
     status: int = 200
     query: list[tuple[str, dict[str, Any], str]] = field(default_factory=list)
     """(name, JSON schema, description) of query parameters."""
     errors: tuple[int, ...] = (400, 401, 404, 422)
+
+
+_SSE = (
+    "text/event-stream",
+    {
+        "description": "with stream: true: `data: <chunk>` events (a chat.completion.chunk or "
+        "text_completion object; an error object when the run fails), then `data: [DONE]`"
+    },
+)
+"""A generation's streamed answer."""
 
 
 def schema_ref(name: str) -> dict[str, Any]:
@@ -133,7 +146,10 @@ _ERROR_TEXT = {
 def _operation(op: Op) -> dict[str, Any]:
     success: dict[str, Any] = {
         "description": "ok",
-        "content": {op.response_type: {"schema": op.response or {"type": "object"}}},
+        "content": {
+            op.response_type: {"schema": op.response or {"type": "object"}},
+            **{kind: {"schema": schema} for kind, schema in op.other_responses},
+        },
     }
     out: dict[str, Any] = {
         "summary": op.summary,
@@ -490,6 +506,7 @@ OPERATIONS: list[Op] = [
         "openai",
         TENANT,
         body="ChatCompletionRequest",
+        other_responses=(_SSE,),
         errors=_GEN_ERRORS,
     ),
     Op(
@@ -499,6 +516,7 @@ OPERATIONS: list[Op] = [
         "openai",
         TENANT,
         body="CompletionRequest",
+        other_responses=(_SSE,),
         errors=_GEN_ERRORS,
     ),
     Op(
@@ -548,7 +566,14 @@ OPERATIONS: list[Op] = [
         query=_PAGE_QUERY,
     ),
     Op("GET", "/v1/batches/{batch_id}", "A batch", "batch", TENANT),
-    Op("POST", "/v1/batches/{batch_id}/cancel", "Cancel a batch", "batch", TENANT),
+    Op(
+        "POST",
+        "/v1/batches/{batch_id}/cancel",
+        "Cancel a batch (409 batch_not_cancellable once it has ended)",
+        "batch",
+        TENANT,
+        errors=(400, 401, 404, 409, 422),
+    ),
     # admin
     Op(
         "POST",
@@ -646,6 +671,7 @@ OPERATIONS: list[Op] = [
             },
         },
         query=_USAGE_QUERY,
+        other_responses=(("text/csv", {"type": "string", "description": "with format=csv"}),),
         errors=(400, 401, 404),
     ),
     Op(
