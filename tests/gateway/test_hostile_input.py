@@ -328,8 +328,8 @@ async def test_a_large_batch_is_ingested_without_stalling_interactive_requests(
     ingest_s = time.perf_counter() - started
     held_s = await held
     assert len(latencies) >= 5, (latencies, ingest_s)
-    # measured here, beside a running test suite: 0.10 s of CPU at most after the fix (about
+    # measured here, beside a running test suite: 0.10-0.31 s of CPU at most after the fix (about
     # a second before it), while the longest small request took 0.93 s of wall time
-    assert held_s < 0.3, (held_s, max(latencies), statistics.median(latencies), ingest_s)
+    assert held_s < 0.6, (held_s, max(latencies), statistics.median(latencies), ingest_s)
     await gw.request("POST", f"/v1/batches/{batch.body['id']}/cancel", key=batch_key)
     await wait_for(gw, batch_key, batch.body["id"])  # wound down before the gateway stops
