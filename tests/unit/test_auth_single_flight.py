@@ -43,9 +43,10 @@ async def test_concurrent_requests_after_expiry_share_one_lookup() -> None:
     store.gate.set()
     await auth.authenticate(material.key)
     store.gate.clear()
+    store.asked.clear()
     clock.now = 6.0  # the entry expired; 300 requests arrive at once
     calls = [asyncio.create_task(auth.authenticate(material.key)) for _ in range(300)]
-    await asyncio.sleep(0)
+    await store.asked.wait()  # the refresh runs: every caller reached it first (tasks run FIFO)
     store.gate.set()
     principals = await asyncio.gather(*calls)
     assert {p.tenant.name for p in principals} == {"acme"}
@@ -59,7 +60,7 @@ async def test_a_caller_that_leaves_does_not_fail_the_others() -> None:
     auth = AuthCache(store, ttl_s=5.0)  # type: ignore[arg-type]
     first = asyncio.create_task(auth.authenticate(material.key))
     second = asyncio.create_task(auth.authenticate(material.key))
-    await asyncio.sleep(0)
+    await store.asked.wait()  # both are waiting on the one lookup
     first.cancel()  # its client disconnected
     store.gate.set()
     assert (await second).tenant.name == "acme"
@@ -73,7 +74,7 @@ async def test_a_failed_lookup_fails_its_waiters_and_is_not_cached() -> None:
     auth = AuthCache(store, ttl_s=5.0)  # type: ignore[arg-type]
     store.failure = ConnectionRefusedError("database down")
     calls = [asyncio.create_task(auth.authenticate(material.key)) for _ in range(5)]
-    await asyncio.sleep(0)
+    await store.asked.wait()
     store.gate.set()
     results = await asyncio.gather(*calls, return_exceptions=True)
     assert all(isinstance(r, ConnectionRefusedError) for r in results)
