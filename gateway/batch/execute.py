@@ -56,12 +56,20 @@ class ActiveBatch:
     prepared: dict[int, PreparedLine]
     custom_ids: dict[int, str]
     tasks: dict[int, asyncio.Task[None]] = field(default_factory=dict)
+    """Each running line's task: it writes the line's outcome to SQL, so it is never cancelled
+    (a task cancelled inside a SQLite write can leave its connection holding the write lock,
+    and every later write fails "database is locked"); to stop a line, cancel its call."""
+    calls: dict[int, asyncio.Task[Any]] = field(default_factory=dict)
+    """Each running line's engine request (`complete`): cancelling one aborts the request, and
+    its line's task then ends without writing an outcome (the line stays `running`, for the
+    wind-down or the next start to settle)."""
     retry: list[tuple[float, int]] = field(default_factory=list)
     """(monotonic time when it may run again, line) of lines the engine could not take."""
     down_streak: int = 0
     """Consecutive lines that found the engine unreachable (backs the retries off)."""
     stopping: str | None = None
-    """"expired" or "cancelled" once the batch is being wound down."""
+    """"expired" or "cancelled" once the batch is being wound down, "closing" when the gateway
+    stops: no line starts its engine request after that."""
 
     @property
     def priority(self) -> tuple[datetime, datetime]:
@@ -111,9 +119,21 @@ async def _run_attempt(
         endpoint=active.kind,
         model=app[CONFIG].model.name,
     )
+    if active.stopping is not None:
+        return None  # wound down while the line was being marked: it never runs
     with recording(app, flight):
         prepare(app, flight, prepared.body, prepared.prompt)
-        result = await complete(app, flight)
+        call = asyncio.ensure_future(complete(app, flight))
+        active.calls[line_no] = call
+        try:
+            result = await call
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if call.cancelled() and task is not None and not task.cancelling():
+                return None  # the call was stopped (the batch winds down): nothing to write
+            raise
+        finally:
+            active.calls.pop(line_no, None)
     if not isinstance(result, Completion):
         await settle_failure(store, app[CONFIG].batch, active, line_no, result, attempt)
         return None

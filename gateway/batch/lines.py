@@ -17,6 +17,7 @@ from sqlalchemy import Table, bindparam, func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.batch.types import ItemResult, NewItem, PendingItem
+from gateway.store.db import uninterrupted
 from gateway.store.models import BatchItemRow, BatchRow
 
 _json = msgspec.json.Encoder()
@@ -57,6 +58,7 @@ class LineQueries:
 
     _sessions: async_sessionmaker[AsyncSession]
 
+    @uninterrupted
     async def reset_running(self) -> int:
         """After a restart: lines left `running` by a dead process go back to `pending`."""
         async with self._sessions.begin() as session:
@@ -67,6 +69,7 @@ class LineQueries:
             )
             return int(getattr(result, "rowcount", 0) or 0)
 
+    @uninterrupted
     async def reset_batch_running(self, batch_id: str) -> int:
         """One batch's running lines back to pending (their engine requests were stopped)."""
         async with self._sessions.begin() as session:
@@ -122,6 +125,7 @@ class LineQueries:
             ).all()
             return {int(r[0]): int(r[1]) for r in rows}
 
+    @uninterrupted
     async def set_order(self, batch_id: str, ranks: dict[int, int]) -> None:
         """Stores each pending line's place in the planned order."""
         if not ranks:
@@ -140,6 +144,7 @@ class LineQueries:
             for start in range(0, len(rows), SQL_CHUNK_LINES):
                 await session.execute(statement, rows[start : start + SQL_CHUNK_LINES])
 
+    @uninterrupted
     async def mark_running(self, batch_id: str, line_no: int) -> int | None:
         """pending → running, counting one attempt more before the request is sent (so a crash
         of the engine or of the gateway during it still counts); returns the line's attempts
@@ -163,6 +168,7 @@ class LineQueries:
             )
             return int(attempts or 0)
 
+    @uninterrupted
     async def finish_item(self, batch_id: str, line_no: int, result: ItemResult) -> None:
         """running → its final status with the response or error, and the batch's usage."""
         async with self._sessions.begin() as session:
@@ -195,6 +201,7 @@ class LineQueries:
                     )
                 )
 
+    @uninterrupted
     async def requeue_item(
         self, batch_id: str, line_no: int, *, is_attempt_refunded: bool = False
     ) -> None:
@@ -214,6 +221,7 @@ class LineQueries:
                 .values(**values)
             )
 
+    @uninterrupted
     async def end_pending(self, batch_id: str, status: str) -> int:
         """Every pending line of the batch → `status` (expired or cancelled)."""
         async with self._sessions.begin() as session:

@@ -65,6 +65,9 @@ from gateway.tokenizer import ModelTokenizer
 
 log = logging.getLogger(__name__)
 
+_CLOSE_WAIT_S = 15.0
+"""How long closing waits for the loop's tick and the lines' last writes, s."""
+
 _ACTIVE_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
 _PREPARE_CHUNK_LINES = 256
 """Lines tokenized before their token ids are compacted (`_prepare_compact`)."""
@@ -132,9 +135,11 @@ class BatchRunner:
         self._weight_of = weight_of
         """A tenant's fair-share weight (its contract's, 1.0 where it has none)."""
         self._paused = False
+        """Whether the last dispatch held the lines back for RT (`be_dispatch_paused`)."""
+        self._closing = False
+        """Set by `close`: the loop ends after its tick, and no line starts."""
         self._replans: dict[str, asyncio.Task[None]] = {}
         """Re-plans running in a worker thread, by batch id."""
-        """Whether the last dispatch held the lines back for RT (`be_dispatch_paused`)."""
         self._outage = app.get(DATABASE_OUTAGE) or DatabaseOutage()
         """Database failures, logged once per outage (gateway/store/outage.py)."""
 
@@ -148,18 +153,28 @@ class BatchRunner:
         self._task = asyncio.create_task(self._loop(), name="batch-runner")
 
     async def close(self) -> None:
-        """Stops the loop; lines in flight are cancelled (their engine requests aborted) and
-        stay `running` in SQL, so the next start runs them again."""
+        """Stops the loop and the lines in flight: their engine requests are aborted and they
+        stay `running` in SQL, so the next start runs them again; a line whose answer is in
+        writes it. Nothing is cancelled inside a database write (ActiveBatch.tasks)."""
+        self._closing = True
+        self._wake.set()
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            # the loop ends after its current tick; cancelled only if that tick hangs
+            done, _ = await asyncio.wait([self._task], timeout=_CLOSE_WAIT_S)
+            if not done:
+                self._task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._task
         tasks = [t for a in self._active.values() for t in a.tasks.values()]
+        for active in self._active.values():
+            active.stopping = active.stopping or "closing"
+            for call in list(active.calls.values()):
+                call.cancel()
+        for replan in self._replans.values():
+            replan.cancel()  # planning in a worker thread: no database
         tasks += self._replans.values()
-        for task in tasks:
-            task.cancel()
         if tasks:
-            await asyncio.wait(tasks, timeout=10)
+            await asyncio.wait(tasks, timeout=_CLOSE_WAIT_S)
 
     def wake(self) -> None:
         """Something changed (a new or cancelled batch): look now, not at the next poll."""
@@ -167,7 +182,7 @@ class BatchRunner:
 
     async def _loop(self) -> None:
         interval = self._config.batch.poll_interval_s
-        while True:
+        while not self._closing:
             try:
                 await self._tick()
             except asyncio.CancelledError:
@@ -175,6 +190,8 @@ class BatchRunner:
             except Exception as exc:  # keep running: one bad batch must not stop the others
                 if not self._outage.report(exc, "batch runner"):
                     log.exception("batch runner tick failed")
+            if self._closing:
+                return
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=interval)
             self._wake.clear()
@@ -309,6 +326,8 @@ class BatchRunner:
     def _dispatch(self) -> None:
         """Starts lines while the global bound allows: tenants by fair share, a tenant's
         batches most urgent first; none while RT waits on the engine (module docstring)."""
+        if self._closing:
+            return
         watcher = load_watcher(self._app)
         paused = be_dispatch_paused(watcher.latest if watcher is not None else None)
         if paused != self._paused:
@@ -362,7 +381,8 @@ class BatchRunner:
                     active.info.tenant_id, output_len, self._weight_of(active.tenant)
                 )
             active.feed.finished(line_no, output_len)  # retries bypass the feed
-            if active.feed.replan_due and active.info.id not in self._replans:
+            due = active.feed.replan_due and not self._closing
+            if due and active.info.id not in self._replans:
                 self._replans[active.info.id] = asyncio.create_task(self._replan(active))
             self._wake.set()
 
@@ -418,10 +438,11 @@ class BatchRunner:
         if active is not None:
             active.stopping = final
             tasks = list(active.tasks.values())
-            for task in tasks:
-                task.cancel()
+            for call in list(active.calls.values()):
+                call.cancel()  # the engine request: its line's task ends without a write
             if tasks:
-                await asyncio.wait(tasks, timeout=10)
+                # never cancelled (ActiveBatch.tasks): each ends after its write, if any
+                await asyncio.wait(tasks)
             await self._store.reset_batch_running(info.id)
         await self._store.end_pending(info.id, final)
         await self._finalize(info.id, final)

@@ -26,6 +26,7 @@ from gateway.batch.types import (
     NewItem,
     RequestCounts,
 )
+from gateway.store.db import uninterrupted
 from gateway.store.models import BatchItemRow, BatchRow, FileRow
 
 _json = msgspec.json.Encoder()
@@ -95,6 +96,7 @@ class BatchStore(LineQueries):
 
     # ------------------------------------------------------------------ files
 
+    @uninterrupted
     async def create_file(
         self,
         tenant_id: str,
@@ -167,6 +169,7 @@ class BatchStore(LineQueries):
             ).all()
             return [_file(r) for r in rows[:limit]], len(rows) > limit
 
+    @uninterrupted
     async def delete_file(self, tenant_id: str, file_id: str) -> bool:
         """Soft-deletes the tenant's file (batches keep referring to it); False if not found."""
         async with self._sessions.begin() as session:
@@ -178,6 +181,7 @@ class BatchStore(LineQueries):
 
     # ------------------------------------------------------------------ batches
 
+    @uninterrupted
     async def create_batch(
         self,
         *,
@@ -264,6 +268,7 @@ class BatchStore(LineQueries):
             counts = await _counts(session, rows)
             return [_batch(r, counts[r.id]) for r in rows]
 
+    @uninterrupted
     async def set_status(
         self,
         batch_id: str,
@@ -312,6 +317,7 @@ class BatchStore(LineQueries):
             current = await self.get_batch(batch_id)
             return current.status if current is not None else "failed"
 
+    @uninterrupted
     async def _start(
         self,
         batch_id: str,
@@ -333,6 +339,7 @@ class BatchStore(LineQueries):
             row.request_total = len(items)
             return row.status
 
+    @uninterrupted
     async def finalize(
         self,
         batch_id: str,

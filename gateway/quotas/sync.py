@@ -20,6 +20,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from gateway.quotas.limiter import DemandReport, QuotaLimiter, SyncView, month_key
+from gateway.store.db import uninterrupted
 from gateway.store.models import GatewayInstanceRow, QuotaDemandRow, QuotaMonthlyRow
 from gateway.store.outage import outage_of
 
@@ -76,6 +77,7 @@ class QuotaSync:
         except Exception:
             log.warning("could not remove gateway instance %s from the quota tables", me)
 
+    @uninterrupted
     async def sync_once(self) -> bool:
         """One sync; False (and nothing changed) when the database could not be reached."""
         reports, deltas = self._limiter.sync_out()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from sqlalchemy import event
 from sqlalchemy.engine import make_url
@@ -13,6 +16,9 @@ from sqlalchemy.ext.asyncio import create_async_engine as _create_async_engine
 # Dialect → the async driver we use for it (and the scheme aliases accepted for the dialect).
 _ASYNC_DRIVERS = {"sqlite": "aiosqlite", "postgresql": "asyncpg", "postgres": "asyncpg"}
 _CANONICAL = {"postgres": "postgresql"}
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 SQLITE_BUSY_TIMEOUT_MS = 10_000
 """How long a SQLite writer waits for another's lock before failing, ms."""
@@ -79,3 +85,36 @@ def _set_sqlite_pragmas(dbapi_connection: Any, connection_record: Any) -> None:
 def session_factory(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
     """Sessions whose objects stay readable after commit (the repo converts them afterwards)."""
     return async_sessionmaker(engine, expire_on_commit=False)
+
+
+async def run_to_end(work: Coroutine[Any, Any, _T]) -> _T:
+    """Runs *work* (a database write) to its end even when the caller is cancelled meanwhile;
+    the caller's cancellation is raised once the write has committed or failed.
+
+    Why: a task cancelled inside a SQLAlchemy transaction on aiosqlite can leave the connection
+    abandoned mid-transaction; SQLite keeps that connection's write lock until it is garbage
+    collected, and every other writer fails "database is locked" meanwhile. A client that goes
+    away or a batch being cancelled must never cut a write in two.
+    """
+    task = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        while not task.done():
+            try:
+                await asyncio.wait([task])
+            except asyncio.CancelledError:
+                continue  # cancelled again while the write ends: still honoured below
+        raise
+
+
+def uninterrupted(
+    method: Callable[_P, Coroutine[Any, Any, _T]],
+) -> Callable[_P, Awaitable[_T]]:
+    """Decorates a store method that writes: it runs to its end (`run_to_end`)."""
+
+    @functools.wraps(method)
+    async def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+        return await run_to_end(method(*args, **kwargs))
+
+    return wrapper

@@ -21,6 +21,7 @@ from gateway.store.convert import (
     tenant_struct,
     usage_struct,
 )
+from gateway.store.db import uninterrupted
 from gateway.store.errors import Conflict, NotFound
 from gateway.store.models import (
     ApiKeyRow,
@@ -56,6 +57,7 @@ class Store:
 
     # ------------------------------------------------------------------ tenants
 
+    @uninterrupted
     async def create_tenant(self, name: str, tier: Tier, slo: Slo, quota: Quota) -> Tenant:
         """Creates a tenant with its contract and quota. Raises Conflict if *name* is taken."""
         _check_tier(tier)
@@ -89,6 +91,7 @@ class Store:
             rows = (await session.scalars(stmt)).unique().all()
             return [tenant_struct(r) for r in rows]
 
+    @uninterrupted
     async def update_tenant(
         self,
         tenant_id: str,
@@ -125,6 +128,7 @@ class Store:
             raise Conflict(f"a tenant named {name!r} already exists") from None
         return tenant_struct(row)
 
+    @uninterrupted
     async def delete_tenant(self, tenant_id: str) -> bool:
         """Soft-deletes a live tenant and revokes all its keys. False if unknown or already
         deleted. Its usage records stay, attributed to its id."""
@@ -146,6 +150,7 @@ class Store:
 
     # --------------------------------------------------------------------- keys
 
+    @uninterrupted
     async def create_key(self, tenant_id: str, name: str | None = None) -> tuple[ApiKey, str]:
         """Creates a key for a live tenant: (its record, the full key). The full key is returned
         only here and never stored. Raises NotFound for an unknown or deleted tenant."""
@@ -175,6 +180,7 @@ class Store:
         async with self._sessions() as session:
             return [api_key_struct(r) for r in (await session.scalars(stmt)).unique().all()]
 
+    @uninterrupted
     async def revoke_key(self, key_id: str) -> ApiKey | None:
         """Revokes a key (a revoked key keeps its first revocation time); None if unknown."""
         async with self._sessions.begin() as session:
@@ -205,6 +211,7 @@ class Store:
                 tenant=tenant_struct(row.tenant),
             )
 
+    @uninterrupted
     async def touch_keys(self, key_ids: Iterable[str], when: datetime) -> None:
         """Sets last_used_at = *when* on the given keys (one UPDATE); never moves it backwards."""
         ids = sorted(set(key_ids))
@@ -222,6 +229,7 @@ class Store:
 
     # -------------------------------------------------------------------- usage
 
+    @uninterrupted
     async def insert_usage(self, records: Sequence[UsageRecord]) -> None:
         """Writes the records in one bulk INSERT (their ``id`` fields are ignored)."""
         if not records:
@@ -241,6 +249,7 @@ class Store:
 
     # ----------------------------------------------------------- length history
 
+    @uninterrupted
     async def append_lengths(
         self, rows: Sequence[tuple[str, int, int | None]], window: int
     ) -> None:
