@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
+import msgspec.inspect
 import yaml
 
 ENV_PREFIX = "TANDEM_"
@@ -501,14 +502,49 @@ def _apply_env_overrides(raw: dict[str, Any], env: Mapping[str, str]) -> None:
         section, _, key = name[len(ENV_PREFIX) :].lower().partition("__")
         if section not in sections:
             raise ConfigError(f"{name}: unknown config section {section!r}")
-        try:
-            parsed = yaml.safe_load(value) if value.strip() else ""
-        except yaml.YAMLError:
-            parsed = value
+        parsed = _parse_env_value(section, key, value)
         target = raw.setdefault(section, {})
         if not isinstance(target, dict):
             raise ConfigError(f"config section {section!r} must be a mapping")
         target[key] = parsed
+
+
+def _parse_env_value(section: str, key: str, value: str) -> Any:
+    """An override's value: as written for a text field (a token or path ending in ':' or
+    holding '#' stays itself; "null" unsets an optional one), YAML for any other (numbers,
+    booleans, lists, mappings)."""
+    field_type = _field_types().get((section, key))
+    if field_type is not None and _is_text(field_type):
+        optional = isinstance(field_type, msgspec.inspect.UnionType) and any(
+            isinstance(t, msgspec.inspect.NoneType) for t in field_type.types
+        )
+        return None if optional and value.strip() in ("null", "~") else value
+    try:
+        return yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError:
+        return value
+
+
+def _field_types() -> dict[tuple[str, str], msgspec.inspect.Type]:
+    types: dict[tuple[str, str], msgspec.inspect.Type] = {}
+    config = msgspec.inspect.type_info(Config)
+    assert isinstance(config, msgspec.inspect.StructType)
+    for section in config.fields:
+        if isinstance(section.type, msgspec.inspect.StructType):
+            for field in section.type.fields:
+                types[(section.name, field.name)] = field.type
+    return types
+
+
+def _is_text(field_type: msgspec.inspect.Type) -> bool:
+    if isinstance(field_type, msgspec.inspect.StrType):
+        return True
+    if isinstance(field_type, msgspec.inspect.LiteralType):
+        return all(isinstance(v, str) for v in field_type.values)
+    if isinstance(field_type, msgspec.inspect.UnionType):
+        kinds = [t for t in field_type.types if not isinstance(t, msgspec.inspect.NoneType)]
+        return bool(kinds) and all(_is_text(t) for t in kinds)
+    return False
 
 
 def _describe(exc: msgspec.ValidationError) -> str:

@@ -88,6 +88,17 @@ def test_env_overrides_keep_yaml_types(tmp_path: Path) -> None:
     assert config.model.path is None
 
 
+def test_env_override_of_a_text_field_is_taken_as_written(tmp_path: Path) -> None:
+    """A name or path that YAML would read as a mapping (a trailing ':') or a comment ('#')
+    stays the text the operator wrote."""
+    config = load_config(
+        write(tmp_path, ""),
+        environ={"TANDEM_MODEL__NAME": "team:", "TANDEM_MODEL__PATH": "/models/a#1"},
+    )
+    assert config.model.name == "team:"
+    assert config.model.path == "/models/a#1"
+
+
 def test_wrong_type_names_the_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"gateway\.port"):
         load_config(write(tmp_path, "gateway:\n  port: eighty\n"), environ={})
