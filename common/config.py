@@ -100,6 +100,13 @@ class GatewayConfig(_Section, frozen=True):
     body_read_timeout_s: float = 120.0
     """How long a request's body may take to arrive in full, seconds from the start of its
     handling; a slower one is answered 408 `request_timeout` and its connection closed."""
+    loop_watch_interval_s: float = 0.05
+    """How often a thread checks that the event loop answers (`tandem_event_loop_lag_seconds`:
+    how late a callback scheduled then ran), seconds."""
+    loop_stall_ms: float = 50.0
+    """A check later than this is a stall: the loop thread's stack is sampled while held,
+    counted in `tandem_event_loop_stalls` by where it was, and logged (one line per 30 s at
+    most, with the count since the last), ms; 0 turns the sampling off."""
     # -------------------------------------------------------------------------------------------
 
 
@@ -380,8 +387,12 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
             "max_connections",
             "idle_timeout_s",
             "body_read_timeout_s",
+            "loop_watch_interval_s",
         ):
             _check_positive(f"gateway.{key}", getattr(self.gateway, key))
+        if self.gateway.loop_stall_ms < 0:
+            stall_ms = self.gateway.loop_stall_ms
+            raise ConfigError(f"gateway.loop_stall_ms must be 0 or more, got {stall_ms}")
         _check_positive("engine.max_total_tokens", self.engine.max_total_tokens)
         _check_positive("engine.max_running_requests", self.engine.max_running_requests)
         _check_positive("engine.chunked_prefill_size", self.engine.chunked_prefill_size)

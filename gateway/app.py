@@ -28,6 +28,7 @@ from gateway.engine.control import length_sync
 from gateway.engine.health import FIRST_PROBE_TIMEOUT_S, EngineHealth
 from gateway.engine.load import LoadWatcher, serves_load, watch
 from gateway.errors import error_middleware
+from gateway.loop_watch import LoopWatch
 from gateway.operator import install as install_operator_tools
 from gateway.overload import OVERLOAD, OverloadGuard
 from gateway.pipeline.admission import build_forecaster
@@ -75,6 +76,7 @@ def create_app(config: Config, admin_token: str, model_dir: Path) -> web.Applica
     app[SLO_FORECASTER] = build_forecaster(config)
     app[TTFT_FEEDBACK] = TtftFeedback()
     app[TIER_QUEUES] = TierQueues(tier_bounds(config.gateway))
+    app.cleanup_ctx.append(_loop_watch)
     app.cleanup_ctx.append(_database)
     app.cleanup_ctx.append(auth_sync)  # revocations reach the other processes (PostgreSQL)
     app.cleanup_ctx.append(_engine_client)
@@ -92,6 +94,20 @@ def create_app(config: Config, admin_token: str, model_dir: Path) -> web.Applica
     app.add_routes(files.routes)
     app.add_routes(batches.routes)
     return app
+
+
+async def _loop_watch(app: web.Application) -> AsyncIterator[None]:
+    """The event loop's lag and stalls (gateway/loop_watch.py), for as long as the app runs."""
+    gateway = app[CONFIG].gateway
+    watch = LoopWatch(
+        asyncio.get_running_loop(),
+        app[METRICS].registry,
+        interval_s=gateway.loop_watch_interval_s,
+        stall_s=gateway.loop_stall_ms / 1000.0,
+    )
+    watch.start()
+    yield
+    watch.stop()
 
 
 async def _database(app: web.Application) -> AsyncIterator[None]:
