@@ -28,11 +28,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import requests
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.hardening.fake_engine import create_fake_engine
 from bench.hardening.load import Outcome, Target, run_open_loop, warm_up
 from bench.hardening.procs import (
+    ADMIN_TOKEN,
     CLIENT_CPU,
     MODEL,
     Gateway,
@@ -89,14 +92,38 @@ def cmd_latency(args: argparse.Namespace) -> int:
         direct = _measure(_direct_target(engine_url, args.stream), args.rate, args.duration_s)
         with gateway(engine_url, database_url=args.database_url) as gw:
             via = _measure(_gateway_target(gw, args.stream), args.rate, args.duration_s)
+            loop = _loop_report(gw)
     d, g = direct.row(), via.row()
     added = {
         f"added_{k}": round(g[k] - d[k], 2)
         for k in ("e2e_p50_ms", "e2e_p90_ms", "e2e_p99_ms", "ttft_p50_ms", "ttft_p99_ms")
         if g[k] is not None and d[k] is not None
     }
-    _emit({"command": "latency", "direct": d, "gateway": g, **added}, args.out)
+    _emit({"command": "latency", "direct": d, "gateway": g, **added, "loop": loop}, args.out)
     return 0
+
+
+def _loop_report(gw: Gateway) -> dict[str, Any]:
+    """The gateway's own view of its event loop over the run (gateway/loop_watch.py): probes,
+    how many ran 10 ms / 50 ms late or more, and the stalls by where the loop was held."""
+    text = requests.get(
+        f"{gw.base_url}/metrics", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10
+    ).text
+    buckets: dict[str, float] = {}
+    stalls: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "tandem_event_loop_lag_seconds_bucket":
+                buckets[sample.labels["le"]] = sample.value
+            elif sample.name == "tandem_event_loop_stalls_total":
+                stalls[sample.labels["where"]] = int(sample.value)
+    probes = buckets.get("+Inf", 0.0)
+    return {
+        "probes": int(probes),
+        "late_10ms_or_more": int(probes - buckets.get("0.01", probes)),
+        "late_50ms_or_more": int(probes - buckets.get("0.05", probes)),
+        "stalls_by_where": dict(sorted(stalls.items(), key=lambda kv: -kv[1])),
+    }
 
 
 def cmd_capacity(args: argparse.Namespace) -> int:
