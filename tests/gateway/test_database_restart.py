@@ -59,7 +59,8 @@ class PrivatePostgres:
         self._as_postgres("pg_ctl", action, "-D", data, "-w", "-t", "60", "-o", options, *extra)
 
     def init_and_start(self) -> None:
-        self._as_postgres("initdb", "-D", str(self.folder / "data"), "-A", "trust", "-U", "postgres")
+        data = str(self.folder / "data")
+        self._as_postgres("initdb", "-D", data, "-A", "trust", "-U", "postgres")
         self._pg_ctl("start", "-l", str(self.folder / "server.log"))
 
     def restart(self) -> None:
