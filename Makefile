@@ -19,7 +19,7 @@ serve: install
 # The whole suite: unit tests, store tests on SQLite and PostgreSQL, functional tests against
 # the real SGLang engine on CPU.
 test: install-test
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=30
 
 # Unit tests and the gateway tier (well under a minute): no engine process, no SGLang, no torch.
 # tests/gateway serves the real gateway app in front of the simulator, both in process.
