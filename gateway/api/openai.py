@@ -1,4 +1,5 @@
-"""The OpenAI-compatible public API: /v1/models, /v1/chat/completions, /v1/completions.
+"""The OpenAI-compatible public API: /v1/models (and /v1/models/{model}), /v1/chat/completions,
+/v1/completions.
 
 The handlers are the HTTP framing around the request pipeline (gateway/pipeline/stages.py):
 they read the body, run parse → prepare → admit → place → run → record, and answer with one JSON
@@ -19,7 +20,7 @@ from gateway.api.schemas import Endpoint, StreamOptions
 from gateway.auth import Principal, bearer_token
 from gateway.engine.client import EngineChunk
 from gateway.pipeline.outcome import Refused, internal_error
-from gateway.pipeline.prepare import prepare_prompt_off_loop
+from gateway.pipeline.prepare import check_model, prepare_prompt_off_loop
 from gateway.pipeline.stages import (
     Completion,
     Flight,
@@ -45,18 +46,30 @@ async def authenticate(request: web.Request) -> Principal:
     return await request.app[AUTH].authenticate(bearer_token(request))
 
 
-@routes.get("/v1/models")
-async def list_models(request: web.Request) -> web.Response:
-    await authenticate(request)
-    config = request.app[CONFIG]
-    model = {
-        "id": config.model.name,
+def model_object(app: web.Application) -> dict[str, Any]:
+    """OpenAI's model object of the served model (the one /v1/models lists)."""
+    return {
+        "id": app[CONFIG].model.name,
         "object": "model",
         "created": 0,
         "owned_by": "tandem",
-        "max_model_len": request.app[TOKENIZER].context_len,
+        "max_model_len": app[TOKENIZER].context_len,
     }
-    return web.json_response({"object": "list", "data": [model]})
+
+
+@routes.get("/v1/models")
+async def list_models(request: web.Request) -> web.Response:
+    await authenticate(request)
+    return web.json_response({"object": "list", "data": [model_object(request.app)]})
+
+
+@routes.get("/v1/models/{model:.+}")
+async def retrieve_model(request: web.Request) -> web.Response:
+    """The model object of the served model; 404 `model_not_found` for any other id (the
+    id may contain slashes, as Hugging Face names do)."""
+    await authenticate(request)
+    check_model(request.match_info["model"], request.app[CONFIG].model.name)
+    return web.json_response(model_object(request.app))
 
 
 @routes.post("/v1/chat/completions")

@@ -462,7 +462,18 @@ _PAGE_QUERY = [
     ("limit", _integer(1, 100), "page size (default 20)"),
     ("after", _STRING, "cursor: the last id of the previous page"),
 ]
-_GEN_ERRORS = (400, 401, 403, 422, 429, 503)
+_GEN_ERRORS = (400, 401, 403, 404, 422, 429, 503)
+_MODEL: dict[str, Any] = {
+    "type": "object",
+    "required": ["id", "object", "created", "owned_by"],
+    "properties": {
+        "id": _STRING,
+        "object": {"const": "model"},
+        "created": {"type": "integer"},
+        "owned_by": _STRING,
+        "max_model_len": {"type": "integer", "description": "the model's context, tokens"},
+    },
+}
 
 OPERATIONS: list[Op] = [
     # operations
@@ -497,12 +508,33 @@ OPERATIONS: list[Op] = [
     ),
     Op("GET", "/openapi.json", "This document", "operations", NONE, errors=()),
     # OpenAI-compatible
-    Op("GET", "/v1/models", "The served model", "openai", TENANT, errors=(401,)),
+    Op(
+        "GET",
+        "/v1/models",
+        "The served model",
+        "openai",
+        TENANT,
+        response={
+            "type": "object",
+            "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _MODEL}},
+        },
+        errors=(401,),
+    ),
+    Op(
+        "GET",
+        "/v1/models/{model}",
+        "The served model's object; 404 model_not_found for any other id",
+        "openai",
+        TENANT,
+        response=_MODEL,
+        errors=(401, 404),
+    ),
     Op(
         "POST",
         "/v1/chat/completions",
         "Chat completion (stream: true gives SSE chunks ending in "
-        "data: [DONE]); over a quota: 429 with Retry-After, the error code names the limit",
+        "data: [DONE]); another model than the served one: 404 model_not_found; over a "
+        "quota: 429 with Retry-After, the error code names the limit",
         "openai",
         TENANT,
         body="ChatCompletionRequest",

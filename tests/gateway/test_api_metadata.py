@@ -1,0 +1,80 @@
+"""What the API tells a client about its requests beside the answer: the model object
+(`GET /v1/models/{id}`) and `model_not_found`, the request id on every response, the tenant's
+rate-limit headers, and the 400 of a request no limit could ever admit — as the official
+`openai` client sees them (it retries 429s and 5xx, never a 400 or 404)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+import pytest
+
+from tests.gateway.harness import MODEL, Gateway
+from tests.gateway.test_batches import chat_line, create_batch, jsonl, read_lines, upload, wait_for
+
+
+def client_of(gw: Gateway, key: str, max_retries: int = 0) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{gw.base_url}/v1", api_key=key, max_retries=max_retries)
+
+
+# ---------------------------------------------------------------------------------- models
+
+
+async def test_models_retrieve_answers_the_listed_model(gw: Gateway) -> None:
+    _, key = await gw.new_tenant("retrieve")
+    listed = await gw.request("GET", "/v1/models", key=key)
+    client = client_of(gw, key)
+    try:
+        model = await client.models.retrieve(MODEL)
+        assert model.id == MODEL and model.object == "model"
+        assert model.model_dump() == listed.body["data"][0]
+        with pytest.raises(openai.NotFoundError) as info:
+            await client.models.retrieve("gpt-9")
+        assert info.value.status_code == 404
+        assert info.value.code == "model_not_found"
+        assert "gpt-9" in info.value.message
+    finally:
+        await client.close()
+
+
+async def test_models_retrieve_needs_a_key(gw: Gateway) -> None:
+    reply = await gw.request("GET", f"/v1/models/{MODEL}")
+    assert reply.status == 401, reply
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+async def test_a_generation_naming_an_unknown_model_is_a_404(gw: Gateway, endpoint: str) -> None:
+    _, key = await gw.new_tenant("unknown-model-404")
+    client = client_of(gw, key, max_retries=2)
+    try:
+        with pytest.raises(openai.NotFoundError) as info:
+            if endpoint == "chat":
+                await client.chat.completions.create(
+                    model="gpt-9", messages=[{"role": "user", "content": "x"}], max_tokens=1
+                )
+            else:
+                await client.completions.create(model="gpt-9", prompt="x", max_tokens=1)
+        assert info.value.code == "model_not_found"
+        body: Any = info.value.body
+        assert body["param"] == "model" and "gpt-9" in body["message"]
+    finally:
+        await client.close()
+
+
+async def test_a_batch_line_naming_an_unknown_model_goes_to_the_error_file(gw: Gateway) -> None:
+    _, key = await gw.new_tenant("batch-unknown-model", "be")
+    other = chat_line("other", "hi")
+    other["body"]["model"] = "gpt-9"
+    file = await upload(gw, key, jsonl([chat_line("ok", "hi"), other]))
+    batch = await create_batch(gw, key, file.body["id"])
+    done = await wait_for(gw, key, batch.body["id"])
+    assert done["status"] == "completed", done
+    assert done["request_counts"] == {"total": 2, "completed": 1, "failed": 1}
+    out = await read_lines(gw, key, done["output_file_id"])
+    assert [line["custom_id"] for line in out] == ["ok"]
+    [error] = await read_lines(gw, key, done["error_file_id"])
+    assert error["custom_id"] == "other"
+    assert error["response"]["status_code"] == 404
+    assert error["response"]["body"]["error"]["code"] == "model_not_found"
+    assert error["response"]["body"]["error"]["param"] == "model"
