@@ -35,6 +35,7 @@ from gateway.pipeline.stages import (
     response_headers,
     run,
 )
+from gateway.request_id import request_id_of
 from gateway.state import AUTH, CONFIG, TOKENIZER
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,11 @@ async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
     principal = await authenticate(request)
     app = request.app
     flight = Flight(
-        principal=principal, origin="api", endpoint=endpoint, model=app[CONFIG].model.name
+        principal=principal,
+        origin="api",
+        endpoint=endpoint,
+        model=app[CONFIG].model.name,
+        request_id=request_id_of(request),  # the x-request-id of its response
     )
     with recording(app, flight):
         body = parse(app, flight, await request.read())

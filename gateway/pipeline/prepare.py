@@ -307,15 +307,17 @@ def build_engine_request(
     principal: Principal,
     tier: Tier,
     arrival_unix_s: float | None = None,
+    rid: str | None = None,
 ) -> EngineRequest:
-    """The `/generate` payload with sampling parameters and the scheduler metadata."""
+    """The `/generate` payload with sampling parameters and the scheduler metadata; *rid*: the
+    request's id when it has one already (default: a fresh one)."""
     meta = request_meta(
         principal.tenant,
         tier,
         max_tokens,
         arrival_unix_s if arrival_unix_s is not None else time.time(),
     )
-    rid = new_rid()
+    rid = rid if rid is not None else new_rid()
     payload = {
         "rid": rid,
         "input_ids": input_ids,

@@ -62,6 +62,7 @@ from gateway.pipeline.prepare import (
     EngineRequest,
     PreparedPrompt,
     build_engine_request,
+    new_rid,
     parse_body,
     prepare_prompt,
     resolve_tier,
@@ -106,6 +107,9 @@ class Flight:
     endpoint: Endpoint
     model: str
     """The served model's id (the usage record's `model`)."""
+    request_id: str = field(default_factory=new_rid)
+    """The request's id: its response's `x-request-id` (gateway/request_id.py), its engine
+    request's `rid` and its usage record's `request_id`, whether it ran or not."""
     stream: bool = False
     """Whether the client asked for a streamed answer (known once parsed)."""
     timer: RequestTimer = field(default_factory=RequestTimer)
@@ -162,7 +166,7 @@ def prepare(
     tenant = flight.principal.tenant
     tier: Tier = "be" if flight.origin == "batch" else resolve_tier(tenant, body.tier)
     flight.request = build_engine_request(
-        body, prompt.input_ids, prompt.max_tokens, flight.principal, tier
+        body, prompt.input_ids, prompt.max_tokens, flight.principal, tier, rid=flight.request_id
     )
     return flight.request
 
@@ -363,7 +367,7 @@ def usage_record(flight: Flight) -> UsageRecord:
             e2e_ms=timer.e2e_ms,
         )
     return UsageRecord(
-        request_id=request.rid if request is not None else f"rejected-{id(flight):x}",
+        request_id=flight.request_id,
         tenant_id=tenant.id,
         key_id=flight.principal.key_id,
         tier=tier,

@@ -5,6 +5,7 @@ rate-limit headers, and the 400 of a request no limit could ever admit — as th
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import openai
@@ -78,3 +79,66 @@ async def test_a_batch_line_naming_an_unknown_model_goes_to_the_error_file(gw: G
     assert error["response"]["status_code"] == 404
     assert error["response"]["body"]["error"]["code"] == "model_not_found"
     assert error["response"]["body"]["error"]["param"] == "model"
+
+
+# ---------------------------------------------------------------------------------- request id
+
+
+async def test_every_response_carries_its_own_request_id(gw: Gateway) -> None:
+    _, key = await gw.new_tenant("request-ids")
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    replies = [
+        await gw.chat(key, max_tokens=2),
+        (await gw.stream("/v1/chat/completions", key, chat))[0],
+        await gw.chat(key, max_tokens="two"),  # 422
+        await gw.chat(key, temperature=9),  # 400
+        await gw.request("POST", "/v1/chat/completions", key=key, json_body={**chat, "model": "x"}),
+        await gw.request("GET", "/v1/models"),  # 401
+        await gw.request("GET", "/v1/models", key=key),
+        await gw.request("GET", f"/v1/models/{MODEL}", key=key),
+        await gw.request("GET", "/v1/nothing-here", key=key),  # 404 route
+        await gw.request("DELETE", "/v1/models", key=key),  # 405
+        await gw.request("GET", "/v1/files", key=key),
+        await gw.request("GET", "/v1/batches/batch_nope", key=key),  # 404
+    ]
+    ids = [reply.headers.get("x-request-id") for reply in replies]
+    assert all(ids), list(zip([r.status for r in replies], ids, strict=True))
+    assert len(set(ids)) == len(ids)
+
+
+async def test_a_generations_request_id_is_its_usage_records_and_names_its_body(
+    gw: Gateway,
+) -> None:
+    tenant_id, key = await gw.new_tenant("request-id-usage", quota={"requests_per_min": 2})
+    whole = await gw.chat(key, max_tokens=3)
+    assert whole.status == 200, whole
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 3}
+    streamed, events = await gw.stream("/v1/chat/completions", key, chat)
+    refused = await gw.chat(key, max_tokens=3)  # over requests_per_min
+    assert refused.status == 429, refused
+    records = await gw.records(tenant_id, 3)
+    by_id = {r["request_id"]: r for r in records}
+    whole_id = whole.headers["x-request-id"]
+    assert by_id[whole_id]["status"] == "ok" and not by_id[whole_id]["stream"]
+    assert whole.body["id"] == f"chatcmpl-{whole_id}"
+    stream_id = streamed.headers["x-request-id"]
+    assert by_id[stream_id]["status"] == "ok" and by_id[stream_id]["stream"]
+    chunk_ids = {json.loads(e)["id"] for e in events if e != "[DONE]"}
+    assert chunk_ids == {f"chatcmpl-{stream_id}"}
+    assert by_id[refused.headers["x-request-id"]]["status"] == "rate_limited"
+
+
+async def test_a_client_sent_request_id_is_not_taken_as_the_gateways(gw: Gateway) -> None:
+    tenant_id, key = await gw.new_tenant("client-request-id")
+    mine = "tdm-0123456789abcdef0123456789abcdef"
+    reply = await gw.request(
+        "POST",
+        "/v1/completions",
+        key=key,
+        json_body={"model": MODEL, "prompt": "x", "max_tokens": 2},
+        headers={"X-Request-Id": mine},
+    )
+    assert reply.status == 200, reply
+    assert reply.headers["x-request-id"] != mine
+    [record] = await gw.records(tenant_id, 1)
+    assert record["request_id"] == reply.headers["x-request-id"]
