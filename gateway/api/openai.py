@@ -113,7 +113,7 @@ async def _respond(app: web.Application, flight: Flight) -> web.Response:
         raise result.api_error()
     usage = usage_body(result.prompt_tokens, result.completion_tokens)
     body = completion_body(_head(flight), result.text, result.finish_reason, usage)
-    return web.json_response(body=_encoder.encode(body), headers=response_headers(flight))
+    return web.json_response(body=_encoder.encode(body), headers=response_headers(app, flight))
 
 
 async def _stream(
@@ -137,7 +137,7 @@ async def _stream(
                 "Content-Type": "text/event-stream",
                 "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no",
-                **response_headers(flight),
+                **response_headers(app, flight),
             }
         )
         await resp.prepare(request)

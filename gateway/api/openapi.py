@@ -72,6 +72,29 @@ class Op:
     query: list[tuple[str, dict[str, Any], str]] = field(default_factory=list)
     """(name, JSON schema, description) of query parameters."""
     errors: tuple[int, ...] = (400, 401, 404, 422)
+    success_headers: dict[str, Any] = field(default_factory=dict)
+    """Headers of the success beyond `x-request-id` (which every response has)."""
+
+
+_REQUEST_ID_HEADER = {
+    "x-request-id": {
+        "schema": {"type": "string"},
+        "description": "the gateway's id of the request (a generation's usage record "
+        "request_id; its body id is chatcmpl-/cmpl- + it)",
+    }
+}
+_RATE_LIMIT_HEADERS = {
+    f"x-ratelimit-{what}-{unit}": {
+        "schema": {"type": "string" if what == "reset" else "integer"},
+        "description": f"{text} (only when the tenant has a {unit} per minute limit)",
+    }
+    for unit in ("requests", "tokens")
+    for what, text in (
+        ("limit", f"the tenant's {unit} per minute"),
+        ("remaining", f"{unit} this gateway admits now"),
+        ("reset", "time until the limit is whole again, e.g. 1s, 250ms, 6m0s"),
+    )
+}
 
 
 _SSE = (
@@ -119,9 +142,10 @@ def _error_response(status: int) -> dict[str, Any]:
     response: dict[str, Any] = {
         "description": _ERROR_TEXT.get(status, "error"),
         "content": {"application/json": {"schema": schema_ref("Error")}},
+        "headers": dict(_REQUEST_ID_HEADER),
     }
     if status in (429, 503):
-        response["headers"] = {
+        response["headers"] |= {
             "Retry-After": {
                 "schema": {"type": "integer"},
                 "description": "seconds to wait before a retry",
@@ -146,6 +170,7 @@ _ERROR_TEXT = {
 def _operation(op: Op) -> dict[str, Any]:
     success: dict[str, Any] = {
         "description": "ok",
+        "headers": {**_REQUEST_ID_HEADER, **op.success_headers},
         "content": {
             op.response_type: {"schema": op.response or {"type": "object"}},
             **{kind: {"schema": schema} for kind, schema in op.other_responses},
@@ -540,6 +565,7 @@ OPERATIONS: list[Op] = [
         body="ChatCompletionRequest",
         other_responses=(_SSE,),
         errors=_GEN_ERRORS,
+        success_headers=_RATE_LIMIT_HEADERS,
     ),
     Op(
         "POST",
@@ -550,6 +576,7 @@ OPERATIONS: list[Op] = [
         body="CompletionRequest",
         other_responses=(_SSE,),
         errors=_GEN_ERRORS,
+        success_headers=_RATE_LIMIT_HEADERS,
     ),
     Op(
         "POST",

@@ -55,6 +55,19 @@ class Ticket:
     released: bool = False
 
 
+@dataclass(frozen=True)
+class LimitStatus:
+    """Where a tenant stands against one per-minute limit on this instance (the
+    `x-ratelimit-*` response headers)."""
+
+    limit: int
+    """The tenant's limit per minute (requests or tokens), all instances together."""
+    remaining: int
+    """What this instance would admit now (its bucket's whole units; 0 when in debt)."""
+    reset_s: float
+    """Seconds until this instance's bucket is full again (0: it is full)."""
+
+
 @dataclass
 class DemandReport:
     """One tenant's demand on this instance since the previous sync, per second, smoothed."""
@@ -210,6 +223,21 @@ class QuotaLimiter:
         state.in_flight += 1
         state.reserved_tokens += amount
         return Ticket(tenant_id=tenant.id, reserved_tokens=amount)
+
+    def limit_status(self, tenant_id: str) -> tuple[LimitStatus | None, LimitStatus | None]:
+        """(requests/min, tokens/min) status of *tenant_id* now; None for a limit the tenant
+        does not have (or a tenant this instance has not seen). With several instances, each
+        admits its share of a limit (see the package doc): `remaining` and `reset_s` are this
+        instance's, `limit` the tenant's."""
+        state = self._tenants.get(tenant_id)
+        if state is None:
+            return None, None
+        now = self._clock()
+        quota = state.quota
+        return (
+            _status(state.requests, quota.requests_per_min, now),
+            _status(state.tokens, quota.tokens_per_min, now),
+        )
 
     def release(self, ticket: Ticket, used_tokens: int) -> None:
         """Ends an admitted request that used *used_tokens* (prompt + completion; 0 if it never
@@ -398,6 +426,15 @@ class QuotaLimiter:
 def month_key(when: datetime) -> str:
     """ "YYYY-MM" of *when* in UTC."""
     return when.astimezone(UTC).strftime("%Y-%m")
+
+
+def _status(bucket: TokenBucket | None, per_min: int | None, now: float) -> LimitStatus | None:
+    if bucket is None or per_min is None:
+        return None
+    bucket.refill(now)
+    missing = bucket.capacity - bucket.level
+    reset_s = missing / bucket.rate_per_s if missing > 0 and bucket.rate_per_s > 0 else 0.0
+    return LimitStatus(limit=per_min, remaining=max(0, math.floor(bucket.level)), reset_s=reset_s)
 
 
 def _sized(

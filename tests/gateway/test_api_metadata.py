@@ -142,3 +142,60 @@ async def test_a_client_sent_request_id_is_not_taken_as_the_gateways(gw: Gateway
     assert reply.headers["x-request-id"] != mine
     [record] = await gw.records(tenant_id, 1)
     assert record["request_id"] == reply.headers["x-request-id"]
+
+
+# ---------------------------------------------------------------------------------- rate limits
+
+RATE_LIMIT_HEADERS = [
+    f"x-ratelimit-{what}-{limit}"
+    for limit in ("requests", "tokens")
+    for what in ("limit", "remaining", "reset")
+]
+
+
+def duration_s(text: str) -> float:
+    """Seconds of a reset header ("1s", "6m0s", "250ms", "1m30.5s": OpenAI's spelling)."""
+    seconds, rest = 0.0, text
+    if rest.endswith("ms"):
+        return float(rest[:-2]) / 1000.0
+    if "m" in rest:
+        minutes, rest = rest.split("m", 1)
+        seconds += 60.0 * float(minutes)
+    assert rest.endswith("s"), text
+    return seconds + float(rest[:-1])
+
+
+async def test_a_success_carries_the_tenants_rate_limits(gw: Gateway) -> None:
+    _, key = await gw.new_tenant(
+        "rate-headers", quota={"requests_per_min": 3, "tokens_per_min": 600}
+    )
+    first = await gw.chat(key, max_tokens=200)
+    assert first.status == 200, first
+    headers = first.headers
+    assert headers["x-ratelimit-limit-requests"] == "3"
+    # refilling one request takes 20 s at 3/min: after one, two are left
+    assert headers["x-ratelimit-remaining-requests"] == "2"
+    assert 0 < duration_s(headers["x-ratelimit-reset-requests"]) <= 20
+    assert headers["x-ratelimit-limit-tokens"] == "600"
+    # the request held prompt + max_tokens (refilled at 10 tokens/s): well under the limit left
+    remaining = int(headers["x-ratelimit-remaining-tokens"])
+    assert 600 - first.body["usage"]["prompt_tokens"] - 200 <= remaining < 600
+    assert 0 < duration_s(headers["x-ratelimit-reset-tokens"]) <= 60
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    streamed, _ = await gw.stream("/v1/chat/completions", key, body)
+    assert streamed.status == 200
+    assert streamed.headers["x-ratelimit-limit-requests"] == "3"
+    assert streamed.headers["x-ratelimit-remaining-requests"] == "1"
+    assert set(RATE_LIMIT_HEADERS) <= {h.lower() for h in streamed.headers}
+
+
+async def test_rate_limit_headers_are_only_those_of_the_tenants_limits(gw: Gateway) -> None:
+    _, unlimited = await gw.new_tenant("no-limits")
+    reply = await gw.completion(unlimited, max_tokens=2)
+    assert reply.status == 200, reply
+    assert not [h for h in reply.headers if h.lower().startswith("x-ratelimit-")]
+    _, requests_only = await gw.new_tenant("requests-only", quota={"requests_per_min": 100})
+    reply = await gw.completion(requests_only, max_tokens=2)
+    assert reply.status == 200, reply
+    present = {h.lower() for h in reply.headers if h.lower().startswith("x-ratelimit-")}
+    assert present == {h for h in RATE_LIMIT_HEADERS if h.endswith("-requests")}

@@ -7,6 +7,7 @@ from datetime import UTC, datetime
 
 import pytest
 
+from gateway.pipeline.stages import duration_text
 from gateway.quotas.bucket import TokenBucket
 from gateway.quotas.limiter import DemandReport, QuotaExceeded, QuotaLimiter, SyncView
 from gateway.quotas.shares import FLOOR_SHARE, allocate, weights
@@ -247,3 +248,32 @@ def test_retry_after_with_several_instances_is_what_the_whole_limit_needs() -> N
     # this instance's half refills one request in 2 s; the whole limit does it in 1 s, and the
     # shares follow the demand at the next sync
     assert refused(a, t).retry_after_s == 1
+
+
+def test_limit_status_says_what_is_left_and_when_it_is_full_again() -> None:
+    clock = Clock()
+    lim, t = limiter(clock), tenant(requests_per_min=3, tokens_per_min=600)
+    assert lim.limit_status(t.id) == (None, None)  # not seen yet
+    ticket = lim.admit(t, 10, 290)
+    requests, tokens = lim.limit_status(t.id)
+    assert requests is not None and tokens is not None
+    assert (requests.limit, requests.remaining, requests.reset_s) == (3, 2, 20.0)
+    assert (tokens.limit, tokens.remaining, tokens.reset_s) == (600, 300, 30.0)
+    lim.release(ticket, 100)  # the unused 200 come back
+    clock.now += 1.0
+    _, tokens = lim.limit_status(t.id)
+    assert tokens is not None and (tokens.remaining, tokens.reset_s) == (510, 9.0)
+    only_requests = tenant("solo", requests_per_min=5)
+    lim.admit(only_requests, 1, 1)
+    assert lim.limit_status(only_requests.id)[1] is None
+
+
+def test_reset_durations_are_spelled_as_openai_does() -> None:
+    assert [duration_text(s) for s in (0.0, 0.25, 1.5, 20.0, 60.0, 90.5)] == [
+        "0ms",
+        "250ms",
+        "1.5s",
+        "20s",
+        "1m0s",
+        "1m30.5s",
+    ]
