@@ -559,7 +559,9 @@ OPERATIONS: list[Op] = [
         "/v1/chat/completions",
         "Chat completion (stream: true gives SSE chunks ending in "
         "data: [DONE]); another model than the served one: 404 model_not_found; over a "
-        "quota: 429 with Retry-After, the error code names the limit",
+        "quota: 429 with Retry-After, the error code names the limit; needing more tokens "
+        "than the whole tokens_per_min (prompt + max_tokens, or the default cap): 400 "
+        "request_too_large_for_limit",
         "openai",
         TENANT,
         body="ChatCompletionRequest",

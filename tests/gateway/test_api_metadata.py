@@ -199,3 +199,51 @@ async def test_rate_limit_headers_are_only_those_of_the_tenants_limits(gw: Gatew
     assert reply.status == 200, reply
     present = {h.lower() for h in reply.headers if h.lower().startswith("x-ratelimit-")}
     assert present == {h for h in RATE_LIMIT_HEADERS if h.endswith("-requests")}
+
+
+# ---------------------------------------------------------------------------------- never fits
+
+
+async def test_a_request_over_the_whole_tokens_per_min_is_a_400_the_client_does_not_retry(
+    gw: Gateway,
+) -> None:
+    tenant_id, key = await gw.new_tenant("too-large", quota={"tokens_per_min": 300})
+    client = client_of(gw, key, max_retries=2)  # it would retry a 429 (after Retry-After)
+    try:
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=400
+            )
+        assert info.value.code == "request_too_large_for_limit"
+        body: Any = info.value.body
+        assert body["param"] == "max_tokens"
+        message = body["message"]
+        assert "tokens_per_min" in message and "300" in message and "400" in message
+        # no max_tokens: the gateway's default cap (gateway.default_max_tokens) counts
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.completions.create(model=MODEL, prompt="x")
+        assert info.value.code == "request_too_large_for_limit"
+        assert "default" in info.value.message
+        fits = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=50
+        )
+        assert fits.usage is not None and fits.usage.completion_tokens == 50
+    finally:
+        await client.close()
+    records = await gw.records(tenant_id, 3)
+    assert [(r["status"], r["http_status"]) for r in records] == [
+        ("ok", 200),
+        ("invalid_request", 400),
+        ("invalid_request", 400),
+    ]
+
+
+async def test_a_batch_line_over_the_whole_tokens_per_min_still_runs(gw: Gateway) -> None:
+    # batch lines are held to the monthly budget only (gateway/quotas): no per-minute limit can
+    # refuse one, so none is refused for being larger than it
+    _, key = await gw.new_tenant("too-large-batch", "be", quota={"tokens_per_min": 100})
+    file = await upload(gw, key, jsonl([chat_line("big", "hi", max_tokens=150)]))
+    batch = await create_batch(gw, key, file.body["id"])
+    done = await wait_for(gw, key, batch.body["id"])
+    assert done["status"] == "completed", done
+    assert done["request_counts"] == {"total": 1, "completed": 1, "failed": 0}

@@ -9,7 +9,13 @@ import pytest
 
 from gateway.pipeline.stages import duration_text
 from gateway.quotas.bucket import TokenBucket
-from gateway.quotas.limiter import DemandReport, QuotaExceeded, QuotaLimiter, SyncView
+from gateway.quotas.limiter import (
+    DemandReport,
+    QuotaExceeded,
+    QuotaLimiter,
+    RequestTooLarge,
+    SyncView,
+)
 from gateway.quotas.shares import FLOOR_SHARE, allocate, weights
 from gateway.store.types import Quota, Slo, Tenant
 
@@ -74,11 +80,14 @@ def test_tokens_per_min_counts_prompt_plus_max_tokens_and_refunds_the_unused_par
     lim.admit(t, 100, 400)
 
 
-def test_a_request_larger_than_the_whole_token_limit_is_refused_naming_max_tokens() -> None:
-    lim, t = limiter(Clock()), tenant(tokens_per_min=100)
-    exc = refused(lim, t, 20, 200)
-    assert exc.limit == "tokens_per_min" and "lower max_tokens" in exc.message
-    assert exc.retry_after_s >= 1
+def test_a_request_larger_than_the_whole_token_limit_is_refused_for_good() -> None:
+    lim, t = limiter(Clock()), tenant(tokens_per_min=100, requests_per_min=1)
+    lim.admit(t, 1, 1)  # requests_per_min is spent: it is still told it can never pass
+    with pytest.raises(RequestTooLarge) as info:
+        lim.admit(t, 20, 200)
+    assert (info.value.needed_tokens, info.value.limit_tokens) == (220, 100)
+    assert "lower max_tokens" in info.value.message and "220" in info.value.message
+    lim.admit(t, 20, 200, interactive=False)  # a batch line: no per-minute limit applies
 
 
 def test_a_refusal_takes_nothing_from_the_other_limits() -> None:
