@@ -33,6 +33,7 @@ from gateway.operator import install as install_operator_tools
 from gateway.overload import OVERLOAD, OverloadGuard
 from gateway.pipeline.admission import build_forecaster
 from gateway.pipeline.tier_queue import TierQueues, tier_bounds
+from gateway.request_id import add_request_id
 from gateway.state import (
     ADMIN_TOKEN,
     AUTH,
@@ -68,6 +69,7 @@ def create_app(config: Config, admin_token: str, model_dir: Path) -> web.Applica
         client_max_size=config.gateway.max_body_bytes,
     )
     app[OVERLOAD] = guard
+    app.on_response_prepare.append(add_request_id)  # x-request-id on every response
     app[CONFIG] = config
     app[ADMIN_TOKEN] = admin_token
     app[TOKENIZER] = ModelTokenizer(model_dir)

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible public API: /v1/models, /v1/chat/completions, /v1/completions.
+"""The OpenAI-compatible public API: /v1/models (and /v1/models/{model}), /v1/chat/completions,
+/v1/completions.
 
 The handlers are the HTTP framing around the request pipeline (gateway/pipeline/stages.py):
 they read the body, run parse → prepare → admit → place → run → record, and answer with one JSON
@@ -19,7 +20,7 @@ from gateway.api.schemas import Endpoint, StreamOptions
 from gateway.auth import Principal, bearer_token
 from gateway.engine.client import EngineChunk
 from gateway.pipeline.outcome import Refused, internal_error
-from gateway.pipeline.prepare import prepare_prompt_off_loop
+from gateway.pipeline.prepare import check_model, prepare_prompt_off_loop
 from gateway.pipeline.stages import (
     Completion,
     Flight,
@@ -34,6 +35,7 @@ from gateway.pipeline.stages import (
     response_headers,
     run,
 )
+from gateway.request_id import request_id_of
 from gateway.state import AUTH, CONFIG, TOKENIZER
 
 log = logging.getLogger(__name__)
@@ -45,18 +47,30 @@ async def authenticate(request: web.Request) -> Principal:
     return await request.app[AUTH].authenticate(bearer_token(request))
 
 
-@routes.get("/v1/models")
-async def list_models(request: web.Request) -> web.Response:
-    await authenticate(request)
-    config = request.app[CONFIG]
-    model = {
-        "id": config.model.name,
+def model_object(app: web.Application) -> dict[str, Any]:
+    """OpenAI's model object of the served model (the one /v1/models lists)."""
+    return {
+        "id": app[CONFIG].model.name,
         "object": "model",
         "created": 0,
         "owned_by": "tandem",
-        "max_model_len": request.app[TOKENIZER].context_len,
+        "max_model_len": app[TOKENIZER].context_len,
     }
-    return web.json_response({"object": "list", "data": [model]})
+
+
+@routes.get("/v1/models")
+async def list_models(request: web.Request) -> web.Response:
+    await authenticate(request)
+    return web.json_response({"object": "list", "data": [model_object(request.app)]})
+
+
+@routes.get("/v1/models/{model:.+}")
+async def retrieve_model(request: web.Request) -> web.Response:
+    """The model object of the served model; 404 `model_not_found` for any other id (the
+    id may contain slashes, as Hugging Face names do)."""
+    await authenticate(request)
+    check_model(request.match_info["model"], request.app[CONFIG].model.name)
+    return web.json_response(model_object(request.app))
 
 
 @routes.post("/v1/chat/completions")
@@ -73,7 +87,11 @@ async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
     principal = await authenticate(request)
     app = request.app
     flight = Flight(
-        principal=principal, origin="api", endpoint=endpoint, model=app[CONFIG].model.name
+        principal=principal,
+        origin="api",
+        endpoint=endpoint,
+        model=app[CONFIG].model.name,
+        request_id=request_id_of(request),  # the x-request-id of its response
     )
     with recording(app, flight):
         body = parse(app, flight, await request.read())
@@ -95,7 +113,7 @@ async def _respond(app: web.Application, flight: Flight) -> web.Response:
         raise result.api_error()
     usage = usage_body(result.prompt_tokens, result.completion_tokens)
     body = completion_body(_head(flight), result.text, result.finish_reason, usage)
-    return web.json_response(body=_encoder.encode(body), headers=response_headers(flight))
+    return web.json_response(body=_encoder.encode(body), headers=response_headers(app, flight))
 
 
 async def _stream(
@@ -119,7 +137,7 @@ async def _stream(
                 "Content-Type": "text/event-stream",
                 "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no",
-                **response_headers(flight),
+                **response_headers(app, flight),
             }
         )
         await resp.prepare(request)

@@ -72,6 +72,29 @@ class Op:
     query: list[tuple[str, dict[str, Any], str]] = field(default_factory=list)
     """(name, JSON schema, description) of query parameters."""
     errors: tuple[int, ...] = (400, 401, 404, 422)
+    success_headers: dict[str, Any] = field(default_factory=dict)
+    """Headers of the success beyond `x-request-id` (which every response has)."""
+
+
+_REQUEST_ID_HEADER = {
+    "x-request-id": {
+        "schema": {"type": "string"},
+        "description": "the gateway's id of the request (a generation's usage record "
+        "request_id; its body id is chatcmpl-/cmpl- + it)",
+    }
+}
+_RATE_LIMIT_HEADERS = {
+    f"x-ratelimit-{what}-{unit}": {
+        "schema": {"type": "string" if what == "reset" else "integer"},
+        "description": f"{text} (only when the tenant has a {unit} per minute limit)",
+    }
+    for unit in ("requests", "tokens")
+    for what, text in (
+        ("limit", f"the tenant's {unit} per minute"),
+        ("remaining", f"{unit} this gateway admits now"),
+        ("reset", "time until the limit is whole again, e.g. 1s, 250ms, 6m0s"),
+    )
+}
 
 
 _SSE = (
@@ -119,9 +142,10 @@ def _error_response(status: int) -> dict[str, Any]:
     response: dict[str, Any] = {
         "description": _ERROR_TEXT.get(status, "error"),
         "content": {"application/json": {"schema": schema_ref("Error")}},
+        "headers": dict(_REQUEST_ID_HEADER),
     }
     if status in (429, 503):
-        response["headers"] = {
+        response["headers"] |= {
             "Retry-After": {
                 "schema": {"type": "integer"},
                 "description": "seconds to wait before a retry",
@@ -146,6 +170,7 @@ _ERROR_TEXT = {
 def _operation(op: Op) -> dict[str, Any]:
     success: dict[str, Any] = {
         "description": "ok",
+        "headers": {**_REQUEST_ID_HEADER, **op.success_headers},
         "content": {
             op.response_type: {"schema": op.response or {"type": "object"}},
             **{kind: {"schema": schema} for kind, schema in op.other_responses},
@@ -462,7 +487,18 @@ _PAGE_QUERY = [
     ("limit", _integer(1, 100), "page size (default 20)"),
     ("after", _STRING, "cursor: the last id of the previous page"),
 ]
-_GEN_ERRORS = (400, 401, 403, 422, 429, 503)
+_GEN_ERRORS = (400, 401, 403, 404, 422, 429, 503)
+_MODEL: dict[str, Any] = {
+    "type": "object",
+    "required": ["id", "object", "created", "owned_by"],
+    "properties": {
+        "id": _STRING,
+        "object": {"const": "model"},
+        "created": {"type": "integer"},
+        "owned_by": _STRING,
+        "max_model_len": {"type": "integer", "description": "the model's context, tokens"},
+    },
+}
 
 OPERATIONS: list[Op] = [
     # operations
@@ -497,17 +533,41 @@ OPERATIONS: list[Op] = [
     ),
     Op("GET", "/openapi.json", "This document", "operations", NONE, errors=()),
     # OpenAI-compatible
-    Op("GET", "/v1/models", "The served model", "openai", TENANT, errors=(401,)),
+    Op(
+        "GET",
+        "/v1/models",
+        "The served model",
+        "openai",
+        TENANT,
+        response={
+            "type": "object",
+            "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _MODEL}},
+        },
+        errors=(401,),
+    ),
+    Op(
+        "GET",
+        "/v1/models/{model}",
+        "The served model's object; 404 model_not_found for any other id",
+        "openai",
+        TENANT,
+        response=_MODEL,
+        errors=(401, 404),
+    ),
     Op(
         "POST",
         "/v1/chat/completions",
         "Chat completion (stream: true gives SSE chunks ending in "
-        "data: [DONE]); over a quota: 429 with Retry-After, the error code names the limit",
+        "data: [DONE]); another model than the served one: 404 model_not_found; over a "
+        "quota: 429 with Retry-After, the error code names the limit; needing more tokens "
+        "than the whole tokens_per_min (prompt + max_tokens, or the default cap): 400 "
+        "request_too_large_for_limit",
         "openai",
         TENANT,
         body="ChatCompletionRequest",
         other_responses=(_SSE,),
         errors=_GEN_ERRORS,
+        success_headers=_RATE_LIMIT_HEADERS,
     ),
     Op(
         "POST",
@@ -518,6 +578,7 @@ OPERATIONS: list[Op] = [
         body="CompletionRequest",
         other_responses=(_SSE,),
         errors=_GEN_ERRORS,
+        success_headers=_RATE_LIMIT_HEADERS,
     ),
     Op(
         "POST",

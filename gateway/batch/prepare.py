@@ -16,6 +16,7 @@ from gateway.pipeline.outcome import Failure, invalid_request
 from gateway.pipeline.prepare import (
     PreparedPrompt,
     PromptSource,
+    check_model,
     finish_prompt,
     prompt_ids,
     prompt_source,
@@ -47,7 +48,8 @@ def prepare_lines(
     sources: dict[int, tuple[OpenAIRequest, PromptSource]] = {}
     for item in pending:
         try:
-            body = parse_body(item.body.encode(), struct, model)
+            body = parse_body(item.body.encode(), struct)
+            check_model(body.model, model)  # 404 model_not_found, as a live request gets
             sources[item.line_no] = (body, prompt_source(body, tokenizer))
         except ApiError as exc:
             refused[item.line_no] = invalid_request(exc)

@@ -242,7 +242,7 @@ class BatchRunner:
             await self._store.start(info.id, [], None, errors)
             return
         kind = ENDPOINTS[info.endpoint]
-        items, errors = await asyncio.to_thread(validate_lines, content, info.endpoint, kind, model)
+        items, errors = await asyncio.to_thread(validate_lines, content, info.endpoint, kind)
         status = await self._store.start(info.id, items, model, errors or None)
         log.info("batch %s: %d lines, %s", info.id, len(items), status)
         self._wake.set()

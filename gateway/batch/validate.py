@@ -2,11 +2,13 @@
 
 Structural problems — a line that is not a JSON object, a missing or repeated `custom_id`, a
 `method` other than POST, a `url` other than the batch's endpoint, a `body` that is not a valid
-request of that endpoint (wrong types, out-of-range sampling values, another model, `stream`) —
-fail the whole batch, with one error per bad line (`line` is 1-based, as OpenAI reports it), so
-nothing runs until the file is right. Problems only the model can find (a prompt longer than the
-context, a token id beyond its vocabulary) fail that line alone, into the error file, while the
-rest runs; so does a line stored before a check was added, when the batch is loaded.
+request of that endpoint (wrong types, out-of-range sampling values, `stream`) — fail the whole
+batch, with one error per bad line (`line` is 1-based, as OpenAI reports it), so nothing runs
+until the file is right. Problems of what a line asks for rather than how it is written — a model
+this gateway does not serve (404 `model_not_found`, as a live request gets), a prompt longer than
+the context, a token id beyond its vocabulary — fail that line alone, into the error file, while
+the rest runs (gateway/batch/prepare.py); so does a line stored before a check was added, when
+the batch is loaded.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def body_type(endpoint_kind: Endpoint) -> type[msgspec.Struct]:
 
 
 def validate_lines(
-    content: bytes, endpoint: str, endpoint_kind: Endpoint, model: str
+    content: bytes, endpoint: str, endpoint_kind: Endpoint
 ) -> tuple[list[NewItem], list[dict[str, Any]]]:
     """The lines as NewItems, and the errors (empty when the file is valid)."""
     items: list[NewItem] = []
@@ -56,7 +58,7 @@ def validate_lines(
             continue
         line_no = index + 1
         try:
-            item = _check_line(raw, line_no, endpoint, kind, model, seen)
+            item = _check_line(raw, line_no, endpoint, kind, seen)
         except LineError as exc:
             total_errors += 1
             if len(errors) < MAX_REPORTED_ERRORS:
@@ -100,7 +102,6 @@ def _check_line(
     line_no: int,
     endpoint: str,
     kind: type[msgspec.Struct],
-    model: str,
     seen: dict[str, int],
 ) -> NewItem:
     try:
@@ -144,14 +145,15 @@ def _check_line(
     if not isinstance(line.body, dict):
         raise LineError("invalid_body", "body must be a JSON object", "body")
     body = msgspec.json.encode(line.body)
-    parse_body(body, kind, model)
+    parse_body(body, kind)
     return NewItem(
         line_no=line_no, custom_id=custom_id, method="POST", url=endpoint, body=body.decode()
     )
 
 
-def parse_body(body: bytes, kind: type[msgspec.Struct], model: str) -> Any:
-    """The request Struct of a line's body; raises LineError naming the field."""
+def parse_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
+    """The request Struct of a line's body; raises LineError naming the field. The model it
+    names is not checked here: another model fails the line alone (gateway/batch/prepare.py)."""
     try:
         request = msgspec.json.decode(body, type=kind)
         assert isinstance(request, (ChatCompletionRequest, CompletionRequest))
@@ -167,12 +169,6 @@ def parse_body(body: bytes, kind: type[msgspec.Struct], model: str) -> Any:
             f"body.{exc.param}: {exc.message}" if exc.param else exc.message,
             f"body.{exc.param}" if exc.param else "body",
         ) from None
-    if request.model != model:
-        raise LineError(
-            "model_not_found",
-            f"body.model {request.model!r} does not exist; this gateway serves {model!r}",
-            "body.model",
-        )
     if request.stream:
         raise LineError("invalid_body", "body.stream must be false in a batch", "body.stream")
     return request

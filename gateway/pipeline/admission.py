@@ -61,7 +61,7 @@ from gateway.pipeline.outcome import Refused
 from gateway.pipeline.placement import engine_candidates
 from gateway.pipeline.prepare import EngineRequest, in_tier
 from gateway.pipeline.tier_queue import TierQueueCheck
-from gateway.quotas.limiter import QuotaExceeded, QuotaLimiter, Ticket
+from gateway.quotas.limiter import QuotaExceeded, QuotaLimiter, RequestTooLarge, Ticket
 from gateway.state import LOADS, METRICS, QUOTAS, SLO_FORECASTER, TIER_QUEUES, TTFT_FEEDBACK
 from gateway.store.types import AdmissionOutcome, Slo, Tenant
 
@@ -155,7 +155,9 @@ class QuotaCheck:
     """The tenant's requests/min, tokens/min, concurrency and monthly budget (in memory, no I/O).
 
     A request counts its prompt plus its output cap when admitted; batch lines count toward
-    the monthly budget only (gateway/quotas/__init__.py explains why)."""
+    the monthly budget only (gateway/quotas/__init__.py explains why). Over a limit: 429 with
+    Retry-After; one needing more than the whole tokens_per_min: 400
+    `request_too_large_for_limit` (no retry could pass, and clients retry 429s)."""
 
     limiter: QuotaLimiter
     metrics: GatewayMetrics
@@ -168,6 +170,15 @@ class QuotaCheck:
                 len(request.input_ids),
                 request.max_tokens,
                 interactive=admitted.origin == "api",
+            )
+        except RequestTooLarge as exc:
+            self.metrics.quota_rejected(admitted.tenant.id, "tokens_per_min")
+            return Refused(
+                kind="invalid_request",
+                http_status=400,
+                message=exc.message,
+                code="request_too_large_for_limit",
+                param="max_tokens",
             )
         except QuotaExceeded as exc:
             self.metrics.quota_rejected(admitted.tenant.id, exc.limit)

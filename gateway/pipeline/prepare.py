@@ -58,7 +58,7 @@ class PreparedPrompt:
 
 def parse_body(raw: bytes, endpoint: Endpoint, served_model: str) -> OpenAIRequest:
     """The body of an API request as its endpoint's Struct, type- and range-checked, asking for
-    the served model (400 / 422 naming the field otherwise)."""
+    the served model (400 / 422 naming the field, 404 for another model, otherwise)."""
     kind = ChatCompletionRequest if endpoint == "chat" else CompletionRequest
     body = decode_body(raw, kind)
     assert isinstance(body, (ChatCompletionRequest, CompletionRequest))
@@ -68,10 +68,11 @@ def parse_body(raw: bytes, endpoint: Endpoint, served_model: str) -> OpenAIReque
 
 
 def check_model(model: str, served: str) -> None:
-    """400 `model_not_found` unless *model* is the one this gateway serves."""
+    """404 `model_not_found` unless *model* is the one this gateway serves (OpenAI's status
+    for a model that does not exist: a client does not retry it)."""
     if model != served:
         raise ApiError(
-            400,
+            404,
             f"model {model!r} does not exist; this gateway serves {served!r}",
             param="model",
             code="model_not_found",
@@ -306,15 +307,17 @@ def build_engine_request(
     principal: Principal,
     tier: Tier,
     arrival_unix_s: float | None = None,
+    rid: str | None = None,
 ) -> EngineRequest:
-    """The `/generate` payload with sampling parameters and the scheduler metadata."""
+    """The `/generate` payload with sampling parameters and the scheduler metadata; *rid*: the
+    request's id when it has one already (default: a fresh one)."""
     meta = request_meta(
         principal.tenant,
         tier,
         max_tokens,
         arrival_unix_s if arrival_unix_s is not None else time.time(),
     )
-    rid = new_rid()
+    rid = rid if rid is not None else new_rid()
     payload = {
         "rid": rid,
         "input_ids": input_ids,

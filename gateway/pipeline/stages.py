@@ -62,15 +62,18 @@ from gateway.pipeline.prepare import (
     EngineRequest,
     PreparedPrompt,
     build_engine_request,
+    new_rid,
     parse_body,
     prepare_prompt,
     resolve_tier,
 )
+from gateway.quotas.limiter import LimitStatus
 from gateway.slo import RequestTimer, slo_met
 from gateway.state import (
     CONFIG,
     ENGINE_HEALTH,
     METRICS,
+    QUOTAS,
     TOKENIZER,
     TTFT_FEEDBACK,
     USAGE,
@@ -106,6 +109,9 @@ class Flight:
     endpoint: Endpoint
     model: str
     """The served model's id (the usage record's `model`)."""
+    request_id: str = field(default_factory=new_rid)
+    """The request's id: its response's `x-request-id` (gateway/request_id.py), its engine
+    request's `rid` and its usage record's `request_id`, whether it ran or not."""
     stream: bool = False
     """Whether the client asked for a streamed answer (known once parsed)."""
     timer: RequestTimer = field(default_factory=RequestTimer)
@@ -162,7 +168,7 @@ def prepare(
     tenant = flight.principal.tenant
     tier: Tier = "be" if flight.origin == "batch" else resolve_tier(tenant, body.tier)
     flight.request = build_engine_request(
-        body, prompt.input_ids, prompt.max_tokens, flight.principal, tier
+        body, prompt.input_ids, prompt.max_tokens, flight.principal, tier, rid=flight.request_id
     )
     return flight.request
 
@@ -192,12 +198,40 @@ DOWNGRADED_HEADER = "X-Tandem-Downgraded"
 target the forecast said RT would miss ("ttft" or "tpot")."""
 
 
-def response_headers(flight: Flight) -> dict[str, str]:
-    """The headers the admission adds to a response (a downgrade says so)."""
+def response_headers(app: web.Application, flight: Flight) -> dict[str, str]:
+    """The headers the admission adds to a successful response: the tenant's per-minute limits
+    as they stand now (OpenAI's `x-ratelimit-*`, each only for a limit the tenant has), and a
+    downgrade's `X-Tandem-Downgraded`."""
     admitted = flight.admitted
-    if admitted is None or admitted.slo is None or admitted.slo.outcome != "downgraded":
+    headers: dict[str, str] = {}
+    quotas = app.get(QUOTAS)
+    if quotas is not None and admitted is not None:
+        requests, tokens = quotas.limit_status(admitted.tenant.id)
+        headers.update(rate_limit_headers("requests", requests))
+        headers.update(rate_limit_headers("tokens", tokens))
+    if admitted is not None and admitted.slo is not None and admitted.slo.outcome == "downgraded":
+        headers[DOWNGRADED_HEADER] = admitted.slo.target
+    return headers
+
+
+def rate_limit_headers(unit: str, status: LimitStatus | None) -> dict[str, str]:
+    """`x-ratelimit-{limit,remaining,reset}-<unit>` of one limit (none without the limit)."""
+    if status is None:
         return {}
-    return {DOWNGRADED_HEADER: admitted.slo.target}
+    return {
+        f"x-ratelimit-limit-{unit}": str(status.limit),
+        f"x-ratelimit-remaining-{unit}": str(status.remaining),
+        f"x-ratelimit-reset-{unit}": duration_text(status.reset_s),
+    }
+
+
+def duration_text(seconds: float) -> str:
+    """A duration as OpenAI's reset headers spell it: "250ms", "1.5s", "6m0s"."""
+    if seconds < 1.0:
+        return f"{round(seconds * 1000)}ms"
+    minutes, rest = divmod(seconds, 60.0)
+    text = f"{rest:.3f}".rstrip("0").rstrip(".") + "s"
+    return f"{int(minutes)}m{text}" if minutes else text
 
 
 def place(app: web.Application, flight: Flight) -> Placement:
@@ -363,7 +397,7 @@ def usage_record(flight: Flight) -> UsageRecord:
             e2e_ms=timer.e2e_ms,
         )
     return UsageRecord(
-        request_id=request.rid if request is not None else f"rejected-{id(flight):x}",
+        request_id=flight.request_id,
         tenant_id=tenant.id,
         key_id=flight.principal.key_id,
         tier=tier,

@@ -1,7 +1,9 @@
 """Per-tenant quotas: requests/min, tokens/min, concurrent requests, monthly tokens.
 
 Over a limit, a request is refused before it reaches the engine with 429, ``Retry-After`` and an
-OpenAI error body whose ``code`` names the limit (``requests_per_min_exceeded``, …).
+OpenAI error body whose ``code`` names the limit (``requests_per_min_exceeded``, …). A request
+that needs more tokens than the whole tokens/min limit could never pass: it is a 400
+``request_too_large_for_limit`` instead (`RequestTooLarge`), which clients do not retry.
 
 How it works
 ------------

@@ -43,6 +43,19 @@ class QuotaExceeded(Exception):
         """When a retry may succeed, seconds (whole, at least 1)."""
 
 
+class RequestTooLarge(Exception):
+    """A request that no wait could admit: it needs more tokens than its tenant's whole
+    tokens_per_min limit. Answered 400 (not 429: retrying it unchanged cannot help)."""
+
+    def __init__(self, message: str, needed_tokens: int, limit_tokens: int) -> None:
+        super().__init__(message)
+        self.message = message
+        self.needed_tokens = needed_tokens
+        """Prompt plus output cap, tokens."""
+        self.limit_tokens = limit_tokens
+        """The tenant's tokens_per_min."""
+
+
 @dataclass
 class Ticket:
     """An admitted request's hold on its tenant's quota, given back by `release`."""
@@ -53,6 +66,19 @@ class Ticket:
     interactive: bool = True
     """False for a Batch-API line: it counts toward the monthly budget only."""
     released: bool = False
+
+
+@dataclass(frozen=True)
+class LimitStatus:
+    """Where a tenant stands against one per-minute limit on this instance (the
+    `x-ratelimit-*` response headers)."""
+
+    limit: int
+    """The tenant's limit per minute (requests or tokens), all instances together."""
+    remaining: int
+    """What this instance would admit now (its bucket's whole units; 0 when in debt)."""
+    reset_s: float
+    """Seconds until this instance's bucket is full again (0: it is full)."""
 
 
 @dataclass
@@ -155,7 +181,8 @@ class QuotaLimiter:
         self, tenant: Tenant, prompt_tokens: int, max_tokens: int, *, interactive: bool = True
     ) -> Ticket:
         """Admits a request of *tenant* needing up to prompt + max_tokens tokens, or raises
-        QuotaExceeded naming the first limit it is over. Unlimited tenants cost a dict lookup.
+        QuotaExceeded naming the first limit it is over (RequestTooLarge when it needs more
+        than the whole tokens_per_min). Unlimited tenants cost a dict lookup.
 
         A Batch-API line (*interactive* False) is held to the monthly budget only: like
         OpenAI's, batches do not draw on the per-minute limits, and the batch runner paces them
@@ -164,6 +191,17 @@ class QuotaLimiter:
         state = self._state(tenant, now)
         quota = state.quota
         amount = prompt_tokens + max_tokens
+        if interactive and quota.tokens_per_min is not None and amount > quota.tokens_per_min:
+            # first: whatever else it is over, waiting cannot help this one
+            raise RequestTooLarge(
+                f"request too large for tenant {tenant.name!r}: it needs up to {amount} tokens "
+                f"(prompt {prompt_tokens} + output cap {max_tokens}: its max_tokens, or the "
+                "gateway's default cap gateway.default_max_tokens when it sets none), more than "
+                f"its whole tokens_per_min limit of {quota.tokens_per_min}; no retry can pass: "
+                "lower max_tokens (or the prompt)",
+                amount,
+                quota.tokens_per_min,
+            )
         if not interactive:
             self._check_monthly(state, tenant)
             state.reserved_tokens += amount
@@ -184,14 +222,6 @@ class QuotaLimiter:
                 )
         if quota.tokens_per_min is not None:
             assert state.tokens is not None
-            if amount > quota.tokens_per_min:
-                raise QuotaExceeded(
-                    "tokens_per_min",
-                    f"request too large for tenant {tenant.name!r}: it needs up to {amount} "
-                    f"tokens (prompt {prompt_tokens} + max_tokens {max_tokens}), more than the "
-                    f"tokens_per_min limit of {quota.tokens_per_min}; lower max_tokens",
-                    60.0,
-                )
             wait = self._shared_wait(state.tokens.wait_s(amount, now), amount, quota.tokens_per_min)
             if wait > 0:
                 raise _over(
@@ -210,6 +240,21 @@ class QuotaLimiter:
         state.in_flight += 1
         state.reserved_tokens += amount
         return Ticket(tenant_id=tenant.id, reserved_tokens=amount)
+
+    def limit_status(self, tenant_id: str) -> tuple[LimitStatus | None, LimitStatus | None]:
+        """(requests/min, tokens/min) status of *tenant_id* now; None for a limit the tenant
+        does not have (or a tenant this instance has not seen). With several instances, each
+        admits its share of a limit (see the package doc): `remaining` and `reset_s` are this
+        instance's, `limit` the tenant's."""
+        state = self._tenants.get(tenant_id)
+        if state is None:
+            return None, None
+        now = self._clock()
+        quota = state.quota
+        return (
+            _status(state.requests, quota.requests_per_min, now),
+            _status(state.tokens, quota.tokens_per_min, now),
+        )
 
     def release(self, ticket: Ticket, used_tokens: int) -> None:
         """Ends an admitted request that used *used_tokens* (prompt + completion; 0 if it never
@@ -398,6 +443,15 @@ class QuotaLimiter:
 def month_key(when: datetime) -> str:
     """ "YYYY-MM" of *when* in UTC."""
     return when.astimezone(UTC).strftime("%Y-%m")
+
+
+def _status(bucket: TokenBucket | None, per_min: int | None, now: float) -> LimitStatus | None:
+    if bucket is None or per_min is None:
+        return None
+    bucket.refill(now)
+    missing = bucket.capacity - bucket.level
+    reset_s = missing / bucket.rate_per_s if missing > 0 and bucket.rate_per_s > 0 else 0.0
+    return LimitStatus(limit=per_min, remaining=max(0, math.floor(bucket.level)), reset_s=reset_s)
 
 
 def _sized(

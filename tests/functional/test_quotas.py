@@ -119,7 +119,8 @@ async def test_over_tokens_per_min_is_429_then_served_after_retry_after(
     assert status == 200, body
     # a request larger than the whole limit can never pass: said so, naming max_tokens
     status, _, body = await chat(gateway, key, max_tokens=700)
-    assert status == 429 and "lower max_tokens" in body["error"]["message"]
+    assert status == 400 and "lower max_tokens" in body["error"]["message"]
+    assert body["error"]["code"] == "request_too_large_for_limit"
 
 
 async def test_tokens_are_corrected_when_a_request_ends_early(gateway: GatewayHandle) -> None:

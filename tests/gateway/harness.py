@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
 
 from backend.policy.profiles import resolve_profile
@@ -54,7 +55,8 @@ class Reply:
     """An HTTP answer: status, headers and the body (parsed JSON, else text)."""
 
     status: int
-    headers: dict[str, str]
+    headers: CIMultiDict[str]
+    """Case-insensitive, as HTTP's header names are."""
     body: Any
 
     @property
@@ -99,7 +101,7 @@ class Gateway:
             method, self.base_url + path, json=json_body, data=data, headers=all_headers
         ) as resp:
             raw = await resp.read()
-            return Reply(resp.status, dict(resp.headers), _parse(raw))
+            return Reply(resp.status, CIMultiDict(resp.headers), _parse(raw))
 
     async def admin(self, method: str, path: str, body: Any = None) -> Reply:
         """A call of the admin API (``/admin/v1`` + *path*) with the admin token."""
@@ -124,12 +126,12 @@ class Gateway:
             headers={"Authorization": f"Bearer {key}"},
         ) as resp:
             if resp.status != 200:
-                return Reply(resp.status, dict(resp.headers), _parse(await resp.read())), []
+                return Reply(resp.status, CIMultiDict(resp.headers), _parse(await resp.read())), []
             async for raw in resp.content:
                 line = raw.decode().strip()
                 if line.startswith("data:"):
                     events.append(line[len("data:") :].strip())
-            return Reply(resp.status, dict(resp.headers), None), events
+            return Reply(resp.status, CIMultiDict(resp.headers), None), events
 
     # -- operator helpers -------------------------------------------------------------------
 

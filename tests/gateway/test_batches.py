@@ -211,9 +211,7 @@ async def test_an_invalid_file_fails_validation_naming_each_bad_line(gw: Gateway
                 json.dumps(chat_line("a", "again")).encode(),  # duplicate custom_id
                 json.dumps({**chat_line("c", "x"), "url": "/v1/embeddings"}).encode(),
                 json.dumps(chat_line("d", "x", temperature=9)).encode(),
-                json.dumps(
-                    {**chat_line("e", "x"), "body": {"model": "gpt-4", "messages": []}}
-                ).encode(),
+                json.dumps(chat_line("e", "x", stream=True)).encode(),
             ]
         )
         + b"\n"
@@ -228,7 +226,7 @@ async def test_an_invalid_file_fails_validation_naming_each_bad_line(gw: Gateway
     assert by_line[3]["code"] == "duplicate_custom_id" and "line 1" in by_line[3]["message"]
     assert by_line[4]["code"] == "mismatched_url"
     assert by_line[5]["param"] == "body.temperature"
-    assert by_line[6]["code"] == "model_not_found"
+    assert by_line[6]["param"] == "body.stream"
     assert done["output_file_id"] is None
 
 

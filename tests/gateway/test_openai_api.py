@@ -152,7 +152,7 @@ async def test_the_official_client_works(gw: Gateway) -> None:
         )
         usage = [chunk.usage async for chunk in stream if chunk.usage is not None]
         assert [u.completion_tokens for u in usage] == [5]
-        with pytest.raises(openai.BadRequestError) as info:
+        with pytest.raises(openai.NotFoundError) as info:
             await client.completions.create(model="gpt-9", prompt="x", max_tokens=1)
         assert info.value.code == "model_not_found"
     finally:
@@ -167,7 +167,7 @@ async def test_unknown_model_is_model_not_found(gw: Gateway, path: str) -> None:
         {"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"}
     )
     reply = await gw.request("POST", path, key=key, json_body=body)
-    assert reply.status == 400, reply
+    assert reply.status == 404, reply
     assert reply.error["code"] == "model_not_found" and reply.error["param"] == "model"
     assert "gpt-9" in reply.error["message"]
 

@@ -64,9 +64,9 @@ async def test_over_tokens_per_min_is_429_naming_what_the_request_needs(gw: Gate
     retry_after = assert_rate_limited(reply, "tokens_per_min")
     assert "this request needs" in reply.error["message"]
     assert retry_after <= 60 * per_request / 300 + 1
-    # a request larger than the whole limit can never pass: said so, naming max_tokens
+    # a request larger than the whole limit can never pass: a 400 naming max_tokens
     reply = await gw.chat(key, max_tokens=400)
-    assert_rate_limited(reply, "tokens_per_min")
+    assert reply.status == 400 and reply.error["code"] == "request_too_large_for_limit"
     assert "lower max_tokens" in reply.error["message"]
 
 

@@ -196,7 +196,7 @@ async def test_a_request_refused_by_prepare_is_recorded_with_its_status() -> Non
         prepare(app, flight, chat_body(tier="rt"), make_prompt())  # a BE contract: 403
     [record] = usage_of(app).records
     assert (record.status, record.http_status) == ("invalid_request", 403)
-    assert record.request_id.startswith("rejected-") and record.slo_met is None
+    assert record.request_id == flight.request_id and record.slo_met is None
 
 
 async def test_an_unexpected_error_is_recorded_as_the_500_the_client_gets() -> None:

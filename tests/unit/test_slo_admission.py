@@ -310,7 +310,7 @@ def test_the_usage_record_says_how_admission_treated_it(
     assert (usage.admission, usage.tier, usage.status) == (admission, tier, status)
     if admission == "shed":
         assert usage.http_status == 429 and usage.slo_met is None
-    headers = response_headers(flight)
+    headers = response_headers(app, flight)
     assert headers == ({DOWNGRADED_HEADER: "ttft"} if admission == "downgraded" else {})
 
 
