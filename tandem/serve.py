@@ -32,6 +32,7 @@ from backend.launch.sim import sim_argv
 from backend.launch.supervisor import EngineStatus, EngineSupervisor, RestartPolicy
 from backend.launch.tiny_model import ensure_tiny_model
 from common.config import Config, ConfigError, ModelConfig, admin_token
+from common.sockets import control_socket_error, port_error, remove_stale_socket
 from gateway.app import create_app
 from gateway.engine.health import EngineHealth
 from gateway.server import GuardedSite, runner_options
@@ -62,8 +63,23 @@ def _engine_argv(config: Config, model_dir: Path) -> list[str]:
     return server_argv(config.engine, model_dir, config.model.name)
 
 
+def preflight(config: Config) -> None:
+    """Raises CliError (status 1) naming the first port or control socket that `tandem serve`
+    cannot have, before anything starts: the gateway's port, and with `engine.launch` the
+    engine's port and (patched engine) its control socket when another engine serves it."""
+    problems = [port_error("gateway.port", config.gateway.host, config.gateway.port)]
+    if config.engine.launch:
+        problems.append(port_error("engine.port", config.engine.host, config.engine.port))
+        if config.engine.policy_in_charge:
+            problems.append(control_socket_error(config.engine.control_socket_path))
+    for problem in problems:
+        if problem is not None:
+            raise CliError(problem, status=1)
+
+
 def serve(config: Config) -> int:
     """Runs until interrupted; returns the exit status."""
+    preflight(config)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("alembic").setLevel(logging.WARNING)  # /readyz reads the revision often
     token = admin_token()
@@ -108,6 +124,8 @@ def serve(config: Config) -> int:
     finally:
         if engine is not None:
             engine.stop()
+            if config.engine.policy_in_charge:  # a killed scheduler leaves its socket file
+                remove_stale_socket(config.engine.control_socket_path)
     return 0
 
 
@@ -155,7 +173,11 @@ async def run_gateway(app: web.Application, host: str, port: int) -> None:
     await runner.setup()
     try:
         site = GuardedSite(runner, host, port)  # with the connection cap (gateway/server.py)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:  # taken since `preflight` looked
+            why = port_error("gateway.port", host, port) or exc.strerror or str(exc)
+            raise CliError(f"the gateway cannot listen: {why}", status=1) from None
         # Everything loaded so far (the tokenizer, SQLAlchemy's metadata, the app) lives as long
         # as the process: out of the collector's way, a full collection no longer walks it on
         # the event loop — the gateway's latency tail at 500 req/s.

@@ -30,6 +30,7 @@ from urllib.parse import parse_qs, urlsplit
 import msgspec
 
 from backend.sglang_ext.driver import EngineDriver
+from common.sockets import control_socket_error, remove_stale_socket
 from common.wire import (
     CONTROL_HEALTH_PATH,
     CONTROL_ITERATIONS_PATH,
@@ -124,12 +125,15 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def start(driver: EngineDriver, socket_path: str) -> socketserver.BaseServer:
-    """Serves the control endpoint on *socket_path* in a daemon thread (a stale socket file
-    from an earlier engine is replaced)."""
+    """Serves the control endpoint on *socket_path* in a daemon thread. A stale socket file
+    from an earlier engine is replaced; a live one (another engine serves it) never is: raises
+    RuntimeError, and the engine does not start."""
     path = Path(socket_path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists():
-        path.unlink()
+    problem = control_socket_error(path)
+    if problem is not None:
+        raise RuntimeError(problem)
+    remove_stale_socket(path)
     server = _Server(str(path), _Handler)
     server.driver = driver
     os.chmod(path, 0o600)

@@ -26,6 +26,7 @@ import pytest
 from backend.launch.sglang import EngineProcess, engine_base_url, engine_env, server_argv
 from backend.launch.tiny_model import ensure_tiny_model
 from common.config import EngineConfig
+from common.sockets import remove_stale_socket
 
 MODEL_NAME = "tandem-tiny"
 STARTUP_TIMEOUT_S = 240.0  # 15-30 s on an idle 2-core machine; generous for a loaded CI box
@@ -122,6 +123,7 @@ def running_engine(workdir: Path, **overrides: Any) -> Iterator[EngineServer]:
         )
     finally:
         engine.stop()
+        remove_stale_socket(cfg.control_socket_path)  # its killed scheduler left it
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from common.config import EngineConfig
 from tests.functional.gateway_fixtures import free_port
 from tests.waiting import wait_until_sync
 
@@ -85,6 +86,8 @@ def test_serve_answers_then_stops_everything(tmp_path: Path) -> None:
     port = free_port()
     run_serve_and_chat(tmp_path, TANDEM_ENGINE__PORT=str(port))
     wait_until_sync(lambda: engine_pids(port) == [], 30, what="every engine process gone")
+    # nor its control socket (its scheduler is killed, so `tandem serve` removes the file)
+    assert not Path(EngineConfig(port=port).control_socket_path).exists()
 
 
 def test_serve_fronts_the_simulator(tmp_path: Path) -> None:
