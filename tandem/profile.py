@@ -54,7 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--url", help="engine base URL (default: engine host and port of the config)"
     )
-    parser.add_argument("--config", default=None, help="config file (default: config.yaml)")
+    parser.add_argument(
+        "--config", default=argparse.SUPPRESS, help="config file (default: config.yaml)"
+    )
     parser.add_argument(
         "--quick", action="store_true", help="a small grid (about 20 s on the CPU tiny engine)"
     )
@@ -123,7 +125,7 @@ def _fail(exc: BaseException, status: int) -> int:
 def _measure(args: argparse.Namespace) -> int:
     from bench.profiler.measure import profile_engine
 
-    config = load_config(args.config)
+    config = load_config(getattr(args, "config", None))  # absent: not given
     grid = grid_from_args(args)
     name = args.name or Path(args.out).stem
     command = getattr(args, "command_line", None) or "tandem " + shlex.join(sys.argv[1:])

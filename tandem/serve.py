@@ -37,7 +37,7 @@ from gateway.app import create_app
 from gateway.engine.health import EngineHealth
 from gateway.server import GuardedSite, runner_options
 from gateway.state import ENGINE_HEALTH
-from gateway.store.migrate import upgrade
+from tandem.cli import migrate_database
 from tandem.engine_profile import choose_profile, needs_profile
 from tandem.errors import CliError
 
@@ -83,7 +83,7 @@ def serve(config: Config) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("alembic").setLevel(logging.WARNING)  # /readyz reads the revision often
     token = admin_token()
-    upgrade(config.database.url)
+    migrate_database(config.database.url)
     model_dir = resolve_model_dir(config.model)
     log.info("model %s from %s", config.model.name, model_dir)
     try:

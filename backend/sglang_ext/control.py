@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import socketserver
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
@@ -51,6 +52,15 @@ MAX_BODY_BYTES = 64 << 20
 class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
     driver: EngineDriver
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that left before its reply (a gateway stopping in a long poll) is routine:
+        one debug line, where socketserver would print a traceback on the engine's console."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (BrokenPipeError, ConnectionResetError)):
+            logger.debug("control: the client went away before its reply (%s)", exc)
+        else:
+            logger.exception("control: a request failed")
 
 
 class _Handler(BaseHTTPRequestHandler):
