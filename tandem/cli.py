@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 
 from common.config import ConfigError, load_config
+from tandem.database import migrate_database, redact_url
 from tandem.errors import CliError
 
 
@@ -114,7 +115,7 @@ def _cmd_db_upgrade(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)
     migrate_database(config.database.url)
-    _print({"database": _redact(config.database.url), "revision": head_revision()})
+    _print({"database": redact_url(config.database.url), "revision": head_revision()})
     return 0
 
 
@@ -125,31 +126,5 @@ def _cmd_model_path(args: argparse.Namespace) -> int:
     return 0
 
 
-def migrate_database(url: str) -> None:
-    """Migrates the database at *url* to the newest schema; CliError (status 1) naming the
-    database (without its password) and the driver's first line when it cannot be reached or
-    migrated."""
-    from gateway.store.migrate import upgrade
-
-    try:
-        upgrade(url)
-    except Exception as exc:  # the drivers raise their own types (asyncpg, sqlite3, OSError)
-        first_line = (str(exc).strip().splitlines() or [""])[0]
-        raise CliError(
-            f"cannot migrate the database {_redact(url)}: {type(exc).__name__}: {first_line}",
-            status=1,
-        ) from None
-
-
 def _print(payload: Any) -> None:
     print(json.dumps(msgspec.to_builtins(payload), indent=2))
-
-
-def _redact(url: str) -> str:
-    """The URL without its password."""
-    if "@" not in url or "://" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    creds, host = rest.rsplit("@", 1)
-    user = creds.split(":", 1)[0]
-    return f"{scheme}://{user}:***@{host}"

@@ -37,7 +37,7 @@ from gateway.app import create_app
 from gateway.engine.health import EngineHealth
 from gateway.server import GuardedSite, runner_options
 from gateway.state import ENGINE_HEALTH
-from tandem.cli import migrate_database
+from tandem.database import migrate_database
 from tandem.engine_profile import choose_profile, needs_profile
 from tandem.errors import CliError
 
