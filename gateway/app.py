@@ -51,6 +51,7 @@ from gateway.state import (
 )
 from gateway.store.db import create_engine, session_factory
 from gateway.store.outage import DATABASE_OUTAGE, outage_of
+from gateway.store.readiness import DATABASE_READINESS, start_readiness, stop_readiness
 from gateway.store.repo import Store
 from gateway.tokenizer import ModelTokenizer
 from gateway.usage import UsageRecorder
@@ -100,7 +101,10 @@ async def _database(app: web.Application) -> AsyncIterator[None]:
     app[DATABASE_OUTAGE] = outage_of(engine)  # 503s and one log line per outage
     app[STORE] = Store(session_factory(engine))
     app[AUTH] = AuthCache(app[STORE], ttl_s=app[CONFIG].gateway.auth_cache_ttl_s)
+    # what /readyz answers from: checked in the background, never on the probe's path
+    app[DATABASE_READINESS], readiness_task = await start_readiness(engine, app[DATABASE_OUTAGE])
     yield
+    await stop_readiness(readiness_task)
     await engine.dispose()
 
 
