@@ -124,6 +124,16 @@ class ModelConfig(_Section, frozen=True):
     created on first start under `cache_dir`."""
     cache_dir: str = "~/.cache/tandem"
     """Where the built-in tiny model is created, bytes on disk: about 1 MB."""
+    random_weights: bool = False
+    """Serve `path` with random weights (SGLang's `--load-format dummy`): for a directory that
+    holds a model's config and tokenizer but no weight files (load tests, capacity planning).
+    False: a `path` without weight files is refused at start, naming it. The built-in tiny model
+    (`path` null) always runs with random weights: it has none."""
+
+    @property
+    def uses_random_weights(self) -> bool:
+        """Whether the engine serves random weights (the built-in model, or `random_weights`)."""
+        return self.path is None or self.random_weights
 
 
 class EngineConfig(_Section, frozen=True):

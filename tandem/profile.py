@@ -183,7 +183,12 @@ def _engine(args: argparse.Namespace, config: Config) -> Iterator[str]:
     )
     log_dir = Path(tempfile.mkdtemp(prefix="tandem-profile-"))
     engine = EngineProcess(
-        server_argv(engine_cfg, _model_dir(config), config.model.name),
+        server_argv(
+            engine_cfg,
+            _model_dir(config),
+            config.model.name,
+            random_weights=config.model.uses_random_weights,
+        ),
         engine_env(engine_cfg),
         base_url=engine_base_url(engine_cfg),
         log_path=log_dir / "engine.log",
@@ -195,15 +200,10 @@ def _engine(args: argparse.Namespace, config: Config) -> Iterator[str]:
 
 
 def _model_dir(config: Config) -> Path:
-    """The configured model directory, or the built-in tiny model (created if needed)."""
-    from backend.launch.tiny_model import ensure_tiny_model
+    """The model directory `tandem serve` would serve (checked the same way)."""
+    from tandem.serve import resolve_model_dir
 
-    if config.model.path is not None:
-        path = Path(config.model.path).expanduser()
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"model.path: {path} is not a model directory (no config.json)")
-        return path
-    return ensure_tiny_model(Path(config.model.cache_dir).expanduser())
+    return resolve_model_dir(config.model)
 
 
 def _free_port() -> int:

@@ -26,6 +26,7 @@ from backend.launch.sglang import (
     EngineStartError,
     engine_base_url,
     engine_env,
+    missing_weights,
     server_argv,
 )
 from backend.launch.sim import sim_argv
@@ -45,11 +46,18 @@ log = logging.getLogger("tandem")
 
 
 def resolve_model_dir(model: ModelConfig) -> Path:
-    """The model directory: the configured one, or the built-in tiny model (created if needed)."""
+    """The model directory: the configured one, or the built-in tiny model (created if needed).
+    A configured one must hold weights unless `model.random_weights` asks for random ones."""
     if model.path is not None:
         path = Path(model.path).expanduser()
         if not (path / "config.json").is_file():
             raise ConfigError(f"model.path: {path} is not a model directory (no config.json)")
+        missing = None if model.random_weights else missing_weights(path)
+        if missing is not None:
+            raise ConfigError(
+                f"model.path: {missing}; set model.random_weights: true to serve it with "
+                "random weights"
+            )
         return path
     return ensure_tiny_model(Path(model.cache_dir).expanduser())
 
@@ -60,7 +68,9 @@ def _engine_argv(config: Config, model_dir: Path) -> list[str]:
             return sim_argv(config.engine, config.model.name)
         except ValueError as exc:
             raise ConfigError(f"engine.sim_profile: {exc}") from None
-    return server_argv(config.engine, model_dir, config.model.name)
+    return server_argv(
+        config.engine, model_dir, config.model.name, random_weights=config.model.uses_random_weights
+    )
 
 
 def preflight(config: Config) -> None:

@@ -1,6 +1,7 @@
 """Starting and stopping the SGLang server as a child process (no SGLang import here).
 
-    argv = server_argv(cfg.engine, model_dir, cfg.model.name)
+    argv = server_argv(cfg.engine, model_dir, cfg.model.name,
+                       random_weights=cfg.model.uses_random_weights)
     with EngineProcess(argv, engine_env(cfg.engine), base_url=engine_base_url(cfg.engine)) as eng:
         eng.wait_ready_sync(cfg.engine.startup_timeout_s)
         ...                                   # the engine is stopped on exit, children included
@@ -50,17 +51,33 @@ def engine_base_url(engine_cfg: EngineConfig) -> str:
 
 
 def has_weights(model_path: Path) -> bool:
-    """True when *model_path* holds weight files (else the engine uses random weights)."""
+    """True when *model_path* holds weight files."""
     return any(p.suffix in WEIGHT_SUFFIXES for p in Path(model_path).iterdir())
 
 
-def server_argv(engine_cfg: EngineConfig, model_path: Path, model_name: str) -> list[str]:
+def missing_weights(model_path: Path) -> str | None:
+    """None when *model_path* holds weight files; else one line naming the directory and what
+    it lacks."""
+    if has_weights(model_path):
+        return None
+    patterns = ", ".join(f"*{suffix}" for suffix in WEIGHT_SUFFIXES)
+    return f"{model_path} holds no weight files ({patterns})"
+
+
+def server_argv(
+    engine_cfg: EngineConfig, model_path: Path, model_name: str, *, random_weights: bool = False
+) -> list[str]:
     """The command line that runs SGLang's HTTP server for *engine_cfg* and *model_path*.
 
-    A model directory without weight files (the built-in tiny model) is served with random
-    weights (``--load-format dummy``). On CPU the attention backend is torch-native, CUDA graphs
-    are off and the idle scheduler sleeps. ``engine_cfg.extra_args`` come last.
+    *random_weights*: serve random weights (``--load-format dummy``), as for the built-in tiny
+    model, which has none; else the directory's weights are loaded, and a directory without
+    weight files is a ValueError (SGLang would silently serve random weights). On CPU the
+    attention backend is torch-native, CUDA graphs are off and the idle scheduler sleeps.
+    ``engine_cfg.extra_args`` come last.
     """
+    missing = None if random_weights else missing_weights(model_path)
+    if missing is not None:
+        raise ValueError(f"{missing}; random weights must be asked for (model.random_weights)")
     argv = [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(model_path),
@@ -80,7 +97,7 @@ def server_argv(engine_cfg: EngineConfig, model_path: Path, model_name: str) -> 
         # meta_info (the gateway's usage records need the queue time), and serves /metrics.
         "--enable-metrics",
     ]  # fmt: skip
-    if not has_weights(model_path):
+    if random_weights:
         argv += ["--load-format", "dummy"]
     if engine_cfg.device == "cpu":
         argv += ["--attention-backend", "torch_native"]

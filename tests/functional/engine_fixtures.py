@@ -85,10 +85,15 @@ tests/functional/test_new_user.py runs)."""
 
 
 @contextlib.contextmanager
-def running_engine(workdir: Path, **overrides: Any) -> Iterator[EngineServer]:
-    """A patched engine with the tiny model on a free port, stopped on exit (also on errors).
-    *overrides* are EngineConfig fields."""
-    model_path = ensure_tiny_model(workdir / "model-cache")
+def running_engine(
+    workdir: Path, model_path: Path | None = None, **overrides: Any
+) -> Iterator[EngineServer]:
+    """A patched engine on a free port, stopped on exit (also on errors): the tiny model with
+    random weights, or the model in *model_path* with its own. *overrides* are EngineConfig
+    fields."""
+    random_weights = model_path is None
+    if model_path is None:
+        model_path = ensure_tiny_model(workdir / "model-cache")
     trace_path = workdir / "scheduler-trace.jsonl"
     log_path = workdir / "engine.log"
     fields: dict[str, Any] = {
@@ -102,7 +107,7 @@ def running_engine(workdir: Path, **overrides: Any) -> Iterator[EngineServer]:
     fields.update(overrides)
     cfg = EngineConfig(**fields)
     engine = EngineProcess(
-        server_argv(cfg, model_path, MODEL_NAME),
+        server_argv(cfg, model_path, MODEL_NAME, random_weights=random_weights),
         engine_env(cfg, scheduler_trace=trace_path),
         base_url=engine_base_url(cfg),
         log_path=log_path,

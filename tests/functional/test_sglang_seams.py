@@ -172,7 +172,7 @@ def test_sglang_accepts_every_launch_flag(sglang: ModuleType, tmp_path: Path) ->
 
     (tmp_path / "config.json").write_text("{}")
     cfg = EngineConfig(context_length=2048, enable_priority_scheduling=True)
-    argv = server_argv(cfg, tmp_path, "m")
+    argv = server_argv(cfg, tmp_path, "m", random_weights=True)
     assert argv[1:3] == ["-m", "sglang.launch_server"]
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
