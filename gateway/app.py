@@ -113,6 +113,7 @@ async def _engine_client(app: web.Application) -> AsyncIterator[None]:
     session = aiohttp.ClientSession(
         read_bufsize=_ENGINE_READ_BUFSIZE,
         connector=aiohttp.TCPConnector(limit=0),  # one connection per in-flight request
+        headers=config.engine.auth_headers,  # the engine refuses requests without its key
     )
     base_url = f"http://{config.engine.host}:{config.engine.port}"
     app[ENGINE] = EngineClient(base_url, session, timeout_s=config.engine.request_timeout_s)

@@ -140,6 +140,7 @@ def _measure(args: argparse.Namespace) -> int:
                 command=command,
                 quiet_wait_s=args.quiet_wait,
                 progress=lambda line: print(f"  {line}", file=sys.stderr),
+                headers=config.engine.auth_headers,  # an engine that requires its API key
             )
         )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import secrets
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -87,6 +88,15 @@ def preflight(config: Config) -> None:
             raise CliError(problem, status=1)
 
 
+def with_engine_api_key(config: Config) -> Config:
+    """*config* with the key the engine it launches requires (`engine.api_key`): the configured
+    one, else a new random one (SGLang's engine only: the simulator takes no key)."""
+    if config.engine.kind != "sglang" or config.engine.api_key:
+        return config
+    engine = msgspec.structs.replace(config.engine, api_key=secrets.token_urlsafe(32))
+    return msgspec.structs.replace(config, engine=engine)
+
+
 def serve(config: Config) -> int:
     """Runs until interrupted; returns the exit status."""
     preflight(config)
@@ -103,6 +113,7 @@ def serve(config: Config) -> int:
         return 1
     engine: EngineProcess | None = None
     if config.engine.launch:
+        config = with_engine_api_key(config)
         engine = EngineProcess(
             _engine_argv(config, model_dir),
             engine_env(

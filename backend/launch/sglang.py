@@ -20,10 +20,13 @@ import atexit
 import contextlib
 import ctypes
 import http.client
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -78,6 +81,11 @@ def server_argv(
     missing = None if random_weights else missing_weights(model_path)
     if missing is not None:
         raise ValueError(f"{missing}; random weights must be asked for (model.random_weights)")
+    if engine_cfg.api_key and "--config" in engine_cfg.extra_args:
+        raise ValueError(
+            "engine.extra_args: --config cannot be combined with engine.api_key (the key "
+            "reaches the engine in a config file of its own)"
+        )
     argv = [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(model_path),
@@ -119,7 +127,22 @@ def server_argv(
     if engine_cfg.kv_layout == "bicache":
         # The bicache layout frees whole requests; slots the radix tree kept would outlive them.
         argv.append("--disable-radix-cache")
+    if engine_cfg.api_key:
+        argv += api_key_args(engine_cfg.api_key)
     return argv + list(engine_cfg.extra_args)
+
+
+def api_key_args(api_key: str) -> list[str]:
+    """``--config FILE``: the engine's API key (SGLang's ``--api-key``) in a file only this user
+    can read (0600, in a 0700 directory removed at exit), so that it never shows on the engine's
+    command line, which every user of the host can read (``ps``)."""
+    directory = Path(tempfile.mkdtemp(prefix="tandem-engine-key-"))
+    atexit.register(shutil.rmtree, directory, True)
+    path = directory / "api-key.yaml"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(f"api-key: {json.dumps(api_key)}\n")  # a JSON string is a YAML scalar
+    return ["--config", str(path)]
 
 
 def engine_settings(
