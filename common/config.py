@@ -132,6 +132,16 @@ class ModelConfig(_Section, frozen=True):
     created on first start under `cache_dir`."""
     cache_dir: str = "~/.cache/tandem"
     """Where the built-in tiny model is created, bytes on disk: about 1 MB."""
+    random_weights: bool = False
+    """Serve `path` with random weights (SGLang's `--load-format dummy`): for a directory that
+    holds a model's config and tokenizer but no weight files (load tests, capacity planning).
+    False: a `path` without weight files is refused at start, naming it. The built-in tiny model
+    (`path` null) always runs with random weights: it has none."""
+
+    @property
+    def uses_random_weights(self) -> bool:
+        """Whether the engine serves random weights (the built-in model, or `random_weights`)."""
+        return self.path is None or self.random_weights
 
 
 class EngineConfig(_Section, frozen=True):
@@ -141,9 +151,17 @@ class EngineConfig(_Section, frozen=True):
     """Engine implementation: the patched SGLang server, or tandem's simulator (same HTTP
     surface, iteration times from a latency profile; for capacity planning and demos)."""
     host: str = "127.0.0.1"
-    """Address the engine listens on."""
+    """Address the engine listens on (loopback: only this host can reach it, and even there only
+    with `api_key`)."""
     port: int = 30000
     """Port of the engine's HTTP server."""
+    api_key: str | None = None
+    """Shared secret the engine requires on its HTTP API (SGLang's `--api-key`, handed over in a
+    private file, never on its command line) and the gateway sends as `Authorization: Bearer`,
+    so that nothing on the host bypasses the gateway's keys, quotas and usage records (the
+    engine's `/health`, `/ready` and `/metrics` stay open). None: `tandem serve` generates a new
+    one each time it launches the engine. Set it (better: `TANDEM_ENGINE__API_KEY`) for an
+    engine started elsewhere (`launch: false`) with the same key."""
     launch: bool = True
     """Start the engine as a child process of `tandem serve`; False: connect to a running one."""
     patch: bool = True
@@ -172,6 +190,12 @@ class EngineConfig(_Section, frozen=True):
     def policy_in_charge(self) -> bool:
         """True when tandem's policy schedules the engine (patch on and a policy named)."""
         return self.kind == "sglang" and self.patch and self.policy not in ("", "none")
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        """The headers that authenticate a request to the engine's HTTP API (none without
+        `api_key`)."""
+        return {} if not self.api_key else {"Authorization": f"Bearer {self.api_key}"}
 
     @property
     def control_socket_path(self) -> str:

@@ -53,6 +53,7 @@ from gateway.state import (
 )
 from gateway.store.db import create_engine, session_factory
 from gateway.store.outage import DATABASE_OUTAGE, outage_of
+from gateway.store.readiness import DATABASE_READINESS, start_readiness, stop_readiness
 from gateway.store.repo import Store
 from gateway.tokenizer import ModelTokenizer
 from gateway.usage import UsageRecorder
@@ -118,7 +119,10 @@ async def _database(app: web.Application) -> AsyncIterator[None]:
     app[DATABASE_OUTAGE] = outage_of(engine)  # 503s and one log line per outage
     app[STORE] = Store(session_factory(engine))
     app[AUTH] = AuthCache(app[STORE], ttl_s=app[CONFIG].gateway.auth_cache_ttl_s)
+    # what /readyz answers from: checked in the background, never on the probe's path
+    app[DATABASE_READINESS], readiness_task = await start_readiness(engine, app[DATABASE_OUTAGE])
     yield
+    await stop_readiness(readiness_task)
     await engine.dispose()
 
 
@@ -127,6 +131,7 @@ async def _engine_client(app: web.Application) -> AsyncIterator[None]:
     session = aiohttp.ClientSession(
         read_bufsize=_ENGINE_READ_BUFSIZE,
         connector=aiohttp.TCPConnector(limit=0),  # one connection per in-flight request
+        headers=config.engine.auth_headers,  # the engine refuses requests without its key
     )
     base_url = f"http://{config.engine.host}:{config.engine.port}"
     app[ENGINE] = EngineClient(base_url, session, timeout_s=config.engine.request_timeout_s)

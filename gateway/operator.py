@@ -87,6 +87,7 @@ async def _engine_sampler(app: web.Application) -> AsyncIterator[None]:
         config.metrics.engine_poll_s,
         config.metrics.history_s,
         be_in_flight,
+        headers=config.engine.auth_headers,
     )
     registry.sampler = sampler
     tenants: list[tuple[str, str, str]] = []

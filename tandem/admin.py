@@ -194,7 +194,7 @@ def gateway_url(args: argparse.Namespace) -> str:
     on loopback)."""
     url = args.url or os.environ.get(URL_ENV, "").strip()
     if url:
-        if "://" not in url:
+        if not _is_http_url(url):
             raise CliError(f"--url / {URL_ENV} must be a URL like http://host:8000, got {url!r}")
         return str(url)
     gateway = load_config(args.config).gateway
@@ -202,6 +202,16 @@ def gateway_url(args: argparse.Namespace) -> str:
     if ":" in host:
         host = f"[{host}]"
     return f"http://{host}:{gateway.port}"
+
+
+def _is_http_url(url: str) -> bool:
+    """Whether *url* is an http(s) URL with a host (and a valid port, if any)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        _ = parts.port  # raises ValueError for a port that is not a number in range
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
 
 
 def _token() -> str:

@@ -82,20 +82,13 @@ def add_batch_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
 
 def _entry(args: argparse.Namespace) -> int:
     """Runs a `tandem batch` action; one-line errors."""
+    from tandem.admin import gateway_url  # --url, $TANDEM_URL or the config's, checked
+
     try:
-        url = args.url or os.environ.get(URL_ENV, "").strip() or _config_url(args.config)
-        return int(args.batch_action(_Client(url, _key(args)), args) or 0)
+        return int(args.batch_action(_Client(gateway_url(args), _key(args)), args) or 0)
     except BatchCliError as exc:
         print(f"tandem: error: {exc}", file=sys.stderr)
         return exc.status
-
-
-def _config_url(config_path: str | None) -> str:
-    from common.config import load_config
-
-    gateway = load_config(config_path).gateway
-    host = "127.0.0.1" if gateway.host in ("0.0.0.0", "::") else gateway.host
-    return f"http://{host}:{gateway.port}"
 
 
 def _key(args: argparse.Namespace) -> str:
@@ -130,10 +123,19 @@ class _Client:
             raise BatchCliError(_error_message(exc)) from None
         except OSError as exc:
             raise BatchCliError(f"cannot reach the gateway at {self.base}: {exc}") from None
+        except ValueError as exc:  # a URL urllib cannot use (http.client.InvalidURL)
+            raise BatchCliError(f"bad gateway URL {self.base}: {exc}", 2) from None
 
     def json(self, method: str, path: str, payload: dict[str, Any] | None = None) -> Any:
         body = json.dumps(payload).encode() if payload is not None else None
-        return json.loads(self.request(method, path, body))
+        raw = self.request(method, path, body)
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise BatchCliError(
+                f"{self.base} answered {method} {path} with something that is not JSON "
+                "(is it a tandem gateway?)"
+            ) from None
 
     def upload(self, path: Path) -> dict[str, Any]:
         try:
@@ -219,13 +221,13 @@ def _results(client: _Client, args: argparse.Namespace) -> int:
     if batch["output_file_id"]:
         data = client.request("GET", f"/v1/files/{batch['output_file_id']}/content")
         if args.output:
-            args.output.write_bytes(data)
+            _write(args.output, data)
         else:
             sys.stdout.write(data.decode())
     if batch["error_file_id"]:
         data = client.request("GET", f"/v1/files/{batch['error_file_id']}/content")
         if args.errors:
-            args.errors.write_bytes(data)
+            _write(args.errors, data)
         else:
             print(
                 f"{batch['request_counts']['failed']} failed lines: tandem batch results "
@@ -233,6 +235,13 @@ def _results(client: _Client, args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     return 0
+
+
+def _write(path: Path, data: bytes) -> None:
+    try:
+        path.write_bytes(data)
+    except OSError as exc:
+        raise BatchCliError(f"cannot write {path}: {exc.strerror or exc}", 2) from None
 
 
 def _watch_cmd(client: _Client, args: argparse.Namespace) -> int:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -15,6 +17,7 @@ from typing import Any
 import msgspec
 
 from common.config import ConfigError, load_config
+from tandem.database import migrate_database, redact_url
 from tandem.errors import CliError
 
 
@@ -25,7 +28,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        status = int(args.func(args) or 0)
+        sys.stdout.flush()  # a reader that went away shows here, not at interpreter exit
+        return status
+    except BrokenPipeError:
+        return _stdout_closed()
     except ConfigError as exc:
         print(f"tandem: error: {exc}", file=sys.stderr)
         return 2
@@ -36,10 +43,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def _stdout_closed() -> int:
+    """What `tandem batch list | head` gets once `head` has read enough: no traceback, and
+    the status of a process ended by SIGPIPE (what well-behaved Unix tools exit with)."""
+    # Python flushes stdout again at exit; pointing it at /dev/null keeps that one quiet too.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
+
+
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--config", default=None, help="config file (default: config.yaml)")
-    parser = argparse.ArgumentParser(prog="tandem", description=__doc__, parents=[common])
+    # SUPPRESS: a subcommand that does not see --config leaves the one given before it
+    # (`tandem --config X db upgrade`) instead of resetting it to the default.
+    common.add_argument(
+        "--config", default=argparse.SUPPRESS, help="config file (default: config.yaml)"
+    )
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
+    # Its own action, not common's: parsers made with `parents` share their action objects,
+    # so a default set here would be every subcommand's default too.
+    parser.add_argument("--config", default=None, help="config file (default: config.yaml)")
     sub = parser.add_subparsers(metavar="COMMAND")
 
     serve = sub.add_parser("serve", parents=[common], help="start the engine and the gateway")
@@ -87,11 +111,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_db_upgrade(args: argparse.Namespace) -> int:
-    from gateway.store.migrate import head_revision, upgrade
+    from gateway.store.migrate import head_revision
 
     config = load_config(args.config)
-    upgrade(config.database.url)
-    _print({"database": _redact(config.database.url), "revision": head_revision()})
+    migrate_database(config.database.url)
+    _print({"database": redact_url(config.database.url), "revision": head_revision()})
     return 0
 
 
@@ -104,13 +128,3 @@ def _cmd_model_path(args: argparse.Namespace) -> int:
 
 def _print(payload: Any) -> None:
     print(json.dumps(msgspec.to_builtins(payload), indent=2))
-
-
-def _redact(url: str) -> str:
-    """The URL without its password."""
-    if "@" not in url or "://" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    creds, host = rest.rsplit("@", 1)
-    user = creds.split(":", 1)[0]
-    return f"{scheme}://{user}:***@{host}"

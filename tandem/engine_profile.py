@@ -168,11 +168,18 @@ def measure_profile(config: Config, model_dir: Path, identity: EngineIdentity, o
     from bench.profiler.probe import ProfilerError
 
     key = profile_key(identity)
-    engine_cfg = msgspec.structs.replace(config.engine, policy="none")
+    # policy none: SGLang's own scheduling is measured; no API key: nothing but this process
+    # talks to the engine while it is measured (the profiler's probes send none)
+    engine_cfg = msgspec.structs.replace(config.engine, policy="none", api_key=None)
     log.info("latency profile: none stored for engine key %s; measuring one (quick grid) "
              "before serving, stored in %s", key, out.parent)  # fmt: skip
     engine = EngineProcess(
-        server_argv(engine_cfg, model_dir, config.model.name),
+        server_argv(
+            engine_cfg,
+            model_dir,
+            config.model.name,
+            random_weights=config.model.uses_random_weights,
+        ),
         engine_env(engine_cfg),
         base_url=engine_base_url(engine_cfg),
         log_path=engine_cfg.log_file,

@@ -54,7 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--url", help="engine base URL (default: engine host and port of the config)"
     )
-    parser.add_argument("--config", default=None, help="config file (default: config.yaml)")
+    parser.add_argument(
+        "--config", default=argparse.SUPPRESS, help="config file (default: config.yaml)"
+    )
     parser.add_argument(
         "--quick", action="store_true", help="a small grid (about 20 s on the CPU tiny engine)"
     )
@@ -123,7 +125,7 @@ def _fail(exc: BaseException, status: int) -> int:
 def _measure(args: argparse.Namespace) -> int:
     from bench.profiler.measure import profile_engine
 
-    config = load_config(args.config)
+    config = load_config(getattr(args, "config", None))  # absent: not given
     grid = grid_from_args(args)
     name = args.name or Path(args.out).stem
     command = getattr(args, "command_line", None) or "tandem " + shlex.join(sys.argv[1:])
@@ -138,6 +140,7 @@ def _measure(args: argparse.Namespace) -> int:
                 command=command,
                 quiet_wait_s=args.quiet_wait,
                 progress=lambda line: print(f"  {line}", file=sys.stderr),
+                headers=config.engine.auth_headers,  # an engine that requires its API key
             )
         )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -181,7 +184,12 @@ def _engine(args: argparse.Namespace, config: Config) -> Iterator[str]:
     )
     log_dir = Path(tempfile.mkdtemp(prefix="tandem-profile-"))
     engine = EngineProcess(
-        server_argv(engine_cfg, _model_dir(config), config.model.name),
+        server_argv(
+            engine_cfg,
+            _model_dir(config),
+            config.model.name,
+            random_weights=config.model.uses_random_weights,
+        ),
         engine_env(engine_cfg),
         base_url=engine_base_url(engine_cfg),
         log_path=log_dir / "engine.log",
@@ -193,15 +201,10 @@ def _engine(args: argparse.Namespace, config: Config) -> Iterator[str]:
 
 
 def _model_dir(config: Config) -> Path:
-    """The configured model directory, or the built-in tiny model (created if needed)."""
-    from backend.launch.tiny_model import ensure_tiny_model
+    """The model directory `tandem serve` would serve (checked the same way)."""
+    from tandem.serve import resolve_model_dir
 
-    if config.model.path is not None:
-        path = Path(config.model.path).expanduser()
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"model.path: {path} is not a model directory (no config.json)")
-        return path
-    return ensure_tiny_model(Path(config.model.cache_dir).expanduser())
+    return resolve_model_dir(config.model)
 
 
 def _free_port() -> int:

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import secrets
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -26,17 +27,19 @@ from backend.launch.sglang import (
     EngineStartError,
     engine_base_url,
     engine_env,
+    missing_weights,
     server_argv,
 )
 from backend.launch.sim import sim_argv
 from backend.launch.supervisor import EngineStatus, EngineSupervisor, RestartPolicy
 from backend.launch.tiny_model import ensure_tiny_model
 from common.config import Config, ConfigError, ModelConfig, admin_token
+from common.sockets import control_socket_error, port_error, remove_stale_socket
 from gateway.app import create_app
 from gateway.engine.health import EngineHealth
 from gateway.server import GuardedSite, runner_options
 from gateway.state import ENGINE_HEALTH
-from gateway.store.migrate import upgrade
+from tandem.database import migrate_database
 from tandem.engine_profile import choose_profile, needs_profile
 from tandem.errors import CliError
 
@@ -44,11 +47,18 @@ log = logging.getLogger("tandem")
 
 
 def resolve_model_dir(model: ModelConfig) -> Path:
-    """The model directory: the configured one, or the built-in tiny model (created if needed)."""
+    """The model directory: the configured one, or the built-in tiny model (created if needed).
+    A configured one must hold weights unless `model.random_weights` asks for random ones."""
     if model.path is not None:
         path = Path(model.path).expanduser()
         if not (path / "config.json").is_file():
             raise ConfigError(f"model.path: {path} is not a model directory (no config.json)")
+        missing = None if model.random_weights else missing_weights(path)
+        if missing is not None:
+            raise ConfigError(
+                f"model.path: {missing}; set model.random_weights: true to serve it with "
+                "random weights"
+            )
         return path
     return ensure_tiny_model(Path(model.cache_dir).expanduser())
 
@@ -59,15 +69,41 @@ def _engine_argv(config: Config, model_dir: Path) -> list[str]:
             return sim_argv(config.engine, config.model.name)
         except ValueError as exc:
             raise ConfigError(f"engine.sim_profile: {exc}") from None
-    return server_argv(config.engine, model_dir, config.model.name)
+    return server_argv(
+        config.engine, model_dir, config.model.name, random_weights=config.model.uses_random_weights
+    )
+
+
+def preflight(config: Config) -> None:
+    """Raises CliError (status 1) naming the first port or control socket that `tandem serve`
+    cannot have, before anything starts: the gateway's port, and with `engine.launch` the
+    engine's port and (patched engine) its control socket when another engine serves it."""
+    problems = [port_error("gateway.port", config.gateway.host, config.gateway.port)]
+    if config.engine.launch:
+        problems.append(port_error("engine.port", config.engine.host, config.engine.port))
+        if config.engine.policy_in_charge:
+            problems.append(control_socket_error(config.engine.control_socket_path))
+    for problem in problems:
+        if problem is not None:
+            raise CliError(problem, status=1)
+
+
+def with_engine_api_key(config: Config) -> Config:
+    """*config* with the key the engine it launches requires (`engine.api_key`): the configured
+    one, else a new random one (SGLang's engine only: the simulator takes no key)."""
+    if config.engine.kind != "sglang" or config.engine.api_key:
+        return config
+    engine = msgspec.structs.replace(config.engine, api_key=secrets.token_urlsafe(32))
+    return msgspec.structs.replace(config, engine=engine)
 
 
 def serve(config: Config) -> int:
     """Runs until interrupted; returns the exit status."""
+    preflight(config)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("alembic").setLevel(logging.WARNING)  # /readyz reads the revision often
     token = admin_token()
-    upgrade(config.database.url)
+    migrate_database(config.database.url)
     model_dir = resolve_model_dir(config.model)
     log.info("model %s from %s", config.model.name, model_dir)
     try:
@@ -77,6 +113,7 @@ def serve(config: Config) -> int:
         return 1
     engine: EngineProcess | None = None
     if config.engine.launch:
+        config = with_engine_api_key(config)
         engine = EngineProcess(
             _engine_argv(config, model_dir),
             engine_env(
@@ -108,6 +145,8 @@ def serve(config: Config) -> int:
     finally:
         if engine is not None:
             engine.stop()
+            if config.engine.policy_in_charge:  # a killed scheduler leaves its socket file
+                remove_stale_socket(config.engine.control_socket_path)
     return 0
 
 
@@ -155,7 +194,11 @@ async def run_gateway(app: web.Application, host: str, port: int) -> None:
     await runner.setup()
     try:
         site = GuardedSite(runner, host, port)  # with the connection cap (gateway/server.py)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:  # taken since `preflight` looked
+            why = port_error("gateway.port", host, port) or exc.strerror or str(exc)
+            raise CliError(f"the gateway cannot listen: {why}", status=1) from None
         # Everything loaded so far (the tokenizer, SQLAlchemy's metadata, the app) lives as long
         # as the process: out of the collector's way, a full collection no longer walks it on
         # the event loop — the gateway's latency tail at 500 req/s.

@@ -1,6 +1,7 @@
 """Starting and stopping the SGLang server as a child process (no SGLang import here).
 
-    argv = server_argv(cfg.engine, model_dir, cfg.model.name)
+    argv = server_argv(cfg.engine, model_dir, cfg.model.name,
+                       random_weights=cfg.model.uses_random_weights)
     with EngineProcess(argv, engine_env(cfg.engine), base_url=engine_base_url(cfg.engine)) as eng:
         eng.wait_ready_sync(cfg.engine.startup_timeout_s)
         ...                                   # the engine is stopped on exit, children included
@@ -19,10 +20,13 @@ import atexit
 import contextlib
 import ctypes
 import http.client
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -50,17 +54,38 @@ def engine_base_url(engine_cfg: EngineConfig) -> str:
 
 
 def has_weights(model_path: Path) -> bool:
-    """True when *model_path* holds weight files (else the engine uses random weights)."""
+    """True when *model_path* holds weight files."""
     return any(p.suffix in WEIGHT_SUFFIXES for p in Path(model_path).iterdir())
 
 
-def server_argv(engine_cfg: EngineConfig, model_path: Path, model_name: str) -> list[str]:
+def missing_weights(model_path: Path) -> str | None:
+    """None when *model_path* holds weight files; else one line naming the directory and what
+    it lacks."""
+    if has_weights(model_path):
+        return None
+    patterns = ", ".join(f"*{suffix}" for suffix in WEIGHT_SUFFIXES)
+    return f"{model_path} holds no weight files ({patterns})"
+
+
+def server_argv(
+    engine_cfg: EngineConfig, model_path: Path, model_name: str, *, random_weights: bool = False
+) -> list[str]:
     """The command line that runs SGLang's HTTP server for *engine_cfg* and *model_path*.
 
-    A model directory without weight files (the built-in tiny model) is served with random
-    weights (``--load-format dummy``). On CPU the attention backend is torch-native, CUDA graphs
-    are off and the idle scheduler sleeps. ``engine_cfg.extra_args`` come last.
+    *random_weights*: serve random weights (``--load-format dummy``), as for the built-in tiny
+    model, which has none; else the directory's weights are loaded, and a directory without
+    weight files is a ValueError (SGLang would silently serve random weights). On CPU the
+    attention backend is torch-native, CUDA graphs are off and the idle scheduler sleeps.
+    ``engine_cfg.extra_args`` come last.
     """
+    missing = None if random_weights else missing_weights(model_path)
+    if missing is not None:
+        raise ValueError(f"{missing}; random weights must be asked for (model.random_weights)")
+    if engine_cfg.api_key and "--config" in engine_cfg.extra_args:
+        raise ValueError(
+            "engine.extra_args: --config cannot be combined with engine.api_key (the key "
+            "reaches the engine in a config file of its own)"
+        )
     argv = [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(model_path),
@@ -80,7 +105,7 @@ def server_argv(engine_cfg: EngineConfig, model_path: Path, model_name: str) -> 
         # meta_info (the gateway's usage records need the queue time), and serves /metrics.
         "--enable-metrics",
     ]  # fmt: skip
-    if not has_weights(model_path):
+    if random_weights:
         argv += ["--load-format", "dummy"]
     if engine_cfg.device == "cpu":
         argv += ["--attention-backend", "torch_native"]
@@ -102,7 +127,22 @@ def server_argv(engine_cfg: EngineConfig, model_path: Path, model_name: str) -> 
     if engine_cfg.kv_layout == "bicache":
         # The bicache layout frees whole requests; slots the radix tree kept would outlive them.
         argv.append("--disable-radix-cache")
+    if engine_cfg.api_key:
+        argv += api_key_args(engine_cfg.api_key)
     return argv + list(engine_cfg.extra_args)
+
+
+def api_key_args(api_key: str) -> list[str]:
+    """``--config FILE``: the engine's API key (SGLang's ``--api-key``) in a file only this user
+    can read (0600, in a 0700 directory removed at exit), so that it never shows on the engine's
+    command line, which every user of the host can read (``ps``)."""
+    directory = Path(tempfile.mkdtemp(prefix="tandem-engine-key-"))
+    atexit.register(shutil.rmtree, directory, True)
+    path = directory / "api-key.yaml"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(f"api-key: {json.dumps(api_key)}\n")  # a JSON string is a YAML scalar
+    return ["--config", str(path)]
 
 
 def engine_settings(

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import socketserver
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
@@ -30,6 +31,7 @@ from urllib.parse import parse_qs, urlsplit
 import msgspec
 
 from backend.sglang_ext.driver import EngineDriver
+from common.sockets import control_socket_error, remove_stale_socket
 from common.wire import (
     CONTROL_HEALTH_PATH,
     CONTROL_ITERATIONS_PATH,
@@ -50,6 +52,15 @@ MAX_BODY_BYTES = 64 << 20
 class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
     driver: EngineDriver
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that left before its reply (a gateway stopping in a long poll) is routine:
+        one debug line, where socketserver would print a traceback on the engine's console."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (BrokenPipeError, ConnectionResetError)):
+            logger.debug("control: the client went away before its reply (%s)", exc)
+        else:
+            logger.exception("control: a request failed")
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -124,12 +135,15 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def start(driver: EngineDriver, socket_path: str) -> socketserver.BaseServer:
-    """Serves the control endpoint on *socket_path* in a daemon thread (a stale socket file
-    from an earlier engine is replaced)."""
+    """Serves the control endpoint on *socket_path* in a daemon thread. A stale socket file
+    from an earlier engine is replaced; a live one (another engine serves it) never is: raises
+    RuntimeError, and the engine does not start."""
     path = Path(socket_path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists():
-        path.unlink()
+    problem = control_socket_error(path)
+    if problem is not None:
+        raise RuntimeError(problem)
+    remove_stale_socket(path)
     server = _Server(str(path), _Handler)
     server.driver = driver
     os.chmod(path, 0o600)

@@ -77,7 +77,15 @@ def register() -> None:
     settings = engine_settings_from_env()
     _trace_path = settings.scheduler_trace
     HookRegistry.register(CREATE_REQ_SEAM, after_create_generation_req, HookType.AFTER)
-    _install(settings)
+    try:
+        _install(settings)
+    except Exception as exc:
+        # SGLang's plugin loader logs an Exception and runs on without the plugin: the engine
+        # would schedule stock, or serve without its control endpoint, and say nothing. A
+        # SystemExit passes its `except Exception`: the scheduler process ends, and so the
+        # engine, with this line in its log.
+        logger.error("tandem plugin: cannot start: %s", exc)
+        raise SystemExit(f"tandem plugin: cannot start: {exc}") from exc
     logger.info(
         "tandem plugin registered in pid %d (policy: %s, kv layout: %s, trace: %s)",
         os.getpid(),

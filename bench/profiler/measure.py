@@ -35,7 +35,7 @@ import asyncio
 import datetime
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
 from typing import TypeVar
@@ -106,18 +106,20 @@ async def profile_engine(
     vocab_size: int | None = None,
     command: str | None = None,
     quiet_wait_s: float = 0.0,
+    headers: Mapping[str, str] | None = None,
 ) -> Profile:
     """Measures the engine at *base_url* over *grid* and returns the profile (not saved).
 
     *vocab_size* overrides what the engine reports; *command* goes into the description.
     *quiet_wait_s*: before each probe, wait up to this long for this machine's CPUs to be idle
-    (an engine on a machine shared with other work; 0: never wait).
+    (an engine on a machine shared with other work; 0: never wait). *headers* go with every
+    request (the engine's API key).
     Raises ProfilerError (one line) when the engine is unreachable or refuses a probe."""
     say = progress or (lambda _line: None)
     base_url = base_url.rstrip("/")
     started = time.monotonic()
     gate = QuietGate(quiet_wait_s)
-    async with client_session() as session:
+    async with client_session(headers) as session:
         facts = await discover(session, base_url, vocab_size)
         prober = Prober(session, base_url, facts, grid.seed)
         await prober.settle()

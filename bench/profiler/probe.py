@@ -16,7 +16,7 @@ import random
 import statistics
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -294,10 +294,13 @@ class Prober:
             await asyncio.sleep(0.1)
 
 
-def client_session() -> aiohttp.ClientSession:
-    """An HTTP session with a connection pool big enough for every concurrent stream."""
+def client_session(headers: Mapping[str, str] | None = None) -> aiohttp.ClientSession:
+    """An HTTP session with a connection pool big enough for every concurrent stream; *headers*
+    go with every request (the engine's API key, `EngineConfig.auth_headers`)."""
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=HTTP_READ_TIMEOUT_S)
-    return aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+    return aiohttp.ClientSession(
+        timeout=timeout, connector=aiohttp.TCPConnector(limit=0), headers=headers
+    )
 
 
 async def repeat_until_stable(

@@ -256,7 +256,7 @@ def _launch(workdir: Path) -> Any:
         chunked_prefill_size=512,
     )
     engine = EngineProcess(
-        server_argv(cfg, model, "tandem-tiny"),
+        server_argv(cfg, model, "tandem-tiny", random_weights=True),
         engine_env(cfg),
         base_url=engine_base_url(cfg),
         log_path=str(workdir / "engine.log"),

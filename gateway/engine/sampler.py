@@ -13,7 +13,7 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -67,8 +67,11 @@ class EngineSampler:
         poll_s: float,
         history_s: float,
         be_in_flight: Callable[[], int],
+        headers: Mapping[str, str] | None = None,
     ) -> None:
+        """*headers* go with every poll of the engine (its API key)."""
         self._url = engine_url.rstrip("/") + "/v1/loads"
+        self._headers = dict(headers or {})
         self._db = db
         self._poll_s = poll_s
         self.history: collections.deque[EngineSample] = collections.deque(
@@ -85,7 +88,9 @@ class EngineSampler:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0))
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=2.0), headers=self._headers
+        )
         await self.sample()
         self._task = asyncio.create_task(self._run(), name="engine-sampler")
 

@@ -26,6 +26,7 @@ import pytest
 from backend.launch.sglang import EngineProcess, engine_base_url, engine_env, server_argv
 from backend.launch.tiny_model import ensure_tiny_model
 from common.config import EngineConfig
+from common.sockets import remove_stale_socket
 
 MODEL_NAME = "tandem-tiny"
 STARTUP_TIMEOUT_S = 240.0  # 15-30 s on an idle 2-core machine; generous for a loaded CI box
@@ -84,10 +85,15 @@ tests/functional/test_new_user.py runs)."""
 
 
 @contextlib.contextmanager
-def running_engine(workdir: Path, **overrides: Any) -> Iterator[EngineServer]:
-    """A patched engine with the tiny model on a free port, stopped on exit (also on errors).
-    *overrides* are EngineConfig fields."""
-    model_path = ensure_tiny_model(workdir / "model-cache")
+def running_engine(
+    workdir: Path, model_path: Path | None = None, **overrides: Any
+) -> Iterator[EngineServer]:
+    """A patched engine on a free port, stopped on exit (also on errors): the tiny model with
+    random weights, or the model in *model_path* with its own. *overrides* are EngineConfig
+    fields."""
+    random_weights = model_path is None
+    if model_path is None:
+        model_path = ensure_tiny_model(workdir / "model-cache")
     trace_path = workdir / "scheduler-trace.jsonl"
     log_path = workdir / "engine.log"
     fields: dict[str, Any] = {
@@ -101,7 +107,7 @@ def running_engine(workdir: Path, **overrides: Any) -> Iterator[EngineServer]:
     fields.update(overrides)
     cfg = EngineConfig(**fields)
     engine = EngineProcess(
-        server_argv(cfg, model_path, MODEL_NAME),
+        server_argv(cfg, model_path, MODEL_NAME, random_weights=random_weights),
         engine_env(cfg, scheduler_trace=trace_path),
         base_url=engine_base_url(cfg),
         log_path=log_path,
@@ -122,6 +128,7 @@ def running_engine(workdir: Path, **overrides: Any) -> Iterator[EngineServer]:
         )
     finally:
         engine.stop()
+        remove_stale_socket(cfg.control_socket_path)  # its killed scheduler left it
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from common.config import EngineConfig
 from tests.functional.gateway_fixtures import free_port
 from tests.waiting import wait_until_sync
 
@@ -27,8 +28,32 @@ def engine_pids(port: int) -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
-def run_serve_and_chat(tmp_path: Path, **env_overrides: str) -> None:
-    """Starts `tandem serve`, chats through it, stops it with SIGINT; asserts a clean exit."""
+def assert_engine_needs_its_key(engine_port: int, gateway_url: str) -> None:
+    """The engine's port refuses what does not come through the gateway (issue 17: anyone on
+    the host bypassed keys, quotas and usage records), while the gateway's own polls of it
+    succeed; its key is not on its command line, which every user of the host can read."""
+    engine = f"http://127.0.0.1:{engine_port}"
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
+    assert httpx.post(f"{engine}/generate", json=body, timeout=60).status_code == 401
+    assert httpx.get(f"{engine}/v1/models", timeout=60).status_code == 401
+    wrong = {"Authorization": "Bearer not-the-key"}
+    assert httpx.post(f"{engine}/generate", json=body, headers=wrong).status_code == 401
+    assert httpx.get(f"{engine}/health", timeout=60).status_code == 200  # probes stay open
+    for pid in engine_pids(engine_port):
+        assert b"--api-key" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+
+    def engine_polled() -> bool:  # the gateway's load sampler sends the key: it sees the engine
+        text = httpx.get(f"{gateway_url}/metrics", timeout=10).text
+        return "tandem_engine_running_requests" in text
+
+    wait_until_sync(engine_polled, 60, what="the gateway's sampler reading the engine's load")
+
+
+def run_serve_and_chat(
+    tmp_path: Path, *, check_engine_key: bool = False, **env_overrides: str
+) -> None:
+    """Starts `tandem serve`, chats through it, stops it with SIGINT; asserts a clean exit.
+    *check_engine_key*: also that the engine refuses requests that bypass the gateway."""
     gw_port = free_port()
     env = dict(
         os.environ,
@@ -71,6 +96,8 @@ def run_serve_and_chat(tmp_path: Path, **env_overrides: str) -> None:
             model="tandem-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4
         )
         assert reply.usage is not None and reply.usage.completion_tokens >= 1
+        if check_engine_key:
+            assert_engine_needs_its_key(int(env["TANDEM_ENGINE__PORT"]), base)
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -83,8 +110,10 @@ def run_serve_and_chat(tmp_path: Path, **env_overrides: str) -> None:
 
 def test_serve_answers_then_stops_everything(tmp_path: Path) -> None:
     port = free_port()
-    run_serve_and_chat(tmp_path, TANDEM_ENGINE__PORT=str(port))
+    run_serve_and_chat(tmp_path, check_engine_key=True, TANDEM_ENGINE__PORT=str(port))
     wait_until_sync(lambda: engine_pids(port) == [], 30, what="every engine process gone")
+    # nor its control socket (its scheduler is killed, so `tandem serve` removes the file)
+    assert not Path(EngineConfig(port=port).control_socket_path).exists()
 
 
 def test_serve_fronts_the_simulator(tmp_path: Path) -> None:

@@ -172,7 +172,7 @@ def test_sglang_accepts_every_launch_flag(sglang: ModuleType, tmp_path: Path) ->
 
     (tmp_path / "config.json").write_text("{}")
     cfg = EngineConfig(context_length=2048, enable_priority_scheduling=True)
-    argv = server_argv(cfg, tmp_path, "m")
+    argv = server_argv(cfg, tmp_path, "m", random_weights=True)
     assert argv[1:3] == ["-m", "sglang.launch_server"]
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
@@ -300,3 +300,17 @@ def test_cpu_kv_copy_matches_the_kernel_contract(sglang: ModuleType) -> None:
         assert torch.equal(got, want)
     with pytest.raises(NotImplementedError, match=r"sgl_kernel\.some_cuda_op"):
         sgl_kernel.some_cuda_op()
+
+
+def test_the_engine_api_key_reaches_sglang_but_not_its_command_line(
+    sglang: ModuleType, tmp_path: Path
+) -> None:
+    from sglang.srt.server_args import prepare_server_args
+
+    (tmp_path / "config.json").write_text("{}")
+    key = "engine-key-5f2c"
+    argv = server_argv(EngineConfig(api_key=key), tmp_path, "m", random_weights=True)
+    assert not any(key in arg for arg in argv)  # `ps` shows the command line to every user
+    key_file = Path(argv[argv.index("--config") + 1])
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    assert prepare_server_args(argv[3:]).api_key == key  # how SGLang's launcher reads it
