@@ -134,6 +134,7 @@ def _shed_record(req: SimRequest) -> RequestRecord:
         tpot_target_s=req.tpot_target_s,
         deadline_s=None,
         length_key=req.length_key,
+        tenant_id=req.length_key if req.tenant_id is None else req.tenant_id,
         max_new_tokens=req.max_new_tokens,
         admission="shed",
     )

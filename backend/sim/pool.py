@@ -131,6 +131,8 @@ class PoolResult:
     """Wall time of each placement decision (`router.choose`), microseconds."""
     requests_per_replica: list[int] = field(default_factory=list)
     """Requests placed on each replica (shed ones excluded)."""
+    stopped: bool = False
+    """The `stop` callback ended the run early."""
 
 
 def simulate_pool(
@@ -213,8 +215,8 @@ def simulate_pool(
             start(m, at_s)
         return True
 
-    running = True
-    while running:
+    stopped = False
+    while not stopped:
         next_arrival = source.next_arrival_s()
         next_end = ends[0][0] if ends else None
         if next_arrival is None and next_end is None:
@@ -233,7 +235,7 @@ def simulate_pool(
                 break
             for req in source.pop_due(now):
                 if not place(req, now):
-                    running = False
+                    stopped = True
                     break
             for index in sorted(stalled):  # an arrival may change an idle policy's mind
                 if members[index].step is None:
@@ -266,6 +268,7 @@ def simulate_pool(
         replicas=len(members),
         placement_us=decisions,
         requests_per_replica=placed,
+        stopped=stopped,
     )
 
 
