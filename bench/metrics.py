@@ -27,7 +27,16 @@ from backend.sim.records import IterationLog, RequestRecord, SimResult
 
 Metrics = dict[str, float | int | None]
 
-WALL_CLOCK_KEYS = frozenset({"plan_ms_p50", "plan_ms_p99", "plan_ms_mean", "plan_overhead_frac"})
+WALL_CLOCK_KEYS = frozenset(
+    {
+        "plan_ms_p50",
+        "plan_ms_p99",
+        "plan_ms_mean",
+        "plan_overhead_frac",
+        "placement_us_p50",
+        "placement_us_p99",
+    }
+)
 """Metrics measured on the host's clock (policy planning time): they differ between otherwise
 identical runs. Everything else is a function of the seed."""
 
@@ -490,6 +499,22 @@ def compute_metrics(result: SimResult, window_s: float | None) -> Metrics:
     out["window_s"] = window
     out["sim_end_s"] = result.end_s
     return out
+
+
+def pool_metrics(placement_us: Sequence[float], requests_per_replica: Sequence[int]) -> Metrics:
+    """A pool's own metrics: `replicas`; `placement_us_p50` / `_p99`, the router's decision time
+    per request (wall clock, µs); `replica_requests_max_over_mean`, how unevenly the requests
+    were spread (1 = evenly; shed ones are not placed)."""
+    placed = np.asarray(requests_per_replica, dtype=float)
+    mean_placed = float(placed.mean()) if placed.size else 0.0
+    return {
+        "replicas": len(requests_per_replica),
+        "placement_us_p50": percentile(placement_us, 50),
+        "placement_us_p99": percentile(placement_us, 99),
+        "replica_requests_max_over_mean": (
+            float(placed.max()) / mean_placed if mean_placed > 0 else None
+        ),
+    }
 
 
 def interference(metrics: Metrics, baseline: Metrics) -> Metrics:

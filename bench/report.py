@@ -40,6 +40,7 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("kv_utilization_mean", "KV use", "pct"),
     ("prefix_reuse_ratio", "prefix reuse", "pct"),
     ("plan_ms_p50", "plan ms p50", "s"),
+    ("placement_us_p50", "place µs p50", "s"),
 )
 
 
@@ -74,7 +75,7 @@ def results_dict(run: BenchRun) -> dict[str, Any]:
         "load": cfg.load,
         "rt_capacity_req_s": run.rt_capacity_req_s,
         "rt_rate_req_s": run.rt_rate_req_s,
-        "policies": {name: _row(r) for name, r in run.runs.items()},
+        "policies": {} if run.by_router else {name: _row(r) for name, r in run.runs.items()},
         "description": run.workload.description,
         "variant": cfg.variant,
         "max_new": cfg.max_new,
@@ -95,6 +96,10 @@ def results_dict(run: BenchRun) -> dict[str, Any]:
             "policy_wall_s": {name: round(r.wall_s, 3) for name, r in run.runs.items()},
         },
     }
+    if run.by_router:  # only for a pool: a one-engine run is unchanged
+        out["routers"] = {name: _row(r) for name, r in run.runs.items()}
+        out["replicas"] = cfg.replicas
+        out["engine_policy"] = run.engine_policy
     if cfg.engine_slowdown:  # only when set: a run without it is unchanged
         out["engine_slowdown"] = format_slowdown(cfg.engine_slowdown)
         out["engine_slowdown_schedule"] = [
@@ -107,7 +112,9 @@ def _table(run: BenchRun) -> list[str]:
     metrics = {name: r.metrics for name, r in run.runs.items()}
     cols = [c for c in COLUMNS if any(m.get(c[0]) is not None for m in metrics.values())]
     lines = [
-        "| policy | " + " | ".join(header for _, header, _ in cols) + " |",
+        f"| {'router' if run.by_router else 'policy'} | "
+        + " | ".join(header for _, header, _ in cols)
+        + " |",
         "|---|" + "---:|" * len(cols),
     ]
     for name, m in metrics.items():
@@ -171,6 +178,12 @@ def _parameters(run: BenchRun) -> list[str]:
         f"* seed: {cfg.seed}; load: {cfg.load:g}; λ*: {capacity}; RT rate: {rate}",
         f"* measurement window: {window}; max_new_tokens shown to policies: {cfg.max_new}",
     ]
+    if run.by_router:
+        lines.append(
+            f"* pool: {cfg.replicas} replicas, each running `{run.engine_policy}`; rows are "
+            "placement policies (backend/policy/placement.py); λ* and the RT rate are the "
+            "pool's (N × one replica's)"
+        )
     if cfg.engine_slowdown:
         lines.append(
             f"* engine slowdown: {format_slowdown(cfg.engine_slowdown)} (iterations take K × "

@@ -29,7 +29,7 @@ from backend.sim.engine import StalledPolicyError, simulate
 from backend.sim.source import SimRequest
 from bench import capacity as cap
 from bench.defaults import DEFAULT_DATA_DIR, DEFAULT_PROFILE
-from bench.metrics import Metrics, compute_metrics, interference, tenant_metrics
+from bench.metrics import Metrics, compute_metrics, interference, pool_metrics, tenant_metrics
 from bench.policy_spec import base_name, parse_policy_spec
 from bench.series import PolicySeries, compute_series
 from bench.trace import DEFAULT_TPOT_S, DEFAULT_TTFT_S, build_trace_workload
@@ -89,6 +89,13 @@ class BenchConfig:
     """The simulated engine runs this many times slower than the latency model the policies
     plan with: (start_s, factor) pairs (`SimConfig.engine_slowdown`); () = as the model says.
     λ* is measured without it, so --load means the same RT rate with and without."""
+    replicas: int = 1
+    """Engine replicas behind the router (> 1, or routers given: the simulator's pool,
+    backend/sim/pool.py; the RT rate scales with it: load × N × one replica's λ*)."""
+    routers: tuple[str, ...] | None = None
+    """Placement policies to compare on the pool (backend/policy/placement.py), each one run
+    of the engine policy (`policies`' one name, default tandem); None: the policies are
+    compared on one engine."""
     progress: bool = True
     """Show progress bars on stderr."""
     command: str = ""
@@ -122,6 +129,13 @@ class BenchRun:
     """Policies not run, with the reason."""
     failed: dict[str, str] = field(default_factory=dict)
     """Policies whose run raised (a policy bug: an infeasible or stalled plan), with the error."""
+    engine_policy: str | None = None
+    """With routers: the engine policy every replica runs; `runs` is then keyed by router."""
+
+    @property
+    def by_router(self) -> bool:
+        """The runs compare routers on a pool (not policies on one engine)."""
+        return self.engine_policy is not None
 
 
 def registered_policies() -> tuple[str, ...]:
@@ -306,6 +320,64 @@ def run_policy(name: str, run: BenchRun, latency: LatencyModel, base: SimConfig)
     return PolicyRun(metrics=metrics, series=series, wall_s=wall, tenants=tenants)
 
 
+DEFAULT_ENGINE_POLICY = "tandem"
+"""The engine policy of a router comparison unless --policies names one."""
+
+
+def run_router(name: str, run: BenchRun, latency: LatencyModel, base: SimConfig) -> PolicyRun:
+    """One router on a pool of `replicas` engines, each running the run's engine policy, on a
+    fresh copy of the workload."""
+    from backend.policy.feasibility import SloForecaster
+    from backend.policy.placement import make_router
+    from backend.sim.pool import simulate_pool
+
+    assert run.engine_policy is not None
+    replicas = run.config.replicas
+    policies = [_make_policy(run.engine_policy, latency) for _ in range(replicas)]
+    first = policies[0]
+    forecaster = first.slo_forecaster() if hasattr(first, "slo_forecaster") else None
+    router = make_router(name, forecaster or SloForecaster(latency))
+    include_be = not getattr(first, "rt_only", False)
+    source = SimSource(run.workload.source(run.rt_rate_req_s, include_be), SimRequest)
+    span = run.workload.window_s
+    bar = tqdm(
+        total=round(span) if span else None,
+        desc=f"{run.workload.name} {name} ×{replicas}",
+        unit="sim-s",
+        file=sys.stderr,
+        disable=None if run.config.progress else True,
+        bar_format="{desc:<22} {n:.0f}/{total_fmt} sim-s |{bar}| {elapsed}",
+    )
+
+    def progress(now_s: float) -> None:
+        if bar.total is not None and now_s > bar.total:
+            bar.total = math.ceil(now_s)
+        bar.update(max(0.0, now_s - bar.n))
+
+    config = _layout(struct_replace(base, engine_slowdown=run.config.engine_slowdown), first,
+                     run.profile)  # fmt: skip
+    started = time.perf_counter()
+    try:
+        pool = simulate_pool(source, policies, latency, config, router, progress=progress)
+    finally:
+        bar.close()
+    wall = time.perf_counter() - started
+    result = pool.result
+    window = run.workload.window_s
+    metrics = compute_metrics(result, window)
+    metrics.update(pool_metrics(pool.placement_us, pool.requests_per_replica))
+    for key in ("engine_busy_frac", "rt_busy_frac", "be_busy_frac"):  # per replica, not summed
+        value = metrics.get(key)
+        metrics[key] = None if value is None else float(value) / replicas
+    series = compute_series(result, window if window is not None else result.end_s)
+    tenants = (
+        tenant_metrics(result.requests, run.workload.tenants, result.end_s)
+        if run.workload.tenants
+        else None
+    )
+    return PolicyRun(metrics=metrics, series=series, wall_s=wall, tenants=tenants)
+
+
 def _layout(config: SimConfig, policy: Any, profile: Profile) -> SimConfig:
     """The engine's KV layout as the policy asks (`kv_layout`, default the token pool); the
     bicache layout takes its copy cost from the profile (SimConfig's defaults if absent) and
@@ -349,6 +421,13 @@ def run_bench(
     workload, kv = build(config, latency, profile)
     base = sim_config(profile, kv, workload)
     names, skipped = _policy_list(config, workload)
+    if config.routers is not None:
+        if config.policies is not None and len(config.policies) != 1:
+            raise ValueError(
+                "--routers compares placement on one engine policy: --policies names "
+                f"{len(config.policies)} (give one, or none for {DEFAULT_ENGINE_POLICY})"
+            )
+        names = list(config.policies or (DEFAULT_ENGINE_POLICY,))
     for name in names:  # a bad option fails now, not after the λ* search and other policies
         _make_policy(name, latency)
     capacity, source, rate = measure_rate(config, workload, latency, profile_path, base)
@@ -362,9 +441,20 @@ def run_bench(
         rt_rate_req_s=rate,
         skipped=skipped,
     )
+    if config.routers is not None:
+        run.engine_policy = names[0]
+        run.skipped = {}
+        if rate is not None:  # the pool's RT rate and capacity: N replicas
+            run.rt_rate_req_s = rate * config.replicas
+        if capacity is not None:
+            run.rt_capacity_req_s = capacity * config.replicas
+        names = list(config.routers)
     for name in names:
         try:
-            run.runs[name] = run_policy(name, run, latency, base)
+            if run.by_router:
+                run.runs[name] = run_router(name, run, latency, base)
+            else:
+                run.runs[name] = run_policy(name, run, latency, base)
         except (InfeasiblePlanError, StalledPolicyError) as exc:
             run.failed[name] = f"{type(exc).__name__}: {exc}"
             _say(config, f"{name} failed: {run.failed[name]}")

@@ -10,7 +10,7 @@ One request a line::
 Convert an Azure trace (one command)::
 
     python -m bench.trace convert-azure ../shared/data/azure_llm_2023_conv.csv OUT.jsonl \
-        [--tier rt|be] [--limit N]
+        [--tier rt|be] [--limit N] [--mean-turns T [--seed S]]
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from bench.workloads.azure import load_trace
 from bench.workloads.base import (
@@ -199,27 +201,50 @@ def build_trace_workload(
 
 
 def convert_azure(
-    csv_path: str | Path, out_path: str | Path, *, tier: str = "rt", limit: int | None = None
+    csv_path: str | Path,
+    out_path: str | Path,
+    *,
+    tier: str = "rt",
+    limit: int | None = None,
+    mean_turns: float | None = None,
+    seed: int = 0,
 ) -> int:
     """Writes an Azure trace CSV as trace JSONL (tenant = the file's stem); returns the number
-    of lines written."""
+    of lines written.
+
+    The CSVs carry token counts only, no conversation. *mean_turns* (≥ 1) makes conversations
+    up, seeded: in time order each request starts a new conversation with probability
+    1 / mean_turns, else it is the next turn of one of the 256 most recent ones (at random); a
+    turn's prompt blocks are its conversation's history, so block j of every turn of one
+    conversation is the same block — `prefix_hashes` shared across its turns, as a chat
+    service's prompts (earlier turns resent) share a prefix."""
     trace = load_trace(Path(csv_path))
     count = len(trace) if limit is None else min(limit, len(trace))
     tenant = Path(csv_path).stem
+    rng = np.random.default_rng(seed)
+    recent: list[int] = []  # open conversations, oldest first
+    conversations = 0
     with open(out_path, "w") as fh:
         for i in range(count):
-            fh.write(
-                json.dumps(
-                    {
-                        "t_ms": round(float(trace.times_s[i]) * 1000.0, 3),
-                        "input_len": int(trace.prompt_lens[i]),
-                        "output_len": int(trace.output_lens[i]),
-                        "tier": tier,
-                        "tenant": tenant,
-                    }
-                )
-                + "\n"
-            )
+            prompt = int(trace.prompt_lens[i])
+            line: dict[str, Any] = {
+                "t_ms": round(float(trace.times_s[i]) * 1000.0, 3),
+                "input_len": prompt,
+                "output_len": int(trace.output_lens[i]),
+                "tier": tier,
+                "tenant": tenant,
+            }
+            if mean_turns is not None:
+                if not recent or rng.random() < 1.0 / mean_turns:
+                    conversation = conversations
+                    conversations += 1
+                    recent.append(conversation)
+                    del recent[:-256]
+                else:
+                    conversation = recent[int(rng.integers(len(recent)))]
+                blocks = prompt // BLOCK_TOKENS
+                line["prefix_hashes"] = [conversation * 4096 + j for j in range(blocks)]
+            fh.write(json.dumps(line) + "\n")
     return count
 
 
@@ -236,12 +261,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     conv.add_argument("out", help="the JSONL file to write")
     conv.add_argument("--tier", choices=["rt", "be"], default="rt", help="tier of every line")
     conv.add_argument("--limit", type=int, default=None, help="only the first N requests")
+    conv.add_argument(
+        "--mean-turns",
+        type=float,
+        default=None,
+        help="make up conversations of this many turns on average, sharing prompt prefixes",
+    )
+    conv.add_argument("--seed", type=int, default=0, help="seed of the conversations")
     args = parser.parse_args(argv)
     if args.limit is not None and args.limit < 1:
         print("bench.trace: error: --limit must be ≥ 1", file=sys.stderr)
         return 2
+    if args.mean_turns is not None and not args.mean_turns >= 1:
+        print("bench.trace: error: --mean-turns must be ≥ 1", file=sys.stderr)
+        return 2
     try:
-        count = convert_azure(args.csv, args.out, tier=args.tier, limit=args.limit)
+        count = convert_azure(
+            args.csv,
+            args.out,
+            tier=args.tier,
+            limit=args.limit,
+            mean_turns=args.mean_turns,
+            seed=args.seed,
+        )
     except ValueError as exc:
         print(f"bench.trace: error: {exc}", file=sys.stderr)
         return 2

@@ -66,6 +66,12 @@ class GatewayConfig(_Section, frozen=True):
     """`Retry-After` sent with a 503 when the engine is unreachable, seconds."""
     default_max_tokens: int = 1024
     """Output cap of a request that sets no max_tokens, tokens (never beyond the context)."""
+    router: Literal["slo", "round-robin", "least-load", "prefix"] = "slo"
+    """How the place stage picks among several engines (backend/policy/placement.py): "slo"
+    sends RT to the engine with the most predicted slack against the request's contract and the
+    rest to the most leftover capacity, prompts sharing a prefix kept together; "round-robin";
+    "least-load" (fewest running + waiting tokens); "prefix" (longest cached-prefix match,
+    least load when the engines are imbalanced). With one engine the choice is forced."""
     max_inflight_rt: int = 128
     """Interactive RT requests in flight on one engine at once (sent, not finished), requests:
     the RT queue's bound. One more is refused at once with 429 `tier_queue_full` and

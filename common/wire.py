@@ -224,6 +224,9 @@ class EngineLoad(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     rt_context_tokens: int = 0
     """Σ context length (prompt + generated) of the decoding RT requests, tokens."""
     num_be_waiting: int = 0
+    be_waiting_prompt_tokens: int = 0
+    """Prompt tokens the waiting BE requests still have to compute (their part of the engine's
+    load: the placement's least-load and leftover-capacity measures)."""
     num_be_running: int = 0
     be_context_tokens: int = 0
     """Σ context length of the decoding BE requests, tokens."""

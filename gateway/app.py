@@ -17,6 +17,7 @@ from aiohttp import web
 from prometheus_client.registry import Collector
 
 from backend.policy.feasibility import TtftFeedback
+from backend.policy.placement import make_router
 from common.config import Config
 from gateway.api import admin, batches, files, openai, ops
 from gateway.api.body import body_guard
@@ -44,6 +45,7 @@ from gateway.state import (
     ENGINE_HEALTH,
     LOADS,
     METRICS,
+    ROUTER,
     SLO_FORECASTER,
     STORE,
     TIER_QUEUES,
@@ -77,6 +79,7 @@ def create_app(config: Config, admin_token: str, model_dir: Path) -> web.Applica
     app[BACKGROUND] = set()
     app[LOADS] = {}
     app[SLO_FORECASTER] = build_forecaster(config)
+    app[ROUTER] = make_router(config.gateway.router, app[SLO_FORECASTER])
     app[TTFT_FEEDBACK] = TtftFeedback()
     app[TIER_QUEUES] = TierQueues(tier_bounds(config.gateway))
     app.cleanup_ctx.append(_loop_watch)

@@ -10,6 +10,7 @@ from aiohttp import web
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from backend.policy.feasibility import SloForecaster, TtftFeedback
+from backend.policy.placement import Router
 from common.config import Config
 from gateway.auth import AuthCache
 from gateway.engine.client import EngineClient
@@ -43,6 +44,8 @@ ENGINE_STATS = web.AppKey("engine_stats", EngineStatsWindow)
 """The engine's last two `/stats` readings (set when tandem's policy is in charge)."""
 SLO_FORECASTER = web.AppKey("slo_forecaster", SloForecaster)
 """The SLO admission's forecaster, on the latency model the engine's policy plans with."""
+ROUTER: web.AppKey[Router] = web.AppKey("router")
+"""The place stage's router (`gateway.router`) and its memory of what it placed where."""
 TTFT_FEEDBACK = web.AppKey("ttft_feedback", TtftFeedback)
 """What admitted RT requests' real TTFT taught the SLO admission about its forecast."""
 TIER_QUEUES = web.AppKey("tier_queues", TierQueues)

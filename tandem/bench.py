@@ -117,6 +117,17 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="sim only: the engine's iterations take K × what the policies' latency model "
         "predicts (K > 0); a schedule changes K at simulated second T (first T = 0)",
     )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        help="sim only: N engine replicas behind the router (default 1; with N > 1 and no "
+        "--routers, the slo router); the RT rate is load × N × one replica's λ*",
+    )
+    p.add_argument(
+        "--routers",
+        help="sim only: comma-separated placement policies to compare on the replicas "
+        "(slo, round-robin, least-load, prefix); results.json gains `routers`",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_bench)
     return p
@@ -167,6 +178,31 @@ def _policies(spec: str | None) -> tuple[str, ...] | None:
     return names
 
 
+def _routers(args: argparse.Namespace) -> tuple[int, tuple[str, ...] | None]:
+    """(replicas, routers) from --replicas and --routers."""
+    from backend.policy.placement import ROUTERS
+
+    replicas = 1 if args.replicas is None else args.replicas
+    if replicas < 1:
+        raise ValueError(f"--replicas must be ≥ 1, got {replicas}")
+    if args.routers is None:
+        if replicas == 1:
+            return 1, None
+        routers: tuple[str, ...] = ("slo",)
+    else:
+        routers = tuple(n.strip() for n in args.routers.split(",") if n.strip())
+        if not routers:
+            raise ValueError("--routers is empty")
+        for name in routers:
+            if name not in ROUTERS:
+                raise ValueError(f"unknown router {name!r} (choose from {', '.join(ROUTERS)})")
+        if len(set(routers)) != len(routers):
+            raise ValueError("--routers names a router twice")
+    if args.engine != "sim":
+        raise ValueError(f"--replicas/--routers: only for --engine sim, not {args.engine}")
+    return replicas, routers
+
+
 def _command(cfg: BenchConfig) -> str:
     """The full command line of the run (every effective option)."""
     words = ["tandem", "bench", cfg.workload]
@@ -201,6 +237,8 @@ def _command(cfg: BenchConfig) -> str:
         words += ["--rate-scale", f"{cfg.rate_scale:g}"]
     if cfg.engine_slowdown:
         words += ["--engine-slowdown", format_slowdown(cfg.engine_slowdown)]
+    if cfg.routers is not None:
+        words += ["--replicas", str(cfg.replicas), "--routers", ",".join(cfg.routers)]
     return shlex.join([*words, "--out", str(cfg.out_dir)])
 
 
@@ -239,6 +277,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         )
     if args.seed < 0:
         raise ValueError(f"--seed must be ≥ 0, got {args.seed}")
+    replicas, routers = _routers(args)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = args.out or RESULTS_DIR / f"{name}-{stamp}"
     cfg = BenchConfig(
@@ -263,6 +302,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         cache_dir=args.cache_dir or _default_cache_dir(),
         capacity_run_s=args.capacity_run_s,
         engine_slowdown=_engine_slowdown(args),
+        replicas=replicas,
+        routers=routers,
         progress=not args.no_progress,
     )
     return replace(cfg, command=_command(cfg))

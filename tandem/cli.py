@@ -91,6 +91,9 @@ def _parser() -> argparse.ArgumentParser:
     from tandem.bench import add_bench_parser
 
     add_bench_parser(sub)
+    from tandem.plan import add_plan_parser
+
+    add_plan_parser(sub)
     from tandem.batch import add_batch_parser
 
     add_batch_parser(sub, common)

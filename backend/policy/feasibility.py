@@ -456,7 +456,7 @@ def load_of(
     A running request still prefilling (a chunked prompt) counts as waiting RT work: what is
     left of its prompt is ahead of any new prompt; waiting RT work is also split by tenant."""
     rt_waiting = rt_prompt = rt_running = rt_context = 0
-    be_waiting = be_running = be_context = be_kv = 0
+    be_waiting = be_prompt = be_running = be_context = be_kv = 0
     # tenant → [weight, requests waiting, prompt tokens left, requests decoding]
     by_tenant: dict[str, list[Any]] = {}
     for r in snapshot.running:
@@ -473,6 +473,7 @@ def load_of(
             be_kv += r.prefilled + (r.generated if r.prefilled >= r.prefill_len else 0)
             if r.prefilled < r.prefill_len:
                 be_waiting += 1
+                be_prompt += r.prefill_len - r.prefilled
             else:
                 be_running += 1
                 be_context += r.prompt_len + r.generated
@@ -483,6 +484,7 @@ def load_of(
             _count_waiting(by_tenant, r)
         else:
             be_waiting += 1
+            be_prompt += r.prefill_len - r.prefilled
     return EngineLoad(
         iteration=iteration,
         at_unix_s=at_unix_s,
@@ -494,6 +496,7 @@ def load_of(
         num_rt_running=rt_running,
         rt_context_tokens=rt_context,
         num_be_waiting=be_waiting,
+        be_waiting_prompt_tokens=be_prompt,
         num_be_running=be_running,
         be_context_tokens=be_context,
         kv_used_tokens=snapshot.kv_capacity_tokens - snapshot.kv_free_tokens,

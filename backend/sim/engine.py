@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from backend.policy.latency import LatencyModel
 from backend.policy.time_share import shape_of
-from backend.policy.types import FinishedRequest, IterationResult, Policy
+from backend.policy.types import FinishedRequest, IterationResult, Policy, Snapshot
 from backend.sim.config import SimConfig
 from backend.sim.core import EngineCore
 from backend.sim.front_door import FrontDoor, front_door_for
@@ -125,8 +125,62 @@ def _iterate(
     """Plans and runs one iteration at `now_s`; its duration, or None when the plan was
     empty. The engine's compute takes `slowdown` × the model's prediction; the policy only
     sees the resulting duration in `observe`."""
+    step = start_iteration(core, policy, latency, now_s, slowdown)
+    if step is None:
+        return None
+    end_iteration(core, policy, source, log, step)
+    return step.duration_s
+
+
+class Step:
+    """One iteration between its start (planned, KV allocated) and its end (tokens emitted)."""
+
+    __slots__ = (
+        "batch",
+        "duration_s",
+        "kv_used",
+        "num_running",
+        "num_waiting",
+        "plan_ms",
+        "rt_part_s",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        batch: Batch,
+        duration_s: float,
+        num_running: int,
+        num_waiting: int,
+        plan_ms: float,
+        kv_used: int,
+        rt_part_s: float,
+    ) -> None:
+        self.batch = batch
+        self.duration_s = duration_s
+        self.num_running = num_running
+        self.num_waiting = num_waiting
+        self.plan_ms = plan_ms
+        self.kv_used = kv_used
+        self.rt_part_s = rt_part_s
+
+    @property
+    def end_s(self) -> float:
+        return self.batch.start_s + self.duration_s
+
+
+def start_iteration(
+    core: EngineCore,
+    policy: Policy,
+    latency: LatencyModel,
+    now_s: float,
+    slowdown: float = 1.0,
+    snap: Snapshot | None = None,
+) -> Step | None:
+    """Plans an iteration at `now_s` and starts it (`core.apply`); None when the plan was
+    empty. *snap*: the snapshot to plan from, when the caller already took it at `now_s`."""
     num_running, num_waiting = len(core.running), len(core.waiting)
-    snap = core.snapshot(now_s)
+    if snap is None:
+        snap = core.snapshot(now_s)
     t0 = time.perf_counter()
     plan = policy.plan(snap)
     plan_ms = (time.perf_counter() - t0) * 1000.0
@@ -138,21 +192,31 @@ def _iterate(
     if core.bikv is not None:  # checkpoint and restore traffic of the bicache layout (unscaled)
         duration = core.bikv.iteration_s(duration)
     rt_part_s = _rt_part_s(latency, batch, duration, slowdown)
+    return Step(batch, duration, num_running, num_waiting, plan_ms, kv_used, rt_part_s)
+
+
+def end_iteration(
+    core: EngineCore, policy: Policy, source: ArrivalSource, log: IterationLog, step: Step
+) -> list[Track]:
+    """Ends a started iteration: emits its tokens, logs it, tells the source about finished
+    requests and the policy about the result; returns the finished tracks."""
+    batch, now_s, duration = step.batch, step.batch.start_s, step.duration_s
     end_s = now_s + duration
     emitted, finished = core.finish(batch, end_s)
+    plan = batch.plan
     log.append(
         start_s=now_s,
         duration_s=duration,
         predicted_s=plan.predicted_s,
-        plan_ms=plan_ms,
+        plan_ms=step.plan_ms,
         num_prefill=len(batch.prefills),
         num_decode=len(batch.decodes),
         prefill_tokens=batch.shape.prefill_tokens,
-        kv_used_tokens=kv_used,
-        num_running=num_running,
-        num_waiting=num_waiting,
+        kv_used_tokens=step.kv_used,
+        num_running=step.num_running,
+        num_waiting=step.num_waiting,
         num_evictions=batch.num_evictions,
-        rt_part_s=rt_part_s,
+        rt_part_s=step.rt_part_s,
     )
     done = [
         FinishedRequest(t.state.rid, t.state.tier, t.state.length_key, t.state.generated)
@@ -165,7 +229,7 @@ def _iterate(
             start_s=now_s, duration_s=duration, plan=plan, emitted=emitted, finished=done
         )
     )
-    return duration
+    return finished
 
 
 def _rt_part_s(

@@ -69,16 +69,13 @@ class FrontDoor:
             pace_ratio_p90=self.pace.upper(),
             calibration_samples=self.calibration_samples(),
         )
-        ask = SloAsk(
-            prompt_tokens=req.prompt_len,
-            ttft_target_s=req.ttft_target_s,
-            tpot_target_s=req.tpot_target_s,
-            waited_s=max(0.0, now_s - req.arrival_s),
-            # the tenant as the core files it (backend/sim/core.py): its fair-share lane
-            tenant_id=req.length_key if req.tenant_id is None else req.tenant_id,
-            weight=req.tenant_weight,
-        )
-        if self.forecaster.forecast(load, ask).feasible:
+        ask = slo_ask(req, now_s)
+        return self.outcome(req, self.forecaster.forecast(load, ask).feasible)
+
+    def outcome(self, req: SimRequest, feasible: bool) -> SimRequest | None:
+        """What the contract makes of an RT request whose forecast is *feasible* or not: the
+        request to hand to the engine (*req*, or *req* as BE), or None when it is shed."""
+        if feasible:
             return req
         if self.on_unattainable == "accept":
             self.outcomes[req.rid] = "accepted"
@@ -89,6 +86,20 @@ class FrontDoor:
         self.outcomes[req.rid] = "shed"
         self.shed.append(_shed_record(req))
         return None
+
+
+def slo_ask(req: SimRequest, now_s: float) -> SloAsk:
+    """What an RT request with a TTFT target asks of the engine at *now_s*."""
+    assert req.ttft_target_s is not None
+    return SloAsk(
+        prompt_tokens=req.prompt_len,
+        ttft_target_s=req.ttft_target_s,
+        tpot_target_s=req.tpot_target_s,
+        waited_s=max(0.0, now_s - req.arrival_s),
+        # the tenant as the core files it (backend/sim/core.py): its fair-share lane
+        tenant_id=req.length_key if req.tenant_id is None else req.tenant_id,
+        weight=req.tenant_weight,
+    )
 
 
 def front_door_for(policy: Policy, on_unattainable: SloUnattainable) -> FrontDoor | None:
@@ -123,6 +134,7 @@ def _shed_record(req: SimRequest) -> RequestRecord:
         tpot_target_s=req.tpot_target_s,
         deadline_s=None,
         length_key=req.length_key,
+        tenant_id=req.length_key if req.tenant_id is None else req.tenant_id,
         max_new_tokens=req.max_new_tokens,
         admission="shed",
     )

@@ -1,26 +1,34 @@
 """The place stage: which engine runs a request.
 
-Today the gateway fronts one engine, so every request is placed on it. The seam is built for a
-pool: `engine_candidates` lists the engines a request may go to, and `choose_engine` picks one
-from them for a given request — a pure function of the request and the candidates' handles, the
-place for prefix affinity (the engine whose cache holds the prompt's prefix), tier headroom (RT
-to the engine with the most slack) and load. A handle carries the engine's live state
-(`load`, the app's `LOADS` watcher for it), so ranking by load stays a pure function of the
-handles: the watcher's fields are read, never polled, there. The run stage uses only the
-`Placement`, and the record stage aborts an unfinished request on the engine it was placed on.
+`engine_candidates` lists the engines a request may go to, and `choose_engine` picks one from
+them with the router `gateway.router` names (backend/policy/placement.py: the same code the
+simulator's pool runs): prefix affinity (the engine whose cache holds the prompt's prefix),
+RT to the engine with the most predicted slack against its contract, load. A handle carries the
+engine's live state (`load`, the app's `LOADS` watcher for it): the watcher's fields are read,
+never polled, here. The router keeps its memory (what it sent where since each engine's last
+report, which prefixes went where) in the app (`ROUTER`). With one candidate the choice is
+forced. The run stage uses only the `Placement`, and the record stage aborts an unfinished
+request on the engine it was placed on.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from aiohttp import web
 
+from backend.policy.feasibility import Forecast, SloAsk
+from backend.policy.placement import PlaceAsk, Replica, Router, token_prefix_keys
 from gateway.engine.client import EngineClient
 from gateway.engine.load import LoadWatcher
 from gateway.pipeline.prepare import EngineRequest
 from gateway.state import ENGINE, LOADS
+
+PREFIX_BLOCK_TOKENS = 64
+"""Tokens per block of the prompt prefixes the router tracks (the engines' radix caches match
+token by token; a block this size is what a shared system prompt or earlier turn spans)."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,8 @@ class Placement:
     """Where one request runs."""
 
     engine: EngineHandle
+    forecast: Forecast | None = None
+    """The slo router's forecast of an RT request on that engine (None: not forecast)."""
 
 
 def engine_candidates(app: web.Application) -> list[EngineHandle]:
@@ -49,9 +59,48 @@ def engine_candidates(app: web.Application) -> list[EngineHandle]:
     return [EngineHandle(name=client.base_url, client=client, load=load)]
 
 
-def choose_engine(request: EngineRequest, candidates: Sequence[EngineHandle]) -> EngineHandle:
-    """The engine to run *request* on, among *candidates* (at least one). With one engine the
-    choice is forced; a pool will rank the candidates by their live state here."""
+def choose_engine(
+    request: EngineRequest,
+    candidates: Sequence[EngineHandle],
+    router: Router | None = None,
+    slo: SloAsk | None = None,
+    now_unix_s: float | None = None,
+) -> EngineHandle:
+    """The engine to run *request* on, among *candidates* (at least one). With one engine, or
+    without a router, the choice is forced (the first); else *router* ranks the candidates by
+    their live state (`decide`)."""
+    return decide(request, candidates, router, slo, now_unix_s).engine
+
+
+def decide(
+    request: EngineRequest,
+    candidates: Sequence[EngineHandle],
+    router: Router | None,
+    slo: SloAsk | None = None,
+    now_unix_s: float | None = None,
+) -> Placement:
+    """`choose_engine`'s placement; *slo*: what an RT request asks (`admission.slo_ask`), for
+    the slo router to forecast — its forecast on the engine chosen is `Placement.forecast`
+    (infeasible when no candidate was predicted to meet the contract)."""
     if not candidates:
         raise ValueError("no engine to place the request on")
-    return candidates[0]
+    if router is None or len(candidates) == 1:
+        return Placement(engine=candidates[0])
+    now = time.time() if now_unix_s is None else now_unix_s
+    ask = PlaceAsk(
+        tier=request.meta.tier,
+        prompt_tokens=len(request.input_ids),
+        prefix_keys=token_prefix_keys(request.input_ids, PREFIX_BLOCK_TOKENS),
+        block_tokens=PREFIX_BLOCK_TOKENS,
+        slo=slo,
+    )
+    decision = router.choose(ask, [_replica(h, now) for h in candidates])
+    return Placement(engine=candidates[decision.index], forecast=decision.forecast)
+
+
+def _replica(handle: EngineHandle, now_unix_s: float) -> Replica:
+    """The router's view of an engine: its latest report and the RT sent to it since."""
+    watcher = handle.load
+    if watcher is None or watcher.latest is None:
+        return Replica(name=handle.name, load=None)
+    return Replica(name=handle.name, load=watcher.latest, backlog=watcher.backlog(now_unix_s))

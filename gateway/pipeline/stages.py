@@ -45,6 +45,7 @@ from gateway.pipeline.admission import (
     admission_checks,
     admit_through,
     release_holds,
+    slo_ask,
 )
 from gateway.pipeline.outcome import (
     Failure,
@@ -57,7 +58,7 @@ from gateway.pipeline.outcome import (
     invalid_request,
     stream_ended_early,
 )
-from gateway.pipeline.placement import Placement, choose_engine, engine_candidates
+from gateway.pipeline.placement import Placement, decide, engine_candidates
 from gateway.pipeline.prepare import (
     EngineRequest,
     PreparedPrompt,
@@ -74,6 +75,7 @@ from gateway.state import (
     ENGINE_HEALTH,
     METRICS,
     QUOTAS,
+    ROUTER,
     TOKENIZER,
     TTFT_FEEDBACK,
     USAGE,
@@ -237,8 +239,10 @@ def duration_text(seconds: float) -> str:
 def place(app: web.Application, flight: Flight) -> Placement:
     """place: the engine the admitted request runs on."""
     assert flight.admitted is not None, "admit runs before place"
-    engine = choose_engine(flight.admitted.request, engine_candidates(app))
-    flight.placement = Placement(engine=engine)
+    request = flight.admitted.request
+    now_unix_s = time.time()
+    slo = slo_ask(request, now_unix_s)
+    flight.placement = decide(request, engine_candidates(app), app.get(ROUTER), slo, now_unix_s)
     return flight.placement
 
 

@@ -55,6 +55,14 @@ def one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
         (["bench", "trace"], "needs a FILE.jsonl"),
         (["bench", "W1", "--seed", "-3"], "--seed must be ≥ 0"),
         (["bench", "W1", "--profile", "no-such-profile", "--rt-rate", "1"], "unknown profile"),
+        (["bench", "W1", "--replicas", "0"], "--replicas must be ≥ 1"),
+        (["bench", "W1", "--replicas", "2", "--routers", "fastest"], "unknown router 'fastest'"),
+        (["bench", "W1", "--routers", "slo,slo"], "names a router twice"),
+        (["bench", "W1", "--routers", " , "], "--routers is empty"),
+        (
+            ["bench", "W1", "--routers", "slo", "--policies", "fcfs,tandem", "--rt-rate", "1"],
+            "--routers compares placement on one engine policy",
+        ),
     ],
 )
 def test_bad_arguments_are_one_line(

@@ -88,6 +88,7 @@ def test_report_sums_the_snapshot_by_tier_and_state() -> None:
         num_rt_running=1,
         rt_context_tokens=15,
         num_be_waiting=2,
+        be_waiting_prompt_tokens=50 + 32,
         num_be_running=1,
         be_context_tokens=22,
         kv_used_tokens=300,

@@ -1,0 +1,446 @@
+"""Placement: which engine replica runs a request — the routers of a pool (the gateway's place
+stage, gateway/pipeline/placement.py, and the simulator's pool, backend/sim/pool.py, run this
+same code).
+
+A router sees each replica as its last live-state report (`common.wire.EngineLoad`, one per
+iteration) plus what was sent to it since (`Backlog`: RT work the report cannot show yet), and
+remembers what it placed itself: the tokens sent to each replica since its last report (so a
+burst of arrivals between two reports does not all land on the replica that looked emptiest)
+and which replica's prefix cache holds which prompt prefix (`PrefixTracker`).
+
+Routers (`ROUTERS`, `make_router`):
+
+    slo          RT with a TTFT target: the replica where the calibrated latency model
+                 (`SloForecaster`, the SLO admission's forecast) predicts the most slack
+                 against the request's contract — relative slack, min over TTFT and TPOT —
+                 with its cached prefix taken off the prompt; a replica holding the request's
+                 prefix is kept when its forecast meets the contract (a conversation's turns
+                 stay together). When no replica is predicted to meet it, the decision says so
+                 (`PlaceDecision.unattainable`): the admission applies the tenant's outcome.
+                 BE, batch lines and RT without a target: the replica with the most leftover
+                 capacity (KV not used or claimed by waiting prompts), kept on the replica
+                 holding the prompt's prefix (a batch's groups) unless that replica is
+                 overloaded (below).
+    round-robin  replicas in turn.
+    least-load   fewest running + waiting tokens (context of the decoding requests, prompt
+                 tokens not computed yet, and tokens sent since the report).
+    prefix       cache-aware, as the SGLang model gateway's: when the pool is imbalanced
+                 (max − min load > `imbalance_tokens` and max > `imbalance_ratio` × min) the
+                 least loaded replica; otherwise the replica with the longest prefix match when
+                 it covers at least `cache_threshold` of the prompt, else the least loaded.
+
+Cost: the slo router forecasts at most `forecast_candidates` replicas per RT request — those
+with the least RT prompt work ahead (the forecast's dominant term), plus the one holding the
+prefix — so a decision stays within about 100 µs at 64 replicas (bench/studies/placement_cost.py);
+every other measure is a few integer sums per replica.
+
+Pure: no I/O, no clock. Routers are stateful objects (their memory of what they placed), one per
+pool; `choose` records the placement it returns.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from backend.policy.feasibility import Backlog, Forecast, SloAsk, SloForecaster
+from common.wire import EngineLoad, Tier
+
+ROUTERS = ("slo", "round-robin", "least-load", "prefix")
+"""Router names (`--routers`, the gateway's `gateway.router`)."""
+
+_NO_BACKLOG = Backlog()
+
+
+@dataclass(frozen=True, slots=True)
+class Replica:
+    """What a router sees of one replica."""
+
+    name: str
+    """Stable name (its URL; the simulator's index): the router's memory is keyed by it."""
+    load: EngineLoad | None
+    """Its last live-state report; None: none yet, or a stock engine that reports none (it
+    counts as empty but for what was sent to it)."""
+    backlog: Backlog = _NO_BACKLOG
+    """RT work sent to it that `load` does not show yet (the gateway's `LoadWatcher.backlog`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PlaceAsk:
+    """One request, as placement sees it."""
+
+    tier: Tier
+    prompt_tokens: int
+    prefix_keys: tuple[int, ...] = ()
+    """Chained keys of the prompt's full cache blocks (`prefix_keys`): key i names the whole
+    prefix up to block i, so equal keys are equal prefixes."""
+    block_tokens: int = 64
+    """Tokens per block of `prefix_keys`."""
+    slo: SloAsk | None = None
+    """RT with a TTFT target: its contract (the slo router forecasts it); None otherwise."""
+    ttft_extra_s: float = 0.0
+    """What outcomes taught the TTFT forecast (`TtftFeedback.extra_s`), seconds."""
+
+
+@dataclass(frozen=True, slots=True)
+class PlaceDecision:
+    """Where a request goes, and what the forecast said there."""
+
+    index: int
+    """Index of the chosen replica in the list given to `choose`."""
+    forecast: Forecast | None = None
+    """The slo router's forecast of an RT request on the chosen replica (None: not forecast)."""
+
+    @property
+    def unattainable(self) -> bool:
+        """No replica was predicted to meet the request's contract (the chosen one is the
+        closest): the admission applies the tenant's outcome (shed, downgrade, accept)."""
+        return self.forecast is not None and not self.forecast.feasible
+
+
+class Router(Protocol):
+    """A placement policy."""
+
+    name: str
+
+    def choose(self, ask: PlaceAsk, replicas: Sequence[Replica]) -> PlaceDecision:
+        """The replica to run *ask* on, among *replicas* (at least one); records the placement."""
+        ...
+
+
+def prefix_keys(blocks: Iterable[Sequence[int] | int]) -> tuple[int, ...]:
+    """Chained keys of a prompt's blocks (each block a token tuple, or a block hash): key i
+    hashes key i−1 with block i, so it names the whole prefix up to block i. The simulator's
+    prefix cache chains its blocks the same way (backend/sim/track.py)."""
+    keys: list[int] = []
+    key = 0
+    for block in blocks:
+        key = hash((key, block if isinstance(block, int) else tuple(block)))
+        keys.append(key)
+    return tuple(keys)
+
+
+def token_prefix_keys(tokens: Sequence[int], block_tokens: int) -> tuple[int, ...]:
+    """`prefix_keys` of a token sequence's full blocks of *block_tokens* (the gateway's view of
+    a prompt: the engine's radix cache matches tokens)."""
+    full = len(tokens) // block_tokens
+    return prefix_keys(
+        tuple(tokens[i * block_tokens : (i + 1) * block_tokens]) for i in range(full)
+    )
+
+
+class PrefixTracker:
+    """Which replicas were sent which prompt prefixes: an approximation of their prefix caches
+    (the engines evict under pressure; the tracker forgets the least recently used keys past
+    `max_keys`)."""
+
+    def __init__(self, max_keys: int = 1 << 17) -> None:
+        if max_keys < 1:
+            raise ValueError(f"max_keys must be ≥ 1, got {max_keys}")
+        self.max_keys = max_keys
+        self._owners: OrderedDict[int, set[str]] = OrderedDict()
+
+    def match(self, keys: Sequence[int]) -> tuple[str, int] | None:
+        """(replica, blocks) of the longest prefix of *keys* a replica holds (the first name
+        among equals); None when no replica holds the first block."""
+        best: tuple[str, int] | None = None
+        owners = self._owners
+        for depth, key in enumerate(keys, start=1):
+            holders = owners.get(key)
+            if not holders:
+                break
+            best = (next(iter(holders)) if len(holders) == 1 else min(holders), depth)
+        return best
+
+    def depth_on(self, name: str, keys: Sequence[int]) -> int:
+        """Blocks of *keys* replica *name* holds (its prefix match)."""
+        depth = 0
+        for key in keys:
+            holders = self._owners.get(key)
+            if holders is None or name not in holders:
+                break
+            depth += 1
+        return depth
+
+    def record(self, name: str, keys: Sequence[int]) -> None:
+        """Replica *name* was sent a prompt with these blocks: its cache will hold them."""
+        owners = self._owners
+        for key in keys:
+            holders = owners.get(key)
+            if holders is None:
+                owners[key] = {name}
+            else:
+                holders.add(name)
+                owners.move_to_end(key)
+        while len(owners) > self.max_keys:
+            owners.popitem(last=False)
+
+    def forget(self, name: str) -> None:
+        """Replica *name* lost its cache (restarted, or left the pool)."""
+        for key in [k for k, holders in self._owners.items() if name in holders]:
+            holders = self._owners[key]
+            holders.discard(name)
+            if not holders:
+                del self._owners[key]
+
+
+class _Sent:
+    """Tokens sent to each replica since its last report (cleared when a newer one arrives)."""
+
+    def __init__(self) -> None:
+        self._by_name: dict[str, tuple[int, int]] = {}  # name → (report's iteration, tokens)
+
+    def tokens(self, replica: Replica) -> int:
+        seen = self._by_name.get(replica.name)
+        if seen is None:
+            return 0
+        iteration = replica.load.iteration if replica.load is not None else -1
+        return seen[1] if seen[0] == iteration else 0
+
+    def add(self, replica: Replica, tokens: int) -> None:
+        iteration = replica.load.iteration if replica.load is not None else -1
+        self._by_name[replica.name] = (iteration, self.tokens(replica) + tokens)
+
+
+def load_tokens(load: EngineLoad | None) -> int:
+    """Running + waiting tokens of a report: the decoding requests' context and the prompt
+    tokens not computed yet, both tiers."""
+    if load is None:
+        return 0
+    return (
+        load.rt_context_tokens
+        + load.rt_waiting_prompt_tokens
+        + load.be_context_tokens
+        + load.be_waiting_prompt_tokens
+    )
+
+
+def leftover_tokens(load: EngineLoad | None) -> int:
+    """KV a replica has left for more work: capacity less what is used and what its waiting
+    prompts will claim (may be < 0: over-committed). A replica without a report counts as
+    empty with a nominal pool of 1 M tokens."""
+    if load is None:
+        return 1 << 20
+    return (
+        load.kv_capacity_tokens
+        - load.kv_used_tokens
+        - load.rt_waiting_prompt_tokens
+        - load.be_waiting_prompt_tokens
+    )
+
+
+class RoundRobin:
+    """Replicas in turn."""
+
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    def choose(self, ask: PlaceAsk, replicas: Sequence[Replica]) -> PlaceDecision:
+        _check(replicas)
+        return PlaceDecision(next(self._turn) % len(replicas))
+
+
+class LeastLoad:
+    """Fewest running + waiting tokens, tokens sent since the report included."""
+
+    name = "least-load"
+
+    def __init__(self) -> None:
+        self._sent = _Sent()
+
+    def choose(self, ask: PlaceAsk, replicas: Sequence[Replica]) -> PlaceDecision:
+        _check(replicas)
+        sent = self._sent
+        loads = [load_tokens(r.load) + sent.tokens(r) for r in replicas]
+        index = loads.index(min(loads))
+        sent.add(replicas[index], ask.prompt_tokens)
+        return PlaceDecision(index)
+
+
+class PrefixAware:
+    """Cache-aware (the SGLang model gateway's policy, on tokens): least load when the pool is
+    imbalanced, else the longest prefix match if it covers `cache_threshold` of the prompt,
+    else least load."""
+
+    name = "prefix"
+
+    def __init__(
+        self,
+        *,
+        cache_threshold: float = 0.5,
+        imbalance_tokens: int = 8192,
+        imbalance_ratio: float = 1.5,
+        tracker: PrefixTracker | None = None,
+    ) -> None:
+        if not 0.0 <= cache_threshold <= 1.0:
+            raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
+        if imbalance_tokens < 0 or imbalance_ratio < 1.0:
+            raise ValueError("need imbalance_tokens ≥ 0 and imbalance_ratio ≥ 1")
+        self.cache_threshold = cache_threshold
+        """Share of the prompt's blocks a match must cover to place by it."""
+        self.imbalance_tokens = imbalance_tokens
+        """Load gap (tokens) past which the pool counts as imbalanced (with the ratio)."""
+        self.imbalance_ratio = imbalance_ratio
+        """Load ratio max ÷ min past which the pool counts as imbalanced (with the gap)."""
+        self.tracker = tracker or PrefixTracker()
+        self._sent = _Sent()
+
+    def choose(self, ask: PlaceAsk, replicas: Sequence[Replica]) -> PlaceDecision:
+        _check(replicas)
+        sent = self._sent
+        loads = [load_tokens(r.load) + sent.tokens(r) for r in replicas]
+        low, high = min(loads), max(loads)
+        index = loads.index(low)
+        imbalanced = high - low > self.imbalance_tokens and high > self.imbalance_ratio * low
+        if not imbalanced and ask.prefix_keys:
+            hit = _match_among(self.tracker, ask.prefix_keys, replicas)
+            if hit is not None and hit[1] >= self.cache_threshold * len(ask.prefix_keys):
+                index = hit[0]
+        chosen = replicas[index]
+        sent.add(chosen, ask.prompt_tokens)
+        self.tracker.record(chosen.name, ask.prefix_keys)
+        return PlaceDecision(index)
+
+
+class SloAware:
+    """RT to the most slack against its contract; the rest to the most leftover capacity,
+    prefixes kept together (the module doc)."""
+
+    name = "slo"
+
+    def __init__(
+        self,
+        forecaster: SloForecaster,
+        *,
+        forecast_candidates: int = 3,
+        imbalance_tokens: int = 8192,
+        tracker: PrefixTracker | None = None,
+    ) -> None:
+        if forecast_candidates < 1:
+            raise ValueError(f"forecast_candidates must be ≥ 1, got {forecast_candidates}")
+        self.forecaster = forecaster
+        self.forecast_candidates = forecast_candidates
+        """Replicas forecast per RT request (those with the least RT work ahead)."""
+        self.imbalance_tokens = imbalance_tokens
+        """BE: leftover capacity (tokens) the prefix-holding replica may lag the best one by
+        and still be chosen."""
+        self.tracker = tracker or PrefixTracker()
+        self._sent = _Sent()
+
+    def choose(self, ask: PlaceAsk, replicas: Sequence[Replica]) -> PlaceDecision:
+        _check(replicas)
+        hit = _match_among(self.tracker, ask.prefix_keys, replicas) if ask.prefix_keys else None
+        if ask.slo is not None:
+            decision = self._place_rt(ask, ask.slo, replicas, hit)
+        else:
+            decision = PlaceDecision(self._place_be(ask, replicas, hit))
+        chosen = replicas[decision.index]
+        self._sent.add(chosen, ask.prompt_tokens)
+        self.tracker.record(chosen.name, ask.prefix_keys)
+        return decision
+
+    def _place_rt(
+        self,
+        ask: PlaceAsk,
+        slo: SloAsk,
+        replicas: Sequence[Replica],
+        hit: tuple[int, int] | None,
+    ) -> PlaceDecision:
+        sent = self._sent
+
+        def work_ahead(i: int) -> int:
+            r = replicas[i]
+            load = r.load
+            waiting = load.rt_waiting_prompt_tokens if load is not None else 0
+            return waiting + r.backlog.prompt_tokens + sent.tokens(r)
+
+        count = len(replicas)
+        if count <= self.forecast_candidates:
+            candidates = list(range(count))
+        else:
+            candidates = heapq.nsmallest(self.forecast_candidates, range(count), key=work_ahead)
+        if hit is not None and hit[0] not in candidates:
+            candidates.append(hit[0])
+        best: tuple[float, int, Forecast] | None = None
+        for i in candidates:
+            r = replicas[i]
+            cached = hit[1] * ask.block_tokens if hit is not None and hit[0] == i else 0
+            forecast = self._forecast(r, slo, cached, ask.ttft_extra_s)
+            if cached and forecast.feasible:
+                return PlaceDecision(i, forecast)  # its turns stay together
+            slack = _slack(forecast, slo, self.forecaster.headroom)
+            if best is None or slack > best[0]:
+                best = (slack, i, forecast)
+        assert best is not None
+        return PlaceDecision(best[1], best[2])
+
+    def _forecast(self, r: Replica, slo: SloAsk, cached: int, extra_s: float) -> Forecast:
+        """The forecast on *r*: its report (an empty one without), the RT sent since, and the
+        prompt less what its cache holds (at least a token is computed)."""
+        load = r.load or EngineLoad(iteration=0, at_unix_s=0.0)
+        ask = replace(slo, prompt_tokens=max(1, slo.prompt_tokens - cached)) if cached else slo
+        return self.forecaster.forecast(load, ask, r.backlog, extra_s)
+
+    def _place_be(
+        self, ask: PlaceAsk, replicas: Sequence[Replica], hit: tuple[int, int] | None
+    ) -> int:
+        sent = self._sent
+        left = [leftover_tokens(r.load) - sent.tokens(r) for r in replicas]
+        best = left.index(max(left))
+        if hit is not None and left[hit[0]] >= left[best] - self.imbalance_tokens:
+            return hit[0]
+        return best
+
+
+def _slack(forecast: Forecast, slo: SloAsk, headroom: float) -> float:
+    """Relative slack of a forecast against the contract (within the headroom): the smaller of
+    1 − TTFT ÷ budget and 1 − TPOT ÷ budget; < 0 when a target is predicted to be missed."""
+    slack = 1.0 - forecast.ttft_s / (headroom * slo.ttft_target_s)
+    if forecast.tpot_s is not None and slo.tpot_target_s:
+        slack = min(slack, 1.0 - forecast.tpot_s / (headroom * slo.tpot_target_s))
+    return slack
+
+
+def _match_among(
+    tracker: PrefixTracker, keys: Sequence[int], replicas: Sequence[Replica]
+) -> tuple[int, int] | None:
+    """(index, blocks) of the candidate with the longest prefix match; None without a match."""
+    hit = tracker.match(keys)
+    if hit is None:
+        return None
+    names = [r.name for r in replicas]
+    if hit[0] in names:
+        return names.index(hit[0]), hit[1]
+    # the tracker's best holder is not a candidate now (down): the best candidate holding any
+    depths = [tracker.depth_on(name, keys) for name in names]
+    deepest = max(depths)
+    return (depths.index(deepest), deepest) if deepest else None
+
+
+def _check(replicas: Sequence[Replica]) -> None:
+    if not replicas:
+        raise ValueError("no replica to place the request on")
+
+
+def make_router(
+    name: str, forecaster: SloForecaster | None = None
+) -> SloAware | RoundRobin | LeastLoad | PrefixAware:
+    """The router *name* (one of `ROUTERS`); the slo router needs the SLO *forecaster*.
+    ValueError naming the choices for an unknown name."""
+    if name == "slo":
+        if forecaster is None:
+            raise ValueError("the slo router needs an SLO forecaster (a latency model)")
+        return SloAware(forecaster)
+    if name == "round-robin":
+        return RoundRobin()
+    if name == "least-load":
+        return LeastLoad()
+    if name == "prefix":
+        return PrefixAware()
+    raise ValueError(f"unknown router {name!r} (choose from {', '.join(ROUTERS)})")

@@ -1,0 +1,396 @@
+"""Capacity planning by simulation: the fewest engine replicas that meet every tenant's contract
+for a trace (`tandem plan`, tandem/plan.py).
+
+    trace (+ contracts) → for a replica count N: the simulator's pool (backend/sim/pool.py:
+    N replicas of the engine policy behind the router, the gateway's own placement code) →
+    per-tenant attainment → does every tenant reach the target?
+
+Search: N = 1, 2, 4, … until a count meets the target (or `max_replicas`), then bisection
+between the last count that failed and the first that met it: about 2 log2(N) runs.
+
+Attainment of a tenant, over every request it offered in the trace:
+* RT: the share that met both its TTFT and its TPOT target (a shed or downgraded request
+  missed; so did one unfinished when the run ended);
+* BE with a deadline: the share finished within it; BE without one has no contract (reported,
+  as the share finished, but not a criterion).
+
+Two things keep the search within minutes on a one-hour trace of a large pool:
+* a run stops as soon as some tenant's shed requests alone put it below the target (an
+  undersized pool is recognised in the first minutes of its trace, not at the end);
+* past `sample_replicas` replicas, a count N is judged on a sub-pool: `sample_replicas` of the N
+  replicas, fed the requests that would go to them — those whose group (a prompt-prefix root,
+  so a conversation or a batch group stays whole; else the request itself) falls in the
+  sample's share of N, an even K/N of the trace spread over its whole hour — placed by the same
+  router among them. The full pool pools more (a burst spreads over N, not K), so the
+  sub-pool's attainment is a lower bound and the count it gives an upper bound; `plan.json`
+  says per row how many replicas were simulated.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import yaml
+
+from backend.policy.latency import LatencyModel, Profile, load_profile
+from backend.policy.placement import make_router
+from backend.policy.profiles import resolve_profile
+from backend.sim.config import SimConfig, SloUnattainable
+from backend.sim.records import RequestRecord
+from backend.sim.source import SimRequest
+from bench.defaults import DEFAULT_PROFILE
+from bench.metrics import rt_stats
+from bench.trace import DEFAULT_TPOT_S, DEFAULT_TTFT_S, read_trace, trace_requests
+from bench.workloads.base import RequestSpec, WorkloadParams
+from bench.workloads.sources import SimSource, TimedSource
+
+TARGET = 0.99
+"""Attainment every tenant with a contract must reach."""
+ANONYMOUS = "(none)"
+"""The tenant of trace lines that name none."""
+
+
+class Contract(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One tenant's contract in the `--tenants` file (the admin API's SLO keys)."""
+
+    tier: Literal["rt", "be"] | None = None
+    """Its lines' tier; None: as the trace says."""
+    ttft_ms: float | None = None
+    """RT: time-to-first-token target, ms after arrival."""
+    tpot_ms: float | None = None
+    """RT: time-per-output-token target, ms."""
+    deadline_s: float | None = None
+    """BE: completion deadline, seconds after arrival."""
+    weight: float = 1.0
+    """Fair-share weight within its tier (> 0)."""
+    on_unattainable: SloUnattainable = "reject"
+    """What the admission does with an RT request predicted to miss."""
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_ms", "tpot_ms", "deadline_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value:g}")
+        if not self.weight > 0:
+            raise ValueError(f"weight must be > 0, got {self.weight:g}")
+
+
+def load_contracts(path: Path) -> dict[str, Contract]:
+    """The `--tenants` file: a mapping tenant name → contract, e.g.::
+
+        chat:  {tier: rt, ttft_ms: 400, tpot_ms: 200, weight: 2}
+        batch: {tier: be, deadline_s: 3600}
+
+    ValueError naming the file and the tenant on a bad entry."""
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"--tenants {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"--tenants {path}: not YAML ({exc})") from None
+    if not isinstance(raw, dict) or not raw:
+        raise ValueError(f"--tenants {path}: expected a mapping of tenant name to contract")
+    contracts: dict[str, Contract] = {}
+    for name, body in raw.items():
+        try:
+            contracts[str(name)] = msgspec.convert(body or {}, Contract)
+        except (msgspec.ValidationError, ValueError) as exc:
+            raise ValueError(f"--tenants {path}: tenant {name!r}: {exc}") from None
+    return contracts
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """One `tandem plan` invocation (validated by tandem/plan.py)."""
+
+    trace_file: Path
+    out_dir: Path
+    tenants_file: Path | None = None
+    profile: str = DEFAULT_PROFILE
+    policy: str = "tandem"
+    """The engine policy every replica runs."""
+    router: str = "slo"
+    """The placement policy in front of them (backend/policy/placement.py)."""
+    target: float = TARGET
+    max_replicas: int = 1024
+    sample_replicas: int = 8
+    """Largest pool simulated whole; a larger count is judged on a sub-pool of this many."""
+    ttft_s: float = DEFAULT_TTFT_S
+    """TTFT target of RT lines of a tenant without a contract, seconds."""
+    tpot_s: float = DEFAULT_TPOT_S
+    """TPOT target of RT lines of a tenant without a contract, seconds."""
+    rate_scale: float = 1.0
+    """Replay speed (2 = the trace's arrivals twice as fast)."""
+    command: str = ""
+
+
+@dataclass
+class Trial:
+    """One replica count tried."""
+
+    replicas: int
+    simulated_replicas: int
+    requests: int
+    """Requests simulated (the sub-pool's share when sampled)."""
+    tenants: dict[str, dict[str, Any]]
+    meets: bool
+    stopped_early: bool
+    wall_s: float
+    duration_s: float
+
+    @property
+    def min_attainment(self) -> float | None:
+        judged = [t["attainment"] for t in self.tenants.values() if t["judged"]]
+        return min(judged) if judged else None
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "replicas": self.replicas,
+            "meets_target": self.meets,
+            "min_attainment": _round(self.min_attainment),
+            "cost_replica_s": round(self.replicas * self.duration_s, 3),
+            "cost_replica_h": round(self.replicas * self.duration_s / 3600.0, 4),
+            "tenants": {
+                name: {k: _round(v) if isinstance(v, float) else v for k, v in t.items()}
+                for name, t in self.tenants.items()
+            },
+            "simulated_replicas": self.simulated_replicas,
+            "simulated_requests": self.requests,
+            "stopped_early": self.stopped_early,
+            "wall_s": round(self.wall_s, 3),
+        }
+
+
+@dataclass
+class Plan:
+    config: PlanConfig
+    profile: Profile
+    duration_s: float
+    requests: int
+    trials: dict[int, Trial] = field(default_factory=dict)
+    replicas_needed: int | None = None
+    wall_s: float = 0.0
+
+
+def trace_specs(config: PlanConfig) -> tuple[list[RequestSpec], dict[str, Contract]]:
+    """The trace's requests with each tenant's contract applied (targets, weight, tier)."""
+    rows = read_trace(config.trace_file)
+    contracts = load_contracts(config.tenants_file) if config.tenants_file else {}
+    specs = trace_requests(
+        rows,
+        WorkloadParams(),
+        rate_scale=config.rate_scale,
+        ttft_target_s=config.ttft_s,
+        tpot_target_s=config.tpot_s,
+    )
+    if not contracts:
+        return specs, {}
+    named = {s.tenant_id or ANONYMOUS for s in specs}
+    missing = sorted(named - set(contracts))
+    if missing:
+        raise ValueError(
+            f"--tenants {config.tenants_file}: no contract for tenant "
+            f"{', '.join(repr(m) for m in missing)} of the trace"
+        )
+    out = []
+    for s in specs:
+        c = contracts[s.tenant_id or ANONYMOUS]
+        tier = c.tier or s.tier
+        rt = tier == "rt"
+        out.append(
+            replace(
+                s,
+                tier=tier,
+                ttft_target_s=(c.ttft_ms / 1000.0 if c.ttft_ms else config.ttft_s) if rt else None,
+                tpot_target_s=(c.tpot_ms / 1000.0 if c.tpot_ms else config.tpot_s) if rt else None,
+                deadline_s=None if rt else c.deadline_s,
+                tenant_weight=c.weight,
+            )
+        )
+    return out, contracts
+
+
+def _outcome(contracts: dict[str, Contract]) -> SloUnattainable:
+    """The admission's outcome for a predicted miss (one for the whole pool in the simulator)."""
+    outcomes = {c.on_unattainable for c in contracts.values() if c.tier != "be"}
+    if len(outcomes) > 1:
+        raise ValueError(
+            "the tenants' on_unattainable differ "
+            f"({', '.join(sorted(outcomes))}): the simulator applies one to every tenant"
+        )
+    return outcomes.pop() if outcomes else "reject"
+
+
+def sub_pool(specs: Sequence[RequestSpec], replicas: int, sample: int) -> list[RequestSpec]:
+    """The requests a sample of *sample* of *replicas* replicas serves: those whose group (the
+    prompt's first prefix block, else the request) falls in the first *sample* of *replicas*
+    shares — an even sample/replicas of the trace, groups kept whole."""
+    if sample >= replicas:
+        return list(specs)
+    return [
+        s
+        for i, s in enumerate(specs)
+        if (s.prefix_hashes[0] if s.prefix_hashes else i) % replicas < sample
+    ]
+
+
+def tenant_attainment(
+    records: Sequence[RequestRecord],
+    offered: dict[str, tuple[str, int]],
+    end_s: float,
+    stopped: bool = False,
+) -> dict[str, dict[str, Any]]:
+    """Per tenant (*offered*: name → (tier, requests offered)): requests, met, attainment, shed
+    — over what it offered, so a shed request missed. A run *stopped* early says only what the
+    sheds allow: attainment ≤ 1 − shed ÷ offered (`upper_bound`)."""
+    met: dict[str, int] = dict.fromkeys(offered, 0)
+    shed: dict[str, int] = dict.fromkeys(offered, 0)
+    for r in records:
+        name = r.tenant_id or ANONYMOUS
+        tier = offered[name][0]
+        if r.admission == "shed":
+            shed[name] += 1
+        elif tier == "rt":
+            if r.tier == "rt":
+                s = rt_stats(r, end_s)
+                met[name] += s.ttft_met and s.tpot_met
+        elif r.finish_s is not None and (r.deadline_s is None or r.finish_s <= r.deadline_s):
+            met[name] += 1
+    out: dict[str, dict[str, Any]] = {}
+    for name, (tier, count) in offered.items():
+        out[name] = {
+            "tier": tier,
+            "requests": count,
+            "met": met[name],
+            "shed": shed[name],
+            "attainment": (
+                None if not count else (count - shed[name] if stopped else met[name]) / count
+            ),
+            "upper_bound": stopped,
+            "judged": True,
+        }
+    return out
+
+
+def run_trial(
+    config: PlanConfig,
+    specs: Sequence[RequestSpec],
+    replicas: int,
+    latency: LatencyModel,
+    sim: SimConfig,
+    judged: dict[str, bool],
+    duration_s: float,
+) -> Trial:
+    """Simulates *replicas* (or a sub-pool of them) on the trace; the per-tenant attainments."""
+    from backend.policy.feasibility import SloForecaster
+    from backend.sim.pool import simulate_pool
+    from bench.runner import _make_policy
+
+    started = time.perf_counter()
+    simulated = min(replicas, config.sample_replicas)
+    chosen = sub_pool(specs, replicas, simulated)
+    offered: dict[str, tuple[str, int]] = {}
+    for s in chosen:
+        name = s.tenant_id or ANONYMOUS
+        tier, count = offered.get(name, (s.tier, 0))
+        offered[name] = (tier, count + 1)
+    allowed_misses = {name: (1.0 - config.target) * count for name, (_, count) in offered.items()}
+
+    shed_by_tenant: dict[str, int] = {}
+
+    def stop(shed: Sequence[RequestRecord]) -> bool:
+        """Called after each shed request: True once its tenant's sheds alone miss the target."""
+        name = shed[-1].tenant_id or ANONYMOUS
+        count = shed_by_tenant[name] = shed_by_tenant.get(name, 0) + 1
+        return judged.get(name, True) and count > allowed_misses[name]
+
+    policies = [_make_policy(config.policy, latency) for _ in range(simulated)]
+    first = policies[0]
+    forecaster = first.slo_forecaster() if hasattr(first, "slo_forecaster") else None
+    router = make_router(config.router, forecaster or SloForecaster(latency))
+    source = SimSource(TimedSource(chosen), SimRequest)
+    pool = simulate_pool(source, policies, latency, sim, router, stop=stop)
+    result = pool.result
+    tenants = tenant_attainment(result.requests, offered, result.end_s, pool.stopped)
+    for name, row in tenants.items():
+        row["judged"] = judged.get(name, True)
+    stopped = pool.stopped
+    meets = not stopped and all(
+        t["attainment"] is not None and t["attainment"] >= config.target
+        for t in tenants.values()
+        if t["judged"]
+    )
+    return Trial(
+        replicas=replicas,
+        simulated_replicas=simulated,
+        requests=len(chosen),
+        tenants=tenants,
+        meets=meets,
+        stopped_early=stopped,
+        wall_s=time.perf_counter() - started,
+        duration_s=duration_s,
+    )
+
+
+def plan(config: PlanConfig, report: Callable[[Trial], None] | None = None) -> Plan:
+    """Searches the fewest replicas meeting the target (module doc)."""
+    started = time.perf_counter()
+    profile = load_profile(resolve_profile(config.profile))
+    latency = LatencyModel.fit(profile.samples)
+    specs, contracts = trace_specs(config)
+    longest = max(s.prompt_len for s in specs)
+    if longest >= profile.kv_capacity_tokens:
+        raise ValueError(
+            f"the trace's longest prompt ({longest} tokens) does not fit the profile's KV pool "
+            f"({profile.kv_capacity_tokens} tokens)"
+        )
+    duration_s = max(s.arrival_s for s in specs) or 1.0
+    judged: dict[str, bool] = {}  # BE without a deadline has no contract to judge
+    for s in specs:
+        name = s.tenant_id or ANONYMOUS
+        judged[name] = judged.get(name, False) or s.tier == "rt" or s.deadline_s is not None
+    sim = SimConfig(
+        kv_capacity_tokens=profile.kv_capacity_tokens,
+        page_size=profile.page_size,
+        max_prefill_tokens=profile.max_prefill_tokens,
+        horizon_s=2.0 * duration_s + 600.0,
+        slo_unattainable=_outcome(contracts),
+    )
+    result = Plan(config=config, profile=profile, duration_s=duration_s, requests=len(specs))
+
+    def trial(n: int) -> Trial:
+        t = run_trial(config, specs, n, latency, sim, judged, duration_s)
+        result.trials[n] = t
+        if report is not None:
+            report(t)
+        return t
+
+    low, high = 0, None  # the largest count known to fail, the smallest known to meet
+    n = 1
+    while True:
+        if trial(n).meets:
+            high = n
+            break
+        low = n
+        if n >= config.max_replicas:
+            break
+        n = min(2 * n, config.max_replicas)
+    if high is not None:
+        while high - low > 1:
+            mid = (low + high) // 2
+            if trial(mid).meets:
+                high = mid
+            else:
+                low = mid
+    result.replicas_needed = high
+    result.wall_s = time.perf_counter() - started
+    return result
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 6)

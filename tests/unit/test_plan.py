@@ -1,0 +1,67 @@
+"""The planner's pieces (bench/plan.py): the sub-pool a large replica count is judged on, and a
+tenant's attainment over every request it offered."""
+
+from __future__ import annotations
+
+from array import array
+
+from backend.sim.records import RequestRecord
+from bench.plan import sub_pool, tenant_attainment
+from bench.workloads.base import RequestSpec
+
+
+def spec(i: int, group: int | None) -> RequestSpec:
+    hashes = () if group is None else (group, 10_000 + i)
+    return RequestSpec(f"r{i}", "rt", float(i), 1024, 10, 10, prefix_hashes=hashes)
+
+
+def test_sub_pool_takes_an_even_share_and_keeps_prefix_groups_whole() -> None:
+    # conversations of four turns (group ids spread as hashes are), and single requests
+    specs = [spec(i, group=(i // 4) * 7919 if i % 5 else None) for i in range(4000)]
+    chosen = sub_pool(specs, replicas=64, sample=8)
+    assert abs(len(chosen) - 4000 * 8 / 64) < 4000 * 0.02
+    groups_in = {s.prefix_hashes[0] for s in chosen if s.prefix_hashes}
+    for s in specs:  # a group is in the sample whole, or not at all
+        if s.prefix_hashes and s.prefix_hashes[0] in groups_in:
+            assert s in chosen
+    assert sub_pool(specs, replicas=4, sample=8) == specs
+
+
+def record(rid: str, tenant: str, *, ttft_s: float | None, admission: str = "admitted",
+           tier: str = "rt") -> RequestRecord:  # fmt: skip
+    times = array("d", [] if ttft_s is None else [ttft_s, ttft_s + 0.05, ttft_s + 0.1])
+    return RequestRecord(
+        rid=rid,
+        tier=tier,  # type: ignore[arg-type]
+        arrival_s=0.0,
+        prompt_len=100,
+        output_len_target=3,
+        generated=len(times),
+        first_token_s=ttft_s,
+        finish_s=None if ttft_s is None else ttft_s + 0.1,
+        token_times=times,
+        evictions=0,
+        cached_tokens=0,
+        ttft_target_s=0.4 if tier == "rt" else None,
+        tpot_target_s=0.2 if tier == "rt" else None,
+        deadline_s=None,
+        length_key=tenant,
+        tenant_id=tenant,
+        admission=admission,  # type: ignore[arg-type]
+    )
+
+
+def test_attainment_counts_shed_downgraded_and_late_requests_as_missed() -> None:
+    records = [
+        record("a", "chat", ttft_s=0.1),
+        record("b", "chat", ttft_s=0.9),  # late
+        record("c", "chat", ttft_s=None, admission="shed"),
+        record("d", "chat", ttft_s=0.1, admission="downgraded", tier="be"),  # ran as BE
+        record("e", "chat", ttft_s=0.2),
+    ]
+    rows = tenant_attainment(records, {"chat": ("rt", 5)}, end_s=10.0)
+    assert rows["chat"]["attainment"] == 2 / 5
+    assert rows["chat"]["shed"] == 1 and rows["chat"]["met"] == 2
+    # stopped early: only what the sheds allow is known, an upper bound
+    stopped = tenant_attainment(records[:3], {"chat": ("rt", 5)}, end_s=1.0, stopped=True)
+    assert stopped["chat"]["attainment"] == 4 / 5 and stopped["chat"]["upper_bound"]
