@@ -5,12 +5,15 @@ Structural problems — a line that is not a JSON object, a missing or repeated 
 request of that endpoint (wrong types, out-of-range sampling values, another model, `stream`) —
 fail the whole batch, with one error per bad line (`line` is 1-based, as OpenAI reports it), so
 nothing runs until the file is right. Problems only the model can find (a prompt longer than the
-context, a token id beyond its vocabulary) fail that line alone, into the error file, while the
-rest runs; so does a line stored before a check was added, when the batch is loaded.
+context, a token id beyond its vocabulary) and a parameter tandem does not honour (400
+`unsupported_parameter`, the error a live request gets) fail that line alone, into the error
+file, while the rest runs; so does a line stored before a check was added, when the batch is
+loaded.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import msgspec
@@ -19,6 +22,7 @@ from gateway.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     Endpoint,
+    check_parameters,
     check_sampling,
 )
 from gateway.batch.types import NewItem
@@ -144,15 +148,20 @@ def _check_line(
     if not isinstance(line.body, dict):
         raise LineError("invalid_body", "body must be a JSON object", "body")
     body = msgspec.json.encode(line.body)
-    parse_body(body, kind, model)
+    # a parameter tandem does not honour (ApiError): the line goes to the error file (module doc)
+    with contextlib.suppress(ApiError):
+        parse_body(body, kind, model)
     return NewItem(
         line_no=line_no, custom_id=custom_id, method="POST", url=endpoint, body=body.decode()
     )
 
 
 def parse_body(body: bytes, kind: type[msgspec.Struct], model: str) -> Any:
-    """The request Struct of a line's body; raises LineError naming the field."""
+    """The request Struct of a line's body; raises LineError naming the field, or the ApiError
+    `unsupported_parameter` a live request would get for a parameter tandem does not honour."""
     try:
+        endpoint: Endpoint = "chat" if kind is ChatCompletionRequest else "completions"
+        check_parameters(msgspec.json.decode(body), endpoint)
         request = msgspec.json.decode(body, type=kind)
         assert isinstance(request, (ChatCompletionRequest, CompletionRequest))
         check_sampling(request)
@@ -162,6 +171,8 @@ def parse_body(body: bytes, kind: type[msgspec.Struct], model: str) -> Any:
             "invalid_body", f"body.{err.message}", f"body.{err.param}" if err.param else "body"
         ) from None
     except ApiError as exc:
+        if exc.code == "unsupported_parameter":
+            raise  # not the file's structure: the line alone is refused, into the error file
         raise LineError(
             "invalid_body",
             f"body.{exc.param}: {exc.message}" if exc.param else exc.message,
