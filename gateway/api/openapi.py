@@ -29,8 +29,15 @@ from gateway.api.schemas import (
     INT64_MAX,
     INT64_MIN,
     MAX_STOP_SEQUENCES,
+    NO_OP,
+    REFUSED_CHAT,
+    REFUSED_COMPLETIONS,
+    REFUSED_MESSAGE_FIELDS,
+    REFUSED_STREAM_OPTIONS,
+    SEED_NEEDS_GREEDY,
     ChatCompletionRequest,
     CompletionRequest,
+    Refused,
 )
 from gateway.batch.types import ENDPOINTS, FILE_PURPOSES
 from gateway.reports import GROUP_BY_S, UsagePeriod
@@ -299,16 +306,46 @@ _NAME = {"type": "string", "minLength": 1, "maxLength": 100, "pattern": "\\S"}
 """A tenant's name: 1 to 100 characters, not only spaces (admin.validate_tenant)."""
 
 
+def _refuse(schema: dict[str, Any], refused: dict[str, Refused]) -> None:
+    """*schema* (an object's) refuses every property it does not list, and lists each of
+    *refused* with only the values that ask for nothing (null and its `off` values):
+    `check_parameters` answers anything else with 400 `unsupported_parameter`."""
+    schema["additionalProperties"] = False
+    for name, rule in refused.items():
+        schema["properties"][name] = {
+            "enum": [None, *rule.off],
+            "description": f"not supported: {rule.reason}",
+        }
+
+
 def _tighten(schemas: dict[str, Any], app: web.Application | None) -> None:
     """Adds to msgspec's *schemas* what the handlers check beyond the types (see the module
     doc); with *app*, also what depends on its model: its name and vocabulary."""
-    for name in ("ChatCompletionRequest", "CompletionRequest"):
+    for name, refused in (
+        ("ChatCompletionRequest", REFUSED_CHAT),
+        ("CompletionRequest", REFUSED_COMPLETIONS),
+    ):
+        _refuse(schemas[name], refused)
         props = schemas[name]["properties"]
         props.update(_SAMPLING)
+        for no_op, why in NO_OP.items():
+            props[no_op] = {**props[no_op], "description": f"accepted, no effect: {why}"}
+        schemas[name]["allOf"] = [
+            {  # a seed only with greedy decoding
+                "if": {"properties": {"seed": {"type": "integer"}}, "required": ["seed"]},
+                "then": {
+                    "required": ["temperature"],
+                    "properties": {"temperature": {"const": 0}},
+                    "description": SEED_NEEDS_GREEDY,
+                },
+            }
+        ]
         if app is not None:
             props["model"] = {"type": "string", "enum": [app[CONFIG].model.name]}
     chat = schemas["ChatCompletionRequest"]["properties"]
     chat["messages"]["minItems"] = 1
+    _refuse(schemas["ChatMessage"], REFUSED_MESSAGE_FIELDS)
+    _refuse(schemas["StreamOptions"], REFUSED_STREAM_OPTIONS)
     chat["max_completion_tokens"] = _nullable(_integer(1, INT32_MAX))
     schemas["ContentPart"]["properties"] = {
         "type": {"const": "text"},

@@ -1,8 +1,16 @@
 """Request bodies of the OpenAI-compatible API, as msgspec Structs.
 
 Decoding a body validates every known field's type in one pass (a wrong type is a 422 naming the
-field); unknown fields are ignored, as OpenAI-compatible servers do, because client libraries add
-fields of their own. Range checks that msgspec cannot express live in `check_sampling`.
+field). Range checks that msgspec cannot express live in `check_sampling`.
+
+Nothing a body asks for is ignored (issue 17): `check_parameters` refuses, before the types are
+checked, every field the gateway does not honour — a known OpenAI parameter tandem does not
+implement (`REFUSED`) as much as a name it does not know — with 400 `unsupported_parameter`
+naming the field; OpenAI itself answers an unknown parameter with a 400. A refused parameter sent
+with the value that asks for nothing (`logprobs: false`, `tools: []`, `best_of: 1`) is accepted:
+it asks for what every answer does. The few fields accepted although they change nothing
+(`NO_OP`) are those whose OpenAI meaning is a hint to the provider, not a promise about the
+answer. docs/API.md has the table of all three.
 
 Every value the gateway forwards is range-checked here or in gateway/pipeline/prepare.py before
 the engine sees it: SGLang checks some values itself (and answers 400), but others it takes on
@@ -21,6 +29,82 @@ from typing import Literal
 import msgspec
 
 from gateway.errors import ApiError, validation_error
+
+
+class Refused(msgspec.Struct, frozen=True):
+    """A known parameter tandem does not honour."""
+
+    reason: str
+    """Why, for the error message (completes "<param> is not supported: ...")."""
+    off: tuple[object, ...] = ()
+    """The values that ask for nothing beyond what every answer does (accepted; null always is)."""
+
+
+_NO_TOOLS = (
+    "tandem does not render tools into the prompt nor parse tool calls out of the answer, and"
+    " the served model's chat template declares no tools"
+)
+REFUSED_COMMON: dict[str, Refused] = {
+    "logprobs": Refused("tandem does not return token log probabilities yet", off=(False,)),
+    "logit_bias": Refused("tandem does not pass logit biases to the engine", off=({},)),
+}
+"""Known parameters of both endpoints that are refused."""
+REFUSED_CHAT: dict[str, Refused] = {
+    **REFUSED_COMMON,
+    "top_logprobs": Refused("tandem does not return token log probabilities yet", off=(0,)),
+    "tools": Refused(_NO_TOOLS, off=([],)),
+    "tool_choice": Refused(_NO_TOOLS, off=("none",)),
+    "parallel_tool_calls": Refused(_NO_TOOLS),
+    "functions": Refused(_NO_TOOLS, off=([],)),
+    "function_call": Refused(_NO_TOOLS, off=("none",)),
+    "response_format": Refused(
+        "tandem does not constrain the answer to a format yet", off=({"type": "text"},)
+    ),
+    "audio": Refused("the served model reads and writes text only"),
+    "modalities": Refused("the served model reads and writes text only", off=(["text"],)),
+    "prediction": Refused("tandem does not use predicted outputs"),
+    "web_search_options": Refused("tandem does not search the web"),
+    "reasoning_effort": Refused("the served model is not a reasoning model"),
+    "verbosity": Refused("the served model has no verbosity setting"),
+    "store": Refused("tandem does not store completions for later retrieval", off=(False,)),
+    "metadata": Refused(
+        "metadata is kept with stored completions, and tandem stores none", off=({},)
+    ),
+    "service_tier": Refused(
+        "tandem's processing tier is the tenant's contract (the `tier` field), not OpenAI's"
+        " service tiers",
+        off=("auto", "default"),
+    ),
+}
+"""Known /v1/chat/completions parameters that are refused (unless sent with an `off` value)."""
+REFUSED_COMPLETIONS: dict[str, Refused] = {
+    **REFUSED_COMMON,
+    "logprobs": Refused("tandem does not return token log probabilities yet"),
+    "best_of": Refused("tandem generates one sequence per request (best_of must be 1)", off=(1,)),
+    "suffix": Refused("the served model does not fill in the middle", off=("",)),
+}
+"""Known /v1/completions parameters that are refused (unless sent with an `off` value)."""
+REFUSED_MESSAGE_FIELDS: dict[str, Refused] = {
+    "tool_calls": Refused(_NO_TOOLS, off=([],)),
+    "tool_call_id": Refused(_NO_TOOLS),
+    "function_call": Refused(_NO_TOOLS),
+    "audio": Refused("the served model reads and writes text only"),
+    "refusal": Refused("the chat template has no place for an assistant's refusal"),
+}
+"""Fields of a chat message that are refused (`messages[i].<field>`)."""
+REFUSED_STREAM_OPTIONS: dict[str, Refused] = {
+    "include_obfuscation": Refused(
+        "tandem does not pad stream events with obfuscation characters", off=(False,)
+    ),
+}
+"""Fields of `stream_options` that are refused."""
+NO_OP: dict[str, str] = {
+    "user": "an end user's id for the provider's abuse monitoring; it changes no answer",
+    "safety_identifier": "OpenAI's newer name of `user`; it changes no answer",
+    "prompt_cache_key": "a hint for the provider's prompt cache; tandem's engine reuses"
+    " common prefixes by itself, and the key changes no answer",
+}
+"""Parameters accepted although they change nothing, and why that is honest."""
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -52,18 +136,23 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     top_p: float | None = None
     """(0, 1]."""
     n: int = 1
-    """Choices per request: only 1."""
+    """Choices per request: only 1 (anything else is refused as unsupported)."""
     stop: str | list[str] | None = None
     """At most 4 non-empty strings."""
     stream: bool = False
     stream_options: StreamOptions | None = None
     seed: int | None = None
-    """[-2**63, 2**63 - 1] (the engine's int64)."""
+    """[-2**63, 2**63 - 1] (the engine's int64); only with temperature 0 (`SEED_NEEDS_GREEDY`)."""
     presence_penalty: float | None = None
     """[-2, 2]."""
     frequency_penalty: float | None = None
     """[-2, 2]."""
     user: str | None = None
+    """Accepted, no effect (`NO_OP`)."""
+    safety_identifier: str | None = None
+    """Accepted, no effect (`NO_OP`)."""
+    prompt_cache_key: str | None = None
+    """Accepted, no effect (`NO_OP`)."""
     # engine extensions that benchmark clients send
     top_k: int | None = None
     """-1 (all tokens) or [1, 2**31 - 1] (the engine's int32)."""
@@ -90,6 +179,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     """Text, a one-element list of text, token ids, or a one-element list of token ids (a list
     mixing them is refused); token ids must be in [0, the model's vocab_size)."""
     echo: bool = False
+    """Only false: echoing the prompt is refused as unsupported."""
 
 
 Endpoint = Literal["chat", "completions"]
@@ -104,6 +194,21 @@ def decode_body(raw: bytes, kind: type[msgspec.Struct]) -> msgspec.Struct:
     if not raw.strip():
         raise ApiError(400, "request body is empty; expected a JSON object", code="invalid_json")
     decode_json(raw)
+    return _decode_typed(raw, kind)
+
+
+def decode_request(raw: bytes, endpoint: Endpoint) -> OpenAIRequest:
+    """`decode_body` for a generation request of *endpoint*, with what it does not honour
+    refused first (`check_parameters`: 400 `unsupported_parameter`)."""
+    if not raw.strip():
+        raise ApiError(400, "request body is empty; expected a JSON object", code="invalid_json")
+    check_parameters(decode_json(raw), endpoint)
+    body = _decode_typed(raw, ChatCompletionRequest if endpoint == "chat" else CompletionRequest)
+    assert isinstance(body, (ChatCompletionRequest, CompletionRequest))
+    return body
+
+
+def _decode_typed(raw: bytes, kind: type[msgspec.Struct]) -> msgspec.Struct:
     try:
         return msgspec.json.decode(raw, type=kind)
     except msgspec.ValidationError as exc:
@@ -131,6 +236,71 @@ def decode_json(raw: bytes) -> object:
             "request body is not valid JSON for this API: it is nested too deeply",
             code="invalid_json",
         ) from None
+
+
+def check_parameters(raw: object, endpoint: Endpoint) -> None:
+    """400 `unsupported_parameter` naming the first field of the request body *raw* (untyped
+    JSON) that the gateway does not honour: a refused parameter (`REFUSED_CHAT`,
+    `REFUSED_COMPLETIONS`, a chat message's or `stream_options`' refused fields) sent with a
+    value that asks for something, or a name the endpoint does not know. A body that is not an
+    object is left to the typed decoding (a 422)."""
+    if not isinstance(raw, dict):
+        return
+    kind = ChatCompletionRequest if endpoint == "chat" else CompletionRequest
+    refused = REFUSED_CHAT if endpoint == "chat" else REFUSED_COMPLETIONS
+    _check_fields(raw, kind.__struct_fields__, refused, "")
+    options = raw.get("stream_options")
+    if isinstance(options, dict):
+        _check_fields(
+            options, StreamOptions.__struct_fields__, REFUSED_STREAM_OPTIONS, "stream_options."
+        )
+    messages = raw.get("messages") if endpoint == "chat" else None
+    if isinstance(messages, list):
+        for index, message in enumerate(messages):
+            if isinstance(message, dict):
+                _check_fields(
+                    message,
+                    ChatMessage.__struct_fields__,
+                    REFUSED_MESSAGE_FIELDS,
+                    f"messages[{index}].",
+                )
+
+
+def _check_fields(
+    raw: dict[str, object], known: tuple[str, ...], refused: dict[str, Refused], prefix: str
+) -> None:
+    for name, value in raw.items():
+        if name in known:
+            continue
+        param = prefix + name
+        rule = refused.get(name)
+        if rule is None:
+            raise unsupported(
+                param,
+                f"{param} is not a parameter tandem knows, so it cannot honour it; remove it"
+                " (docs/API.md lists the parameters)",
+            )
+        if not _is_off(value, rule.off):
+            raise unsupported(param, f"{param} is not supported: {rule.reason}")
+
+
+def _is_off(value: object, off: tuple[object, ...]) -> bool:
+    """Whether *value* is null or one of *off* (of the same JSON type: `0` is not `false`)."""
+    return value is None or any(type(value) is type(o) and value == o for o in off)
+
+
+def unsupported(param: str, message: str) -> ApiError:
+    """The 400 of a parameter the gateway does not honour."""
+    return ApiError(400, message, param=param, code="unsupported_parameter")
+
+
+SEED_NEEDS_GREEDY = (
+    "seed is supported only with temperature 0: SGLang applies a per-request seed only with"
+    " deterministic inference, which needs a GPU attention backend (fa3, flashinfer, triton),"
+    " and this engine samples on CPU with torch_native attention, where the same seed would"
+    " not give the same answer; with temperature 0 (greedy) the answer depends on no seed"
+)
+"""Why a seed is refused with sampling (it is accepted with greedy decoding)."""
 
 
 def check_text(param: str, value: str | None) -> None:
@@ -173,8 +343,12 @@ def check_sampling(req: SamplingFields) -> None:
         check_int_range("max_completion_tokens", req.max_completion_tokens, 1, INT32_MAX)
     check_int_range("min_tokens", req.min_tokens, 0, INT32_MAX)
     check_int_range("seed", req.seed, INT64_MIN, INT64_MAX)
+    if req.seed is not None and req.temperature != 0:
+        raise unsupported("seed", SEED_NEEDS_GREEDY)
     if req.n != 1:
-        raise _bad("n", "only n=1 is supported; send several requests for several choices")
+        raise unsupported("n", "only n=1 is supported; send several requests for several choices")
+    if isinstance(req, CompletionRequest) and req.echo:
+        raise unsupported("echo", "echo is not supported: tandem does not return the prompt")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > MAX_STOP_SEQUENCES or any(not s for s in stops):
         raise _bad("stop", f"stop must be at most {MAX_STOP_SEQUENCES} non-empty strings")

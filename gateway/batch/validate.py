@@ -5,14 +5,16 @@ Structural problems — a line that is not a JSON object, a missing or repeated 
 request of that endpoint (wrong types, out-of-range sampling values, `stream`) — fail the whole
 batch, with one error per bad line (`line` is 1-based, as OpenAI reports it), so nothing runs
 until the file is right. Problems of what a line asks for rather than how it is written — a model
-this gateway does not serve (404 `model_not_found`, as a live request gets), a prompt longer than
-the context, a token id beyond its vocabulary — fail that line alone, into the error file, while
-the rest runs (gateway/batch/prepare.py); so does a line stored before a check was added, when
-the batch is loaded.
+this gateway does not serve (404 `model_not_found`, as a live request gets), a parameter tandem
+does not honour (400 `unsupported_parameter`, likewise), a prompt longer than the context, a
+token id beyond its vocabulary — fail that line alone, into the error file, while the rest runs
+(gateway/batch/prepare.py); so does a line stored before a check was added, when the batch is
+loaded.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import msgspec
@@ -21,6 +23,7 @@ from gateway.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     Endpoint,
+    check_parameters,
     check_sampling,
 )
 from gateway.batch.types import NewItem
@@ -145,16 +148,22 @@ def _check_line(
     if not isinstance(line.body, dict):
         raise LineError("invalid_body", "body must be a JSON object", "body")
     body = msgspec.json.encode(line.body)
-    parse_body(body, kind)
+    # a parameter tandem does not honour (ApiError): the line goes to the error file (module doc)
+    with contextlib.suppress(ApiError):
+        parse_body(body, kind)
     return NewItem(
         line_no=line_no, custom_id=custom_id, method="POST", url=endpoint, body=body.decode()
     )
 
 
 def parse_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
-    """The request Struct of a line's body; raises LineError naming the field. The model it
-    names is not checked here: another model fails the line alone (gateway/batch/prepare.py)."""
+    """The request Struct of a line's body; raises LineError naming the field, or the ApiError
+    `unsupported_parameter` a live request would get for a parameter tandem does not honour. The
+    model it names is not checked here: another model fails the line alone
+    (gateway/batch/prepare.py)."""
     try:
+        endpoint: Endpoint = "chat" if kind is ChatCompletionRequest else "completions"
+        check_parameters(msgspec.json.decode(body), endpoint)
         request = msgspec.json.decode(body, type=kind)
         assert isinstance(request, (ChatCompletionRequest, CompletionRequest))
         check_sampling(request)
@@ -164,6 +173,8 @@ def parse_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
             "invalid_body", f"body.{err.message}", f"body.{err.param}" if err.param else "body"
         ) from None
     except ApiError as exc:
+        if exc.code == "unsupported_parameter":
+            raise  # not the file's structure: the line alone is refused, into the error file
         raise LineError(
             "invalid_body",
             f"body.{exc.param}: {exc.message}" if exc.param else exc.message,

@@ -20,7 +20,7 @@ from gateway.api.schemas import (
     SamplingFields,
     check_sampling,
     check_token_ids,
-    decode_body,
+    decode_request,
 )
 from gateway.auth import Principal
 from gateway.errors import ApiError
@@ -58,10 +58,9 @@ class PreparedPrompt:
 
 def parse_body(raw: bytes, endpoint: Endpoint, served_model: str) -> OpenAIRequest:
     """The body of an API request as its endpoint's Struct, type- and range-checked, asking for
-    the served model (400 / 422 naming the field, 404 for another model, otherwise)."""
-    kind = ChatCompletionRequest if endpoint == "chat" else CompletionRequest
-    body = decode_body(raw, kind)
-    assert isinstance(body, (ChatCompletionRequest, CompletionRequest))
+    the served model and nothing the gateway does not honour (400 / 422 naming the field, 404
+    for another model, otherwise)."""
+    body = decode_request(raw, endpoint)
     check_sampling(body)
     check_model(body.model, served_model)
     return body
@@ -131,8 +130,6 @@ def prompt_source(body: OpenAIRequest, tokenizer: ModelTokenizer) -> PromptSourc
         return PromptSource(
             param="messages", text=chat_prompt_text(body, tokenizer), add_special_tokens=False
         )
-    if body.echo:
-        raise ApiError(400, "echo is not supported", param="echo")
     return completion_prompt_source(body, tokenizer)
 
 

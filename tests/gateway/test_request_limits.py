@@ -114,7 +114,8 @@ async def test_the_first_id_beyond_the_vocabulary_is_refused_the_last_one_in_run
 async def test_values_at_the_edges_of_every_range_still_run(gw: Gateway) -> None:
     _, key = await gw.new_tenant("edges")
     edges: list[dict[str, Any]] = [
-        {"top_k": INT32_MAX, "seed": INT64_MAX, "temperature": 2, "top_p": 1, "min_p": 1},
+        {"top_k": INT32_MAX, "seed": INT64_MAX, "temperature": 0, "top_p": 1, "min_p": 1},
+        {"top_k": INT32_MAX, "temperature": 2, "top_p": 1, "min_p": 1},
         {"top_k": -1, "seed": INT64_MIN, "temperature": 0, "top_p": 1e-6, "min_p": 0},
         {"top_k": 1, "presence_penalty": -2, "frequency_penalty": 2, "repetition_penalty": 2},
         {"presence_penalty": 2, "frequency_penalty": -2, "repetition_penalty": 1e-6},

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from common.wire import PRIORITY_BE, PRIORITY_RT, meta_from_custom_params
-from gateway.api.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.api.schemas import ChatCompletionRequest, CompletionRequest, check_sampling
 from gateway.auth import Principal
 from gateway.errors import ApiError
 from gateway.pipeline.prepare import (
@@ -128,8 +128,8 @@ def test_parse_refuses_another_model_and_out_of_range_sampling_naming_the_field(
 def test_echo_is_refused_for_api_requests_and_batch_lines_alike() -> None:
     body = msgspec.convert({"model": "m", "prompt": [1, 2], "echo": True}, CompletionRequest)
     with pytest.raises(ApiError) as info:
-        prepare_prompt(body, None, 16)  # type: ignore[arg-type]  # refused before tokenizing
-    assert info.value.param == "echo"
+        check_sampling(body)  # what parse_body and a batch line's validation both run
+    assert info.value.param == "echo" and info.value.code == "unsupported_parameter"
 
 
 def test_a_token_id_prompt_gets_the_default_cap_within_the_context() -> None:
@@ -207,3 +207,71 @@ class _ChatTokenizer(TinyTokenizer):
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "fields", "param"),
+    [
+        ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ("chat", {"tool_choice": "auto"}, "tool_choice"),
+        ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("chat", {"logprobs": True}, "logprobs"),
+        ("chat", {"top_logprobs": 2}, "top_logprobs"),
+        ("chat", {"logit_bias": {"5": 1}}, "logit_bias"),
+        ("chat", {"store": True}, "store"),
+        ("chat", {"some_client_field": 1}, "some_client_field"),
+        ("chat", {"seed": 7}, "seed"),
+        ("chat", {"seed": 7, "temperature": 0.7}, "seed"),
+        ("chat", {"n": 2}, "n"),
+        (
+            "chat",
+            {"stream_options": {"include_obfuscation": True}},
+            "stream_options.include_obfuscation",
+        ),
+        (
+            "chat",
+            {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "c"}]}]},
+            "messages[0].tool_calls",
+        ),
+        ("completions", {"logprobs": 2}, "logprobs"),
+        ("completions", {"best_of": 3}, "best_of"),
+        ("completions", {"suffix": "end"}, "suffix"),
+        ("completions", {"echo": True}, "echo"),
+        ("completions", {"messages": []}, "messages"),
+    ],
+)
+def test_what_the_gateway_does_not_honour_is_refused_naming_the_field(
+    endpoint: str, fields: dict[str, Any], param: str
+) -> None:
+    base: dict[str, Any] = {"model": "m"}
+    base.update(
+        {"messages": [{"role": "user", "content": "x"}]} if endpoint == "chat" else {"prompt": "x"}
+    )
+    raw = msgspec.json.encode({**base, **fields})
+    with pytest.raises(ApiError) as info:
+        parse_body(raw, endpoint, "m")  # type: ignore[arg-type]
+    assert (info.value.status, info.value.code, info.value.param) == (
+        400,
+        "unsupported_parameter",
+        param,
+    ), info.value.message
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "fields"),
+    [
+        ("chat", {"logprobs": False, "tools": [], "tool_choice": "none", "store": False}),
+        ("chat", {"response_format": {"type": "text"}, "top_logprobs": None, "user": "u-1"}),
+        ("chat", {"safety_identifier": "s", "prompt_cache_key": "k", "service_tier": "auto"}),
+        ("chat", {"seed": 7, "temperature": 0, "stream_options": {"include_obfuscation": False}}),
+        ("completions", {"best_of": 1, "suffix": None, "echo": False, "logprobs": None}),
+    ],
+)
+def test_parameters_sent_with_the_value_that_asks_for_nothing_are_accepted(
+    endpoint: str, fields: dict[str, Any]
+) -> None:
+    base: dict[str, Any] = {"model": "m"}
+    base.update(
+        {"messages": [{"role": "user", "content": "x"}]} if endpoint == "chat" else {"prompt": "x"}
+    )
+    parse_body(msgspec.json.encode({**base, **fields}), endpoint, "m")  # type: ignore[arg-type]
