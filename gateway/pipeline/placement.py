@@ -1,7 +1,7 @@
 """The place stage: which engine runs a request.
 
-Today the gateway fronts one engine, so every request is placed on it. The seam is built for a
-pool: `engine_candidates` lists the engines a request may go to, and `choose_engine` picks one
+The gateway fronts a pool of engines (gateway/engine/pool.py): `engine_candidates` lists the
+engines a request may go to (the replicas that serve now), and `choose_engine` picks one
 from them for a given request — a pure function of the request and the candidates' handles, the
 place for prefix affinity (the engine whose cache holds the prompt's prefix), tier headroom (RT
 to the engine with the most slack) and load. A handle carries the engine's live state
@@ -20,7 +20,7 @@ from aiohttp import web
 from gateway.engine.client import EngineClient
 from gateway.engine.load import LoadWatcher
 from gateway.pipeline.prepare import EngineRequest
-from gateway.state import ENGINE, LOADS
+from gateway.state import ENGINE, LOADS, POOL
 
 
 @dataclass(frozen=True)
@@ -43,10 +43,21 @@ class Placement:
 
 
 def engine_candidates(app: web.Application) -> list[EngineHandle]:
-    """The engines a request may be placed on (today: the one engine of `engine.host/port`)."""
-    client = app[ENGINE]
-    load = app[LOADS].get(client.base_url) if LOADS in app else None
-    return [EngineHandle(name=client.base_url, client=client, load=load)]
+    """The engines a request may be placed on: one handle per replica of the pool that serves
+    now (`EnginePool.serving`: up, and not lost by a request since its last good probe), with
+    its own client and live state. When none serves, every replica: the request then fails
+    the way an engine that is down fails it (503 `engine_unavailable`), as with one engine.
+    An app without a pool (unit tests' minimal apps) has the one engine of `ENGINE`."""
+    loads = app.get(LOADS) or {}
+    pool = app.get(POOL)
+    if pool is None:
+        client = app[ENGINE]
+        return [EngineHandle(name=client.base_url, client=client, load=loads.get(client.base_url))]
+    replicas = pool.serving() or pool.replicas
+    return [
+        EngineHandle(name=r.name, client=r.require_client(), load=loads.get(r.name))
+        for r in replicas
+    ]
 
 
 def choose_engine(request: EngineRequest, candidates: Sequence[EngineHandle]) -> EngineHandle:
