@@ -341,8 +341,10 @@ class BatchConfig(_Section, frozen=True):
     or did not survive (the connection broke, or the gateway stopped with the line in flight)
     counts; one that found the engine unreachable does not."""
     runner_enabled: bool = True
-    """Run the batch runner in this gateway process. Exactly one process per database may run it
-    (a second gateway replica sets this to false)."""
+    """Let this gateway process run the batch runner. On PostgreSQL the processes that may run it
+    elect one leader through an advisory lock, and another takes over within seconds when it
+    dies, resuming its batches (gateway/batch/leader.py); on SQLite the one process always
+    runs it. False: this process never runs batches (it still accepts them)."""
     output_expires_days: int = 30
     """Days after which output and error files expire (shown as `expires_at`), days."""
 
