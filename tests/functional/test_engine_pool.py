@@ -24,6 +24,7 @@ import json
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -73,6 +74,7 @@ class Pool:
     base_url: str
     engine_ports: list[int]
     log_path: Path
+    db_path: Path
     key: str = ""
     tenant_id: str = ""
     be_key: str = ""
@@ -180,7 +182,13 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
         proc = subprocess.Popen(
             [sys.executable, "-m", "gateway", "serve"], env=env, stdout=log, stderr=log
         )
-    served = Pool(proc, f"http://127.0.0.1:{gw_port}", [engine_port, engine_port + 1], log_path)
+    served = Pool(
+        proc,
+        f"http://127.0.0.1:{gw_port}",
+        [engine_port, engine_port + 1],
+        log_path,
+        tmp / "serve.db",
+    )
     try:
 
         def ready() -> bool:
@@ -365,6 +373,7 @@ def test_a_replica_sigkilled_mid_load_loses_nothing_and_comes_back(pool: Pool) -
         assert reply.status_code in (200, 503), reply.text
         if reply.status_code == 503:
             assert reply.json()["error"]["code"] == "engine_unavailable"
+    pool.measured["whole_requests_503"] = sum(r.status_code == 503 for r in wholes)
 
     # service continues: every request sent now is answered (on the survivor)
     after = [pool.chat() for _ in range(5)]
@@ -382,6 +391,10 @@ def test_a_replica_sigkilled_mid_load_loses_nothing_and_comes_back(pool: Pool) -
     out = [json.loads(x) for x in api.files.content(batch.output_file_id).text.splitlines()]
     assert sorted(line["custom_id"] for line in out) == ids
     assert all(line["response"]["body"]["usage"]["completion_tokens"] == 48 for line in out)
+    with sqlite3.connect(pool.db_path) as db:
+        attempts = [n for (n,) in db.execute("SELECT attempts FROM batch_items")]
+    assert max(attempts) <= 2  # a line lost with the replica ran again once, on the other
+    pool.measured["batch_lines_run_twice"] = sum(n == 2 for n in attempts)
 
     # the killed replica is reaped, restarted, and serves again
     wait_until_sync(lambda: not Path(f"/proc/{pid}").exists(), 30, what="the dead replica reaped")

@@ -10,6 +10,7 @@ import pytest
 
 from backend.launch.sglang import engine_env, server_argv
 from common.config import Config, ConfigError, EngineConfig, load_config, pool_engines
+from gateway.engine.pool import EnginePool
 
 
 def config_from(tmp_path: Path, **engine: str) -> Config:
@@ -94,3 +95,17 @@ def test_as_many_replicas_as_endpoints_is_accepted(tmp_path: Path) -> None:
         tmp_path, endpoints="['http://h:1', 'http://h:2']", replicas="2", launch="false"
     )
     assert len(pool_engines(config.engine)) == 2
+
+
+def test_the_gateway_says_which_attached_engines_it_sees_the_state_of(tmp_path: Path) -> None:
+    engine = config_from(
+        tmp_path,
+        endpoints="['http://127.0.0.1:30000', 'http://10.0.0.5:30000', 'http://127.0.0.1:30002']",
+        control_socket=str(tmp_path / "engine.sock"),  # engine i's: engine.sock.i (i >= 1)
+    ).engine
+    (tmp_path / "engine.sock").touch()  # the first engine's control socket exists
+    lines = EnginePool(engine).describe_attachments()
+    assert "live state watched" in lines[0]  # local, socket present
+    assert "request metadata only" in lines[1]  # another host: no Unix socket reaches it
+    assert "request metadata only" in lines[2]  # local, but no socket (stock SGLang)
+    assert EnginePool(EngineConfig()).describe_attachments() == []  # launched: nothing to say
