@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -27,7 +28,7 @@ from gateway.batch.app import batch_context
 from gateway.engine.client import EngineClient
 from gateway.engine.control import length_sync
 from gateway.engine.load import LoadWatcher, watch
-from gateway.engine.pool import EnginePool, merged_by_engine
+from gateway.engine.pool import SILENCE_S, EnginePool, merged_by_engine
 from gateway.errors import error_middleware
 from gateway.operator import install as install_operator_tools
 from gateway.overload import OVERLOAD, OverloadGuard
@@ -149,13 +150,22 @@ async def _engine_health(app: web.Application) -> AsyncIterator[None]:
 async def _load_watchers(app: web.Application) -> AsyncIterator[None]:
     """One `LoadWatcher` per engine that reports its live state, keyed like `EngineHandle.name`
     (the engine client's base URL), long-polling while the app runs."""
-    watched = [r for r in app[POOL].replicas if r.reports_load]
+    pool = app[POOL]
+    watched = [r for r in pool.replicas if r.reports_load]
     if not watched:
         yield
         return
     async with contextlib.AsyncExitStack() as stack:
         for replica in watched:
-            watcher = LoadWatcher(replica.name)
+            # in a pool, an engine that leaves its live-state poll unanswered is out of
+            # placement at once (a hung or frozen replica: gateway/engine/pool.py)
+            watcher = LoadWatcher(
+                replica.name,
+                silence_s=SILENCE_S if len(pool) > 1 else None,
+                on_silent=functools.partial(
+                    pool.suspect, replica.name, "its live state went silent"
+                ),
+            )
             app[LOADS][watcher.engine_name] = watcher
             await stack.enter_async_context(
                 contextlib.asynccontextmanager(watch)(watcher, replica.engine)

@@ -11,11 +11,13 @@ When a replica counts as serving, and how fast it stops:
 * its health (`gateway.engine.health.EngineHealth`) says up: fed by its supervisor when
   `tandem serve` launched it (a process that exits is seen the moment it does, through its
   pidfd), else by the gateway's own `GET /health` probe every `engine.health_probe_interval_s`;
-* and no request found it gone since its last good probe: a request whose engine was
-  unreachable or went away with it (a SIGKILLed replica's streams break at once) `suspect`s
-  its replica, which is out of placement from that instant until a probe of the gateway's own,
-  repeated every `SUSPECT_PROBE_INTERVAL_S`, finds it answering again. In a pool of one there
-  is nowhere else to go, so a suspicion only hurries the next probe, as before the pool.
+* and nothing found it gone since its last good probe: a request whose engine was unreachable
+  or went away with it (a SIGKILLed replica's streams break at once), or its live-state watcher
+  whose long poll went unanswered for `SILENCE_S` beyond its wait (a hung or frozen engine),
+  `suspect`s its replica, which is out of placement from that instant until a probe of the
+  gateway's own, repeated every `SUSPECT_PROBE_INTERVAL_S`, finds it answering again. In a pool
+  of one there is nowhere else to go, so a suspicion only hurries the next probe, as before the
+  pool (and the watcher keeps its usual timeout).
 
 A request in flight on a replica that dies ends with the engine's failure (a streamed error
 event, a 503, a batch line put back for a retry), never waiting for the health view.
@@ -45,6 +47,12 @@ log = logging.getLogger(__name__)
 
 SUSPECT_PROBE_INTERVAL_S = 0.5
 """How often a suspected replica is probed until it answers again, seconds."""
+SILENCE_S = 0.8
+"""In a pool, a replica whose live-state long poll (answered within a second even by an idle
+engine, `gateway.engine.load.POLL_WAIT_S`) stays unanswered this much longer, seconds, is
+suspect: a hung or frozen engine leaves placement within 1.8 s of its last answer. A false
+alarm (an engine slow to answer under load) costs little: the next probe that answers puts it
+back."""
 
 
 def engine_url(engine: EngineConfig) -> str:
@@ -147,9 +155,10 @@ class EnginePool:
         """At least one replica serves (what `/readyz` answers)."""
         return any(r.is_serving for r in self.replicas)
 
-    def suspect(self, name: str) -> None:
-        """A request found replica *name* unreachable or lost it: out of placement until a
-        probe finds it answering (in a pool of one: its next probe comes now)."""
+    def suspect(self, name: str, why: str = "a request lost it") -> None:
+        """A request found replica *name* unreachable or lost it, or its live state went
+        silent (*why*): out of placement until a probe finds it answering (in a pool of one:
+        its next probe comes now)."""
         replica = self.by_name(name)
         if replica is None:
             return
@@ -157,7 +166,7 @@ class EnginePool:
         if len(self.replicas) == 1 or replica.client is None:
             return
         if not replica.suspected:
-            log.warning("engine %s: a request lost it; out of placement until it answers", name)
+            log.warning("engine %s: %s; out of placement until it answers", name, why)
         replica.suspected = True
         if replica._suspect_task is None or replica._suspect_task.done():
             replica._suspect_task = asyncio.create_task(self._clear_when_answering(replica))

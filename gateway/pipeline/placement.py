@@ -44,16 +44,18 @@ class Placement:
 
 def engine_candidates(app: web.Application) -> list[EngineHandle]:
     """The engines a request may be placed on: one handle per replica of the pool that serves
-    now (`EnginePool.serving`: up, and not lost by a request since its last good probe), with
-    its own client and live state. When none serves, every replica: the request then fails
-    the way an engine that is down fails it (503 `engine_unavailable`), as with one engine.
+    now (`EnginePool.serving`: up, and not suspected since its last good probe), with its own
+    client and live state. When none serves, the suspected ones that are not known down, else
+    every replica: the request then fails the way an engine that is down fails it (503
+    `engine_unavailable`), as with one engine.
     An app without a pool (unit tests' minimal apps) has the one engine of `ENGINE`."""
     loads = app.get(LOADS) or {}
     pool = app.get(POOL)
     if pool is None:
         client = app[ENGINE]
         return [EngineHandle(name=client.base_url, client=client, load=loads.get(client.base_url))]
-    replicas = pool.serving() or pool.replicas
+    # none serves: those only a request suspects before those known down, then every one
+    replicas = pool.serving() or [r for r in pool.replicas if r.health.is_up] or pool.replicas
     return [
         EngineHandle(name=r.name, client=r.require_client(), load=loads.get(r.name))
         for r in replicas

@@ -200,11 +200,14 @@ def response_headers(flight: Flight) -> dict[str, str]:
     return {DOWNGRADED_HEADER: admitted.slo.target}
 
 
-def place(app: web.Application, flight: Flight) -> Placement:
-    """place: the engine the admitted request runs on."""
+def place(app: web.Application, flight: Flight, *, avoid: str | None = None) -> Placement | None:
+    """place: the engine the admitted request runs on; *avoid*: an engine's name not to place
+    it on (None when that leaves no engine)."""
     assert flight.admitted is not None, "admit runs before place"
-    engine = choose_engine(flight.admitted.request, engine_candidates(app))
-    flight.placement = Placement(engine=engine)
+    candidates = [h for h in engine_candidates(app) if h.name != avoid]
+    if not candidates:
+        return None
+    flight.placement = Placement(engine=choose_engine(flight.admitted.request, candidates))
     return flight.placement
 
 
@@ -242,11 +245,10 @@ async def run(app: web.Application, flight: Flight) -> AsyncGenerator[EngineChun
             if pool is not None:  # out of placement at once, not at the next probe
                 pool.suspect(placement.engine.name)
             if not (exc.is_lost or received or replaced):
-                elsewhere = place(app, flight)
-                if elsewhere.engine.name != placement.engine.name:
+                elsewhere = place(app, flight, avoid=placement.engine.name)
+                if elsewhere is not None:
                     placement, replaced = elsewhere, True
                     continue
-                flight.placement = placement  # nowhere else: it fails where it was placed
             retry_after_s = app[CONFIG].gateway.engine_retry_after_s
             flight.fail(engine_unavailable(str(exc), retry_after_s, is_engine_lost=exc.is_lost))
             return
@@ -326,7 +328,8 @@ async def complete(app: web.Application, flight: Flight) -> Completion | Failure
     admission = admit(app, flight)
     if isinstance(admission, Refused):
         return admission
-    place(app, flight)
+    placed = place(app, flight)
+    assert placed is not None  # without *avoid* every engine is a candidate
     parts: list[str] = []
     async with contextlib.aclosing(run(app, flight)) as chunks:
         async for chunk in chunks:

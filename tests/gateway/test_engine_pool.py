@@ -6,17 +6,34 @@ again. tests/functional/test_engine_pool.py does the same with real engines and 
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest_asyncio
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from tests.gateway.harness import Gateway, metric, running_gateway, serve, sim_app
 from tests.waiting import wait_until
+
+
+class Freezer:
+    """Makes a simulator stop answering (every request waits, the connection open) while
+    frozen, as a hung or SIGSTOPped engine does."""
+
+    def __init__(self) -> None:
+        self.thawed = asyncio.Event()
+        self.thawed.set()
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: web.Handler) -> web.StreamResponse:
+        await self.thawed.wait()
+        return await handler(request)
 
 
 @dataclass
@@ -25,12 +42,19 @@ class Pool:
     engines: list[str]
     """The simulators' base URLs, in the pool's order."""
     servers: list[TestServer]
+    freezers: list[Freezer]
 
 
 @pytest_asyncio.fixture
 async def pool(tmp_path: Path, tiny_model_dir: Path, template_db: Path) -> AsyncIterator[Pool]:
     async with AsyncExitStack() as stack:
-        servers = [await stack.enter_async_context(serve(sim_app())) for _ in range(2)]
+        freezers = [Freezer(), Freezer()]
+        servers = []
+        for freezer in freezers:
+            app = sim_app()
+            app.middlewares.append(freezer.middleware)
+            servers.append(await stack.enter_async_context(serve(app)))
+        stack.callback(lambda: [f.thawed.set() for f in freezers])  # nothing waits at the end
         urls = [f"http://127.0.0.1:{s.port}" for s in servers]
         gateway = await stack.enter_async_context(
             running_gateway(
@@ -42,7 +66,7 @@ async def pool(tmp_path: Path, tiny_model_dir: Path, template_db: Path) -> Async
                 TANDEM_ENGINE__HEALTH_PROBE_INTERVAL_S="0.2",
             )
         )
-        yield Pool(gateway, urls, servers)
+        yield Pool(gateway, urls, servers, freezers)
 
 
 async def healthy(gw: Gateway, engine: str) -> float | None:
@@ -103,3 +127,27 @@ async def serve_on(port: int | None) -> AsyncIterator[TestServer]:
         yield server
     finally:
         await server.close()
+
+
+async def test_a_frozen_engine_leaves_placement_and_rejoins(pool: Pool) -> None:
+    gw = pool.gateway
+    _, key = await gw.new_tenant("frozen")
+    pool.freezers[0].thawed.clear()  # the first engine stops answering, its port still open
+    frozen_at = time.monotonic()
+
+    async def out_of_placement() -> bool:
+        return await healthy(gw, pool.engines[0]) == 0.0
+
+    await wait_until(out_of_placement, 30, what="the frozen engine out of placement")
+    print(f"\nengine frozen -> out of placement after {time.monotonic() - frozen_at:.2f} s")
+    for _ in range(3):  # served by the other engine, none waits on the frozen one
+        reply = await asyncio.wait_for(gw.chat(key, max_tokens=4), 30)
+        assert reply.status == 200, reply
+    assert (await gw.request("GET", "/readyz")).status == 200
+
+    pool.freezers[0].thawed.set()
+
+    async def rejoined() -> bool:
+        return await healthy(gw, pool.engines[0]) == 1.0
+
+    await wait_until(rejoined, 30, what="the thawed engine back in placement")
