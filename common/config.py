@@ -27,6 +27,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import msgspec
 import msgspec.inspect
@@ -169,7 +170,22 @@ class EngineConfig(_Section, frozen=True):
     one each time it launches the engine. Set it (better: `TANDEM_ENGINE__API_KEY`) for an
     engine started elsewhere (`launch: false`) with the same key."""
     launch: bool = True
-    """Start the engine as a child process of `tandem serve`; False: connect to a running one."""
+    """Start the engine as a child process of `tandem serve`; False: connect to a running one
+    (at `host`:`port`, or the `endpoints`)."""
+    replicas: int = 1
+    """Engines `tandem serve` launches on this host, engines: replica i listens on `port` + i
+    (consecutive ports), runs in its own process group with its own control socket
+    (`control_socket` + ".i" for i ≥ 1 when one is set) and log (`log_file` with "-i" before
+    its suffix for i ≥ 1), and is supervised and restarted on its own. The gateway places each
+    request on one of the replicas that serve (gateway/engine/pool.py). With `launch` false it
+    must be 1, or the number of `endpoints`."""
+    endpoints: list[str] = msgspec.field(default_factory=list)
+    """Base URLs (``http://host:port``) of engines started elsewhere that the gateway attaches
+    to instead of launching any: with endpoints, `tandem serve` launches nothing (it says so at
+    start) and the pool is exactly these engines. Each should run tandem's plugin; an engine on
+    this host whose control socket (tandem-engine-<port>.sock, or `control_socket` + ".i")
+    answers reports its live state, any other (another host, or stock SGLang) is used with
+    tandem's request metadata only, which the gateway logs at start."""
     patch: bool = True
     """Load tandem's SGLang plugin (RT/BE metadata, co-location seams); False: stock SGLang."""
     policy: str = "tandem"
@@ -233,7 +249,12 @@ class EngineConfig(_Section, frozen=True):
     max_total_tokens a multiple of 16 and runs without the radix cache). Off by default: on this
     engine it does not pay (bench/results/W1-bicache/README.md)."""
     extra_args: list[str] = msgspec.field(default_factory=list)
-    """Further command-line flags for `sglang.launch_server`."""
+    """Further command-line flags for each `sglang.launch_server` (e.g. ``["--tp-size", "2"]``
+    or ``["--dp-size", "2"]``: SGLang's own tensor and data parallelism, passed through as
+    given). Flags tandem sets itself from a config key (`--port`, `--host`, `--model-path`,
+    `--served-model-name`, `--device`, `--dtype`, `--max-total-tokens`,
+    `--max-running-requests`, `--chunked-prefill-size`, `--context-length`) are refused: set the
+    key instead."""
     startup_timeout_s: float = 300.0
     """How long `tandem serve` waits for the engine to become healthy, seconds."""
     request_timeout_s: float = 600.0
@@ -358,8 +379,10 @@ class BatchConfig(_Section, frozen=True):
     or did not survive (the connection broke, or the gateway stopped with the line in flight)
     counts; one that found the engine unreachable does not."""
     runner_enabled: bool = True
-    """Run the batch runner in this gateway process. Exactly one process per database may run it
-    (a second gateway replica sets this to false)."""
+    """Let this gateway process run the batch runner. On PostgreSQL the processes that may run it
+    elect one leader through an advisory lock, and another takes over within seconds when it
+    dies, resuming its batches (gateway/batch/leader.py); on SQLite the one process always
+    runs it. False: this process never runs batches (it still accepts them)."""
     output_expires_days: int = 30
     """Days after which output and error files expire (shown as `expires_at`), days."""
 
@@ -452,11 +475,128 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                 "engine.max_total_tokens must be a multiple of 16 with "
                 "engine.kv_layout bicache (blocks of 16 slots)"
             )
+        _check_pool(self.engine)
         if not self.database.url.split(":", 1)[0].startswith(("sqlite", "postgresql")):
             raise ConfigError(
                 f"database.url: unsupported database {self.database.url.split(':', 1)[0]!r} "
                 "(use sqlite or postgresql)"
             )
+
+
+TANDEM_ENGINE_FLAGS = {
+    "--port": "engine.port",
+    "--host": "engine.host",
+    "--model-path": "model.path",
+    "--model": "model.path",
+    "--served-model-name": "model.name",
+    "--device": "engine.device",
+    "--dtype": "engine.dtype",
+    "--max-total-tokens": "engine.max_total_tokens",
+    "--max-running-requests": "engine.max_running_requests",
+    "--chunked-prefill-size": "engine.chunked_prefill_size",
+    "--context-length": "engine.context_length",
+}
+"""SGLang launch flags tandem sets from a config key (the key named): refused in
+`engine.extra_args`, where a second value would silently win or lose."""
+
+
+def _check_pool(engine: EngineConfig) -> None:
+    """The engine pool's keys: replicas, endpoints and extra_args (see their docstrings)."""
+    if engine.replicas < 1:
+        raise ConfigError(f"engine.replicas must be at least 1, got {engine.replicas}")
+    for arg in engine.extra_args:
+        flag = arg.split("=", 1)[0]
+        if flag in TANDEM_ENGINE_FLAGS:
+            raise ConfigError(
+                f"engine.extra_args: {flag} is set by tandem from "
+                f"{TANDEM_ENGINE_FLAGS[flag]}; set that key instead"
+            )
+    for url in engine.endpoints:
+        _endpoint_address(url)
+    if len(set(engine.endpoints)) != len(engine.endpoints):
+        raise ConfigError("engine.endpoints lists an engine twice")
+    if engine.endpoints:
+        if engine.replicas not in (1, len(engine.endpoints)):
+            raise ConfigError(
+                f"engine.replicas is {engine.replicas} but engine.endpoints lists "
+                f"{len(engine.endpoints)} engines: with endpoints the pool is exactly those "
+                "(leave replicas at 1)"
+            )
+    elif engine.replicas > 1 and not engine.launch:
+        raise ConfigError(
+            f"engine.replicas {engine.replicas} needs engine.launch true (tandem serve starts "
+            "them); to use engines started elsewhere, list them in engine.endpoints"
+        )
+    elif engine.replicas > 1 and engine.port + engine.replicas - 1 > 65535:
+        raise ConfigError(
+            f"engine.replicas {engine.replicas} from engine.port {engine.port} goes past port 65535"
+        )
+
+
+def _endpoint_address(url: str) -> tuple[str, int]:
+    """(host, port) of an `engine.endpoints` URL; ConfigError naming it when it is not
+    ``http(s)://host:port``."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme not in ("http", "https") or not parts.hostname or port is None:
+        raise ConfigError(f"engine.endpoints: {url!r} is not an http://host:port URL")
+    if parts.path.strip("/") or parts.query:
+        raise ConfigError(f"engine.endpoints: {url!r} must be a base URL (no path or query)")
+    return parts.hostname, port
+
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def pool_engines(engine: EngineConfig) -> list[EngineConfig]:
+    """One `EngineConfig` per engine of the pool, each describing that engine alone (its
+    `host`, `port`, `control_socket`, `log_file`; `replicas` 1, no `endpoints`): the launched
+    replicas (`launch` on, no endpoints: replica i on `port` + i), the engines of `endpoints`
+    (`launch` off), or the one engine at `host`:`port`. Replica 0 of a launched pool is
+    *engine* itself, unchanged: one replica behaves exactly as a single engine."""
+    if engine.endpoints:
+        attached = []
+        for i, url in enumerate(engine.endpoints):
+            host, port = _endpoint_address(url)
+            socket = None
+            if engine.control_socket is not None:
+                socket = engine.control_socket if i == 0 else f"{engine.control_socket}.{i}"
+            attached.append(
+                msgspec.structs.replace(
+                    engine,
+                    host=host,
+                    port=port,
+                    launch=False,
+                    replicas=1,
+                    endpoints=[],
+                    control_socket=socket,
+                )
+            )
+        return attached
+    if engine.replicas == 1:
+        return [msgspec.structs.replace(engine, endpoints=[])]
+    replicas = []
+    for i in range(engine.replicas):
+        socket = engine.control_socket
+        log_file = engine.log_file
+        if i > 0:
+            socket = None if socket is None else f"{socket}.{i}"
+            if log_file is not None:
+                path = Path(log_file)
+                log_file = str(path.with_name(f"{path.stem}-{i}{path.suffix}"))
+        replicas.append(
+            msgspec.structs.replace(
+                engine,
+                port=engine.port + i,
+                replicas=1,
+                control_socket=socket,
+                log_file=log_file,
+            )
+        )
+    return replicas
 
 
 def _check_positive(key: str, value: float) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import cast
@@ -26,8 +28,8 @@ from gateway.auth_sync import auth_sync
 from gateway.batch.app import batch_context
 from gateway.engine.client import EngineClient
 from gateway.engine.control import length_sync
-from gateway.engine.health import FIRST_PROBE_TIMEOUT_S, EngineHealth
-from gateway.engine.load import LoadWatcher, serves_load, watch
+from gateway.engine.load import LoadWatcher, watch
+from gateway.engine.pool import SILENCE_S, EnginePool, merged_by_engine
 from gateway.errors import error_middleware
 from gateway.loop_watch import LoopWatch
 from gateway.operator import install as install_operator_tools
@@ -42,9 +44,9 @@ from gateway.state import (
     CONFIG,
     DB_ENGINE,
     ENGINE,
-    ENGINE_HEALTH,
     LOADS,
     METRICS,
+    POOL,
     ROUTER,
     SLO_FORECASTER,
     STORE,
@@ -59,6 +61,8 @@ from gateway.store.readiness import DATABASE_READINESS, start_readiness, stop_re
 from gateway.store.repo import Store
 from gateway.tokenizer import ModelTokenizer
 from gateway.usage import UsageRecorder
+
+log = logging.getLogger(__name__)
 
 # engine SSE lines carry the cumulative text of a generation; allow long ones
 _ENGINE_READ_BUFSIZE = 4 * 1024 * 1024
@@ -78,10 +82,12 @@ def create_app(config: Config, admin_token: str, model_dir: Path) -> web.Applica
     app[TOKENIZER] = ModelTokenizer(model_dir)
     app[BACKGROUND] = set()
     app[LOADS] = {}
+    app[POOL] = EnginePool(config.engine)
     app[SLO_FORECASTER] = build_forecaster(config)
     app[ROUTER] = make_router(config.gateway.router, app[SLO_FORECASTER])
     app[TTFT_FEEDBACK] = TtftFeedback()
-    app[TIER_QUEUES] = TierQueues(tier_bounds(config.gateway))
+    # the bounds are per engine: the pool's queues hold as many as its engines together
+    app[TIER_QUEUES] = TierQueues(tier_bounds(config.gateway, engines=len(app[POOL])))
     app.cleanup_ctx.append(_loop_watch)
     app.cleanup_ctx.append(_database)
     app.cleanup_ctx.append(auth_sync)  # revocations reach the other processes (PostgreSQL)
@@ -130,40 +136,39 @@ async def _database(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _engine_client(app: web.Application) -> AsyncIterator[None]:
+    """One HTTP client per engine of the pool, over one session."""
     config = app[CONFIG]
     session = aiohttp.ClientSession(
         read_bufsize=_ENGINE_READ_BUFSIZE,
         connector=aiohttp.TCPConnector(limit=0),  # one connection per in-flight request
         headers=config.engine.auth_headers,  # the engine refuses requests without its key
     )
-    base_url = f"http://{config.engine.host}:{config.engine.port}"
-    app[ENGINE] = EngineClient(base_url, session, timeout_s=config.engine.request_timeout_s)
+    pool = app[POOL]
+    for replica in pool.replicas:
+        replica.client = EngineClient(
+            replica.name, session, timeout_s=config.engine.request_timeout_s
+        )
+    app[ENGINE] = pool.replicas[0].require_client()  # the first engine (single-engine callers)
+    for line in pool.describe_attachments():
+        log.info("%s", line)
     yield
+    await pool.close()
     await session.close()
 
 
 async def _engine_health(app: web.Application) -> AsyncIterator[None]:
-    """The engine's health: the launcher's supervisor feeds it when it set `ENGINE_HEALTH`;
-    else the gateway probes the engine itself (once before serving, then in the background)."""
-    if ENGINE_HEALTH in app:
-        health, watcher = app[ENGINE_HEALTH], None
-    else:
-        engine = app[CONFIG].engine
-        client = app[ENGINE]
-        health = app[ENGINE_HEALTH] = EngineHealth(client.base_url)
-        await health.probe(
-            client.is_healthy, min(engine.health_probe_timeout_s, FIRST_PROBE_TIMEOUT_S)
-        )
-        watcher = asyncio.create_task(
-            health.watch(
-                client.is_healthy, engine.health_probe_interval_s, engine.health_probe_timeout_s
-            )
-        )
+    """Each engine's health: its supervisor feeds it when `tandem serve` launched it (and
+    called `EngineReplica.take_supervision`); else the gateway probes the engine itself (once
+    before serving, then in the background)."""
+    pool = app[POOL]
+    await pool.first_probe()
+    watchers = pool.start_watching()
     if METRICS in app:
-        app[METRICS].registry.register(cast(Collector, health))
+        app[METRICS].registry.register(cast(Collector, pool))
     yield
-    if watcher is not None:
+    for watcher in watchers:
         watcher.cancel()
+    for watcher in watchers:
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
 
@@ -171,15 +176,32 @@ async def _engine_health(app: web.Application) -> AsyncIterator[None]:
 async def _load_watchers(app: web.Application) -> AsyncIterator[None]:
     """One `LoadWatcher` per engine that reports its live state, keyed like `EngineHandle.name`
     (the engine client's base URL), long-polling while the app runs."""
-    engine = app[CONFIG].engine
-    if not serves_load(engine):
+    pool = app[POOL]
+    watched = [r for r in pool.replicas if r.reports_load]
+    if not watched:
         yield
         return
-    watcher = LoadWatcher(app[ENGINE].base_url)
-    app[LOADS][watcher.engine_name] = watcher
-    if METRICS in app:
-        app[METRICS].extra.append(watcher.collect)
-    async for _ in watch(watcher, engine):
+    async with contextlib.AsyncExitStack() as stack:
+        for replica in watched:
+            # in a pool, an engine that leaves its live-state poll unanswered is out of
+            # placement at once (a hung or frozen replica: gateway/engine/pool.py)
+            watcher = LoadWatcher(
+                replica.name,
+                silence_s=SILENCE_S if len(pool) > 1 else None,
+                on_silent=functools.partial(
+                    pool.suspect, replica.name, "its live state went silent"
+                ),
+            )
+            app[LOADS][watcher.engine_name] = watcher
+            await stack.enter_async_context(
+                contextlib.asynccontextmanager(watch)(watcher, replica.engine)
+            )
+        if METRICS in app:
+            app[METRICS].extra.append(
+                lambda: merged_by_engine(
+                    (name, watcher.collect) for name, watcher in list(app[LOADS].items())
+                )
+            )
         yield
 
 

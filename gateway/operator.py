@@ -16,7 +16,7 @@ from gateway.dashboard import routes as dashboard_routes
 from gateway.engine.sampler import EngineSampler, gauge
 from gateway.quotas.limiter import QuotaLimiter
 from gateway.quotas.sync import QuotaSync
-from gateway.state import ADMIN_TOKEN, CONFIG, DB_ENGINE, METRICS, QUOTAS, USAGE
+from gateway.state import ADMIN_TOKEN, CONFIG, DB_ENGINE, METRICS, POOL, QUOTAS, USAGE
 
 _TENANT_INFO_TIMEOUT_S = 2.0
 
@@ -69,7 +69,7 @@ async def _quota_sync(app: web.Application) -> AsyncIterator[None]:
 async def _engine_sampler(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     registry = app[METRICS]
-    engine_url = f"http://{config.engine.host}:{config.engine.port}"
+    engine_urls = [replica.name for replica in app[POOL].replicas]
 
     def be_in_flight() -> int:
         return int(
@@ -82,7 +82,7 @@ async def _engine_sampler(app: web.Application) -> AsyncIterator[None]:
         )
 
     sampler = EngineSampler(
-        engine_url,
+        engine_urls,
         app[DB_ENGINE],
         config.metrics.engine_poll_s,
         config.metrics.history_s,

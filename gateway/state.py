@@ -14,8 +14,8 @@ from backend.policy.placement import Router
 from common.config import Config
 from gateway.auth import AuthCache
 from gateway.engine.client import EngineClient
-from gateway.engine.health import EngineHealth
 from gateway.engine.load import LoadWatcher
+from gateway.engine.pool import EnginePool
 from gateway.engine.stats import EngineStatsWindow
 from gateway.metrics import METRICS_KEY
 from gateway.pipeline.tier_queue import TierQueues
@@ -31,9 +31,11 @@ DB_ENGINE = web.AppKey("db_engine", AsyncEngine)
 STORE = web.AppKey("store", Store)
 AUTH = web.AppKey("auth", AuthCache)
 ENGINE = web.AppKey("engine", EngineClient)
-ENGINE_HEALTH = web.AppKey("engine_health", EngineHealth)
-"""The engine's health as last seen (`gateway.engine.health`): fed by its supervisor when the
-launcher sets it before the app starts, else by the gateway's own probe."""
+"""The client of the pool's first engine (`POOL` has every engine's)."""
+POOL = web.AppKey("engine_pool", EnginePool)
+"""The engines behind the gateway, each with its client, health and statistics
+(`gateway.engine.pool`): placement, /readyz and /metrics read it; `tandem serve` hands each
+launched engine's health to its supervisor before the app starts."""
 USAGE = web.AppKey("usage", UsageRecorder)
 QUOTAS = web.AppKey("quotas", QuotaLimiter)
 METRICS = METRICS_KEY
@@ -41,7 +43,8 @@ LOADS: web.AppKey[dict[str, LoadWatcher]] = web.AppKey("engine_loads")
 """Each engine's live state (`gateway.engine.load`), by `EngineHandle.name`; no entry for an
 engine that does not report it (stock SGLang)."""
 ENGINE_STATS = web.AppKey("engine_stats", EngineStatsWindow)
-"""The engine's last two `/stats` readings (set when tandem's policy is in charge)."""
+"""The first engine's last two `/stats` readings (set when tandem's policy is in charge; each
+engine's are its `EngineReplica.stats`)."""
 SLO_FORECASTER = web.AppKey("slo_forecaster", SloForecaster)
 """The SLO admission's forecaster, on the latency model the engine's policy plans with."""
 ROUTER: web.AppKey[Router] = web.AppKey("router")
@@ -49,7 +52,8 @@ ROUTER: web.AppKey[Router] = web.AppKey("router")
 TTFT_FEEDBACK = web.AppKey("ttft_feedback", TtftFeedback)
 """What admitted RT requests' real TTFT taught the SLO admission about its forecast."""
 TIER_QUEUES = web.AppKey("tier_queues", TierQueues)
-"""Interactive requests in flight per engine and tier, against the tiers' bounds."""
+"""Interactive requests in flight per tier, against the tiers' bounds (the pool's: each
+engine's bound times the engines)."""
 BACKGROUND: web.AppKey[set[asyncio.Task[None]]] = web.AppKey("background_tasks")
 """Fire-and-forget tasks (engine aborts after a disconnect) kept referenced until done."""
 

@@ -83,7 +83,8 @@ def profile_cache_dir(config: Config) -> Path:
 
 def needs_profile(config: Config) -> bool:
     """True when `tandem serve` starts an engine whose policy plans with a profile."""
-    return config.engine.launch and config.engine.policy_in_charge
+    launches = config.engine.launch and not config.engine.endpoints
+    return launches and config.engine.policy_in_charge
 
 
 def choose_profile(config: Config, model_dir: Path) -> ChosenProfile:

@@ -1,10 +1,12 @@
 """`tandem serve`: migrate the database, choose (or measure) the engine's latency profile
 (``tandem.engine_profile``), start the engine, then the gateway; stop both cleanly.
 
-The engine runs in its own process group and is stopped (the whole group) however the gateway
-exits: Ctrl-C, SIGTERM, or an error. While the gateway serves, the engine is supervised
-(``engine.supervise``): when it dies it is reaped and restarted with a back-off, and `/readyz`
-answers 503 until it serves again (``backend/launch/supervisor.py``).
+Each engine (``engine.replicas`` of them, on consecutive ports; none with ``engine.endpoints``)
+runs in its own process group and is stopped (the whole group) however the gateway exits:
+Ctrl-C, SIGTERM, or an error. While the gateway serves, each engine is supervised on its own
+(``engine.supervise``): when it dies it is reaped, taken out of placement and restarted with a
+back-off, and `/readyz` answers 503 only while no engine serves
+(``backend/launch/supervisor.py``, ``gateway/engine/pool.py``).
 """
 
 from __future__ import annotations
@@ -33,14 +35,20 @@ from backend.launch.sglang import (
 from backend.launch.sim import sim_argv
 from backend.launch.supervisor import EngineStatus, EngineSupervisor, RestartPolicy
 from backend.launch.tiny_model import ensure_tiny_model
-from common.config import Config, ConfigError, ModelConfig, admin_token
+from common.config import (
+    Config,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    admin_token,
+    pool_engines,
+)
 from common.sockets import control_socket_error, port_error, remove_stale_socket
 from gateway.app import create_app
-from gateway.engine.health import EngineHealth
 from gateway.server import GuardedSite, runner_options
-from gateway.state import ENGINE_HEALTH
+from gateway.state import POOL
 from tandem.database import migrate_database
-from tandem.engine_profile import choose_profile, needs_profile
+from tandem.engine_profile import ChosenProfile, choose_profile, needs_profile
 from tandem.errors import CliError
 
 log = logging.getLogger("tandem")
@@ -63,38 +71,65 @@ def resolve_model_dir(model: ModelConfig) -> Path:
     return ensure_tiny_model(Path(model.cache_dir).expanduser())
 
 
-def _engine_argv(config: Config, model_dir: Path) -> list[str]:
-    if config.engine.kind == "sim":
+def _engine_argv(
+    engine: EngineConfig, model_name: str, model_dir: Path, random_weights: bool
+) -> list[str]:
+    if engine.kind == "sim":
         try:
-            return sim_argv(config.engine, config.model.name)
+            return sim_argv(engine, model_name)
         except ValueError as exc:
             raise ConfigError(f"engine.sim_profile: {exc}") from None
-    return server_argv(
-        config.engine, model_dir, config.model.name, random_weights=config.model.uses_random_weights
-    )
+    return server_argv(engine, model_dir, model_name, random_weights=random_weights)
 
 
 def preflight(config: Config) -> None:
     """Raises CliError (status 1) naming the first port or control socket that `tandem serve`
-    cannot have, before anything starts: the gateway's port, and with `engine.launch` the
-    engine's port and (patched engine) its control socket when another engine serves it."""
+    cannot have, before anything starts: the gateway's port, and for each engine it launches
+    that engine's port and (patched engine) its control socket when another engine serves it."""
     problems = [port_error("gateway.port", config.gateway.host, config.gateway.port)]
-    if config.engine.launch:
-        problems.append(port_error("engine.port", config.engine.host, config.engine.port))
-        if config.engine.policy_in_charge:
-            problems.append(control_socket_error(config.engine.control_socket_path))
+    for replica in _launched_configs(config):
+        problems.append(port_error("engine.port", replica.host, replica.port))
+        if replica.policy_in_charge:
+            problems.append(control_socket_error(replica.control_socket_path))
     for problem in problems:
         if problem is not None:
             raise CliError(problem, status=1)
 
 
 def with_engine_api_key(config: Config) -> Config:
-    """*config* with the key the engine it launches requires (`engine.api_key`): the configured
+    """*config* with the key the engines it launches require (`engine.api_key`): the configured
     one, else a new random one (SGLang's engine only: the simulator takes no key)."""
     if config.engine.kind != "sglang" or config.engine.api_key:
         return config
     engine = msgspec.structs.replace(config.engine, api_key=secrets.token_urlsafe(32))
     return msgspec.structs.replace(config, engine=engine)
+
+
+def _launched_configs(config: Config) -> list[EngineConfig]:
+    """The configs of the engines `tandem serve` launches: one per replica of
+    `engine.replicas`, none when it attaches to engines started elsewhere."""
+    if not config.engine.launch or config.engine.endpoints:
+        return []
+    return pool_engines(config.engine)
+
+
+def _launched_engines(
+    config: Config, model_dir: Path, chosen: ChosenProfile | None
+) -> list[EngineProcess]:
+    """The engine processes `tandem serve` starts (not started yet), one per launched config."""
+    return [
+        EngineProcess(
+            _engine_argv(replica, config.model.name, model_dir, config.model.uses_random_weights),
+            engine_env(
+                replica,
+                profile_path=None if chosen is None else chosen.path,
+                engine_key=None if chosen is None else chosen.engine_key,
+            ),
+            base_url=engine_base_url(replica),
+            log_path=replica.log_file,
+        )
+        for replica in _launched_configs(config)
+    ]
 
 
 def serve(config: Config) -> int:
@@ -111,51 +146,51 @@ def serve(config: Config) -> int:
     except CliError as exc:  # measuring failed: a runtime failure, status 1
         print(f"tandem: error: {exc}", file=sys.stderr)
         return 1
-    engine: EngineProcess | None = None
-    if config.engine.launch:
+    if config.engine.launch and not config.engine.endpoints:
         config = with_engine_api_key(config)
-        engine = EngineProcess(
-            _engine_argv(config, model_dir),
-            engine_env(
-                config.engine,
-                profile_path=None if chosen is None else chosen.path,
-                engine_key=None if chosen is None else chosen.engine_key,
-            ),
-            base_url=engine_base_url(config.engine),
-            log_path=config.engine.log_file,
+    engines = _launched_engines(config, model_dir, chosen)
+    if config.engine.endpoints:
+        log.info(
+            "engine.endpoints: attaching to %d engines started elsewhere, launching none: %s",
+            len(config.engine.endpoints),
+            ", ".join(config.engine.endpoints),
         )
+    for engine in engines:  # all at once: they start in parallel
         engine.start()
     try:
-        if engine is not None:
-            log.info("waiting for the engine on port %d ...", config.engine.port)
+        for engine in engines:
+            log.info("waiting for the engine at %s ...", engine.base_url)
             try:
                 engine.wait_ready_sync(config.engine.startup_timeout_s)
             except EngineStartError as exc:
                 print(f"tandem: error: the engine did not start: {exc}", file=sys.stderr)
                 return 1
-            log.info("engine ready")
+            log.info("engine %s ready", engine.base_url)
         if chosen is not None:  # the gateway's SLO admission forecasts on the engine's profile
             config = msgspec.structs.replace(
                 config, engine=msgspec.structs.replace(config.engine, profile=str(chosen.path))
             )
         app = create_app(config, token, model_dir)
-        if engine is not None and config.engine.supervise:
-            _supervise(app, engine, RestartPolicy.of(config.engine))
+        if engines and config.engine.supervise:
+            for index, engine in enumerate(engines):
+                _supervise(app, index, engine, RestartPolicy.of(config.engine))
         _run(run_gateway(app, config.gateway.host, config.gateway.port))
     finally:
-        if engine is not None:
+        for engine in engines:
             engine.stop()
-            if config.engine.policy_in_charge:  # a killed scheduler leaves its socket file
-                remove_stale_socket(config.engine.control_socket_path)
+        for replica in _launched_configs(config):
+            if replica.policy_in_charge:  # a killed scheduler leaves its socket file
+                remove_stale_socket(replica.control_socket_path)
     return 0
 
 
-def _supervise(app: web.Application, engine: EngineProcess, policy: RestartPolicy) -> None:
-    """While the gateway serves, the engine's supervisor restarts it whenever it dies, and its
-    view is the gateway's `ENGINE_HEALTH` (what /readyz and /metrics show) instead of a probe of
-    the gateway's own."""
-    health = EngineHealth(engine.base_url, is_up=True, state="up")
-    app[ENGINE_HEALTH] = health
+def _supervise(
+    app: web.Application, index: int, engine: EngineProcess, policy: RestartPolicy
+) -> None:
+    """While the gateway serves, replica *index*'s supervisor restarts it whenever it dies,
+    and its view is the replica's health in the gateway's pool (what placement, /readyz and
+    /metrics read) instead of a probe of the gateway's own."""
+    health = app[POOL].replicas[index].take_supervision()
 
     def show(status: EngineStatus) -> None:
         health.update(

@@ -551,7 +551,7 @@ OPERATIONS: list[Op] = [
     Op(
         "GET",
         "/readyz",
-        "Readiness: 200 when the engine answers and the database is at the "
+        "Readiness: 200 when at least one engine serves and the database is at the "
         "newest migration, else 503",
         "operations",
         NONE,

@@ -6,7 +6,8 @@ import time
 
 from aiohttp import web
 
-from gateway.state import ENGINE_HEALTH
+from gateway.engine.pool import EngineReplica
+from gateway.state import POOL
 from gateway.store.readiness import DATABASE_READINESS
 
 routes = web.RouteTableDef()
@@ -21,15 +22,17 @@ async def healthz(request: web.Request) -> web.Response:
 
 @routes.get("/readyz")
 async def readyz(request: web.Request) -> web.Response:
-    """Readiness: 200 only when the engine answers and the database is at the newest migration.
+    """Readiness: 200 only when at least one engine serves and the database is at the newest
+    migration.
 
-    Answered from memory, without I/O: the engine's side is its health as last seen
-    (`gateway.engine.health`: its supervisor's view, or the gateway's own probe), the
+    Answered from memory, without I/O: the engines' side is their health as last seen
+    (`gateway.engine.pool`: their supervisors' view, or the gateway's own probes), the
     database's its last background check (`gateway.store.readiness`). A probe polled often
-    under load costs the engine and the database nothing, and waits behind nothing. While the
-    engine is not up, `engine` says why."""
-    health = request.app[ENGINE_HEALTH]
-    engine_ok = health.is_up
+    under load costs the engines and the database nothing, and waits behind nothing. While no
+    engine serves, `engine` says why (the first one's state); with several engines, `engines`
+    lists each one's."""
+    pool = request.app[POOL]
+    engine_ok = pool.is_serving
     database = request.app[DATABASE_READINESS]
     database_ok = database.is_ready
     checks = {
@@ -39,10 +42,19 @@ async def readyz(request: web.Request) -> web.Response:
     ready = engine_ok and database_ok
     body: dict[str, object] = {"status": "ready" if ready else "not_ready", "checks": checks}
     if not engine_ok:
-        body["engine"] = {
-            "state": health.state,
-            "detail": health.detail,
-            "restarts": health.restarts,
-            "down_for_s": round(time.monotonic() - health.changed_at, 1),
-        }
+        body["engine"] = _replica_state(pool.replicas[0])
+    if len(pool) > 1:
+        body["engines"] = [
+            {"name": r.name, "serving": r.is_serving, **_replica_state(r)} for r in pool.replicas
+        ]
     return web.json_response(body, status=200 if ready else 503)
+
+
+def _replica_state(replica: EngineReplica) -> dict[str, object]:
+    health = replica.health
+    return {
+        "state": replica.state,
+        "detail": health.detail,
+        "restarts": health.restarts,
+        "down_for_s": round(time.monotonic() - health.changed_at, 1),
+    }

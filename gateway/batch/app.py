@@ -7,32 +7,49 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from gateway.batch.runner import BatchRunner
+from gateway.batch.leader import BatchLeadership
 from gateway.batch.store import BatchStore
-from gateway.state import CONFIG, DB_ENGINE
+from gateway.engine.sampler import gauge
+from gateway.state import CONFIG, DB_ENGINE, METRICS
 from gateway.store.db import session_factory
 
 BATCH_STORE = web.AppKey("batch_store", BatchStore)
-BATCH_RUNNER: web.AppKey[BatchRunner | None] = web.AppKey("batch_runner")
-"""The runner, or None where `batch.runner_enabled` is false (another process runs batches)."""
+BATCH_LEADER: web.AppKey[BatchLeadership | None] = web.AppKey("batch_leader")
+"""Whether and when this process runs the batches (gateway/batch/leader.py: elected through
+PostgreSQL, always on SQLite); None where `batch.runner_enabled` is false."""
 
 
 async def batch_context(app: web.Application) -> AsyncIterator[None]:
-    """Creates the batch store and starts the runner; stops the runner on shutdown (lines in
-    flight stay `running` in SQL and resume at the next start)."""
+    """Creates the batch store and runs for the batch runner's leadership (gateway/batch/
+    leader.py); stops the runner on shutdown (lines in flight stay `running` in SQL and resume
+    at the next start, here or on another gateway)."""
     store = BatchStore(session_factory(app[DB_ENGINE]))
     app[BATCH_STORE] = store
-    runner = BatchRunner(app, store) if app[CONFIG].batch.runner_enabled else None
-    app[BATCH_RUNNER] = runner
-    if runner is not None:
-        await runner.start()
+    leadership = BatchLeadership(app, store) if app[CONFIG].batch.runner_enabled else None
+    app[BATCH_LEADER] = leadership
+    if leadership is not None:
+        if METRICS in app:
+            app[METRICS].extra.append(
+                lambda: iter(
+                    [
+                        gauge(
+                            "tandem_batch_leader",
+                            "1 while this gateway process runs the batches (it holds the "
+                            "leader lock; always on SQLite), else 0.",
+                            float(leadership.is_leader),
+                        )
+                    ]
+                )
+            )
+        await leadership.start()
     yield
-    if runner is not None:
-        await runner.close()
+    if leadership is not None:
+        await leadership.close()
 
 
 def wake_runner(app: web.Application) -> None:
-    """Tells this process's runner to look at the batches now (no-op without a runner)."""
-    runner = app[BATCH_RUNNER]
-    if runner is not None:
-        runner.wake()
+    """Tells this process's runner to look at the batches now (no-op where it does not lead:
+    the leader's poll finds them within `batch.poll_interval_s`)."""
+    leadership = app[BATCH_LEADER]
+    if leadership is not None:
+        leadership.wake()

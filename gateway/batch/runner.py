@@ -15,7 +15,8 @@ footprint within the engine's KV pool, so BE work queues here, in SQL, not insid
 where it would sit in front of RT requests' memory.
 
 RT first: while the engine reports RT requests waiting (`EngineLoad.num_rt_waiting` > 0, from the
-gateway's `LoadWatcher`), no new line is sent (`be_dispatch_paused`); the lines on the engine run
+gateway's `LoadWatcher`; in a pool, while every serving engine does: `pool_dispatch_paused`), no
+new line is sent (`be_dispatch_paused`); the lines on the engine run
 on (its policy evicts BE for RT as it needs), and the paused ones keep their place in their feed
 and their deadline — they are only sent later, when the report shows the RT queue empty (the
 runner's poll looks again every `batch.poll_interval_s`). Without a watcher (stock SGLang, or
@@ -56,9 +57,9 @@ from gateway.batch.prepare import PreparedLine, prepare_lines
 from gateway.batch.store import BatchStore
 from gateway.batch.types import ENDPOINTS, BatchInfo, PendingItem
 from gateway.batch.validate import validate_lines
-from gateway.pipeline.admission import load_watcher
 from gateway.pipeline.outcome import Failure, internal_error
-from gateway.state import CONFIG, STORE, TOKENIZER
+from gateway.pipeline.placement import engine_candidates
+from gateway.state import CONFIG, LOADS, STORE, TOKENIZER
 from gateway.store.outage import DATABASE_OUTAGE, DatabaseOutage
 from gateway.store.types import Tenant
 from gateway.tokenizer import ModelTokenizer
@@ -78,6 +79,20 @@ def be_dispatch_paused(load: EngineLoad | None) -> bool:
     waiting (BE is paused before RT ever waits for it). No report (no watcher, or the engine's
     reports down): False — nothing to go by, and the engine's policy still puts RT first."""
     return load is not None and load.num_rt_waiting > 0
+
+
+def pool_dispatch_paused(app: web.Application) -> bool:
+    """`be_dispatch_paused` for the engines lines may be placed on (the pool's serving ones):
+    held back only while every one of them shows RT requests waiting — a line sent then would
+    wait behind RT wherever it went. With one engine, that engine's report decides."""
+    watchers = app.get(LOADS) or {}
+    loads = [
+        watcher.latest if (watcher := watchers.get(handle.name)) is not None else None
+        for handle in engine_candidates(app)
+    ]
+    if len(loads) == 1 and loads[0] is None and len(watchers) == 1:
+        loads = [next(iter(watchers.values())).latest]  # one engine, its watcher named otherwise
+    return bool(loads) and all(be_dispatch_paused(load) for load in loads)
 
 
 def _prepare_compact(
@@ -328,8 +343,7 @@ class BatchRunner:
         batches most urgent first; none while RT waits on the engine (module docstring)."""
         if self._closing:
             return
-        watcher = load_watcher(self._app)
-        paused = be_dispatch_paused(watcher.latest if watcher is not None else None)
+        paused = pool_dispatch_paused(self._app)
         if paused != self._paused:
             self._paused = paused
             log.info(

@@ -23,7 +23,7 @@ from aiohttp import web
 from gateway.engine.stats import EngineStatsWindow
 from gateway.errors import ApiError
 from gateway.reports import tier_series, usage_report
-from gateway.state import ADMIN_TOKEN, DB_ENGINE, ENGINE_STATS, METRICS, STORE
+from gateway.state import ADMIN_TOKEN, DB_ENGINE, ENGINE_STATS, METRICS, POOL, STORE
 
 routes = web.RouteTableDef()
 PAGE = Path(__file__).resolve().parent / "index.html"
@@ -107,6 +107,7 @@ async def dashboard_data(request: web.Request) -> web.Response:
         "tiers": tiers,
         "engine": _engine_history(request, start.timestamp()),
         "latency_model": _latency_model(request),
+        "engines": _engines(request),
     }
     return web.Response(
         body=_encoder.encode(payload),
@@ -122,6 +123,31 @@ def _latency_model(request: web.Request) -> dict[str, float | None]:
     if window is None:
         return EngineStatsWindow().latency_errors()
     return window.latency_errors()
+
+
+def _engines(request: web.Request) -> list[dict[str, Any]]:
+    """Each engine of the pool now: its state, restarts, load at the last sample and latency
+    model's errors (None where unknown)."""
+    sampler = request.app[METRICS].sampler
+    last = sampler.history[-1] if sampler is not None and sampler.history else None
+    sampled = {e.name: e for e in last.engines} if last is not None else {}
+    out = []
+    for replica in request.app[POOL].replicas:
+        reading = sampled.get(replica.name)
+        window = replica.stats or EngineStatsWindow()
+        out.append(
+            {
+                "name": replica.name,
+                "state": replica.state,
+                "serving": replica.is_serving,
+                "restarts": replica.health.restarts,
+                "running": reading.running if reading is not None and reading.up else None,
+                "waiting": reading.waiting if reading is not None and reading.up else None,
+                "kv_usage": reading.kv_usage if reading is not None and reading.up else None,
+                **window.latency_errors(),
+            }
+        )
+    return out
 
 
 def _engine_history(request: web.Request, since_s: float) -> list[dict[str, Any]]:

@@ -29,8 +29,9 @@ from common.wire import (
     CONTROL_STATS_PATH,
     LengthHistoryPush,
 )
+from gateway.engine.pool import merged_by_engine
 from gateway.engine.stats import EngineStatsWindow
-from gateway.state import CONFIG, ENGINE_STATS, METRICS, STORE
+from gateway.state import CONFIG, ENGINE_STATS, METRICS, POOL, STORE
 from gateway.store.repo import Store
 
 logger = logging.getLogger(__name__)
@@ -132,9 +133,9 @@ class LengthSync:
         return len(keys)
 
 
-async def _sync_loop(app: web.Application, window: EngineStatsWindow) -> None:
+async def _sync_loop(app: web.Application, socket_path: str, window: EngineStatsWindow) -> None:
     config = app[CONFIG]
-    async with EngineControl(config.engine.control_socket_path) as control:
+    async with EngineControl(socket_path) as control:
         sync = LengthSync(control, app[STORE], config.usage.length_history_window)
         while True:
             try:
@@ -147,17 +148,35 @@ async def _sync_loop(app: web.Application, window: EngineStatsWindow) -> None:
 
 
 async def length_sync(app: web.Application) -> AsyncIterator[None]:
-    """Cleanup context: keeps the engine's length histories in step with SQL, and its counters
-    on ``/metrics`` (`gateway.engine.stats`)."""
-    task = None
+    """Cleanup context: keeps each engine's length histories in step with SQL, and its counters
+    on ``/metrics`` (`gateway.engine.stats`; label `engine` when the pool has several), for
+    every engine of the pool whose control endpoint the gateway reaches."""
+    tasks = []
     if app[CONFIG].engine.policy_in_charge:
-        window = EngineStatsWindow()
-        app[ENGINE_STATS] = window
-        if METRICS in app:
-            app[METRICS].extra.append(window.collect)
-        task = asyncio.create_task(_sync_loop(app, window), name="tandem-length-sync")
+        pool = app[POOL]
+        for replica in pool.replicas:
+            socket_path = replica.control_socket
+            if socket_path is None:
+                continue
+            replica.stats = EngineStatsWindow()
+            tasks.append(
+                asyncio.create_task(
+                    _sync_loop(app, socket_path, replica.stats),
+                    name=f"tandem-length-sync-{replica.index}",
+                )
+            )
+        windows = [(r.name, r.stats) for r in pool.replicas if r.stats is not None]
+        if windows:
+            app[ENGINE_STATS] = windows[0][1]
+        if METRICS in app and len(windows) == 1:
+            app[METRICS].extra.append(windows[0][1].collect)
+        elif METRICS in app and windows:
+            app[METRICS].extra.append(
+                lambda: merged_by_engine((name, window.collect) for name, window in windows)
+            )
     yield
-    if task is not None:
+    for task in tasks:
         task.cancel()
+    for task in tasks:
         with contextlib.suppress(asyncio.CancelledError):
             await task

@@ -1,7 +1,9 @@
 """What the gateway knows of an engine's health, kept current in the background so that reading it
-costs nothing: `/readyz` answers from it without a round trip to the engine, and `/metrics`
-shows it (``tandem_engine_healthy``, ``tandem_engine_restarts_total``; ``tandem_engine_up`` is the
-metrics sampler's, whether the engine answered its last load poll).
+costs nothing: placement and `/readyz` answer from it without a round trip to the engine, and
+`/metrics` shows it (``tandem_engine_healthy``, ``tandem_engine_state``,
+``tandem_engine_restarts_total``, collected by the pool, gateway/engine/pool.py;
+``tandem_engine_up`` is the metrics sampler's, whether the engine answered its last load poll).
+Each engine of the pool has one.
 
 Two sources keep it current, never both:
 
@@ -18,10 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterator
-
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.metrics_core import Metric
+from collections.abc import Awaitable, Callable
 
 FIRST_PROBE_TIMEOUT_S = 5.0
 """The gateway's first probe, before it serves, waits at most this long, seconds: a hung engine
@@ -80,24 +79,3 @@ class EngineHealth:
             self.update(is_up=True, state="up", detail="answers its health probe")
         else:
             self.update(is_up=False, state="unreachable", detail="did not answer its health probe")
-
-    def describe(self) -> list[Metric]:
-        return []
-
-    def collect(self) -> Iterator[Metric]:
-        """`/metrics`: whether the engine is up, and how often it was restarted."""
-        up = GaugeMetricFamily(
-            "tandem_engine_healthy",
-            "1 while the engine answers its health probe, 0 while it is down, restarting or "
-            "unresponsive (what /readyz answers from).",
-            labels=["engine"],
-        )
-        up.add_metric([self.name], 1.0 if self.is_up else 0.0)
-        yield up
-        restarts = CounterMetricFamily(
-            "tandem_engine_restarts",
-            "Times the engine this gateway supervises died and was restarted.",
-            labels=["engine"],
-        )
-        restarts.add_metric([self.name], float(self.restarts))
-        yield restarts

@@ -29,7 +29,7 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,8 +70,20 @@ class LoadWatcher:
     Read `latest` and `backlog()`, call `sent()` when an RT request is dispatched; `run` (started
     by the app's `load_watchers` cleanup context) keeps `latest` fresh."""
 
-    def __init__(self, engine_name: str) -> None:
+    def __init__(
+        self,
+        engine_name: str,
+        *,
+        silence_s: float | None = None,
+        on_silent: Callable[[], None] | None = None,
+    ) -> None:
+        """*silence_s*: when set, a long poll the engine leaves unanswered for `POLL_WAIT_S` +
+        *silence_s* (an engine answers one within `POLL_WAIT_S` even when idle) counts as the
+        engine not answering: *on_silent* is called (the pool takes the engine out of
+        placement) and the poll fails like any other. None: only the session's timeout."""
         self.engine_name = engine_name
+        self._silence_s = silence_s
+        self._on_silent = on_silent
         self.latest: EngineLoad | None = None
         """The newest state the engine reported; None before its first (or when it is down)."""
         self.received_unix_s: float | None = None
@@ -175,15 +187,22 @@ class LoadWatcher:
         down = False
         while True:
             after = self.latest.iteration if self.latest is not None else -1
+            bound_s = None if self._silence_s is None else POLL_WAIT_S + self._silence_s
             try:
-                async with session.get(
-                    url, params={"after": str(after), "wait_s": str(POLL_WAIT_S)}
-                ) as resp:
+                async with (
+                    asyncio.timeout(bound_s),
+                    session.get(
+                        url, params={"after": str(after), "wait_s": str(POLL_WAIT_S)}
+                    ) as resp,
+                ):
                     resp.raise_for_status()
                     load = _DECODER.decode(await resp.read())
             except asyncio.CancelledError:
                 raise
             except (aiohttp.ClientError, OSError, TimeoutError, msgspec.DecodeError) as exc:
+                silent = isinstance(exc, TimeoutError) and bound_s is not None
+                if silent and self._on_silent is not None:
+                    self._on_silent()  # the engine no longer answers at all
                 if not down:
                     logger.warning(
                         "engine %s load reports unavailable (%s); retrying",

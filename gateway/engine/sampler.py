@@ -1,9 +1,10 @@
-"""The engine sampler: polls the engine's `/v1/loads` and the batch tables for `GET /metrics`.
+"""The engine sampler: polls the engines' `/v1/loads` and the batch tables for `GET /metrics`.
 
-Every ``metrics.engine_poll_s`` it reads running and waiting requests and KV use (summed over
-data-parallel ranks) and the BE backlog (batch lines not finished, batch progress, BE requests
-in flight), and keeps ``metrics.history_s`` of samples for the dashboard. Its gauges are
-collected at scrape time by `gateway.metrics.GatewayMetrics`.
+Every ``metrics.engine_poll_s`` it reads each engine's running and waiting requests and KV use
+(summed over data-parallel ranks; the unlabelled gauges sum the pool's engines, and a pool of
+several also gets each engine's, label `engine`) and the BE backlog (batch lines not finished,
+batch progress, BE requests in flight), and keeps ``metrics.history_s`` of samples for the
+dashboard. Its gauges are collected at scrape time by `gateway.metrics.GatewayMetrics`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -55,22 +56,39 @@ class EngineSample:
     """BE work not finished, each piece once: batch lines waiting to be sent, plus the BE
     requests in flight in this gateway (interactive ones and the batch lines it runs), read
     together."""
+    engines: tuple[ReplicaSample, ...] = ()
+    """Each engine's own reading, in the pool's order (the fields above sum them)."""
+
+
+@dataclass(frozen=True)
+class ReplicaSample:
+    """One engine's reading in a sample."""
+
+    name: str
+    """The engine's base URL."""
+    up: bool
+    running: int
+    waiting: int
+    kv_usage: float | None
+    kv_capacity_tokens: int | None
 
 
 class EngineSampler:
-    """Polls the engine's load and the batch backlog; keeps a history for the dashboard."""
+    """Polls the engines' load and the batch backlog; keeps a history for the dashboard."""
 
     def __init__(
         self,
-        engine_url: str,
+        engine_url: str | Sequence[str],
         db: AsyncEngine,
         poll_s: float,
         history_s: float,
         be_in_flight: Callable[[], int],
         headers: Mapping[str, str] | None = None,
     ) -> None:
-        """*headers* go with every poll of the engine (its API key)."""
-        self._url = engine_url.rstrip("/") + "/v1/loads"
+        """*headers* go with every poll of the engines (their API key)."""
+        urls = [engine_url] if isinstance(engine_url, str) else list(engine_url)
+        self._engines = [url.rstrip("/") for url in urls]
+        """The engines' base URLs (the pool's, in order)."""
         self._headers = dict(headers or {})
         self._db = db
         self._poll_s = poll_s
@@ -111,29 +129,43 @@ class EngineSampler:
                 log.exception("sampling the engine load failed")
 
     async def sample(self) -> EngineSample:
-        """Reads the engine and the batch tables now and appends the sample to the history."""
-        load = await self._engine_load()
+        """Reads the engines and the batch tables now and appends the sample to the history."""
+        loads = await asyncio.gather(*(self._engine_load(url) for url in self._engines))
         pending, waiting = await self._batch_backlog()
         # Read right after the tables: a line goes from waiting to in flight in between only in
         # the few milliseconds of this poll (it is then missed once, never counted twice).
         be_in_flight = self._be_in_flight()
+        engines = tuple(
+            ReplicaSample(
+                name=url,
+                up=load is not None,
+                running=int((load or {}).get("num_running_reqs", 0)),
+                waiting=int((load or {}).get("num_waiting_reqs", 0)),
+                kv_usage=_float((load or {}).get("token_usage")),
+                kv_capacity_tokens=_int((load or {}).get("max_total_num_tokens")),
+            )
+            for url, load in zip(self._engines, loads, strict=True)
+        )
+        # the pool as one engine: the engines that answered, counts and KV summed
+        pool = _sum_ranks([load for load in loads if load is not None]) if any(loads) else None
         sample = EngineSample(
             time_s=time.time(),
-            up=load is not None,
-            running=int((load or {}).get("num_running_reqs", 0)),
-            waiting=int((load or {}).get("num_waiting_reqs", 0)),
-            kv_usage=_float((load or {}).get("token_usage")),
-            kv_capacity_tokens=_int((load or {}).get("max_total_num_tokens")),
+            up=pool is not None,
+            running=int((pool or {}).get("num_running_reqs", 0)),
+            waiting=int((pool or {}).get("num_waiting_reqs", 0)),
+            kv_usage=_float((pool or {}).get("token_usage")),
+            kv_capacity_tokens=_int((pool or {}).get("max_total_num_tokens")),
             batch_lines_pending=pending,
             be_backlog=waiting + be_in_flight,
+            engines=engines,
         )
         self.history.append(sample)
         return sample
 
-    async def _engine_load(self) -> dict[str, Any] | None:
+    async def _engine_load(self, engine_url: str) -> dict[str, Any] | None:
         assert self._session is not None
         try:
-            async with self._session.get(self._url) as resp:
+            async with self._session.get(f"{engine_url}/v1/loads") as resp:
                 if resp.status != 200:
                     return None
                 body = await resp.json(content_type=None)
@@ -204,6 +236,8 @@ class EngineSampler:
                     "Size of the KV pool, tokens.",
                     last.kv_capacity_tokens,
                 )
+        if last is not None and len(last.engines) > 1:
+            yield from _per_engine(last.engines)
         # A running batch line is also a BE request in flight: counted as the latter only.
         yield gauge(
             "tandem_be_backlog_requests",
@@ -229,6 +263,36 @@ class EngineSampler:
         for batch_id, ratio in sorted(self.batch_progress.items()):
             progress.add_metric([batch_id], ratio)
         yield progress
+
+
+def _per_engine(engines: Sequence[ReplicaSample]) -> Iterator[GaugeMetricFamily]:
+    """A pool's gauges per engine (label `engine`); the unlabelled ones sum the pool."""
+    up = GaugeMetricFamily(
+        "tandem_engine_replica_up", "1 when the engine answered the last poll.", labels=["engine"]
+    )
+    running = GaugeMetricFamily(
+        "tandem_engine_replica_running_requests",
+        "Requests in the engine's batch.",
+        labels=["engine"],
+    )
+    waiting = GaugeMetricFamily(
+        "tandem_engine_replica_waiting_requests",
+        "Requests in the engine's queue.",
+        labels=["engine"],
+    )
+    kv = GaugeMetricFamily(
+        "tandem_engine_replica_kv_usage_ratio",
+        "Share of the engine's KV pool in use.",
+        labels=["engine"],
+    )
+    for e in engines:
+        up.add_metric([e.name], float(e.up))
+        if e.up:
+            running.add_metric([e.name], e.running)
+            waiting.add_metric([e.name], e.waiting)
+            if e.kv_usage is not None:
+                kv.add_metric([e.name], e.kv_usage)
+    yield from (up, running, waiting, kv)
 
 
 def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

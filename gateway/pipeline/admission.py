@@ -62,7 +62,15 @@ from gateway.pipeline.placement import engine_candidates
 from gateway.pipeline.prepare import EngineRequest, in_tier
 from gateway.pipeline.tier_queue import TierQueueCheck
 from gateway.quotas.limiter import QuotaExceeded, QuotaLimiter, RequestTooLarge, Ticket
-from gateway.state import LOADS, METRICS, QUOTAS, SLO_FORECASTER, TIER_QUEUES, TTFT_FEEDBACK
+from gateway.state import (
+    LOADS,
+    METRICS,
+    POOL,
+    QUOTAS,
+    SLO_FORECASTER,
+    TIER_QUEUES,
+    TTFT_FEEDBACK,
+)
 from gateway.store.types import AdmissionOutcome, Slo, Tenant
 
 Origin = Literal["api", "batch"]
@@ -133,7 +141,7 @@ def admission_checks(app: web.Application) -> tuple[AdmissionCheck, ...]:
     if queues is None:  # an app without the bounds (unit tests' minimal apps)
         return checks
     # last: it counts the tier the request runs in, after the SLO check may have downgraded it
-    return (*checks, TierQueueCheck(queues, engine_candidates(app)[0].name, metrics))
+    return (*checks, TierQueueCheck(queues, queue_key(app), metrics))
 
 
 # ---------------------------------------------------------------------------------- quotas
@@ -315,16 +323,36 @@ class SloCheck:
 
 
 def load_watcher(app: web.Application) -> LoadWatcher | None:
-    """The live state of the engine requests are placed on (`LOADS`, by engine name; the one
-    watcher there is when the names differ: the gateway fronts one engine today); None when the
-    app watches none."""
+    """The live state the SLO admission forecasts on (`LOADS`, by engine name): that of the
+    engine requests are placed on — in a pool, the serving engine with the least RT work
+    waiting (its backlog included), the one an RT request has the best chance on; with one
+    engine, its watcher (or the one watcher there is when the names differ). None when the
+    app watches none of them."""
     watchers = app.get(LOADS)
     if not watchers:
         return None
-    watcher = watchers.get(engine_candidates(app)[0].name)
-    if watcher is None and len(watchers) == 1:
-        watcher = next(iter(watchers.values()))
-    return watcher
+    candidates = [w for h in engine_candidates(app) if (w := watchers.get(h.name)) is not None]
+    if not candidates:
+        return next(iter(watchers.values())) if len(watchers) == 1 else None
+    if len(candidates) == 1:
+        return candidates[0]
+    return min(candidates, key=_rt_waiting_tokens)
+
+
+def _rt_waiting_tokens(watcher: LoadWatcher) -> float:
+    """RT prompt tokens waiting on the watcher's engine, those sent since its report included;
+    an engine with no report yet counts as the busiest (nothing is known of it)."""
+    latest = watcher.latest
+    if latest is None:
+        return float("inf")
+    return float(latest.rt_waiting_prompt_tokens + watcher.backlog().prompt_tokens)
+
+
+def queue_key(app: web.Application) -> str:
+    """The key the tier queues count the pool's requests under (its first engine's name; one
+    key for all: admission comes before placement)."""
+    pool = app.get(POOL)
+    return pool.replicas[0].name if pool is not None else engine_candidates(app)[0].name
 
 
 def engine_profile(config: Config) -> str:

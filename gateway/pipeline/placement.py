@@ -1,6 +1,7 @@
 """The place stage: which engine runs a request.
 
-`engine_candidates` lists the engines a request may go to, and `choose_engine` picks one from
+The gateway fronts a pool of engines (gateway/engine/pool.py): `engine_candidates` lists the
+engines a request may go to (the replicas that serve now), and `choose_engine` picks one from
 them with the router `gateway.router` names (backend/policy/placement.py: the same code the
 simulator's pool runs): prefix affinity (the engine whose cache holds the prompt's prefix),
 RT to the engine with the most predicted slack against its contract, load. A handle carries the
@@ -24,7 +25,7 @@ from backend.policy.placement import PlaceAsk, Replica, Router, token_prefix_key
 from gateway.engine.client import EngineClient
 from gateway.engine.load import LoadWatcher
 from gateway.pipeline.prepare import EngineRequest
-from gateway.state import ENGINE, LOADS
+from gateway.state import ENGINE, LOADS, POOL
 
 PREFIX_BLOCK_TOKENS = 64
 """Tokens per block of the prompt prefixes the router tracks (the engines' radix caches match
@@ -53,10 +54,23 @@ class Placement:
 
 
 def engine_candidates(app: web.Application) -> list[EngineHandle]:
-    """The engines a request may be placed on (today: the one engine of `engine.host/port`)."""
-    client = app[ENGINE]
-    load = app[LOADS].get(client.base_url) if LOADS in app else None
-    return [EngineHandle(name=client.base_url, client=client, load=load)]
+    """The engines a request may be placed on: one handle per replica of the pool that serves
+    now (`EnginePool.serving`: up, and not suspected since its last good probe), with its own
+    client and live state. When none serves, the suspected ones that are not known down, else
+    every replica: the request then fails the way an engine that is down fails it (503
+    `engine_unavailable`), as with one engine.
+    An app without a pool (unit tests' minimal apps) has the one engine of `ENGINE`."""
+    loads = app.get(LOADS) or {}
+    pool = app.get(POOL)
+    if pool is None:
+        client = app[ENGINE]
+        return [EngineHandle(name=client.base_url, client=client, load=loads.get(client.base_url))]
+    # none serves: those only a request suspects before those known down, then every one
+    replicas = pool.serving() or [r for r in pool.replicas if r.health.is_up] or pool.replicas
+    return [
+        EngineHandle(name=r.name, client=r.require_client(), load=loads.get(r.name))
+        for r in replicas
+    ]
 
 
 def choose_engine(

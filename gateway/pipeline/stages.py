@@ -72,8 +72,8 @@ from gateway.quotas.limiter import LimitStatus
 from gateway.slo import RequestTimer, slo_met
 from gateway.state import (
     CONFIG,
-    ENGINE_HEALTH,
     METRICS,
+    POOL,
     QUOTAS,
     ROUTER,
     TOKENIZER,
@@ -236,47 +236,65 @@ def duration_text(seconds: float) -> str:
     return f"{int(minutes)}m{text}" if minutes else text
 
 
-def place(app: web.Application, flight: Flight) -> Placement:
-    """place: the engine the admitted request runs on."""
+def place(app: web.Application, flight: Flight, *, avoid: str | None = None) -> Placement | None:
+    """place: the engine the admitted request runs on; *avoid*: an engine's name not to place
+    it on (None when that leaves no engine)."""
     assert flight.admitted is not None, "admit runs before place"
     request = flight.admitted.request
+    candidates = [h for h in engine_candidates(app) if h.name != avoid]
+    if not candidates:
+        return None
     now_unix_s = time.time()
     slo = slo_ask(request, now_unix_s)
-    flight.placement = decide(request, engine_candidates(app), app.get(ROUTER), slo, now_unix_s)
+    flight.placement = decide(request, candidates, app.get(ROUTER), slo, now_unix_s)
     return flight.placement
 
 
 async def run(app: web.Application, flight: Flight) -> AsyncGenerator[EngineChunk, None]:
     """run: the engine's chunks of the placed request, timed as they arrive. An engine failure,
     a stream that ends without a finish reason, or an engine abort ends the stream with
-    `flight.failure` set (an abort's last chunk is still yielded: it may carry text)."""
+    `flight.failure` set (an abort's last chunk is still yielded: it may carry text).
+
+    An engine that never took the request (unreachable: a replica that just died) is out of
+    placement at once, and the request is placed again, once, on another engine of the pool
+    if one serves: nothing ran yet, so nothing runs twice."""
     request, placement = flight.request, flight.placement
     assert request is not None and placement is not None, "place runs before run"
     progress = flight.progress
     stream = flight.origin != "batch"  # a batch line is read whole: one answer at the end
-    try:
-        # aclosing: a consumer that stops early (client gone) closes the engine's stream now
-        generation = placement.engine.client.generate(request.payload, stream=stream)
-        async with contextlib.aclosing(generation) as chunks:
-            async for chunk in chunks:
-                flight.timer.on_tokens(chunk.completion_tokens)
-                progress.completion_tokens = chunk.completion_tokens
-                progress.prompt_tokens = chunk.prompt_tokens or progress.prompt_tokens
-                if chunk.queue_time_s is not None:
-                    progress.queue_ms = chunk.queue_time_s * 1000.0
-                if chunk.finish_reason is not None:
-                    progress.finish_reason = chunk.finish_reason
-                yield chunk
-    except EngineUnavailable as exc:
-        health = app.get(ENGINE_HEALTH)
-        if health is not None:
-            health.suspect()  # /readyz learns of it at once, not at the next probe
-        retry_after_s = app[CONFIG].gateway.engine_retry_after_s
-        flight.fail(engine_unavailable(str(exc), retry_after_s, is_engine_lost=exc.is_lost))
-        return
-    except EngineRequestError as exc:
-        flight.fail(engine_rejected(str(exc)))
-        return
+    replaced = False
+    while True:
+        received = False
+        try:
+            # aclosing: a consumer that stops early (client gone) closes the engine's stream
+            generation = placement.engine.client.generate(request.payload, stream=stream)
+            async with contextlib.aclosing(generation) as chunks:
+                async for chunk in chunks:
+                    received = True
+                    flight.timer.on_tokens(chunk.completion_tokens)
+                    progress.completion_tokens = chunk.completion_tokens
+                    progress.prompt_tokens = chunk.prompt_tokens or progress.prompt_tokens
+                    if chunk.queue_time_s is not None:
+                        progress.queue_ms = chunk.queue_time_s * 1000.0
+                    if chunk.finish_reason is not None:
+                        progress.finish_reason = chunk.finish_reason
+                    yield chunk
+        except EngineUnavailable as exc:
+            pool = app.get(POOL)
+            if pool is not None:  # out of placement at once, not at the next probe
+                pool.suspect(placement.engine.name)
+            if not (exc.is_lost or received or replaced):
+                elsewhere = place(app, flight, avoid=placement.engine.name)
+                if elsewhere is not None:
+                    placement, replaced = elsewhere, True
+                    continue
+            retry_after_s = app[CONFIG].gateway.engine_retry_after_s
+            flight.fail(engine_unavailable(str(exc), retry_after_s, is_engine_lost=exc.is_lost))
+            return
+        except EngineRequestError as exc:
+            flight.fail(engine_rejected(str(exc)))
+            return
+        break
     if not progress.is_finished:
         flight.fail(stream_ended_early())
     elif progress.finish_reason == "abort":
@@ -349,7 +367,8 @@ async def complete(app: web.Application, flight: Flight) -> Completion | Failure
     admission = admit(app, flight)
     if isinstance(admission, Refused):
         return admission
-    place(app, flight)
+    placed = place(app, flight)
+    assert placed is not None  # without *avoid* every engine is a candidate
     parts: list[str] = []
     async with contextlib.aclosing(run(app, flight)) as chunks:
         async for chunk in chunks:

@@ -21,6 +21,9 @@ and the watcher's backlog for an iteration or two: a conservative forecast, neve
 A refusal is recorded like a quota's: usage status "rate_limited" (HTTP 429), and
 `tandem_quota_rejections{limit="rt_queue"|"be_queue"}` on /metrics.
 
+In a pool of N engines (gateway/engine/pool.py) the admission runs before placement, so the
+queues count the pool's requests together against N times each bound.
+
 `TierQueues` is the count (app state `TIER_QUEUES`, one per gateway process), `TierQueueCheck`
 the admission check (gateway/pipeline/admission.py runs it last): it takes a `TierSlot` hold that
 the record stage releases when the request ends, however it ends.
@@ -44,9 +47,10 @@ TIER_QUEUE_RETRY_AFTER_S = 1
 slot is usually free again within a second (a client retrying sooner only adds load)."""
 
 
-def tier_bounds(config: GatewayConfig) -> dict[Tier, int]:
-    """Each tier's bound on in-flight requests per engine, from the gateway's config."""
-    return {"rt": config.max_inflight_rt, "be": config.max_inflight_be}
+def tier_bounds(config: GatewayConfig, engines: int = 1) -> dict[Tier, int]:
+    """Each tier's bound on in-flight requests, from the gateway's config: its per-engine bound
+    times *engines* (the pool's engines, which the queue's key stands for together)."""
+    return {"rt": config.max_inflight_rt * engines, "be": config.max_inflight_be * engines}
 
 
 class TierQueues:

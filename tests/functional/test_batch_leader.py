@@ -1,0 +1,242 @@
+"""Gateway replicas over one PostgreSQL database (issue 18): exactly one runs the batches, and
+when it dies another takes over and finishes them, every line exactly once.
+
+* two gateways in this process: one leads (holds the advisory lock), the other does not; the
+  leader stops, and the other leads within seconds;
+* two `tandem serve` processes attached to the session's engine through `engine.endpoints`
+  (they launch none): the batch leader is SIGKILLed in the middle of a batch created through the
+  other one, which takes over and completes it, every custom_id once.
+
+Measured times (kill → new leader, kill → batch complete) are printed (``-s``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.batch.app import BATCH_LEADER
+from gateway.batch.leader import LOCK_KEY
+from tests.functional.engine_fixtures import EngineServer
+from tests.functional.gateway_fixtures import free_port, start_gateway
+from tests.functional.store_fixtures import PgServer
+from tests.waiting import wait_until, wait_until_sync
+
+pytestmark = [pytest.mark.slow, pytest.mark.postgres]
+ADMIN_TOKEN = "leader-admin-token"
+LINES = 30
+TAKEOVER_TIMEOUT_S = 60.0
+"""How long the other gateway may take to lead (the design: about a second): generous, so a
+busy machine does not fail the test."""
+
+
+async def lock_holders(url: str) -> int:
+    """Sessions holding the batch runner's advisory lock, as PostgreSQL sees them."""
+    conn = await asyncpg.connect(url)
+    try:
+        return int(
+            await conn.fetchval(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted "
+                "AND ((classid::bigint << 32) | objid::bigint) = $1",
+                LOCK_KEY,
+            )
+        )
+    finally:
+        await conn.close()
+
+
+async def test_one_gateway_leads_and_another_takes_over_when_it_stops(
+    engine_server: EngineServer, pg_server: PgServer
+) -> None:
+    url = await pg_server.new_database()
+    started = [
+        await start_gateway(url, engine_server.port, engine_server.model_path) for _ in range(2)
+    ]
+    try:
+        leaders = [h.app[BATCH_LEADER] for _, h in started]
+        assert all(leader is not None for leader in leaders)
+        assert [leader.is_leader for leader in leaders if leader] == [True, False]
+        assert await lock_holders(url) == 1
+        first_server, first = started.pop(0)
+        await first.session.close()
+        await first_server.close()  # the leader stops: it gives the lock up
+        other = leaders[1]
+        assert other is not None
+        await wait_until(lambda: other.is_leader, TAKEOVER_TIMEOUT_S, what="the other leads")
+        assert await lock_holders(url) == 1
+    finally:
+        for server, handle in started:
+            await handle.session.close()
+            await server.close()
+
+
+class GatewayProcess:
+    """`python -m gateway serve` attached to an engine started elsewhere (`engine.endpoints`)."""
+
+    def __init__(self, engine: EngineServer, db_url: str, log: Path) -> None:
+        self.port = free_port()
+        self.env = {
+            **os.environ,
+            "TANDEM_ADMIN_TOKEN": ADMIN_TOKEN,
+            "TANDEM_DATABASE__URL": db_url,
+            "TANDEM_ENGINE__ENDPOINTS": json.dumps([engine.base_url]),
+            "TANDEM_MODEL__PATH": str(engine.model_path),
+            "TANDEM_GATEWAY__PORT": str(self.port),
+            "TANDEM_BATCH__MAX_INFLIGHT": "3",
+            "TANDEM_BATCH__POLL_INTERVAL_S": "0.2",
+        }
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "gateway", "serve"],
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        proc = self.proc
+
+        def ready() -> bool:
+            assert proc.poll() is None, self.log.read_text()[-3000:]
+            try:
+                return httpx.get(f"{self.url}/readyz", timeout=5).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until_sync(ready, 120, what=lambda: f"gateway ready: {self.log.read_text()[-3000:]}")
+
+    def leads(self) -> bool:
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "tandem_batch_leader":
+                    return sample.value == 1.0
+        raise AssertionError("no tandem_batch_leader on /metrics")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def admin(self, path: str, body: dict[str, Any] | None = None) -> Any:
+        reply = httpx.post(
+            f"{self.url}/admin/v1{path}",
+            json=body or {},
+            headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+            timeout=30,
+        )
+        return reply.json()
+
+
+@pytest.fixture
+def two_processes(
+    engine_server: EngineServer, pg_server: PgServer, tmp_path: Path
+) -> Iterator[tuple[GatewayProcess, GatewayProcess, str]]:
+    url = asyncio.run(pg_server.new_database())
+    gateways = [GatewayProcess(engine_server, url, tmp_path / f"gateway-{i}.log") for i in range(2)]
+    try:
+        yield gateways[0], gateways[1], url
+    finally:
+        for gw in gateways:
+            gw.stop()
+        for gw in gateways:
+            print(f"\n--- {gw.log.name} (tail) ---\n{gw.log.read_text()[-3000:]}")
+
+
+def test_a_killed_batch_leader_hands_its_batch_over_every_line_once(
+    two_processes: tuple[GatewayProcess, GatewayProcess, str],
+) -> None:
+    leader, other, url = two_processes
+    leader.start()  # first: it migrates the database, and leads
+    other.start()
+    assert leader.leads() and not other.leads()
+    tenant = other.admin("/tenants", {"name": "leader-be", "tier": "be"})
+    key = other.admin(f"/tenants/{tenant['id']}/keys")["key"]
+    lines = [
+        {
+            "custom_id": f"line-{i:02d}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "tandem-tiny",
+                "max_tokens": 48,
+                "ignore_eos": True,
+                "messages": [{"role": "user", "content": f"Tell story number {i}."}],
+            },
+        }
+        for i in range(LINES)
+    ]
+    content = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+    # created through the gateway that does not lead: the leader's poll finds it in SQL
+    api = openai.OpenAI(base_url=f"{other.url}/v1", api_key=key, max_retries=0)
+    file_id = api.files.create(file=("in.jsonl", io.BytesIO(content)), purpose="batch").id
+    batch_id = api.batches.create(
+        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+    ).id
+
+    def progress() -> int:
+        batch = api.batches.retrieve(batch_id)
+        assert batch.status in ("validating", "in_progress"), batch.status
+        done = batch.request_counts.completed if batch.request_counts else 0
+        return done if done >= 4 else 0
+
+    completed = wait_until_sync(progress, 300, what="4 lines done before the kill")
+    assert completed < LINES, "the batch finished before the kill; make it longer"
+    assert leader.proc is not None
+    killed_at = time.monotonic()
+    leader.proc.send_signal(signal.SIGKILL)
+    leader.proc.wait(timeout=30)
+
+    wait_until_sync(other.leads, TAKEOVER_TIMEOUT_S, what="the other gateway leads")
+    takeover_s = time.monotonic() - killed_at
+
+    def finished() -> Any:
+        batch = api.batches.retrieve(batch_id)
+        return batch if batch.status in ("completed", "failed", "expired", "cancelled") else None
+
+    batch = wait_until_sync(finished, 600, what="the batch finished on the other gateway")
+    done_s = time.monotonic() - killed_at
+    print(
+        f"\nleader SIGKILL -> other leads after {takeover_s:.2f} s, batch done after {done_s:.1f} s"
+    )
+    assert batch.status == "completed"
+    assert batch.request_counts is not None
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (LINES, 0)
+    assert batch.output_file_id is not None and batch.error_file_id is None
+    out = [json.loads(x) for x in api.files.content(batch.output_file_id).text.splitlines()]
+    assert sorted(line["custom_id"] for line in out) == [line["custom_id"] for line in lines]
+    assert all(line["response"]["body"]["usage"]["completion_tokens"] == 48 for line in out)
+
+    async def rerun_lines() -> int:
+        conn = await asyncpg.connect(url)
+        try:
+            return int(await conn.fetchval("SELECT count(*) FROM batch_items WHERE attempts > 1"))
+        finally:
+            await conn.close()
+
+    assert asyncio.run(rerun_lines()) >= 1  # lines the dead leader had in flight ran again

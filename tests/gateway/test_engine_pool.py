@@ -1,0 +1,153 @@
+"""A pool of engines behind one gateway (issue 18), on two simulators attached through
+`engine.endpoints`: each engine is watched on its own, one that dies is out of placement while
+requests go on on the other, nothing that was accepted is lost, and it rejoins when it answers
+again. tests/functional/test_engine_pool.py does the same with real engines and SIGKILL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest_asyncio
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from tests.gateway.harness import Gateway, metric, running_gateway, serve, sim_app
+from tests.waiting import wait_until
+
+
+class Freezer:
+    """Makes a simulator stop answering (every request waits, the connection open) while
+    frozen, as a hung or SIGSTOPped engine does."""
+
+    def __init__(self) -> None:
+        self.thawed = asyncio.Event()
+        self.thawed.set()
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: web.Handler) -> web.StreamResponse:
+        await self.thawed.wait()
+        return await handler(request)
+
+
+@dataclass
+class Pool:
+    gateway: Gateway
+    engines: list[str]
+    """The simulators' base URLs, in the pool's order."""
+    servers: list[TestServer]
+    freezers: list[Freezer]
+
+
+@pytest_asyncio.fixture
+async def pool(tmp_path: Path, tiny_model_dir: Path, template_db: Path) -> AsyncIterator[Pool]:
+    async with AsyncExitStack() as stack:
+        freezers = [Freezer(), Freezer()]
+        servers = []
+        for freezer in freezers:
+            app = sim_app()
+            app.middlewares.append(freezer.middleware)
+            servers.append(await stack.enter_async_context(serve(app)))
+        stack.callback(lambda: [f.thawed.set() for f in freezers])  # nothing waits at the end
+        urls = [f"http://127.0.0.1:{s.port}" for s in servers]
+        gateway = await stack.enter_async_context(
+            running_gateway(
+                tmp_path,
+                tiny_model_dir,
+                servers[0].port or 0,
+                template_db=template_db,
+                TANDEM_ENGINE__ENDPOINTS=json.dumps(urls),
+                TANDEM_ENGINE__HEALTH_PROBE_INTERVAL_S="0.2",
+            )
+        )
+        yield Pool(gateway, urls, servers, freezers)
+
+
+async def healthy(gw: Gateway, engine: str) -> float | None:
+    return metric(await gw.metrics(), "tandem_engine_healthy", engine=engine)
+
+
+async def test_each_engine_is_watched_and_shown(pool: Pool) -> None:
+    gw = pool.gateway
+    ready = await gw.request("GET", "/readyz")
+    assert ready.status == 200, ready
+    assert [e["name"] for e in ready.body["engines"]] == pool.engines
+    assert all(e["serving"] for e in ready.body["engines"])
+    samples = await gw.metrics()
+    for url in pool.engines:
+        assert metric(samples, "tandem_engine_healthy", engine=url) == 1.0
+        assert metric(samples, "tandem_engine_state", engine=url, state="up") == 1.0
+    dashboard = await gw.request("GET", "/admin/v1/dashboard/data?hours=1", admin=True)
+    assert dashboard.status == 200, dashboard
+    assert [e["name"] for e in dashboard.body["engines"]] == pool.engines
+
+
+async def test_a_dead_engine_leaves_placement_and_rejoins(pool: Pool) -> None:
+    gw = pool.gateway
+    tenant, key = await gw.new_tenant("pool")
+    assert (await gw.chat(key, max_tokens=4)).status == 200
+    dead = pool.servers[0]
+    port = dead.port
+    await dead.close()  # the first engine goes away: nothing listens on its port any more
+
+    # every request is answered by the other engine, the first one included (it found the dead
+    # engine refusing its connection, which never ran it, and was placed again)
+    for _ in range(4):
+        reply = await gw.chat(key, max_tokens=4)
+        assert reply.status == 200, reply
+    assert await healthy(gw, pool.engines[0]) == 0.0
+    assert await healthy(gw, pool.engines[1]) == 1.0
+    ready = await gw.request("GET", "/readyz")
+    assert ready.status == 200, ready  # one engine serves: the gateway is ready
+    records = await gw.records(tenant, count=5)
+    assert [r["status"] for r in records] == ["ok"] * 5
+
+    # the engine comes back on its port: it is probed, and serves again
+    async with serve_on(port):
+
+        async def rejoined() -> bool:
+            return await healthy(gw, pool.engines[0]) == 1.0
+
+        await wait_until(rejoined, 20, what="the restarted engine back in placement")
+        assert (await gw.chat(key, max_tokens=4)).status == 200
+
+
+@asynccontextmanager
+async def serve_on(port: int | None) -> AsyncIterator[TestServer]:
+    """The simulator again, on *port*."""
+    server = TestServer(sim_app(), host="127.0.0.1", port=port, handler_cancellation=True)
+    await server.start_server()
+    try:
+        yield server
+    finally:
+        await server.close()
+
+
+async def test_a_frozen_engine_leaves_placement_and_rejoins(pool: Pool) -> None:
+    gw = pool.gateway
+    _, key = await gw.new_tenant("frozen")
+    pool.freezers[0].thawed.clear()  # the first engine stops answering, its port still open
+    frozen_at = time.monotonic()
+
+    async def out_of_placement() -> bool:
+        return await healthy(gw, pool.engines[0]) == 0.0
+
+    await wait_until(out_of_placement, 30, what="the frozen engine out of placement")
+    print(f"\nengine frozen -> out of placement after {time.monotonic() - frozen_at:.2f} s")
+    for _ in range(3):  # served by the other engine, none waits on the frozen one
+        reply = await asyncio.wait_for(gw.chat(key, max_tokens=4), 30)
+        assert reply.status == 200, reply
+    assert (await gw.request("GET", "/readyz")).status == 200
+
+    pool.freezers[0].thawed.set()
+
+    async def rejoined() -> bool:
+        return await healthy(gw, pool.engines[0]) == 1.0
+
+    await wait_until(rejoined, 30, what="the thawed engine back in placement")
