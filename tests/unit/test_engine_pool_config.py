@@ -39,7 +39,7 @@ def test_replicas_take_consecutive_ports_sockets_and_logs(tmp_path: Path) -> Non
     ]
     assert all(e.replicas == 1 and e.launch for e in engines)
     # each launch names its own port and its own control socket
-    argvs = [server_argv(e, tmp_path, "m") for e in engines]
+    argvs = [server_argv(e, tmp_path, "m", random_weights=True) for e in engines]
     assert [a[a.index("--port") + 1] for a in argvs] == ["31000", "31001", "31002"]
     settings = [engine_env(e, base={})["TANDEM_ENGINE_SETTINGS"] for e in engines]
     assert len(set(settings)) == 3 and '"/s.2"' in settings[2]
@@ -62,7 +62,7 @@ def test_endpoints_are_the_pool_and_launch_nothing(tmp_path: Path) -> None:
 
 def test_extra_args_pass_through_after_tandems_own(tmp_path: Path) -> None:
     config = config_from(tmp_path, extra_args="[--tp-size, '2', --dp-size=2]")
-    argv = server_argv(config.engine, tmp_path, "m")
+    argv = server_argv(config.engine, tmp_path, "m", random_weights=True)
     assert argv[-3:] == ["--tp-size", "2", "--dp-size=2"]
 
 
