@@ -44,6 +44,8 @@ from tests.waiting import wait_until_sync
 
 pytestmark = pytest.mark.slow
 ADMIN = "pool-admin-token"
+ENGINE_KEY = "pool-test-engine-key"
+"""The engines' shared secret (engine.api_key): the gateway sends it, and so does the test."""
 MODEL = "tandem-tiny"
 STARTUP_TIMEOUT_S = 400.0
 """Two engines starting at once on a busy 2-core machine (each 15-30 s alone)."""
@@ -141,7 +143,11 @@ class Pool:
 
     def engine_running(self, index: int) -> int:
         """Requests running or waiting on replica *index* (its own /v1/loads)."""
-        body = httpx.get(f"{self.engine_url(index)}/v1/loads", timeout=10).json()
+        body = httpx.get(
+            f"{self.engine_url(index)}/v1/loads",
+            headers={"Authorization": f"Bearer {ENGINE_KEY}"},
+            timeout=10,
+        ).json()
         return sum(
             int(r.get("num_running_reqs", 0)) + int(r.get("num_waiting_reqs", 0))
             for r in body["loads"]
@@ -166,6 +172,7 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
         TANDEM_GATEWAY__PORT=str(gw_port),
         TANDEM_ENGINE__PORT=str(engine_port),
         TANDEM_ENGINE__REPLICAS="2",
+        TANDEM_ENGINE__API_KEY=ENGINE_KEY,  # the test reads each engine's own /v1/loads
         TANDEM_ENGINE__MAX_RUNNING_REQUESTS="16",
         TANDEM_DATABASE__URL=f"sqlite:///{tmp / 'serve.db'}",
         TANDEM_MODEL__CACHE_DIR=str(tmp / "cache"),
