@@ -37,8 +37,9 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         "rows": [plan.trials[n].row() for n in sorted(plan.trials)],
         "command": cfg.command,
         "run_info": {
-            "note": "wall-clock values differ between identical runs",
+            "note": "wall-clock and CPU times differ between identical runs",
             "wall_s": round(plan.wall_s, 3),
+            "cpu_s": round(plan.cpu_s, 3),
         },
     }
 
@@ -73,7 +74,8 @@ def summary(plan: Plan) -> str:
     return (
         f"{plan.replicas_needed} replicas meet every tenant's contract at ≥ {cfg.target:.0%} "
         f"attainment ({cfg.policy} engines, {cfg.router} placement, profile "
-        f"{plan.profile.name}; {len(plan.trials)} counts simulated in {plan.wall_s:.0f} s)"
+        f"{plan.profile.name}; {len(plan.trials)} counts simulated in {plan.wall_s:.0f} s, "
+        f"{plan.cpu_s:.0f} s of CPU)"
     )
 
 
