@@ -4,6 +4,7 @@ cost against the replica count (matplotlib's Agg backend, bench/plots.py's conve
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,13 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
     }
 
 
+def percent(share: float, *, upper_bound: bool = False) -> str:
+    """A share as a percentage, rounded down (0.98995 is 98.99 %, not a 99.00 % that would read
+    as meeting a 99 % target); an upper bound (a run stopped early) is shown as "≤ x %"."""
+    shown = f"{math.floor(10000 * share) / 100:.2f} %"
+    return f"≤ {shown}" if upper_bound else shown
+
+
 def table(plan: Plan) -> str:
     """The rows as a Markdown table (stdout and report)."""
     names = list(next(iter(plan.trials.values())).tenants) if plan.trials else []
@@ -55,8 +63,8 @@ def table(plan: Plan) -> str:
         for name in names:
             att = t.tenants[name]["attainment"]
             judged = "" if t.tenants[name]["judged"] else " (no contract)"
-            prefix = "≤ " if t.stopped_early else ""
-            cells.append("–" if att is None else f"{prefix}{100 * att:.2f} %{judged}")
+            shown = "–" if att is None else percent(att, upper_bound=t.stopped_early)
+            cells.append(shown + judged)
         cells.append(f"{n * plan.duration_s / 3600.0:.3g}")
         cells.append("yes" if t.meets else "no")
         lines.append("| " + " | ".join(cells) + " |")
