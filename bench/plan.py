@@ -142,6 +142,8 @@ class Trial:
     stopped_early: bool
     wall_s: float
     duration_s: float
+    cpu_s: float = 0.0
+    """CPU time the simulation took (this process), seconds."""
 
     @property
     def min_attainment(self) -> float | None:
@@ -163,6 +165,7 @@ class Trial:
             "simulated_requests": self.requests,
             "stopped_early": self.stopped_early,
             "wall_s": round(self.wall_s, 3),
+            "cpu_s": round(self.cpu_s, 3),
         }
 
 
@@ -175,6 +178,8 @@ class Plan:
     trials: dict[int, Trial] = field(default_factory=dict)
     replicas_needed: int | None = None
     wall_s: float = 0.0
+    cpu_s: float = 0.0
+    """CPU time of the whole search (this process), seconds."""
 
 
 def trace_specs(config: PlanConfig) -> tuple[list[RequestSpec], dict[str, Contract]]:
@@ -291,7 +296,7 @@ def run_trial(
     from backend.sim.pool import simulate_pool
     from bench.runner import _make_policy
 
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     simulated = min(replicas, config.sample_replicas)
     chosen = sub_pool(specs, replicas, simulated)
     offered: dict[str, tuple[str, int]] = {}
@@ -334,12 +339,13 @@ def run_trial(
         stopped_early=stopped,
         wall_s=time.perf_counter() - started,
         duration_s=duration_s,
+        cpu_s=time.process_time() - cpu_started,
     )
 
 
 def plan(config: PlanConfig, report: Callable[[Trial], None] | None = None) -> Plan:
     """Searches the fewest replicas meeting the target (module doc)."""
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     profile = load_profile(resolve_profile(config.profile))
     latency = LatencyModel.fit(profile.samples)
     specs, contracts = trace_specs(config)
@@ -389,6 +395,7 @@ def plan(config: PlanConfig, report: Callable[[Trial], None] | None = None) -> P
                 low = mid
     result.replicas_needed = high
     result.wall_s = time.perf_counter() - started
+    result.cpu_s = time.process_time() - cpu_started
     return result
 
 

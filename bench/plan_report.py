@@ -4,6 +4,7 @@ cost against the replica count (matplotlib's Agg backend, bench/plots.py's conve
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +38,18 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         "rows": [plan.trials[n].row() for n in sorted(plan.trials)],
         "command": cfg.command,
         "run_info": {
-            "note": "wall-clock values differ between identical runs",
+            "note": "wall-clock and CPU times differ between identical runs",
             "wall_s": round(plan.wall_s, 3),
+            "cpu_s": round(plan.cpu_s, 3),
         },
     }
+
+
+def percent(share: float, *, upper_bound: bool = False) -> str:
+    """A share as a percentage, rounded down (0.98995 is 98.99 %, not a 99.00 % that would read
+    as meeting a 99 % target); an upper bound (a run stopped early) is shown as "≤ x %"."""
+    shown = f"{math.floor(10000 * share) / 100:.2f} %"
+    return f"≤ {shown}" if upper_bound else shown
 
 
 def table(plan: Plan) -> str:
@@ -54,8 +63,8 @@ def table(plan: Plan) -> str:
         for name in names:
             att = t.tenants[name]["attainment"]
             judged = "" if t.tenants[name]["judged"] else " (no contract)"
-            prefix = "≤ " if t.stopped_early else ""
-            cells.append("–" if att is None else f"{prefix}{100 * att:.2f} %{judged}")
+            shown = "–" if att is None else percent(att, upper_bound=t.stopped_early)
+            cells.append(shown + judged)
         cells.append(f"{n * plan.duration_s / 3600.0:.3g}")
         cells.append("yes" if t.meets else "no")
         lines.append("| " + " | ".join(cells) + " |")
@@ -73,7 +82,8 @@ def summary(plan: Plan) -> str:
     return (
         f"{plan.replicas_needed} replicas meet every tenant's contract at ≥ {cfg.target:.0%} "
         f"attainment ({cfg.policy} engines, {cfg.router} placement, profile "
-        f"{plan.profile.name}; {len(plan.trials)} counts simulated in {plan.wall_s:.0f} s)"
+        f"{plan.profile.name}; {len(plan.trials)} counts simulated in {plan.wall_s:.0f} s, "
+        f"{plan.cpu_s:.0f} s of CPU)"
     )
 
 

@@ -111,17 +111,21 @@ def _config(args: argparse.Namespace) -> Any:
 def cmd_plan(args: argparse.Namespace) -> int:
     """Runs the plan command; one-line errors, exit status 2 on bad input."""
     from bench.plan import plan
-    from bench.plan_report import summary, table, write_plan
+    from bench.plan_report import percent, summary, table, write_plan
 
     try:
         cfg = _config(args)
 
         def progress(trial: Any) -> None:
             att = trial.min_attainment
-            shown = "–" if att is None else f"{100 * att:.2f} %"
+            shown = "–" if att is None else percent(att, upper_bound=trial.stopped_early)
             print(
                 f"  {trial.replicas} replicas: lowest tenant attainment {shown}"
-                + (" (stopped early)" if trial.stopped_early else "")
+                + (
+                    " (stopped early: its sheds alone miss the target)"
+                    if trial.stopped_early
+                    else ""
+                )
                 + f", {trial.wall_s:.1f} s",
                 file=sys.stderr,
             )

@@ -360,21 +360,24 @@ class SloAware:
             waiting = load.rt_waiting_prompt_tokens if load is not None else 0
             return waiting + r.backlog.prompt_tokens + sent.tokens(r)
 
+        headroom = self.forecaster.headroom
+        best: tuple[float, int, Forecast] | None = None
+        if hit is not None:  # its turns stay together where the contract holds
+            cached = hit[1] * ask.block_tokens
+            forecast = self._forecast(replicas[hit[0]], slo, cached, ask.ttft_extra_s)
+            if forecast.feasible:
+                return PlaceDecision(hit[0], forecast)
+            best = (_slack(forecast, slo, headroom), hit[0], forecast)
         count = len(replicas)
         if count <= self.forecast_candidates:
-            candidates = list(range(count))
+            candidates: Iterable[int] = range(count)
         else:
             candidates = heapq.nsmallest(self.forecast_candidates, range(count), key=work_ahead)
-        if hit is not None and hit[0] not in candidates:
-            candidates.append(hit[0])
-        best: tuple[float, int, Forecast] | None = None
         for i in candidates:
-            r = replicas[i]
-            cached = hit[1] * ask.block_tokens if hit is not None and hit[0] == i else 0
-            forecast = self._forecast(r, slo, cached, ask.ttft_extra_s)
-            if cached and forecast.feasible:
-                return PlaceDecision(i, forecast)  # its turns stay together
-            slack = _slack(forecast, slo, self.forecaster.headroom)
+            if hit is not None and i == hit[0]:
+                continue
+            forecast = self._forecast(replicas[i], slo, 0, ask.ttft_extra_s)
+            slack = _slack(forecast, slo, headroom)
             if best is None or slack > best[0]:
                 best = (slack, i, forecast)
         assert best is not None

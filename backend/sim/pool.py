@@ -35,7 +35,7 @@ from backend.policy.feasibility import Backlog, SloForecaster, load_of
 from backend.policy.latency import LatencyModel
 from backend.policy.load_report import policy_calibration_samples
 from backend.policy.placement import PlaceAsk, Replica, Router, prefix_keys
-from backend.policy.types import Policy
+from backend.policy.types import Policy, Snapshot
 from backend.sim.config import SimConfig
 from backend.sim.core import EngineCore
 from backend.sim.engine import StalledPolicyError, Step, end_iteration, start_iteration
@@ -70,12 +70,14 @@ class _Member:
     def has_work(self) -> bool:
         return bool(self.core.running or self.core.waiting or self.inbox)
 
-    def report(self, now_s: float) -> None:
-        """Publishes its state after an iteration (the snapshot the next plan uses)."""
+    def report(self, now_s: float) -> Snapshot:
+        """Publishes its state after an iteration; returns the snapshot it was taken from (the
+        one the next plan uses: the policy plans from it, not from a second one)."""
         policy = self.policy
         factors = getattr(policy, "latency_factors", None)
+        snap = self.core.snapshot(now_s)
         load = load_of(
-            self.core.snapshot(now_s),
+            snap,
             iteration=self.iterations,
             at_unix_s=now_s,
             iteration_s=self.core.last_iteration_s or 0.0,
@@ -85,6 +87,7 @@ class _Member:
         )
         self.view = Replica(name=self.name, load=load)
         self.unreported.clear()
+        return snap
 
     def sent(self, req: SimRequest) -> None:
         """A request was placed on it: it waits in the inbox while an iteration is in flight
@@ -169,10 +172,8 @@ def simulate_pool(
     for m in members:
         m.report(0.0)
 
-    def start(m: _Member, at_s: float) -> None:
-        m.step = start_iteration(
-            m.core, m.policy, latency, at_s, config.slowdown_at(at_s), snap=None
-        )
+    def start(m: _Member, at_s: float, snap: Snapshot | None = None) -> None:
+        m.step = start_iteration(m.core, m.policy, latency, at_s, config.slowdown_at(at_s), snap)
         if m.step is None:
             if m.has_work:
                 stalled.add(m.index)
@@ -255,8 +256,7 @@ def simulate_pool(
             for req in m.inbox:
                 m.core.add(req)
             m.inbox.clear()
-            m.report(now)
-            start(m, now)
+            start(m, now, m.report(now))
         if progress is not None and now >= next_progress:
             progress(min(now, horizon))
             next_progress = math.floor(now) + 1.0

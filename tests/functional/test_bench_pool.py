@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from backend.policy.placement import ROUTERS
+from bench.metrics import WALL_CLOCK_KEYS
 from tandem.cli import main
 from tests.functional.test_bench_sim import FRACTIONS, POLICY_KEYS
 
@@ -73,6 +74,19 @@ def test_routers_compared_in_one_run(tmp_path: Path) -> None:
     report = (tmp_path / "pool" / "report.md").read_text()
     assert "--replicas 2 --routers slo,round-robin,least-load,prefix" in report
     assert all(f"| {name} |" in report for name in ROUTERS)
+
+
+def test_the_same_pool_run_twice_gives_identical_rows(tmp_path: Path) -> None:
+    trace = prefix_trace(tmp_path / "t.jsonl")
+    first, second = (run_pool(tmp_path / d, trace) for d in "ab")
+
+    def deterministic(results: dict[str, Any]) -> dict[str, Any]:
+        return {
+            name: {k: v for k, v in row.items() if k not in WALL_CLOCK_KEYS}
+            for name, row in results["routers"].items()
+        }
+
+    assert deterministic(first) == deterministic(second)
 
 
 def dense_trace(path: Path) -> Path:

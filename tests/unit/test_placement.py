@@ -23,6 +23,7 @@ from backend.policy.placement import (
     token_prefix_keys,
 )
 from backend.policy.profiles import resolve_profile
+from common.config import ConfigError, load_config
 from common.wire import EngineLoad
 from gateway.engine.load import LoadWatcher
 from gateway.pipeline.admission import slo_ask
@@ -256,3 +257,11 @@ def test_place_stage_with_one_engine_is_forced(forecaster: SloForecaster) -> Non
     placement = decide(request, only, SloAware(forecaster))
     assert placement.engine is only[0] and placement.forecast is None
     assert choose_engine(request, only) is only[0]
+
+
+def test_config_names_the_router_and_refuses_an_unknown_one() -> None:
+    assert load_config(environ={}).gateway.router == "slo"
+    config = load_config(environ={"TANDEM_GATEWAY__ROUTER": "prefix"})
+    assert make_router(config.gateway.router).name == "prefix"
+    with pytest.raises(ConfigError, match="router"):
+        load_config(environ={"TANDEM_GATEWAY__ROUTER": "fastest"})
