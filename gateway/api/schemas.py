@@ -7,7 +7,7 @@ Nothing a body asks for is ignored (issue 17): `check_parameters` refuses, befor
 checked, every field the gateway does not honour — a known OpenAI parameter tandem does not
 implement (`REFUSED`) as much as a name it does not know — with 400 `unsupported_parameter`
 naming the field; OpenAI itself answers an unknown parameter with a 400. A refused parameter sent
-with the value that asks for nothing (`logprobs: false`, `tools: []`, `best_of: 1`) is accepted:
+with the value that asks for nothing (`store: false`, `tools: []`, `best_of: 1`) is accepted:
 it asks for what every answer does. The few fields accepted although they change nothing
 (`NO_OP`) are those whose OpenAI meaning is a hint to the provider, not a promise about the
 answer. docs/API.md has the table of all three.
@@ -23,8 +23,9 @@ tensor each value lands in, and OpenAI's where those are narrower.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -45,21 +46,16 @@ _NO_TOOLS = (
     " the served model's chat template declares no tools"
 )
 REFUSED_COMMON: dict[str, Refused] = {
-    "logprobs": Refused("tandem does not return token log probabilities yet", off=(False,)),
     "logit_bias": Refused("tandem does not pass logit biases to the engine", off=({},)),
 }
 """Known parameters of both endpoints that are refused."""
 REFUSED_CHAT: dict[str, Refused] = {
     **REFUSED_COMMON,
-    "top_logprobs": Refused("tandem does not return token log probabilities yet", off=(0,)),
     "tools": Refused(_NO_TOOLS, off=([],)),
     "tool_choice": Refused(_NO_TOOLS, off=("none",)),
     "parallel_tool_calls": Refused(_NO_TOOLS),
     "functions": Refused(_NO_TOOLS, off=([],)),
     "function_call": Refused(_NO_TOOLS, off=("none",)),
-    "response_format": Refused(
-        "tandem does not constrain the answer to a format yet", off=({"type": "text"},)
-    ),
     "audio": Refused("the served model reads and writes text only"),
     "modalities": Refused("the served model reads and writes text only", off=(["text"],)),
     "prediction": Refused("tandem does not use predicted outputs"),
@@ -79,7 +75,6 @@ REFUSED_CHAT: dict[str, Refused] = {
 """Known /v1/chat/completions parameters that are refused (unless sent with an `off` value)."""
 REFUSED_COMPLETIONS: dict[str, Refused] = {
     **REFUSED_COMMON,
-    "logprobs": Refused("tandem does not return token log probabilities yet"),
     "best_of": Refused("tandem generates one sequence per request (best_of must be 1)", off=(1,)),
     "suffix": Refused("the served model does not fill in the middle", off=("",)),
 }
@@ -168,10 +163,52 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     tier: Literal["rt", "be"] | None = None
 
 
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    """`response_format.json_schema`: the schema the answer must follow."""
+
+    name: str
+    """The schema's name (1 to 64 letters, digits, `_` or `-`, as OpenAI)."""
+    schema_: dict[str, Any] | None = msgspec.field(default=None, name="schema")
+    """A JSON Schema object; none: any JSON object."""
+    strict: bool | None = None
+    """Accepted either way: the engine's grammar-constrained decoding always follows the
+    schema exactly (what OpenAI's `strict: true` promises)."""
+    description: str | None = None
+    """Accepted, no effect: OpenAI shows it to the model; the schema constrains the decoding."""
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    """`response_format`: plain text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    """Required with type json_schema (and only there)."""
+
+    def engine_schema(self) -> str | None:
+        """The JSON Schema the engine's grammar-constrained decoding is given (SGLang's
+        `sampling_params.json_schema`), or None for plain text."""
+        if self.type == "text":
+            return None
+        schema = self.json_schema.schema_ if self.json_schema is not None else None
+        return msgspec.json.encode(schema or {"type": "object"}).decode()
+
+
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     """OpenAI's newer name of max_tokens (it wins when both are sent); same range."""
+    response_format: ResponseFormat | None = None
+    """`{"type": "json_object"}` or `{"type": "json_schema", "json_schema": {...}}`: the answer
+    is JSON, decoded under the schema's grammar (the engine's xgrammar backend)."""
+    logprobs: bool = False
+    """Return each output token's log probability (`choices[].logprobs.content`)."""
+    top_logprobs: int | None = None
+    """[0, 20] most likely alternatives per output token; needs `logprobs: true`."""
+
+    @property
+    def top_logprobs_num(self) -> int | None:
+        """Alternatives per output token to ask the engine for; None: no log probabilities."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -180,6 +217,14 @@ class CompletionRequest(SamplingFields, kw_only=True):
     mixing them is refused); token ids must be in [0, the model's vocab_size)."""
     echo: bool = False
     """Only false: echoing the prompt is refused as unsupported."""
+    logprobs: int | None = None
+    """[0, 5]: return each output token's log probability and this many most likely
+    alternatives (`choices[].logprobs`: tokens, token_logprobs, top_logprobs, text_offset)."""
+
+    @property
+    def top_logprobs_num(self) -> int | None:
+        """Alternatives per output token to ask the engine for; None: no log probabilities."""
+        return self.logprobs
 
 
 Endpoint = Literal["chat", "completions"]
@@ -319,6 +364,10 @@ INT64_MAX = 2**63 - 1
 """The largest 64-bit signed integer (the engine's seed tensor is int64)."""
 MAX_STOP_SEQUENCES = 4
 """Stop strings per request at most (OpenAI's limit)."""
+MAX_TOP_LOGPROBS_CHAT = 20
+"""`top_logprobs` of a chat completion at most (OpenAI's limit)."""
+MAX_LOGPROBS_COMPLETIONS = 5
+"""`logprobs` of a text completion at most (OpenAI's limit)."""
 
 
 def check_sampling(req: SamplingFields) -> None:
@@ -341,6 +390,12 @@ def check_sampling(req: SamplingFields) -> None:
     check_int_range("max_tokens", req.max_tokens, 1, INT32_MAX)
     if isinstance(req, ChatCompletionRequest):
         check_int_range("max_completion_tokens", req.max_completion_tokens, 1, INT32_MAX)
+        check_int_range("top_logprobs", req.top_logprobs, 0, MAX_TOP_LOGPROBS_CHAT)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise _bad("top_logprobs", "top_logprobs needs logprobs: true")
+        check_response_format(req.response_format)
+    elif isinstance(req, CompletionRequest):
+        check_int_range("logprobs", req.logprobs, 0, MAX_LOGPROBS_COMPLETIONS)
     check_int_range("min_tokens", req.min_tokens, 0, INT32_MAX)
     check_int_range("seed", req.seed, INT64_MIN, INT64_MAX)
     if req.seed is not None and req.temperature != 0:
@@ -352,6 +407,34 @@ def check_sampling(req: SamplingFields) -> None:
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > MAX_STOP_SEQUENCES or any(not s for s in stops):
         raise _bad("stop", f"stop must be at most {MAX_STOP_SEQUENCES} non-empty strings")
+
+
+SCHEMA_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+"""What OpenAI allows as `response_format.json_schema.name`."""
+
+
+def check_response_format(response_format: ResponseFormat | None) -> None:
+    """400 naming the field of a `response_format` that does not fit its type."""
+    if response_format is None:
+        return
+    spec = response_format.json_schema
+    if response_format.type != "json_schema":
+        if spec is not None:
+            raise _bad(
+                "response_format.json_schema",
+                "response_format.json_schema goes with type json_schema, not"
+                f" {response_format.type}",
+            )
+        return
+    if spec is None:
+        raise _bad(
+            "response_format.json_schema", "response_format type json_schema needs json_schema"
+        )
+    if not SCHEMA_NAME_PATTERN.match(spec.name):
+        raise _bad(
+            "response_format.json_schema.name",
+            "response_format.json_schema.name must be 1 to 64 letters, digits, _ or -",
+        )
 
 
 def check_int_range(param: str, value: int | None, low: int, high: int) -> None:

@@ -40,6 +40,11 @@ class EngineRequest:
     payload: dict[str, Any]
     """The `/generate` body."""
 
+    @property
+    def asks_logprobs(self) -> bool:
+        """Whether the request asked for its output tokens' log probabilities."""
+        return bool(self.payload.get("return_logprob"))
+
 
 def new_rid() -> str:
     """A fresh engine request id; it is also the usage record's `request_id` and the tail of the
@@ -312,13 +317,27 @@ def build_engine_request(
         arrival_unix_s if arrival_unix_s is not None else time.time(),
     )
     rid = new_rid()
-    payload = {
+    payload: dict[str, Any] = {
         "rid": rid,
         "input_ids": input_ids,
         "sampling_params": _sampling_params(req, max_tokens, meta),
         "priority": meta.sglang_priority,
         "stream": True,
     }
+    top_logprobs_num = (
+        req.top_logprobs_num
+        if isinstance(req, (ChatCompletionRequest, CompletionRequest))
+        else None
+    )
+    if top_logprobs_num is not None:
+        # SGLang's native fields: the output tokens' log probabilities (none of the prompt's:
+        # logprob_start_len -1), each with its text, and top_logprobs_num alternatives
+        payload.update(
+            return_logprob=True,
+            top_logprobs_num=top_logprobs_num,
+            logprob_start_len=-1,
+            return_text_in_logprobs=True,
+        )
     return EngineRequest(
         rid=rid, input_ids=input_ids, max_tokens=max_tokens, meta=meta, payload=payload
     )
@@ -370,6 +389,10 @@ def _sampling_params(req: SamplingFields, max_tokens: int, meta: RequestMeta) ->
         "stop": req.stop,
     }
     params.update({k: v for k, v in optional.items() if v is not None})
+    if isinstance(req, ChatCompletionRequest) and req.response_format is not None:
+        schema = req.response_format.engine_schema()
+        if schema is not None:  # the engine decodes under the schema's grammar (xgrammar)
+            params["json_schema"] = schema
     return params
 
 

@@ -37,7 +37,12 @@ from aiohttp import web
 from common.wire import Tier
 from gateway.api.schemas import Endpoint, OpenAIRequest
 from gateway.auth import Principal
-from gateway.engine.client import EngineChunk, EngineRequestError, EngineUnavailable
+from gateway.engine.client import (
+    EngineChunk,
+    EngineRequestError,
+    EngineUnavailable,
+    TokenLogprob,
+)
 from gateway.errors import ApiError
 from gateway.pipeline.admission import (
     Admitted,
@@ -137,6 +142,8 @@ class Completion:
     """The engine's: "stop" or "length"."""
     prompt_tokens: int
     completion_tokens: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    """Each output token's log probability, when the request asked for them."""
 
 
 # ---------------------------------------------------------------------------------- the stages
@@ -216,6 +223,7 @@ async def run(app: web.Application, flight: Flight) -> AsyncGenerator[EngineChun
     assert request is not None and placement is not None, "place runs before run"
     progress = flight.progress
     stream = flight.origin != "batch"  # a batch line is read whole: one answer at the end
+    last: EngineChunk | None = None
     try:
         # aclosing: a consumer that stops early (client gone) closes the engine's stream now
         generation = placement.engine.client.generate(request.payload, stream=stream)
@@ -228,6 +236,7 @@ async def run(app: web.Application, flight: Flight) -> AsyncGenerator[EngineChun
                     progress.queue_ms = chunk.queue_time_s * 1000.0
                 if chunk.finish_reason is not None:
                     progress.finish_reason = chunk.finish_reason
+                last = chunk
                 yield chunk
     except EngineUnavailable as exc:
         health = app.get(ENGINE_HEALTH)
@@ -242,7 +251,27 @@ async def run(app: web.Application, flight: Flight) -> AsyncGenerator[EngineChun
     if not progress.is_finished:
         flight.fail(stream_ended_early())
     elif progress.finish_reason == "abort":
-        flight.fail(engine_aborted())
+        flight.fail(_abort_failure(last))
+
+
+OPERATOR_ABORT_MESSAGE = "Aborted by AbortReq."
+"""SGLang's message for a request aborted through its /abort_request (by the gateway, whose
+client went away, or by an operator): the request was not at fault."""
+
+
+def _abort_failure(last: EngineChunk | None) -> Failure:
+    """The failure of a generation the engine aborted: a 400 with the engine's reason when
+    the request itself cannot run (SGLang's 400 aborts: a response_format schema whose grammar
+    does not compile, a prompt beyond its KV pool) — retrying would not help —; otherwise a
+    503 to retry (evicted, or an operator's abort)."""
+    if (
+        last is not None
+        and last.abort_status == 400
+        and last.abort_message
+        and last.abort_message != OPERATOR_ABORT_MESSAGE
+    ):
+        return engine_rejected(last.abort_message)
+    return engine_aborted()
 
 
 def record(app: web.Application, flight: Flight, *, cancelled: bool) -> None:
@@ -313,9 +342,11 @@ async def complete(app: web.Application, flight: Flight) -> Completion | Failure
         return admission
     place(app, flight)
     parts: list[str] = []
+    logprobs: list[TokenLogprob] = []
     async with contextlib.aclosing(run(app, flight)) as chunks:
         async for chunk in chunks:
             parts.append(chunk.text_delta)
+            logprobs.extend(chunk.logprobs)
     if flight.failure is not None:
         return flight.failure
     progress = flight.progress
@@ -325,6 +356,7 @@ async def complete(app: web.Application, flight: Flight) -> Completion | Failure
         finish_reason=progress.finish_reason,
         prompt_tokens=progress.prompt_tokens,
         completion_tokens=progress.completion_tokens,
+        logprobs=logprobs,
     )
 
 
