@@ -41,10 +41,35 @@ class Refused(msgspec.Struct, frozen=True):
     """The values that ask for nothing beyond what every answer does (accepted; null always is)."""
 
 
-_NO_TOOLS = (
-    "tandem does not render tools into the prompt nor parse tool calls out of the answer, and"
-    " the served model's chat template declares no tools"
+_NO_TOOLS = "tandem does not render tools into the prompt nor parse tool calls out of the answer"
+TOOL_PARAMETERS = frozenset(
+    {
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "functions",
+        "function_call",
+        "tool_calls",
+        "tool_call_id",
+    }
 )
+"""The parameters (and message fields) of tool calling; their refusal also says whether the
+served model's chat template declares tools (`tool_refusal`)."""
+
+
+def tool_refusal(declares_tools: bool) -> str:
+    """Why tool calling is refused, for a model whose chat template does (not) declare tools."""
+    if declares_tools:
+        return (
+            f"{_NO_TOOLS} (the served model's chat template declares tools, but tandem does"
+            " not implement them yet)"
+        )
+    return (
+        f"{_NO_TOOLS}, and the served model's chat template declares no tools (it never renders"
+        " a `tools` variable), so the model was never shown how to call one"
+    )
+
+
 REFUSED_COMMON: dict[str, Refused] = {
     "logit_bias": Refused("tandem does not pass logit biases to the engine", off=({},)),
 }
@@ -242,12 +267,14 @@ def decode_body(raw: bytes, kind: type[msgspec.Struct]) -> msgspec.Struct:
     return _decode_typed(raw, kind)
 
 
-def decode_request(raw: bytes, endpoint: Endpoint) -> OpenAIRequest:
+def decode_request(
+    raw: bytes, endpoint: Endpoint, *, declares_tools: bool = False
+) -> OpenAIRequest:
     """`decode_body` for a generation request of *endpoint*, with what it does not honour
     refused first (`check_parameters`: 400 `unsupported_parameter`)."""
     if not raw.strip():
         raise ApiError(400, "request body is empty; expected a JSON object", code="invalid_json")
-    check_parameters(decode_json(raw), endpoint)
+    check_parameters(decode_json(raw), endpoint, declares_tools=declares_tools)
     body = _decode_typed(raw, ChatCompletionRequest if endpoint == "chat" else CompletionRequest)
     assert isinstance(body, (ChatCompletionRequest, CompletionRequest))
     return body
@@ -283,21 +310,27 @@ def decode_json(raw: bytes) -> object:
         ) from None
 
 
-def check_parameters(raw: object, endpoint: Endpoint) -> None:
+def check_parameters(raw: object, endpoint: Endpoint, *, declares_tools: bool = False) -> None:
     """400 `unsupported_parameter` naming the first field of the request body *raw* (untyped
     JSON) that the gateway does not honour: a refused parameter (`REFUSED_CHAT`,
     `REFUSED_COMPLETIONS`, a chat message's or `stream_options`' refused fields) sent with a
     value that asks for something, or a name the endpoint does not know. A body that is not an
-    object is left to the typed decoding (a 422)."""
+    object is left to the typed decoding (a 422). *declares_tools*: whether the served model's
+    chat template declares tools (`ModelTokenizer.declares_tools`), for the tool refusals'
+    reason."""
     if not isinstance(raw, dict):
         return
     kind = ChatCompletionRequest if endpoint == "chat" else CompletionRequest
     refused = REFUSED_CHAT if endpoint == "chat" else REFUSED_COMPLETIONS
-    _check_fields(raw, kind.__struct_fields__, refused, "")
+    _check_fields(raw, kind.__struct_fields__, refused, "", declares_tools)
     options = raw.get("stream_options")
     if isinstance(options, dict):
         _check_fields(
-            options, StreamOptions.__struct_fields__, REFUSED_STREAM_OPTIONS, "stream_options."
+            options,
+            StreamOptions.__struct_fields__,
+            REFUSED_STREAM_OPTIONS,
+            "stream_options.",
+            declares_tools,
         )
     messages = raw.get("messages") if endpoint == "chat" else None
     if isinstance(messages, list):
@@ -308,11 +341,16 @@ def check_parameters(raw: object, endpoint: Endpoint) -> None:
                     ChatMessage.__struct_fields__,
                     REFUSED_MESSAGE_FIELDS,
                     f"messages[{index}].",
+                    declares_tools,
                 )
 
 
 def _check_fields(
-    raw: dict[str, object], known: tuple[str, ...], refused: dict[str, Refused], prefix: str
+    raw: dict[str, object],
+    known: tuple[str, ...],
+    refused: dict[str, Refused],
+    prefix: str,
+    declares_tools: bool,
 ) -> None:
     for name, value in raw.items():
         if name in known:
@@ -326,7 +364,8 @@ def _check_fields(
                 " (docs/API.md lists the parameters)",
             )
         if not _is_off(value, rule.off):
-            raise unsupported(param, f"{param} is not supported: {rule.reason}")
+            reason = tool_refusal(declares_tools) if name in TOOL_PARAMETERS else rule.reason
+            raise unsupported(param, f"{param} is not supported: {reason}")
 
 
 def _is_off(value: object, off: tuple[object, ...]) -> bool:

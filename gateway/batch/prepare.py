@@ -47,7 +47,9 @@ def prepare_lines(
     sources: dict[int, tuple[OpenAIRequest, PromptSource]] = {}
     for item in pending:
         try:
-            body = parse_body(item.body.encode(), struct, model)
+            body = parse_body(
+                item.body.encode(), struct, model, declares_tools=tokenizer.declares_tools
+            )
             sources[item.line_no] = (body, prompt_source(body, tokenizer))
         except ApiError as exc:
             refused[item.line_no] = invalid_request(exc)

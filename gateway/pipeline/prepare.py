@@ -61,11 +61,14 @@ class PreparedPrompt:
     """The output cap, tokens (the request's, or the gateway's default; within the context)."""
 
 
-def parse_body(raw: bytes, endpoint: Endpoint, served_model: str) -> OpenAIRequest:
+def parse_body(
+    raw: bytes, endpoint: Endpoint, served_model: str, *, declares_tools: bool = False
+) -> OpenAIRequest:
     """The body of an API request as its endpoint's Struct, type- and range-checked, asking for
     the served model and nothing the gateway does not honour (400 / 422 naming the field
-    otherwise)."""
-    body = decode_request(raw, endpoint)
+    otherwise). *declares_tools*: whether the model's chat template declares tools (what the
+    refusal of tools says)."""
+    body = decode_request(raw, endpoint, declares_tools=declares_tools)
     check_sampling(body)
     check_model(body.model, served_model)
     return body

@@ -151,7 +151,12 @@ class Completion:
 
 def parse(app: web.Application, flight: Flight, raw: bytes) -> OpenAIRequest:
     """parse: the request Struct of *raw* (400 / 422 ApiError naming the field otherwise)."""
-    body = parse_body(raw, flight.endpoint, app[CONFIG].model.name)
+    body = parse_body(
+        raw,
+        flight.endpoint,
+        app[CONFIG].model.name,
+        declares_tools=app[TOKENIZER].declares_tools,
+    )
     flight.stream = body.stream
     return body
 

@@ -346,3 +346,17 @@ def test_logprobs_and_a_schema_reach_the_engine_as_sglang_fields() -> None:
     raw = msgspec.json.encode({"model": "m", "prompt": "x", "logprobs": 0})
     completion = build_engine_request(parse_body(raw, "completions", "m"), [1], 4, principal, "rt")
     assert completion.payload["top_logprobs_num"] == 0 and completion.asks_logprobs
+
+
+def test_the_refusal_of_tools_says_whether_the_models_template_declares_them() -> None:
+    raw = msgspec.json.encode(
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+        }
+    )
+    for declares_tools, says in ((False, "declares no tools"), (True, "declares tools, but")):
+        with pytest.raises(ApiError) as info:
+            parse_body(raw, "chat", "m", declares_tools=declares_tools)
+        assert info.value.code == "unsupported_parameter" and says in info.value.message
