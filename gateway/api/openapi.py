@@ -362,6 +362,7 @@ def _tighten(schemas: dict[str, Any], app: web.Application | None) -> None:
         "text": {"type": "string"},
     }
     schemas["ContentPart"]["required"] = ["type", "text"]
+    schemas["ContentPart"]["additionalProperties"] = False
     token_id: dict[str, Any] = {"type": "integer", "minimum": 0}
     token_ids: dict[str, Any] = {"type": "array", "items": token_id, "minItems": 1}
     if app is not None:

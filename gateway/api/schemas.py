@@ -343,6 +343,16 @@ def check_parameters(raw: object, endpoint: Endpoint, *, declares_tools: bool = 
                     f"messages[{index}].",
                     declares_tools,
                 )
+                parts = message.get("content")
+                for part_index, part in enumerate(parts if isinstance(parts, list) else []):
+                    if isinstance(part, dict):
+                        _check_fields(
+                            part,
+                            ContentPart.__struct_fields__,
+                            {},
+                            f"messages[{index}].content[{part_index}].",
+                            declares_tools,
+                        )
 
 
 def _check_fields(

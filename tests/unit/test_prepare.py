@@ -230,6 +230,18 @@ class _ChatTokenizer(TinyTokenizer):
             {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "c"}]}]},
             "messages[0].tool_calls",
         ),
+        (
+            "chat",
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": "x", "cache_control": {}}],
+                    }
+                ]
+            },
+            "messages[0].content[0].cache_control",
+        ),
         ("completions", {"best_of": 3}, "best_of"),
         ("completions", {"response_format": {"type": "json_object"}}, "response_format"),
         ("completions", {"top_logprobs": 2}, "top_logprobs"),
