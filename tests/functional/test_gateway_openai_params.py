@@ -213,3 +213,29 @@ async def test_a_schema_the_engine_cannot_compile_is_a_400(api: openai.AsyncOpen
         )
     error = info.value.body  # the engine's reason, not a 503 "retry later"
     assert isinstance(error, dict) and "grammar" in error["message"], error
+
+
+async def test_a_batch_line_gets_its_logprobs_and_an_unsupported_one_the_error_file(
+    gateway: GatewayHandle,
+) -> None:
+    from tests.functional.test_batches import chat_line, jsonl, read_lines, upload, wait_for
+
+    _, key = await gateway.new_tenant("params-batch", "be")
+    batch_api = openai.AsyncOpenAI(base_url=f"{gateway.base_url}/v1", api_key=key, max_retries=0)
+    lines = [
+        chat_line("with-logprobs", "hello", max_tokens=4, logprobs=True, top_logprobs=2),
+        chat_line("with-tools", "hello", tools=[{"type": "function", "function": {"name": "f"}}]),
+    ]
+    batch = await batch_api.batches.create(
+        input_file_id=await upload(batch_api, jsonl(lines)),
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+    )
+    done = await wait_for(batch_api, batch.id)
+    assert done.status == "completed", done
+    [out] = await read_lines(batch_api, done.output_file_id)
+    content = out["response"]["body"]["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4 and all(len(entry["top_logprobs"]) == 2 for entry in content)
+    [error] = await read_lines(batch_api, done.error_file_id)
+    assert error["custom_id"] == "with-tools"
+    assert error["response"]["body"]["error"]["code"] == "unsupported_parameter"
