@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+from jinja2 import meta as jinja2meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
@@ -98,6 +99,9 @@ class ModelTokenizer:
             named = {t.get("name"): t.get("template") for t in template}
             template = named.get("default") or next(iter(named.values()), None)
         self._template = _compile(template) if template else None
+        self.declares_tools: bool = isinstance(template, str) and _declares_tools(template)
+        """Whether the chat template renders a `tools` variable (Hugging Face's convention for
+        a model trained to call tools). The built-in tiny model's does not."""
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of *text*; raises TextTooLong, without tokenizing, for a text longer than
@@ -264,6 +268,15 @@ def _keeps_characters(pre_tokenizer: Any) -> bool:
     if kind == "Sequence":
         return all(_keeps_characters(p) for p in pre_tokenizer.get("pretokenizers") or [])
     return kind in _KEEPING_PRE_TOKENIZERS and pre_tokenizer.get("behavior") != "Removed"
+
+
+def _declares_tools(template: str) -> bool:
+    """Whether *template* reads a `tools` variable."""
+    env = ImmutableSandboxedEnvironment()
+    try:
+        return "tools" in jinja2meta.find_undeclared_variables(env.parse(template))
+    except jinja2.TemplateSyntaxError:
+        return False
 
 
 def _compile(template: str) -> jinja2.Template:

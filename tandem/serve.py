@@ -54,14 +54,16 @@ from tandem.errors import CliError
 log = logging.getLogger("tandem")
 
 
-def resolve_model_dir(model: ModelConfig) -> Path:
+def resolve_model_dir(model: ModelConfig, *, needs_weights: bool = True) -> Path:
     """The model directory: the configured one, or the built-in tiny model (created if needed).
-    A configured one must hold weights unless `model.random_weights` asks for random ones."""
+    A configured one must hold weights unless `model.random_weights` asks for random ones, or
+    *needs_weights* is false (no engine is launched from it: a gateway attached to engines
+    started elsewhere reads only its tokenizer)."""
     if model.path is not None:
         path = Path(model.path).expanduser()
         if not (path / "config.json").is_file():
             raise ConfigError(f"model.path: {path} is not a model directory (no config.json)")
-        missing = None if model.random_weights else missing_weights(path)
+        missing = None if model.random_weights or not needs_weights else missing_weights(path)
         if missing is not None:
             raise ConfigError(
                 f"model.path: {missing}; set model.random_weights: true to serve it with "
@@ -139,7 +141,8 @@ def serve(config: Config) -> int:
     logging.getLogger("alembic").setLevel(logging.WARNING)  # /readyz reads the revision often
     token = admin_token()
     migrate_database(config.database.url)
-    model_dir = resolve_model_dir(config.model)
+    launches_sglang = config.engine.kind == "sglang" and bool(_launched_configs(config))
+    model_dir = resolve_model_dir(config.model, needs_weights=launches_sglang)
     log.info("model %s from %s", config.model.name, model_dir)
     try:
         chosen = choose_profile(config, model_dir) if needs_profile(config) else None

@@ -104,6 +104,10 @@ def server_argv(
         # Puts queue_time, request_received_ts, first_token_latency, ... into each response's
         # meta_info (the gateway's usage records need the queue time), and serves /metrics.
         "--enable-metrics",
+        # A response_format answer is compact JSON: with whitespace allowed anywhere, the
+        # grammar lets a weak (or random-weight) model pad with blanks until max_tokens and
+        # never close the object.
+        "--constrained-json-disable-any-whitespace",
     ]  # fmt: skip
     if random_weights:
         argv += ["--load-format", "dummy"]

@@ -68,6 +68,18 @@ def _ignore_parked(reqs: Sequence[ReqView]) -> None:
     pass
 
 
+def admit_ready_grammars(sched: SchedulerView) -> None:
+    """Moves the requests whose grammar (`json_schema`, `regex`, `ebnf`) has compiled from
+    SGLang's grammar queue into the waiting queue, as SGLang does at the start of its prefill
+    pass. tandem plans before that pass and skips it when the waiting queue holds nothing to
+    prefill, so without this a constrained request waited in the grammar queue forever (until
+    another request arrived to plan a prefill for)."""
+    manager = getattr(sched, "grammar_manager", None)
+    if manager is not None and manager.has_waiting_grammars():
+        for req in manager.get_ready_grammar_requests():
+            sched._add_request_to_queue(req)  # through tandem's own hook on it, as SGLang does
+
+
 class SchedulerHooks:
     """tandem's hooks in one scheduler process, around its :class:`EngineDriver`."""
 
@@ -131,6 +143,7 @@ class SchedulerHooks:
         """Called once per iteration after SGLang merged last iteration's prefills into the
         running batch, right before its prefill pass: the moment to plan."""
         drv = self.driver
+        admit_ready_grammars(sched)
         directive = drv.plan_iteration(sched, running_batch, self.parked_reqs())
         self._directive = directive
         if directive.own_admission:

@@ -39,6 +39,9 @@ SEAMS: tuple[str, ...] = (
     "sglang.srt.managers.schedule_batch.ScheduleBatch.merge_batch",
     "sglang.srt.mem_cache.prefill_budget.PrefillBudget.check_prefill",
     "sglang.srt.mem_cache.prefill_budget.PrefillBudget.reserve",
+    # hooks.admit_ready_grammars: constrained requests reach the waiting queue before planning
+    "sglang.srt.constrained.grammar_manager.GrammarManager.has_waiting_grammars",
+    "sglang.srt.constrained.grammar_manager.GrammarManager.get_ready_grammar_requests",
 )
 """Every SGLang attribute the co-location hooks touch or rely on."""
 

@@ -8,6 +8,9 @@ simulator has no control socket, so the gateway asks its HTTP port instead.
 
 Generation is fake but deterministic: output token i is the id 100 + (7·i mod 30000) and the word
 WORDS[i mod len]; every request generates exactly max_new_tokens tokens (there is no EOS model).
+What a fake generation cannot honour — log probabilities, stop strings, grammar-constrained
+output — is refused with a 400 naming it (`UNMODELLED`), never ignored: the gateway passes the
+refusal on to its client.
 Prompt tokens are counted from `input_ids` (a word count for `text`); full 512-token blocks of
 `input_ids` get chained hashes, so repeated prefixes hit the simulated prefix cache.
 
@@ -76,6 +79,17 @@ class GenerateBody(msgspec.Struct):
     sampling_params: dict[str, Any] = msgspec.field(default_factory=dict)
     stream: bool = False
     priority: int | None = None
+    return_logprob: bool = False
+
+
+UNMODELLED: dict[str, str] = {
+    "stop": "stop strings",
+    "stop_token_ids": "stop tokens",
+    "json_schema": "grammar-constrained output (json_schema)",
+    "regex": "grammar-constrained output (regex)",
+    "ebnf": "grammar-constrained output (ebnf)",
+}
+"""Sampling parameters the simulator's fake text cannot honour, and what they ask for."""
 
 
 def create_sim_app(
@@ -130,6 +144,11 @@ def _sim_request(body: GenerateBody, arrival_s: float) -> SimRequest:
     if prompt_len < 1:
         raise ValueError("the prompt is empty")
     params = body.sampling_params
+    if body.return_logprob:
+        raise ValueError("the simulator does not model log probabilities (return_logprob)")
+    for name, what in UNMODELLED.items():
+        if params.get(name):
+            raise ValueError(f"the simulator does not model {what}: sampling_params.{name}")
     max_new = int(params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
     if max_new < 1:
         raise ValueError("max_new_tokens must be ≥ 1")

@@ -112,7 +112,7 @@ async def _respond(app: web.Application, flight: Flight) -> web.Response:
     if not isinstance(result, Completion):
         raise result.api_error()
     usage = usage_body(result.prompt_tokens, result.completion_tokens)
-    body = completion_body(_head(flight), result.text, result.finish_reason, usage)
+    body = completion_body(_head(flight), result.text, result.finish_reason, usage, result.logprobs)
     return web.json_response(body=_encoder.encode(body), headers=response_headers(app, flight))
 
 
@@ -168,7 +168,7 @@ async def _send_chunk(
     progress: Progress,
     options: StreamOptions,
 ) -> None:
-    if chunk.text_delta or chunk.finish_reason is not None:
+    if chunk.text_delta or chunk.logprobs or chunk.finish_reason is not None:
         payload = render.chunk(chunk)
         if options.continuous_usage_stats:
             payload["usage"] = _usage(progress)
@@ -182,7 +182,12 @@ async def _send(resp: web.StreamResponse, payload: dict[str, Any]) -> None:
 def _head(flight: Flight) -> ResponseHead:
     """What the response's bodies share; its id names the admitted request's engine rid."""
     assert flight.request is not None
-    return ResponseHead(endpoint=flight.endpoint, rid=flight.request.rid, model=flight.model)
+    return ResponseHead(
+        endpoint=flight.endpoint,
+        rid=flight.request.rid,
+        model=flight.model,
+        logprobs=flight.request.asks_logprobs,
+    )
 
 
 def _usage(progress: Progress) -> dict[str, int]:

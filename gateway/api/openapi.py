@@ -28,12 +28,15 @@ from gateway.api.schemas import (
     INT32_MAX,
     INT64_MAX,
     INT64_MIN,
+    MAX_LOGPROBS_COMPLETIONS,
     MAX_STOP_SEQUENCES,
+    MAX_TOP_LOGPROBS_CHAT,
     NO_OP,
     REFUSED_CHAT,
     REFUSED_COMPLETIONS,
     REFUSED_MESSAGE_FIELDS,
     REFUSED_STREAM_OPTIONS,
+    SCHEMA_NAME_PATTERN,
     SEED_NEEDS_GREEDY,
     ChatCompletionRequest,
     CompletionRequest,
@@ -347,11 +350,44 @@ def _tighten(schemas: dict[str, Any], app: web.Application | None) -> None:
     _refuse(schemas["ChatMessage"], REFUSED_MESSAGE_FIELDS)
     _refuse(schemas["StreamOptions"], REFUSED_STREAM_OPTIONS)
     chat["max_completion_tokens"] = _nullable(_integer(1, INT32_MAX))
+    chat["top_logprobs"] = _nullable(_integer(0, MAX_TOP_LOGPROBS_CHAT))
+    schemas["ChatCompletionRequest"]["allOf"].append(
+        {  # alternatives only with the log probabilities they go with
+            "if": {
+                "properties": {"top_logprobs": {"type": "integer"}},
+                "required": ["top_logprobs"],
+            },
+            "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+        }
+    )
+    schemas["CompletionRequest"]["properties"]["logprobs"] = _nullable(
+        _integer(0, MAX_LOGPROBS_COMPLETIONS)
+    )
+    schemas["ResponseFormat"]["oneOf"] = [
+        {
+            "properties": {
+                "type": {"enum": ["text", "json_object"]},
+                "json_schema": {"type": "null"},
+            }
+        },
+        {
+            "properties": {
+                "type": {"const": "json_schema"},
+                "json_schema": {"not": {"type": "null"}},
+            },
+            "required": ["json_schema"],
+        },
+    ]
+    schemas["JsonSchemaFormat"]["properties"]["name"] = {
+        "type": "string",
+        "pattern": SCHEMA_NAME_PATTERN.pattern,
+    }
     schemas["ContentPart"]["properties"] = {
         "type": {"const": "text"},
         "text": {"type": "string"},
     }
     schemas["ContentPart"]["required"] = ["type", "text"]
+    schemas["ContentPart"]["additionalProperties"] = False
     token_id: dict[str, Any] = {"type": "integer", "minimum": 0}
     token_ids: dict[str, Any] = {"type": "array", "items": token_id, "minItems": 1}
     if app is not None:

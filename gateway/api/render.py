@@ -9,11 +9,12 @@ can be traced to both.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.api.schemas import Endpoint
-from gateway.engine.client import EngineChunk
+from gateway.engine.client import EngineChunk, TokenLogprob
 
 
 def response_id(endpoint: Endpoint, rid: str) -> str:
@@ -47,6 +48,8 @@ class ResponseHead:
     """The engine request id (also the usage record's request_id)."""
     model: str
     created_unix_s: int = field(default_factory=lambda: int(time.time()))
+    logprobs: bool = False
+    """The request asked for log probabilities: every choice carries them."""
 
     def body(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -58,16 +61,58 @@ class ResponseHead:
         }
 
 
+def chat_logprobs(tokens: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """A chat choice's `logprobs`: each token with its log probability, its UTF-8 bytes and
+    the most likely alternatives."""
+    return {
+        "content": [
+            {
+                **_chat_token(t.token, t.logprob),
+                "top_logprobs": [_chat_token(a.token, a.logprob) for a in t.top],
+            }
+            for t in tokens
+        ],
+        "refusal": None,
+    }
+
+
+def _chat_token(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+
+def completion_logprobs(tokens: Sequence[TokenLogprob], text_offset: int) -> dict[str, Any]:
+    """A text completion choice's `logprobs` (OpenAI's legacy shape): the tokens, their log
+    probabilities, the alternatives as token → log probability, and where each token starts
+    in the completion's text (the first at *text_offset*)."""
+    offsets = []
+    for t in tokens:
+        offsets.append(text_offset)
+        text_offset += len(t.token)
+    return {
+        "tokens": [t.token for t in tokens],
+        "token_logprobs": [t.logprob for t in tokens],
+        "top_logprobs": [{a.token: a.logprob for a in t.top} for t in tokens],
+        "text_offset": offsets,
+    }
+
+
 def completion_body(
-    head: ResponseHead, text: str, engine_finish: str | None, usage: dict[str, int]
+    head: ResponseHead,
+    text: str,
+    engine_finish: str | None,
+    usage: dict[str, int],
+    logprobs: Sequence[TokenLogprob] = (),
 ) -> dict[str, Any]:
-    """The whole (non-streamed) answer: a chat.completion or a text_completion."""
+    """The whole (non-streamed) answer: a chat.completion or a text_completion; *logprobs*
+    are the output tokens' (rendered when the request asked for them)."""
     reason = finish_reason(engine_finish)
     if head.endpoint == "chat":
         message = {"role": "assistant", "content": text}
-        choice = {"index": 0, "message": message, "finish_reason": reason, "logprobs": None}
+        rendered = chat_logprobs(logprobs) if head.logprobs else None
+        choice = {"index": 0, "message": message, "finish_reason": reason, "logprobs": rendered}
         return dict(head.body("chat.completion", [choice]), usage=usage)
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+    rendered = completion_logprobs(logprobs, 0) if head.logprobs else None
+    choice = {"index": 0, "text": text, "logprobs": rendered, "finish_reason": reason}
     return dict(head.body("text_completion", [choice]), usage=usage)
 
 
@@ -77,6 +122,8 @@ class StreamRenderer:
 
     head: ResponseHead
     _role_sent: bool = False
+    _text_offset: int = 0
+    """Characters of the completion's tokens sent so far (`text_offset` of the next)."""
 
     def chunk(self, chunk: EngineChunk | None) -> dict[str, Any]:
         """The event of *chunk*; None gives one with no choices (the last, usage-only event)."""
@@ -88,13 +135,23 @@ class StreamRenderer:
                     delta["role"] = "assistant"
                     self._role_sent = True
                 reason = finish_reason(chunk.finish_reason)
+                logprobs = chat_logprobs(chunk.logprobs) if self.head.logprobs else None
                 choices.append(
-                    {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+                    {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
                 )
             return self.head.body("chat.completion.chunk", choices)
         if chunk is not None:
             reason = finish_reason(chunk.finish_reason)
+            logprobs = None
+            if self.head.logprobs:
+                logprobs = completion_logprobs(chunk.logprobs, self._text_offset)
+                self._text_offset += sum(len(t.token) for t in chunk.logprobs)
             choices.append(
-                {"index": 0, "text": chunk.text_delta, "logprobs": None, "finish_reason": reason}
+                {
+                    "index": 0,
+                    "text": chunk.text_delta,
+                    "logprobs": logprobs,
+                    "finish_reason": reason,
+                }
             )
         return self.head.body("text_completion", choices)

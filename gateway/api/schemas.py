@@ -7,7 +7,7 @@ Nothing a body asks for is ignored (issue 17): `check_parameters` refuses, befor
 checked, every field the gateway does not honour — a known OpenAI parameter tandem does not
 implement (`REFUSED`) as much as a name it does not know — with 400 `unsupported_parameter`
 naming the field; OpenAI itself answers an unknown parameter with a 400. A refused parameter sent
-with the value that asks for nothing (`logprobs: false`, `tools: []`, `best_of: 1`) is accepted:
+with the value that asks for nothing (`store: false`, `tools: []`, `best_of: 1`) is accepted:
 it asks for what every answer does. The few fields accepted although they change nothing
 (`NO_OP`) are those whose OpenAI meaning is a hint to the provider, not a promise about the
 answer. docs/API.md has the table of all three.
@@ -23,8 +23,9 @@ tensor each value lands in, and OpenAI's where those are narrower.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -40,26 +41,46 @@ class Refused(msgspec.Struct, frozen=True):
     """The values that ask for nothing beyond what every answer does (accepted; null always is)."""
 
 
-_NO_TOOLS = (
-    "tandem does not render tools into the prompt nor parse tool calls out of the answer, and"
-    " the served model's chat template declares no tools"
+_NO_TOOLS = "tandem does not render tools into the prompt nor parse tool calls out of the answer"
+TOOL_PARAMETERS = frozenset(
+    {
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "functions",
+        "function_call",
+        "tool_calls",
+        "tool_call_id",
+    }
 )
+"""The parameters (and message fields) of tool calling; their refusal also says whether the
+served model's chat template declares tools (`tool_refusal`)."""
+
+
+def tool_refusal(declares_tools: bool) -> str:
+    """Why tool calling is refused, for a model whose chat template does (not) declare tools."""
+    if declares_tools:
+        return (
+            f"{_NO_TOOLS} (the served model's chat template declares tools, but tandem does"
+            " not implement them yet)"
+        )
+    return (
+        f"{_NO_TOOLS}, and the served model's chat template declares no tools (it never renders"
+        " a `tools` variable), so the model was never shown how to call one"
+    )
+
+
 REFUSED_COMMON: dict[str, Refused] = {
-    "logprobs": Refused("tandem does not return token log probabilities yet", off=(False,)),
     "logit_bias": Refused("tandem does not pass logit biases to the engine", off=({},)),
 }
 """Known parameters of both endpoints that are refused."""
 REFUSED_CHAT: dict[str, Refused] = {
     **REFUSED_COMMON,
-    "top_logprobs": Refused("tandem does not return token log probabilities yet", off=(0,)),
     "tools": Refused(_NO_TOOLS, off=([],)),
     "tool_choice": Refused(_NO_TOOLS, off=("none",)),
     "parallel_tool_calls": Refused(_NO_TOOLS),
     "functions": Refused(_NO_TOOLS, off=([],)),
     "function_call": Refused(_NO_TOOLS, off=("none",)),
-    "response_format": Refused(
-        "tandem does not constrain the answer to a format yet", off=({"type": "text"},)
-    ),
     "audio": Refused("the served model reads and writes text only"),
     "modalities": Refused("the served model reads and writes text only", off=(["text"],)),
     "prediction": Refused("tandem does not use predicted outputs"),
@@ -79,7 +100,6 @@ REFUSED_CHAT: dict[str, Refused] = {
 """Known /v1/chat/completions parameters that are refused (unless sent with an `off` value)."""
 REFUSED_COMPLETIONS: dict[str, Refused] = {
     **REFUSED_COMMON,
-    "logprobs": Refused("tandem does not return token log probabilities yet"),
     "best_of": Refused("tandem generates one sequence per request (best_of must be 1)", off=(1,)),
     "suffix": Refused("the served model does not fill in the middle", off=("",)),
 }
@@ -168,10 +188,52 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     tier: Literal["rt", "be"] | None = None
 
 
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    """`response_format.json_schema`: the schema the answer must follow."""
+
+    name: str
+    """The schema's name (1 to 64 letters, digits, `_` or `-`, as OpenAI)."""
+    schema_: dict[str, Any] | None = msgspec.field(default=None, name="schema")
+    """A JSON Schema object; none: any JSON object."""
+    strict: bool | None = None
+    """Accepted either way: the engine's grammar-constrained decoding always follows the
+    schema exactly (what OpenAI's `strict: true` promises)."""
+    description: str | None = None
+    """Accepted, no effect: OpenAI shows it to the model; the schema constrains the decoding."""
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    """`response_format`: plain text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    """Required with type json_schema (and only there)."""
+
+    def engine_schema(self) -> str | None:
+        """The JSON Schema the engine's grammar-constrained decoding is given (SGLang's
+        `sampling_params.json_schema`), or None for plain text."""
+        if self.type == "text":
+            return None
+        schema = self.json_schema.schema_ if self.json_schema is not None else None
+        return msgspec.json.encode(schema or {"type": "object"}).decode()
+
+
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     """OpenAI's newer name of max_tokens (it wins when both are sent); same range."""
+    response_format: ResponseFormat | None = None
+    """`{"type": "json_object"}` or `{"type": "json_schema", "json_schema": {...}}`: the answer
+    is JSON, decoded under the schema's grammar (the engine's xgrammar backend)."""
+    logprobs: bool = False
+    """Return each output token's log probability (`choices[].logprobs.content`)."""
+    top_logprobs: int | None = None
+    """[0, 20] most likely alternatives per output token; needs `logprobs: true`."""
+
+    @property
+    def top_logprobs_num(self) -> int | None:
+        """Alternatives per output token to ask the engine for; None: no log probabilities."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -180,6 +242,14 @@ class CompletionRequest(SamplingFields, kw_only=True):
     mixing them is refused); token ids must be in [0, the model's vocab_size)."""
     echo: bool = False
     """Only false: echoing the prompt is refused as unsupported."""
+    logprobs: int | None = None
+    """[0, 5]: return each output token's log probability and this many most likely
+    alternatives (`choices[].logprobs`: tokens, token_logprobs, top_logprobs, text_offset)."""
+
+    @property
+    def top_logprobs_num(self) -> int | None:
+        """Alternatives per output token to ask the engine for; None: no log probabilities."""
+        return self.logprobs
 
 
 Endpoint = Literal["chat", "completions"]
@@ -197,12 +267,14 @@ def decode_body(raw: bytes, kind: type[msgspec.Struct]) -> msgspec.Struct:
     return _decode_typed(raw, kind)
 
 
-def decode_request(raw: bytes, endpoint: Endpoint) -> OpenAIRequest:
+def decode_request(
+    raw: bytes, endpoint: Endpoint, *, declares_tools: bool = False
+) -> OpenAIRequest:
     """`decode_body` for a generation request of *endpoint*, with what it does not honour
     refused first (`check_parameters`: 400 `unsupported_parameter`)."""
     if not raw.strip():
         raise ApiError(400, "request body is empty; expected a JSON object", code="invalid_json")
-    check_parameters(decode_json(raw), endpoint)
+    check_parameters(decode_json(raw), endpoint, declares_tools=declares_tools)
     body = _decode_typed(raw, ChatCompletionRequest if endpoint == "chat" else CompletionRequest)
     assert isinstance(body, (ChatCompletionRequest, CompletionRequest))
     return body
@@ -238,21 +310,27 @@ def decode_json(raw: bytes) -> object:
         ) from None
 
 
-def check_parameters(raw: object, endpoint: Endpoint) -> None:
+def check_parameters(raw: object, endpoint: Endpoint, *, declares_tools: bool = False) -> None:
     """400 `unsupported_parameter` naming the first field of the request body *raw* (untyped
     JSON) that the gateway does not honour: a refused parameter (`REFUSED_CHAT`,
     `REFUSED_COMPLETIONS`, a chat message's or `stream_options`' refused fields) sent with a
     value that asks for something, or a name the endpoint does not know. A body that is not an
-    object is left to the typed decoding (a 422)."""
+    object is left to the typed decoding (a 422). *declares_tools*: whether the served model's
+    chat template declares tools (`ModelTokenizer.declares_tools`), for the tool refusals'
+    reason."""
     if not isinstance(raw, dict):
         return
     kind = ChatCompletionRequest if endpoint == "chat" else CompletionRequest
     refused = REFUSED_CHAT if endpoint == "chat" else REFUSED_COMPLETIONS
-    _check_fields(raw, kind.__struct_fields__, refused, "")
+    _check_fields(raw, kind.__struct_fields__, refused, "", declares_tools)
     options = raw.get("stream_options")
     if isinstance(options, dict):
         _check_fields(
-            options, StreamOptions.__struct_fields__, REFUSED_STREAM_OPTIONS, "stream_options."
+            options,
+            StreamOptions.__struct_fields__,
+            REFUSED_STREAM_OPTIONS,
+            "stream_options.",
+            declares_tools,
         )
     messages = raw.get("messages") if endpoint == "chat" else None
     if isinstance(messages, list):
@@ -263,11 +341,26 @@ def check_parameters(raw: object, endpoint: Endpoint) -> None:
                     ChatMessage.__struct_fields__,
                     REFUSED_MESSAGE_FIELDS,
                     f"messages[{index}].",
+                    declares_tools,
                 )
+                parts = message.get("content")
+                for part_index, part in enumerate(parts if isinstance(parts, list) else []):
+                    if isinstance(part, dict):
+                        _check_fields(
+                            part,
+                            ContentPart.__struct_fields__,
+                            {},
+                            f"messages[{index}].content[{part_index}].",
+                            declares_tools,
+                        )
 
 
 def _check_fields(
-    raw: dict[str, object], known: tuple[str, ...], refused: dict[str, Refused], prefix: str
+    raw: dict[str, object],
+    known: tuple[str, ...],
+    refused: dict[str, Refused],
+    prefix: str,
+    declares_tools: bool,
 ) -> None:
     for name, value in raw.items():
         if name in known:
@@ -281,7 +374,8 @@ def _check_fields(
                 " (docs/API.md lists the parameters)",
             )
         if not _is_off(value, rule.off):
-            raise unsupported(param, f"{param} is not supported: {rule.reason}")
+            reason = tool_refusal(declares_tools) if name in TOOL_PARAMETERS else rule.reason
+            raise unsupported(param, f"{param} is not supported: {reason}")
 
 
 def _is_off(value: object, off: tuple[object, ...]) -> bool:
@@ -319,6 +413,10 @@ INT64_MAX = 2**63 - 1
 """The largest 64-bit signed integer (the engine's seed tensor is int64)."""
 MAX_STOP_SEQUENCES = 4
 """Stop strings per request at most (OpenAI's limit)."""
+MAX_TOP_LOGPROBS_CHAT = 20
+"""`top_logprobs` of a chat completion at most (OpenAI's limit)."""
+MAX_LOGPROBS_COMPLETIONS = 5
+"""`logprobs` of a text completion at most (OpenAI's limit)."""
 
 
 def check_sampling(req: SamplingFields) -> None:
@@ -341,6 +439,12 @@ def check_sampling(req: SamplingFields) -> None:
     check_int_range("max_tokens", req.max_tokens, 1, INT32_MAX)
     if isinstance(req, ChatCompletionRequest):
         check_int_range("max_completion_tokens", req.max_completion_tokens, 1, INT32_MAX)
+        check_int_range("top_logprobs", req.top_logprobs, 0, MAX_TOP_LOGPROBS_CHAT)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise _bad("top_logprobs", "top_logprobs needs logprobs: true")
+        check_response_format(req.response_format)
+    elif isinstance(req, CompletionRequest):
+        check_int_range("logprobs", req.logprobs, 0, MAX_LOGPROBS_COMPLETIONS)
     check_int_range("min_tokens", req.min_tokens, 0, INT32_MAX)
     check_int_range("seed", req.seed, INT64_MIN, INT64_MAX)
     if req.seed is not None and req.temperature != 0:
@@ -352,6 +456,34 @@ def check_sampling(req: SamplingFields) -> None:
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > MAX_STOP_SEQUENCES or any(not s for s in stops):
         raise _bad("stop", f"stop must be at most {MAX_STOP_SEQUENCES} non-empty strings")
+
+
+SCHEMA_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+"""What OpenAI allows as `response_format.json_schema.name`."""
+
+
+def check_response_format(response_format: ResponseFormat | None) -> None:
+    """400 naming the field of a `response_format` that does not fit its type."""
+    if response_format is None:
+        return
+    spec = response_format.json_schema
+    if response_format.type != "json_schema":
+        if spec is not None:
+            raise _bad(
+                "response_format.json_schema",
+                "response_format.json_schema goes with type json_schema, not"
+                f" {response_format.type}",
+            )
+        return
+    if spec is None:
+        raise _bad(
+            "response_format.json_schema", "response_format type json_schema needs json_schema"
+        )
+    if not SCHEMA_NAME_PATTERN.match(spec.name):
+        raise _bad(
+            "response_format.json_schema.name",
+            "response_format.json_schema.name must be 1 to 64 letters, digits, _ or -",
+        )
 
 
 def check_int_range(param: str, value: int | None, low: int, high: int) -> None:

@@ -140,9 +140,11 @@ async def _run_attempt(
     active.down_streak = 0  # the engine answers: retries need no back-off
     request = flight.request  # as admitted (admission may change a request's terms)
     assert request is not None
-    head = ResponseHead(endpoint=active.kind, rid=request.rid, model=flight.model)
+    head = ResponseHead(
+        endpoint=active.kind, rid=request.rid, model=flight.model, logprobs=request.asks_logprobs
+    )
     usage = usage_body(result.prompt_tokens, result.completion_tokens)
-    body = completion_body(head, result.text, result.finish_reason, usage)
+    body = completion_body(head, result.text, result.finish_reason, usage, result.logprobs)
     await store.finish_item(
         batch_id,
         line_no,

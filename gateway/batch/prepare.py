@@ -48,7 +48,7 @@ def prepare_lines(
     sources: dict[int, tuple[OpenAIRequest, PromptSource]] = {}
     for item in pending:
         try:
-            body = parse_body(item.body.encode(), struct)
+            body = parse_body(item.body.encode(), struct, declares_tools=tokenizer.declares_tools)
             check_model(body.model, model)  # 404 model_not_found, as a live request gets
             sources[item.line_no] = (body, prompt_source(body, tokenizer))
         except ApiError as exc:

@@ -156,14 +156,14 @@ def _check_line(
     )
 
 
-def parse_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
+def parse_body(body: bytes, kind: type[msgspec.Struct], *, declares_tools: bool = False) -> Any:
     """The request Struct of a line's body; raises LineError naming the field, or the ApiError
     `unsupported_parameter` a live request would get for a parameter tandem does not honour. The
     model it names is not checked here: another model fails the line alone
     (gateway/batch/prepare.py)."""
     try:
         endpoint: Endpoint = "chat" if kind is ChatCompletionRequest else "completions"
-        check_parameters(msgspec.json.decode(body), endpoint)
+        check_parameters(msgspec.json.decode(body), endpoint, declares_tools=declares_tools)
         request = msgspec.json.decode(body, type=kind)
         assert isinstance(request, (ChatCompletionRequest, CompletionRequest))
         check_sampling(request)

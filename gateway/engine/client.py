@@ -39,6 +39,24 @@ class EngineRequestError(Exception):
         self.status = status
 
 
+class TopLogprob(msgspec.Struct, frozen=True):
+    """One of the most likely tokens at an output position."""
+
+    token: str
+    logprob: float
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, kw_only=True):
+    """An output token with its log probability and the most likely alternatives (SGLang's
+    `output_token_logprobs` / `output_top_logprobs` entries, asked with `return_logprob`)."""
+
+    token: str
+    """Its text (the engine's detokenization of the token alone)."""
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+    """The `top_logprobs_num` most likely tokens at its position, most likely first."""
+
+
 class EngineChunk(msgspec.Struct, kw_only=True):
     """One streamed update of a generation, normalised to deltas."""
 
@@ -54,10 +72,19 @@ class EngineChunk(msgspec.Struct, kw_only=True):
     """None while running; "stop", "length" or "abort" on the last chunk."""
     matched_stop: str | int | None = None
     """The stop string or token that ended the generation, if any."""
+    abort_message: str | None = None
+    """Why the engine aborted the request (finish reason "abort"), in its words."""
+    abort_status: int | None = None
+    """The HTTP status the engine gives its abort: 400 when the request itself cannot run (a
+    grammar that does not compile, a prompt beyond the KV pool), also for an operator's
+    abort."""
     queue_time_s: float | None = None
     """Time the request waited in the engine's queue, seconds (engine metrics on)."""
     num_retractions: int = 0
     """How often the engine evicted and re-queued this request."""
+    logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)
+    """The output tokens since the previous chunk, with their log probabilities (the request
+    asked for them: `return_logprob`; empty otherwise)."""
 
 
 class _GenerateOut(msgspec.Struct):
@@ -105,9 +132,9 @@ class EngineClient:
                     out = self._decoder.decode(await resp.read())
                     if out.error is not None:
                         raise EngineRequestError(str(out.error.get("message", "engine error")))
-                    yield _to_chunk(out, 0)
+                    yield _to_chunk(out, 0, 0)
                     return
-                emitted = 0
+                emitted = emitted_logprobs = 0
                 async for data in _sse_data(resp.content):
                     if data == b"[DONE]":
                         await _drain(resp)
@@ -115,8 +142,9 @@ class EngineClient:
                     out = self._decoder.decode(data)
                     if out.error is not None:
                         raise EngineRequestError(str(out.error.get("message", "engine error")))
-                    chunk = _to_chunk(out, emitted)
+                    chunk = _to_chunk(out, emitted, emitted_logprobs)
                     emitted += len(chunk.text_delta)
+                    emitted_logprobs += len(chunk.logprobs)
                     yield chunk
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
             # The connection was never made: the engine did not see the request.
@@ -154,8 +182,9 @@ class EngineClient:
             return False
 
 
-def _to_chunk(out: _GenerateOut, emitted: int) -> EngineChunk:
-    """The chunk for one SSE update; *emitted* is how many characters were already sent."""
+def _to_chunk(out: _GenerateOut, emitted: int, emitted_logprobs: int = 0) -> EngineChunk:
+    """The chunk for one SSE update; *emitted* is how many characters were already sent,
+    *emitted_logprobs* how many output tokens' log probabilities."""
     meta = out.meta_info
     finish = meta.get("finish_reason")
     # SGLang streams the cumulative text. Until a generation ends, a trailing U+FFFD is half of a
@@ -170,9 +199,32 @@ def _to_chunk(out: _GenerateOut, emitted: int) -> EngineChunk:
         cached_tokens=int(meta.get("cached_tokens", 0) or 0),
         finish_reason=finish.get("type") if isinstance(finish, dict) else None,
         matched_stop=finish.get("matched") if isinstance(finish, dict) else None,
+        abort_message=finish.get("message") if isinstance(finish, dict) else None,
+        abort_status=finish.get("status_code") if isinstance(finish, dict) else None,
         queue_time_s=meta.get("queue_time"),
         num_retractions=int(meta.get("num_retractions", 0) or 0),
+        logprobs=_new_logprobs(meta, emitted_logprobs),
     )
+
+
+def _new_logprobs(meta: dict[str, Any], emitted: int) -> list[TokenLogprob]:
+    """The output tokens' log probabilities after the first *emitted* (SGLang streams them
+    cumulatively): entries `[logprob, token_id, text]`, and per position a list of such
+    entries for the most likely tokens."""
+    tokens = meta.get("output_token_logprobs") or []
+    tops = meta.get("output_top_logprobs") or []
+    new: list[TokenLogprob] = []
+    for index in range(emitted, len(tokens)):
+        logprob, _token_id, text = tokens[index][:3]
+        top = tops[index] if index < len(tops) and tops[index] else []
+        new.append(
+            TokenLogprob(
+                token=text or "",
+                logprob=float(logprob),
+                top=tuple(TopLogprob(token=t or "", logprob=float(lp)) for lp, _, t in top),
+            )
+        )
+    return new
 
 
 async def _sse_data(stream: aiohttp.StreamReader) -> AsyncIterator[bytes]:

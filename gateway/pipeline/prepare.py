@@ -40,6 +40,11 @@ class EngineRequest:
     payload: dict[str, Any]
     """The `/generate` body."""
 
+    @property
+    def asks_logprobs(self) -> bool:
+        """Whether the request asked for its output tokens' log probabilities."""
+        return bool(self.payload.get("return_logprob"))
+
 
 def new_rid() -> str:
     """A fresh engine request id; it is also the usage record's `request_id` and the tail of the
@@ -56,11 +61,14 @@ class PreparedPrompt:
     """The output cap, tokens (the request's, or the gateway's default; within the context)."""
 
 
-def parse_body(raw: bytes, endpoint: Endpoint, served_model: str) -> OpenAIRequest:
+def parse_body(
+    raw: bytes, endpoint: Endpoint, served_model: str, *, declares_tools: bool = False
+) -> OpenAIRequest:
     """The body of an API request as its endpoint's Struct, type- and range-checked, asking for
     the served model and nothing the gateway does not honour (400 / 422 naming the field, 404
-    for another model, otherwise)."""
-    body = decode_request(raw, endpoint)
+    for another model, otherwise). *declares_tools*: whether the model's chat template declares
+    tools (what the refusal of tools says)."""
+    body = decode_request(raw, endpoint, declares_tools=declares_tools)
     check_sampling(body)
     check_model(body.model, served_model)
     return body
@@ -315,13 +323,27 @@ def build_engine_request(
         arrival_unix_s if arrival_unix_s is not None else time.time(),
     )
     rid = rid if rid is not None else new_rid()
-    payload = {
+    payload: dict[str, Any] = {
         "rid": rid,
         "input_ids": input_ids,
         "sampling_params": _sampling_params(req, max_tokens, meta),
         "priority": meta.sglang_priority,
         "stream": True,
     }
+    top_logprobs_num = (
+        req.top_logprobs_num
+        if isinstance(req, (ChatCompletionRequest, CompletionRequest))
+        else None
+    )
+    if top_logprobs_num is not None:
+        # SGLang's native fields: the output tokens' log probabilities (none of the prompt's:
+        # logprob_start_len -1), each with its text, and top_logprobs_num alternatives
+        payload.update(
+            return_logprob=True,
+            top_logprobs_num=top_logprobs_num,
+            logprob_start_len=-1,
+            return_text_in_logprobs=True,
+        )
     return EngineRequest(
         rid=rid, input_ids=input_ids, max_tokens=max_tokens, meta=meta, payload=payload
     )
@@ -373,6 +395,10 @@ def _sampling_params(req: SamplingFields, max_tokens: int, meta: RequestMeta) ->
         "stop": req.stop,
     }
     params.update({k: v for k, v in optional.items() if v is not None})
+    if isinstance(req, ChatCompletionRequest) and req.response_format is not None:
+        schema = req.response_format.engine_schema()
+        if schema is not None:  # the engine decodes under the schema's grammar (xgrammar)
+            params["json_schema"] = schema
     return params
 
 

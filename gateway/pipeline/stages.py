@@ -37,7 +37,12 @@ from aiohttp import web
 from common.wire import Tier
 from gateway.api.schemas import Endpoint, OpenAIRequest
 from gateway.auth import Principal
-from gateway.engine.client import EngineChunk, EngineRequestError, EngineUnavailable
+from gateway.engine.client import (
+    EngineChunk,
+    EngineRequestError,
+    EngineUnavailable,
+    TokenLogprob,
+)
 from gateway.errors import ApiError
 from gateway.pipeline.admission import (
     Admitted,
@@ -145,6 +150,8 @@ class Completion:
     """The engine's: "stop" or "length"."""
     prompt_tokens: int
     completion_tokens: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    """Each output token's log probability, when the request asked for them."""
 
 
 # ---------------------------------------------------------------------------------- the stages
@@ -152,7 +159,12 @@ class Completion:
 
 def parse(app: web.Application, flight: Flight, raw: bytes) -> OpenAIRequest:
     """parse: the request Struct of *raw* (400 / 422 ApiError naming the field otherwise)."""
-    body = parse_body(raw, flight.endpoint, app[CONFIG].model.name)
+    body = parse_body(
+        raw,
+        flight.endpoint,
+        app[CONFIG].model.name,
+        declares_tools=app[TOKENIZER].declares_tools,
+    )
     flight.stream = body.stream
     return body
 
@@ -263,6 +275,7 @@ async def run(app: web.Application, flight: Flight) -> AsyncGenerator[EngineChun
     progress = flight.progress
     stream = flight.origin != "batch"  # a batch line is read whole: one answer at the end
     replaced = False
+    last: EngineChunk | None = None
     while True:
         received = False
         try:
@@ -278,6 +291,7 @@ async def run(app: web.Application, flight: Flight) -> AsyncGenerator[EngineChun
                         progress.queue_ms = chunk.queue_time_s * 1000.0
                     if chunk.finish_reason is not None:
                         progress.finish_reason = chunk.finish_reason
+                    last = chunk
                     yield chunk
         except EngineUnavailable as exc:
             pool = app.get(POOL)
@@ -298,7 +312,27 @@ async def run(app: web.Application, flight: Flight) -> AsyncGenerator[EngineChun
     if not progress.is_finished:
         flight.fail(stream_ended_early())
     elif progress.finish_reason == "abort":
-        flight.fail(engine_aborted())
+        flight.fail(_abort_failure(last))
+
+
+OPERATOR_ABORT_MESSAGE = "Aborted by AbortReq."
+"""SGLang's message for a request aborted through its /abort_request (by the gateway, whose
+client went away, or by an operator): the request was not at fault."""
+
+
+def _abort_failure(last: EngineChunk | None) -> Failure:
+    """The failure of a generation the engine aborted: a 400 with the engine's reason when
+    the request itself cannot run (SGLang's 400 aborts: a response_format schema whose grammar
+    does not compile, a prompt beyond its KV pool) — retrying would not help —; otherwise a
+    503 to retry (evicted, or an operator's abort)."""
+    if (
+        last is not None
+        and last.abort_status == 400
+        and last.abort_message
+        and last.abort_message != OPERATOR_ABORT_MESSAGE
+    ):
+        return engine_rejected(last.abort_message)
+    return engine_aborted()
 
 
 def record(app: web.Application, flight: Flight, *, cancelled: bool) -> None:
@@ -370,9 +404,11 @@ async def complete(app: web.Application, flight: Flight) -> Completion | Failure
     placed = place(app, flight)
     assert placed is not None  # without *avoid* every engine is a candidate
     parts: list[str] = []
+    logprobs: list[TokenLogprob] = []
     async with contextlib.aclosing(run(app, flight)) as chunks:
         async for chunk in chunks:
             parts.append(chunk.text_delta)
+            logprobs.extend(chunk.logprobs)
     if flight.failure is not None:
         return flight.failure
     progress = flight.progress
@@ -382,6 +418,7 @@ async def complete(app: web.Application, flight: Flight) -> Completion | Failure
         finish_reason=progress.finish_reason,
         prompt_tokens=progress.prompt_tokens,
         completion_tokens=progress.completion_tokens,
+        logprobs=logprobs,
     )
 
 

@@ -417,6 +417,7 @@ def test_a_replica_sigkilled_mid_load_loses_nothing_and_comes_back(pool: Pool) -
     reply = httpx.post(
         f"{pool.engine_url(victim)}/generate",
         json={"text": "hi", "sampling_params": {"max_new_tokens": 3}},
+        headers={"Authorization": f"Bearer {ENGINE_KEY}"},
         timeout=120,
     )
     assert reply.status_code == 200, reply.text

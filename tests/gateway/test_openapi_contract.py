@@ -70,9 +70,14 @@ BODY_CASES: list[BodyCase] = [
             ({"seed": 2**63, "temperature": 0}, "seed"),
             ({"seed": 7}, "seed"),
             ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-            ({"response_format": {"type": "json_object"}}, "response_format"),
-            ({"logprobs": True}, "logprobs"),
             ({"some_client_field": 1}, "some_client_field"),
+            ({"top_logprobs": 2}, "top_logprobs"),
+            ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+            ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+            (
+                {"response_format": {"type": "json_schema", "json_schema": {"name": "a b"}}},
+                "response_format.json_schema.name",
+            ),
             (
                 {"stream_options": {"include_obfuscation": True}},
                 "stream_options.include_obfuscation",
@@ -107,8 +112,8 @@ BODY_CASES: list[BodyCase] = [
             ({"prompt": [[1], [2]]}, "prompt"),
             ({"prompt": [1_000_000]}, "prompt[0]"),
             ({"prompt": "hi", "echo": True}, "echo"),
-            ({"prompt": "hi", "logprobs": 1}, "logprobs"),
             ({"prompt": "hi", "best_of": 2}, "best_of"),
+            ({"prompt": "hi", "logprobs": 6}, "logprobs"),
         ],
     ),
     *cases(

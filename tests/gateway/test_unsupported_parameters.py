@@ -99,3 +99,22 @@ async def test_a_batch_line_with_an_unsupported_parameter_goes_to_the_error_file
         assert errors[custom_id]["status_code"] == 400
         error = errors[custom_id]["body"]["error"]
         assert (error["code"], error["param"]) == ("unsupported_parameter", param)
+
+
+@pytest.mark.parametrize(
+    ("fields", "what"),
+    [
+        ({"logprobs": True}, "log probabilities"),
+        ({"stop": ["x"]}, "stop strings"),
+        ({"response_format": {"type": "json_object"}}, "grammar-constrained output"),
+    ],
+)
+async def test_the_simulator_refuses_what_its_fake_text_cannot_honour(
+    gw: Gateway, fields: dict[str, Any], what: str
+) -> None:
+    # the gateway honours these on a real engine (tests/functional/test_gateway_openai_params.py);
+    # the simulator's fake words cannot, so it says so rather than answering as if it had
+    _, key = await gw.new_tenant("sim-limits")
+    reply = await gw.chat(key, max_tokens=2, **fields)
+    assert reply.status == 400, reply
+    assert what in reply.error["message"], reply.error

@@ -21,6 +21,7 @@ class TinyTokenizer:
 
     context_len = 4096
     vocab_size = 32_000
+    declares_tools = False
 
 
 def lines(count: int) -> list[PendingItem]:

@@ -16,6 +16,7 @@ class TinyTokenizer:
 
     context_len = 64
     vocab_size = 100
+    declares_tools = False
 
 
 def pending(line_no: int, **body: Any) -> PendingItem:

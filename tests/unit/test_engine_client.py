@@ -145,3 +145,35 @@ async def test_finished_streams_hand_their_connection_back_for_the_next_request(
             chunks = [c async for c in client.generate({"rid": f"r{i}", "text": "hi"})]
             assert chunks[-1].finish_reason == "length"
     assert len(connections) == 1
+
+
+def test_cumulative_logprobs_become_the_new_tokens_of_each_chunk() -> None:
+    # SGLang's shape (return_logprob, top_logprobs_num=2, return_text_in_logprobs), as the CPU
+    # engine streams it: every update repeats the earlier tokens
+    first = [[-0.5, 11, "Hel"]]
+    both = [[-0.5, 11, "Hel"], [-1.25, 12, "lo"]]
+    tops = [[[-0.5, 11, "Hel"], [-2.0, 13, "Hi"]], [[-1.25, 12, "lo"], [-1.5, 14, "p"]]]
+    a = _to_chunk(out("Hel", output_token_logprobs=first, output_top_logprobs=tops[:1]), 0, 0)
+    b = _to_chunk(
+        out("Hello", {"type": "length"}, 2, output_token_logprobs=both, output_top_logprobs=tops),
+        3,
+        1,
+    )
+    assert [t.token for t in a.logprobs] == ["Hel"]
+    assert [(t.token, t.logprob) for t in b.logprobs] == [("lo", -1.25)]
+    assert [(alt.token, alt.logprob) for alt in b.logprobs[0].top] == [("lo", -1.25), ("p", -1.5)]
+    assert _to_chunk(out("x"), 0, 0).logprobs == []  # not asked for: none
+
+
+def test_an_engine_abort_that_rejects_the_request_is_a_400_with_its_reason() -> None:
+    from gateway.pipeline.stages import OPERATOR_ABORT_MESSAGE, _abort_failure
+
+    def abort(message: str, status: int | None) -> Any:
+        finish = {"type": "abort", "message": message, "status_code": status}
+        return _abort_failure(_to_chunk(out("", finish), 0))
+
+    bad_grammar = abort("Failed to compile json_schema grammar: bad type", 400)
+    assert (bad_grammar.http_status, bad_grammar.code) == (400, "engine_error")
+    assert "Failed to compile json_schema grammar" in bad_grammar.message
+    for message, status in ((OPERATOR_ABORT_MESSAGE, 400), ("evicted", None), ("oom", 500)):
+        assert abort(message, status).code == "engine_aborted"  # not the request's fault: retry

@@ -415,3 +415,24 @@ def test_each_completed_iteration_publishes_the_load_it_plans_from() -> None:
     assert load.kv_capacity_tokens == 10_000 and load.kv_used_tokens == 1_000
     drv.plan_iteration(s, FakeBatch([rt]))  # no iteration ran since (an idle loop): no report
     assert drv.loads.latest is load
+
+
+def test_a_request_whose_grammar_compiled_is_planned_for_at_once() -> None:
+    # A json_schema request waits in SGLang's grammar queue until its grammar compiles; SGLang
+    # moves it to the waiting queue at the start of its prefill pass, which tandem's plan skips
+    # when nothing waits: without moving it before planning, it waited forever (issue 17).
+    constrained = req("json", "rt", out=4)
+    queue = [constrained]
+    policy = ScriptedPolicy(Plan(prefills=[PrefillChunk("json", 4)]))
+    drv = EngineDriver(policy)  # type: ignore[arg-type]
+    batch = FakeBatch([])
+    s = sched([])
+    s.running_batch = batch
+    s.grammar_manager = SimpleNamespace(
+        has_waiting_grammars=lambda: bool(queue),
+        get_ready_grammar_requests=lambda: [queue.pop()],
+    )
+    _, skip_prefill = plan_and_carry_out(drv, s, batch)
+    assert not skip_prefill
+    assert [r.rid for r in s.waiting_queue] == ["json"] and not queue
+    assert [r.rid for r in policy.snapshots[0].waiting] == ["json"]

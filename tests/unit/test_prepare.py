@@ -214,9 +214,6 @@ class _ChatTokenizer(TinyTokenizer):
     [
         ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ("chat", {"tool_choice": "auto"}, "tool_choice"),
-        ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
-        ("chat", {"logprobs": True}, "logprobs"),
-        ("chat", {"top_logprobs": 2}, "top_logprobs"),
         ("chat", {"logit_bias": {"5": 1}}, "logit_bias"),
         ("chat", {"store": True}, "store"),
         ("chat", {"some_client_field": 1}, "some_client_field"),
@@ -233,8 +230,21 @@ class _ChatTokenizer(TinyTokenizer):
             {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "c"}]}]},
             "messages[0].tool_calls",
         ),
-        ("completions", {"logprobs": 2}, "logprobs"),
+        (
+            "chat",
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": "x", "cache_control": {}}],
+                    }
+                ]
+            },
+            "messages[0].content[0].cache_control",
+        ),
         ("completions", {"best_of": 3}, "best_of"),
+        ("completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("completions", {"top_logprobs": 2}, "top_logprobs"),
         ("completions", {"suffix": "end"}, "suffix"),
         ("completions", {"echo": True}, "echo"),
         ("completions", {"messages": []}, "messages"),
@@ -275,3 +285,90 @@ def test_parameters_sent_with_the_value_that_asks_for_nothing_are_accepted(
         {"messages": [{"role": "user", "content": "x"}]} if endpoint == "chat" else {"prompt": "x"}
     )
     parse_body(msgspec.json.encode({**base, **fields}), endpoint, "m")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "fields", "param"),
+    [
+        ("chat", {"top_logprobs": 2}, "top_logprobs"),
+        ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("completions", {"logprobs": 6}, "logprobs"),
+        ("chat", {"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        (
+            "chat",
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "a b"}}},
+            "response_format.json_schema.name",
+        ),
+        (
+            "chat",
+            {"response_format": {"type": "json_object", "json_schema": {"name": "x"}}},
+            "response_format.json_schema",
+        ),
+    ],
+)
+def test_logprobs_and_response_format_out_of_their_range_are_refused_naming_the_field(
+    endpoint: str, fields: dict[str, Any], param: str
+) -> None:
+    base: dict[str, Any] = {"model": "m"}
+    base.update(
+        {"messages": [{"role": "user", "content": "x"}]} if endpoint == "chat" else {"prompt": "x"}
+    )
+    with pytest.raises(ApiError) as info:
+        parse_body(msgspec.json.encode({**base, **fields}), endpoint, "m")  # type: ignore[arg-type]
+    assert (info.value.status, info.value.code, info.value.param) == (400, "invalid_value", param)
+
+
+def test_logprobs_and_a_schema_reach_the_engine_as_sglang_fields() -> None:
+    principal = Principal(
+        tenant=make_tenant("rt", ttft_target_ms=1, tpot_target_ms=1), key_id="k", key_prefix="p"
+    )
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}}
+    raw = msgspec.json.encode(
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "x"}],
+            "logprobs": True,
+            "top_logprobs": 3,
+            "stop": ["x", "y"],
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "s", "schema": schema},
+            },
+        }
+    )
+    request = build_engine_request(parse_body(raw, "chat", "m"), [1], 4, principal, "rt")
+    payload = request.payload
+    assert (payload["return_logprob"], payload["top_logprobs_num"]) == (True, 3)
+    assert payload["return_text_in_logprobs"] is True and payload["logprob_start_len"] == -1
+    assert request.asks_logprobs
+    params = payload["sampling_params"]
+    assert params["stop"] == ["x", "y"] and msgspec.json.decode(params["json_schema"]) == schema
+    raw = msgspec.json.encode(
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_object"},
+        }
+    )
+    plain = build_engine_request(parse_body(raw, "chat", "m"), [1], 4, principal, "rt")
+    assert "return_logprob" not in plain.payload and not plain.asks_logprobs
+    assert msgspec.json.decode(plain.payload["sampling_params"]["json_schema"]) == {
+        "type": "object"
+    }
+    raw = msgspec.json.encode({"model": "m", "prompt": "x", "logprobs": 0})
+    completion = build_engine_request(parse_body(raw, "completions", "m"), [1], 4, principal, "rt")
+    assert completion.payload["top_logprobs_num"] == 0 and completion.asks_logprobs
+
+
+def test_the_refusal_of_tools_says_whether_the_models_template_declares_them() -> None:
+    raw = msgspec.json.encode(
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+        }
+    )
+    for declares_tools, says in ((False, "declares no tools"), (True, "declares tools, but")):
+        with pytest.raises(ApiError) as info:
+            parse_body(raw, "chat", "m", declares_tools=declares_tools)
+        assert info.value.code == "unsupported_parameter" and says in info.value.message

@@ -67,3 +67,51 @@ def test_finish_reasons() -> None:
     assert finish_reason("stop") == "stop"
     assert finish_reason(None) is None
     assert finish_reason("abort") is None  # the client learns of an abort from the error after it
+
+
+def test_logprobs_are_rendered_in_openai_shapes_when_asked_for() -> None:
+    from gateway.engine.client import TokenLogprob, TopLogprob
+
+    tokens = [
+        TokenLogprob(token="Hé", logprob=-0.5, top=(TopLogprob("Hé", -0.5), TopLogprob("a", -2.0))),
+        TokenLogprob(token="llo", logprob=-1.0, top=(TopLogprob("llo", -1.0),)),
+    ]
+    usage = usage_body(2, 2)
+    chat = completion_body(
+        ResponseHead("chat", "tdm-x", "m", logprobs=True), "Héllo", "length", usage, tokens
+    )
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert content[0] == {
+        "token": "Hé",
+        "logprob": -0.5,
+        "bytes": [72, 195, 169],
+        "top_logprobs": [
+            {"token": "Hé", "logprob": -0.5, "bytes": [72, 195, 169]},
+            {"token": "a", "logprob": -2.0, "bytes": [97]},
+        ],
+    }
+    text = completion_body(
+        ResponseHead("completions", "tdm-x", "m", logprobs=True), "Héllo", "length", usage, tokens
+    )
+    assert text["choices"][0]["logprobs"] == {
+        "tokens": ["Hé", "llo"],
+        "token_logprobs": [-0.5, -1.0],
+        "top_logprobs": [{"Hé": -0.5, "a": -2.0}, {"llo": -1.0}],
+        "text_offset": [0, 2],
+    }
+    plain = completion_body(ResponseHead("chat", "tdm-x", "m"), "Héllo", "length", usage, tokens)
+    assert plain["choices"][0]["logprobs"] is None
+
+
+def test_streamed_completion_logprobs_carry_the_text_offset_across_chunks() -> None:
+    from gateway.engine.client import EngineChunk, TokenLogprob
+
+    render = StreamRenderer(ResponseHead("completions", "tdm-x", "m", logprobs=True))
+    offsets = []
+    for token in ("ab", "c", "def"):
+        chunk = EngineChunk(
+            text_delta=token, completion_tokens=1, prompt_tokens=1,
+            logprobs=[TokenLogprob(token=token, logprob=-1.0)],
+        )  # fmt: skip
+        offsets += render.chunk(chunk)["choices"][0]["logprobs"]["text_offset"]
+    assert offsets == [0, 2, 3]

@@ -127,3 +127,23 @@ def test_tokenizers_that_may_drop_text_have_no_bound(
     assert (bound is not None) == bounded
     if change.get("normalizer", {}).get("type") == "NFC":
         assert bound == NFC_SHRINK * max_chars_per_token({**spec, "normalizer": None})  # type: ignore[operator]
+
+
+HERMES_LIKE_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}{{ t | tojson }}"
+    "{% endfor %}</tools><|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
+)
+
+
+def test_the_built_in_models_template_declares_no_tools_and_a_hermes_one_does(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    assert not ModelTokenizer(model_dir).declares_tools  # so tools are refused, saying so
+    copy = tmp_path / "tool-model"
+    shutil.copytree(model_dir, copy)
+    config_path = copy / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = HERMES_LIKE_TEMPLATE
+    config_path.write_text(json.dumps(config))
+    assert ModelTokenizer(copy).declares_tools
