@@ -1,11 +1,19 @@
 """Usage reports: per tenant and period, computed by one SQL query on SQLite or PostgreSQL.
 
 Each row covers one tenant in one period (a UTC day, hour or smaller bucket aligned on the Unix
-epoch; periods without requests are left out): requests, prompt and completion tokens, errors
-(every status but ok; the 429s of quotas are also counted apart as `rate_limited`), TTFT and TPOT
-p50/p99 and SLO attainment (met / judged; requests whose contract sets no target are not judged),
-and what the SLO admission did with the RT requests: shed (refused: `slo_unattainable`),
-downgraded (run as BE), and of those it let run as RT, how many met the SLO and how many missed.
+epoch; periods without requests are left out), counting the requests that finished in it — when
+their work ran, so a batch whose lines waited on the engine for minutes shows as the minutes its
+lines finished in, not as a spike when it was submitted: requests, prompt and completion
+tokens, errors (every status but ok and a cancel; the 429s of quotas are also counted apart as
+`rate_limited`), cancels (the client stopped the request or its batch: status
+`client_disconnected`; billed for what ran, never judged against the SLO), TTFT and TPOT p50/p99
+and SLO attainment (met / judged; requests whose contract sets no target are not judged), and
+what the SLO admission did with the RT requests: shed (refused: `slo_unattainable`), downgraded
+(run as BE), and of those it let run as RT, how many met the SLO and how many missed.
+
+Batch work a gateway shutdown cut off (status `interrupted`) is left out of every figure: its
+line runs again after the restart, and that run is the one counted and billed. The record stays
+in the request log (`GET /admin/v1/requests`), as what the engine did.
 
 Percentiles are *nearest-rank* (the smallest value with at least p % of the values at or below
 it: rank ceil(p·n)): PostgreSQL's percentile_disc, and on SQLite (which has no percentile
@@ -53,6 +61,7 @@ COLUMNS = (
     "total_tokens",
     "errors",
     "rate_limited",
+    "cancelled",
     "ttft_ms_p50",
     "ttft_ms_p99",
     "tpot_ms_p50",
@@ -67,6 +76,11 @@ COLUMNS = (
 )
 """Field order of the JSON rows, the CSV and the CLI table."""
 
+CANCELLED = "client_disconnected"
+"""The status of a request its client stopped (gateway/pipeline/outcome.py)."""
+INTERRUPTED = "interrupted"
+"""The status of batch work a gateway shutdown cut off: left out of every report."""
+
 _usage = cast(Table, UsageRow.__table__)
 _tenants = cast(Table, TenantRow.__table__)
 
@@ -80,14 +94,17 @@ class UsagePeriod(msgspec.Struct, kw_only=True):
     tenant_name: str | None
     """The tenant's name (None if the tenant row is gone)."""
     requests: int
-    """Requests that ended in the period (counted when they started)."""
+    """Requests that finished in the period (`finished_at`: answered, refused or failed)."""
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     errors: int
-    """Requests that did not end ok (any reason, rate limits included)."""
+    """Requests that did not end ok (any reason, rate limits included), cancels excepted."""
     rate_limited: int
     """Requests refused by the tenant's quota (429)."""
+    cancelled: int = 0
+    """Requests the client stopped (a stream it closed, a batch it cancelled): not errors, and
+    not judged against the SLO."""
     ttft_ms_p50: float | None
     ttft_ms_p99: float | None
     tpot_ms_p50: float | None
@@ -181,7 +198,7 @@ def parse_time(param: str, text: str) -> datetime:
 async def usage_report(
     db: AsyncEngine, start: datetime, end: datetime, bucket_s: int, tenant_id: str | None = None
 ) -> list[UsagePeriod]:
-    """Usage per tenant and period of *bucket_s* seconds for requests created in [start, end),
+    """Usage per tenant and period of *bucket_s* seconds for requests finished in [start, end),
     oldest period first, then by tenant id."""
     async with db.connect() as conn:
         stmt = _report_sql(conn.dialect.name, start, end, bucket_s, tenant_id)
@@ -190,8 +207,9 @@ async def usage_report(
 
 
 def _bucket(dialect: str, bucket_s: int) -> ColumnElement[Any]:
-    """Start of a request's period as Unix seconds (an integer) in the dialect's SQL."""
-    column = _usage.c.created_at
+    """Start of the period a request finished in, as Unix seconds (an integer) in the
+    dialect's SQL."""
+    column = _usage.c.finished_at
     # the size is inlined, not bound: PostgreSQL matches GROUP BY expressions textually, and
     # two bind parameters of the same value would not match
     size = literal_column(str(int(bucket_s)), Integer)
@@ -207,7 +225,7 @@ def _report_sql(
     dialect: str, start: datetime, end: datetime, bucket_s: int, tenant_id: str | None
 ) -> Any:
     u = _usage
-    where = [u.c.created_at >= start, u.c.created_at < end]
+    where = [u.c.finished_at >= start, u.c.finished_at < end, u.c.status != INTERRUPTED]
     if tenant_id is not None:
         where.append(u.c.tenant_id == tenant_id)
     base = (
@@ -244,8 +262,9 @@ def _report_sql(
             func.count().label("requests"),
             func.sum(base.c.prompt_tokens).label("prompt_tokens"),
             func.sum(base.c.completion_tokens).label("completion_tokens"),
-            func.sum(case((base.c.status != "ok", 1), else_=0)).label("errors"),
+            func.sum(case((base.c.status.not_in(("ok", CANCELLED)), 1), else_=0)).label("errors"),
             func.sum(case((base.c.status == "rate_limited", 1), else_=0)).label("rate_limited"),
+            func.sum(case((base.c.status == CANCELLED, 1), else_=0)).label("cancelled"),
             func.sum(case((base.c.slo_met.is_(True), 1), else_=0)).label("slo_met"),
             func.sum(case((base.c.slo_met.is_not(None), 1), else_=0)).label("slo_judged"),
             func.sum(case((base.c.admission == "shed", 1), else_=0)).label("shed"),
@@ -334,6 +353,7 @@ def _period(row: Any) -> UsagePeriod:
         total_tokens=prompt + completion,
         errors=int(row["errors"] or 0),
         rate_limited=int(row["rate_limited"] or 0),
+        cancelled=int(row["cancelled"] or 0),
         ttft_ms_p50=_opt(row["ttft_ms_p50"]),
         ttft_ms_p99=_opt(row["ttft_ms_p99"]),
         tpot_ms_p50=_opt(row["tpot_ms_p50"]),
@@ -372,6 +392,7 @@ def to_table(rows: list[UsagePeriod]) -> str:
         "compl_tok",
         "errors",
         "429s",
+        "cancel",
         "ttft_p50",
         "ttft_p99",
         "tpot_p50",
@@ -393,6 +414,7 @@ def to_table(rows: list[UsagePeriod]) -> str:
                 str(r.completion_tokens),
                 str(r.errors),
                 str(r.rate_limited),
+                str(r.cancelled),
                 _ms(r.ttft_ms_p50),
                 _ms(r.ttft_ms_p99),
                 _ms(r.tpot_ms_p50),
@@ -444,7 +466,7 @@ async def tier_series(
                 func.sum(u.c.prompt_tokens).label("prompt_tokens"),
                 func.sum(u.c.completion_tokens).label("completion_tokens"),
             )
-            .where(u.c.created_at >= start, u.c.created_at < end)
+            .where(u.c.finished_at >= start, u.c.finished_at < end, u.c.status != INTERRUPTED)
             .group_by(bucket, u.c.tier)
             .order_by(bucket, u.c.tier)
         )

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -36,7 +37,14 @@ from gateway.batch.lines import now_utc
 from gateway.batch.prepare import PreparedLine
 from gateway.batch.store import BatchStore
 from gateway.batch.types import BatchInfo, ItemResult
-from gateway.pipeline.outcome import Failure, attempts_exhausted, internal_error
+from gateway.pipeline.outcome import (
+    Failure,
+    attempts_exhausted,
+    batch_expired,
+    client_disconnected,
+    internal_error,
+    interrupted,
+)
 from gateway.pipeline.stages import Completion, Flight, complete, prepare, recording
 from gateway.state import CONFIG
 from gateway.store.outage import DATABASE_OUTAGE
@@ -128,6 +136,8 @@ async def _run_attempt(
         try:
             result = await call
         except asyncio.CancelledError:
+            if active.stopping is not None:  # the usage record says why it stopped
+                flight.fail(_STOPPED[active.stopping]())
             task = asyncio.current_task()
             if call.cancelled() and task is not None and not task.cancelling():
                 return None  # the call was stopped (the batch winds down): nothing to write
@@ -156,6 +166,14 @@ async def _run_attempt(
         ),
     )
     return result.completion_tokens
+
+
+_STOPPED: dict[str, Callable[[], Failure]] = {
+    "closing": interrupted,  # the gateway stops: the line runs again after the restart
+    "cancelled": client_disconnected,  # the tenant cancelled its batch
+    "expired": batch_expired,
+}
+"""The usage record's failure of a line stopped while it ran, by `ActiveBatch.stopping`."""
 
 
 async def settle_failure(

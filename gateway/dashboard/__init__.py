@@ -4,7 +4,9 @@ inline, no build step, nothing fetched from elsewhere: charts are drawn on canva
 
 Both need the admin token: as a bearer token like the rest of the admin API, or as the password
 of HTTP Basic auth (any user name), so a browser can open the page: a 401 here asks for Basic
-credentials, and the browser then sends them with the page's own data requests.
+credentials, and the browser then sends them with the page's own data requests. The same holds
+for a page opened as http://user:TOKEN@host/admin/v1/dashboard: the page asks for its data at
+its own URL without the credentials (fetch() refuses a URL that carries them).
 """
 
 from __future__ import annotations

@@ -19,11 +19,18 @@ FailureKind = Literal[
     "engine_error",
     "aborted",
     "client_disconnected",
+    "interrupted",
     "internal_error",
 ]
 """The usage record's `status` of a request that failed (a completed one is "ok"); reports count
 "rate_limited" as quota 429s, "slo_unattainable" as requests the SLO admission shed (also 429s),
-and anything but "ok" as an error."""
+"client_disconnected" as cancels (the client stopped it: its own outcome, neither an error nor
+judged against the SLO), leave "interrupted" out (batch work a gateway shutdown cut off: the line
+runs again, and that run is the one billed), and count anything else as an error."""
+
+UNJUDGED: frozenset[FailureKind] = frozenset({"client_disconnected", "interrupted"})
+"""Outcomes that say nothing about the service the request got: no SLO verdict (`slo_met` is
+None), and not errors in the reports."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,8 +155,32 @@ def engine_aborted() -> Failure:
 
 
 def client_disconnected() -> Failure:
-    """The client went away before the answer was complete (499, nginx's convention)."""
+    """The client went away before the answer was complete — it pressed stop, or cancelled its
+    batch (499, nginx's convention): a cancel, billed for what ran, never an SLO miss."""
     return Failure(kind="client_disconnected", http_status=499, message="client disconnected")
+
+
+def interrupted() -> Failure:
+    """A batch line the gateway's shutdown cut off: it stays pending and runs again after the
+    restart, so this attempt is neither an error nor billed (the re-run is). 503: the gateway
+    was going away (no client is told: a batch line has none)."""
+    return Failure(
+        kind="interrupted",
+        http_status=503,
+        message="interrupted by a gateway shutdown; the line runs again after the restart",
+        code="interrupted",
+        retryable=True,
+    )
+
+
+def batch_expired() -> Failure:
+    """A batch line cut off because its batch's completion window ran out (a deadline miss)."""
+    return Failure(
+        kind="aborted",
+        http_status=408,
+        message="the batch expired before the line finished",
+        code="batch_expired",
+    )
 
 
 def internal_error() -> Failure:

@@ -53,6 +53,7 @@ from gateway.pipeline.admission import (
     slo_ask,
 )
 from gateway.pipeline.outcome import (
+    UNJUDGED,
     Failure,
     Refused,
     client_disconnected,
@@ -348,9 +349,11 @@ def record(app: web.Application, flight: Flight, *, cancelled: bool) -> None:
         spawn(app, flight.placement.engine.client.abort(flight.request.rid))
     flight.timer.finish()
     if flight.admitted is not None:
-        # a request that produced nothing (refused by the engine, never reached it) cost nothing
+        # a request that produced nothing (refused by the engine, never reached it) cost nothing;
+        # work a shutdown cut off is not billed either (its batch line runs again)
         ran = progress.completion_tokens > 0 or flight.failure is None
-        used = progress.prompt_tokens + progress.completion_tokens if ran else 0
+        billed = flight.failure is None or flight.failure.kind != "interrupted"
+        used = progress.prompt_tokens + progress.completion_tokens if ran and billed else 0
         release_holds(flight.admitted.holds, used)
     usage = usage_record(flight)
     _teach_forecast(app, flight, usage)
@@ -445,7 +448,8 @@ def usage_record(flight: Flight) -> UsageRecord:
     meta = request.meta if request is not None else None
     tier = meta.tier if meta is not None else tenant.tier
     met = None
-    if meta is not None and flight.admitted is not None:  # only what ran has an SLO verdict
+    judged = failure is None or failure.kind not in UNJUDGED  # a cancel is no SLO miss
+    if meta is not None and flight.admitted is not None and judged:  # only what ran is judged
         met = slo_met(
             tier=tier,
             ttft_target_ms=meta.ttft_target_ms,

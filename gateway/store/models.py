@@ -192,6 +192,9 @@ class UsageRow(Base):
     __table_args__ = (
         Index("ix_usage_records_tenant_id_created_at", "tenant_id", "created_at"),
         Index("ix_usage_records_created_at", "created_at"),
+        # the usage report counts a request in the period it finished (gateway/reports.py)
+        Index("ix_usage_records_tenant_id_finished_at", "tenant_id", "finished_at"),
+        Index("ix_usage_records_finished_at", "finished_at"),
     )
 
 

@@ -149,7 +149,9 @@ class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
     e2e_ms: float | None = None
     """Arrival to last byte, ms."""
     status: str
-    """"ok", "error", "aborted", "engine_unavailable", ..."""
+    """"ok", or how it failed (gateway.pipeline.outcome.FailureKind): "rate_limited",
+    "client_disconnected" (a cancel), "interrupted" (batch work a shutdown cut off: in no
+    report), "engine_unavailable", ..."""
     http_status: int
     """HTTP status sent to the client."""
     error: str | None = None

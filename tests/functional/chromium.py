@@ -10,7 +10,7 @@ import itertools
 import json
 import shutil
 import subprocess
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,8 @@ class Page:
         self._events: dict[str, asyncio.Event] = {}
         self.errors: list[str] = []
         """Console errors, uncaught exceptions and error log entries, as text."""
+        self._handlers: dict[str, Callable[[dict[str, Any]], None]] = {}
+        self._spawned: set[asyncio.Task[dict[str, Any]]] = set()
         self._reader = asyncio.create_task(self._read())
 
     async def send(self, method: str, **params: Any) -> dict[str, Any]:
@@ -66,6 +68,17 @@ class Page:
         if "error" in reply:
             raise RuntimeError(f"{method}: {reply['error']}")
         return dict(reply.get("result", {}))
+
+    def on(self, method: str, handler: Callable[[dict[str, Any]], None]) -> None:
+        """Calls *handler* with the params of every *method* event (it must not block: to
+        answer with a command, `spawn` it)."""
+        self._handlers[method] = handler
+
+    def spawn(self, method: str, **params: Any) -> None:
+        """Sends a command without waiting for its reply (from an event handler)."""
+        task = asyncio.create_task(self.send(method, **params))
+        self._spawned.add(task)
+        task.add_done_callback(self._spawned.discard)
 
     def event(self, method: str) -> asyncio.Event:
         return self._events.setdefault(method, asyncio.Event())
@@ -99,6 +112,9 @@ class Page:
                 continue
             method, params = data.get("method", ""), data.get("params", {})
             self._record_error(method, params)
+            handler = self._handlers.get(method)
+            if handler is not None:
+                handler(params)
             self.event(method).set()
 
     def _record_error(self, method: str, params: dict[str, Any]) -> None:

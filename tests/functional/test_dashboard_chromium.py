@@ -21,6 +21,7 @@ from gateway.engine.sampler import EngineSample
 from gateway.state import METRICS, STORE
 from gateway.store.types import UsageRecord
 from tests.functional.chromium import chromium_page
+from tests.functional.engine_fixtures import free_port
 from tests.functional.gateway_fixtures import ADMIN_TOKEN, GatewayHandle, start_gateway
 from tests.waiting import wait_until
 
@@ -176,6 +177,98 @@ async def test_dashboard_asks_a_browser_for_the_admin_token(
         assert resp.status == 200 and resp.content_type == "text/html"
     async with gw.session.get(url + "/data?hours=0", headers=gw.admin_headers) as resp:
         assert resp.status == 400 and (await resp.json())["error"]["param"] == "hours"
+
+
+WAIT_FOR_DATA_JS = (
+    "new Promise(resolve => { const s = document.getElementById('status');"
+    " const check = () => s.dataset.state === 'loading' ? setTimeout(check, 50)"
+    " : resolve(s.dataset.state + '|' + s.textContent); check(); })"
+)
+"""The page's status once its data request has ended: "ready|…" or "error|<message>"."""
+
+
+@pytest_asyncio.fixture
+async def plain_gateway(tmp_path: Path, tiny_model_dir: Path) -> AsyncIterator[GatewayHandle]:
+    """A gateway on a fresh SQLite database with one request recorded (its engine is down: the
+    dashboard's charts need only the database)."""
+    server, gw = await start_gateway(
+        f"sqlite:///{tmp_path / 'auth.db'}", free_port(), tiny_model_dir
+    )
+    tenant_id, _ = await gw.new_tenant("browser-auth", "be")
+    now = datetime.now(UTC)
+    record = UsageRecord(
+        request_id="tdm-browser-auth",
+        tenant_id=tenant_id,
+        tier="be",
+        model="tandem-tiny",
+        endpoint="chat",
+        prompt_tokens=12,
+        completion_tokens=34,
+        status="ok",
+        http_status=200,
+        created_at=now - timedelta(minutes=5),
+        finished_at=now - timedelta(minutes=5),
+    )
+    await gw.app[STORE].insert_usage([record])
+    yield gw
+    await gw.session.close()
+    await server.close()
+
+
+async def test_dashboard_opened_with_credentials_in_its_url_loads_its_data(
+    plain_gateway: GatewayHandle, tmp_path: Path
+) -> None:
+    # http://user:TOKEN@host/…: Chromium refuses a fetch whose URL carries credentials, and a
+    # relative URL resolved against this page's would
+    host = plain_gateway.base_url.removeprefix("http://")
+    async with chromium_page(tmp_path / "chromium-profile") as page:
+        loaded = page.event("Page.loadEventFired")
+        loaded.clear()
+        await page.send("Page.navigate", url=f"http://ops:{ADMIN_TOKEN}@{host}/admin/v1/dashboard")
+        await _wait(loaded)
+        state = await page.evaluate(WAIT_FOR_DATA_JS)
+        assert state.startswith("ready|") and "1 requests" in state, state
+        loaded.clear()
+        await page.send("Page.reload")  # a reload asks again, with what the browser kept
+        await _wait(loaded)
+        state = await page.evaluate(WAIT_FOR_DATA_JS)
+        assert state.startswith("ready|"), state
+        assert page.errors == []
+
+
+async def test_dashboard_opened_through_the_password_prompt_loads_its_data(
+    plain_gateway: GatewayHandle, tmp_path: Path
+) -> None:
+    async with chromium_page(tmp_path / "chromium-profile") as page:
+        prompts: list[str] = []
+
+        def answer_prompt(params: dict[str, Any]) -> None:
+            # what a person typing into the browser's password prompt does
+            prompts.append(params["request"]["url"])
+            page.spawn(
+                "Fetch.continueWithAuth",
+                requestId=params["requestId"],
+                authChallengeResponse={
+                    "response": "ProvideCredentials",
+                    "username": "ops",
+                    "password": ADMIN_TOKEN,
+                },
+            )
+
+        page.on("Fetch.authRequired", answer_prompt)
+        page.on(
+            "Fetch.requestPaused",
+            lambda params: page.spawn("Fetch.continueRequest", requestId=params["requestId"]),
+        )
+        await page.send("Fetch.enable", handleAuthRequests=True)
+        loaded = page.event("Page.loadEventFired")
+        loaded.clear()
+        await page.send("Page.navigate", url=f"{plain_gateway.base_url}/admin/v1/dashboard")
+        await _wait(loaded)
+        state = await page.evaluate(WAIT_FOR_DATA_JS)
+        assert state.startswith("ready|") and "1 requests" in state, state
+        assert prompts == [f"{plain_gateway.base_url}/admin/v1/dashboard"]  # asked once
+        assert page.errors == []
 
 
 def basic(user: str, password: str) -> dict[str, str]:

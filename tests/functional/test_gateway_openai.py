@@ -182,7 +182,7 @@ async def test_explicit_be_tier_from_an_rt_tenant(
 @pytest.mark.parametrize(
     ("body", "status", "param"),
     [
-        ({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, 400, "model"),
+        ({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
         (
             {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": "many"},
             422,

@@ -21,16 +21,27 @@ from tandem.cli import main as tandem
 from tests.functional.gateway_fixtures import ADMIN_TOKEN, GatewayHandle
 
 DAY = datetime(2026, 10, 5, tzinfo=UTC)
-STATUSES = ["ok"] * 8 + ["engine_error", "rate_limited", "slo_unattainable"]
+STATUSES = ["ok"] * 8 + [
+    "engine_error",
+    "rate_limited",
+    "slo_unattainable",
+    "client_disconnected",  # a cancel: not an error, not judged
+    "interrupted",  # batch work a shutdown cut off: in no figure
+]
+UNJUDGED = ("client_disconnected", "interrupted")
 RAN_AS_RT = ("admitted", "unchecked", "accepted")
 
 
 def make_records(tenants: list[str], seed: int = 7) -> list[UsageRecord]:
-    """~300 records over three hours of DAY (10:00-12:59) and one the next day."""
+    """~300 records finished over three hours of DAY (10:00-12:59), a quarter of them batch
+    lines that waited up to 55 min between their dispatch and their finish (so many finish in
+    a later hour than they were created in), and two that finish the next day."""
     rng = random.Random(seed)
     records = []
     for i in range(300):
-        created = DAY + timedelta(hours=10, seconds=rng.uniform(0, 3 * 3600 - 1))
+        created = DAY + timedelta(hours=10, seconds=rng.uniform(0, 2 * 3600 - 1))
+        batch = rng.random() < 0.25
+        finished = created + timedelta(seconds=rng.uniform(0, 3300 if batch else 5))
         status = rng.choice(STATUSES)
         ok = status == "ok"
         tier = rng.choice(["rt", "be"])
@@ -48,17 +59,17 @@ def make_records(tenants: list[str], seed: int = 7) -> list[UsageRecord]:
                 tenant_id=rng.choice(tenants),
                 tier=tier,
                 model="tandem-tiny",
-                endpoint="chat",
+                endpoint="batch/chat" if batch else "chat",
                 prompt_tokens=rng.randint(1, 500),
                 completion_tokens=rng.randint(1, 300) if ok else 0,
                 ttft_ms=round(rng.lognormvariate(4, 1), 3) if ok else None,
                 tpot_ms=round(rng.uniform(5, 80), 3) if ok and rng.random() < 0.9 else None,
                 status=status,
                 http_status=200 if ok else 429 if refused else 400,
-                slo_met=None if refused else (ok and rng.random() < 0.8),
+                slo_met=None if refused or status in UNJUDGED else (ok and rng.random() < 0.8),
                 admission=admission,
                 created_at=created,
-                finished_at=created + timedelta(seconds=1),
+                finished_at=finished,
             )
         )
     records.append(
@@ -76,6 +87,21 @@ def make_records(tenants: list[str], seed: int = 7) -> list[UsageRecord]:
             finished_at=DAY + timedelta(days=1, hours=1),
         )
     )
+    records.append(
+        UsageRecord(
+            request_id="over-midnight",
+            tenant_id=tenants[0],
+            tier="be",
+            model="tandem-tiny",
+            endpoint="batch/chat",
+            prompt_tokens=7,
+            completion_tokens=7,
+            status="ok",
+            http_status=200,
+            created_at=DAY + timedelta(hours=23, minutes=50),
+            finished_at=DAY + timedelta(days=1, minutes=10),  # counted the day it finished
+        )
+    )
     return records
 
 
@@ -88,8 +114,8 @@ def expected(
 ) -> list[dict[str, Any]]:
     groups: dict[tuple[int, str], list[UsageRecord]] = defaultdict(list)
     for r in records:
-        if start <= r.created_at < end:
-            t = int(r.created_at.timestamp()) // bucket_s * bucket_s
+        if start <= r.finished_at < end and r.status != "interrupted":
+            t = int(r.finished_at.timestamp()) // bucket_s * bucket_s
             groups[(t, r.tenant_id)].append(r)
     rows = []
     for (t, tenant), rs in sorted(groups.items()):
@@ -108,8 +134,9 @@ def expected(
                 "prompt_tokens": prompt,
                 "completion_tokens": completion,
                 "total_tokens": prompt + completion,
-                "errors": sum(1 for r in rs if r.status != "ok"),
+                "errors": sum(1 for r in rs if r.status not in ("ok", "client_disconnected")),
                 "rate_limited": sum(1 for r in rs if r.status == "rate_limited"),
+                "cancelled": sum(1 for r in rs if r.status == "client_disconnected"),
                 "ttft_ms_p50": nearest_rank(ttft, 50),
                 "ttft_ms_p99": nearest_rank(ttft, 99),
                 "tpot_ms_p50": nearest_rank(tpot, 50),
