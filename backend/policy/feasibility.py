@@ -97,18 +97,27 @@ class Shortfall:
     retry_after_s: float
     """When asking again may succeed, seconds (≥ 1): the time the queue ahead needs to drain
     by the excess (TTFT), or a second for the running RT decodes to thin out (TPOT)."""
+    budget_s: float | None = None
+    """What the forecast had to stay within, seconds: the target times the forecaster's headroom
+    (the forecast is a mean, the target a bound); None: the target itself."""
 
     @property
     def over_s(self) -> float:
-        """How far the forecast is over the target, seconds."""
-        return self.predicted_s - self.target_s
+        """How far the forecast is over what it had to stay within, seconds (> 0)."""
+        return self.predicted_s - (self.target_s if self.budget_s is None else self.budget_s)
 
     def describe(self) -> str:
         """One sentence naming the target and the excess, for an error message."""
         name = "time to first token" if self.target == "ttft" else "time per output token"
+        within = ""
+        if self.budget_s is not None and self.budget_s != self.target_s:
+            within = (
+                f" against the {self.budget_s * 1000:.0f} ms a forecast must stay within "
+                "to keep the target (the forecast is a mean, the target a bound)"
+            )
         return (
             f"the {name} target of {self.target_s * 1000:.0f} ms cannot be met at the engine's "
-            f"current load: predicted {self.predicted_s * 1000:.0f} ms "
+            f"current load: predicted {self.predicted_s * 1000:.0f} ms{within} "
             f"({self.over_s * 1000:.0f} ms over)"
         )
 
@@ -252,15 +261,16 @@ class SloForecaster:
     def _shortfall(self, ask: SloAsk, ttft_s: float, tpot_s: float | None) -> Shortfall | None:
         if ttft_s > self.headroom * ask.ttft_target_s:
             # Retry once the queue ahead has drained by the excess.
-            over_s = ttft_s - self.headroom * ask.ttft_target_s
-            return Shortfall("ttft", ask.ttft_target_s, ttft_s, _retry_after(over_s))
+            budget_s = self.headroom * ask.ttft_target_s
+            over_s = ttft_s - budget_s
+            return Shortfall("ttft", ask.ttft_target_s, ttft_s, _retry_after(over_s), budget_s)
         tpot_target_s = ask.tpot_target_s
         if (
             tpot_s is not None
             and tpot_target_s is not None
             and tpot_s > self.headroom * tpot_target_s
         ):
-            return Shortfall("tpot", tpot_target_s, tpot_s, 1.0)
+            return Shortfall("tpot", tpot_target_s, tpot_s, 1.0, self.headroom * tpot_target_s)
         return None
 
 

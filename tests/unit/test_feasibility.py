@@ -12,6 +12,7 @@ from backend.policy.calibration import PaceSpread
 from backend.policy.feasibility import (
     MIN_VERIFIED_ITERATIONS,
     Backlog,
+    Shortfall,
     SloAsk,
     SloForecaster,
     TtftFeedback,
@@ -89,6 +90,15 @@ def test_rt_prompts_ahead_delay_the_first_token_and_the_excess_is_named() -> Non
     assert shortfall.retry_after_s >= 1.0
     message = shortfall.describe()
     assert "time to first token" in message and "500 ms" in message and "80 ms over" in message
+
+
+def test_a_forecast_under_the_target_but_over_its_headroom_names_a_positive_excess() -> None:
+    """With headroom < 1 a forecast of 801 ms misses a 1000 ms target (it must stay within
+    650 ms); the message said "-199 ms over" before."""
+    shortfall = Shortfall("ttft", target_s=1.0, predicted_s=0.801, retry_after_s=1.0, budget_s=0.65)
+    assert shortfall.over_s == pytest.approx(0.151)
+    message = shortfall.describe()
+    assert "1000 ms" in message and "650 ms" in message and "151 ms over" in message
 
 
 def test_a_slower_engine_turns_a_feasible_request_away() -> None:
