@@ -134,10 +134,52 @@ def _install(settings: EngineSettings) -> None:
             prompt_slack_tokens=kv_layout_engine.prompt_slack_tokens,
             on_park=kv_layout_engine.set_parked,
         ).install()
-        if settings.control_socket:
-            control.start(driver, settings.control_socket)
+        socket_path = control_socket_of_rank(settings.control_socket, *scheduler_ranks())
+        if socket_path is not None:
+            control.start(driver, socket_path)
     if bicache:
         kv_layout_engine.install()
+
+
+def scheduler_ranks() -> tuple[int, int, int | None, int]:
+    """(tp_rank, pp_rank, dp_rank, TP ranks per DP rank) of this scheduler process.
+
+    Read from the arguments of SGLang's `run_scheduler_process`, which calls the plugin loader
+    first thing: its frame is on the stack while `register` runs, and nothing else holds the
+    ranks yet. (0, 0, None, 1) outside it (a single scheduler, a test)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "run_scheduler_process":
+            local = frame.f_locals
+            dp_rank = local.get("dp_rank")
+            if dp_rank is None and "SGLANG_DP_RANK" in os.environ:
+                dp_rank = int(os.environ["SGLANG_DP_RANK"])
+            args = local.get("server_args")
+            tp_size = int(getattr(args, "tp_size", 1) or 1)
+            dp_size = int(getattr(args, "dp_size", 1) or 1)
+            # with DP attention the TP ranks span all DP ranks; else each DP rank has its own
+            per_dp = tp_size // dp_size if getattr(args, "enable_dp_attention", False) else tp_size
+            return (
+                int(local.get("tp_rank") or 0),
+                int(local.get("pp_rank") or 0),
+                None if dp_rank is None else int(dp_rank),
+                max(1, per_dp),
+            )
+        frame = frame.f_back
+    return 0, 0, None, 1
+
+
+def control_socket_of_rank(
+    path: str | None, tp_rank: int, pp_rank: int, dp_rank: int | None, tp_per_dp: int
+) -> str | None:
+    """The control endpoint this scheduler serves, or None. Every TP/PP rank runs the same
+    schedule, so only the first of each data-parallel rank serves one (two would fight over
+    one socket, and the second refuses to start); DP rank k > 0 serves `<path>.dp<k>`, rank 0
+    `path` itself, where the gateway reads it (it sees DP rank 0's state)."""
+    if path is None or pp_rank != 0 or tp_rank % tp_per_dp != 0:
+        return None
+    dp = dp_rank if dp_rank is not None else tp_rank // tp_per_dp
+    return path if dp == 0 else f"{path}.dp{dp}"
 
 
 def after_create_generation_req(req: Any, *args: Any, **kwargs: Any) -> None:
