@@ -275,22 +275,7 @@ def run_policy(name: str, run: BenchRun, latency: LatencyModel, base: SimConfig)
     if name in BE_ORDERINGS:  # dfs / blend: the batch runner's ordered feed
         spec_source = ordered_source(name, spec_source, run.kv_capacity_tokens)
     source = SimSource(spec_source, SimRequest)
-    span = run.workload.window_s
-    # The bar runs to the arrival window; the drain after it stretches the total.
-    bar = tqdm(
-        total=round(span) if span else None,
-        desc=f"{run.workload.name} {name}",
-        unit="sim-s",
-        file=sys.stderr,
-        disable=None if run.config.progress else True,
-        bar_format="{desc:<22} {n:.0f}/{total_fmt} sim-s |{bar}| {elapsed}",
-    )
-
-    def progress(now_s: float) -> None:
-        if bar.total is not None and now_s > bar.total:
-            bar.total = math.ceil(now_s)
-        bar.update(max(0.0, now_s - bar.n))
-
+    bar, progress = _progress_bar(f"{run.workload.name} {name}", run)
     started = time.perf_counter()
     try:
         result = simulate(
@@ -320,6 +305,27 @@ def run_policy(name: str, run: BenchRun, latency: LatencyModel, base: SimConfig)
     return PolicyRun(metrics=metrics, series=series, wall_s=wall, tenants=tenants)
 
 
+def _progress_bar(desc: str, run: BenchRun) -> tuple[Any, Callable[[float], None]]:
+    """A progress bar over the run's arrival window in simulated seconds (the drain after it
+    stretches the total), and the callback the simulator advances it with."""
+    span = run.workload.window_s
+    bar = tqdm(
+        total=round(span) if span else None,
+        desc=desc,
+        unit="sim-s",
+        file=sys.stderr,
+        disable=None if run.config.progress else True,
+        bar_format="{desc:<22} {n:.0f}/{total_fmt} sim-s |{bar}| {elapsed}",
+    )
+
+    def progress(now_s: float) -> None:
+        if bar.total is not None and now_s > bar.total:
+            bar.total = math.ceil(now_s)
+        bar.update(max(0.0, now_s - bar.n))
+
+    return bar, progress
+
+
 DEFAULT_ENGINE_POLICY = "tandem"
 """The engine policy of a router comparison unless --policies names one."""
 
@@ -339,21 +345,7 @@ def run_router(name: str, run: BenchRun, latency: LatencyModel, base: SimConfig)
     router = make_router(name, forecaster or SloForecaster(latency))
     include_be = not getattr(first, "rt_only", False)
     source = SimSource(run.workload.source(run.rt_rate_req_s, include_be), SimRequest)
-    span = run.workload.window_s
-    bar = tqdm(
-        total=round(span) if span else None,
-        desc=f"{run.workload.name} {name} ×{replicas}",
-        unit="sim-s",
-        file=sys.stderr,
-        disable=None if run.config.progress else True,
-        bar_format="{desc:<22} {n:.0f}/{total_fmt} sim-s |{bar}| {elapsed}",
-    )
-
-    def progress(now_s: float) -> None:
-        if bar.total is not None and now_s > bar.total:
-            bar.total = math.ceil(now_s)
-        bar.update(max(0.0, now_s - bar.n))
-
+    bar, progress = _progress_bar(f"{run.workload.name} {name} ×{replicas}", run)
     config = _layout(struct_replace(base, engine_slowdown=run.config.engine_slowdown), first,
                      run.profile)  # fmt: skip
     started = time.perf_counter()
