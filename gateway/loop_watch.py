@@ -7,8 +7,9 @@ time to every request in flight, and shows up only as a latency tail nobody can 
 times how late it runs: that delay is `tandem_event_loop_lag_seconds`. When a callback is later
 than `stall_s`, the thread samples the loop thread's Python stack while it is still held, and
 logs the stall's length and where the loop was (at most one line per `_LOG_EVERY_S`, with how
-many stalls the line stands for); `tandem_event_loop_stalls` counts them by the innermost
-frame of tandem's own code, so an operator can see which part of the gateway holds the loop.
+many stalls the line stands for, but at once for a stall twice as long as any logged then);
+`tandem_event_loop_stalls` counts them by the innermost frame of tandem's own code, so an
+operator can see which part of the gateway holds the loop.
 
 A busy machine (the gateway's core given to another process) also delays the callback; its
 samples land wherever the loop happened to be, where a real stall's land on one place.
@@ -60,6 +61,8 @@ class LoopWatch:
         self._thread: threading.Thread | None = None
         self._unlogged: Tally[str] = Tally()
         self._last_log = 0.0
+        self._logged_longest_s = 0.0
+        """The longest stall logged since `_last_log` (a stall twice as long is logged at once)."""
         self.lag = Histogram(
             "tandem_event_loop_lag_seconds",
             "How late a callback scheduled on the gateway's event loop ran.",
@@ -108,9 +111,12 @@ class LoopWatch:
         self.stalls.labels(where=label).inc()
         self._unlogged[detail] += 1
         now = time.monotonic()
-        if now - self._last_log < _LOG_EVERY_S:
-            return
-        self._last_log = now
+        recent = now - self._last_log < _LOG_EVERY_S
+        if recent and lag_s < 2.0 * self._logged_longest_s:
+            return  # rate-limited, unless twice as long as any stall logged in the window
+        self._logged_longest_s = max(lag_s, self._logged_longest_s) if recent else lag_s
+        if not recent:
+            self._last_log = now
         total = sum(self._unlogged.values())
         places = ", ".join(f"{w} ×{n}" for w, n in self._unlogged.most_common(3))
         self._unlogged.clear()

@@ -61,3 +61,23 @@ def test_bad_interval_is_refused() -> None:
             LoopWatch(loop, CollectorRegistry(), interval_s=0, stall_s=0.05)
     finally:
         loop.close()
+
+
+def test_warnings_are_rate_limited_but_a_much_longer_stall_is_logged_at_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        watch = LoopWatch(loop, CollectorRegistry(), interval_s=0.01, stall_s=0.05)
+        where = ("gateway/x.py (f)", "gateway/x.py:1 (f)")
+        with caplog.at_level(logging.WARNING, logger="gateway.loop_watch"):
+            for lag_s in (0.08, 0.1, 0.12, 0.15):  # one line for the first, the rest tallied
+                watch._stalled(lag_s, where)
+            watch._stalled(1.2, where)  # 8× the longest logged: said at once
+            watch._stalled(1.3, where)
+    finally:
+        loop.close()
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2, messages
+    assert "held 80 ms" in messages[0]
+    assert "held 1200 ms" in messages[1] and "4 stall(s)" in messages[1]
