@@ -40,7 +40,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.functional.gateway_fixtures import free_port
-from tests.waiting import wait_until_sync
+from tests.waiting import wait_until, wait_until_sync
 
 pytestmark = pytest.mark.slow
 ADMIN = "pool-admin-token"
@@ -343,22 +343,28 @@ def test_a_replica_sigkilled_mid_load_loses_nothing_and_comes_back(pool: Pool) -
         async def under_way() -> bool:
             return all(len(s.events) >= 3 for s in streams)
 
-        deadline = time.monotonic() + 120
-        while not await under_way():
-            assert time.monotonic() < deadline, "streams under way"
-            await asyncio.sleep(0.2)
+        await wait_until(under_way, 120, what="streams under way")
         loads = [pool.engine_running(i) for i in (0, 1)]
         victim = 0 if loads[0] >= loads[1] else 1
         assert loads[victim] > 0, loads
         pid = pool.engine_pid(victim)
         killed_at = time.monotonic()
         os.kill(pid, signal.SIGKILL)
-        while pool.serving(victim):  # out of placement (the supervisor saw the process exit)
-            assert time.monotonic() < killed_at + DEATH_NOTICE_TIMEOUT_S, "victim still placed"
-            await asyncio.sleep(0.05)
+        await wait_until(  # out of placement (the supervisor saw the process exit)
+            lambda: not pool.serving(victim),
+            DEATH_NOTICE_TIMEOUT_S,
+            what="the victim out of placement",
+            max_interval_s=0.05,
+        )
         pool.measured["kill_to_out_of_placement_s"] = time.monotonic() - killed_at
-        # the streams on the dead replica end; those on the other keep streaming
-        await asyncio.sleep(3.0)
+
+        def settled() -> bool:  # the streams on the dead replica end; the others go on
+            return all(
+                s.ended_at is not None or (s.tokens_after and s.tokens_after[-1] > killed_at + 2.0)
+                for s in streams
+            )
+
+        await wait_until(settled, DEATH_NOTICE_TIMEOUT_S + 60, what="each stream ended or went on")
         stop.set()
         await asyncio.wait_for(asyncio.gather(*tasks), DEATH_NOTICE_TIMEOUT_S + 300)
         return victim, killed_at, pid

@@ -34,7 +34,10 @@ async def test_a_held_loop_is_measured_counted_and_located(
     watch = LoopWatch(asyncio.get_running_loop(), registry, interval_s=0.01, stall_s=0.05)
     watch.start()
     try:
-        await asyncio.sleep(0.05)  # a few probes on an idle loop first
+        await wait_until(  # a few probes on an idle loop first
+            lambda: _samples(registry, "tandem_event_loop_lag_seconds_count").get((), 0) >= 3,
+            what="three probes of the idle loop",
+        )
         with caplog.at_level(logging.WARNING, logger="gateway.loop_watch"):
             hold_the_loop(0.3)
             await wait_until(
