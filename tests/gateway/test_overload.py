@@ -119,3 +119,61 @@ async def test_a_body_that_arrives_too_slowly_is_answered_408_and_frees_its_plac
         assert (await gw.chat(key, max_tokens=2)).status == 200  # its place is free
         samples = await gw.metrics()
         assert metric(samples, "tandem_gateway_body_timeouts_total") == 1
+
+
+async def _raw_exchange(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes
+) -> tuple[bytes, bytes]:
+    """Sends *request* on an open connection and reads one answer: its head and its body."""
+    writer.write(request)
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=30)
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    return head, await asyncio.wait_for(reader.readexactly(length), timeout=30)
+
+
+async def test_a_shed_request_keeps_its_connection_unless_its_body_is_large(
+    make_gateway: GatewayFactory,
+) -> None:
+    """Shed with 503, a small request's keep-alive connection stays open for the client's retry
+    (a flood of shed clients reconnecting would overflow the listen backlog, and dropped SYNs
+    cost every new client seconds); a large body is not read, its connection closed."""
+    async with make_gateway(TANDEM_GATEWAY__MAX_REQUESTS_IN_FLIGHT="1") as gw:
+        _, key = await gw.new_tenant("t")
+        url = urlsplit(gw.base_url)
+
+        def chat_request(body: bytes) -> bytes:
+            head = (
+                f"POST {CHAT_PATH} HTTP/1.1\r\nHost: {url.netloc}\r\n"
+                f"Authorization: Bearer {key}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n"
+            )
+            return head.encode() + body
+
+        small = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+        large = json.dumps(
+            {"model": MODEL, "messages": [{"role": "user", "content": "word " * 20_000}]}
+        )
+        async with held(gw, key):  # the one place is taken
+            await wait_until(lambda: in_progress(gw), what="a request inside the gateway")
+            reader, writer = await asyncio.open_connection(url.hostname, url.port)
+            try:
+                head, body = await _raw_exchange(reader, writer, chat_request(small.encode()))
+                assert head.startswith(b"HTTP/1.1 503"), head
+                assert b"connection: close" not in head.lower(), head
+                assert json.loads(body)["error"]["code"] == "server_overloaded"
+                # the same connection serves the next request
+                probe = f"GET /healthz HTTP/1.1\r\nHost: {url.netloc}\r\n\r\n".encode()
+                head, _ = await _raw_exchange(reader, writer, probe)
+                assert head.startswith(b"HTTP/1.1 200"), head
+
+                head, _ = await _raw_exchange(reader, writer, chat_request(large.encode()))
+                assert head.startswith(b"HTTP/1.1 503"), head
+                assert b"connection: close" in head.lower(), head
+                assert await asyncio.wait_for(reader.read(), timeout=30) == b""  # closed
+            finally:
+                writer.close()
