@@ -634,7 +634,7 @@ OPERATIONS: list[Op] = [
         "data: [DONE]); another model than the served one: 404 model_not_found; over a "
         "quota: 429 with Retry-After, the error code names the limit; needing more tokens "
         "than the whole tokens_per_min (prompt + max_tokens, or the default cap): 400 "
-        "request_too_large_for_limit",
+        "request_too_large_for_limit; a tenant with a limit of 0: 403 <limit>_is_zero",
         "openai",
         TENANT,
         body="ChatCompletionRequest",

@@ -61,7 +61,13 @@ from gateway.pipeline.outcome import Refused
 from gateway.pipeline.placement import engine_candidates
 from gateway.pipeline.prepare import EngineRequest, in_tier
 from gateway.pipeline.tier_queue import TierQueueCheck
-from gateway.quotas.limiter import QuotaExceeded, QuotaLimiter, RequestTooLarge, Ticket
+from gateway.quotas.limiter import (
+    LimitIsZero,
+    QuotaExceeded,
+    QuotaLimiter,
+    RequestTooLarge,
+    Ticket,
+)
 from gateway.state import (
     LOADS,
     METRICS,
@@ -165,7 +171,8 @@ class QuotaCheck:
     A request counts its prompt plus its output cap when admitted; batch lines count toward
     the monthly budget only (gateway/quotas/__init__.py explains why). Over a limit: 429 with
     Retry-After; one needing more than the whole tokens_per_min: 400
-    `request_too_large_for_limit` (no retry could pass, and clients retry 429s)."""
+    `request_too_large_for_limit`; any request of a tenant with a limit of 0: 403
+    `<limit>_is_zero` (no retry could pass, and clients retry 429s)."""
 
     limiter: QuotaLimiter
     metrics: GatewayMetrics
@@ -187,6 +194,14 @@ class QuotaCheck:
                 message=exc.message,
                 code="request_too_large_for_limit",
                 param="max_tokens",
+            )
+        except LimitIsZero as exc:
+            self.metrics.quota_rejected(admitted.tenant.id, exc.limit)
+            return Refused(
+                kind="rate_limited",
+                http_status=403,
+                message=exc.message,
+                code=f"{exc.limit}_is_zero",
             )
         except QuotaExceeded as exc:
             self.metrics.quota_rejected(admitted.tenant.id, exc.limit)

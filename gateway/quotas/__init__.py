@@ -3,7 +3,9 @@
 Over a limit, a request is refused before it reaches the engine with 429, ``Retry-After`` and an
 OpenAI error body whose ``code`` names the limit (``requests_per_min_exceeded``, …). A request
 that needs more tokens than the whole tokens/min limit could never pass: it is a 400
-``request_too_large_for_limit`` instead (`RequestTooLarge`), which clients do not retry.
+``request_too_large_for_limit`` instead (`RequestTooLarge`), which clients do not retry; a
+tenant with a limit of 0 (requests_per_min, max_concurrent or monthly_tokens) gets 403
+``<limit>_is_zero`` for every request (`LimitIsZero`): no wait can admit it.
 
 How it works
 ------------

@@ -56,6 +56,23 @@ class RequestTooLarge(Exception):
         """The tenant's tokens_per_min."""
 
 
+class LimitIsZero(Exception):
+    """A request of a tenant one of whose limits is 0 (requests_per_min, max_concurrent,
+    monthly_tokens; tokens_per_min 0 is a `RequestTooLarge`): no request of it can ever pass,
+    so it is refused for good (403), not told to retry (429)."""
+
+    def __init__(self, limit: str, message: str) -> None:
+        super().__init__(message)
+        self.limit = limit
+        """The limit that is 0 (a quota field name)."""
+        self.message = message
+
+
+_ZERO_LIMITS = ("requests_per_min", "max_concurrent", "monthly_tokens")
+"""Limits whose value 0 admits no request at all (checked for interactive requests; a batch
+line is held to monthly_tokens only)."""
+
+
 @dataclass
 class Ticket:
     """An admitted request's hold on its tenant's quota, given back by `release`."""
@@ -182,7 +199,8 @@ class QuotaLimiter:
     ) -> Ticket:
         """Admits a request of *tenant* needing up to prompt + max_tokens tokens, or raises
         QuotaExceeded naming the first limit it is over (RequestTooLarge when it needs more
-        than the whole tokens_per_min). Unlimited tenants cost a dict lookup.
+        than the whole tokens_per_min, LimitIsZero when a limit is 0). Unlimited tenants cost a
+        dict lookup.
 
         A Batch-API line (*interactive* False) is held to the monthly budget only: like
         OpenAI's, batches do not draw on the per-minute limits, and the batch runner paces them
@@ -191,6 +209,13 @@ class QuotaLimiter:
         state = self._state(tenant, now)
         quota = state.quota
         amount = prompt_tokens + max_tokens
+        for limit in _ZERO_LIMITS if interactive else ("monthly_tokens",):
+            if getattr(quota, limit) == 0:
+                raise LimitIsZero(
+                    limit,
+                    f"tenant {tenant.name!r} may send no requests: its {limit} limit is 0; no "
+                    "retry can pass until an operator raises it (PATCH /admin/v1/tenants/{id})",
+                )
         if interactive and quota.tokens_per_min is not None and amount > quota.tokens_per_min:
             # first: whatever else it is over, waiting cannot help this one
             raise RequestTooLarge(

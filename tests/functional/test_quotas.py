@@ -200,8 +200,9 @@ async def test_limit_changes_through_the_admin_api_apply_without_restart(
         status, _, body = await chat(gateway, key)
         assert status == 200, body
     await gateway.admin("PATCH", f"/tenants/{tenant_id}", {"quota": {"max_concurrent": 0}})
-    status, headers, body = await chat(gateway, key)
-    assert_rate_limited(status, headers, body, "max_concurrent")
+    status, headers, body = await chat(gateway, key)  # suspended: refused for good, no retry
+    assert status == 403 and body["error"]["code"] == "max_concurrent_is_zero", body
+    assert "Retry-After" not in headers
 
 
 async def test_a_revoked_key_is_refused_immediately(gateway: GatewayHandle) -> None:

@@ -23,6 +23,27 @@ def assert_rate_limited(reply: Reply, limit: str) -> int:
     return retry_after
 
 
+def assert_suspended(reply: Reply, limit: str) -> None:
+    """The 403 a client sees when its tenant's *limit* is 0: refused for good, no Retry-After
+    (a 429 would have the client retry a request no wait can admit)."""
+    assert reply.status == 403, reply
+    assert reply.error["type"] == "permission_error"
+    assert reply.error["code"] == f"{limit}_is_zero"
+    assert f"its {limit} limit is 0" in reply.error["message"]
+    assert "Retry-After" not in reply.headers
+
+
+async def test_a_limit_of_zero_refuses_every_request_for_good(gw: Gateway) -> None:
+    for limit in ("requests_per_min", "max_concurrent", "monthly_tokens"):
+        tenant_id, key = await gw.new_tenant(f"zero-{limit}", quota={limit: 0})
+        assert_suspended(await gw.chat(key, max_tokens=1), limit)
+        reply = await gw.admin("GET", f"/usage?tenant={tenant_id}")
+        assert reply.status == 200, reply
+    # raising it admits at once
+    await gw.admin("PATCH", f"/tenants/{tenant_id}", {"quota": {"monthly_tokens": 10_000}})
+    assert (await gw.chat(key, max_tokens=1)).status == 200
+
+
 async def test_over_requests_per_min_is_429_with_retry_after_and_recorded(gw: Gateway) -> None:
     tenant_id, key = await gw.new_tenant("rpm", quota={"requests_per_min": 2})
     assert [(await gw.chat(key, max_tokens=1)).status for _ in range(2)] == [200, 200]
@@ -149,7 +170,7 @@ async def test_limit_changes_through_the_admin_api_apply_at_once(gw: Gateway) ->
         reply = await gw.chat(key, max_tokens=1)
         assert reply.status == 200, reply
     await gw.admin("PATCH", f"/tenants/{tenant_id}", {"quota": {"max_concurrent": 0}})
-    assert_rate_limited(await gw.chat(key, max_tokens=1), "max_concurrent")
+    assert_suspended(await gw.chat(key, max_tokens=1), "max_concurrent")
     await gw.admin("PATCH", f"/tenants/{tenant_id}", {"quota": {"max_concurrent": None}})
     assert (await gw.chat(key, max_tokens=1)).status == 200
 

@@ -11,6 +11,7 @@ from gateway.pipeline.stages import duration_text
 from gateway.quotas.bucket import TokenBucket
 from gateway.quotas.limiter import (
     DemandReport,
+    LimitIsZero,
     QuotaExceeded,
     QuotaLimiter,
     RequestTooLarge,
@@ -136,8 +137,20 @@ def test_a_raised_limit_applies_at_once_and_a_lowered_one_too() -> None:
     lim.admit(tenant(requests_per_min=1), 1, 1)
     refused(lim, tenant(requests_per_min=1))
     lim.admit(tenant(requests_per_min=10), 1, 1)  # the admin raised it: the extra burst is there
-    lowered = tenant(requests_per_min=10, max_concurrent=0)
+    lowered = tenant(requests_per_min=10, max_concurrent=1)  # two are in flight
     assert refused(lim, lowered).limit == "max_concurrent"
+
+
+def test_a_limit_of_zero_refuses_for_good_and_batch_lines_only_on_the_monthly_budget() -> None:
+    lim = limiter(Clock())
+    for limit in ("requests_per_min", "max_concurrent", "monthly_tokens"):
+        with pytest.raises(LimitIsZero) as info:
+            lim.admit(tenant(**{limit: 0}), 1, 1)
+        assert info.value.limit == limit
+    # a batch line is held to the monthly budget only (per-minute limits do not pace batches)
+    lim.admit(tenant(requests_per_min=0), 1, 1, interactive=False)
+    with pytest.raises(LimitIsZero):
+        lim.admit(tenant(monthly_tokens=0), 1, 1, interactive=False)
 
 
 def test_two_instances_split_the_limit_and_never_exceed_it_together() -> None:
