@@ -358,8 +358,9 @@ class BatchConfig(_Section, frozen=True):
     max_lines: int = 50_000
     """Most requests (JSONL lines) in one batch input file, lines."""
     max_inflight: int = 64
-    """Batch lines running on the engine at once (all batches together), requests: the
-    runner's backpressure bound; it also never exceeds the engine's KV (see the scanner)."""
+    """Batch lines running at once per serving engine (all batches together), requests: the
+    runner's backpressure bound, times the engines of the pool that serve now (N replicas run
+    N times as many lines); it also never exceeds the engine's KV (see the scanner)."""
     poll_interval_s: float = 0.5
     """How often the runner looks for new, cancelled and expired batches, seconds."""
     pilot_fraction: float = 0.01
@@ -370,7 +371,8 @@ class BatchConfig(_Section, frozen=True):
     """Outlier-split budget: prefix tokens a split may recompute, as a share of the batch's
     unique prompt tokens (BlendServe Alg. 2 threshold)."""
     engine_kv_tokens: int | None = None
-    """KV pool the scanner partitions, tokens (None: engine.max_total_tokens)."""
+    """KV pool of one engine the scanner partitions, tokens (None: engine.max_total_tokens);
+    a pool of N engines gives the scanner N of them."""
     retry_after_s: float = 2.0
     """Pause before a line is retried after the engine was unreachable or aborted it, seconds."""
     max_attempts: int = 5

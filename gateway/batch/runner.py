@@ -9,10 +9,10 @@ counted: a line in flight at every crash ends in the error file after `batch.max
 can never duplicate one.
 Running one line and committing its result (or its retry) is gateway/batch/execute.py.
 
-Backpressure: at most `batch.max_inflight` lines are on the engine at once (all batches
-together), and each batch's feed (backend/policy/batch_order/feed.py) keeps its lines' estimated KV
-footprint within the engine's KV pool, so BE work queues here, in SQL, not inside the engine,
-where it would sit in front of RT requests' memory.
+Backpressure: at most `batch.max_inflight` lines per serving engine are running at once (all
+batches together), and each batch's feed (backend/policy/batch_order/feed.py) keeps its lines'
+estimated KV footprint within the engines' KV pools, so BE work queues here, in SQL, not inside
+the engine, where it would sit in front of RT requests' memory.
 
 RT first: while the engine reports RT requests waiting (`EngineLoad.num_rt_waiting` > 0, from the
 gateway's `LoadWatcher`; in a pool, while every serving engine does: `pool_dispatch_paused`), no
@@ -59,7 +59,7 @@ from gateway.batch.types import ENDPOINTS, BatchInfo, PendingItem
 from gateway.batch.validate import validate_lines
 from gateway.pipeline.outcome import Failure, internal_error
 from gateway.pipeline.placement import engine_candidates
-from gateway.state import CONFIG, LOADS, STORE, TOKENIZER
+from gateway.state import CONFIG, LOADS, POOL, STORE, TOKENIZER
 from gateway.store.outage import DATABASE_OUTAGE, DatabaseOutage
 from gateway.store.types import Tenant
 from gateway.tokenizer import ModelTokenizer
@@ -321,7 +321,10 @@ class BatchRunner:
         """The feed of a batch: the engine's KV pool, and the tenant's output-length history as
         the prior until the batch's own pilot lines have finished."""
         cfg = self._config.batch
-        kv = cfg.engine_kv_tokens or self._config.engine.max_total_tokens
+        # a pool of N engines holds N KV pools and runs N engines' lines (the dispatch bounds
+        # the lines on the engines that serve now)
+        engines = max(1, len(self._app.get(POOL) or ()))
+        kv = (cfg.engine_kv_tokens or self._config.engine.max_total_tokens) * engines
         history = await self._app[STORE].length_history(
             tenant.id, self._config.usage.length_history_window
         )
@@ -330,7 +333,7 @@ class BatchRunner:
             ordering="blend",
             memory_tokens=float(kv),
             prior_output_len=prior,
-            max_inflight=cfg.max_inflight,
+            max_inflight=cfg.max_inflight * engines,
             pilot_fraction=cfg.pilot_fraction,
             pilot_max_lines=cfg.pilot_max_lines,
             split_alpha=cfg.split_alpha,
@@ -357,7 +360,10 @@ class BatchRunner:
             if active.stopping is None:
                 by_tenant.setdefault(active.info.tenant_id, []).append(active)
         self._shares.set_backlogged(by_tenant)
-        room = self._config.batch.max_inflight - self._inflight
+        # the bound is per engine: a pool of N serves N times the lines (one engine's bound
+        # spread over N would leave each nearly idle of batch work)
+        engines = max(1, len(engine_candidates(self._app)))
+        room = self._config.batch.max_inflight * engines - self._inflight
         for active, line_no in self._shares.pick_lines(by_tenant, self._next_line, room):
             prompt_tokens = len(active.prepared[line_no].prompt.input_ids)
             self._shares.charge(

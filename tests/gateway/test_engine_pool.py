@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest_asyncio
 from aiohttp import web
@@ -151,3 +152,65 @@ async def test_a_frozen_engine_leaves_placement_and_rejoins(pool: Pool) -> None:
         return await healthy(gw, pool.engines[0]) == 1.0
 
     await wait_until(rejoined, 30, what="the thawed engine back in placement")
+
+
+class Concurrency:
+    """Counts the generations the simulators of a pool run at once (together), the most they
+    ran, and how many each one ran."""
+
+    def __init__(self) -> None:
+        self.now = 0
+        self.most = 0
+        self.served: dict[int, int] = {}
+
+    def middleware(self, engine: int) -> Any:
+        @web.middleware
+        async def count(request: web.Request, handler: web.Handler) -> web.StreamResponse:
+            if request.path != "/generate":
+                return await handler(request)
+            self.now += 1
+            self.most = max(self.most, self.now)
+            self.served[engine] = self.served.get(engine, 0) + 1
+            try:
+                return await handler(request)
+            finally:
+                self.now -= 1
+
+        return count
+
+
+async def test_batch_lines_in_flight_scale_with_the_engines(
+    tmp_path: Path, tiny_model_dir: Path, template_db: Path
+) -> None:
+    """`batch.max_inflight` bounds each engine's lines: two engines run up to twice as many."""
+    from tests.gateway.test_batches import chat_line, create_batch, jsonl, upload, wait_for
+
+    bound = 2
+    counter = Concurrency()
+    async with AsyncExitStack() as stack:
+        servers = []
+        for engine in range(2):
+            app = sim_app()
+            app.middlewares.append(counter.middleware(engine))
+            servers.append(await stack.enter_async_context(serve(app)))
+        urls = [f"http://127.0.0.1:{s.port}" for s in servers]
+        gw = await stack.enter_async_context(
+            running_gateway(
+                tmp_path,
+                tiny_model_dir,
+                servers[0].port or 0,
+                template_db=template_db,
+                TANDEM_ENGINE__ENDPOINTS=json.dumps(urls),
+                TANDEM_BATCH__MAX_INFLIGHT=str(bound),
+            )
+        )
+        _, key = await gw.new_tenant("wide", "be")
+        lines = [chat_line(f"l-{i}", f"Line {i}: count to ten.", max_tokens=64) for i in range(24)]
+        file = await upload(gw, key, jsonl(lines))
+        assert file.status == 200, file
+        created = await create_batch(gw, key, file.body["id"])
+        assert created.status == 200, created
+        done = await wait_for(gw, key, created.body["id"])
+        assert done["request_counts"]["completed"] == len(lines), done
+    assert set(counter.served) == {0, 1}, counter.served  # both engines ran lines
+    assert bound < counter.most <= 2 * bound, counter.most
