@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,9 +170,12 @@ def measure_profile(config: Config, model_dir: Path, identity: EngineIdentity, o
     from bench.profiler.probe import ProfilerError
 
     key = profile_key(identity)
-    # policy none: SGLang's own scheduling is measured; no API key: nothing but this process
-    # talks to the engine while it is measured (the profiler's probes send none)
-    engine_cfg = msgspec.structs.replace(config.engine, policy="none", api_key=None)
+    # policy none: SGLang's own scheduling is measured. The engine requires a key like the
+    # served one (the configured key, else a fresh one): while it is measured nothing but this
+    # process may talk to it, whoever else is on the host
+    engine_cfg = msgspec.structs.replace(
+        config.engine, policy="none", api_key=config.engine.api_key or secrets.token_urlsafe(32)
+    )
     log.info("latency profile: none stored for engine key %s; measuring one (quick grid) "
              "before serving, stored in %s", key, out.parent)  # fmt: skip
     engine = EngineProcess(
@@ -198,6 +202,7 @@ def measure_profile(config: Config, model_dir: Path, identity: EngineIdentity, o
                 name=f"auto-{key}",
                 command="tandem serve (engine.profile auto)",
                 progress=lambda line: log.info("latency profile: %s", line),
+                headers=engine_cfg.auth_headers,
             )
         )
         probe_s = time.monotonic() - probe_started
