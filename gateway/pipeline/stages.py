@@ -183,7 +183,13 @@ def prepare(
     tenant = flight.principal.tenant
     tier: Tier = "be" if flight.origin == "batch" else resolve_tier(tenant, body.tier)
     flight.request = build_engine_request(
-        body, prompt.input_ids, prompt.max_tokens, flight.principal, tier, rid=flight.request_id
+        body,
+        prompt.input_ids,
+        prompt.max_tokens,
+        flight.principal,
+        tier,
+        rid=flight.request_id,
+        tool_family=app[TOKENIZER].tool_family,
     )
     return flight.request
 
