@@ -35,7 +35,7 @@ from datetime import UTC, datetime
 from aiohttp import web
 
 from common.wire import Tier
-from gateway.api.schemas import Endpoint, OpenAIRequest
+from gateway.api.schemas import ChatCompletionRequest, Endpoint, OpenAIRequest
 from gateway.auth import Principal
 from gateway.engine.client import (
     EngineChunk,
@@ -189,9 +189,13 @@ def prepare(
         flight.principal,
         tier,
         rid=flight.request_id,
-        tool_family=app[TOKENIZER].tool_family,
+        tool_family=app[TOKENIZER].tool_family if _has_tools(body) else None,
     )
     return flight.request
+
+
+def _has_tools(body: OpenAIRequest) -> bool:
+    return isinstance(body, ChatCompletionRequest) and bool(body.tools)
 
 
 def admit(app: web.Application, flight: Flight) -> Admitted | Refused:
