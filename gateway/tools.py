@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 ToolFamily = Literal["hermes", "llama3_json", "mistral"]
@@ -70,7 +70,8 @@ class ToolPlan:
 
     mode: Literal["auto", "named", "required"]
     family: ToolFamily | None = None
-    """The format parsed in mode auto (None otherwise)."""
+    """The served model's call format: parsed in mode auto (which needs one); in every mode it
+    shapes the call ids (`new_call_id`)."""
     function_name: str | None = None
     """The function of mode named."""
     is_parallel: bool = True
@@ -83,7 +84,7 @@ class ToolCall:
     """One call the model made."""
 
     id: str
-    """`call_` and 24 hex digits, unique per call."""
+    """Unique per call (`new_call_id`)."""
     name: str
     arguments: str
     """The arguments as JSON text (OpenAI's `function.arguments`)."""
@@ -106,9 +107,21 @@ class ParsedOutput:
     tool_calls: list[ToolCall] = field(default_factory=list)
 
 
-def new_call_id() -> str:
-    """A fresh tool call id."""
+MISTRAL_CALL_ID_CHARS = 9
+"""Mistral's chat templates refuse a conversation whose call ids are not 9 letters or digits
+(`raise_exception`), so a client that sends the calls back gets a 400 unless its ids are."""
+
+
+def new_call_id(family: ToolFamily | None = None) -> str:
+    """A fresh tool call id: `call_` and 24 hex digits, or 9 letters and digits for the
+    mistral family (its templates accept no other)."""
+    if family == "mistral":
+        return uuid.uuid4().hex[:MISTRAL_CALL_ID_CHARS]
     return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _with_ids(calls: list[ToolCall], family: ToolFamily | None) -> list[ToolCall]:
+    return [replace(call, id=new_call_id(family)) for call in calls]
 
 
 # ------------------------------------------------------------------------- forced decoding
@@ -140,7 +153,8 @@ def parse_output(plan: ToolPlan, text: str) -> ParsedOutput:
     """The content and tool calls of a whole answer *text* under *plan*."""
     if plan.mode == "named":
         assert plan.function_name is not None
-        return ParsedOutput(None, [ToolCall(new_call_id(), plan.function_name, text)])
+        call = ToolCall(new_call_id(plan.family), plan.function_name, text)
+        return ParsedOutput(None, [call])
     if plan.mode == "required":
         calls = _parse_call_list(text, ("parameters", "arguments"))
     else:
@@ -149,10 +163,10 @@ def parse_output(plan: ToolPlan, text: str) -> ParsedOutput:
         if calls is not None:
             if not plan.is_parallel:
                 calls = calls[:1]
-            return ParsedOutput(before.rstrip() or None, calls)
+            return ParsedOutput(before.rstrip() or None, _with_ids(calls, plan.family))
     if calls is None:
         return ParsedOutput(text)
-    return ParsedOutput(None, calls)
+    return ParsedOutput(None, _with_ids(calls, plan.family))
 
 
 def _call_from(obj: object, argument_keys: tuple[str, ...]) -> ToolCall | None:
@@ -172,7 +186,8 @@ def _call_from(obj: object, argument_keys: tuple[str, ...]) -> ToolCall | None:
             return None
     if not isinstance(arguments, dict):
         return None
-    return ToolCall(new_call_id(), obj["name"], json.dumps(arguments, ensure_ascii=False))
+    # the id is given once the whole answer parsed (`_with_ids`)
+    return ToolCall("", obj["name"], json.dumps(arguments, ensure_ascii=False))
 
 
 def _parse_call_list(text: str, argument_keys: tuple[str, ...]) -> list[ToolCall] | None:
@@ -322,7 +337,11 @@ class ToolStream:
             before, calls = _PARSERS[self.plan.family](held)
             if calls is not None and not self.plan.is_parallel:
                 calls = calls[:1]
-            parsed = ParsedOutput(before, calls) if calls is not None else ParsedOutput(held)
+            parsed = (
+                ParsedOutput(before, _with_ids(calls, self.plan.family))
+                if calls is not None
+                else ParsedOutput(held)
+            )
         else:
             parsed = ParsedOutput(held)
         if not parsed.tool_calls:
@@ -340,7 +359,8 @@ class ToolStream:
         if not self._started_named:
             assert self.plan.function_name is not None
             self._started_named = self.has_tool_calls = True
-            out.append(ToolCallDelta(0, "", id=new_call_id(), name=self.plan.function_name))
+            call_id = new_call_id(self.plan.family)
+            out.append(ToolCallDelta(0, "", id=call_id, name=self.plan.function_name))
         if text:
             out.append(ToolCallDelta(0, text))
         return out

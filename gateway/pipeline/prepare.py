@@ -220,9 +220,10 @@ def tool_plan(req: SamplingFields, family: ToolFamily | None) -> ToolPlan | None
     choice = req.effective_tool_choice
     is_parallel = req.parallel_tool_calls is not False
     if isinstance(choice, NamedToolChoice):
-        return ToolPlan("named", function_name=choice.function.name, is_parallel=is_parallel)
+        name = choice.function.name
+        return ToolPlan("named", family=family, function_name=name, is_parallel=is_parallel)
     if choice == "required":
-        return ToolPlan("required", is_parallel=is_parallel)
+        return ToolPlan("required", family=family, is_parallel=is_parallel)
     if choice == "none":
         return None
     if family is None:

@@ -121,7 +121,7 @@ def test_a_named_call_is_decoded_under_the_functions_schema() -> None:
         {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
     )
     assert json.loads(params["json_schema"]) == WEATHER_SCHEMA
-    assert plan == ToolPlan("named", function_name="get_weather")
+    assert plan == ToolPlan("named", family="hermes", function_name="get_weather")
 
 
 def test_required_calls_are_decoded_under_an_array_of_the_tools() -> None:
@@ -130,7 +130,7 @@ def test_required_calls_are_decoded_under_an_array_of_the_tools() -> None:
     names = [c["properties"]["name"]["enum"] for c in schema["items"]["anyOf"]]
     assert names == [["get_weather"], ["get_time"]] and schema["maxItems"] == 1
     assert schema["items"]["anyOf"][1]["properties"]["parameters"]["type"] == "object"
-    assert plan == ToolPlan("required", is_parallel=False)
+    assert plan == ToolPlan("required", family="hermes", is_parallel=False)
 
 
 def test_auto_keeps_special_tokens_and_needs_a_known_family() -> None:
