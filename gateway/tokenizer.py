@@ -25,6 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
 from jinja2 import meta as jinja2meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
@@ -304,7 +307,9 @@ def _compile(template: str) -> jinja2.Template:
     `strftime_now`, and `tojson` as `json.dumps` (Jinja's own escapes `<>&'` as HTML, which
     would change every tool schema and call argument that holds one)."""
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=["jinja2.ext.loopcontrols", _GenerationBlock],
     )
 
     def raise_exception(message: str) -> None:
@@ -332,6 +337,19 @@ def _compile(template: str) -> jinja2.Template:
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     return env.from_string(template)
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}…{% endgeneration %}`: Hugging Face marks the assistant's tokens with it
+    (for training masks); rendering, it is its body unchanged. Without it such a template would
+    not compile."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja2 reads the class attribute)
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
 
 
 def _model_vocab_size(model_config: dict[str, Any]) -> int | None:

@@ -6,6 +6,7 @@ conversation with calls is rendered, and the answer's OpenAI bodies — whole an
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -219,3 +220,16 @@ def test_a_streamed_answer_gives_the_same_message_as_deltas() -> None:
     assert "".join(c["function"]["arguments"] for c in calls) == '{"city": "Paris"}'
     reasons = [e["choices"][0]["finish_reason"] for e in events]
     assert reasons[-1] == "tool_calls" and not any(reasons[:-1])
+
+
+def test_templates_render_in_hugging_faces_environment(tmp_path: Path) -> None:
+    template = (
+        "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}A:{{ m.content }}"
+        "{% endgeneration %}{% else %}U:{{ m.content }}{% endif %}{% endfor %}"
+        "{{ tools | tojson }}{{ strftime_now('%Y') | length }}"
+    )
+    tiny = ensure_tiny_model(tmp_path / "cache")
+    model = ModelTokenizer(with_chat_template(tiny, tmp_path / "model", template))
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    text = model.render_chat(messages, add_generation_prompt=False, tools=[{"d": "<&>'é"}])
+    assert text == 'U:hiA:yo[{"d": "<&>\'é"}]4'  # tojson: no HTML escapes, no \\u escapes
