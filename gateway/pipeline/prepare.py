@@ -19,7 +19,6 @@ from gateway.api.schemas import (
     ChatMessage,
     CompletionRequest,
     Endpoint,
-    NamedToolChoice,
     OpenAIRequest,
     SamplingFields,
     check_sampling,
@@ -27,6 +26,7 @@ from gateway.api.schemas import (
     decode_request,
     unsupported,
 )
+from gateway.api.tool_schemas import NamedToolChoice
 from gateway.auth import Principal
 from gateway.errors import ApiError
 from gateway.store.types import Tenant
