@@ -15,7 +15,7 @@ import pytest
 from backend.launch.tiny_model import ensure_tiny_model
 from gateway.api.render import ResponseHead, StreamRenderer, completion_body, usage_body
 from gateway.api.schemas import ChatCompletionRequest
-from gateway.engine.client import EngineChunk
+from gateway.engine.client import EngineChunk, TokenLogprob
 from gateway.errors import ApiError
 from gateway.pipeline.prepare import build_engine_request, chat_prompt_text, parse_body
 from gateway.tokenizer import ModelTokenizer
@@ -233,3 +233,21 @@ def test_templates_render_in_hugging_faces_environment(tmp_path: Path) -> None:
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     text = model.render_chat(messages, add_generation_prompt=False, tools=[{"d": "<&>'é"}])
     assert text == 'U:hiA:yo[{"d": "<&>\'é"}]4'  # tojson: no HTML escapes, no \\u escapes
+
+
+def test_streamed_log_probabilities_all_arrive_while_a_call_is_held() -> None:
+    render = StreamRenderer(ResponseHead("chat", "tdm-x", "m", logprobs=True, tool_plan=HERMES))
+    pieces = ["<tool_call>", '{"name": "f", ', '"arguments": {}}', "</tool_call>"]
+    tokens = []
+    for index, piece in enumerate(pieces):
+        chunk = EngineChunk(
+            text_delta=piece,
+            completion_tokens=index + 1,
+            prompt_tokens=1,
+            finish_reason="stop" if index == len(pieces) - 1 else None,
+            logprobs=[TokenLogprob(token=piece, logprob=-0.5)],
+        )
+        events = render.events(chunk)
+        assert events  # the held text's tokens still get their event
+        tokens += [t["token"] for e in events for t in e["choices"][0]["logprobs"]["content"]]
+    assert tokens == pieces
