@@ -20,13 +20,19 @@ import json
 import math
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
 from jinja2 import meta as jinja2meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
+
+from gateway.tools import ToolFamily, detect_family
 
 DEFAULT_CONTEXT_LEN = 4096
 GIL_FREE_MIN_CHARS = 2048
@@ -102,6 +108,11 @@ class ModelTokenizer:
         self.declares_tools: bool = isinstance(template, str) and _declares_tools(template)
         """Whether the chat template renders a `tools` variable (Hugging Face's convention for
         a model trained to call tools). The built-in tiny model's does not."""
+        self.tool_family: ToolFamily | None = (
+            detect_family(template) if isinstance(template, str) and self.declares_tools else None
+        )
+        """The tool-call format the template teaches (None: none tandem parses, so the model's
+        own choice of calls, `tool_choice: auto`, cannot be read back)."""
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of *text*; raises TextTooLong, without tokenizing, for a text longer than
@@ -161,13 +172,22 @@ class ModelTokenizer:
     def decode(self, ids: list[int]) -> str:
         return str(self._tokenizer.decode(ids, skip_special_tokens=True))
 
-    def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool) -> str:
-        """The prompt text for *messages* (OpenAI-style dicts with role and text content)."""
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text for *messages* (OpenAI-style dicts with role and text content, an
+        assistant's `tool_calls` with decoded arguments) and *tools* (`{"type": "function",
+        "function": {...}}` each), as Hugging Face's `apply_chat_template` renders them."""
         if self._template is None:
             raise TemplateError("the model has no chat template; use /v1/completions")
         try:
             return self._template.render(
                 messages=messages,
+                tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
@@ -175,10 +195,12 @@ class ModelTokenizer:
         except jinja2.TemplateError as exc:
             raise TemplateError(f"chat template rejected the messages: {exc}") from None
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """Token ids of the rendered conversation, ready for generation. The template already
         holds any BOS token, so no special tokens are added again."""
-        text = self.render_chat(messages, add_generation_prompt=True)
+        text = self.render_chat(messages, add_generation_prompt=True, tools=tools)
         return self.encode(text, add_special_tokens=False)
 
 
@@ -280,13 +302,54 @@ def _declares_tools(template: str) -> bool:
 
 
 def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    """The template in the environment Hugging Face's `apply_chat_template` renders it in, so
+    the prompt is the one the model was trained on: loop controls, `raise_exception`,
+    `strftime_now`, and `tojson` as `json.dumps` (Jinja's own escapes `<>&'` as HTML, which
+    would change every tool schema and call argument that holds one)."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=["jinja2.ext.loopcontrols", _GenerationBlock],
+    )
 
     def raise_exception(message: str) -> None:
         raise jinja2.TemplateError(message)
 
+    def tojson(
+        value: Any,
+        ensure_ascii: bool = False,
+        indent: int | str | None = None,
+        separators: tuple[str, str] | None = None,
+        sort_keys: bool = False,
+    ) -> str:
+        return json.dumps(
+            value,
+            ensure_ascii=ensure_ascii,
+            indent=indent,
+            separators=separators,
+            sort_keys=sort_keys,
+        )
+
+    def strftime_now(format: str) -> str:
+        return datetime.now().strftime(format)
+
+    env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
     return env.from_string(template)
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}…{% endgeneration %}`: Hugging Face marks the assistant's tokens with it
+    (for training masks); rendering, it is its body unchanged. Without it such a template would
+    not compile."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja2 reads the class attribute)
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
 
 
 def _model_vocab_size(model_config: dict[str, Any]) -> int | None:

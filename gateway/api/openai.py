@@ -168,8 +168,7 @@ async def _send_chunk(
     progress: Progress,
     options: StreamOptions,
 ) -> None:
-    if chunk.text_delta or chunk.logprobs or chunk.finish_reason is not None:
-        payload = render.chunk(chunk)
+    for payload in render.events(chunk):
         if options.continuous_usage_stats:
             payload["usage"] = _usage(progress)
         await _send(resp, payload)
@@ -187,6 +186,7 @@ def _head(flight: Flight) -> ResponseHead:
         rid=flight.request.rid,
         model=flight.model,
         logprobs=flight.request.asks_logprobs,
+        tool_plan=flight.request.tool_plan,
     )
 
 

@@ -38,9 +38,12 @@ from gateway.api.schemas import (
     REFUSED_STREAM_OPTIONS,
     SCHEMA_NAME_PATTERN,
     SEED_NEEDS_GREEDY,
+    TOOL_FIELDS,
+    TOOL_PARAMETERS,
     ChatCompletionRequest,
     CompletionRequest,
     Refused,
+    tool_refusal,
 )
 from gateway.batch.types import ENDPOINTS, FILE_PURPOSES
 from gateway.reports import GROUP_BY_S, UsagePeriod
@@ -309,26 +312,34 @@ _NAME = {"type": "string", "minLength": 1, "maxLength": 100, "pattern": "\\S"}
 """A tenant's name: 1 to 100 characters, not only spaces (admin.validate_tenant)."""
 
 
-def _refuse(schema: dict[str, Any], refused: dict[str, Refused]) -> None:
+def _refuse(
+    schema: dict[str, Any], refused: dict[str, Refused], *, declares_tools: bool = False
+) -> None:
     """*schema* (an object's) refuses every property it does not list, and lists each of
     *refused* with only the values that ask for nothing (null and its `off` values):
-    `check_parameters` answers anything else with 400 `unsupported_parameter`."""
+    `check_parameters` answers anything else with 400 `unsupported_parameter`. With
+    *declares_tools* (the served model's template declares tools) the tool fields keep their
+    schemas: they are honoured."""
     schema["additionalProperties"] = False
     for name, rule in refused.items():
+        if declares_tools and name in TOOL_FIELDS:
+            continue
+        reason = tool_refusal(declares_tools) if name in TOOL_PARAMETERS else rule.reason
         schema["properties"][name] = {
             "enum": [None, *rule.off],
-            "description": f"not supported: {rule.reason}",
+            "description": f"not supported: {reason}",
         }
 
 
 def _tighten(schemas: dict[str, Any], app: web.Application | None) -> None:
     """Adds to msgspec's *schemas* what the handlers check beyond the types (see the module
     doc); with *app*, also what depends on its model: its name and vocabulary."""
+    declares_tools = app is not None and TOKENIZER in app and app[TOKENIZER].declares_tools
     for name, refused in (
         ("ChatCompletionRequest", REFUSED_CHAT),
         ("CompletionRequest", REFUSED_COMPLETIONS),
     ):
-        _refuse(schemas[name], refused)
+        _refuse(schemas[name], refused, declares_tools=declares_tools)
         props = schemas[name]["properties"]
         props.update(_SAMPLING)
         for no_op, why in NO_OP.items():
@@ -347,7 +358,7 @@ def _tighten(schemas: dict[str, Any], app: web.Application | None) -> None:
             props["model"] = {"type": "string", "enum": [app[CONFIG].model.name]}
     chat = schemas["ChatCompletionRequest"]["properties"]
     chat["messages"]["minItems"] = 1
-    _refuse(schemas["ChatMessage"], REFUSED_MESSAGE_FIELDS)
+    _refuse(schemas["ChatMessage"], REFUSED_MESSAGE_FIELDS, declares_tools=declares_tools)
     _refuse(schemas["StreamOptions"], REFUSED_STREAM_OPTIONS)
     chat["max_completion_tokens"] = _nullable(_integer(1, INT32_MAX))
     chat["top_logprobs"] = _nullable(_integer(0, MAX_TOP_LOGPROBS_CHAT))

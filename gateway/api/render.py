@@ -15,6 +15,7 @@ from typing import Any
 
 from gateway.api.schemas import Endpoint
 from gateway.engine.client import EngineChunk, TokenLogprob
+from gateway.tools import ContentDelta, ToolPlan, ToolStream, parse_output
 
 
 def response_id(endpoint: Endpoint, rid: str) -> str:
@@ -31,12 +32,15 @@ def usage_body(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def finish_reason(engine_reason: str | None) -> str | None:
+def finish_reason(engine_reason: str | None, *, has_tool_calls: bool = False) -> str | None:
     """OpenAI's finish_reason for the engine's: None while running (and for an abort, which the
-    client learns about from the error that follows)."""
+    client learns about from the error that follows); "tool_calls" for an answer that ended
+    with calls (one cut short by the output cap stays "length")."""
     if engine_reason in (None, "abort"):
         return None
-    return "length" if engine_reason == "length" else "stop"
+    if engine_reason == "length":
+        return "length"
+    return "tool_calls" if has_tool_calls else "stop"
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,8 @@ class ResponseHead:
     created_unix_s: int = field(default_factory=lambda: int(time.time()))
     logprobs: bool = False
     """The request asked for log probabilities: every choice carries them."""
+    tool_plan: ToolPlan | None = None
+    """How a chat answer is read for tool calls (None: it is plain content)."""
 
     def body(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -107,7 +113,13 @@ def completion_body(
     are the output tokens' (rendered when the request asked for them)."""
     reason = finish_reason(engine_finish)
     if head.endpoint == "chat":
-        message = {"role": "assistant", "content": text}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if head.tool_plan is not None:
+            parsed = parse_output(head.tool_plan, text)
+            message["content"] = parsed.content
+            if parsed.tool_calls:
+                message["tool_calls"] = [call.body() for call in parsed.tool_calls]
+                reason = finish_reason(engine_finish, has_tool_calls=True)
         rendered = chat_logprobs(logprobs) if head.logprobs else None
         choice = {"index": 0, "message": message, "finish_reason": reason, "logprobs": rendered}
         return dict(head.body("chat.completion", [choice]), usage=usage)
@@ -118,12 +130,56 @@ def completion_body(
 
 @dataclass
 class StreamRenderer:
-    """The bodies of a streamed answer's server-sent events, one per engine chunk."""
+    """The bodies of a streamed answer's server-sent events, one per engine chunk (`events`:
+    none or several with tool calls)."""
 
     head: ResponseHead
     _role_sent: bool = False
     _text_offset: int = 0
     """Characters of the completion's tokens sent so far (`text_offset` of the next)."""
+    _tools: ToolStream | None = None
+
+    def __post_init__(self) -> None:
+        if self.head.endpoint == "chat" and self.head.tool_plan is not None:
+            self._tools = ToolStream(self.head.tool_plan)
+
+    def events(self, chunk: EngineChunk) -> list[dict[str, Any]]:
+        """The events of *chunk*: one with its text, or — when the answer is read for tool
+        calls — one per content piece or call piece it lets out (none while the text may be a
+        call's start), the last chunk's with the finish reason."""
+        if self._tools is None:
+            if chunk.text_delta or chunk.logprobs or chunk.finish_reason is not None:
+                return [self.chunk(chunk)]
+            return []
+        pieces = self._tools.feed(chunk.text_delta)
+        if chunk.finish_reason is not None:
+            pieces += self._tools.finish()
+        deltas: list[dict[str, Any]] = []
+        for piece in pieces:
+            if isinstance(piece, ContentDelta):
+                deltas.append({"content": piece.text})
+            else:
+                deltas.append({"tool_calls": [piece.body()]})
+        reason = finish_reason(chunk.finish_reason, has_tool_calls=self._tools.has_tool_calls)
+        if not deltas and (reason is not None or (chunk.logprobs and self.head.logprobs)):
+            deltas.append({})  # the finish reason (or log probabilities) still need an event
+        events = []
+        for index, delta in enumerate(deltas):
+            if not self._role_sent:
+                delta = {"role": "assistant", **delta}
+                self._role_sent = True
+            logprobs = None
+            if self.head.logprobs:
+                logprobs = chat_logprobs(chunk.logprobs if index == 0 else [])
+            is_last = index == len(deltas) - 1
+            choice = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": logprobs,
+                "finish_reason": reason if is_last else None,
+            }
+            events.append(self.head.body("chat.completion.chunk", [choice]))
+        return events
 
     def chunk(self, chunk: EngineChunk | None) -> dict[str, Any]:
         """The event of *chunk*; None gives one with no choices (the last, usage-only event)."""

@@ -29,6 +29,13 @@ from typing import Any, Literal
 
 import msgspec
 
+from gateway.api.tool_schemas import (
+    MessageToolCall,
+    Tool,
+    ToolChoice,
+    check_message_tool_fields,
+    check_tools,
+)
 from gateway.errors import ApiError, validation_error
 
 
@@ -42,6 +49,10 @@ class Refused(msgspec.Struct, frozen=True):
 
 
 _NO_TOOLS = "tandem does not render tools into the prompt nor parse tool calls out of the answer"
+_LEGACY_FUNCTIONS = (
+    "the legacy `functions` / `function_call` API is not supported; send the same functions as"
+    " `tools` (and `tool_choice`)"
+)
 TOOL_PARAMETERS = frozenset(
     {
         "tools",
@@ -55,15 +66,18 @@ TOOL_PARAMETERS = frozenset(
 )
 """The parameters (and message fields) of tool calling; their refusal also says whether the
 served model's chat template declares tools (`tool_refusal`)."""
+TOOL_FIELDS = frozenset(
+    {"tools", "tool_choice", "parallel_tool_calls", "tool_calls", "tool_call_id"}
+)
+"""The tool-calling fields tandem honours — for a model whose chat template declares tools only
+(for any other they are refused, `tool_refusal`)."""
 
 
 def tool_refusal(declares_tools: bool) -> str:
-    """Why tool calling is refused, for a model whose chat template does (not) declare tools."""
+    """Why tool calling is refused: for a model whose chat template declares no tools, any of
+    it; for one that does, the legacy `functions` API only."""
     if declares_tools:
-        return (
-            f"{_NO_TOOLS} (the served model's chat template declares tools, but tandem does"
-            " not implement them yet)"
-        )
+        return _LEGACY_FUNCTIONS
     return (
         f"{_NO_TOOLS}, and the served model's chat template declares no tools (it never renders"
         " a `tools` variable), so the model was never shown how to call one"
@@ -143,6 +157,10 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    """The calls an assistant message made (its content may then be null)."""
+    tool_call_id: str | None = None
+    """The call a `tool` message answers (required there)."""
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
@@ -229,11 +247,26 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     """Return each output token's log probability (`choices[].logprobs.content`)."""
     top_logprobs: int | None = None
     """[0, 20] most likely alternatives per output token; needs `logprobs: true`."""
+    tools: list[Tool] | None = None
+    """Functions the model may call (only for a model whose chat template declares tools);
+    rendered into the prompt by the template."""
+    tool_choice: ToolChoice | None = None
+    """`none`, `auto` (the default with tools), `required` or a named function; see
+    gateway/tools.py for how each is honoured."""
+    parallel_tool_calls: bool | None = None
+    """Whether the answer may hold several calls (default true)."""
 
     @property
     def top_logprobs_num(self) -> int | None:
         """Alternatives per output token to ask the engine for; None: no log probabilities."""
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def effective_tool_choice(self) -> ToolChoice:
+        """`tool_choice`, or its default: `auto` with tools, `none` without."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -363,10 +396,11 @@ def _check_fields(
     declares_tools: bool,
 ) -> None:
     for name, value in raw.items():
-        if name in known:
+        rule = refused.get(name)
+        # tool fields are known, but honoured only for a model whose template declares tools
+        if name in known and not (rule is not None and name in TOOL_FIELDS and not declares_tools):
             continue
         param = prefix + name
-        rule = refused.get(name)
         if rule is None:
             raise unsupported(
                 param,
@@ -443,6 +477,10 @@ def check_sampling(req: SamplingFields) -> None:
         if req.top_logprobs is not None and not req.logprobs:
             raise _bad("top_logprobs", "top_logprobs needs logprobs: true")
         check_response_format(req.response_format)
+        format_type = req.response_format.type if req.response_format is not None else "text"
+        check_tools(req.tools, req.tool_choice, has_response_format=format_type != "text")
+        for index, message in enumerate(req.messages):
+            check_message_tool_fields(index, message.role, message.tool_calls, message.tool_call_id)
     elif isinstance(req, CompletionRequest):
         check_int_range("logprobs", req.logprobs, 0, MAX_LOGPROBS_COMPLETIONS)
     check_int_range("min_tokens", req.min_tokens, 0, INT32_MAX)

@@ -151,7 +151,11 @@ async def _run_attempt(
     request = flight.request  # as admitted (admission may change a request's terms)
     assert request is not None
     head = ResponseHead(
-        endpoint=active.kind, rid=request.rid, model=flight.model, logprobs=request.asks_logprobs
+        endpoint=active.kind,
+        rid=request.rid,
+        model=flight.model,
+        logprobs=request.asks_logprobs,
+        tool_plan=request.tool_plan,
     )
     usage = usage_body(result.prompt_tokens, result.completion_tokens)
     body = completion_body(head, result.text, result.finish_reason, usage, result.logprobs)

@@ -5,10 +5,13 @@ the field (the client sees it as is; the batch runner writes it to the error fil
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, replace
 from typing import Any
+
+import msgspec
 
 from common.wire import RequestMeta, Tier, meta_to_custom_params
 from gateway.api.schemas import (
@@ -21,11 +24,14 @@ from gateway.api.schemas import (
     check_sampling,
     check_token_ids,
     decode_request,
+    unsupported,
 )
+from gateway.api.tool_schemas import NamedToolChoice
 from gateway.auth import Principal
 from gateway.errors import ApiError
 from gateway.store.types import Tenant
 from gateway.tokenizer import ModelTokenizer, TemplateError, TextTooLong
+from gateway.tools import TOOL_FAMILIES, ToolFamily, ToolPlan, required_schema
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,8 @@ class EngineRequest:
     meta: RequestMeta
     payload: dict[str, Any]
     """The `/generate` body."""
+    tool_plan: ToolPlan | None = None
+    """How the answer is read for tool calls (None: it is plain content)."""
 
     @property
     def asks_logprobs(self) -> bool:
@@ -193,11 +201,41 @@ def chat_prompt_text(req: ChatCompletionRequest, tokenizer: ModelTokenizer) -> s
     """The conversation rendered with the model's chat template (the text to tokenize)."""
     if not req.messages:
         raise ApiError(400, "messages must not be empty", param="messages", code="invalid_value")
+    tool_plan(req, tokenizer.tool_family)  # refuses, before tokenizing, what cannot be read back
     messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
+    tools = [msgspec.to_builtins(tool) for tool in req.tools] if req.tools else None
     try:
-        return tokenizer.render_chat(messages, add_generation_prompt=True)
+        return tokenizer.render_chat(messages, add_generation_prompt=True, tools=tools)
     except TemplateError as exc:
         raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
+
+
+def tool_plan(req: SamplingFields, family: ToolFamily | None) -> ToolPlan | None:
+    """How the answer of *req* is read for tool calls, for a model whose template teaches
+    *family* (gateway/tools.py); None: as plain content (no tools, or `tool_choice: none`).
+    `auto` needs a family tandem parses: otherwise 400 `unsupported_parameter` naming
+    tool_choice (a forced call needs none: the engine decodes it under a schema)."""
+    if not isinstance(req, ChatCompletionRequest) or not req.tools:
+        return None
+    choice = req.effective_tool_choice
+    is_parallel = req.parallel_tool_calls is not False
+    if isinstance(choice, NamedToolChoice):
+        name = choice.function.name
+        return ToolPlan("named", family=family, function_name=name, is_parallel=is_parallel)
+    if choice == "required":
+        return ToolPlan("required", family=family, is_parallel=is_parallel)
+    if choice == "none":
+        return None
+    if family is None:
+        raise unsupported(
+            "tool_choice",
+            "tool_choice auto (the default with tools) is not supported for this model: its chat"
+            " template's tool-call format is none tandem parses"
+            f" ({', '.join(TOOL_FAMILIES)}), so the calls the model chose could not be read"
+            " back; send tool_choice required or a named function (decoded under the tools'"
+            " schemas), or none",
+        )
+    return ToolPlan("auto", family=family, is_parallel=is_parallel)
 
 
 def completion_prompt_source(req: CompletionRequest, tokenizer: ModelTokenizer) -> PromptSource:
@@ -313,9 +351,11 @@ def build_engine_request(
     tier: Tier,
     arrival_unix_s: float | None = None,
     rid: str | None = None,
+    tool_family: ToolFamily | None = None,
 ) -> EngineRequest:
     """The `/generate` payload with sampling parameters and the scheduler metadata; *rid*: the
-    request's id when it has one already (default: a fresh one)."""
+    request's id when it has one already (default: a fresh one); *tool_family*: the served
+    model's tool-call format (`ModelTokenizer.tool_family`)."""
     meta = request_meta(
         principal.tenant,
         tier,
@@ -323,10 +363,11 @@ def build_engine_request(
         arrival_unix_s if arrival_unix_s is not None else time.time(),
     )
     rid = rid if rid is not None else new_rid()
+    plan = tool_plan(req, tool_family)
     payload: dict[str, Any] = {
         "rid": rid,
         "input_ids": input_ids,
-        "sampling_params": _sampling_params(req, max_tokens, meta),
+        "sampling_params": _sampling_params(req, max_tokens, meta, plan),
         "priority": meta.sglang_priority,
         "stream": True,
     }
@@ -345,7 +386,12 @@ def build_engine_request(
             return_text_in_logprobs=True,
         )
     return EngineRequest(
-        rid=rid, input_ids=input_ids, max_tokens=max_tokens, meta=meta, payload=payload
+        rid=rid,
+        input_ids=input_ids,
+        max_tokens=max_tokens,
+        meta=meta,
+        payload=payload,
+        tool_plan=plan,
     )
 
 
@@ -375,7 +421,9 @@ def in_tier(request: EngineRequest, tenant: Tenant, tier: Tier) -> EngineRequest
     return replace(request, meta=meta, payload=payload)
 
 
-def _sampling_params(req: SamplingFields, max_tokens: int, meta: RequestMeta) -> dict[str, Any]:
+def _sampling_params(
+    req: SamplingFields, max_tokens: int, meta: RequestMeta, plan: ToolPlan | None = None
+) -> dict[str, Any]:
     params: dict[str, Any] = {
         "max_new_tokens": max_tokens,
         "custom_params": meta_to_custom_params(meta),
@@ -399,7 +447,23 @@ def _sampling_params(req: SamplingFields, max_tokens: int, meta: RequestMeta) ->
         schema = req.response_format.engine_schema()
         if schema is not None:  # the engine decodes under the schema's grammar (xgrammar)
             params["json_schema"] = schema
+    if plan is not None:
+        params.update(_tool_sampling(req, plan))
     return params
+
+
+def _tool_sampling(req: SamplingFields, plan: ToolPlan) -> dict[str, Any]:
+    """What reading the answer for tool calls asks of the engine: a forced call's schema, and
+    the special tokens kept in the text (some families' markers are special tokens, e.g.
+    Mistral's `[TOOL_CALLS]`) unless the client chose."""
+    assert isinstance(req, ChatCompletionRequest) and req.tools
+    if plan.mode == "named":
+        [function] = [t.function for t in req.tools if t.function.name == plan.function_name]
+        return {"json_schema": json.dumps(function.parameters_schema, ensure_ascii=False)}
+    if plan.mode == "required":
+        tools = [(t.function.name, t.function.parameters_schema) for t in req.tools]
+        return {"json_schema": required_schema(tools, is_parallel=plan.is_parallel)}
+    return {} if req.skip_special_tokens is not None else {"skip_special_tokens": False}
 
 
 def _message_dict(index: int, message: ChatMessage) -> dict[str, Any]:
@@ -416,7 +480,26 @@ def _message_dict(index: int, message: ChatMessage) -> dict[str, Any]:
                 )
             texts.append(part.text)
         content = "".join(texts)
-    out: dict[str, Any] = {"role": message.role, "content": content or ""}
+    # an assistant's calls may come with null content: the template is given None, as Hugging
+    # Face's apply_chat_template gives it
+    keep_null = content is None and bool(message.tool_calls)
+    out: dict[str, Any] = {"role": message.role, "content": None if keep_null else content or ""}
     if message.name is not None:
         out["name"] = message.name
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": call.type,
+                # the templates render `arguments | tojson`: an object, not its JSON text
+                # (check_message_tool_fields made sure it decodes to one)
+                "function": {
+                    "name": call.function.name,
+                    "arguments": json.loads(call.function.arguments),
+                },
+            }
+            for call in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
     return out

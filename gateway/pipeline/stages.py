@@ -35,7 +35,7 @@ from datetime import UTC, datetime
 from aiohttp import web
 
 from common.wire import Tier
-from gateway.api.schemas import Endpoint, OpenAIRequest
+from gateway.api.schemas import ChatCompletionRequest, Endpoint, OpenAIRequest
 from gateway.auth import Principal
 from gateway.engine.client import (
     EngineChunk,
@@ -183,9 +183,19 @@ def prepare(
     tenant = flight.principal.tenant
     tier: Tier = "be" if flight.origin == "batch" else resolve_tier(tenant, body.tier)
     flight.request = build_engine_request(
-        body, prompt.input_ids, prompt.max_tokens, flight.principal, tier, rid=flight.request_id
+        body,
+        prompt.input_ids,
+        prompt.max_tokens,
+        flight.principal,
+        tier,
+        rid=flight.request_id,
+        tool_family=app[TOKENIZER].tool_family if _has_tools(body) else None,
     )
     return flight.request
+
+
+def _has_tools(body: OpenAIRequest) -> bool:
+    return isinstance(body, ChatCompletionRequest) and bool(body.tools)
 
 
 def admit(app: web.Application, flight: Flight) -> Admitted | Refused:

@@ -22,6 +22,7 @@ class TinyTokenizer:
     context_len = 4096
     vocab_size = 32_000
     declares_tools = False
+    tool_family = None
 
 
 def lines(count: int) -> list[PendingItem]:

@@ -17,6 +17,7 @@ class TinyTokenizer:
     context_len = 64
     vocab_size = 100
     declares_tools = False
+    tool_family = None
 
 
 def pending(line_no: int, **body: Any) -> PendingItem:
