@@ -24,6 +24,7 @@ are never written back into the config.
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -463,6 +464,13 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
         _check_positive("batch.max_inflight", self.batch.max_inflight)
         _check_positive("batch.poll_interval_s", self.batch.poll_interval_s)
         _check_positive("batch.max_attempts", self.batch.max_attempts)
+        engine_key = self.engine.api_key
+        if engine_key is not None and (not engine_key.strip() or engine_key.startswith("-")):
+            # SGLang turns its --config file back into flags: a value starting with "-" reads
+            # as a flag there, and the engine refuses to start
+            raise ConfigError(
+                "engine.api_key must be a non-empty secret that does not start with '-'"
+            )
         token = self.metrics.scrape_token
         if token is not None and len(token.strip()) < 8:
             raise ConfigError("metrics.scrape_token must be a secret of at least 8 characters")
@@ -599,6 +607,12 @@ def pool_engines(engine: EngineConfig) -> list[EngineConfig]:
             )
         )
     return replicas
+
+
+def new_engine_api_key() -> str:
+    """A fresh random `engine.api_key` for an engine tandem launches: hexadecimal, so that it
+    never starts with "-" (SGLang would read such a value of its --config file as a flag)."""
+    return secrets.token_hex(32)
 
 
 def _check_positive(key: str, value: float) -> None:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +46,7 @@ from backend.launch.sglang import (
 from backend.policy.latency import Profile, load_profile, save_profile
 from backend.policy.profile_key import EngineIdentity, identity_differences, profile_key
 from backend.policy.profiles import AUTO, bundled_profile_for, resolve_profile
-from common.config import Config, ConfigError
+from common.config import Config, ConfigError, new_engine_api_key
 from tandem.errors import CliError
 
 log = logging.getLogger("tandem")
@@ -174,7 +173,7 @@ def measure_profile(config: Config, model_dir: Path, identity: EngineIdentity, o
     # served one (the configured key, else a fresh one): while it is measured nothing but this
     # process may talk to it, whoever else is on the host
     engine_cfg = msgspec.structs.replace(
-        config.engine, policy="none", api_key=config.engine.api_key or secrets.token_urlsafe(32)
+        config.engine, policy="none", api_key=config.engine.api_key or new_engine_api_key()
     )
     log.info("latency profile: none stored for engine key %s; measuring one (quick grid) "
              "before serving, stored in %s", key, out.parent)  # fmt: skip

@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import gc
 import logging
-import secrets
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -41,6 +40,7 @@ from common.config import (
     EngineConfig,
     ModelConfig,
     admin_token,
+    new_engine_api_key,
     pool_engines,
 )
 from common.sockets import control_socket_error, port_error, remove_stale_socket
@@ -103,7 +103,7 @@ def with_engine_api_key(config: Config) -> Config:
     one, else a new random one (SGLang's engine only: the simulator takes no key)."""
     if config.engine.kind != "sglang" or config.engine.api_key:
         return config
-    engine = msgspec.structs.replace(config.engine, api_key=secrets.token_urlsafe(32))
+    engine = msgspec.structs.replace(config.engine, api_key=new_engine_api_key())
     return msgspec.structs.replace(config, engine=engine)
 
 

@@ -16,6 +16,7 @@ from common.config import (
     admin_token,
     engine_settings_from_env,
     load_config,
+    new_engine_api_key,
 )
 
 
@@ -198,3 +199,19 @@ def test_engine_settings_are_no_config_override(tmp_path: Path) -> None:
 def test_engine_supervision_settings_must_be_positive(tmp_path: Path, key: str) -> None:
     with pytest.raises(ConfigError, match=rf"engine\.{key} must be positive"):
         load_config(write(tmp_path, f"engine:\n  {key}: 0\n"), environ={})
+
+
+def test_an_engine_api_key_sglang_would_read_as_a_flag_is_refused() -> None:
+    for bad in ("-starts-like-a-flag", "", "   "):
+        with pytest.raises(ConfigError, match="engine.api_key"):
+            load_config(environ={"TANDEM_ENGINE__API_KEY": bad})
+    assert load_config(environ={"TANDEM_ENGINE__API_KEY": "s3cret-key"}).engine.api_key
+
+
+def test_generated_engine_api_keys_never_start_with_a_dash() -> None:
+    # a generated key starting with "-" stopped SGLang from starting (1 in 64 of url-safe ones)
+    keys = {new_engine_api_key() for _ in range(2000)}
+    assert len(keys) == 2000
+    assert not any(key.startswith("-") for key in keys)
+    for key in list(keys)[:20]:
+        assert load_config(environ={"TANDEM_ENGINE__API_KEY": key}).engine.api_key == key
