@@ -100,6 +100,8 @@ def results_dict(run: BenchRun) -> dict[str, Any]:
         out["routers"] = {name: _row(r) for name, r in run.runs.items()}
         out["replicas"] = cfg.replicas
         out["engine_policy"] = run.engine_policy
+    if cfg.replica_slowdowns:  # only when set
+        out["replica_slowdowns"] = list(cfg.replica_slowdowns)
     if cfg.engine_slowdown:  # only when set: a run without it is unchanged
         out["engine_slowdown"] = format_slowdown(cfg.engine_slowdown)
         out["engine_slowdown_schedule"] = [
@@ -183,6 +185,14 @@ def _parameters(run: BenchRun) -> list[str]:
             f"* pool: {cfg.replicas} replicas, each running `{run.engine_policy}`; rows are "
             "placement policies (backend/policy/placement.py); λ* and the RT rate are the "
             "pool's (N × one replica's)"
+        )
+    if cfg.replica_slowdowns:
+        slowed = ", ".join(
+            f"replica {i} × {k:g}" for i, k in enumerate(cfg.replica_slowdowns) if k != 1
+        )
+        lines.append(
+            f"* unequal replicas: {slowed} (their iterations take that many times the latency "
+            "model's prediction; the policies and the router are not told)"
         )
     if cfg.engine_slowdown:
         lines.append(

@@ -89,6 +89,9 @@ class BenchConfig:
     """The simulated engine runs this many times slower than the latency model the policies
     plan with: (start_s, factor) pairs (`SimConfig.engine_slowdown`); () = as the model says.
     λ* is measured without it, so --load means the same RT rate with and without."""
+    replica_slowdowns: tuple[float, ...] = ()
+    """In a pool: replica i runs this many times slower again (`SimConfig.replica_slowdowns`;
+    past the tuple: 1); () = equal replicas. λ* and the RT rate are those of equal replicas."""
     replicas: int = 1
     """Engine replicas behind the router (> 1, or routers given: the simulator's pool,
     backend/sim/pool.py; the RT rate scales with it: load × N × one replica's λ*)."""
@@ -346,8 +349,15 @@ def run_router(name: str, run: BenchRun, latency: LatencyModel, base: SimConfig)
     include_be = not getattr(first, "rt_only", False)
     source = SimSource(run.workload.source(run.rt_rate_req_s, include_be), SimRequest)
     bar, progress = _progress_bar(f"{run.workload.name} {name} ×{replicas}", run)
-    config = _layout(struct_replace(base, engine_slowdown=run.config.engine_slowdown), first,
-                     run.profile)  # fmt: skip
+    config = _layout(
+        struct_replace(
+            base,
+            engine_slowdown=run.config.engine_slowdown,
+            replica_slowdowns=run.config.replica_slowdowns,
+        ),
+        first,
+        run.profile,
+    )
     started = time.perf_counter()
     try:
         pool = simulate_pool(source, policies, latency, config, router, progress=progress)

@@ -118,6 +118,13 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         "predicts (K > 0); a schedule changes K at simulated second T (first T = 0)",
     )
     p.add_argument(
+        "--replica-slowdowns",
+        metavar="K0,K1,…",
+        help="sim pool only: replica i runs K_i times slower again than the others (K_i > 0; "
+        "replicas past the list: 1), an unequal pool: e.g. 3,3 for two replicas at a third of "
+        "the speed",
+    )
+    p.add_argument(
         "--replicas",
         type=int,
         help="sim only: N engine replicas behind the router (default 1; with N > 1 and no "
@@ -239,6 +246,8 @@ def _command(cfg: BenchConfig) -> str:
         words += ["--engine-slowdown", format_slowdown(cfg.engine_slowdown)]
     if cfg.routers is not None:
         words += ["--replicas", str(cfg.replicas), "--routers", ",".join(cfg.routers)]
+    if cfg.replica_slowdowns:
+        words += ["--replica-slowdowns", ",".join(f"{k:g}" for k in cfg.replica_slowdowns)]
     return shlex.join([*words, "--out", str(cfg.out_dir)])
 
 
@@ -252,6 +261,26 @@ def _engine_slowdown(args: argparse.Namespace) -> Slowdown:
         return parse_slowdown(args.engine_slowdown)
     except ValueError as exc:
         raise ValueError(f"--engine-slowdown {args.engine_slowdown!r}: {exc}") from None
+
+
+def _replica_slowdowns(args: argparse.Namespace, replicas: int) -> tuple[float, ...]:
+    """The --replica-slowdowns factors (() when not given)."""
+    spec = getattr(args, "replica_slowdowns", None)
+    if spec is None:
+        return ()
+    if args.engine != "sim" or replicas < 2:
+        raise ValueError("--replica-slowdowns: only for a simulated pool (--replicas N > 1)")
+    try:
+        factors = tuple(float(word) for word in spec.split(","))
+    except ValueError:
+        raise ValueError(f"--replica-slowdowns {spec!r}: not a comma-separated list") from None
+    if not all(k > 0 for k in factors):
+        raise ValueError(f"--replica-slowdowns {spec!r}: every factor must be > 0")
+    if len(factors) > replicas:
+        raise ValueError(
+            f"--replica-slowdowns {spec!r}: {len(factors)} factors for {replicas} replicas"
+        )
+    return factors
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -302,6 +331,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         cache_dir=args.cache_dir or _default_cache_dir(),
         capacity_run_s=args.capacity_run_s,
         engine_slowdown=_engine_slowdown(args),
+        replica_slowdowns=_replica_slowdowns(args, replicas),
         replicas=replicas,
         routers=routers,
         progress=not args.no_progress,

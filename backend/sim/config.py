@@ -111,6 +111,10 @@ class SimConfig(msgspec.Struct, frozen=True):
     iteration starting at t takes factor(t) × the model's prediction of its compute (the
     bicache layout's host copies are not scaled: the link's bandwidth does not change). The
     policy is not told; it sees the measured durations only. () = no slowdown."""
+    replica_slowdowns: tuple[float, ...] = ()
+    """In a pool (backend/sim/pool.py): replica i runs a further `replica_slowdowns[i]` times
+    slower than the model (on top of `engine_slowdown`; replicas past the tuple: 1) — a pool of
+    unequal engines: a slower GPU, a noisy neighbour, a degraded node. () = all equal."""
 
     slo_unattainable: SloUnattainable = "reject"
     """The RT contract's answer when the SLO admission predicts a miss (backend/sim/front_door.py;
@@ -122,6 +126,11 @@ class SimConfig(msgspec.Struct, frozen=True):
             return 1.0
         i = bisect.bisect_right(self.engine_slowdown, t_s, key=lambda p: p[0]) - 1
         return self.engine_slowdown[max(i, 0)][1]
+
+    def replica_slowdown(self, replica: int) -> float:
+        """Replica *replica*'s own slowdown factor in a pool (`replica_slowdowns`; 1.0 past it)."""
+        factors = self.replica_slowdowns
+        return factors[replica] if replica < len(factors) else 1.0
 
     def __post_init__(self) -> None:
         if self.kv_capacity_tokens < 1:
@@ -148,5 +157,7 @@ class SimConfig(msgspec.Struct, frozen=True):
         if not self.host_copy_gb_s > 0:
             raise ValueError(f"host_copy_gb_s must be > 0, got {self.host_copy_gb_s}")
         check_slowdown(self.engine_slowdown)
+        if not all(f > 0 for f in self.replica_slowdowns):
+            raise ValueError(f"replica_slowdowns must all be > 0, got {self.replica_slowdowns}")
         if self.horizon_s is not None and self.horizon_s <= 0:
             raise ValueError(f"horizon_s must be > 0 or None, got {self.horizon_s}")

@@ -173,7 +173,8 @@ def simulate_pool(
         m.report(0.0)
 
     def start(m: _Member, at_s: float, snap: Snapshot | None = None) -> None:
-        m.step = start_iteration(m.core, m.policy, latency, at_s, config.slowdown_at(at_s), snap)
+        slowdown = config.slowdown_at(at_s) * config.replica_slowdown(m.index)
+        m.step = start_iteration(m.core, m.policy, latency, at_s, slowdown, snap)
         if m.step is None:
             if m.has_work:
                 stalled.add(m.index)
