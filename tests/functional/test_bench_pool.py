@@ -159,3 +159,45 @@ def test_plan_refuses_a_bad_contracts_file_in_one_line(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and needle in err, err
+
+
+def test_an_unequal_pool_slo_placement_routes_around_the_slow_replica(tmp_path: Path) -> None:
+    """Replica 0 runs 10 times slower than the model (`--replica-slowdowns 10`; nobody is told):
+    round-robin still gives it half the requests, which miss; the slo router learns its pace
+    from the replica's own iterations and sends it less, so more RT requests meet the contract."""
+    trace = tmp_path / "rt.jsonl"
+    lines = [
+        {"t_ms": 20 * i, "input_len": 600 + 7 * (i % 50), "output_len": 20, "tier": "rt"}
+        for i in range(300)
+    ]
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "unequal"
+    code = main(
+        [
+            "bench",
+            "trace",
+            str(trace),
+            "--replicas",
+            "2",
+            "--routers",
+            "slo,round-robin",
+            "--replica-slowdowns",
+            "10",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["replica_slowdowns"] == [10.0]
+    slo, rr = results["routers"]["slo"], results["routers"]["round-robin"]
+    # round-robin sends half to the slow replica, whose admission sheds what it cannot serve
+    assert rr["rt_shed_rate"] > 0.2
+    # slo sends nearly everything to the fast one and serves every request in its contract
+    assert slo["replica_requests_max_over_mean"] > 1.8
+    assert slo["rt_joint_attainment"] > rr["rt_joint_attainment"] + 0.2
+    assert slo["rt_goodput_req_s"] > 1.5 * rr["rt_goodput_req_s"]
+    assert "unequal replicas: replica 0 × 10" in (out / "report.md").read_text()
+    # a bad list is one line naming the flag
+    assert main(["bench", "W1", "--replica-slowdowns", "2", "--out", str(tmp_path / "x")]) == 2

@@ -203,7 +203,7 @@ def test_engine_supervision_settings_must_be_positive(tmp_path: Path, key: str) 
 
 def test_an_engine_api_key_sglang_would_read_as_a_flag_is_refused() -> None:
     for bad in ("-starts-like-a-flag", "", "   "):
-        with pytest.raises(ConfigError, match="engine.api_key"):
+        with pytest.raises(ConfigError, match=r"engine\.api_key"):
             load_config(environ={"TANDEM_ENGINE__API_KEY": bad})
     assert load_config(environ={"TANDEM_ENGINE__API_KEY": "s3cret-key"}).engine.api_key
 
