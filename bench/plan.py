@@ -240,8 +240,20 @@ def sub_pool(specs: Sequence[RequestSpec], replicas: int, sample: int) -> list[R
     return [
         s
         for i, s in enumerate(specs)
-        if (s.prefix_hashes[0] if s.prefix_hashes else i) % replicas < sample
+        if (_spread(s.prefix_hashes[0]) if s.prefix_hashes else i) % replicas < sample
     ]
+
+
+_GOLDEN_64 = 0x9E3779B97F4A7C15  # 2^64 / φ, odd: Fibonacci hashing
+_MASK_64 = (1 << 64) - 1
+
+
+def _spread(key: int) -> int:
+    """A group key's share bucket source: the high bits of key × 2^64/φ (mod 2^64). Prefix
+    hashes are ids, not hashes — `bench.trace` numbers a conversation's blocks
+    `conversation × 4096 + j`, so `key % replicas` would put every conversation in share 0
+    for any power-of-two count; the product's high bits spread them evenly."""
+    return ((key * _GOLDEN_64) & _MASK_64) >> 32
 
 
 def tenant_attainment(

@@ -65,3 +65,12 @@ def test_attainment_counts_shed_downgraded_and_late_requests_as_missed() -> None
     # stopped early: only what the sheds allow is known, an upper bound
     stopped = tenant_attainment(records[:3], {"chat": ("rt", 5)}, end_s=1.0, stopped=True)
     assert stopped["chat"]["attainment"] == 4 / 5 and stopped["chat"]["upper_bound"]
+
+
+def test_sub_pool_spreads_conversations_numbered_in_blocks() -> None:
+    # bench.trace numbers a conversation's blocks conversation × 4096 + j: a plain modulo by a
+    # power-of-two count would put every conversation in the first share
+    specs = [spec(i, group=(i // 4) * 4096) for i in range(4000)]
+    for replicas in (16, 64, 256):
+        chosen = sub_pool(specs, replicas=replicas, sample=8)
+        assert abs(len(chosen) - 4000 * 8 / replicas) < 4000 * 8 / replicas * 0.35, replicas
