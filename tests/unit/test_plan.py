@@ -3,10 +3,13 @@ tenant's attainment over every request it offered."""
 
 from __future__ import annotations
 
+import math
 from array import array
 
+import pytest
+
 from backend.sim.records import RequestRecord
-from bench.plan import sub_pool, tenant_attainment
+from bench.plan import search_replicas, sub_pool, tenant_attainment
 from bench.workloads.base import RequestSpec
 
 
@@ -74,3 +77,47 @@ def test_sub_pool_spreads_conversations_numbered_in_blocks() -> None:
     for replicas in (16, 64, 256):
         chosen = sub_pool(specs, replicas=replicas, sample=8)
         assert abs(len(chosen) - 4000 * 8 / replicas) < 4000 * 8 / replicas * 0.35, replicas
+
+
+class FakeTrial:
+    """A count's outcome when *needed* replicas meet the target, with a guess that is *bias*
+    replicas off (None: no guess) — and above the count, as `Trial.guess` always is (a failure
+    missed more than the target allows)."""
+
+    def __init__(self, n: int, needed: int, bias: int | None) -> None:
+        self.meets = n >= needed
+        self._guess = None if bias is None else max(n + 1, needed + bias)
+
+    def guess(self, target: float) -> int | None:
+        return None if self.meets else self._guess
+
+
+@pytest.mark.parametrize("bias", [None, 0, -1, -5, 3, 40, -100])
+def test_search_finds_the_same_count_as_trying_every_count(bias: int | None) -> None:
+    for max_replicas in (1, 7, 64):
+        for needed in range(1, 80):
+            tried: list[int] = []
+
+            def trial(
+                n: int, needed: int = needed, tried: list[int] = tried, top: int = max_replicas
+            ) -> FakeTrial:
+                assert 1 <= n <= top and n not in tried
+                tried.append(n)
+                return FakeTrial(n, needed, bias)
+
+            exhaustive = needed if needed <= max_replicas else None
+            assert search_replicas(trial, max_replicas) == exhaustive, (needed, max_replicas)
+            assert len(tried) <= 5 * math.log2(max_replicas) + 3  # bisection's 2 log2 at best
+
+
+def test_a_good_guess_runs_one_count_that_meets() -> None:
+    # counts that meet run their whole trace: with the guess right, only the answer does
+    for needed in (3, 45, 61):
+        tried: list[int] = []
+
+        def trial(n: int, needed: int = needed, tried: list[int] = tried) -> FakeTrial:
+            tried.append(n)
+            return FakeTrial(n, needed, bias=-1)
+
+        assert search_replicas(trial, 64) == needed
+        assert [n for n in tried if n >= needed] == [needed]
