@@ -339,8 +339,11 @@ def run_trial(
     sim: SimConfig,
     judged: dict[str, bool],
     duration_s: float,
+    *,
+    early_stop: bool = True,
 ) -> Trial:
-    """Simulates *replicas* (or a sub-pool of them) on the trace; the per-tenant attainments."""
+    """Simulates *replicas* (or a sub-pool of them) on the trace; the per-tenant attainments.
+    *early_stop* off runs the whole trace even once the answer is known (tests compare)."""
     from backend.policy.feasibility import SloForecaster
     from backend.sim.pool import simulate_pool
     from bench.runner import _make_policy
@@ -371,7 +374,7 @@ def run_trial(
     forecaster = first.slo_forecaster() if hasattr(first, "slo_forecaster") else None
     router = make_router(config.router, forecaster or SloForecaster(latency))
     source = SimSource(TimedSource(chosen), SimRequest)
-    pool = simulate_pool(source, policies, latency, sim, router, stop=stop)
+    pool = simulate_pool(source, policies, latency, sim, router, stop=stop if early_stop else None)
     result = pool.result
     tenants = tenant_attainment(result.requests, offered, result.end_s, pool.stopped, missed)
     for name, row in tenants.items():

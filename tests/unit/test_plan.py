@@ -1,15 +1,20 @@
-"""The planner's pieces (bench/plan.py): the sub-pool a large replica count is judged on, and a
-tenant's attainment over every request it offered."""
+"""The planner's pieces (bench/plan.py): the sub-pool a large replica count is judged on, a
+tenant's attainment over every request it offered, the search over counts and the early stop
+(the same answer as every count run to the end)."""
 
 from __future__ import annotations
 
+import json
 import math
 from array import array
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+import bench.plan
 from backend.sim.records import RequestRecord
-from bench.plan import search_replicas, sub_pool, tenant_attainment
+from bench.plan import PlanConfig, Trial, search_replicas, sub_pool, tenant_attainment
 from bench.workloads.base import RequestSpec
 
 
@@ -121,3 +126,57 @@ def test_a_good_guess_runs_one_count_that_meets() -> None:
 
         assert search_replicas(trial, 64) == needed
         assert [n for n in tried if n >= needed] == [needed]
+
+
+def dense_trace(path: Path) -> Path:
+    """240 requests in 2.4 s of two RT tenants and a BE one with a deadline: one simulated
+    H100 replica is too few (as in tests/functional/test_bench_pool.py)."""
+    lines = [
+        {
+            "t_ms": 10 * i,
+            "input_len": 900 + (37 * i) % 600,
+            "output_len": 20 + i % 30,
+            "tier": "be" if i % 6 == 0 else "rt",
+            "tenant": "batch" if i % 6 == 0 else ("chat" if i % 2 else "search"),
+        }
+        for i in range(240)
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_the_plan_with_early_stops_answers_as_every_count_run_to_the_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    contracts = tmp_path / "contracts.yaml"
+    contracts.write_text(
+        "chat: {tier: rt, ttft_ms: 300, tpot_ms: 100}\n"
+        "search: {tier: rt, ttft_ms: 150, tpot_ms: 50, weight: 2}\n"
+        "batch: {tier: be, deadline_s: 60}\n"
+    )
+    config = PlanConfig(
+        trace_file=dense_trace(tmp_path / "t.jsonl"),
+        out_dir=tmp_path / "out",
+        tenants_file=contracts,
+        max_replicas=6,
+    )
+    run_trial = bench.plan.run_trial
+    args: list[Any] = []
+
+    def both(*a: Any) -> Trial:
+        args[:] = a
+        stopped, whole = run_trial(*a), run_trial(*a, early_stop=False)
+        assert stopped.meets == whole.meets
+        if stopped.stopped_early:  # a stopped run reports an upper bound
+            assert stopped.min_attainment is not None and whole.min_attainment is not None
+            assert stopped.min_attainment >= whole.min_attainment
+        return stopped
+
+    monkeypatch.setattr(bench.plan, "run_trial", both)
+    result = bench.plan.plan(config)
+    assert any(t.stopped_early for t in result.trials.values())
+    every = {}
+    for n in range(1, config.max_replicas + 1):
+        args[2] = n
+        every[n] = run_trial(*args, early_stop=False).meets
+    assert result.replicas_needed == min(n for n, meets in every.items() if meets) > 1
