@@ -152,7 +152,8 @@ class Trial:
     """CPU time the simulation took (this process), seconds."""
     missed_share: float | None = None
     """The worst judged tenant's share of its requests that missed, of those that arrived
-    before the run ended (None: nothing arrived) — what the search's guess reads."""
+    before the run ended — since its first known miss, for a run stopped early (None:
+    nothing to go by) — what the search's guess reads."""
 
     def guess(self, target: float) -> int | None:
         """The count this trial suggests, for one that failed: an undersized pool sheds the
@@ -357,6 +358,7 @@ def run_trial(
         tier, count = offered.get(name, (s.tier, 0))
         offered[name] = (tier, count + 1)
     missed: dict[str, int] = {}
+    first_miss_s: dict[str, float] = {}  # per tenant, the arrival of its first known miss
 
     def stop(record: RequestRecord) -> bool:
         """Called with each request shed or finished: True once its tenant's requests known to
@@ -367,6 +369,7 @@ def run_trial(
         if is_met(record, tier, 0.0):  # final: a finished request's answer needs no end
             return False
         known = missed[name] = missed.get(name, 0) + 1
+        first_miss_s[name] = min(first_miss_s.get(name, math.inf), record.arrival_s)
         return judged.get(name, True) and (count - known) / count < config.target
 
     policies = [_make_policy(config.policy, latency) for _ in range(simulated)]
@@ -380,10 +383,15 @@ def run_trial(
     for name, row in tenants.items():
         row["judged"] = judged.get(name, True)
     stopped = pool.stopped
+    # the miss share the search's guess reads: of a stopped run, over the requests that
+    # arrived since its first known miss (the minutes before the pool fell behind would dilute
+    # it: a run stops soon after misses start, so the share of everything arrived says less
+    # about the overload than the share since)
     arrived: dict[str, int] = {}
     for r in result.requests:
         name = r.tenant_id or ANONYMOUS
-        arrived[name] = arrived.get(name, 0) + 1
+        if not stopped or r.arrival_s >= first_miss_s.get(name, math.inf):
+            arrived[name] = arrived.get(name, 0) + 1
     shares = [
         (missed.get(name, 0) if stopped else row["requests"] - row["met"]) / arrived[name]
         for name, row in tenants.items()
