@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from array import array
 from pathlib import Path
 from typing import Any
@@ -180,3 +181,17 @@ def test_the_plan_with_early_stops_answers_as_every_count_run_to_the_end(
         args[2] = n
         every[n] = run_trial(*args, early_stop=False).meets
     assert result.replicas_needed == min(n for n, meets in every.items() if meets) > 1
+
+
+def test_the_quick_check_of_a_finished_request_agrees_with_the_exact_one() -> None:
+    rng = random.Random(0)
+    for i in range(3000):
+        ttft = rng.choice([0.1, 0.4, 0.4 + 1e-12, 0.39999999, 0.9])
+        gap = rng.choice([0.05, 0.2, 0.2 + 1e-13, 0.2 - 1e-13, 0.3])
+        times = array("d", [ttft + k * gap for k in range(rng.randint(1, 40))])
+        rec = record(f"r{i}", "chat", ttft_s=ttft)
+        rec.token_times, rec.finish_s = times, times[-1]
+        quick = bench.plan._clearly_met(rec, "rt")
+        assert not quick or bench.plan.is_met(rec, "rt", 100.0)  # never a wrong "met"
+        if ttft == 0.1 and (gap == 0.05 or len(times) == 1):
+            assert quick  # and it answers the requests well inside their targets
