@@ -511,7 +511,9 @@ def search_replicas(
     safeguarded: while nothing has met, at most 2× the last count (the old doubling) and,
     after two smaller steps in a row, at least 1.25× it; once something has, within the
     bracket at least a quarter of its width from either end (so it shrinks by a quarter or
-    more each time when guesses are poor)."""
+    more each time when guesses are poor). After a count that met (no guess), the next is a
+    quarter of the bracket up from its low end rather than the middle: tried under the
+    answer, a count fails part-way, cheaper than one more whole run over it."""
     if max_replicas < 1:
         raise ValueError(f"max_replicas must be ≥ 1, got {max_replicas}")
     low, high = 0, None
@@ -535,9 +537,9 @@ def search_replicas(
             n = step
             continue
         margin = max(1, (high - low) // 4)
-        if guess is None:
-            guess = (low + high) // 2
-        n = min(max(guess, low + margin), high - margin)
+        # no guess (the last count met): a quarter in from below, a count under the answer
+        # costs less
+        n = low + margin if guess is None else min(max(guess, low + margin), high - margin)
 
 
 def _round(value: float | None) -> float | None:
