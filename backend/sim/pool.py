@@ -149,7 +149,7 @@ def simulate_pool(
     *,
     forecaster: SloForecaster | None = None,
     progress: Callable[[float], None] | None = None,
-    stop: Callable[[Sequence[RequestRecord]], bool] | None = None,
+    stop: Callable[[RequestRecord], bool] | None = None,
 ) -> PoolResult:
     """Runs one replica per policy behind *router* until every request finished (or the
     horizon). The SLO admission is the first policy's (`PolicyBase.slo_forecaster`; none for
