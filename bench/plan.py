@@ -5,8 +5,11 @@ for a trace (`tandem plan`, tandem/plan.py).
     N replicas of the engine policy behind the router, the gateway's own placement code) →
     per-tenant attainment → does every tenant reach the target?
 
-Search: N = 1, 2, 4, … until a count meets the target (or `max_replicas`), then bisection
-between the last count that failed and the first that met it: about 2 log2(N) runs.
+Search (`search_replicas`): up from N = 1, at most doubling, until a count meets the target
+(or `max_replicas`), then inward between the last count that failed and the first that met it
+— each next count where the last failure's miss share puts the answer (a failure costs a
+fraction of a run, a count that meets the whole run), safeguarded to shrink the bracket as
+bisection would. Same answer as trying every count, when more replicas never do worse.
 
 Attainment of a tenant, over every request it offered in the trace:
 * RT: the share that met both its TTFT and its TPOT target (a shed or downgraded request
@@ -15,8 +18,10 @@ Attainment of a tenant, over every request it offered in the trace:
   as the share finished, but not a criterion).
 
 Two things keep the search within minutes on a one-hour trace of a large pool:
-* a run stops as soon as some tenant's shed requests alone put it below the target (an
-  undersized pool is recognised in the first minutes of its trace, not at the end);
+* a run stops as soon as some tenant's requests known to have missed (shed, or finished out of
+  contract) put it below the target whatever its other requests do (an undersized pool is
+  recognised in the first minutes of its trace, not at the end; a count that meets the target
+  is never stopped, so the answer is the same as running every count to the end);
 * past `sample_replicas` replicas, a count N is judged on a sub-pool: `sample_replicas` of the N
   replicas, fed the requests that would go to them — those whose group (a prompt-prefix root,
   so a conversation or a batch group stays whole; else the request itself) falls in the
@@ -28,11 +33,12 @@ Two things keep the search within minutes on a one-hour trace of a large pool:
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import msgspec
 import yaml
@@ -144,6 +150,22 @@ class Trial:
     duration_s: float
     cpu_s: float = 0.0
     """CPU time the simulation took (this process), seconds."""
+    missed_share: float | None = None
+    """The worst judged tenant's share of its requests that missed, of those that arrived
+    before the run ended — for a run stopped early, of those decided (shed or finished) that
+    arrived since its first known miss (None: nothing to go by) — what the search's guess
+    reads."""
+
+    def guess(self, target: float) -> int | None:
+        """The count this trial suggests, for one that failed: an undersized pool sheds the
+        load beyond what it can serve, so a miss share f at N replicas says they serve about
+        (1 − f) of what they are offered, and target ÷ (1 − f) × N replicas would miss no
+        more than the target allows. Queueing near capacity misses more than that, so the
+        guess tends to be low (a cheap failure); None without a usable share."""
+        f = self.missed_share
+        if self.meets or f is None or not 0.0 < f < 1.0:
+            return None
+        return math.ceil(target * self.replicas / (1.0 - f) - 1e-9)
 
     @property
     def min_attainment(self) -> float | None:
@@ -164,6 +186,7 @@ class Trial:
             "simulated_replicas": self.simulated_replicas,
             "simulated_requests": self.requests,
             "stopped_early": self.stopped_early,
+            "missed_share": _round(self.missed_share),
             "wall_s": round(self.wall_s, 3),
             "cpu_s": round(self.cpu_s, 3),
         }
@@ -240,8 +263,64 @@ def sub_pool(specs: Sequence[RequestSpec], replicas: int, sample: int) -> list[R
     return [
         s
         for i, s in enumerate(specs)
-        if (s.prefix_hashes[0] if s.prefix_hashes else i) % replicas < sample
+        if (_spread(s.prefix_hashes[0]) if s.prefix_hashes else i) % replicas < sample
     ]
+
+
+_GOLDEN_64 = 0x9E3779B97F4A7C15  # 2^64 / φ, odd: Fibonacci hashing
+_MASK_64 = (1 << 64) - 1
+
+
+def _spread(key: int) -> int:
+    """A group key's share bucket source: the high bits of key × 2^64/φ (mod 2^64). Prefix
+    hashes are ids, not hashes — `bench.trace` numbers a conversation's blocks
+    `conversation × 4096 + j`, so `key % replicas` would put every conversation in share 0
+    for any power-of-two count; the product's high bits spread them evenly."""
+    return ((key * _GOLDEN_64) & _MASK_64) >> 32
+
+
+def is_met(record: RequestRecord, tenant_tier: str, end_s: float) -> bool:
+    """Did the request meet its tenant's contract? RT: both TTFT and TPOT targets, as RT (a
+    shed or downgraded request missed); BE: finished within its deadline, if it has one. A
+    finished request's answer is final (it does not depend on *end_s*)."""
+    if record.admission == "shed":
+        return False
+    if tenant_tier == "rt":
+        if record.tier != "rt":
+            return False
+        s = rt_stats(record, end_s)
+        return bool(s.ttft_met and s.tpot_met)
+    return record.finish_s is not None and (
+        record.deadline_s is None or record.finish_s <= record.deadline_s
+    )
+
+
+_CLEAR_S = 1e-6
+"""How far inside its targets a request must be for `_clearly_met` (far above the float error
+of a mean of token gaps, ~1e-12 s)."""
+
+
+def _clearly_met(record: RequestRecord, tenant_tier: str) -> bool:
+    """A finished RT request well inside both its targets: `is_met` without numpy (its mean
+    token gap is (last − first) ÷ (tokens − 1), up to float error; a request within
+    `_CLEAR_S` of a target is left to `is_met`). False says nothing."""
+    times = record.token_times
+    if (
+        tenant_tier != "rt"
+        or record.tier != "rt"
+        or record.admission == "shed"
+        or record.finish_s is None
+        or record.first_token_s is None
+        or not times
+    ):
+        return False
+    ttft_target = math.inf if record.ttft_target_s is None else record.ttft_target_s
+    tpot_target = math.inf if record.tpot_target_s is None else record.tpot_target_s
+    tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
+    return (
+        record.first_token_s - record.arrival_s < ttft_target - _CLEAR_S
+        and tpot < tpot_target - _CLEAR_S
+    )
 
 
 def tenant_attainment(
@@ -249,23 +328,22 @@ def tenant_attainment(
     offered: dict[str, tuple[str, int]],
     end_s: float,
     stopped: bool = False,
+    missed: dict[str, int] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Per tenant (*offered*: name → (tier, requests offered)): requests, met, attainment, shed
     — over what it offered, so a shed request missed. A run *stopped* early says only what the
-    sheds allow: attainment ≤ 1 − shed ÷ offered (`upper_bound`)."""
+    requests known to have missed allow (*missed*: per tenant, those shed or finished out of
+    contract when it stopped; default the sheds): attainment ≤ 1 − missed ÷ offered
+    (`upper_bound`)."""
     met: dict[str, int] = dict.fromkeys(offered, 0)
     shed: dict[str, int] = dict.fromkeys(offered, 0)
     for r in records:
         name = r.tenant_id or ANONYMOUS
-        tier = offered[name][0]
         if r.admission == "shed":
             shed[name] += 1
-        elif tier == "rt":
-            if r.tier == "rt":
-                s = rt_stats(r, end_s)
-                met[name] += s.ttft_met and s.tpot_met
-        elif r.finish_s is not None and (r.deadline_s is None or r.finish_s <= r.deadline_s):
-            met[name] += 1
+        else:
+            met[name] += is_met(r, offered[name][0], end_s)
+    known = shed if missed is None else missed
     out: dict[str, dict[str, Any]] = {}
     for name, (tier, count) in offered.items():
         out[name] = {
@@ -274,7 +352,9 @@ def tenant_attainment(
             "met": met[name],
             "shed": shed[name],
             "attainment": (
-                None if not count else (count - shed[name] if stopped else met[name]) / count
+                None
+                if not count
+                else (count - known.get(name, 0) if stopped else met[name]) / count
             ),
             "upper_bound": stopped,
             "judged": True,
@@ -290,8 +370,11 @@ def run_trial(
     sim: SimConfig,
     judged: dict[str, bool],
     duration_s: float,
+    *,
+    early_stop: bool = True,
 ) -> Trial:
-    """Simulates *replicas* (or a sub-pool of them) on the trace; the per-tenant attainments."""
+    """Simulates *replicas* (or a sub-pool of them) on the trace; the per-tenant attainments.
+    *early_stop* off runs the whole trace even once the answer is known (tests compare)."""
     from backend.policy.feasibility import SloForecaster
     from backend.sim.pool import simulate_pool
     from bench.runner import _make_policy
@@ -304,27 +387,49 @@ def run_trial(
         name = s.tenant_id or ANONYMOUS
         tier, count = offered.get(name, (s.tier, 0))
         offered[name] = (tier, count + 1)
-    allowed_misses = {name: (1.0 - config.target) * count for name, (_, count) in offered.items()}
+    missed: dict[str, int] = {}
+    first_miss_s: dict[str, float] = {}  # per tenant, the arrival of its first known miss
 
-    shed_by_tenant: dict[str, int] = {}
-
-    def stop(shed: Sequence[RequestRecord]) -> bool:
-        """Called after each shed request: True once its tenant's sheds alone miss the target."""
-        name = shed[-1].tenant_id or ANONYMOUS
-        count = shed_by_tenant[name] = shed_by_tenant.get(name, 0) + 1
-        return judged.get(name, True) and count > allowed_misses[name]
+    def stop(record: RequestRecord) -> bool:
+        """Called with each request shed or finished: True once its tenant's requests known to
+        have missed put it below the target whatever the rest do (the same comparison as
+        `meets`, so a count that meets the target is never stopped)."""
+        name = record.tenant_id or ANONYMOUS
+        tier, count = offered[name]
+        if _clearly_met(record, tier) or is_met(record, tier, 0.0):  # final: it finished
+            return False
+        known = missed[name] = missed.get(name, 0) + 1
+        first_miss_s[name] = min(first_miss_s.get(name, math.inf), record.arrival_s)
+        return judged.get(name, True) and (count - known) / count < config.target
 
     policies = [_make_policy(config.policy, latency) for _ in range(simulated)]
     first = policies[0]
     forecaster = first.slo_forecaster() if hasattr(first, "slo_forecaster") else None
     router = make_router(config.router, forecaster or SloForecaster(latency))
     source = SimSource(TimedSource(chosen), SimRequest)
-    pool = simulate_pool(source, policies, latency, sim, router, stop=stop)
+    pool = simulate_pool(source, policies, latency, sim, router, stop=stop if early_stop else None)
     result = pool.result
-    tenants = tenant_attainment(result.requests, offered, result.end_s, pool.stopped)
+    tenants = tenant_attainment(result.requests, offered, result.end_s, pool.stopped, missed)
     for name, row in tenants.items():
         row["judged"] = judged.get(name, True)
     stopped = pool.stopped
+    # the miss share the search's guess reads: of a stopped run, over the requests decided
+    # (shed or finished) of those that arrived since its first known miss — the minutes before
+    # the pool fell behind would dilute it, and so would the requests still queued when it
+    # stopped (most of which would miss too)
+    arrived: dict[str, int] = {}
+    for r in result.requests:
+        name = r.tenant_id or ANONYMOUS
+        if not stopped or (
+            r.arrival_s >= first_miss_s.get(name, math.inf)
+            and (r.admission == "shed" or r.finish_s is not None)
+        ):
+            arrived[name] = arrived.get(name, 0) + 1
+    shares = [
+        (missed.get(name, 0) if stopped else row["requests"] - row["met"]) / arrived[name]
+        for name, row in tenants.items()
+        if row["judged"] and arrived.get(name)
+    ]
     meets = not stopped and all(
         t["attainment"] is not None and t["attainment"] >= config.target
         for t in tenants.values()
@@ -340,6 +445,7 @@ def run_trial(
         wall_s=time.perf_counter() - started,
         duration_s=duration_s,
         cpu_s=time.process_time() - cpu_started,
+        missed_share=max(shares) if shares else None,
     )
 
 
@@ -376,27 +482,64 @@ def plan(config: PlanConfig, report: Callable[[Trial], None] | None = None) -> P
             report(t)
         return t
 
-    low, high = 0, None  # the largest count known to fail, the smallest known to meet
-    n = 1
-    while True:
-        if trial(n).meets:
-            high = n
-            break
-        low = n
-        if n >= config.max_replicas:
-            break
-        n = min(2 * n, config.max_replicas)
-    if high is not None:
-        while high - low > 1:
-            mid = (low + high) // 2
-            if trial(mid).meets:
-                high = mid
-            else:
-                low = mid
+    high = search_replicas(trial, config.max_replicas, config.target)
     result.replicas_needed = high
     result.wall_s = time.perf_counter() - started
     result.cpu_s = time.process_time() - cpu_started
     return result
+
+
+class _Tried(Protocol):
+    """What the search reads of a trial."""
+
+    @property
+    def meets(self) -> bool: ...
+
+    def guess(self, target: float) -> int | None: ...
+
+
+def search_replicas(
+    trial: Callable[[int], _Tried], max_replicas: int, target: float = TARGET
+) -> int | None:
+    """The fewest replicas whose trial meets the target (None: not even *max_replicas*),
+    assuming more replicas never do worse — the answer of trying every count from 1 up.
+
+    A bracket [low, high] (the largest count known to fail, the smallest known to meet)
+    narrows until they are adjacent. A count that meets runs its whole trace, one that fails
+    stops as soon as its misses decide it (the further below the answer, the sooner), so the
+    next count is where the last failure's miss share guesses the answer (`Trial.guess`),
+    safeguarded: while nothing has met, at most 2× the last count (the old doubling) and,
+    after two smaller steps in a row, at least 1.25× it; once something has, within the
+    bracket at least a quarter of its width from either end (so it shrinks by a quarter or
+    more each time when guesses are poor). After a count that met (no guess), the next is a
+    quarter of the bracket up from its low end rather than the middle: tried under the
+    answer, a count fails part-way, cheaper than one more whole run over it."""
+    if max_replicas < 1:
+        raise ValueError(f"max_replicas must be ≥ 1, got {max_replicas}")
+    low, high = 0, None
+    n = 1
+    creeping = 0  # steps in a row of less than 1.25× while nothing has met
+    while True:
+        t = trial(n)
+        if t.meets:
+            high = n
+        else:
+            low = n
+        if high is None and n >= max_replicas:
+            return None
+        if high is not None and high - low <= 1:
+            return high
+        guess = None if t.meets else t.guess(target)
+        if high is None:
+            least = n + (max(1, n // 4) if creeping >= 2 else 1)
+            step = min(max(guess or 2 * n, least), 2 * n, max_replicas)
+            creeping = creeping + 1 if 4 * step < 5 * n else 0
+            n = step
+            continue
+        margin = max(1, (high - low) // 4)
+        # no guess (the last count met): a quarter in from below, a count under the answer
+        # costs less
+        n = low + margin if guess is None else min(max(guess, low + margin), high - margin)
 
 
 def _round(value: float | None) -> float | None:

@@ -11,6 +11,10 @@ Convert an Azure trace (one command)::
 
     python -m bench.trace convert-azure ../shared/data/azure_llm_2023_conv.csv OUT.jsonl \
         [--tier rt|be] [--limit N] [--mean-turns T [--seed S]]
+
+A heavier trace of the same shape (K copies overlaid, each shifted in time; a fleet's load)::
+
+    python -m bench.trace tile IN.jsonl OUT.jsonl --copies K [--until-s S] [--seed S]
 """
 
 from __future__ import annotations
@@ -248,8 +252,51 @@ def convert_azure(
     return count
 
 
+TILE_HASH_STRIDE = 1 << 40
+"""Copy c of a tiled trace adds c × this to its prefix hashes (copies share no prefix)."""
+
+
+def tile_trace(
+    in_path: str | Path,
+    out_path: str | Path,
+    *,
+    copies: int,
+    until_s: float | None = None,
+    seed: int = 0,
+) -> int:
+    """Writes *copies* of a trace overlaid as one trace of the same span: copy c is shifted
+    by a seeded offset in [0, span) and wrapped around the span (so every copy covers the
+    whole span and the rate is *copies* × the original's throughout), its prefix hashes
+    moved to their own range (conversations stay within a copy). Lines at or after
+    *until_s* (seconds from the start) are left out: a slice of the heavier trace. Returns
+    the number of lines written."""
+    if copies < 1:
+        raise ValueError(f"--copies must be ≥ 1, got {copies}")
+    rows = read_trace(in_path)
+    t0 = min(row["t_ms"] for row in rows)
+    span_ms = max(row["t_ms"] for row in rows) - t0 or 1.0
+    limit_ms = math.inf if until_s is None else until_s * 1000.0
+    rng = np.random.default_rng(seed)
+    lines: list[tuple[float, int, int, dict[str, Any]]] = []
+    for c in range(copies):
+        offset_ms = 0.0 if c == 0 else float(rng.uniform(0.0, span_ms))
+        for i, row in enumerate(rows):
+            t_ms = (row["t_ms"] - t0 + offset_ms) % span_ms
+            if t_ms >= limit_ms:
+                continue
+            line = {k: row[k] for k in ("input_len", "output_len", "tier", "tenant")}
+            line["prefix_hashes"] = [h + c * TILE_HASH_STRIDE for h in row["prefix_hashes"]]
+            lines.append((t_ms, c, i, line))
+    lines.sort(key=lambda x: (x[0], x[1], x[2]))
+    with open(out_path, "w") as fh:
+        for t_ms, _, _, line in lines:
+            fh.write(json.dumps({"t_ms": round(t_ms, 3)} | line) + "\n")
+    return len(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m bench.trace convert-azure CSV OUT.jsonl [--tier rt|be] [--limit N]`."""
+    """`python -m bench.trace convert-azure CSV OUT.jsonl [--tier rt|be] [--limit N]`, or
+    `python -m bench.trace tile IN.jsonl OUT.jsonl --copies K [--until-s S] [--seed S]`."""
     parser = argparse.ArgumentParser(
         prog="python -m bench.trace",
         description=__doc__,
@@ -268,7 +315,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="make up conversations of this many turns on average, sharing prompt prefixes",
     )
     conv.add_argument("--seed", type=int, default=0, help="seed of the conversations")
+    tile = sub.add_parser("tile", help="K copies of a trace overlaid, shifted (a fleet's load)")
+    tile.add_argument("trace", help="a trace JSONL (e.g. one convert-azure wrote)")
+    tile.add_argument("out", help="the JSONL file to write")
+    tile.add_argument("--copies", type=int, required=True, help="copies overlaid (≥ 1)")
+    tile.add_argument("--until-s", type=float, default=None, help="only the first S seconds")
+    tile.add_argument("--seed", type=int, default=0, help="seed of the copies' offsets")
     args = parser.parse_args(argv)
+    if args.command == "tile":
+        try:
+            count = tile_trace(
+                args.trace, args.out, copies=args.copies, until_s=args.until_s, seed=args.seed
+            )
+        except ValueError as exc:
+            print(f"bench.trace: error: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {count} requests to {args.out}")
+        return 0
     if args.limit is not None and args.limit < 1:
         print("bench.trace: error: --limit must be ≥ 1", file=sys.stderr)
         return 2

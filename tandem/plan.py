@@ -122,7 +122,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(
                 f"  {trial.replicas} replicas: lowest tenant attainment {shown}"
                 + (
-                    " (stopped early: its sheds alone miss the target)"
+                    " (stopped early: its requests known to have missed already miss the target)"
                     if trial.stopped_early
                     else ""
                 )

@@ -477,7 +477,10 @@ def load_of(
                 _count_waiting(by_tenant, r)
             else:
                 rt_running += 1
-                _tenant_entry(by_tenant, r)[3] += 1
+                entry = by_tenant.get(r.tenant_id)  # `_tenant_entry`, inlined: the hot case
+                if entry is None:
+                    entry = by_tenant[r.tenant_id] = [r.tenant_weight, 0, 0, 0]
+                entry[3] += 1
                 rt_context += r.prompt_len + r.generated
         else:
             be_kv += r.prefilled + (r.generated if r.prefilled >= r.prefill_len else 0)

@@ -226,10 +226,32 @@ class LatencyModel:
 
     def predict(self, shape: BatchShape) -> float:
         """Predicted iteration time, seconds (0 for an empty batch)."""
-        if shape.is_empty:
+        n_p, n_d = shape.num_prefill, shape.num_decode
+        if n_p == 0 and n_d == 0:
             return 0.0
-        f = features(shape)
-        return max(sum(w * v for w, v in zip(piece, f, strict=True)) for piece in self._pieces)
+        # `features` and the dot product unrolled (the planners ask this in their inner loops);
+        # the same products summed in the same order, so the same float as sum(w · features)
+        sp = shape.prefill_tokens / _K
+        sd = shape.decode_context / _K
+        sp2, sd2, fn_p, fn_d = sp * sp, sd * sd, float(n_p), float(n_d)
+        a_p = shape.prefill_attn / (_K * _K)
+        f_p = _full_square(shape) / (_K * _K)
+        best = -math.inf
+        for w in self._pieces:
+            v = (
+                w[0] * 1.0
+                + w[1] * sp
+                + w[2] * sd
+                + w[3] * sp2
+                + w[4] * sd2
+                + w[5] * fn_p
+                + w[6] * fn_d
+                + w[7] * a_p
+                + w[8] * f_p
+            )
+            if v > best:
+                best = v
+        return best
 
     def max_chunk(
         self, shape: BatchShape, time_limit_s: float, *, prefix: int, cap: int, page_size: int = 1

@@ -39,10 +39,12 @@ from backend.policy.types import Policy, Snapshot
 from backend.sim.config import SimConfig
 from backend.sim.core import EngineCore
 from backend.sim.engine import StalledPolicyError, Step, end_iteration, start_iteration
+from backend.sim.engine import _record as engine_record
 from backend.sim.engine import _records as engine_records
 from backend.sim.front_door import FrontDoor, front_door_for, slo_ask
 from backend.sim.records import IterationLog, RequestRecord, SimResult
 from backend.sim.source import ArrivalSource, SimRequest
+from backend.sim.track import Track
 from common.wire import TenantLoad
 
 
@@ -147,13 +149,14 @@ def simulate_pool(
     *,
     forecaster: SloForecaster | None = None,
     progress: Callable[[float], None] | None = None,
-    stop: Callable[[Sequence[RequestRecord]], bool] | None = None,
+    stop: Callable[[RequestRecord], bool] | None = None,
 ) -> PoolResult:
     """Runs one replica per policy behind *router* until every request finished (or the
     horizon). The SLO admission is the first policy's (`PolicyBase.slo_forecaster`; none for
     the stock baselines); *forecaster* forecasts RT requests the router did not (defaults to
-    the admission's). *stop(shed records)* is asked after each shed request: True ends the run
-    there (a planner that already knows the pool is too small).
+    the admission's). *stop(record)* is asked with the record of each request shed and of each
+    request that finished (final: its tokens all emitted): True ends the run there (a planner
+    that already knows the pool is too small).
 
     Raises what the single-engine simulator raises (InfeasiblePlanError, StalledPolicyError)."""
     if not policies:
@@ -207,7 +210,7 @@ def simulate_pool(
             admitted = door.outcome(req, forecast.feasible)
             if admitted is None:
                 source.on_finish(req.rid, at_s)  # a closed loop hears the refusal
-                return stop is None or not stop(door.shed)
+                return stop is None or not stop(door.shed[-1])
             req = admitted
         placed[m.index] += 1
         idle = m.step is None
@@ -250,7 +253,9 @@ def simulate_pool(
             step = m.step
             assert step is not None
             m.step = None
-            end_iteration(m.core, m.policy, source, m.log, step)
+            finished = end_iteration(m.core, m.policy, source, m.log, step)
+            if stop is not None and finished and _stop_on_finished(finished, door, stop):
+                stopped = True
             if step.duration_s > 0.0:  # the engine's recent pace, as /load reports it
                 m.pace.observe(m.log.predicted_s[-1], step.duration_s)
             m.iterations += 1
@@ -271,6 +276,21 @@ def simulate_pool(
         requests_per_replica=placed,
         stopped=stopped,
     )
+
+
+def _stop_on_finished(
+    finished: Sequence[Track],
+    door: FrontDoor | None,
+    stop: Callable[[RequestRecord], bool],
+) -> bool:
+    """Asks *stop* about each finished request's record (as the result will hold it)."""
+    for t in finished:
+        rec = engine_record(t)
+        if door is not None:
+            rec.admission = door.outcomes.get(rec.rid, "admitted")
+        if stop(rec):
+            return True
+    return False
 
 
 def _pool_result(

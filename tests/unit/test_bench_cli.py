@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 
 from bench.defaults import DEFAULT_DATA_DIR
-from bench.trace import TraceError, convert_azure, read_trace, trace_requests
+from bench.trace import (
+    TILE_HASH_STRIDE,
+    TraceError,
+    convert_azure,
+    read_trace,
+    tile_trace,
+    trace_requests,
+)
 from bench.workloads.base import WorkloadParams
 from tandem.cli import main
 
@@ -159,3 +166,24 @@ def test_policy_spec_reads_numbers_booleans_and_strings() -> None:
     )
     assert parse_policy_spec("fcfs") == ("fcfs", {})
     assert base_name(spec) == "tandem"
+
+
+def test_tile_overlays_shifted_copies_within_the_span(tmp_path: Path) -> None:
+    src = tmp_path / "t.jsonl"
+    lines = [
+        {"t_ms": 1000 * i, "input_len": 600, "output_len": 5, "prefix_hashes": [7 * i]}
+        for i in range(11)
+    ]
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "fleet.jsonl"
+    assert tile_trace(src, out, copies=3, seed=1) == 33
+    rows = read_trace(out)
+    times = [r["t_ms"] for r in rows]
+    assert times == sorted(times) and times[0] >= 0 and times[-1] < 10_000  # one span, wrapped
+    hashes = [r["prefix_hashes"][0] for r in rows]
+    assert len(set(hashes)) == 33  # copies share no prefix
+    assert {h // TILE_HASH_STRIDE for h in hashes} == {0, 1, 2}
+    # a slice: only the lines before --until-s
+    assert tile_trace(src, out, copies=3, seed=1, until_s=5.0) == sum(t < 5000 for t in times)
+    with pytest.raises(ValueError, match="--copies"):
+        tile_trace(src, out, copies=0)

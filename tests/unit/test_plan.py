@@ -1,12 +1,21 @@
-"""The planner's pieces (bench/plan.py): the sub-pool a large replica count is judged on, and a
-tenant's attainment over every request it offered."""
+"""The planner's pieces (bench/plan.py): the sub-pool a large replica count is judged on, a
+tenant's attainment over every request it offered, the search over counts and the early stop
+(the same answer as every count run to the end)."""
 
 from __future__ import annotations
 
+import json
+import math
+import random
 from array import array
+from pathlib import Path
+from typing import Any
 
+import pytest
+
+import bench.plan
 from backend.sim.records import RequestRecord
-from bench.plan import sub_pool, tenant_attainment
+from bench.plan import PlanConfig, Trial, search_replicas, sub_pool, tenant_attainment
 from bench.workloads.base import RequestSpec
 
 
@@ -65,3 +74,124 @@ def test_attainment_counts_shed_downgraded_and_late_requests_as_missed() -> None
     # stopped early: only what the sheds allow is known, an upper bound
     stopped = tenant_attainment(records[:3], {"chat": ("rt", 5)}, end_s=1.0, stopped=True)
     assert stopped["chat"]["attainment"] == 4 / 5 and stopped["chat"]["upper_bound"]
+
+
+def test_sub_pool_spreads_conversations_numbered_in_blocks() -> None:
+    # bench.trace numbers a conversation's blocks conversation × 4096 + j: a plain modulo by a
+    # power-of-two count would put every conversation in the first share
+    specs = [spec(i, group=(i // 4) * 4096) for i in range(4000)]
+    for replicas in (16, 64, 256):
+        chosen = sub_pool(specs, replicas=replicas, sample=8)
+        assert abs(len(chosen) - 4000 * 8 / replicas) < 4000 * 8 / replicas * 0.35, replicas
+
+
+class FakeTrial:
+    """A count's outcome when *needed* replicas meet the target, with a guess that is *bias*
+    replicas off (None: no guess) — and above the count, as `Trial.guess` always is (a failure
+    missed more than the target allows)."""
+
+    def __init__(self, n: int, needed: int, bias: int | None) -> None:
+        self.meets = n >= needed
+        self._guess = None if bias is None else max(n + 1, needed + bias)
+
+    def guess(self, target: float) -> int | None:
+        return None if self.meets else self._guess
+
+
+@pytest.mark.parametrize("bias", [None, 0, -1, -5, 3, 40, -100])
+def test_search_finds_the_same_count_as_trying_every_count(bias: int | None) -> None:
+    for max_replicas in (1, 7, 64):
+        for needed in range(1, 80):
+            tried: list[int] = []
+
+            def trial(
+                n: int, needed: int = needed, tried: list[int] = tried, top: int = max_replicas
+            ) -> FakeTrial:
+                assert 1 <= n <= top and n not in tried
+                tried.append(n)
+                return FakeTrial(n, needed, bias)
+
+            exhaustive = needed if needed <= max_replicas else None
+            assert search_replicas(trial, max_replicas) == exhaustive, (needed, max_replicas)
+            assert len(tried) <= 5 * math.log2(max_replicas) + 3  # bisection's 2 log2 at best
+
+
+def test_a_good_guess_runs_one_count_that_meets() -> None:
+    # counts that meet run their whole trace: with the guess right, only the answer does
+    for needed in (3, 45, 61):
+        tried: list[int] = []
+
+        def trial(n: int, needed: int = needed, tried: list[int] = tried) -> FakeTrial:
+            tried.append(n)
+            return FakeTrial(n, needed, bias=-1)
+
+        assert search_replicas(trial, 64) == needed
+        assert [n for n in tried if n >= needed] == [needed]
+
+
+def dense_trace(path: Path) -> Path:
+    """240 requests in 2.4 s of two RT tenants and a BE one with a deadline: one simulated
+    H100 replica is too few (as in tests/functional/test_bench_pool.py)."""
+    lines = [
+        {
+            "t_ms": 10 * i,
+            "input_len": 900 + (37 * i) % 600,
+            "output_len": 20 + i % 30,
+            "tier": "be" if i % 6 == 0 else "rt",
+            "tenant": "batch" if i % 6 == 0 else ("chat" if i % 2 else "search"),
+        }
+        for i in range(240)
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_the_plan_with_early_stops_answers_as_every_count_run_to_the_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    contracts = tmp_path / "contracts.yaml"
+    contracts.write_text(
+        "chat: {tier: rt, ttft_ms: 300, tpot_ms: 100}\n"
+        "search: {tier: rt, ttft_ms: 150, tpot_ms: 50, weight: 2}\n"
+        "batch: {tier: be, deadline_s: 60}\n"
+    )
+    config = PlanConfig(
+        trace_file=dense_trace(tmp_path / "t.jsonl"),
+        out_dir=tmp_path / "out",
+        tenants_file=contracts,
+        max_replicas=6,
+    )
+    run_trial = bench.plan.run_trial
+    args: list[Any] = []
+
+    def both(*a: Any) -> Trial:
+        args[:] = a
+        stopped, whole = run_trial(*a), run_trial(*a, early_stop=False)
+        assert stopped.meets == whole.meets
+        if stopped.stopped_early:  # a stopped run reports an upper bound
+            assert stopped.min_attainment is not None and whole.min_attainment is not None
+            assert stopped.min_attainment >= whole.min_attainment
+        return stopped
+
+    monkeypatch.setattr(bench.plan, "run_trial", both)
+    result = bench.plan.plan(config)
+    assert any(t.stopped_early for t in result.trials.values())
+    every = {}
+    for n in range(1, config.max_replicas + 1):
+        args[2] = n
+        every[n] = run_trial(*args, early_stop=False).meets
+    assert result.replicas_needed == min(n for n, meets in every.items() if meets) > 1
+
+
+def test_the_quick_check_of_a_finished_request_agrees_with_the_exact_one() -> None:
+    rng = random.Random(0)
+    for i in range(3000):
+        ttft = rng.choice([0.1, 0.4, 0.4 + 1e-12, 0.39999999, 0.9])
+        gap = rng.choice([0.05, 0.2, 0.2 + 1e-13, 0.2 - 1e-13, 0.3])
+        times = array("d", [ttft + k * gap for k in range(rng.randint(1, 40))])
+        rec = record(f"r{i}", "chat", ttft_s=ttft)
+        rec.token_times, rec.finish_s = times, times[-1]
+        quick = bench.plan._clearly_met(rec, "rt")
+        assert not quick or bench.plan.is_met(rec, "rt", 100.0)  # never a wrong "met"
+        if ttft == 0.1 and (gap == 0.05 or len(times) == 1):
+            assert quick  # and it answers the requests well inside their targets
