@@ -111,10 +111,14 @@ def _loop_report(gw: Gateway) -> dict[str, Any]:
     ).text
     buckets: dict[str, float] = {}
     stalls: dict[str, int] = {}
+    inside: dict[str, float] = {}  # the gateway's own arrival-to-last-byte, by bucket bound
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "tandem_event_loop_lag_seconds_bucket":
                 buckets[sample.labels["le"]] = sample.value
+            elif sample.name == "tandem_request_duration_seconds_bucket":
+                bound = sample.labels["le"]
+                inside[bound] = inside.get(bound, 0.0) + sample.value
             elif sample.name == "tandem_event_loop_stalls_total":
                 stalls[sample.labels["where"]] = int(sample.value)
     probes = buckets.get("+Inf", 0.0)
@@ -123,6 +127,12 @@ def _loop_report(gw: Gateway) -> dict[str, Any]:
         "late_10ms_or_more": int(probes - buckets.get("0.01", probes)),
         "late_50ms_or_more": int(probes - buckets.get("0.05", probes)),
         "stalls_by_where": dict(sorted(stalls.items(), key=lambda kv: -kv[1])),
+        # what the gateway itself measured from a request's arrival (its handler starting) to
+        # its last byte: a client-side tail far beyond it waited outside the gateway's handlers
+        "gateway_requests": int(inside.get("+Inf", 0.0)),
+        "gateway_requests_within_bound_s": {
+            bound: int(count) for bound, count in sorted(inside.items(), key=lambda kv: float(kv[0]))
+        },
     }
 
 
