@@ -131,7 +131,8 @@ def _loop_report(gw: Gateway) -> dict[str, Any]:
         # its last byte: a client-side tail far beyond it waited outside the gateway's handlers
         "gateway_requests": int(inside.get("+Inf", 0.0)),
         "gateway_requests_within_bound_s": {
-            bound: int(count) for bound, count in sorted(inside.items(), key=lambda kv: float(kv[0]))
+            bound: int(count)
+            for bound, count in sorted(inside.items(), key=lambda kv: float(kv[0]))
         },
     }
 
