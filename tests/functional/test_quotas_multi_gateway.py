@@ -185,15 +185,15 @@ async def test_a_limit_changed_on_one_gateway_applies_on_the_other(
 ) -> None:
     a, b = two_gateways
     tenant_id, key = await new_tenant(a, "shared-patch", max_concurrent=0)
-    status, headers, body = await chat(b, key)
-    assert_rate_limited(status, headers, body, "max_concurrent")
+    status, _, body = await chat(b, key)  # suspended: refused for good, no retry
+    assert status == 403 and body["error"]["code"] == "max_concurrent_is_zero", body
     status, _ = await a.admin("PATCH", f"/tenants/{tenant_id}", {"quota": {"max_concurrent": 4}})
     assert status == 200
 
     async def served_by_b() -> bool:
         status, _, body = await chat(b, key)
         if status != 200:  # until b's auth cache (0.5 s here) picks up the new quota
-            assert status == 429 and body["error"]["code"] == "max_concurrent_exceeded", body
+            assert status == 403 and body["error"]["code"] == "max_concurrent_is_zero", body
         return status == 200
 
     await wait_until(served_by_b, timeout_s=5, what="the new limit applied on gateway b")
