@@ -23,7 +23,6 @@ from hypothesis.stateful import (
     Bundle,
     RuleBasedStateMachine,
     initialize,
-    multiple,
     rule,
     run_state_machine_as_test,
 )
@@ -62,6 +61,15 @@ class Owned:
 
     id: str
     owner: Owner
+    exists: bool = True
+    """False for a stand-in: the server refused to make it (see `_REFUSED_OWNER`)."""
+
+
+# A rule that makes something the server refuses still adds a stand-in to its bundle (an id that
+# never existed, a key that was never issued): which rules hypothesis may draw next must not
+# depend on the server's answers, or a replay of the same choices, meeting another answer,
+# aborts the run (FlakyStrategyDefinition). The stand-ins exercise the unknown-id paths too.
+_REFUSED_OWNER = Owner("tenant-refused", "tdm_refused_never_issued")
 
 
 def _request_body(endpoint: str) -> st.SearchStrategy[dict[str, Any]]:
@@ -175,13 +183,11 @@ class FilesAndBatches(RuleBasedStateMachine):
 
     @initialize(target=tenants)
     def first_tenant(self) -> Any:
-        owner = self.make_tenant("be")
-        return multiple() if owner is None else owner
+        return self.make_tenant("be") or _REFUSED_OWNER
 
     @rule(target=tenants, tier=st.sampled_from(["rt", "be"]))
     def new_tenant(self, tier: str) -> Any:
-        owner = self.make_tenant(tier)
-        return multiple() if owner is None else owner
+        return self.make_tenant(tier) or _REFUSED_OWNER
 
     @rule(owner=tenants, data=st.data())
     def patch_tenant(self, owner: Owner, data: st.DataObject) -> None:
@@ -206,7 +212,7 @@ class FilesAndBatches(RuleBasedStateMachine):
             media_type="multipart/form-data",
         )
         if uploaded is None or uploaded.status_code != 200:
-            return multiple()
+            return Owned("file-refused", owner, exists=False)
         self.known["files"].append(uploaded.json()["id"])
         return Owned(uploaded.json()["id"], owner)
 
@@ -216,7 +222,7 @@ class FilesAndBatches(RuleBasedStateMachine):
         case = data.draw(self.op("POST /v1/files").as_strategy(mode))
         uploaded = self.prober.send(case, token=owner.key)
         if uploaded is None or uploaded.status_code != 200:
-            return multiple()
+            return Owned("file-refused", owner, exists=False)
         self.known["files"].append(uploaded.json()["id"])
         return Owned(uploaded.json()["id"], owner)
 
@@ -269,7 +275,7 @@ class FilesAndBatches(RuleBasedStateMachine):
             body["metadata"] = metadata
         made = self.send("POST /v1/batches", who.key, body=body, media_type="application/json")
         if made is None or made.status_code != 200:
-            return multiple()
+            return Owned("batch_refused", who, exists=False)
         assert who.tenant_id == file.owner.tenant_id, "a batch was made on another tenant's file"
         batch = Owned(made.json()["id"], who)
         self.known["batches"].append(batch.id)
@@ -284,7 +290,9 @@ class FilesAndBatches(RuleBasedStateMachine):
         if got is None:
             return
         # 401: the machine deleted the reader (its key is revoked)
-        if reader.tenant_id == batch.owner.tenant_id:
+        if not batch.exists:
+            assert got.status_code in (401, 404), f"a batch that was never made: {got.text}"
+        elif reader.tenant_id == batch.owner.tenant_id:
             assert got.status_code in (200, 401), f"the owner could not read its batch: {got.text}"
         else:
             assert got.status_code in (401, 404), f"another tenant's batch: {got.text}"
@@ -294,10 +302,13 @@ class FilesAndBatches(RuleBasedStateMachine):
         query: dict[str, Any] = {}
         if data.draw(st.booleans()):
             query["limit"] = data.draw(st.integers(-5, 150))
-        if self.known["batches"] and data.draw(st.booleans(), label="after"):
-            query["after"] = data.draw(
-                st.sampled_from(self.known["batches"]) | st.text(max_size=10)
-            )
+        # the same draws whatever the server made so far (see `_REFUSED_OWNER`)
+        after = data.draw(st.booleans(), label="after")
+        pick = data.draw(st.integers(0, 2**16), label="which batch")
+        text = data.draw(st.text(max_size=10), label="or a made-up id")
+        if after:
+            known = self.known["batches"]
+            query["after"] = known[pick // 2 % len(known)] if known and pick % 2 else text
         self.send("GET /v1/batches", owner.key, query=query)
 
     @rule(batch=batches, as_operator=st.booleans())
@@ -343,8 +354,11 @@ class FilesAndBatches(RuleBasedStateMachine):
         operation = data.draw(st.sampled_from(candidates))
         path_parameters = {}
         for name, kind in ID_PARAMETERS.items():
-            if f"{{{name}}}" in operation.path and self.known[kind]:
-                path_parameters[name] = data.draw(st.sampled_from(self.known[kind]))
+            if f"{{{name}}}" in operation.path:
+                # the same draws with or without ids known (see `_REFUSED_OWNER`)
+                pick = data.draw(st.integers(0, 2**16), label=name)
+                known = self.known[kind]
+                path_parameters[name] = known[pick % len(known)] if known else f"unknown-{pick}"
         mode = data.draw(st.sampled_from([GenerationMode.POSITIVE, GenerationMode.NEGATIVE]))
         case = data.draw(operation.as_strategy(mode, path_parameters=path_parameters))
         admin = operation.path.startswith("/admin/")
