@@ -236,22 +236,7 @@ class LatencyModel:
         sp2, sd2, fn_p, fn_d = sp * sp, sd * sd, float(n_p), float(n_d)
         a_p = shape.prefill_attn / (_K * _K)
         f_p = _full_square(shape) / (_K * _K)
-        best = -math.inf
-        for w in self._pieces:
-            v = (
-                w[0] * 1.0
-                + w[1] * sp
-                + w[2] * sd
-                + w[3] * sp2
-                + w[4] * sd2
-                + w[5] * fn_p
-                + w[6] * fn_d
-                + w[7] * a_p
-                + w[8] * f_p
-            )
-            if v > best:
-                best = v
-        return best
+        return max_piece(self._pieces, sp, sd, sp2, sd2, fn_p, fn_d, a_p, f_p)
 
     def max_chunk(
         self, shape: BatchShape, time_limit_s: float, *, prefix: int, cap: int, page_size: int = 1
@@ -361,3 +346,35 @@ def holdout_mape(
     n_test = max(1, int(len(samples) * holdout_fraction))
     model = LatencyModel.fit(samples[n_test:], max_pieces=max_pieces)
     return model, mape(model, samples[:n_test])
+
+
+def max_piece(
+    pieces: Sequence[Sequence[float]],
+    sp: float,
+    sd: float,
+    sp2: float,
+    sd2: float,
+    n_p: float,
+    n_d: float,
+    a_p: float,
+    f_p: float,
+) -> float:
+    """The largest piece of the max-affine model at one batch's features (already scaled by
+    _K: prefill and decode tokens, their squares, counts, attention terms); unrolled, the hot
+    path of every plan (`LatencyModel.predict`, the tandem policy's timing)."""
+    best = -math.inf
+    for w in pieces:
+        v = (
+            w[0]
+            + w[1] * sp
+            + w[2] * sd
+            + w[3] * sp2
+            + w[4] * sd2
+            + w[5] * n_p
+            + w[6] * n_d
+            + w[7] * a_p
+            + w[8] * f_p
+        )
+        if v > best:
+            best = v
+    return best

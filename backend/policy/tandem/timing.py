@@ -24,7 +24,7 @@ import math
 from typing import Protocol
 
 from backend.policy.calibration import DECODE, MIXED, PREFILL
-from backend.policy.latency import LatencyModel
+from backend.policy.latency import LatencyModel, max_piece
 
 _K = 1000.0  # tokens per feature unit (as in latency.features)
 _K2 = _K * _K
@@ -109,21 +109,7 @@ class Timer:
         sd = sd_tokens / _K
         ap = a_p / _K2
         fp = f_p / _K2
-        best = -math.inf
-        for w in self.pieces:
-            v = (
-                w[0]
-                + w[1] * sp
-                + w[2] * sd
-                + w[3] * sp * sp
-                + w[4] * sd * sd
-                + w[5] * n_p
-                + w[6] * n_d
-                + w[7] * ap
-                + w[8] * fp
-            )
-            if v > best:
-                best = v
+        best = max_piece(self.pieces, sp, sd, sp * sp, sd * sd, n_p, n_d, ap, fp)
         if n_p == 0:
             return best * self.scale[DECODE]
         return best * self.scale[PREFILL if n_d == 0 else MIXED]
