@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -213,6 +213,20 @@ class EngineConfig(_Section, frozen=True):
     def policy_in_charge(self) -> bool:
         """True when tandem's policy schedules the engine (patch on and a policy named)."""
         return self.kind == "sglang" and self.patch and self.policy not in ("", "none")
+
+    @property
+    def dp_size(self) -> int:
+        """SGLang data-parallel ranks of each engine launched with these settings
+        (`--dp-size N`, `--dp N` or `--data-parallel-size N` in `extra_args`), ranks: each rank
+        schedules its own requests and serves its own control socket (`control_socket_of_rank`),
+        and the gateway places on each rank as on a replica of its own. 1 without the flag."""
+        return _dp_size_of(self.extra_args)
+
+    def control_socket_of_rank(self, dp_rank: int) -> str:
+        """The control socket DP rank *dp_rank* of this engine serves: `control_socket_path`
+        for rank 0, that path + ".dp<k>" for rank k (backend/sglang_ext/plugin.py)."""
+        path = self.control_socket_path
+        return path if dp_rank == 0 else f"{path}.dp{dp_rank}"
 
     @property
     def auth_headers(self) -> dict[str, str]:
@@ -510,10 +524,40 @@ TANDEM_ENGINE_FLAGS = {
 `engine.extra_args`, where a second value would silently win or lose."""
 
 
+DP_SIZE_FLAGS = ("--dp-size", "--dp", "--data-parallel-size")
+"""SGLang's spellings of its data-parallel size flag."""
+
+
+def _dp_size_of(args: Sequence[str]) -> int:
+    """The data-parallel size *args* give SGLang (the last of its flags, as argparse takes it),
+    1 without one; ConfigError naming `engine.extra_args` for a value that is not a positive
+    integer."""
+    size = "1"
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if flag not in DP_SIZE_FLAGS:
+            continue
+        if not eq:
+            if i + 1 >= len(args):
+                raise ConfigError(f"engine.extra_args: {flag} needs a value")
+            value = args[i + 1]
+        size = value
+    try:
+        dp = int(size)
+    except ValueError:
+        dp = 0
+    if dp < 1:
+        raise ConfigError(
+            f"engine.extra_args: the data-parallel size must be a positive integer, got {size!r}"
+        )
+    return dp
+
+
 def _check_pool(engine: EngineConfig) -> None:
     """The engine pool's keys: replicas, endpoints and extra_args (see their docstrings)."""
     if engine.replicas < 1:
         raise ConfigError(f"engine.replicas must be at least 1, got {engine.replicas}")
+    _dp_size_of(engine.extra_args)
     for arg in engine.extra_args:
         flag = arg.split("=", 1)[0]
         if flag in TANDEM_ENGINE_FLAGS:

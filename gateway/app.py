@@ -146,7 +146,10 @@ async def _engine_client(app: web.Application) -> AsyncIterator[None]:
     pool = app[POOL]
     for replica in pool.replicas:
         replica.client = EngineClient(
-            replica.name, session, timeout_s=config.engine.request_timeout_s
+            replica.url,
+            session,
+            timeout_s=config.engine.request_timeout_s,
+            dp_rank=replica.dp_rank,
         )
     app[ENGINE] = pool.replicas[0].require_client()  # the first engine (single-engine callers)
     for line in pool.describe_attachments():

@@ -13,7 +13,7 @@ from aiohttp import web
 from gateway import metrics
 from gateway.api.openapi import routes as openapi_routes
 from gateway.dashboard import routes as dashboard_routes
-from gateway.engine.sampler import EngineSampler, gauge
+from gateway.engine.sampler import EngineSampler, SampledEngine, gauge
 from gateway.quotas.limiter import QuotaLimiter
 from gateway.quotas.sync import QuotaSync
 from gateway.state import ADMIN_TOKEN, CONFIG, DB_ENGINE, METRICS, POOL, QUOTAS, USAGE
@@ -69,7 +69,7 @@ async def _quota_sync(app: web.Application) -> AsyncIterator[None]:
 async def _engine_sampler(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     registry = app[METRICS]
-    engine_urls = [replica.name for replica in app[POOL].replicas]
+    engines = [SampledEngine(r.name, r.url, r.dp_rank) for r in app[POOL].replicas]
 
     def be_in_flight() -> int:
         return int(
@@ -82,7 +82,7 @@ async def _engine_sampler(app: web.Application) -> AsyncIterator[None]:
         )
 
     sampler = EngineSampler(
-        engine_urls,
+        engines,
         app[DB_ENGINE],
         config.metrics.engine_poll_s,
         config.metrics.history_s,

@@ -92,7 +92,10 @@ def preflight(config: Config) -> None:
     for replica in _launched_configs(config):
         problems.append(port_error("engine.port", replica.host, replica.port))
         if replica.policy_in_charge:
-            problems.append(control_socket_error(replica.control_socket_path))
+            problems.extend(
+                control_socket_error(replica.control_socket_of_rank(rank))
+                for rank in range(replica.dp_size)
+            )
     for problem in problems:
         if problem is not None:
             raise CliError(problem, status=1)
@@ -183,7 +186,8 @@ def serve(config: Config) -> int:
             engine.stop()
         for replica in _launched_configs(config):
             if replica.policy_in_charge:  # a killed scheduler leaves its socket file
-                remove_stale_socket(replica.control_socket_path)
+                for rank in range(replica.dp_size):
+                    remove_stale_socket(replica.control_socket_of_rank(rank))
     return 0
 
 
@@ -193,7 +197,11 @@ def _supervise(
     """While the gateway serves, replica *index*'s supervisor restarts it whenever it dies,
     and its view is the replica's health in the gateway's pool (what placement, /readyz and
     /metrics read) instead of a probe of the gateway's own."""
-    health = app[POOL].replicas[index].take_supervision()
+    # one health for the engine and all its data-parallel ranks (one process group)
+    ranks = app[POOL].of_engine(index)
+    health = ranks[0].take_supervision()
+    for rank in ranks[1:]:
+        rank.take_supervision()
 
     def show(status: EngineStatus) -> None:
         health.update(

@@ -192,6 +192,38 @@ def engine_settings(
     )
 
 
+CPU_THREADS_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
+"""SGLang's CPU cores per rank ("0,1|2,3": rank i gets the i-th group). Without it SGLang
+allows one rank per NUMA node, so an engine with data or tensor parallelism on an ordinary
+one-node CPU host dies at start; `engine_env` sets it unless the operator did."""
+TP_SIZE_FLAGS = ("--tp-size", "--tp", "--tensor-parallel-size")
+"""SGLang's spellings of its tensor-parallel size flag."""
+
+
+def tp_size_of(args: Sequence[str]) -> int:
+    """The tensor-parallel size *args* give SGLang (its last flag), 1 without one (SGLang
+    itself refuses a bad value)."""
+    size = 1
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if flag in TP_SIZE_FLAGS:
+            value = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+            size = int(value) if value.isdigit() and int(value) > 0 else size
+    return size
+
+
+def cpu_threads_bind(ranks: int, cpus: Sequence[int]) -> str:
+    """SGLANG_CPU_OMP_THREADS_BIND splitting *cpus* into *ranks* groups of consecutive cores,
+    as even as they come (with fewer cores than ranks, ranks share them round-robin)."""
+    if len(cpus) < ranks:
+        return "|".join(str(cpus[i % len(cpus)]) for i in range(ranks))
+    groups = []
+    for i in range(ranks):
+        lo, hi = i * len(cpus) // ranks, (i + 1) * len(cpus) // ranks
+        groups.append(",".join(str(c) for c in cpus[lo:hi]))
+    return "|".join(groups)
+
+
 def engine_env(
     engine_cfg: EngineConfig,
     base: Mapping[str, str] | None = None,
@@ -206,6 +238,8 @@ def engine_env(
 
     * ``SGLANG_USE_CPU_ENGINE=1`` on CPU: without it SGLang's ``is_cpu()`` is False and rotary
       embeddings fall back to vLLM's CUDA ops.
+    * ``SGLANG_CPU_OMP_THREADS_BIND`` on CPU with data or tensor parallelism, unless given: the
+      allowed cores split among the ranks (:func:`cpu_threads_bind`).
     * ``SGLANG_PLUGINS``: SGLang loads *every* installed plugin when the variable is empty, so
       "patch off" must name a list without tandem (``none`` when nothing else is left) for the
       engine to be stock SGLang; "patch on" adds ``tandem`` to whatever list is given.
@@ -216,6 +250,9 @@ def engine_env(
     env = dict(os.environ if base is None else base)
     if engine_cfg.device == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"
+        ranks = engine_cfg.dp_size * tp_size_of(engine_cfg.extra_args)
+        if ranks > 1 and not env.get(CPU_THREADS_BIND_ENV):
+            env[CPU_THREADS_BIND_ENV] = cpu_threads_bind(ranks, sorted(os.sched_getaffinity(0)))
     plugins = [p.strip() for p in env.get("SGLANG_PLUGINS", "").split(",") if p.strip()]
     plugins = [p for p in plugins if p not in (PLUGIN_NAME, NO_PLUGINS)]
     if engine_cfg.patch:

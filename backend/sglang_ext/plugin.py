@@ -72,6 +72,12 @@ def register() -> None:
         # load_plugins() is called from inside it); nothing to do, and nothing to import.
         logger.debug("tandem plugin: no scheduler in pid %d, nothing registered", os.getpid())
         return
+    if in_dp_controller():
+        # With data parallelism SGLang's DP controller imports the scheduler module (to start
+        # the ranks) and loads the plugins too, but schedules nothing: a driver here would take
+        # the control socket DP rank 0's scheduler must serve, and rank 0 would refuse to start.
+        logger.debug("tandem plugin: DP controller in pid %d, nothing registered", os.getpid())
+        return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     settings = engine_settings_from_env()
@@ -139,6 +145,22 @@ def _install(settings: EngineSettings) -> None:
             control.start(driver, socket_path)
     if bicache:
         kv_layout_engine.install()
+
+
+DP_CONTROLLER_FUNCTION = "run_data_parallel_controller_process"
+"""SGLang's entry point of the data-parallel controller process, which calls the plugin loader
+first thing (sglang/srt/managers/data_parallel_controller.py)."""
+
+
+def in_dp_controller() -> bool:
+    """Whether this is SGLang's data-parallel controller process (its entry point's frame is on
+    the stack while `register` runs): it routes requests to the DP ranks and schedules none."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == DP_CONTROLLER_FUNCTION:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def scheduler_ranks() -> tuple[int, int, int | None, int]:

@@ -96,8 +96,18 @@ class _GenerateOut(msgspec.Struct):
 class EngineClient:
     """Talks to one engine at `base_url` over a shared aiohttp session."""
 
-    def __init__(self, base_url: str, session: aiohttp.ClientSession, timeout_s: float) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        session: aiohttp.ClientSession,
+        timeout_s: float,
+        *,
+        dp_rank: int | None = None,
+    ) -> None:
+        """*dp_rank*: the engine's data-parallel rank every request of this client runs on
+        (SGLang's `routed_dp_rank`); None: wherever the engine puts it."""
         self.base_url = base_url.rstrip("/")
+        self.dp_rank = dp_rank
         self._session = session
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5.0)
         self._decoder = msgspec.json.Decoder(_GenerateOut)
@@ -118,6 +128,8 @@ class EngineClient:
         frees the request's KV at once.
         """
         body = dict(payload, stream=stream)
+        if self.dp_rank is not None:
+            body["routed_dp_rank"] = self.dp_rank
         try:
             async with self._session.post(
                 f"{self.base_url}/generate", json=body, timeout=self._timeout

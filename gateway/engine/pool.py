@@ -32,10 +32,12 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
+import msgspec
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from common.config import LOCAL_HOSTS, EngineConfig, pool_engines
+from common.sockets import socket_is_live
 from gateway.engine.health import FIRST_PROBE_TIMEOUT_S, EngineHealth
 from gateway.engine.load import serves_load
 
@@ -62,16 +64,38 @@ def engine_url(engine: EngineConfig) -> str:
 
 
 class EngineReplica:
-    """One engine of the pool, as the gateway knows it."""
+    """One engine of the pool, as the gateway knows it — or one data-parallel rank of an engine
+    that runs SGLang's data parallelism (`dp_rank`): each rank schedules its own requests and
+    reports its own live state, so the gateway places on it as on an engine of its own, and
+    SGLang routes a request sent to it to that rank (`routed_dp_rank`)."""
 
-    def __init__(self, index: int, engine: EngineConfig, *, attached: bool) -> None:
+    def __init__(
+        self,
+        index: int,
+        engine: EngineConfig,
+        *,
+        attached: bool,
+        dp_rank: int | None = None,
+        health: EngineHealth | None = None,
+    ) -> None:
+        """*index*: the engine's place in the pool (its supervisor's, shared by its ranks);
+        *health*: its engine's, shared by the ranks of one engine (one process group)."""
         self.index = index
+        self.dp_rank = dp_rank
+        """The engine's data-parallel rank this replica is; None: the engine has one."""
+        if dp_rank is not None:
+            rank_socket = engine.control_socket_of_rank(dp_rank)
+            engine = msgspec.structs.replace(engine, control_socket=rank_socket)
         self.engine = engine
-        """This engine's own config (its host, port and control socket)."""
+        """This engine's own config (its host, port, and the control socket of this rank)."""
+        self.url = engine_url(engine)
+        """The engine's base URL (its ranks share it)."""
         self.attached = attached
         """Started elsewhere (`engine.endpoints`), not by this `tandem serve`."""
-        self.name = engine_url(engine)
-        self.health = EngineHealth(self.name)
+        self.name = self.url if dp_rank is None else f"{self.url}#dp{dp_rank}"
+        """Its name in logs, metrics, placement and the live-state watchers: the engine's base
+        URL, with "#dp<k>" for data-parallel rank k."""
+        self.health = EngineHealth(self.url) if health is None else health
         self.supervised = False
         """Its health is fed by its supervisor (`take_supervision`), not the gateway's probe."""
         self.suspected = False
@@ -131,13 +155,26 @@ class EnginePool:
 
     def __init__(self, engine: EngineConfig) -> None:
         attached = bool(engine.endpoints)
-        self.replicas = [
-            EngineReplica(i, e, attached=attached) for i, e in enumerate(pool_engines(engine))
-        ]
+        self.replicas: list[EngineReplica] = []
+        for i, e in enumerate(pool_engines(engine)):
+            ranks = dp_ranks_of(e, attached=attached)
+            if ranks == 1:
+                self.replicas.append(EngineReplica(i, e, attached=attached))
+                continue
+            health = EngineHealth(engine_url(e))
+            self.replicas.extend(
+                EngineReplica(i, e, attached=attached, dp_rank=k, health=health)
+                for k in range(ranks)
+            )
         self._config = engine
 
     def __len__(self) -> int:
         return len(self.replicas)
+
+    def of_engine(self, index: int) -> list[EngineReplica]:
+        """The replicas of engine *index* of the pool: the engine, or each of its
+        data-parallel ranks."""
+        return [r for r in self.replicas if r.index == index]
 
     def by_name(self, name: str) -> EngineReplica | None:
         """The replica named *name* (`EngineReplica.name`), if any."""
@@ -267,6 +304,23 @@ class EnginePool:
         yield up
         yield state
         yield restarts
+
+
+def dp_ranks_of(engine: EngineConfig, *, attached: bool) -> int:
+    """How many data-parallel ranks of *engine* the gateway places on, ranks: a launched patched
+    SGLang engine's `dp_size` (from `engine.extra_args`); an attached one on this host, its
+    rank 0 and each further rank whose control socket answers (an engine on another host, or
+    without tandem's policy, is one replica: SGLang's own DP controller spreads its requests)."""
+    if engine.kind != "sglang" or not engine.policy_in_charge:
+        return 1
+    if not attached:
+        return engine.dp_size
+    if engine.host not in LOCAL_HOSTS:
+        return 1
+    ranks = 1
+    while socket_is_live(engine.control_socket_of_rank(ranks)):
+        ranks += 1
+    return ranks
 
 
 def merged_by_engine(

@@ -73,12 +73,24 @@ class ReplicaSample:
     kv_capacity_tokens: int | None
 
 
+@dataclass(frozen=True)
+class SampledEngine:
+    """An engine the sampler reads, or one data-parallel rank of one."""
+
+    name: str
+    """Its name in the samples (`EngineReplica.name`)."""
+    url: str
+    """The engine's base URL."""
+    dp_rank: int | None = None
+    """The rank of the engine's `/v1/loads` this one is; None: all its ranks summed."""
+
+
 class EngineSampler:
     """Polls the engines' load and the batch backlog; keeps a history for the dashboard."""
 
     def __init__(
         self,
-        engine_url: str | Sequence[str],
+        engine_url: str | Sequence[str | SampledEngine],
         db: AsyncEngine,
         poll_s: float,
         history_s: float,
@@ -87,8 +99,10 @@ class EngineSampler:
     ) -> None:
         """*headers* go with every poll of the engines (their API key)."""
         urls = [engine_url] if isinstance(engine_url, str) else list(engine_url)
-        self._engines = [url.rstrip("/") for url in urls]
-        """The engines' base URLs (the pool's, in order)."""
+        self._engines = [
+            SampledEngine(e.rstrip("/"), e.rstrip("/")) if isinstance(e, str) else e for e in urls
+        ]
+        """The engines (the pool's, in order): a base URL is an engine read whole."""
         self._headers = dict(headers or {})
         self._db = db
         self._poll_s = poll_s
@@ -130,21 +144,21 @@ class EngineSampler:
 
     async def sample(self) -> EngineSample:
         """Reads the engines and the batch tables now and appends the sample to the history."""
-        loads = await asyncio.gather(*(self._engine_load(url) for url in self._engines))
+        loads = await asyncio.gather(*(self._engine_load(e) for e in self._engines))
         pending, waiting = await self._batch_backlog()
         # Read right after the tables: a line goes from waiting to in flight in between only in
         # the few milliseconds of this poll (it is then missed once, never counted twice).
         be_in_flight = self._be_in_flight()
         engines = tuple(
             ReplicaSample(
-                name=url,
+                name=engine.name,
                 up=load is not None,
                 running=int((load or {}).get("num_running_reqs", 0)),
                 waiting=int((load or {}).get("num_waiting_reqs", 0)),
                 kv_usage=_float((load or {}).get("token_usage")),
                 kv_capacity_tokens=_int((load or {}).get("max_total_num_tokens")),
             )
-            for url, load in zip(self._engines, loads, strict=True)
+            for engine, load in zip(self._engines, loads, strict=True)
         )
         # the pool as one engine: the engines that answered, counts and KV summed
         pool = _sum_ranks([load for load in loads if load is not None]) if any(loads) else None
@@ -162,10 +176,10 @@ class EngineSampler:
         self.history.append(sample)
         return sample
 
-    async def _engine_load(self, engine_url: str) -> dict[str, Any] | None:
+    async def _engine_load(self, engine: SampledEngine) -> dict[str, Any] | None:
         assert self._session is not None
         try:
-            async with self._session.get(f"{engine_url}/v1/loads") as resp:
+            async with self._session.get(f"{engine.url}/v1/loads") as resp:
                 if resp.status != 200:
                     return None
                 body = await resp.json(content_type=None)
@@ -173,6 +187,9 @@ class EngineSampler:
             return None
         loads = body.get("loads") if isinstance(body, dict) else None
         if isinstance(loads, list) and loads and isinstance(loads[0], dict):
+            if engine.dp_rank is not None:  # one rank of the engine
+                rank = engine.dp_rank
+                return next((x for x in loads if x.get("dp_rank") == rank), None)
             return _sum_ranks(loads)
         return body if isinstance(body, dict) else None
 

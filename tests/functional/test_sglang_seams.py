@@ -314,3 +314,14 @@ def test_the_engine_api_key_reaches_sglang_but_not_its_command_line(
     key_file = Path(argv[argv.index("--config") + 1])
     assert key_file.stat().st_mode & 0o777 == 0o600
     assert prepare_server_args(argv[3:]).api_key == key  # how SGLang's launcher reads it
+
+
+def test_the_dp_controller_is_where_the_plugin_looks_for_it(sglang: ModuleType) -> None:
+    """The plugin tells SGLang's DP controller process apart by its entry point's name on the
+    stack (`plugin.in_dp_controller`): that function must exist and load the plugins."""
+    import inspect
+
+    from sglang.srt.managers import data_parallel_controller
+
+    entry = getattr(data_parallel_controller, plugin.DP_CONTROLLER_FUNCTION)
+    assert "load_plugins()" in inspect.getsource(entry)

@@ -147,6 +147,21 @@ async def test_finished_streams_hand_their_connection_back_for_the_next_request(
     assert len(connections) == 1
 
 
+async def test_a_data_parallel_ranks_client_routes_every_request_to_its_rank() -> None:
+    bodies: list[dict[str, Any]] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        bodies.append(await request.json())
+        return web.Response(body=msgspec.json.encode(out("hi", {"type": "length"})))
+
+    async with engine_answering(answer) as url, aiohttp.ClientSession() as session:
+        for client in (EngineClient(url, session, 5.0, dp_rank=1), EngineClient(url, session, 5.0)):
+            async for _ in client.generate({"rid": "r", "text": "hi"}, stream=False):
+                pass
+    assert bodies[0]["routed_dp_rank"] == 1  # SGLang's DP controller sends it to rank 1
+    assert "routed_dp_rank" not in bodies[1]  # an engine placed whole: SGLang picks the rank
+
+
 def test_cumulative_logprobs_become_the_new_tokens_of_each_chunk() -> None:
     # SGLang's shape (return_logprob, top_logprobs_num=2, return_text_in_logprobs), as the CPU
     # engine streams it: every update repeats the earlier tokens

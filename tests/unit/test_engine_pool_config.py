@@ -4,11 +4,12 @@ message naming the key."""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
 
-from backend.launch.sglang import engine_env, server_argv
+from backend.launch.sglang import cpu_threads_bind, engine_env, server_argv
 from common.config import Config, ConfigError, EngineConfig, load_config, pool_engines
 from gateway.engine.pool import EnginePool
 
@@ -109,3 +110,100 @@ def test_the_gateway_says_which_attached_engines_it_sees_the_state_of(tmp_path: 
     assert "request metadata only" in lines[1]  # another host: no Unix socket reaches it
     assert "request metadata only" in lines[2]  # local, but no socket (stock SGLang)
     assert EnginePool(EngineConfig()).describe_attachments() == []  # launched: nothing to say
+
+
+def test_data_parallel_ranks_are_replicas_of_their_own(tmp_path: Path) -> None:
+    config = config_from(
+        tmp_path, replicas="2", port="31000", control_socket="/s", extra_args="[--dp-size, '2']"
+    )
+    assert config.engine.dp_size == 2
+    pool = EnginePool(config.engine)
+    assert [r.name for r in pool.replicas] == [
+        "http://127.0.0.1:31000#dp0",
+        "http://127.0.0.1:31000#dp1",
+        "http://127.0.0.1:31001#dp0",
+        "http://127.0.0.1:31001#dp1",
+    ]
+    # each rank reads its own control socket (the plugin's names), requests go to its engine
+    assert [r.control_socket for r in pool.replicas] == ["/s", "/s.dp1", "/s.1", "/s.1.dp1"]
+    assert [r.url for r in pool.replicas] == ["http://127.0.0.1:31000"] * 2 + [
+        "http://127.0.0.1:31001"
+    ] * 2
+    assert [r.dp_rank for r in pool.replicas] == [0, 1, 0, 1]
+    # the ranks of one engine share its health (one process group): its supervisor feeds both
+    ranks = pool.of_engine(1)
+    assert [r.name for r in ranks] == [pool.replicas[2].name, pool.replicas[3].name]
+    assert ranks[0].health is ranks[1].health is not pool.replicas[0].health
+    # without the flag, or with SGLang scheduling on its own, an engine is one replica
+    assert [r.name for r in EnginePool(EngineConfig(port=31000)).replicas] == [
+        "http://127.0.0.1:31000"
+    ]
+    stock = EngineConfig(port=31000, policy="none", extra_args=["--dp", "2"])
+    assert [r.dp_rank for r in EnginePool(stock).replicas] == [None]
+
+
+@pytest.mark.parametrize(
+    ("args", "dp_size"),
+    [
+        ([], 1),
+        (["--dp-size", "3"], 3),
+        (["--dp=2"], 2),
+        (["--data-parallel-size", "4", "--tp-size", "2"], 4),
+        (["--dp", "2", "--dp-size", "3"], 3),  # the last wins, as in SGLang's argparse
+    ],
+)
+def test_the_data_parallel_size_is_read_from_extra_args(args: list[str], dp_size: int) -> None:
+    assert EngineConfig(extra_args=args).dp_size == dp_size
+
+
+@pytest.mark.parametrize(
+    ("extra_args", "message"),
+    [
+        ("[--dp-size, '0']", r"data-parallel size must be a positive integer, got '0'"),
+        ("[--dp=two]", r"data-parallel size must be a positive integer, got 'two'"),
+        ("[--dp-size]", r"engine\.extra_args: --dp-size needs a value"),
+    ],
+)
+def test_a_bad_data_parallel_size_is_refused(tmp_path: Path, extra_args: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        config_from(tmp_path, extra_args=extra_args)
+
+
+def test_ranks_on_cpu_get_their_share_of_the_cores() -> None:
+    assert cpu_threads_bind(2, [0, 1]) == "0|1"
+    assert cpu_threads_bind(2, [0, 1, 2, 3, 4]) == "0,1|2,3,4"
+    assert cpu_threads_bind(3, [4, 5]) == "4|5|4"  # more ranks than cores: shared
+    dp = EngineConfig(extra_args=["--dp-size", "2"])
+    bind = engine_env(dp, base={})["SGLANG_CPU_OMP_THREADS_BIND"]
+    assert len(bind.split("|")) == 2
+    tp_dp = EngineConfig(extra_args=["--dp-size", "2", "--tp", "2"])
+    assert len(engine_env(tp_dp, base={})["SGLANG_CPU_OMP_THREADS_BIND"].split("|")) == 4
+    # the operator's own binding is kept; one rank, or a GPU, needs none
+    given = {"SGLANG_CPU_OMP_THREADS_BIND": "0-7|8-15"}
+    assert engine_env(dp, base=given)["SGLANG_CPU_OMP_THREADS_BIND"] == "0-7|8-15"
+    assert "SGLANG_CPU_OMP_THREADS_BIND" not in engine_env(EngineConfig(), base={})
+    gpu = EngineConfig(device="cuda", extra_args=["--dp-size", "2"])
+    assert "SGLANG_CPU_OMP_THREADS_BIND" not in engine_env(gpu, base={})
+
+
+def test_an_attached_engine_shows_the_ranks_whose_sockets_answer(tmp_path: Path) -> None:
+    sock = tmp_path / "e.sock"
+    engine = config_from(
+        tmp_path, endpoints="['http://127.0.0.1:30000']", control_socket=str(sock)
+    ).engine
+    servers = []
+    try:
+        for path in (sock, Path(f"{sock}.dp1")):
+            server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            server.bind(str(path))
+            server.listen()
+            servers.append(server)
+        assert [r.name for r in EnginePool(engine).replicas] == [
+            "http://127.0.0.1:30000#dp0",
+            "http://127.0.0.1:30000#dp1",
+        ]
+        servers.pop().close()  # rank 1's socket no longer answers: one replica
+        assert [r.dp_rank for r in EnginePool(engine).replicas] == [None]
+    finally:
+        for server in servers:
+            server.close()

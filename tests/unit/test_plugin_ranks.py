@@ -7,7 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from backend.sglang_ext.plugin import control_socket_of_rank, scheduler_ranks
+from backend.sglang_ext.plugin import control_socket_of_rank, in_dp_controller, scheduler_ranks
 
 SOCKET = "/tmp/tandem-engine-30000.sock"
 
@@ -54,3 +54,16 @@ def test_each_data_parallel_rank_serves_its_own_socket() -> None:
     ]
     assert sockets == [SOCKET, None, f"{SOCKET}.dp1", None]
     assert control_socket_of_rank(SOCKET, 0, 1, None, 1) is None  # a later pipeline stage
+
+
+def run_data_parallel_controller_process() -> bool:  # SGLang's name for the DP controller
+    return in_dp_controller()
+
+
+def test_the_dp_controller_is_told_apart_from_the_schedulers() -> None:
+    """SGLang's DP controller loads the plugins and has the scheduler module imported (it starts
+    the ranks), but schedules nothing: the plugin registers nothing there, else its driver took
+    the control socket DP rank 0 must serve and rank 0 refused to start (seen with
+    ``--dp-size 2`` on CPU)."""
+    assert run_data_parallel_controller_process()
+    assert not in_dp_controller()  # a scheduler process, or any other
