@@ -266,7 +266,8 @@ class EngineConfig(_Section, frozen=True):
     extra_args: list[str] = msgspec.field(default_factory=list)
     """Further command-line flags for each `sglang.launch_server` (e.g. ``["--tp-size", "2"]``
     or ``["--dp-size", "2"]``: SGLang's own tensor and data parallelism, passed through as
-    given). Flags tandem sets itself from a config key (`--port`, `--host`, `--model-path`,
+    given; with `--dp-size N` the gateway places on each DP rank as on a replica, `dp_size`).
+    Flags tandem sets itself from a config key (`--port`, `--host`, `--model-path`,
     `--served-model-name`, `--device`, `--dtype`, `--max-total-tokens`,
     `--max-running-requests`, `--chunked-prefill-size`, `--context-length`) are refused: set the
     key instead."""
