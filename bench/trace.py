@@ -211,6 +211,7 @@ def convert_azure(
     tier: str = "rt",
     limit: int | None = None,
     mean_turns: float | None = None,
+    system_prompt_blocks: int = 0,
     seed: int = 0,
 ) -> int:
     """Writes an Azure trace CSV as trace JSONL (tenant = the file's stem); returns the number
@@ -221,7 +222,11 @@ def convert_azure(
     1 / mean_turns, else it is the next turn of one of the 256 most recent ones (at random); a
     turn's prompt blocks are its conversation's history, so block j of every turn of one
     conversation is the same block — `prefix_hashes` shared across its turns, as a chat
-    service's prompts (earlier turns resent) share a prefix."""
+    service's prompts (earlier turns resent) share a prefix.
+
+    *system_prompt_blocks*: every prompt starts with the same this many blocks (a system prompt
+    or a chat template every request of the service carries), up to its own length; the
+    conversation's blocks follow."""
     trace = load_trace(Path(csv_path))
     count = len(trace) if limit is None else min(limit, len(trace))
     tenant = Path(csv_path).stem
@@ -238,6 +243,10 @@ def convert_azure(
                 "tier": tier,
                 "tenant": tenant,
             }
+            blocks = prompt // BLOCK_TOKENS
+            shared = [SYSTEM_PROMPT_HASH + j for j in range(min(system_prompt_blocks, blocks))]
+            if shared:
+                line["prefix_hashes"] = shared
             if mean_turns is not None:
                 if not recent or rng.random() < 1.0 / mean_turns:
                     conversation = conversations
@@ -246,12 +255,16 @@ def convert_azure(
                     del recent[:-256]
                 else:
                     conversation = recent[int(rng.integers(len(recent)))]
-                blocks = prompt // BLOCK_TOKENS
-                line["prefix_hashes"] = [conversation * 4096 + j for j in range(blocks)]
+                line["prefix_hashes"] = shared + [
+                    conversation * 4096 + j for j in range(len(shared), blocks)
+                ]
             fh.write(json.dumps(line) + "\n")
     return count
 
 
+SYSTEM_PROMPT_HASH = 1 << 39
+"""Prefix hash of block 0 of the shared system prompt (`convert_azure`), past any
+conversation's."""
 TILE_HASH_STRIDE = 1 << 40
 """Copy c of a tiled trace adds c × this to its prefix hashes (copies share no prefix)."""
 
@@ -314,6 +327,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="make up conversations of this many turns on average, sharing prompt prefixes",
     )
+    conv.add_argument(
+        "--system-prompt-blocks",
+        type=int,
+        default=0,
+        help="every prompt starts with the same this many 512-token blocks (a system prompt)",
+    )
     conv.add_argument("--seed", type=int, default=0, help="seed of the conversations")
     tile = sub.add_parser("tile", help="K copies of a trace overlaid, shifted (a fleet's load)")
     tile.add_argument("trace", help="a trace JSONL (e.g. one convert-azure wrote)")
@@ -338,6 +357,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.mean_turns is not None and not args.mean_turns >= 1:
         print("bench.trace: error: --mean-turns must be ≥ 1", file=sys.stderr)
         return 2
+    if args.system_prompt_blocks < 0:
+        print("bench.trace: error: --system-prompt-blocks must be ≥ 0", file=sys.stderr)
+        return 2
     try:
         count = convert_azure(
             args.csv,
@@ -345,6 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tier=args.tier,
             limit=args.limit,
             mean_turns=args.mean_turns,
+            system_prompt_blocks=args.system_prompt_blocks,
             seed=args.seed,
         )
     except ValueError as exc:

@@ -151,6 +151,23 @@ def test_convert_azure_writes_a_valid_trace(tmp_path: Path) -> None:
     assert first["input_len"] == 374 and first["output_len"] == 44
 
 
+def test_convert_azure_can_start_every_prompt_with_one_system_prompt(tmp_path: Path) -> None:
+    csv = tmp_path / "svc.csv"
+    csv.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.0,1600,10\n"  # 3 full blocks of 512
+        "2023-11-16 18:15:47.0,300,10\n"  # no full block: nothing to share
+        "2023-11-16 18:15:48.0,1100,10\n"
+    )
+    out = tmp_path / "svc.jsonl"
+    convert_azure(csv, out, mean_turns=1, system_prompt_blocks=2)
+    hashes = [row["prefix_hashes"] for row in read_trace(out)]
+    assert hashes[0][:2] == hashes[2][:2] and len(hashes[0]) == 3 and len(hashes[2]) == 2
+    assert hashes[1] == () and hashes[0][2] not in hashes[2]  # then each conversation's own
+    convert_azure(csv, out, system_prompt_blocks=1)  # without conversations: the shared block
+    assert [row["prefix_hashes"] for row in read_trace(out)] == [hashes[0][:1], (), hashes[0][:1]]
+
+
 def test_policy_spec_reads_numbers_booleans_and_strings() -> None:
     from bench.policy_spec import base_name, parse_policy_spec
 
