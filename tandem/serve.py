@@ -178,8 +178,9 @@ def serve(config: Config) -> int:
             )
         app = create_app(config, token, model_dir)
         if engines and config.engine.supervise:
+            launched = _launched_configs(config)
             for index, engine in enumerate(engines):
-                _supervise(app, index, engine, RestartPolicy.of(config.engine))
+                _supervise(app, index, engine, RestartPolicy.of(config.engine), launched[index])
         _run(run_gateway(app, config.gateway.host, config.gateway.port))
     finally:
         for engine in engines:
@@ -192,7 +193,11 @@ def serve(config: Config) -> int:
 
 
 def _supervise(
-    app: web.Application, index: int, engine: EngineProcess, policy: RestartPolicy
+    app: web.Application,
+    index: int,
+    engine: EngineProcess,
+    policy: RestartPolicy,
+    engine_cfg: EngineConfig,
 ) -> None:
     """While the gateway serves, replica *index*'s supervisor restarts it whenever it dies,
     and its view is the replica's health in the gateway's pool (what placement, /readyz and
@@ -214,7 +219,13 @@ def _supervise(
     async def supervising(app: web.Application) -> AsyncIterator[None]:
         # Appended after the app's own contexts, so it stops first: no restart while the
         # gateway shuts down (`serve` stops the engine once the gateway is gone).
-        task = asyncio.create_task(EngineSupervisor(engine, policy, on_status=show).run())
+        sockets = (
+            [engine_cfg.control_socket_of_rank(rank) for rank in range(engine_cfg.dp_size)]
+            if engine_cfg.policy_in_charge
+            else []
+        )
+        supervisor = EngineSupervisor(engine, policy, on_status=show, scheduler_sockets=sockets)
+        task = asyncio.create_task(supervisor.run())
         yield
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

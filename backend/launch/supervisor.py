@@ -9,6 +9,12 @@ An engine dies in one of two ways, and both are noticed while it happens:
 
 * its main process exits (a crash, the OOM killer, a SIGKILL): the event loop is woken by the
   process's pidfd the moment it exits, and the process is reaped at once (no zombie);
+* one of its scheduler processes dies while the main process runs on (the OOM killer's likely
+  pick: the scheduler holds the model and the KV pool; or one DP rank's crash): SGLang does not
+  notice, and every request that reaches that scheduler hangs. Each scheduler serves tandem's
+  control socket (`scheduler_sockets`), checked every `SCHEDULER_CHECK_INTERVAL_S`: one that
+  refuses connections (its server is gone) makes the engine count as dead at once. It is then
+  SIGKILLed, group and all, like a hung one;
 * it stops answering: ``GET /health`` fails ``probe_failures`` times in a row while the process
   still runs (a hung scheduler). It is then SIGKILLed, group and all.
 
@@ -26,10 +32,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import signal
+import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -37,6 +45,10 @@ from backend.launch.sglang import EngineProcess, EngineStartError, health_status
 from common.config import EngineConfig
 
 log = logging.getLogger(__name__)
+
+SCHEDULER_CHECK_INTERVAL_S = 0.5
+"""How often the supervisor checks that each scheduler's control socket still has its server,
+seconds (a connect on a Unix socket: microseconds)."""
 
 EnginePhase = Literal["up", "unresponsive", "down", "restarting", "stopped"]
 """Where a supervised engine is: "up" (answers its health probe), "unresponsive" (running, but
@@ -106,6 +118,16 @@ class RestartPolicy:
         return min(self.backoff_s * 2.0**doublings, self.backoff_max_s)
 
 
+def socket_server_gone(path: str) -> bool:
+    """Whether the Unix socket *path* has no server any more: the file is missing or refuses
+    connections. A server too busy to accept (its backlog full) still counts as there — a hung
+    scheduler is the health probe's to find, never a false restart here. Never blocks."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.setblocking(False)
+        error = conn.connect_ex(path)
+    return error in (errno.ECONNREFUSED, errno.ENOENT)
+
+
 def describe_exit(returncode: int | None) -> str:
     """An exit status in words: "killed by SIGKILL (status -9)", "exit status 1"."""
     if returncode is None:
@@ -133,11 +155,15 @@ class EngineSupervisor:
         on_status: Callable[[EngineStatus], None] | None = None,
         probe: Probe | None = None,
         clock: Callable[[], float] = time.monotonic,
+        scheduler_sockets: Sequence[str] = (),
     ) -> None:
         """*on_status* is called with every new `EngineStatus` (on the event loop; it must not
-        block). *probe* replaces ``GET /health`` (tests); *clock* the monotonic clock."""
+        block). *probe* replaces ``GET /health`` (tests); *clock* the monotonic clock.
+        *scheduler_sockets*: the control socket each of the engine's schedulers serves (one per
+        DP rank; none without tandem's policy in charge)."""
         self.engine = engine
         self.policy = policy
+        self.scheduler_sockets = list(scheduler_sockets)
         self._on_status = on_status
         self._probe: Probe = probe or health_status
         self._clock = clock
@@ -209,10 +235,11 @@ class EngineSupervisor:
         here; an exited one is reaped."""
         exited = asyncio.create_task(self.engine.wait_exit())
         hung = asyncio.create_task(self._probe_until_hung())
+        broken = asyncio.create_task(self._until_a_scheduler_is_gone())
         try:
-            await asyncio.wait({exited, hung}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({exited, hung, broken}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (exited, hung):
+            for task in (exited, hung, broken):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
@@ -221,8 +248,24 @@ class EngineSupervisor:
             exit_status = exited.result()
             self.engine.stop()  # the rest of its group, if any outlived it
             return f"engine pid {pid} exited: {describe_exit(exit_status)}"
-        why = hung.result()
+        why = broken.result() if broken.done() and not broken.cancelled() else hung.result()
         return f"engine pid {pid} {why}; killed: {describe_exit(self.engine.kill())}"
+
+    async def _until_a_scheduler_is_gone(self) -> str:
+        """Checks every `SCHEDULER_CHECK_INTERVAL_S` that each scheduler's control socket still
+        has its server; returns (why) when one has not. Waits for ever without sockets."""
+        if not self.scheduler_sockets:
+            await asyncio.Event().wait()
+        while True:
+            await asyncio.sleep(SCHEDULER_CHECK_INTERVAL_S)
+            for rank, path in enumerate(self.scheduler_sockets):
+                if socket_server_gone(path):
+                    which = (
+                        "its scheduler"
+                        if len(self.scheduler_sockets) == 1
+                        else (f"the scheduler of its DP rank {rank}")
+                    )
+                    return f"lost {which} (control socket {path} refuses connections)"
 
     async def _probe_until_hung(self) -> str:
         """Probes the running engine every `probe_interval_s`; returns (why) once

@@ -11,6 +11,8 @@ What an operator sees:
   its own live state read from its own control socket;
 * requests run on the rank the gateway chose (SGLang's ``routed_dp_rank``): with the
   round-robin router, both ranks run iterations for the chats sent;
+* one rank's scheduler SIGKILLed: the engine is restarted at once (its control socket refuses
+  connections) and the streams in flight end with an error event;
 * stopping `tandem serve` leaves neither rank's control socket behind.
 """
 
@@ -20,6 +22,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,6 +175,71 @@ def test_requests_run_on_the_rank_the_gateway_chose(served: Served) -> None:
         lambda: all(served.iterations()[r] > before.get(r, 0.0) for r in served.ranks),
         30,
         what="both ranks' iterations to advance",
+    )
+
+
+def _scheduler_pid(rank: int) -> int:
+    out = subprocess.run(
+        ["pgrep", "-f", f"sglang::scheduler_DP{rank}"], capture_output=True, text=True
+    )
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == 1, pids  # one engine with DP ranks runs on this machine: this test's
+    return pids[0]
+
+
+def test_a_dead_dp_ranks_scheduler_restarts_the_engine(served: Served) -> None:
+    """SIGKILL one DP rank's scheduler process (as the OOM killer would: it holds the model and
+    the KV pool): SGLang's main process runs on without noticing, and its /health took three
+    25 s probes to give up. The supervisor sees the rank's control socket refuse connections
+    within a second, restarts the engine, and both ranks serve again; the streams in flight end
+    with an error event, not a hang."""
+    before = _scheduler_pid(1)
+    events: list[list[str]] = [[], []]
+
+    def stream(i: int) -> None:
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": f"tell a long story {i}"}],
+            "max_tokens": 4000,
+            "stream": True,
+        }
+        with httpx.stream(
+            "POST",
+            f"{served.base_url}/v1/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {served.key}"},
+            timeout=120,
+        ) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events[i].append(line[len("data: ") :])
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in (0, 1)]  # one per rank
+    for thread in threads:
+        thread.start()
+    wait_until_sync(lambda: all(len(e) >= 3 for e in events), 60, what="both streams flowing")
+    killed_at = time.monotonic()
+    os.kill(before, signal.SIGKILL)
+    for thread in threads:
+        thread.join(timeout=60)
+    ended_s = time.monotonic() - killed_at
+    assert not any(thread.is_alive() for thread in threads)
+    for lines in events:
+        assert lines[-1] == "[DONE]"
+        assert any('"error"' in line for line in lines[-3:]), lines[-3:]
+    print(f"streams ended {ended_s:.2f} s after the scheduler's SIGKILL")
+
+    def serving_again() -> bool:
+        try:
+            return served.readyz().status_code == 200 and _scheduler_pid(1) != before
+        except (httpx.HTTPError, AssertionError):
+            return False
+
+    wait_until_sync(serving_again, STARTUP_TIMEOUT_S, what="the engine restarted", max_interval_s=1)
+    log = served.log_path.read_text()
+    assert "lost the scheduler of its DP rank 1" in log
+    wait_until_sync(
+        lambda: served.chat("after the restart").status_code == 200, 60, what="a chat served"
     )
 
 

@@ -5,13 +5,22 @@ tests/functional/test_engine_supervisor.py runs it on real processes."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import cast
 
 import pytest
 
 from backend.launch.sglang import EngineProcess, EngineStartError
-from backend.launch.supervisor import EngineStatus, EngineSupervisor, RestartPolicy, describe_exit
+from backend.launch.supervisor import (
+    SCHEDULER_CHECK_INTERVAL_S,
+    EngineStatus,
+    EngineSupervisor,
+    RestartPolicy,
+    describe_exit,
+    socket_server_gone,
+)
 from tests.waiting import wait_until
 
 
@@ -208,3 +217,64 @@ def restart_waits_s(seen: list[EngineStatus]) -> list[float]:
     """The waits before each restart, as the supervisor announced them."""
     downs = [s.detail for s in seen if s.phase == "down"]
     return [float(d.rsplit(" in ", 1)[1].removesuffix(" s")) for d in downs]
+
+
+async def test_an_engine_that_lost_a_scheduler_is_killed_and_restarted(tmp_path: Path) -> None:
+    """A scheduler process dies while the engine's main process runs on (SGLang does not
+    notice; every request reaching that scheduler hangs, and its health probe took 3 × 25 s to
+    give up on a real engine): the scheduler's control socket refusing connections is enough."""
+    sockets = [str(tmp_path / "engine.sock"), str(tmp_path / "engine.sock.dp1")]
+    servers = []
+    for path in sockets:
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(path)
+        server.listen()
+        servers.append(server)
+    engine = FakeEngine()
+    seen: list[EngineStatus] = []
+
+    async def healthy(url: str, timeout_s: float) -> int:
+        return 200
+
+    supervisor = EngineSupervisor(
+        cast(EngineProcess, engine),
+        FAST,
+        on_status=seen.append,
+        probe=healthy,
+        scheduler_sockets=sockets,
+    )
+    task = asyncio.create_task(supervisor.run())
+    try:
+        await wait_until(lambda: seen and seen[-1].phase == "up", 5, what="supervising")
+        await asyncio.sleep(3 * SCHEDULER_CHECK_INTERVAL_S)
+        assert engine.killed == []  # both schedulers there: nothing happens
+        servers[1].close()  # DP rank 1's scheduler is gone; its socket file stays, refusing
+        await wait_until(lambda: supervisor.status.restarts == 1, 5, what="a restart")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        servers[0].close()
+    down = next(s.detail for s in seen if s.phase == "down")
+    assert "lost the scheduler of its DP rank 1" in down and "refuses connections" in down
+    assert engine.killed == [100]
+
+
+def test_a_socket_whose_server_is_busy_still_counts_as_there(tmp_path: Path) -> None:
+    path = str(tmp_path / "s.sock")
+    assert socket_server_gone(path)  # no file
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(0)  # a backlog that fills at once: the server is there, just not accepting
+    held = []
+    try:
+        for _ in range(4):
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.setblocking(False)
+            conn.connect_ex(path)
+            held.append(conn)
+        assert not socket_server_gone(path)
+    finally:
+        for conn in held:
+            conn.close()
+        server.close()
+    assert socket_server_gone(path)  # the file stays, nothing listens
