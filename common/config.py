@@ -276,8 +276,10 @@ class EngineConfig(_Section, frozen=True):
     request_timeout_s: float = 600.0
     """Upper bound on one engine request, seconds."""
     supervise: bool = True
-    """With `launch`: `tandem serve` restarts the engine when it dies (its process exits, or
-    its health probe fails `health_probe_failures` times in a row), after a back-off; False:
+    """With `launch`: `tandem serve` restarts the engine when it dies (its process exits, one
+    of its scheduler processes dies — with tandem's policy in charge, its control socket then
+    refuses connections —, or its health probe fails `health_probe_failures` times in a row),
+    after a back-off; False:
     a dead engine stays dead (every request gets 503) until `tandem serve` is restarted."""
     restart_backoff_s: float = 1.0
     """Wait before restarting an engine that died, seconds; doubled after each death that
