@@ -16,8 +16,11 @@ Routers (`ROUTERS`, `make_router`):
                  with its cached prefix taken off the prompt; the one replica holding the
                  request's longest cached prefix is kept when its forecast meets the contract
                  (a conversation's turns stay together) — a prefix several replicas hold (a
-                 system prompt every request starts with) binds the request to none of them. When no replica is predicted to meet it, the decision says so
-                 (`PlaceDecision.unattainable`): the admission applies the tenant's outcome.
+                 system prompt every request starts with) binds the request to none of them;
+                 an idle replica whose calibration is not verified yet is forecast at its
+                 profile's pace. When no replica is predicted to meet it, the decision says
+                 so (`PlaceDecision.unattainable`): the admission applies the tenant's
+                 outcome.
                  BE, batch lines and RT without a target: the replica with the most leftover
                  capacity (KV not used or claimed by waiting prompts), kept on the replica
                  holding the prompt's prefix (a batch's groups) unless that replica is
@@ -48,7 +51,16 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from backend.policy.feasibility import Backlog, Forecast, SloAsk, SloForecaster
+import msgspec
+
+from backend.policy.feasibility import (
+    MIN_VERIFIED_ITERATIONS,
+    Backlog,
+    Forecast,
+    SloAsk,
+    SloForecaster,
+    idle,
+)
 from common.wire import EngineLoad, Tier
 
 ROUTERS = ("slo", "round-robin", "least-load", "prefix")
@@ -410,8 +422,19 @@ class SloAware:
 
     def _forecast(self, r: Replica, slo: SloAsk, cached: int, extra_s: float) -> Forecast:
         """The forecast on *r*: its report (an empty one without), the RT sent since, and the
-        prompt less what its cache holds (at least a token is computed)."""
+        prompt less what its cache holds (at least a token is computed).
+
+        An idle replica whose calibration has not learned from `MIN_VERIFIED_ITERATIONS` yet is
+        forecast at its profile's pace: the few iterations it ran (a fresh engine's first ones
+        are slow) are no measure of it, and a worse forecast than its busy neighbours' would
+        keep it idle for good — nothing it runs could correct it (seen: one SGLang engine's
+        DP rank 0, 11 warm-up iterations at 2× the profile, got none of the chats its rank 1
+        served). Its first requests then teach the calibration its real pace."""
         load = r.load or EngineLoad(iteration=0, at_unix_s=0.0)
+        if load.calibration_samples < MIN_VERIFIED_ITERATIONS and idle(load, r.backlog):
+            load = msgspec.structs.replace(
+                load, latency_factors=(1.0, 1.0, 1.0), pace_ratio_p90=1.0
+            )
         ask = replace(slo, prompt_tokens=max(1, slo.prompt_tokens - cached)) if cached else slo
         return self.forecaster.forecast(load, ask, r.backlog, extra_s)
 

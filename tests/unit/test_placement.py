@@ -209,6 +209,21 @@ def test_slo_router_does_not_gather_new_conversations_behind_a_shared_system_pro
     assert router.choose(rt_ask(prompt=1600, keys=turn), pool).index == first
 
 
+def test_slo_router_forecasts_an_idle_unverified_replica_at_its_profiles_pace(
+    forecaster: SloForecaster,
+) -> None:
+    """A fresh engine's few slow first iterations are no measure of it: idle and unverified,
+    a replica is forecast at its profile's pace, else its busier, calibrated neighbour would
+    take every request while nothing could ever correct its own pace."""
+    router = SloAware(forecaster)
+    warm_up = load(latency_factors=(2.0, 2.0, 2.0), calibration_samples=11)
+    serving = load(num_rt_running=2, rt_context_tokens=1000, latency_factors=(1.4, 1.4, 1.4))
+    assert router.choose(rt_ask(), replicas(warm_up, serving)).index == 0
+    # verified, its pace stands: the faster one gets it
+    slow = load(latency_factors=(2.0, 2.0, 2.0), calibration_samples=500)
+    assert SloAware(forecaster).choose(rt_ask(), replicas(slow, serving)).index == 1
+
+
 def test_slo_router_sends_be_to_the_most_leftover_capacity_and_keeps_batch_groups(
     forecaster: SloForecaster,
 ) -> None:
