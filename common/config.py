@@ -71,7 +71,8 @@ class GatewayConfig(_Section, frozen=True):
     router: Literal["slo", "round-robin", "least-load", "prefix"] = "slo"
     """How the place stage picks among several engines (backend/policy/placement.py): "slo"
     sends RT to the engine with the most predicted slack against the request's contract and the
-    rest to the most leftover capacity, prompts sharing a prefix kept together; "round-robin";
+    rest to the most leftover capacity, prompts sharing a prefix only one engine holds kept
+    together (a conversation's turns; not a system prompt every engine holds); "round-robin";
     "least-load" (fewest running + waiting tokens); "prefix" (longest cached-prefix match,
     least load when the engines are imbalanced). With one engine the choice is forced."""
     max_inflight_rt: int = 128
