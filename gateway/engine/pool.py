@@ -308,12 +308,12 @@ class EnginePool:
 
 def dp_ranks_of(engine: EngineConfig, *, attached: bool) -> int:
     """How many data-parallel ranks of *engine* the gateway places on, ranks: a launched patched
-    SGLang engine's `dp_size` (from `engine.extra_args`); an attached one on this host, its
+    SGLang engine's `dp_size` (from `engine.extra_args`); one started elsewhere on this host, its
     rank 0 and each further rank whose control socket answers (an engine on another host, or
     without tandem's policy, is one replica: SGLang's own DP controller spreads its requests)."""
     if engine.kind != "sglang" or not engine.policy_in_charge:
         return 1
-    if not attached:
+    if not attached and engine.launch:
         return engine.dp_size
     if engine.host not in LOCAL_HOSTS:
         return 1
