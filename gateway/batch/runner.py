@@ -323,7 +323,8 @@ class BatchRunner:
         cfg = self._config.batch
         # a pool of N engines holds N KV pools and runs N engines' lines (the dispatch bounds
         # the lines on the engines that serve now)
-        engines = max(1, len(self._app.get(POOL) or ()))
+        pool = self._app.get(POOL)
+        engines = max(1, len(pool) if pool is not None else 0)
         kv = (cfg.engine_kv_tokens or self._config.engine.max_total_tokens) * engines
         history = await self._app[STORE].length_history(
             tenant.id, self._config.usage.length_history_window
