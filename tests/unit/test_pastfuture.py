@@ -75,3 +75,42 @@ def test_admission_uses_the_worst_sample_list() -> None:
     assert check.peak == 40
     # list 1 alone would allow it (peak 20); list 2 peaks at 10+10 + 20·2 = 60 > 45
     assert not check.try_admit(10, np.array([0, 20]))
+
+
+def test_few_draws_take_the_scalar_path_and_give_the_numpy_paths_numbers() -> None:
+    """`LengthModel.sample` draws a few requests of one key without numpy (most plans redraw
+    only those that outgrew their sample; 10× cheaper per call): the same generator, the same
+    order and the same arithmetic, so the simulator's results stay bit-identical."""
+    from types import SimpleNamespace
+
+    from backend.policy.tandem import admission
+
+    def model() -> admission.LengthModel:
+        m = admission.LengthModel(window=300, min_samples=10, seed=3)
+        rng = np.random.default_rng(7)
+        for v in rng.integers(1, 400, 300):
+            m.observe("done", "k", int(v))
+        return m
+
+    rng = np.random.default_rng(11)
+    for _ in range(200):
+        n, lists = int(rng.integers(1, 6)), int(rng.integers(1, 6))
+        reqs = [
+            SimpleNamespace(
+                rid=f"r{i}",
+                length_key="k",
+                max_new_tokens=int(rng.choice([16, 256, 2048])),
+                generated=int(rng.integers(0, 600)),
+            )
+            for i in range(n)
+        ]
+        scalar, vector = model(), model()
+        assert n * lists <= admission.SCALAR_SAMPLES
+        fast = scalar.sample(reqs, lists)
+        saved, admission.SCALAR_SAMPLES = admission.SCALAR_SAMPLES, 0  # force the numpy path
+        try:
+            slow = vector.sample(reqs, lists)
+        finally:
+            admission.SCALAR_SAMPLES = saved
+        assert fast.tolist() == slow.tolist()
+        assert scalar.rng.random() == vector.rng.random()  # the generator left where it was

@@ -26,6 +26,9 @@ import numpy as np
 from backend.policy.pastfuture import LengthHistory, PeakTracker, future_peak, num_sample_lists
 from backend.policy.types import ReqState
 
+SCALAR_SAMPLES = 32
+"""Draws (requests × lists) of one key up to which `LengthModel.sample` takes the scalar path."""
+
 
 class LengthModel:
     """Output-length predictions per length key, with a cold-start prior."""
@@ -128,6 +131,9 @@ class LengthModel:
         for i, r in enumerate(reqs):
             by_key[r.length_key].append(i)
         for key, members in by_key.items():
+            if len(members) * lists <= SCALAR_SAMPLES and self.is_warm(key) and self.histories[key]:
+                self._sample_scalar(reqs, key, members, lists, out)
+                continue
             cap = np.array([reqs[i].max_new_tokens for i in members], dtype=np.int64)
             gen = np.array([reqs[i].generated for i in members], dtype=np.int64)
             floor = np.minimum(gen + 1, cap)
@@ -138,6 +144,40 @@ class LengthModel:
             draws = hist.sample_total(self.rng, np.broadcast_to(gen, (lists, gen.size)), cap)
             out[:, members] = np.clip(draws, floor, np.maximum(cap, floor))
         return out
+
+    def _sample_scalar(
+        self,
+        reqs: Sequence[ReqState],
+        key: str,
+        members: list[int],
+        lists: int,
+        out: np.ndarray,
+    ) -> None:
+        """`sample` of a few requests of one warm key without numpy's per-call overhead (most
+        plans redraw only the few requests that outgrew their sample): the same draws from the
+        same generator in the same order (row-major over (lists, members), as
+        `LengthHistory.sample_total` draws them) and the same arithmetic, so the same
+        numbers."""
+        hist = self._sorted_list(key)
+        largest = hist[-1]
+        random = self.rng.random
+        rows = []
+        for i in members:
+            r = reqs[i]
+            cap, gen = r.max_new_tokens, r.generated
+            top = max(cap, largest)
+            pos = bisect.bisect_right(hist, gen)
+            rows.append((gen, top, pos, len(hist) - pos + 2, min(gen + 1, cap), cap))
+        for row in range(lists):
+            for i, (gen, top, pos, n_points, floor, cap) in zip(members, rows, strict=True):
+                u = random() * (n_points - 1)
+                lo = min(int(u), n_points - 2)
+                frac = u - lo
+                left = gen if lo == 0 else hist[pos + lo - 1]
+                right = top if lo + 1 == n_points - 1 else hist[pos + lo]
+                total = round(left + (right - left) * frac)
+                total = min(max(total, gen), max(top, gen))  # sample_total's clip
+                out[row, i] = min(max(total, floor), max(cap, floor))
 
 
 class RtHeadroom:
