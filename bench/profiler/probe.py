@@ -56,6 +56,10 @@ class EngineFacts:
     """Model dtype as the engine reports it."""
     model: dict[str, Any] = field(default_factory=dict)
     """Model facts (type, architecture, shape from its config.json when readable)."""
+    dp_size: int = 1
+    """SGLang data-parallel ranks: each has its own scheduler and KV pool, so the profiler sends
+    every probe to rank 0 (`routed_dp_rank`) — a batch split between ranks would be measured as
+    one twice its size's. The ranks are alike; rank 0's profile is theirs."""
 
     @property
     def kv_bytes_per_token(self) -> int | None:
@@ -129,6 +133,7 @@ async def discover(
         context_length=server.get("context_length") or config.get("max_position_embeddings"),
         dtype=server.get("dtype") if server.get("dtype") != "auto" else config.get("torch_dtype"),
         model=model,
+        dp_size=max(1, int(server.get("dp_size") or 1)),
     )
 
 
@@ -206,6 +211,8 @@ class Prober:
                 "temperature": 0.0,
             },
         }
+        if self.facts.dp_size > 1:
+            body["routed_dp_rank"] = 0  # the batch measured is the batch one scheduler runs
         return stream, asyncio.create_task(self._run(stream, body))
 
     async def _run(self, stream: Stream, body: dict[str, Any]) -> None:
