@@ -136,17 +136,44 @@ def server_argv(
     return argv + list(engine_cfg.extra_args)
 
 
+KEY_DIR_PREFIX = "tandem-engine-key-"
+"""Temporary directories holding an engine's API key file: ``<prefix><pid>-<random>``, the pid
+of the process that wrote it."""
+
+
 def api_key_args(api_key: str) -> list[str]:
     """``--config FILE``: the engine's API key (SGLang's ``--api-key``) in a file only this user
     can read (0600, in a 0700 directory removed at exit), so that it never shows on the engine's
-    command line, which every user of the host can read (``ps``)."""
-    directory = Path(tempfile.mkdtemp(prefix="tandem-engine-key-"))
+    command line, which every user of the host can read (``ps``). A process killed before its
+    exit handlers ran (SIGKILL) leaves its directory behind: the next call removes those of
+    processes that no longer run (`remove_orphaned_key_dirs`)."""
+    remove_orphaned_key_dirs()
+    directory = Path(tempfile.mkdtemp(prefix=f"{KEY_DIR_PREFIX}{os.getpid()}-"))
     atexit.register(shutil.rmtree, directory, True)
     path = directory / "api-key.yaml"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as out:
         out.write(f"api-key: {json.dumps(api_key)}\n")  # a JSON string is a YAML scalar
     return ["--config", str(path)]
+
+
+def remove_orphaned_key_dirs(tmp_dir: str | Path | None = None) -> list[Path]:
+    """Removes this user's API-key directories whose writing process no longer runs (a
+    `tandem serve` that was SIGKILLed: its engines' key stayed on disk); the ones removed.
+    Directories of live processes, of other users, or without a pid in their name are kept."""
+    removed = []
+    for path in Path(tmp_dir or tempfile.gettempdir()).glob(f"{KEY_DIR_PREFIX}*"):
+        pid_text = path.name[len(KEY_DIR_PREFIX) :].split("-", 1)[0]
+        try:
+            if not pid_text.isdigit() or path.stat().st_uid != os.getuid():
+                continue
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:  # the writer is gone
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        except OSError:  # not ours to signal (alive), or gone meanwhile
+            continue
+    return removed
 
 
 def engine_settings(
