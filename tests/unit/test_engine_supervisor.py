@@ -12,9 +12,9 @@ from typing import cast
 
 import pytest
 
+from backend.launch import supervisor as supervisor_module
 from backend.launch.sglang import EngineProcess, EngineStartError
 from backend.launch.supervisor import (
-    SCHEDULER_CHECK_INTERVAL_S,
     EngineStatus,
     EngineSupervisor,
     RestartPolicy,
@@ -219,7 +219,9 @@ def restart_waits_s(seen: list[EngineStatus]) -> list[float]:
     return [float(d.rsplit(" in ", 1)[1].removesuffix(" s")) for d in downs]
 
 
-async def test_an_engine_that_lost_a_scheduler_is_killed_and_restarted(tmp_path: Path) -> None:
+async def test_an_engine_that_lost_a_scheduler_is_killed_and_restarted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A scheduler process dies while the engine's main process runs on (SGLang does not
     notice; every request reaching that scheduler hangs, and its health probe took 3 × 25 s to
     give up on a real engine): the scheduler's control socket refusing connections is enough."""
@@ -230,6 +232,13 @@ async def test_an_engine_that_lost_a_scheduler_is_killed_and_restarted(tmp_path:
         server.bind(path)
         server.listen()
         servers.append(server)
+    checked: list[str] = []  # every socket check the supervisor made
+
+    def counted(path: str) -> bool:
+        checked.append(path)
+        return socket_server_gone(path)
+
+    monkeypatch.setattr(supervisor_module, "socket_server_gone", counted)
     engine = FakeEngine()
     seen: list[EngineStatus] = []
 
@@ -246,7 +255,7 @@ async def test_an_engine_that_lost_a_scheduler_is_killed_and_restarted(tmp_path:
     task = asyncio.create_task(supervisor.run())
     try:
         await wait_until(lambda: seen and seen[-1].phase == "up", 5, what="supervising")
-        await asyncio.sleep(3 * SCHEDULER_CHECK_INTERVAL_S)
+        await wait_until(lambda: len(checked) >= 6, 10, what="three rounds of socket checks")
         assert engine.killed == []  # both schedulers there: nothing happens
         servers[1].close()  # DP rank 1's scheduler is gone; its socket file stays, refusing
         await wait_until(lambda: supervisor.status.restarts == 1, 5, what="a restart")
