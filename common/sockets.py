@@ -14,6 +14,7 @@ be reached again.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import socket
 from pathlib import Path
@@ -51,6 +52,16 @@ def socket_is_live(path: str | Path) -> bool:
         except OSError:
             return False
     return True
+
+
+def socket_server_gone(path: str | Path) -> bool:
+    """Whether the Unix socket *path* has no server any more: the file is missing or refuses
+    connections. A server too busy to accept (its backlog full) still counts as there — a hung
+    scheduler is the health probe's to find, never a false restart here. Never blocks."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.setblocking(False)
+        error = conn.connect_ex(str(path))
+    return error in (errno.ECONNREFUSED, errno.ENOENT)
 
 
 def socket_holder(path: str | Path) -> str:

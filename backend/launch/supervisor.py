@@ -32,10 +32,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
 import signal
-import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -43,6 +41,7 @@ from typing import Literal
 
 from backend.launch.sglang import EngineProcess, EngineStartError, health_status
 from common.config import EngineConfig
+from common.sockets import socket_server_gone
 
 log = logging.getLogger(__name__)
 
@@ -116,16 +115,6 @@ class RestartPolicy:
         serving `stable_s` in between, seconds: `backoff_s`, doubled per death, capped."""
         doublings = min(max(deaths_in_a_row - 1, 0), 62)
         return min(self.backoff_s * 2.0**doublings, self.backoff_max_s)
-
-
-def socket_server_gone(path: str) -> bool:
-    """Whether the Unix socket *path* has no server any more: the file is missing or refuses
-    connections. A server too busy to accept (its backlog full) still counts as there — a hung
-    scheduler is the health probe's to find, never a false restart here. Never blocks."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-        conn.setblocking(False)
-        error = conn.connect_ex(path)
-    return error in (errno.ECONNREFUSED, errno.ENOENT)
 
 
 def describe_exit(returncode: int | None) -> str:

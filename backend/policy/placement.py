@@ -160,14 +160,8 @@ class PrefixTracker:
     def match(self, keys: Sequence[int]) -> tuple[str, int] | None:
         """(replica, blocks) of the longest prefix of *keys* a replica holds (the first name
         among equals); None when no replica holds the first block."""
-        best: tuple[str, int] | None = None
-        owners = self._owners
-        for depth, key in enumerate(keys, start=1):
-            holders = owners.get(key)
-            if not holders:
-                break
-            best = (next(iter(holders)) if len(holders) == 1 else min(holders), depth)
-        return best
+        depth, holders = self.deepest(keys)
+        return (min(holders), depth) if depth else None
 
     def deepest(self, keys: Sequence[int]) -> tuple[int, frozenset[str]]:
         """(blocks, holders) of the longest prefix of *keys* any replica holds: every replica

@@ -19,8 +19,8 @@ from backend.launch.supervisor import (
     EngineSupervisor,
     RestartPolicy,
     describe_exit,
-    socket_server_gone,
 )
+from common.sockets import socket_server_gone
 from tests.waiting import wait_until
 
 
