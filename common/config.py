@@ -95,6 +95,13 @@ class GatewayConfig(_Section, frozen=True):
     its body, with 503 `server_overloaded` and Retry-After: the gateway-wide bound in front of
     the per-tier queues (`max_inflight_rt` + `max_inflight_be`, which it should exceed), so
     that a flood waits nowhere unbounded."""
+    max_queue_wait_s: float = 1.0
+    """Longest a request may have waited in the kernel before the gateway reads it (its bytes
+    on the connection's socket, or the connection in the listen queue), seconds. An older one is
+    answered at once with 503 `server_overloaded` and Retry-After: the gateway is behind its
+    clients, and serving it would only make every request behind it later. What is served
+    counts its TTFT and SLO time from when its bytes reached the host. Measured on Linux
+    (`TCP_INFO`); elsewhere not applied."""
     overload_retry_after_s: int = 1
     """`Retry-After` of a 503 `server_overloaded` (or of a connection refused beyond
     `max_connections`), seconds."""
@@ -457,6 +464,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
         _check_positive("gateway.max_inflight_be", self.gateway.max_inflight_be)
         for key in (  # the gateway's own protection
             "max_requests_in_flight",
+            "max_queue_wait_s",
             "overload_retry_after_s",
             "max_connections",
             "idle_timeout_s",

@@ -39,6 +39,7 @@ from bench.hardening.procs import (
     CLIENT_CPU,
     MODEL,
     Gateway,
+    cpu_seconds,
     fake_engine,
     gateway,
     pin_to,
@@ -147,14 +148,41 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         _run(warm_up(target))
         held = 0.0
         for rate in rates:
+            cpu_before_s = cpu_seconds(gw.pid)
             row = _run(run_open_loop(target, rate, args.duration_s)).row()
             row["gateway_rss_mb"] = round(rss_bytes(gw.pid) / 2**20, 1)
+            # the gateway's CPU over the step (and its drain): what the answers cost it
+            row["gateway_cpu_s"] = round(cpu_seconds(gw.pid) - cpu_before_s, 2)
+            row["gateway_shed"] = _shed_counts(gw)
             _emit({"command": "capacity", **row}, args.out)
             if row["errors"] == 0 and row["late_p99_ms"] < 50:
                 held = max(held, rate)
             time.sleep(args.pause_s)  # let queues drain between steps
     _emit({"command": "capacity", "stream": args.stream, "held_rps_at_0_errors": held}, args.out)
     return 0
+
+
+def _shed_counts(gw: Gateway) -> dict[str, int] | str:
+    """The gateway's 503s so far, by why (gateway/overload.py, gateway/server.py); a string
+    saying so when /metrics does not answer within 10 s (a gateway still behind its flood)."""
+    try:
+        text = requests.get(
+            f"{gw.base_url}/metrics",
+            headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+            timeout=10,
+        ).text
+    except requests.RequestException as exc:
+        return f"/metrics did not answer: {type(exc).__name__}"
+    out: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "tandem_gateway_requests_shed_total":
+                out[f"request_{sample.labels.get('reason', 'in_flight')}"] = int(sample.value)
+            elif sample.name == "tandem_gateway_connections_shed_total":
+                out["connection_queue_wait"] = int(sample.value)
+            elif sample.name == "tandem_gateway_connections_refused_total":
+                out["connection_cap"] = int(sample.value)
+    return out
 
 
 def cmd_soak(args: argparse.Namespace) -> int:

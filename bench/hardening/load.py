@@ -83,6 +83,9 @@ class Outcome:
             "errors": self.errors,
             "statuses": dict(sorted(self.statuses.items())),
             "achieved_rps": round(self.ok / self.duration_s, 1),
+            # goodput: an answer seconds late is no answer to an interactive client
+            "ok_within_1s": sum(1 for ms in e2e if ms <= 1000.0),
+            "ok_within_10s": sum(1 for ms in e2e if ms <= 10_000.0),
             "e2e_p50_ms": round(self.percentile(e2e, 50), 2),
             "e2e_p90_ms": round(self.percentile(e2e, 90), 2),
             "e2e_p99_ms": round(self.percentile(e2e, 99), 2),

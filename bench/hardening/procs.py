@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import requests
+
+from common.sockets import free_port
 
 GATEWAY_CPU = 0
 CLIENT_CPU = 1
@@ -39,12 +40,6 @@ QUOTA = {
 }
 """Limits that are checked on every request and never reached."""
 SLO = {"ttft_ms": 10_000, "tpot_ms": 2_000}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def pin_to(cpu: int) -> None:
@@ -162,3 +157,9 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time process *pid* has used so far (user + system), seconds (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -19,6 +19,7 @@ from gateway.api.render import ResponseHead, StreamRenderer, completion_body, us
 from gateway.api.schemas import Endpoint, StreamOptions
 from gateway.auth import Principal, bearer_token
 from gateway.engine.client import EngineChunk
+from gateway.overload import arrival_of
 from gateway.pipeline.outcome import Refused, internal_error
 from gateway.pipeline.prepare import check_model, prepare_prompt_off_loop
 from gateway.pipeline.stages import (
@@ -36,6 +37,7 @@ from gateway.pipeline.stages import (
     run,
 )
 from gateway.request_id import request_id_of
+from gateway.slo import RequestTimer
 from gateway.state import AUTH, CONFIG, TOKENIZER
 
 log = logging.getLogger(__name__)
@@ -84,6 +86,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    arrival = arrival_of(request)  # before authentication: its time counts too
     principal = await authenticate(request)
     app = request.app
     flight = Flight(
@@ -92,6 +95,9 @@ async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
         endpoint=endpoint,
         model=app[CONFIG].model.name,
         request_id=request_id_of(request),  # the x-request-id of its response
+        # from when its bytes reached the host, not when the gateway got to them
+        timer=RequestTimer(start_s=arrival.monotonic_s),
+        arrival_unix_s=arrival.unix_s,
     )
     with recording(app, flight):
         body = parse(app, flight, await request.read())

@@ -124,6 +124,8 @@ class Flight:
     """Whether the client asked for a streamed answer (known once parsed)."""
     timer: RequestTimer = field(default_factory=RequestTimer)
     """Started when the request arrived: TTFT and end-to-end time count from here."""
+    arrival_unix_s: float = field(default_factory=time.time)
+    """When the request arrived, wall clock (the SLO admission's `waited_s` counts from it)."""
     created_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     request: EngineRequest | None = None
     """Set by prepare; admission may change its terms."""
@@ -188,6 +190,7 @@ def prepare(
         prompt.max_tokens,
         flight.principal,
         tier,
+        arrival_unix_s=flight.arrival_unix_s,
         rid=flight.request_id,
         tool_family=app[TOKENIZER].tool_family if _has_tools(body) else None,
     )

@@ -44,6 +44,10 @@ FAST_BACKGROUND = {
     "TANDEM_BATCH__POLL_INTERVAL_S": "0.02",  # the batch runner notices new batches at once
     "TANDEM_BATCH__RETRY_AFTER_S": "0.05",
     "TANDEM_METRICS__ENGINE_POLL_S": "0.05",  # the engine gauges on /metrics are fresh
+    # client and gateway share one loop here: on a loaded machine a burst of a test's requests
+    # can wait past the default 1 s to be read, and a 503 would fail a test of something else
+    # (tests/gateway/test_connections.py tests the queue-wait shed with its own bound)
+    "TANDEM_GATEWAY__MAX_QUEUE_WAIT_S": "60",
 }
 """Config overrides that make the gateway's background loops react within tens of ms."""
 

@@ -1,13 +1,18 @@
 """Connections cannot make the gateway unreachable: served as `tandem serve` serves it
 (gateway/server.py's runner options and site), a connection that brings no request is closed
-after `gateway.idle_timeout_s`, and past `gateway.max_connections` open ones a new connection is
-answered 503 and closed at once while the open ones are still served."""
+after `gateway.idle_timeout_s`, past `gateway.max_connections` open ones a new connection is
+answered 503 and closed at once while the open ones are still served, and a request that
+waited longer than `gateway.max_queue_wait_s` for a gateway behind its clients is answered 503
+at once (health probes excepted) instead of being served seconds late."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import shutil
+import socket
+import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -76,16 +81,21 @@ def close_all(conns: list[Connection]) -> None:
         writer.transport.abort()
 
 
-async def chat_over(conn: Connection, key: str) -> bytes:
-    """One chat request written on the raw connection *conn*; the answer's status line."""
+def _chat_request(key: str) -> bytes:
+    """A whole chat request (2 tokens), as raw HTTP/1.1 bytes."""
     body = json.dumps(
         {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     ).encode()
-    conn[1].write(
+    return (
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
         + f"Authorization: Bearer {key}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
         + body
     )
+
+
+async def chat_over(conn: Connection, key: str) -> bytes:
+    """One chat request written on the raw connection *conn*; the answer's status line."""
+    conn[1].write(_chat_request(key))
     return await asyncio.wait_for(conn[0].readline(), 30)
 
 
@@ -147,3 +157,111 @@ async def test_past_the_connection_cap_new_connections_are_refused_and_open_ones
             samples = await gw.metrics()
             refused = metric(samples, "tandem_gateway_connections_refused_total")
             assert refused is not None and refused >= 1
+
+
+def _read_answer(sock: socket.socket) -> bytes:
+    """One whole HTTP answer with a Content-Length body (blocking; a thread's)."""
+    sock.settimeout(30)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
+def _hold_the_loop_while(send: threading.Thread, hold_s: float) -> None:
+    """The gateway (in this loop) falls behind: nothing of it runs while *send* writes its
+    requests from another thread and for *hold_s* after, as when its core is taken."""
+    send.start()
+    send.join()
+    time.sleep(hold_s)
+
+
+async def test_requests_that_waited_too_long_to_be_read_are_shed_and_probes_still_answered(
+    tmp_path: Path, tiny_model_dir: Path, sim_port: int, template_db: Path
+) -> None:
+    async with served_like_tandem_serve(
+        tmp_path, tiny_model_dir, sim_port, template_db, TANDEM_GATEWAY__MAX_QUEUE_WAIT_S="0.3"
+    ) as gw:
+        _, key = await gw.new_tenant("t")
+        port = int(gw.base_url.rsplit(":", 1)[1])
+        # a keep-alive connection served once, whose next request will find the gateway behind
+        kept = await asyncio.to_thread(socket.create_connection, ("127.0.0.1", port))
+        kept.sendall(_chat_request(key))
+        assert (await asyncio.to_thread(_read_answer, kept)).startswith(b"HTTP/1.1 200 ")
+        sent: dict[str, socket.socket] = {}
+
+        def send() -> None:
+            for name, request in (
+                ("new", _chat_request(key)),
+                ("probe", b"GET /healthz HTTP/1.1\r\nHost: gw\r\n\r\n"),
+                ("scrape", b"GET /metrics HTTP/1.1\r\nHost: gw\r\n\r\n"),
+            ):
+                sent[name] = socket.create_connection(("127.0.0.1", port))  # in the listen queue
+                sent[name].sendall(request)
+            kept.sendall(_chat_request(key))
+            sent["kept"] = kept
+
+        _hold_the_loop_while(threading.Thread(target=send), hold_s=1.0)
+        try:
+            answers = {
+                name: await asyncio.to_thread(_read_answer, sock) for name, sock in sent.items()
+            }
+        finally:
+            for sock in sent.values():
+                sock.close()
+        for name in ("new", "kept"):  # a new connection and a keep-alive one: shed, not served
+            answer = answers[name]
+            assert answer.startswith(b"HTTP/1.1 503 "), (name, answer)
+            assert b"Retry-After: 1\r\n" in answer, (name, answer)
+            error = json.loads(answer.partition(b"\r\n\r\n")[2])["error"]
+            assert error["code"] == "server_overloaded", (name, error)
+            assert "gateway.max_queue_wait_s" in error["message"], (name, error)
+        assert answers["probe"].startswith(b"HTTP/1.1 200 "), answers["probe"]
+        assert answers["scrape"].startswith(b"HTTP/1.1 200 "), answers["scrape"][:200]
+
+        # on time again: served
+        assert (await gw.chat(key, max_tokens=2)).status == 200
+        samples = await gw.metrics()
+        assert metric(samples, "tandem_gateway_connections_shed_total") == 1
+        assert metric(samples, "tandem_gateway_requests_shed_total", reason="queue_wait") == 1
+        assert metric(samples, "tandem_gateway_requests_shed_total", reason="in_flight") == 0
+
+
+async def test_a_request_served_after_waiting_to_be_read_counts_the_wait_in_its_latency(
+    tmp_path: Path, tiny_model_dir: Path, sim_port: int, template_db: Path
+) -> None:
+    """Under the bound, the late request is served, and its TTFT (the usage record's, the SLO
+    admission's clock) starts when it reached the host, not when the gateway got to it."""
+    async with served_like_tandem_serve(
+        tmp_path, tiny_model_dir, sim_port, template_db, TANDEM_GATEWAY__MAX_QUEUE_WAIT_S="30"
+    ) as gw:
+        tenant_id, key = await gw.new_tenant("t")
+        port = int(gw.base_url.rsplit(":", 1)[1])
+        sent: list[socket.socket] = []
+
+        def send() -> None:
+            sent.append(socket.create_connection(("127.0.0.1", port)))
+            sent[0].sendall(_chat_request(key))
+
+        _hold_the_loop_while(threading.Thread(target=send), hold_s=0.6)
+        try:
+            answer = await asyncio.to_thread(_read_answer, sent[0])
+        finally:
+            sent[0].close()
+        assert answer.startswith(b"HTTP/1.1 200 "), answer
+        [record] = await gw.records(tenant_id)
+        assert record["ttft_ms"] >= 550 and record["e2e_ms"] >= 550, record
