@@ -49,6 +49,13 @@ SCHEDULER_CHECK_INTERVAL_S = 0.5
 """How often the supervisor checks that each scheduler's control socket still has its server,
 seconds (a connect on a Unix socket: microseconds)."""
 
+EXIT_GRACE_S = 2.0
+"""How long the supervisor waits, seconds, for the main process to exit once a scheduler's
+socket is gone or the health probe gave up, before it kills the engine itself. A main process
+that was killed takes its scheduler down with it, and on a busy machine the scheduler's socket
+can close before the main process's exit is seen: the report then names the real cause (its
+exit) rather than the symptom."""
+
 EnginePhase = Literal["up", "unresponsive", "down", "restarting", "stopped"]
 """Where a supervised engine is: "up" (answers its health probe), "unresponsive" (running, but
 its last health probe failed), "down" (dead, waiting out the back-off), "restarting" (a new
@@ -227,6 +234,8 @@ class EngineSupervisor:
         broken = asyncio.create_task(self._until_a_scheduler_is_gone())
         try:
             await asyncio.wait({exited, hung, broken}, return_when=asyncio.FIRST_COMPLETED)
+            if not exited.done():
+                await asyncio.wait({exited}, timeout=EXIT_GRACE_S)
         finally:
             for task in (exited, hung, broken):
                 task.cancel()

@@ -219,6 +219,26 @@ def restart_waits_s(seen: list[EngineStatus]) -> list[float]:
     return [float(d.rsplit(" in ", 1)[1].removesuffix(" s")) for d in downs]
 
 
+def socket_supervisor(
+    engine: FakeEngine, sockets: list[str]
+) -> tuple[EngineSupervisor, list[EngineStatus]]:
+    """A supervisor of *engine* that checks the schedulers' control *sockets* (its health
+    probes always answer 200)."""
+    seen: list[EngineStatus] = []
+
+    async def healthy(url: str, timeout_s: float) -> int:
+        return 200
+
+    supervisor = EngineSupervisor(
+        cast(EngineProcess, engine),
+        FAST,
+        on_status=seen.append,
+        probe=healthy,
+        scheduler_sockets=sockets,
+    )
+    return supervisor, seen
+
+
 async def test_an_engine_that_lost_a_scheduler_is_killed_and_restarted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -240,18 +260,7 @@ async def test_an_engine_that_lost_a_scheduler_is_killed_and_restarted(
 
     monkeypatch.setattr(supervisor_module, "socket_server_gone", counted)
     engine = FakeEngine()
-    seen: list[EngineStatus] = []
-
-    async def healthy(url: str, timeout_s: float) -> int:
-        return 200
-
-    supervisor = EngineSupervisor(
-        cast(EngineProcess, engine),
-        FAST,
-        on_status=seen.append,
-        probe=healthy,
-        scheduler_sockets=sockets,
-    )
+    supervisor, seen = socket_supervisor(engine, sockets)
     task = asyncio.create_task(supervisor.run())
     try:
         await wait_until(lambda: seen and seen[-1].phase == "up", 5, what="supervising")
@@ -287,3 +296,39 @@ def test_a_socket_whose_server_is_busy_still_counts_as_there(tmp_path: Path) -> 
             conn.close()
         server.close()
     assert socket_server_gone(path)  # the file stays, nothing listens
+
+
+async def test_a_main_process_that_dies_with_its_scheduler_is_reported_as_its_exit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killing the main process takes its scheduler down too, and on a busy machine the
+    scheduler's socket can close before the main process's exit is seen: the report names the
+    exit (the cause), not the lost socket (the symptom), and nothing is killed twice."""
+    path = str(tmp_path / "engine.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen()
+    gone_seen = 0  # socket checks that found the scheduler gone
+
+    def counted(checked: str) -> bool:
+        nonlocal gone_seen
+        gone = socket_server_gone(checked)
+        gone_seen += gone
+        return gone
+
+    monkeypatch.setattr(supervisor_module, "socket_server_gone", counted)
+    engine = FakeEngine()
+    supervisor, seen = socket_supervisor(engine, [path])
+    task = asyncio.create_task(supervisor.run())
+    try:
+        await wait_until(lambda: seen and seen[-1].phase == "up", 5, what="supervising")
+        server.close()  # the scheduler went first ...
+        await wait_until(lambda: gone_seen >= 1, 10, what="the lost socket noticed")
+        engine.die(-9)  # ... and its main process's exit is seen a moment later
+        await wait_until(lambda: supervisor.status.restarts == 1, 10, what="a restart")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    down = next(s.detail for s in seen if s.phase == "down")
+    assert down.startswith("engine pid 100 exited: killed by SIGKILL (status -9)"), down
+    assert engine.killed == []
