@@ -46,6 +46,10 @@ class ReqState(msgspec.Struct, kw_only=True):
     (backend.policy.fair_share); "" is one anonymous tenant."""
     tenant_weight: float = 1.0
     """The tenant's fair-share weight within its tier (> 0; from its contract)."""
+    is_probe: bool = False
+    """No tenant sent it: the engine's own health probe, or a client talking to the engine
+    directly. Served as RT (never starved behind BE), but it says nothing about RT traffic:
+    it never makes a policy think RT users are active."""
     ttft_due_s: float | None = None
     """RT: the instant (engine clock) by which the first token is due: arrival + the contract's
     `ttft_target_ms`."""

@@ -76,8 +76,13 @@ class EngineDriver:
         wall_clock: Callable[[], float] = time.time,
         profile: str = "",
         profile_matches: bool | None = None,
+        kv_unfreeable: Callable[[str], int] = lambda rid: 0,
     ) -> None:
         self.policy = policy
+        self.kv_unfreeable = kv_unfreeable
+        """rid → how many of a running request's KV slots evicting it would not add to the
+        allocator's ``available_size`` (``kv_layout_engine.unfreeable_tokens``; 0 without a KV
+        layout): the policy is told them as shared, so it never plans on slots counted twice."""
         self.profile = profile
         """Name of the latency profile the policy plans with (for the calibration warning)."""
         self.profile_matches = profile_matches
@@ -205,6 +210,9 @@ class EngineDriver:
         chunked = sched.chunked_req
         if chunked is not None:
             running.append(mirror.running(chunked, now, chunked=True))
+        for state in running:
+            unfreeable = min(self.kv_unfreeable(state.rid), state.kv_tokens)
+            state.kv_shared_tokens = max(state.kv_shared_tokens, unfreeable)
         allocator = sched.token_to_kv_pool_allocator
         tree_cache = sched.tree_cache
         num_decode = sum(1 for r in running if r.is_decoding)

@@ -10,7 +10,9 @@ Where it hooks (every path is in ``backend.sglang_ext.seams.KV_LAYOUT_SEAMS``):
 
 * AFTER ``Scheduler.init_running_status`` (the pool and the cache exist by then): builds the
   layout on the pool's K/V buffers and routes the ``TokenToKVPoolAllocator`` instance's
-  ``alloc`` / ``free`` / ``available_size`` / ``check_decode_capacity`` / ``clear`` to it.
+  ``alloc`` / ``free`` / ``available_size`` / ``check_decode_capacity`` / ``clear`` to it, and
+  the ``ReqToTokenPool`` instance's ``free`` (a request SGLang lets go of leaves the layout,
+  also when none of its slots is left in the pool).
 * AROUND ``schedule_batch.alloc_for_extend`` and ``schedule_batch.alloc_for_decode`` (both
   imported there by name from ``mem_cache.allocation``): tell the layout which request each of
   the slots SGLang is about to ask for belongs to (``alloc(n)`` itself carries no request), and
@@ -72,6 +74,21 @@ def install() -> None:
     logger.info("tandem: bicache KV layout installed in pid %d", os.getpid())
 
 
+def unfreeable_tokens(rid: str) -> int:
+    """Of running request *rid*'s KV slots, how many evicting it would not add to what the
+    allocator's ``available_size`` already reports: every one of a dormant BE request's (its
+    slots in place count there as reclaimable; its checkpointed ones belong to others now),
+    else its slots in blocks shared with the other tier (a block's other side keeps them).
+    0 without the layout. The driver tells the policy these as shared, so a plan never counts
+    the same slots twice: once as available, then again as what evicting a parked BE request
+    frees (it did, and SGLang's scheduler died on the allocation that followed)."""
+    lay = _layout
+    if lay is None or rid not in lay.cache:
+        return 0
+    cache = lay.cache
+    return cache.length(rid) if cache.is_dormant(rid) else cache.shared(rid)
+
+
 def set_parked(reqs: Sequence[ReqView]) -> None:
     """The decode rows the policy parked (``()`` once they are merged back): their BE ones go
     dormant at the next allocation (the hooks call this on every change)."""
@@ -124,6 +141,7 @@ def after_init_running_status(result: Any, sched: Any, *args: Any, **kwargs: Any
     lay.req_to_token = sched.req_to_token_pool.req_to_token
     _layout = lay
     _route_allocator(allocator, lay)
+    _route_row_free(sched.req_to_token_pool, lay)
     logger.info(
         "tandem: bicache layout on %d slots (%d blocks)", lay.cache.capacity, lay.cache.num_blocks
     )
@@ -219,6 +237,24 @@ def _route_allocator(allocator: Any, lay: BiCacheKvLayout) -> None:
     allocator.available_size = available_size
     allocator.check_decode_capacity = check_decode_capacity
     allocator.clear = clear
+
+
+def _route_row_free(pool: Any, lay: BiCacheKvLayout) -> None:
+    """SGLang frees a request's ``req_to_token`` row right after its KV, whenever it lets go
+    of the request (finished, aborted, retracted). The slot free finds the request by its
+    slots; a dormant request whose every slot was taken over has none there (its row points at
+    the padding slot), so it is released here: otherwise it stayed dormant in the layout, and
+    its recompute after a retraction asked the layout for slots of a dormant request, which
+    SGLang's scheduler took for an out-of-memory prefill and died of."""
+    original_free = pool.free
+
+    def free(req: Any) -> None:
+        original_free(req)
+        rid = str(req.rid)
+        if rid in lay.cache:
+            lay.release(rid)
+
+    pool.free = free
 
 
 # --- helpers -----------------------------------------------------------------------------------

@@ -136,6 +136,7 @@ class ReqMirror:
                 prompt_len=prompt_len,
                 max_new_tokens=max_new,
                 prefill_len=prompt_len,
+                is_probe=True,
             )
         arrival_s = min(self.to_engine_s(meta.arrival_unix_s), now_s)
         return ReqState(

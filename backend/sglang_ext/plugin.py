@@ -126,6 +126,7 @@ def _install(settings: EngineSettings) -> None:
             profile_matches=None
             if settings.engine_key is None
             else profile.key == settings.engine_key,
+            kv_unfreeable=kv_layout_engine.unfreeable_tokens,
         )
         if driver.profile_matches is False:
             logger.warning(

@@ -4,10 +4,13 @@ request reads back exactly the KV it had."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from backend.policy.bicache.records import NoRoom
+from backend.sglang_ext import kv_layout_engine
 from backend.sglang_ext.kv_layout import BiCacheKvLayout
 
 pytestmark = pytest.mark.slow  # imports torch (and Triton or SGLang): seconds, not a unit test
@@ -136,3 +139,41 @@ def test_fits_is_an_exact_dry_run() -> None:
     assert kv.fits([("x", "be", 1), ("a", "rt", 30)])
     assert not kv.fits([("x", "be", 1), ("a", "rt", 44)])
     assert kv.cache.is_dormant("x") and kv.cache.host_tokens("x") == 4
+
+
+def test_a_dormant_be_request_frees_nothing_the_pool_does_not_already_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    kv = BiCacheKvLayout(_pool(1 + 64))
+    kv.alloc([("x", "be", 40)])
+    kv.alloc([("r", "rt", 8)])
+    assert kv_layout_engine.unfreeable_tokens("x") == 0  # no layout installed
+    monkeypatch.setattr(kv_layout_engine, "_layout", kv)
+    assert kv_layout_engine.unfreeable_tokens("x") == kv.cache.shared("x")  # live
+    assert kv_layout_engine.unfreeable_tokens("nobody") == 0
+    rt_usable = kv.cache.room("rt") + kv.cache.reclaimable("rt")
+    kv.suspend("x")
+    # its slots in place now count as usable by RT (the allocator's available_size says so)...
+    assert kv.cache.room("rt") + kv.cache.reclaimable("rt") > rt_usable
+    # ...so evicting it frees none beyond that
+    assert kv_layout_engine.unfreeable_tokens("x") == 40
+
+
+def test_a_request_whose_slots_were_all_taken_over_leaves_when_sglang_lets_go_of_it() -> None:
+    """A dormant BE request whose every slot RT took over has no slot left for SGLang's KV free
+    to name; the row free that follows releases it, so its recompute after a retraction gets
+    fresh slots (it was left dormant, and that allocation killed the scheduler)."""
+    kv = BiCacheKvLayout(_pool(1 + 32))
+    kv.alloc([("x", "be", 16)])
+    kv.suspend("x")
+    kv.alloc([("r", "rt", 32)])  # the 16 free slots, then all of x's
+    assert kv.cache.host_tokens("x") == 16
+    kv.free(torch.zeros(16, dtype=torch.int64))  # x's row: every entry at the padding slot
+    assert "x" in kv.cache  # the slot free cannot tell whose those were
+    freed_rows: list[str] = []
+    pool = SimpleNamespace(free=lambda req: freed_rows.append(req.rid))
+    kv_layout_engine._route_row_free(pool, kv)
+    pool.free(SimpleNamespace(rid="x"))
+    assert freed_rows == ["x"] and "x" not in kv.cache and not kv.host
+    kv.release("r")
+    assert len(kv.alloc([("x", "be", 16)])) == 16  # the recompute

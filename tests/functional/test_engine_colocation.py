@@ -75,6 +75,7 @@ async def stream_ttft(
             if not line.startswith("data:") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[5:])
+            assert "error" not in chunk, f"the stream ended in an error: {chunk}"
             if chunk["choices"] and chunk["choices"][0].get("text"):
                 chunks += 1
                 if first is None:

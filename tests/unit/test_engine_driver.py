@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from backend.policy.common import eviction_gain
 from backend.policy.types import IterationResult, Plan, PrefillChunk, Snapshot
 from backend.sglang_ext.directive import Directive
 from backend.sglang_ext.driver import EngineDriver
@@ -436,3 +437,38 @@ def test_a_request_whose_grammar_compiled_is_planned_for_at_once() -> None:
     assert not skip_prefill
     assert [r.rid for r in s.waiting_queue] == ["json"] and not queue
     assert [r.rid for r in policy.snapshots[0].waiting] == ["json"]
+
+
+def test_kv_the_layout_already_counts_as_free_is_never_freed_twice() -> None:
+    """A parked BE request's slots under the bicache layout are in the allocator's available
+    count already: the policy must not count them again as what evicting it frees (it did, and
+    the allocation that followed killed SGLang's scheduler)."""
+    policy = ScriptedPolicy(Plan())
+    drv = EngineDriver(
+        policy,  # type: ignore[arg-type]
+        kv_unfreeable=lambda rid: 10_000 if rid == "parked" else 3,
+    )
+    parked, live = req("parked", "be", prompt=300, out=5), req("live", "be", prompt=50)
+    drv.plan_iteration(sched([]), FakeBatch([parked, live]))  # type: ignore[arg-type]
+    (snap,) = policy.snapshots
+    by_rid = {r.rid: r for r in snap.running}
+    assert by_rid["parked"].kv_shared_tokens == 305  # all of it, never more than it holds
+    assert eviction_gain(by_rid["parked"], 1) == 0
+    assert eviction_gain(by_rid["live"], 1) == 50 - 3
+
+
+def test_a_request_without_tandem_metadata_is_served_as_an_rt_probe() -> None:
+    """SGLang's /health generation (and a client talking to the engine directly) carries no
+    RequestMeta: the policy sees it as RT, so it is never starved behind BE, but as a probe,
+    so it never makes the policy think RT users are active."""
+    health = req("HEALTH_CHECK_1", "rt", prompt=1)
+    delattr(health, REQ_ATTR)
+    tenant = req("rt", "rt", prompt=20, ttft_target_ms=500)
+    policy = ScriptedPolicy(Plan())
+    drv = EngineDriver(policy)  # type: ignore[arg-type]
+    s = sched([health, tenant])
+    s.running_batch = FakeBatch([])
+    plan_and_carry_out(drv, s, s.running_batch)
+    seen = {r.rid: r for r in policy.snapshots[-1].waiting}
+    assert (seen["HEALTH_CHECK_1"].tier, seen["HEALTH_CHECK_1"].is_probe) == ("rt", True)
+    assert (seen["rt"].tier, seen["rt"].is_probe) == ("rt", False)

@@ -69,6 +69,44 @@ def test_a_tight_decode_deadline_bounds_tau() -> None:
     assert plan.decodes == ["d"]
 
 
+def test_a_decode_token_already_late_keeps_its_pace_from_now_and_prompts_still_run() -> None:
+    # due 2 ms from now, but the decode alone takes 10 ms: that token is late whatever the
+    # iteration carries; the stream is held to its TPOT from now (τ = 0.9 × 40 ms), so the
+    # prompt behind it gets a chunk instead of waiting for the stream to end
+    late = make_request(
+        "d", prompt_len=99, running=True, generated=4, tpot_target_s=0.04, last_token_s=NOW - 0.038
+    )
+    waiting = make_request("w", prompt_len=2000, ttft_target_s=5.0)
+    plan = make_policy(latency_budget_s=0.05, eps_init=0.1).plan(
+        snapshot(waiting=[waiting], running=[late])
+    )
+    c = chunks(plan)["w"]
+    base = BatchShape().with_decode(103)
+    assert LATENCY.predict(base.with_prefill(c)) <= 0.9 * 0.04 + 1e-9
+    assert LATENCY.predict(base.with_prefill(c + 1)) > 0.9 * 0.04 - 1e-9
+    assert plan.decodes == ["d"]
+
+
+def test_a_stream_slower_than_its_contract_does_not_starve_the_prompts() -> None:
+    # TPOT 5 ms on an engine whose decode alone takes 10 ms: no iteration keeps that stream at
+    # pace. It still gets its tokens as fast as the engine can give them (τ starts at 0.9 × 5
+    # ms: BE and prompts with time to spare wait), but it is no deadline: the urgent prompt
+    # raises τ to what it needs — two iterations of 500 tokens (20 ms each) make its 50 ms —
+    # where before the stream capped every iteration and the prompt got nothing
+    hopeless = make_request("d", prompt_len=99, running=True, generated=4, tpot_target_s=0.005)
+    urgent = make_request("p", prompt_len=1000, arrival_s=NOW - 0.45)  # due in 50 ms
+    be = make_request("be", tier="be", prompt_len=5000)
+    policy = make_policy(latency_budget_s=0.03, eps_init=0.1, be_min_share=0.0)
+    plan = policy.plan(snapshot(waiting=[urgent, be], running=[hopeless]))
+    assert chunks(plan) == {"p": 500}
+    assert plan.decodes == ["d"]
+    relaxed = make_request("p", prompt_len=1000, ttft_target_s=5.0)
+    policy = make_policy(latency_budget_s=0.03, eps_init=0.1, be_min_share=0.0)
+    plan = policy.plan(snapshot(waiting=[relaxed, be], running=[hopeless]))
+    assert chunks(plan) == {}
+    assert plan.decodes == ["d"]
+
+
 def test_an_urgent_prompt_raises_tau_as_far_as_it_needs() -> None:
     # 3000 tokens due in 80 ms: 1000-token chunks at L = 30 ms would take 3 × 30 ms; two
     # iterations of 50 ms take 100 ms; only one iteration of 70 ms makes it (≤ 0.9 × 80 ms)

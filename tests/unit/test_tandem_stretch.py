@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from backend.policy.latency import LatencyModel
 from backend.policy.tandem.config import TandemConfig
+from backend.policy.tandem.policy import TandemPolicy
 from tests.unit.tandem_factories import NOW, chunks, make_policy, make_request, snapshot
 
 WIDE_OPEN = {"latency_budget_s": 0.04, "be_frac_init": 1.0, "be_min_share": 0.0}
@@ -82,6 +84,25 @@ def test_be_alone_iterations_stay_short_while_rt_is_active_and_grow_after() -> N
     assert chunks(later)["be"] == 2000  # the window passed: the idle budget, 50 ms
 
 
+def test_a_health_probe_does_not_make_rt_active() -> None:
+    # SGLang's /health sends a 1-token generation with no tandem metadata: the engine mirrors it
+    # as RT (served at once) but as a probe; BE-alone iterations after it keep the idle budget
+    # (before: a 1-token "typical RT prompt" held them to ~10 ms for the next 10 s)
+    policy = make_policy(
+        latency_budget_s=0.04, idle_budget_s=0.05, rt_stretch=0.3, rt_active_window_s=10.0
+    )
+    probe = make_request("HEALTH_CHECK_1", prompt_len=1, ttft_target_s=None, tpot_target_s=None)
+    probe.is_probe = True
+    be = make_request("be", tier="be", prompt_len=5000)
+    policy.plan(snapshot(waiting=[probe, be]))
+    assert chunks(policy.plan(snapshot(waiting=[be], now_s=NOW + 1.0)))["be"] == 2000
+    # a tenant's RT request does open the window, and the probe did not shrink its prompt size
+    policy.plan(snapshot(waiting=[make_request("rt", prompt_len=500, ttft_target_s=5.0)]))
+    policy.plan(snapshot(waiting=[probe], now_s=NOW + 0.5))
+    soon = policy.plan(snapshot(waiting=[be], now_s=NOW + 1.0))
+    assert chunks(soon)["be"] == pytest.approx(500, abs=1)  # as long as the RT one: 10 + 10 ms
+
+
 def test_be_alone_iterations_of_the_active_window_scale_by_their_fraction() -> None:
     policy = make_policy(
         latency_budget_s=0.04, idle_budget_s=0.05, rt_stretch=0.3, rt_active_be_frac=0.75
@@ -117,3 +138,25 @@ def test_be_keeps_its_time_share_when_rt_first_tokens_fill_every_iteration() -> 
     assert got["kept"] > 3 * got["starved"]
     share = kept._be_time_share()
     assert 0.2 <= share <= 0.3
+
+
+def test_a_zero_stretch_keeps_be_decodes_out_even_when_the_model_calls_them_free() -> None:
+    # A fitted model may give decode rows no weight (NNLS zeroes it on a CPU engine whose fixed
+    # cost dwarfs them): BE decodes then look free beside an RT prefill. With no stretch and no
+    # floor the operator asked for RT iterations that carry nothing of BE's; the bicache layout
+    # relies on that to park BE rows and lend their slots to the RT prompt.
+    free_decodes = LatencyModel([0.010, 0.020, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    rt = make_request("rt", prompt_len=500, ttft_target_s=5.0)
+    be = [
+        make_request(f"be{i}", tier="be", prompt_len=300, running=True, generated=5)
+        for i in range(3)
+    ]
+
+    def be_decodes(**options: float) -> list[str]:
+        config = TandemConfig(**{**WIDE_OPEN, **options})
+        plan = TandemPolicy(free_decodes, config=config).plan(snapshot(waiting=[rt], running=be))
+        assert chunks(plan) == {"rt": 500}
+        return sorted(plan.decodes)
+
+    assert be_decodes(rt_stretch=0.0) == []
+    assert be_decodes(rt_stretch=0.3) == ["be0", "be1", "be2"]  # free riders within the stretch

@@ -124,7 +124,12 @@ def _decode_be(ctx: PlanContext, limit: float) -> None:
     requests would wait on each other for ever)."""
     b = ctx.batch
     decodes = [r for r in ctx.view.be_decode if r.rid not in b.evictions]
-    if not decodes:
+    if not decodes or b.time_s() >= limit:
+        # No time for BE here (`rt_stretch` 0 and no floor: an RT iteration is RT's alone).
+        # Checked before any decode is added, as for BE prompts: a prediction may call decode
+        # rows free, or cheaper than free (an RT prefill alone is timed at the PREFILL regime's
+        # calibration factor, with decodes beside it at the MIXED one, which a machine can
+        # have learned lower; NNLS can zero their weights), but on the engine they never are.
         return
     decodes.sort(key=_decode_order)
     contexts = [r.prompt_len + r.generated for r in decodes]

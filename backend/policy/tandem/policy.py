@@ -21,6 +21,7 @@ observe(result):
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -123,6 +124,8 @@ class TandemPolicy(PolicyBase):
         self._max_prefill = snapshot.max_prefill_tokens
         view = split_running(snapshot.running, cfg.long_prompt_tokens)
         for r in self.rt_queue.sync(waiting_in(snapshot, "rt")):
+            if r.is_probe:
+                continue  # a health probe's 1-token prompt is no typical RT prompt
             if self._rt_prompt_tokens == 0.0:
                 self._rt_prompt_tokens = float(r.prompt_len)
             self._rt_prompt_tokens += RT_PROMPT_EWMA * (r.prompt_len - self._rt_prompt_tokens)
@@ -180,7 +183,13 @@ class TandemPolicy(PolicyBase):
             be_limit=be_limit,
         )
         has_rt = bool(view.rt_decode or view.rt_partial or len(self.rt_queue))
-        if has_rt:
+        if has_rt and any(
+            not r.is_probe
+            for r in itertools.chain(view.rt_decode, view.rt_partial, waiting_in(snap, "rt"))
+        ):
+            # Only tenants' RT requests open the RT-active window: SGLang's health probe (a
+            # 1-token RT request every few seconds from the supervisor) held BE-alone
+            # iterations to a few ms for the 10 s after each one.
             self._rt_seen_s = snap.now_s
         return PlanContext(
             now_s=snap.now_s,

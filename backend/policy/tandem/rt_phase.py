@@ -32,15 +32,24 @@ STOP, SKIP, DONE = 0, 1, 2
 
 
 def run_rt_decodes(ctx: PlanContext) -> None:
-    """Every RT decode (stall-free); sets the hard cap from their deadlines and τ ≤ L."""
+    """Every RT decode (stall-free); sets the hard cap from their deadlines and τ ≤ L (and ≤
+    the TPOT of a stream that cannot keep pace: `slack.unkeepable_tpot_s`)."""
     b = ctx.batch
     _decode_rt(ctx)
-    deadline = slack.decode_deadline(ctx.view.rt_decode) if b.decodes else math.inf
+    decode_only_s = b.time_s() if b.decodes else 0.0
+    deadline = (
+        slack.decode_deadline(ctx.view.rt_decode, ctx.now_s, decode_only_s)
+        if b.decodes
+        else math.inf
+    )
     ctx.hard_s = deadline - ctx.now_s
     if math.isfinite(deadline):
         b.note_rt_token(deadline, ctx.hard_s)
     ctx.tau_s = ctx.budget_s
     ctx.cap_tau()
+    if b.decodes and ctx.config.use_slack:
+        unkeepable = slack.unkeepable_tpot_s(ctx.view.rt_decode, decode_only_s)
+        ctx.tau_s = min(ctx.tau_s, (1 - ctx.eps) * unkeepable)
 
 
 def run_rt_prefills(ctx: PlanContext) -> None:

@@ -37,13 +37,41 @@ def rt_deadline(r: ReqState) -> float:
     return r.last_token_s + r.tpot_target_s
 
 
-def decode_deadline(reqs: Iterable[ReqState]) -> float:
-    """The earliest next-token deadline among decoding RT requests (inf if none has one)."""
+def decode_deadline(reqs: Iterable[ReqState], now_s: float, decode_only_s: float) -> float:
+    """The earliest next-token deadline among decoding RT requests that an iteration can still
+    keep (inf if none has one); `decode_only_s` is the shortest iteration that serves them all.
+
+    A token already due sooner than that is late whatever this iteration carries: its stream
+    keeps its target pace from here (due one TPOT from now), rather than every prompt waiting
+    while it stays behind. A stream whose TPOT target is itself shorter than `decode_only_s`
+    cannot keep pace on this engine at all (a slower machine than the contract was made for):
+    it sets no deadline (`unkeepable_tpot_s` bounds the iteration for it instead)."""
+    earliest = math.inf
+    for r in reqs:
+        if r.tpot_target_s is None or r.last_token_s is None:
+            continue
+        due = r.last_token_s + r.tpot_target_s
+        if due - now_s < decode_only_s:
+            if r.tpot_target_s < decode_only_s:
+                continue  # slower than its contract even alone
+            due = now_s + r.tpot_target_s  # late already: keep its pace from now
+        earliest = min(earliest, due)
+    return earliest
+
+
+def unkeepable_tpot_s(reqs: Iterable[ReqState], decode_only_s: float) -> float:
+    """The tightest TPOT target among decoding RT requests that not even a decode-only
+    iteration keeps (inf if none). Such a stream still wants its tokens as fast as the engine
+    can give them: τ starts at it, so BE and non-urgent prompts wait as for a stream that can
+    keep pace; but it is no deadline, so an urgent RT prompt may still raise τ for itself (a
+    stream that no iteration can serve in time must not keep every new RT prompt out)."""
     return min(
         (
-            r.last_token_s + r.tpot_target_s
+            r.tpot_target_s
             for r in reqs
-            if r.tpot_target_s is not None and r.last_token_s is not None
+            if r.tpot_target_s is not None
+            and r.last_token_s is not None
+            and r.tpot_target_s < decode_only_s
         ),
         default=math.inf,
     )
