@@ -15,7 +15,7 @@ import asyncio
 from logging.config import fileConfig
 
 from alembic import context
-from sqlalchemy import Connection
+from sqlalchemy import Connection, text
 
 from common.config import load_config
 from gateway.store.db import create_engine, is_sqlite, normalize_url
@@ -51,8 +51,18 @@ def run_migrations_offline() -> None:
         context.run_migrations()
 
 
+MIGRATION_LOCK_KEY = 0x74616E64656D4D47  # "tandemMG"
+"""PostgreSQL advisory lock held while one process migrates (a bigint; the batch leader's lock,
+gateway/batch/leader.py, is another)."""
+
+
 def do_run_migrations(connection: Connection) -> None:
-    """Runs the migrations on an open (sync-facade) connection, in one transaction."""
+    """Runs the migrations on an open (sync-facade) connection, in one transaction.
+
+    On PostgreSQL the transaction first takes `MIGRATION_LOCK_KEY`, so gateways started
+    together on one fresh database migrate one after the other: the second reads the revision
+    the first committed and has nothing left to do (before, both created the same tables and
+    one failed to start)."""
     context.configure(
         connection=connection,
         target_metadata=target_metadata,
@@ -61,6 +71,10 @@ def do_run_migrations(connection: Connection) -> None:
         compare_type=True,
     )
     with context.begin_transaction():
+        if connection.dialect.name == "postgresql":
+            connection.execute(
+                text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY}
+            )
         context.run_migrations()
 
 

@@ -12,15 +12,17 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_asyncio
 from sqlalchemy import func, select
 
+from common.sockets import free_port
 from gateway.state import DB_ENGINE, QUOTAS
 from gateway.store.models import GatewayInstanceRow, QuotaMonthlyRow
-from tests.functional.gateway_fixtures import ADMIN_TOKEN, GatewayHandle, free_port, start_gateway
+from tests.functional.gateway_fixtures import ADMIN_TOKEN, GatewayHandle, start_gateway
 from tests.functional.store_fixtures import PgServer
 from tests.functional.test_quotas import assert_rate_limited, chat
 from tests.waiting import wait_until
@@ -216,7 +218,7 @@ async def test_a_stopped_gateway_leaves_the_set(engine_server: Any, pg_server: P
 
 @pytest_asyncio.fixture
 async def gateway_pair_in_two_processes(
-    engine_server: Any, pg_server: PgServer
+    engine_server: Any, pg_server: PgServer, tmp_path: Path
 ) -> AsyncIterator[tuple[GatewayHandle, GatewayHandle]]:
     """`tandem serve` (gateway only) in a child process, and a gateway in this one, on one
     PostgreSQL database in front of the same engine."""
@@ -232,19 +234,21 @@ async def gateway_pair_in_two_processes(
         TANDEM_MODEL__PATH=str(engine_server.model_path),
         TANDEM_QUOTA__SYNC_INTERVAL_S=str(SYNC_S),
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "serve"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    log_path = tmp_path / "child-gateway.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "serve"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     server, local = await start_gateway(
         url, engine_server.port, engine_server.model_path, TANDEM_QUOTA__SYNC_INTERVAL_S=str(SYNC_S)
     )
     child = GatewayHandle(f"http://127.0.0.1:{port}", local.app, local.session)
 
     async def child_ready() -> bool:
-        assert proc.poll() is None, "the child gateway exited at start-up"
+        assert proc.poll() is None, f"the child gateway exited at start-up:\n{log_path.read_text()}"
         try:
             async with local.session.get(f"{child.base_url}/readyz") as resp:
                 return resp.status == 200

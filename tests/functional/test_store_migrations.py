@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
@@ -17,6 +18,7 @@ from sqlalchemy import Connection, inspect, text
 from gateway.store import create_engine, current_revision, head_revision, upgrade, upgrade_async
 from gateway.store.migrate import ALEMBIC_INI, alembic_config, is_at_head
 from gateway.store.models import Base
+from tests.functional.store_fixtures import PgServer
 
 TABLES = {"tenants", "api_keys", "slo_contracts", "quotas", "usage_records", "length_history"}
 TABLES |= {"files", "batches", "batch_items"}  # 0002
@@ -213,3 +215,29 @@ async def test_sqlite_parent_directories_are_created(tmp_path: Path) -> None:
     await upgrade_async(url)
     assert (tmp_path / "a" / "b" / "tandem.db").is_file()
     assert await current_revision(url) == head_revision()
+
+
+@pytest.mark.postgres
+async def test_gateways_started_together_on_one_fresh_postgres_database_both_migrate(
+    pg_server: PgServer,
+) -> None:
+    """Gateway replicas starting at once each migrate the database first (three processes, as
+    `tandem serve` does): the later ones wait for the first's transaction and find nothing left
+    to do (before, they created the same tables and all but one exited at start-up)."""
+    for _ in range(2):
+        url = await pg_server.new_database()
+        procs = [
+            await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-c",
+                "import sys; from gateway.store import upgrade; upgrade(sys.argv[1])",
+                url,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            for _ in range(3)
+        ]
+        for proc in procs:
+            _, err = await asyncio.wait_for(proc.communicate(), 120)
+            assert proc.returncode == 0, err.decode()[-2000:]
+        assert await current_revision(url) == head_revision()
+        assert await table_names(url) == TABLES | {"alembic_version"}
