@@ -1,8 +1,9 @@
-"""Who owns a local socket: is a TCP port free to listen on, does a server still accept on a
-Unix socket file, and which process holds one (a process of the same user: its pid and command
-line, read from ``/proc``). Standard library only: `tandem serve` checks its ports and its
-engine's control socket with it before it starts anything, and the engine's control endpoint
-(``backend/sglang_ext/control.py``) refuses to take over a live socket with it.
+"""Who owns a local socket: is a TCP port free to listen on (and which one to start a server
+on), does a server still accept on a Unix socket file, and which process holds one (a process of
+the same user: its pid and command line, read from ``/proc``). Standard library only: `tandem
+serve` checks its ports and its engine's control socket with it before it starts anything, and
+the engine's control endpoint (``backend/sglang_ext/control.py``) refuses to take over a live
+socket with it.
 
 Binding a port another process listens on fails late and badly otherwise: SGLang's server dies
 while its health check is answered by the other process (so the launcher takes it for ready and
@@ -16,8 +17,45 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import random
 import socket
 from pathlib import Path
+
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+"""Where Linux says which ports it gives to outgoing connections and to binds to port 0."""
+FREE_PORT_SPAN = 12_000
+"""How many ports below the ephemeral range `free_port` picks from."""
+_handed_out: set[int] = set()  # ports free_port returned in this process
+_chooser = random.Random()  # seeded from the OS: processes pick differently
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on *host* that a server could listen on a moment ago, never one this process
+    handed out before; chosen at random below the kernel's ephemeral port range.
+
+    A server started on it binds it seconds later (SGLang: 20–30 s of imports first). A port
+    from a bind to port 0 lies in the ephemeral range, from which the kernel also picks the
+    local port of every outgoing connection — a test's HTTP client, a database connection —
+    and one of them took such a port before the engine bound it now and then ("address
+    already in use" at engine start, about one start in twenty on a busy machine)."""
+    top = _ephemeral_start()
+    bottom = max(1024, top - FREE_PORT_SPAN)
+    for _ in range(200):
+        port = _chooser.randrange(bottom, top)
+        if port not in _handed_out and port_holder(host, port) is None:
+            _handed_out.add(port)
+            return port
+    with socket.socket() as sock:  # nothing free below the range: any free port
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _ephemeral_start() -> int:
+    """The first port of the kernel's ephemeral range (32768, Linux's default, elsewhere)."""
+    try:
+        return int(EPHEMERAL_RANGE_FILE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def port_holder(host: str, port: int) -> str | None:

@@ -26,7 +26,7 @@ import pytest
 from backend.launch.sglang import EngineProcess, engine_base_url, engine_env, server_argv
 from backend.launch.tiny_model import ensure_tiny_model
 from common.config import EngineConfig
-from common.sockets import remove_stale_socket
+from common.sockets import free_port, remove_stale_socket
 
 MODEL_NAME = "tandem-tiny"
 STARTUP_TIMEOUT_S = 240.0  # 15-30 s on an idle 2-core machine; generous for a loaded CI box
@@ -66,13 +66,6 @@ class EngineServer:
         records = [r for r in self.read_trace() if r["rid"] == rid]
         assert len(records) == 1, f"expected one trace record for {rid}, got {records}"
         return records[0]
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 CPU_POLICY_OPTIONS: dict[str, float | int | bool | str] = {

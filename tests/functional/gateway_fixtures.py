@@ -7,7 +7,6 @@ the database URL as a parameter, so admin tests run on SQLite and PostgreSQL.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from aiohttp.test_utils import TestServer
 
 from backend.launch.tiny_model import ensure_tiny_model
 from common.config import load_config
+from common.sockets import free_port
 from gateway.app import create_app
 from gateway.state import USAGE
 from gateway.store import upgrade_async
@@ -65,12 +65,6 @@ class GatewayHandle:
         return list(body["data"])
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 async def start_gateway(
     db_url: str, engine_port: int, model_dir: Path, **env: str
 ) -> tuple[TestServer, GatewayHandle]:
@@ -79,6 +73,8 @@ async def start_gateway(
         "TANDEM_ENGINE__PORT": str(engine_port),
         "TANDEM_ENGINE__LAUNCH": "false",
         "TANDEM_USAGE__FLUSH_INTERVAL_S": "0.1",
+        # the test client shares the gateway's loop: see tests/gateway/harness.py FAST_BACKGROUND
+        "TANDEM_GATEWAY__MAX_QUEUE_WAIT_S": "60",
         **env,
     }
     config = load_config(environ=environ)

@@ -30,10 +30,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from common.sockets import free_port
 from gateway.batch.app import BATCH_LEADER
 from gateway.batch.leader import LOCK_KEY
 from tests.functional.engine_fixtures import EngineServer
-from tests.functional.gateway_fixtures import free_port, start_gateway
+from tests.functional.gateway_fixtures import start_gateway
 from tests.functional.store_fixtures import PgServer
 from tests.waiting import wait_until, wait_until_sync
 

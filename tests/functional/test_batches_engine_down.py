@@ -11,7 +11,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.functional.gateway_fixtures import GatewayHandle, free_port, start_gateway
+from common.sockets import free_port
+from tests.functional.gateway_fixtures import GatewayHandle, start_gateway
 from tests.waiting import wait_until
 
 

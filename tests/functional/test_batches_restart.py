@@ -19,7 +19,8 @@ from typing import Any
 import openai
 import pytest
 
-from tests.functional.engine_fixtures import EngineServer, free_port
+from common.sockets import free_port
+from tests.functional.engine_fixtures import EngineServer
 from tests.waiting import wait_until_sync
 
 pytestmark = pytest.mark.slow

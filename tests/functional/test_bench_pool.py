@@ -125,6 +125,7 @@ def test_plan_finds_the_fewest_replicas_meeting_every_contract(
     plan = json.loads((out / "plan.json").read_text())
     needed = plan["replicas_needed"]
     assert isinstance(needed, int) and needed > 1
+    assert plan["judged_window"] is None  # 2.4 s of trace: judged whole
     rows = {row["replicas"]: row for row in plan["rows"]}
     assert rows[needed]["meets_target"] and not rows[needed - 1]["meets_target"]
     for n, row in rows.items():
@@ -159,6 +160,24 @@ def test_plan_refuses_a_bad_contracts_file_in_one_line(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and needle in err, err
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--window-s", "-300"], "--window-s must be ≥ 0"),
+        (["--warmup-s", "nan"], "--warmup-s must be ≥ 0"),
+    ],
+)
+def test_plan_refuses_a_bad_window_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], needle: str
+) -> None:
+    argv = ["plan", "--trace", str(dense_trace(tmp_path / "t.jsonl")), *flags,
+            "--out", str(tmp_path / "plan")]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err, err
+    assert not (tmp_path / "plan").exists()
 
 
 def test_an_unequal_pool_slo_placement_routes_around_the_slow_replica(tmp_path: Path) -> None:

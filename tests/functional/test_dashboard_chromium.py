@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
+from common.sockets import free_port
 from gateway.engine.sampler import EngineSample
 from gateway.state import METRICS, STORE
 from gateway.store.types import UsageRecord
 from tests.functional.chromium import chromium_page
-from tests.functional.engine_fixtures import free_port
 from tests.functional.gateway_fixtures import ADMIN_TOKEN, GatewayHandle, start_gateway
 from tests.waiting import wait_until
 

@@ -32,7 +32,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.functional.gateway_fixtures import free_port
+from common.sockets import free_port
 from tests.waiting import wait_until_sync
 
 pytestmark = pytest.mark.slow

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from backend.launch.sglang import EngineProcess, EngineStartError
-from tests.functional.engine_fixtures import free_port
+from common.sockets import free_port
 from tests.waiting import wait_until_sync
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

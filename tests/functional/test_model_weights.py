@@ -24,8 +24,8 @@ import pytest
 from backend.launch.sglang import server_argv
 from backend.launch.tiny_model import ensure_tiny_model
 from common.config import EngineConfig
+from common.sockets import free_port
 from tests.functional.engine_fixtures import EngineServer, post_json, running_engine
-from tests.functional.gateway_fixtures import free_port
 
 pytestmark = pytest.mark.slow
 

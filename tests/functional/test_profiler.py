@@ -13,8 +13,9 @@ from backend.policy.calibration import REGIMES, regime_of
 from backend.policy.latency import LatencyModel, Profile, load_profile, mape
 from bench.profiler.measure import ProfileGrid, profile_engine
 from bench.profiler.probe import Stream, median_run, repeat_until_stable, steady_gap
+from common.sockets import free_port
 from tandem.profile import add_profile_parser
-from tests.functional.engine_fixtures import EngineServer, free_port, running_engine
+from tests.functional.engine_fixtures import EngineServer, running_engine
 
 
 def kinds(profile: Profile) -> dict[str, int]:

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from common.config import EngineConfig
-from tests.functional.gateway_fixtures import free_port
+from common.sockets import free_port
 from tests.waiting import wait_until_sync
 
 pytestmark = pytest.mark.slow

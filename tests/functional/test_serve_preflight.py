@@ -21,9 +21,8 @@ from pathlib import Path
 import pytest
 
 from backend.launch.sglang import EngineStartError
-from common.sockets import remove_stale_socket
+from common.sockets import free_port, remove_stale_socket
 from tests.functional.engine_fixtures import running_engine
-from tests.functional.gateway_fixtures import free_port
 from tests.functional.test_serve import engine_pids
 
 EXIT_TIMEOUT_S = 120.0

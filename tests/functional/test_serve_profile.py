@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.functional.gateway_fixtures import free_port
+from common.sockets import free_port
 from tests.waiting import wait_until_sync
 
 pytestmark = pytest.mark.slow

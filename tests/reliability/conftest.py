@@ -43,5 +43,13 @@ def live(tmp_path_factory: pytest.TempPathFactory, database_url: str) -> Iterato
     """A live gateway on *database_url* in front of the simulator, with a tenant and its key."""
     model_dir = ensure_tiny_model(tmp_path_factory.mktemp("reliability-model"))
     folder = tmp_path_factory.mktemp("reliability-gateway")
-    with live_gateway(folder, model_dir, TANDEM_DATABASE__URL=database_url) as gateway:
+    # A request without max_tokens stops at 16 tokens (OpenAI's legacy default) instead of the
+    # gateway's 1,024: the fuzz probes the API surface, and at 1,024 the simulated generation of
+    # the few hundred cases that set no cap took most of the tier's time (0.25 s each).
+    with live_gateway(
+        folder,
+        model_dir,
+        TANDEM_DATABASE__URL=database_url,
+        TANDEM_GATEWAY__DEFAULT_MAX_TOKENS="16",
+    ) as gateway:
         yield gateway
