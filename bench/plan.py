@@ -17,7 +17,16 @@ Attainment of a tenant, over every request it offered in the trace:
 * BE with a deadline: the share finished within it; BE without one has no contract (reported,
   as the share finished, but not a criterion).
 
-Two things keep the search within minutes on a one-hour trace of a large pool:
+Three things keep the search within minutes on a one-hour trace of a large pool:
+* a trace longer than `window_s` + `warmup_s` is judged on its busiest window (`busiest_window`:
+  the `window_s` seconds that offer the judged tenants the most tokens, sliding by a quarter
+  window), simulated from `warmup_s` before it so the pool is in its steady state when judging
+  starts (requests arriving in the warm-up are served, not judged). A pool sized for the peak
+  serves every quieter window too (more replicas never do worse, nor does less load), so the
+  count is the one the whole trace would give or, where a quieter window could have absorbed
+  the peak's misses, more — the capacity planner's rule of sizing for the peak. A BE deadline
+  is judged on the window's own batch lines: a backlog built up over the rest of the trace is
+  not seen (`window_s` 0 simulates the whole trace);
 * a run stops as soon as some tenant's requests known to have missed (shed, or finished out of
   contract) put it below the target whatever its other requests do (an undersized pool is
   recognised in the first minutes of its trace, not at the end; a count that meets the target
@@ -132,7 +141,84 @@ class PlanConfig:
     """TPOT target of RT lines of a tenant without a contract, seconds."""
     rate_scale: float = 1.0
     """Replay speed (2 = the trace's arrivals twice as fast)."""
+    window_s: float = 300.0
+    """A longer trace is judged on its busiest window of this many seconds (`busiest_window`);
+    0: the whole trace."""
+    warmup_s: float = 60.0
+    """Simulated before the judged window, not judged: the pool's queues and caches reach their
+    steady state first."""
     command: str = ""
+
+
+@dataclass(frozen=True)
+class Window:
+    """The part of a trace a plan judges (`busiest_window`)."""
+
+    start_s: float
+    """Judged from here (the trace's clock), seconds."""
+    end_s: float
+    """Until here (arrivals before it), seconds."""
+    warmup_s: float
+    """Simulated before `start_s`, not judged, seconds (less than asked when the window starts
+    sooner: the trace's start is as cold as the planned pool's)."""
+    tokens: int
+    """Prompt and output tokens of the judged tenants' requests arriving in it."""
+    mean_tokens: float
+    """The same per window of its length, averaged over the whole trace."""
+
+    def row(self) -> dict[str, float]:
+        return {
+            "start_s": round(self.start_s, 3),
+            "end_s": round(self.end_s, 3),
+            "warmup_s": round(self.warmup_s, 3),
+            "tokens": self.tokens,
+            "peak_to_mean": round(self.tokens / self.mean_tokens, 4) if self.mean_tokens else 0.0,
+        }
+
+
+def busiest_window(
+    specs: Sequence[RequestSpec], judged: dict[str, bool], window_s: float, warmup_s: float
+) -> Window | None:
+    """The `window_s` seconds of the trace offering the judged tenants (RT, BE with a
+    deadline) the most prompt + output tokens — BE without a deadline yields to them, so it
+    does not make a window harder — over windows sliding by a quarter of `window_s`; None when
+    the trace is not longer than `window_s` + `warmup_s` (or `window_s` is 0): judge it all."""
+    if window_s <= 0 or not specs:
+        return None
+    duration_s = max(s.arrival_s for s in specs)
+    if duration_s <= window_s + warmup_s:
+        return None
+    step_s = window_s / 4.0
+    buckets = [0] * (math.floor(duration_s / step_s) + 1)
+    for s in specs:
+        if judged.get(s.tenant_id or ANONYMOUS, True):
+            buckets[int(s.arrival_s // step_s)] += s.prompt_len + s.output_len
+    # whole windows only; one at the trace's start has the trace's own (empty) start before it
+    last = len(buckets) - 4
+    best, best_tokens = 0, -1
+    for i in range(last + 1):
+        tokens = sum(buckets[i : i + 4])
+        if tokens > best_tokens:
+            best, best_tokens = i, tokens
+    start_s = best * step_s
+    return Window(
+        start_s=start_s,
+        end_s=start_s + window_s,
+        warmup_s=min(warmup_s, start_s),
+        tokens=best_tokens,
+        mean_tokens=sum(buckets) * window_s / (len(buckets) * step_s),
+    )
+
+
+def window_specs(specs: Sequence[RequestSpec], window: Window) -> list[RequestSpec]:
+    """The requests arriving in the window or its warm-up, on a clock starting at the warm-up
+    (so the judged part starts at `window.warmup_s`)."""
+    origin = window.start_s - window.warmup_s
+    return [
+        replace(s, arrival_s=s.arrival_s - origin)
+        for s in specs
+        if origin <= s.arrival_s < window.end_s
+    ]
 
 
 @dataclass
@@ -142,7 +228,8 @@ class Trial:
     replicas: int
     simulated_replicas: int
     requests: int
-    """Requests simulated (the sub-pool's share when sampled)."""
+    """Requests simulated (the sub-pool's share when sampled; with a window, its warm-up's
+    too)."""
     tenants: dict[str, dict[str, Any]]
     meets: bool
     stopped_early: bool
@@ -203,6 +290,8 @@ class Plan:
     wall_s: float = 0.0
     cpu_s: float = 0.0
     """CPU time of the whole search (this process), seconds."""
+    window: Window | None = None
+    """The part of the trace judged (None: all of it)."""
 
 
 def trace_specs(config: PlanConfig) -> tuple[list[RequestSpec], dict[str, Contract]]:
@@ -372,9 +461,11 @@ def run_trial(
     duration_s: float,
     *,
     early_stop: bool = True,
+    judge_from_s: float = 0.0,
 ) -> Trial:
-    """Simulates *replicas* (or a sub-pool of them) on the trace; the per-tenant attainments.
-    *early_stop* off runs the whole trace even once the answer is known (tests compare)."""
+    """Simulates *replicas* (or a sub-pool of them) on the trace; the per-tenant attainments
+    of the requests arriving from *judge_from_s* on (those before are a warm-up). *early_stop*
+    off runs the whole trace even once the answer is known (tests compare)."""
     from backend.policy.feasibility import SloForecaster
     from backend.sim.pool import simulate_pool
     from bench.runner import _make_policy
@@ -384,6 +475,8 @@ def run_trial(
     chosen = sub_pool(specs, replicas, simulated)
     offered: dict[str, tuple[str, int]] = {}
     for s in chosen:
+        if s.arrival_s < judge_from_s:
+            continue
         name = s.tenant_id or ANONYMOUS
         tier, count = offered.get(name, (s.tier, 0))
         offered[name] = (tier, count + 1)
@@ -394,6 +487,8 @@ def run_trial(
         """Called with each request shed or finished: True once its tenant's requests known to
         have missed put it below the target whatever the rest do (the same comparison as
         `meets`, so a count that meets the target is never stopped)."""
+        if record.arrival_s < judge_from_s:
+            return False  # the warm-up's
         name = record.tenant_id or ANONYMOUS
         tier, count = offered[name]
         if _clearly_met(record, tier) or is_met(record, tier, 0.0):  # final: it finished
@@ -409,7 +504,8 @@ def run_trial(
     source = SimSource(TimedSource(chosen), SimRequest)
     pool = simulate_pool(source, policies, latency, sim, router, stop=stop if early_stop else None)
     result = pool.result
-    tenants = tenant_attainment(result.requests, offered, result.end_s, pool.stopped, missed)
+    records = [r for r in result.requests if r.arrival_s >= judge_from_s]
+    tenants = tenant_attainment(records, offered, result.end_s, pool.stopped, missed)
     for name, row in tenants.items():
         row["judged"] = judged.get(name, True)
     stopped = pool.stopped
@@ -418,7 +514,7 @@ def run_trial(
     # the pool fell behind would dilute it, and so would the requests still queued when it
     # stopped (most of which would miss too)
     arrived: dict[str, int] = {}
-    for r in result.requests:
+    for r in records:
         name = r.tenant_id or ANONYMOUS
         if not stopped or (
             r.arrival_s >= first_miss_s.get(name, math.inf)
@@ -466,17 +562,25 @@ def plan(config: PlanConfig, report: Callable[[Trial], None] | None = None) -> P
     for s in specs:
         name = s.tenant_id or ANONYMOUS
         judged[name] = judged.get(name, False) or s.tier == "rt" or s.deadline_s is not None
+    window = busiest_window(specs, judged, config.window_s, config.warmup_s)
+    simulated = specs if window is None else window_specs(specs, window)
+    judge_from_s = 0.0 if window is None else window.warmup_s
+    run_s = max((s.arrival_s for s in simulated), default=0.0) or 1.0
     sim = SimConfig(
         kv_capacity_tokens=profile.kv_capacity_tokens,
         page_size=profile.page_size,
         max_prefill_tokens=profile.max_prefill_tokens,
-        horizon_s=2.0 * duration_s + 600.0,
+        horizon_s=2.0 * run_s + 600.0,
         slo_unattainable=_outcome(contracts),
     )
-    result = Plan(config=config, profile=profile, duration_s=duration_s, requests=len(specs))
+    result = Plan(
+        config=config, profile=profile, duration_s=duration_s, requests=len(specs), window=window
+    )
 
     def trial(n: int) -> Trial:
-        t = run_trial(config, specs, n, latency, sim, judged, duration_s)
+        t = run_trial(
+            config, simulated, n, latency, sim, judged, duration_s, judge_from_s=judge_from_s
+        )
         result.trials[n] = t
         if report is not None:
             report(t)

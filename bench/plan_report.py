@@ -33,6 +33,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         "router": cfg.router,
         "requests": plan.requests,
         "duration_s": plan.duration_s,
+        "judged_window": None if plan.window is None else plan.window.row(),
         "sample_replicas": cfg.sample_replicas,
         "max_replicas": cfg.max_replicas,
         "rows": [plan.trials[n].row() for n in sorted(plan.trials)],
@@ -79,11 +80,19 @@ def summary(plan: Plan) -> str:
             f"no pool of up to {cfg.max_replicas} replicas meets every tenant's contract at "
             f"{cfg.target:.0%} attainment"
         )
+    w = plan.window
+    judged = (
+        ""
+        if w is None
+        else f"; judged on the busiest {w.end_s - w.start_s:.0f} s of the trace, "
+        f"{w.start_s:.0f}–{w.end_s:.0f} s ({w.row()['peak_to_mean']:.2f}× its mean load, "
+        f"after {w.warmup_s:.0f} s of warm-up; --window-s 0 judges all of it)"
+    )
     return (
         f"{plan.replicas_needed} replicas meet every tenant's contract at ≥ {cfg.target:.0%} "
         f"attainment ({cfg.policy} engines, {cfg.router} placement, profile "
         f"{plan.profile.name}; {len(plan.trials)} counts simulated in {plan.wall_s:.0f} s, "
-        f"{plan.cpu_s:.0f} s of CPU)"
+        f"{plan.cpu_s:.0f} s of CPU{judged})"
     )
 
 

@@ -56,6 +56,19 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--rate-scale", type=float, default=1.0, help="replay speed (2 = twice the rate)"
     )
+    p.add_argument(
+        "--window-s",
+        type=float,
+        default=300.0,
+        help="judge a longer trace on its busiest window of this many seconds, after a "
+        "--warmup-s warm-up (default 300; 0: simulate the whole trace)",
+    )
+    p.add_argument(
+        "--warmup-s",
+        type=float,
+        default=60.0,
+        help="simulated before the judged window, not judged (default 60)",
+    )
     p.add_argument("--ttft-s", type=float, default=0.4, help="RT TTFT without a contract")
     p.add_argument("--tpot-s", type=float, default=0.2, help="RT TPOT without a contract")
     p.set_defaults(func=cmd_plan)
@@ -78,6 +91,9 @@ def _config(args: argparse.Namespace) -> Any:
     for flag in ("ttft_s", "tpot_s", "rate_scale"):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0")
+    for flag in ("window_s", "warmup_s"):
+        if not getattr(args, flag) >= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be ≥ 0")
     if args.router not in ROUTERS:
         raise ValueError(f"unknown router {args.router!r} (choose from {', '.join(ROUTERS)})")
     if args.policy.split(":")[0] not in registered_policies():
@@ -95,6 +111,8 @@ def _config(args: argparse.Namespace) -> Any:
         ttft_s=args.ttft_s,
         tpot_s=args.tpot_s,
         rate_scale=args.rate_scale,
+        window_s=args.window_s,
+        warmup_s=args.warmup_s,
     )
     words = ["tandem", "plan", "--trace", str(cfg.trace_file)]
     if cfg.tenants_file is not None:
@@ -104,6 +122,7 @@ def _config(args: argparse.Namespace) -> Any:
     words += ["--sample-replicas", str(cfg.sample_replicas)]
     if cfg.rate_scale != 1.0:
         words += ["--rate-scale", f"{cfg.rate_scale:g}"]
+    words += ["--window-s", f"{cfg.window_s:g}", "--warmup-s", f"{cfg.warmup_s:g}"]
     words += ["--out", str(cfg.out_dir)]
     return replace(cfg, command=shlex.join(words))
 

@@ -8,6 +8,7 @@ import json
 import math
 import random
 from array import array
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,15 @@ import pytest
 
 import bench.plan
 from backend.sim.records import RequestRecord
-from bench.plan import PlanConfig, Trial, search_replicas, sub_pool, tenant_attainment
+from bench.plan import (
+    PlanConfig,
+    Trial,
+    busiest_window,
+    search_replicas,
+    sub_pool,
+    tenant_attainment,
+    window_specs,
+)
 from bench.workloads.base import RequestSpec
 
 
@@ -164,7 +173,8 @@ def test_the_plan_with_early_stops_answers_as_every_count_run_to_the_end(
     run_trial = bench.plan.run_trial
     args: list[Any] = []
 
-    def both(*a: Any) -> Trial:
+    def both(*a: Any, judge_from_s: float = 0.0) -> Trial:
+        assert judge_from_s == 0.0  # a trace this short is judged whole
         args[:] = a
         stopped, whole = run_trial(*a), run_trial(*a, early_stop=False)
         assert stopped.meets == whole.meets
@@ -195,3 +205,73 @@ def test_the_quick_check_of_a_finished_request_agrees_with_the_exact_one() -> No
         assert not quick or bench.plan.is_met(rec, "rt", 100.0)  # never a wrong "met"
         if ttft == 0.1 and (gap == 0.05 or len(times) == 1):
             assert quick  # and it answers the requests well inside their targets
+
+
+def steady_with_a_burst(path: Path) -> Path:
+    """400 s of one RT tenant at 5 req/s with a minute at 40 req/s from 210 s, and a BE tenant
+    without a deadline (no contract) sending long prompts in its own burst at 60–120 s: one
+    simulated H100 replica is plenty outside the RT burst, not within it."""
+    lines = []
+    t_ms = 0.0
+    while t_ms < 400_000:
+        lines.append(
+            {"t_ms": t_ms, "input_len": 2400, "output_len": 24, "tier": "rt", "tenant": "chat"}
+        )
+        t_ms += 25.0 if 210_000 <= t_ms < 270_000 else 200.0
+    lines += [
+        {"t_ms": t, "input_len": 6000, "output_len": 100, "tier": "be", "tenant": "batch"}
+        for t in range(60_000, 120_000, 100)
+    ]
+    lines.sort(key=lambda line: line["t_ms"])
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_the_busiest_window_is_the_judged_tenants_peak() -> None:
+    def rt(t_s: float, tokens: int = 100, tenant: str = "chat") -> RequestSpec:
+        return RequestSpec(f"r{t_s}", "rt", t_s, tokens - 10, 10, 10, tenant_id=tenant)
+
+    steady = [rt(float(t)) for t in range(3600)]
+    burst = [rt(2100.0 + t / 10) for t in range(3000)]  # 10/s over 2100–2400 s
+    flood = [rt(500.0 + t / 10, tenant="bulk") for t in range(6000)]  # an unjudged tenant
+    judged = {"chat": True, "bulk": False}
+    window = busiest_window(steady + burst + flood, judged, 300.0, 60.0)
+    assert window is not None
+    assert (window.start_s, window.end_s, window.warmup_s) == (2100.0, 2400.0, 60.0)
+    assert window.tokens == (300 + 3000) * 100
+    assert window.row()["peak_to_mean"] == pytest.approx(3300 / (3600 / 12 + 3000 / 12), rel=0.01)
+    # a peak at the very start has the trace's own cold start before it
+    early = busiest_window(steady + [rt(t / 10) for t in range(3000)], judged, 300.0, 60.0)
+    assert early is not None and (early.start_s, early.warmup_s) == (0.0, 0.0)
+    # a trace no longer than the window and its warm-up, or window 0: judged whole
+    assert busiest_window(steady[:360], judged, 300.0, 60.0) is None
+    assert busiest_window(steady, judged, 0.0, 60.0) is None
+    # the window's requests on a clock starting at its warm-up
+    shifted = window_specs(steady, window)
+    assert [s.arrival_s for s in shifted] == [float(t) for t in range(360)]
+
+
+@pytest.mark.slow  # two plans, one of them of the whole trace (about 10 s)
+def test_a_long_trace_is_planned_on_its_peak_with_the_answer_of_the_whole_trace(
+    tmp_path: Path,
+) -> None:
+    trace = steady_with_a_burst(tmp_path / "t.jsonl")
+    contracts = tmp_path / "contracts.yaml"
+    contracts.write_text("chat: {tier: rt, ttft_ms: 400, tpot_ms: 200}\nbatch: {tier: be}\n")
+    config = PlanConfig(
+        trace_file=trace,
+        out_dir=tmp_path / "out",
+        tenants_file=contracts,
+        window_s=60.0,
+        warmup_s=20.0,
+    )
+    peak = bench.plan.plan(config)
+    whole = bench.plan.plan(replace(config, window_s=0.0))
+    assert peak.window is not None and peak.window.start_s == 210.0  # the RT burst, not BE's
+    assert whole.window is None
+    assert peak.replicas_needed == whole.replicas_needed > 1
+    answer = peak.replicas_needed
+    # simulated: the window and its warm-up (20 s at 5 req/s), not the 400 s of the trace
+    assert (peak.trials[answer].requests, whole.trials[answer].requests) == (2500, 4700)
+    # judged: the window's requests; its warm-up's are served, not counted
+    assert peak.trials[answer].tenants["chat"]["requests"] == 60 * 40
