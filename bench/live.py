@@ -62,6 +62,7 @@ from bench.series import PolicySeries, compute_series
 from bench.workloads.base import RequestSpec, Workload
 from bench.workloads.sources import SimSource
 from common.config import DEFAULT_CONFIG_PATH
+from common.sockets import free_port
 
 LIVE_POLICIES = ("tandem", "fcfs", "priority")
 """What `--engine sglang` can run, in run order."""
@@ -500,11 +501,3 @@ def _brief(m: Metrics) -> str:
 def _say(config: BenchConfig, line: str) -> None:
     if config.progress:
         print(line, file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])

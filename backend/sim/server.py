@@ -70,6 +70,31 @@ WORDS = (
 DEFAULT_MAX_NEW_TOKENS = 128
 
 
+class _Output:
+    """The fake output's first tokens, grown on demand and shared by every request: a stream
+    sends its cumulative text and ids on every update, and rebuilding them token by token made
+    a long stream O(n²) Python work; slicing a shared prefix is a memcpy."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.ends: list[int] = [0]  # ends[i]: characters of the first i tokens' text
+        self.ids: list[int] = []
+
+    def first(self, n: int) -> tuple[str, list[int]]:
+        """The text and token ids of the first *n* output tokens."""
+        if n > len(self.ids):
+            start = len(self.ids)
+            words = [" " + WORDS[i % len(WORDS)] for i in range(start, n)]
+            self.text += "".join(words)
+            for w in words:
+                self.ends.append(self.ends[-1] + len(w))
+            self.ids.extend(100 + (7 * i) % 30000 for i in range(start, n))
+        return self.text[: self.ends[n]], self.ids[:n]
+
+
+_OUTPUT = _Output()
+
+
 class GenerateBody(msgspec.Struct):
     """The `/generate` fields the simulator reads (others are accepted and ignored)."""
 
@@ -202,9 +227,10 @@ def _payload(engine: RealtimeEngine, stream: Stream) -> dict[str, Any]:
     n = stream.completion_tokens
     t = stream.track
     queue_time = None if t.admitted_s is None else t.admitted_s - t.state.arrival_s
+    text, output_ids = _OUTPUT.first(n)
     return {
-        "text": "".join(" " + WORDS[i % len(WORDS)] for i in range(n)),
-        "output_ids": [100 + (7 * i) % 30000 for i in range(n)],
+        "text": text,
+        "output_ids": output_ids,
         "meta_info": {
             "id": stream.rid,
             "finish_reason": stream.finish_reason,

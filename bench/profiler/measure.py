@@ -239,18 +239,30 @@ async def _decode_points(prober: Prober, grid: ProfileGrid, say: Progress) -> li
             mixed = [p for p in grid.mixed_prefill_tokens if p <= limit]
             # Slack: each mixed probe lets the decodes run on for its round trip (aborted after,
             # so slack costs nothing); on a loaded 2-core CI machine a probe's round trip was
-            # seen to take 50+ decode steps, so the slack is generous.
-            max_new = WARMUP_TOKENS + grid.decode_steps + 96 * len(mixed) + 64
-            if batch > facts.max_running_requests or not _fits(
-                facts, batch * (context + max_new) + max(mixed, default=0), context + max_new
-            ):
+            # seen to take 50+ decode steps, so the slack is generous — and when the decodes
+            # still run out during a probe (a machine so busy that a 16-token prefill took
+            # 0.6 s), the point is measured again with 4× the slack, up to SLACK_TRIES times.
+            slack = 96 * len(mixed) + 64
+            runs = None
+            for _ in range(SLACK_TRIES):
+                max_new = WARMUP_TOKENS + grid.decode_steps + slack
+                if batch > facts.max_running_requests or not _fits(
+                    facts, batch * (context + max_new) + max(mixed, default=0), context + max_new
+                ):
+                    break
+                try:
+                    runs = await repeat_until_stable(
+                        partial(_decode_session, prober, grid, batch, context, mixed, max_new),
+                        grid.repeats,
+                        lambda points: _run_seconds(points[0]),
+                    )
+                    break
+                except _RanOutOfTokens as exc:
+                    slack *= 4
+                    say(f"decode {batch} x {context}: {exc}; again with {slack} tokens of slack")
+            if runs is None:
                 say(f"skip decode {batch} x {context}: beyond the engine's limits")
                 continue
-            runs = await repeat_until_stable(
-                partial(_decode_session, prober, grid, batch, context, mixed, max_new),
-                grid.repeats,
-                lambda points: _run_seconds(points[0]),
-            )
             for point in zip(*runs, strict=True):  # the decode sample, then one per mixed P
                 shape, seconds = median_run(list(point))
                 samples.append(ProfileSample(shape=shape, seconds=seconds))
@@ -259,6 +271,16 @@ async def _decode_points(prober: Prober, grid: ProfileGrid, say: Progress) -> li
                 + ", ".join(f"{s.seconds * 1e3:.2f} ms" for s in samples[-len(runs[0]) :])
             )
     return samples
+
+
+SLACK_TRIES = 3
+"""How many times a decode point is measured, each time with 4× the slack, when its decode
+streams run out of tokens during a mixed probe."""
+
+
+class _RanOutOfTokens(ProfilerError):
+    """The decode streams generated every token they asked for before a mixed probe was read
+    (the machine ran the probe far slower than their slack allowed)."""
 
 
 async def _decode_session(
@@ -282,14 +304,14 @@ async def _decode_session(
         mean_ctx = context + (WARMUP_TOKENS + end) // 2
         points = [(_decodes(BatchShape(), [mean_ctx] * batch), gap)]
         for tokens in mixed:
-            points.append(await _mixed_once(prober, streams, tokens, context))
+            points.append(await _mixed_once(prober, streams, tokens, context, max_new))
         return points
     finally:
         await prober.abort(streams, tasks)
 
 
 async def _mixed_once(
-    prober: Prober, streams: list[Stream], tokens: int, context: int
+    prober: Prober, streams: list[Stream], tokens: int, context: int, max_new: int
 ) -> tuple[BatchShape, float]:
     """Injects a P-token prefill into running decodes; the decode gap of the iteration that
     ran it.
@@ -324,6 +346,8 @@ async def _mixed_once(
             gap, i = max(candidates)
             gaps.append(gap)
             contexts.append(context + arr[i - 1][1])
+    if any(s.is_done and s.tokens >= max_new for s in streams):
+        raise _RanOutOfTokens("the decode streams ran out of tokens during a mixed probe")
     if not gaps or any(s.is_done for s in streams):
         raise ProfilerError("decode streams ended during a mixed probe (engine aborted them?)")
     cached = min(probe.cached_tokens, probe.prompt_len - 1)

@@ -206,6 +206,12 @@ SCHEDULERS: dict[str, Admit] = {
 }
 
 
+def simulate_named(dist: str, scheduler: str, seed: int = 0) -> Table1Row:
+    """`simulate` with the admission rule named as in `SCHEDULERS` (picklable: for a process
+    pool)."""
+    return simulate(dist, SCHEDULERS[scheduler], seed=seed)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dist", action="append", choices=sorted(DISTRIBUTIONS))

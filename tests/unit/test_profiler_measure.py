@@ -1,0 +1,113 @@
+"""The profiler's measurement loop against a fake engine that streams tokens at a fixed pace:
+a machine so busy that one mixed-prefill probe takes longer than the decode streams' slack
+(seen on CI: a 16-token prefill took 0.6 s) is measured again with more slack, not failed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from bench.profiler.measure import ProfileGrid, profile_engine
+
+TOKEN_GAP_S = 0.002
+"""The fake engine's pace: one token per stream every 2 ms."""
+MIXED_TOKENS = 96
+"""The mixed-prefill probe's size in the grid below (no other prompt has this length)."""
+
+
+@dataclass
+class FakeEngine:
+    """Streams `max_new_tokens` tokens per request, one every `TOKEN_GAP_S`; the first
+    `stalls` mixed-prefill probes wait `stall_s` before their token (a stalled machine)."""
+
+    stalls: int = 1
+    stall_s: float = 1.5
+    aborted: set[str] = field(default_factory=set)
+    mixed_probes: int = 0
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/model_info", self.model_info)
+        app.router.add_get("/server_info", self.server_info)
+        app.router.add_post("/flush_cache", self.ok)
+        app.router.add_post("/abort_request", self.abort)
+        app.router.add_post("/generate", self.generate)
+        return app
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "max_total_num_tokens": 100_000,
+                "max_running_requests": 16,
+                "chunked_prefill_size": 512,
+                "page_size": 1,
+            }
+        )
+
+    async def ok(self, request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    async def abort(self, request: web.Request) -> web.Response:
+        self.aborted.add((await request.json())["rid"])
+        return web.json_response({})
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body: dict[str, Any] = await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        prompt = len(body["input_ids"])
+        delay_s = 0.001 + prompt * 2e-6
+        if prompt == MIXED_TOKENS:
+            self.mixed_probes += 1
+            if self.stalls:
+                self.stalls -= 1
+                delay_s += self.stall_s
+        await asyncio.sleep(delay_s)
+        for n in range(1, body["sampling_params"]["max_new_tokens"] + 1):
+            if body["rid"] in self.aborted:
+                break
+            chunk = {"text": "x", "meta_info": {"completion_tokens": n, "cached_tokens": 0}}
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await asyncio.sleep(TOKEN_GAP_S)
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+
+async def test_decodes_that_run_out_during_a_stalled_mixed_probe_are_measured_again() -> None:
+    engine = FakeEngine()
+    server = TestServer(engine.app(), host="127.0.0.1", port=0)
+    await server.start_server()
+    said: list[str] = []
+    try:
+        profile = await profile_engine(
+            str(server.make_url("")),
+            grid=ProfileGrid(
+                decode_batches=(1,),
+                decode_contexts=(32,),
+                prefill_tokens=(16,),
+                prefill_prefixes=(0,),
+                mixed_prefill_tokens=(MIXED_TOKENS,),
+                repeats=1,
+                decode_steps=8,
+            ),
+            name="fake",
+            progress=said.append,
+        )
+    finally:
+        await server.close()
+    # the stalled probe outlasted the decodes' 160 tokens of slack (0.32 s at this pace); the
+    # point was measured again with 4× the slack, and the profile has every point
+    retried = [line for line in said if "ran out of tokens during a mixed probe" in line]
+    assert len(retried) == 1 and "again with 640 tokens of slack" in retried[0], said
+    assert engine.mixed_probes == 2
+    assert len(profile.samples) == 3  # one prefill, one decode, one mixed point
+    mixed = [s for s in profile.samples if s.shape.prefill_tokens and s.shape.num_decode]
+    assert len(mixed) == 1 and mixed[0].seconds < 0.1  # the re-measured probe, not the stall
