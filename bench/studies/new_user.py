@@ -56,10 +56,11 @@ import msgspec
 import yaml
 
 from backend.policy.tandem.config import TandemConfig
-from bench.live import READY_TIMEOUT_S, engine_control_get, free_port, served
+from bench.live import READY_TIMEOUT_S, engine_control_get, served
 from bench.live_client import create_tenant_key
 from bench.policy_spec import base_name, parse_policy_spec
 from common.config import DEFAULT_CONFIG_PATH
+from common.sockets import free_port
 from common.wire import CONTROL_ITERATIONS_PATH, CONTROL_LOAD_PATH, CONTROL_STATS_PATH
 
 MODEL = "tandem-tiny"
