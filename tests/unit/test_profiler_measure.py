@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,12 +24,17 @@ MIXED_TOKENS = 96
 @dataclass
 class FakeEngine:
     """Streams `max_new_tokens` tokens per request, one every `TOKEN_GAP_S`; the first
-    `stalls` mixed-prefill probes wait `stall_s` before their token (a stalled machine)."""
+    `stalls` mixed-prefill probes send their token only once every other stream has ended (a
+    machine stalled for longer than the decodes' slack, however fast this one runs)."""
 
     stalls: int = 1
-    stall_s: float = 1.5
     aborted: set[str] = field(default_factory=set)
     mixed_probes: int = 0
+    streams: int = 0
+    """Streams of other requests open now."""
+    stalled_s: float = 0.0
+    """How long the stalled probes waited, seconds."""
+    stream_ended: asyncio.Condition = field(default_factory=asyncio.Condition)
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -64,19 +70,33 @@ class FakeEngine:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         prompt = len(body["input_ids"])
-        delay_s = 0.001 + prompt * 2e-6
         if prompt == MIXED_TOKENS:
             self.mixed_probes += 1
             if self.stalls:
                 self.stalls -= 1
-                delay_s += self.stall_s
-        await asyncio.sleep(delay_s)
+                start_s = time.monotonic()
+                async with self.stream_ended:
+                    await self.stream_ended.wait_for(lambda: self.streams == 0)
+                self.stalled_s += time.monotonic() - start_s
+            return await self._stream(request, resp, body)
+        self.streams += 1
+        try:
+            return await self._stream(request, resp, body)
+        finally:
+            self.streams -= 1
+            async with self.stream_ended:
+                self.stream_ended.notify_all()
+
+    async def _stream(
+        self, request: web.Request, resp: web.StreamResponse, body: dict[str, Any]
+    ) -> web.StreamResponse:
+        await asyncio.sleep(0.001 + len(body["input_ids"]) * 2e-6)  # the prefill's pace
         for n in range(1, body["sampling_params"]["max_new_tokens"] + 1):
             if body["rid"] in self.aborted:
                 break
             chunk = {"text": "x", "meta_info": {"completion_tokens": n, "cached_tokens": 0}}
             await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-            await asyncio.sleep(TOKEN_GAP_S)
+            await asyncio.sleep(TOKEN_GAP_S)  # the decode pace
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
@@ -103,11 +123,11 @@ async def test_decodes_that_run_out_during_a_stalled_mixed_probe_are_measured_ag
         )
     finally:
         await server.close()
-    # the stalled probe outlasted the decodes' 160 tokens of slack (0.32 s at this pace); the
-    # point was measured again with 4× the slack, and the profile has every point
+    # the stalled probe outlasted the decodes' 160 tokens of slack; the point was measured
+    # again with 4× the slack, and the profile has every point
     retried = [line for line in said if "ran out of tokens during a mixed probe" in line]
     assert len(retried) == 1 and "again with 640 tokens of slack" in retried[0], said
     assert engine.mixed_probes == 2
     assert len(profile.samples) == 3  # one prefill, one decode, one mixed point
     mixed = [s for s in profile.samples if s.shape.prefill_tokens and s.shape.num_decode]
-    assert len(mixed) == 1 and mixed[0].seconds < 0.1  # the re-measured probe, not the stall
+    assert len(mixed) == 1 and mixed[0].seconds < engine.stalled_s  # re-measured, not the stall
