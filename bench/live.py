@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import math
 import os
 import secrets
 import signal
@@ -116,10 +117,17 @@ class LiveRun:
     failed: dict[str, str] = field(default_factory=dict)
     wall_s: dict[str, float] = field(default_factory=dict)
     sim_pace: float = 1.0
-    """How much slower than its profile the simulator twin runs: the real engine's pace as
-    tandem's calibration learned it (the geometric mean of its per-regime factors at the end
-    of its run); 1 until tandem has run. The profile was measured on another machine, or on
-    this one at another time: a twin at the profile's pace predicts a different engine."""
+    """How much slower than its profile the simulator twin runs: the real engine's pace over
+    tandem's run (the geometric mean of `sim_regime_pace`; for an engine that does not report
+    its mean pace, of the calibration's factors at the end of the run); 1 until tandem has run.
+    The profile was measured on another machine, or on this one at another time: a twin at
+    the profile's pace predicts a different engine."""
+    sim_regime_pace: tuple[float, ...] = ()
+    """The same per batch regime (decode, prefill, mixed: Σ measured ÷ Σ predicted over
+    tandem's run, `learned_regime_pace`), which the twin runs at
+    (`SimConfig.regime_slowdowns`): a real engine departs from its profile by different
+    amounts per regime, and one mean pace makes, e.g., the twin's prompts too fast where
+    prefill runs slower than decode. () until tandem has run."""
 
 
 def live_config(config: BenchConfig) -> BenchConfig:
@@ -183,7 +191,12 @@ def run_live(config: BenchConfig) -> LiveRun:
         run.series[name] = compute_series(result, window or result.end_s)
         if stats:
             run.engine_stats[name] = stats
-            run.sim_pace = learned_pace(stats)
+            run.sim_regime_pace = learned_regime_pace(stats)
+            run.sim_pace = (
+                float(np.exp(np.mean(np.log(run.sim_regime_pace))))
+                if run.sim_regime_pace
+                else learned_pace(stats)
+            )
         sim_result = run_sim(name, run, latency, base)
         run.sim[name] = compute_metrics(sim_result, window)
         _say(config, f"{name}: real {_brief(run.real[name])} | sim {_brief(run.sim[name])}")
@@ -456,9 +469,16 @@ def run_sim(name: str, run: LiveRun, latency: LatencyModel, base: Any) -> SimRes
     options = run.policy_options if name == "tandem" else {}
     policy = make_policy(SIM_POLICY[name], latency, **options)
     source = SimSource(run.workload.source(run.rt_rate_req_s, True), SimRequest)
-    # the engine's request cap, and its pace, as the real engine has them
-    sim = struct_replace(base, max_running=MAX_RUNNING, engine_slowdown=((0.0, run.sim_pace),))
+    # the engine's request cap, and its pace per batch regime, as the real engine has them
+    if run.sim_regime_pace:
+        sim = struct_replace(base, max_running=MAX_RUNNING, regime_slowdowns=run.sim_regime_pace)
+    else:
+        sim = struct_replace(base, max_running=MAX_RUNNING, engine_slowdown=((0.0, run.sim_pace),))
     return simulate(source, policy, latency, sim)
+
+
+_FACTOR_KEYS = ("latency_factor_decode", "latency_factor_prefill", "latency_factor_mixed")
+"""tandem's `/stats` keys of its calibration factors, in regime order."""
 
 
 def learned_pace(stats: dict[str, Any]) -> float:
@@ -466,10 +486,33 @@ def learned_pace(stats: dict[str, Any]) -> float:
     the calibration's factors); 1.0 when they are missing."""
     factors = [
         float(stats[key])
-        for key in ("latency_factor_decode", "latency_factor_prefill", "latency_factor_mixed")
+        for key in _FACTOR_KEYS
         if isinstance(stats.get(key), int | float) and stats[key] > 0
     ]
     return float(np.exp(np.mean(np.log(factors)))) if factors else 1.0
+
+
+_MEAN_PACE_KEYS = (
+    "latency_mean_pace_decode",
+    "latency_mean_pace_prefill",
+    "latency_mean_pace_mixed",
+)
+"""tandem's `/stats` keys of each regime's pace over the whole run, in regime order."""
+
+
+def learned_regime_pace(stats: dict[str, Any]) -> tuple[float, ...]:
+    """The real engine's pace per batch regime (decode, prefill, mixed) over tandem's whole run
+    (Σ measured ÷ Σ predicted, from its `/stats`): what the twin replays. Not the calibration's
+    factors, which follow the last seconds (a run ends with BE draining alone). A regime the
+    run never had takes the mean of the others'; () when none is there."""
+    values = [stats.get(key) for key in _MEAN_PACE_KEYS]
+    known = [float(v) for v in values if isinstance(v, int | float) and 0 < v < math.inf]
+    if not known:
+        return ()
+    fill = float(np.exp(np.mean(np.log(known))))
+    return tuple(
+        float(v) if isinstance(v, int | float) and 0 < v < math.inf else fill for v in values
+    )
 
 
 def sim_real_ratios(run: LiveRun) -> dict[str, dict[str, float | None]]:

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from backend.policy.calibration import REGIMES
 from bench.live import RATIO_KEYS, LiveRun, sim_real_ratios
 from bench.metrics import rounded
 from bench.plots import write_plots
@@ -58,6 +59,9 @@ def results_dict(run: LiveRun) -> dict[str, Any]:
         "capacity_probes": [list(p) for p in run.capacity_probes],
         "policy_options": run.policy_options,
         "sim_pace": run.sim_pace,
+        "sim_regime_pace": dict(zip(REGIMES, run.sim_regime_pace, strict=True))
+        if run.sim_regime_pace
+        else None,
         "command": cfg.command,
         "policies": {name: rounded(m) for name, m in run.real.items()},
         "sim": {name: rounded(m) for name, m in run.sim.items()},
@@ -79,6 +83,23 @@ def _table(rows: dict[str, dict[str, Any]], columns: tuple[tuple[str, str, str],
     return lines
 
 
+def _twin_pace(run: LiveRun) -> str:
+    """The report's line on the pace the simulator twin runs at."""
+    if run.sim_regime_pace:
+        paces = ", ".join(
+            f"{name} {f:.3g}×" for name, f in zip(REGIMES, run.sim_regime_pace, strict=True)
+        )
+        return (
+            f"* the simulator twin runs each batch regime at the real engine's pace over "
+            f"tandem's run, measured ÷ predicted ({paces} the profile's time; geometric mean "
+            f"{run.sim_pace:.3g}×)"
+        )
+    return (
+        f"* the simulator twin runs {run.sim_pace:.3g}× slower than the profile: the real "
+        f"engine's pace as tandem's calibration learned it (`--engine-slowdown` of the twin)"
+    )
+
+
 def report_markdown(run: LiveRun, plots: list[str]) -> str:
     cfg = run.config
     lines = [
@@ -98,8 +119,7 @@ def report_markdown(run: LiveRun, plots: list[str]) -> str:
         f"* KV pool {run.kv_capacity_tokens} tokens; arrival window "
         f"{run.workload.window_s} s; seed {cfg.seed}; exact output lengths (ignore_eos)",
         f"* tandem's options: `{json.dumps(run.policy_options)}`",
-        f"* the simulator twin runs {run.sim_pace:.3g}× slower than the profile: the real "
-        f"engine's pace as tandem's calibration learned it (`--engine-slowdown` of the twin)",
+        _twin_pace(run),
         "",
         "## Real engine",
         "",

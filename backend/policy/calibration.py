@@ -151,6 +151,8 @@ class LatencyCalibration:
         """|predicted − measured| / measured of the latest sample, before correction."""
         self.last_corrected_error: float | None = None
         """The same after correction (with the factor in force when it was predicted)."""
+        self._predicted_total_s = [0.0 for _ in REGIMES]
+        self._measured_total_s = [0.0 for _ in REGIMES]
 
     def factor(self, regime: int) -> float:
         """The correction factor of `regime`."""
@@ -167,6 +169,8 @@ class LatencyCalibration:
         self.last_error = abs(predicted_s - measured_s) / measured_s
         self.last_corrected_error = abs(used * predicted_s - measured_s) / measured_s
         self._errors.append(self.last_error)
+        self._predicted_total_s[regime] += predicted_s
+        self._measured_total_s[regime] += measured_s
         self._corrected_errors.append(self.last_corrected_error)
         x = math.log(measured_s / predicted_s)
         if abs(x) <= self.exact_tol:
@@ -204,6 +208,15 @@ class LatencyCalibration:
         new = old - math.expm1(-dt / tau) * resid
         return min(self._hi, max(self._lo, new))
 
+    def mean_pace(self, regime: int) -> float | None:
+        """The engine's pace in `regime` over every sample so far: Σ measured ÷ Σ predicted
+        (the uncorrected model), i.e. how many times the profile's time the regime's
+        iterations took in all; None before its first sample. Unlike the factors (which
+        follow the latest seconds), it weighs the whole run: what a simulator needs to replay
+        the run at the engine's pace."""
+        predicted = self._predicted_total_s[regime]
+        return self._measured_total_s[regime] / predicted if predicted > 0 else None
+
     def error_percentiles(self, corrected: bool = False) -> tuple[float | None, float | None]:
         """(p50, p99) of the relative error over the window (nearest rank; None when empty):
         of the model's own prediction, or with `corrected` of the calibrated one."""
@@ -220,6 +233,9 @@ class LatencyCalibration:
         out: dict[str, float | None] = {
             f"latency_factor_{name}": f for name, f in zip(REGIMES, self.factors, strict=True)
         }
+        out.update(
+            {f"latency_mean_pace_{name}": self.mean_pace(r) for r, name in enumerate(REGIMES)}
+        )
         out.update(
             latency_error_p50=p50,
             latency_error_p99=p99,

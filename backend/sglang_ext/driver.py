@@ -33,7 +33,7 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from types import MappingProxyType
 
-from backend.policy.calibration import PaceSpread
+from backend.policy.calibration import DECODE, MIXED, PREFILL, PaceSpread
 from backend.policy.feasibility import load_of
 from backend.policy.load_report import policy_calibration_samples, policy_factors
 from backend.policy.tandem import slack
@@ -405,6 +405,11 @@ class EngineDriver:
         )
         if calib.samples != self._calib_samples and calib.last_error is not None:
             self._calib_samples = calib.samples
+            (
+                stats.latency_mean_pace_decode,
+                stats.latency_mean_pace_prefill,
+                stats.latency_mean_pace_mixed,
+            ) = (calib.mean_pace(regime) for regime in (DECODE, PREFILL, MIXED))
             for kept, value in (
                 (stats.latency_error, calib.last_error),
                 (stats.latency_corrected_error, calib.last_corrected_error),

@@ -63,6 +63,14 @@ class DriverStats(msgspec.Struct, kw_only=True):
     """The same for prefill-only batches."""
     latency_factor_mixed: float = 1.0
     """The same for batches with both."""
+    latency_mean_pace_decode: float | None = None
+    """How many times the profile's time the decode-only batches took over the engine's whole
+    run (Σ measured ÷ Σ predicted, `LatencyCalibration.mean_pace`): the pace a simulator
+    replays this run at; None before the first such batch."""
+    latency_mean_pace_prefill: float | None = None
+    """The same for prefill-only batches."""
+    latency_mean_pace_mixed: float | None = None
+    """The same for batches with both."""
     latency_error: list[float] = msgspec.field(default_factory=list)
     """Recent |predicted − measured| / measured of the profile's own (uncorrected) prediction,
     one per calibrated iteration (the last PLAN_MS_KEPT)."""

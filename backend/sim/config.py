@@ -111,6 +111,13 @@ class SimConfig(msgspec.Struct, frozen=True):
     iteration starting at t takes factor(t) × the model's prediction of its compute (the
     bicache layout's host copies are not scaled: the link's bandwidth does not change). The
     policy is not told; it sees the measured durations only. () = no slowdown."""
+    regime_slowdowns: tuple[float, ...] = ()
+    """The engine's pace per batch regime (decode-only, prefill-only, mixed; the order of
+    `backend.policy.calibration.REGIMES`), on top of `engine_slowdown`: an iteration of regime r
+    takes `regime_slowdowns[r]` × the model's prediction. A real engine departs from its profile
+    by different amounts per regime (a busy host CPU slows small decode batches far more than
+    long prompt chunks); the live bench's twin replays the factors the engine's calibration
+    learned. () = 1 for every regime."""
     replica_slowdowns: tuple[float, ...] = ()
     """In a pool (backend/sim/pool.py): replica i runs a further `replica_slowdowns[i]` times
     slower than the model (on top of `engine_slowdown`; replicas past the tuple: 1) — a pool of
@@ -157,6 +164,14 @@ class SimConfig(msgspec.Struct, frozen=True):
         if not self.host_copy_gb_s > 0:
             raise ValueError(f"host_copy_gb_s must be > 0, got {self.host_copy_gb_s}")
         check_slowdown(self.engine_slowdown)
+        if self.regime_slowdowns and (
+            len(self.regime_slowdowns) != 3
+            or not all(0 < f < math.inf for f in self.regime_slowdowns)
+        ):
+            raise ValueError(
+                "regime_slowdowns must be () or three finite factors > 0 (decode, prefill, "
+                f"mixed), got {self.regime_slowdowns}"
+            )
         if not all(f > 0 for f in self.replica_slowdowns):
             raise ValueError(f"replica_slowdowns must all be > 0, got {self.replica_slowdowns}")
         if self.horizon_s is not None and self.horizon_s <= 0:

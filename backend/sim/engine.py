@@ -2,7 +2,8 @@
 
 Each iteration: pop the arrivals due, snapshot, `policy.plan`, execute (core.apply), advance the
 clock by `latency.predict(shape of the executed batch)` (× `SimConfig.engine_slowdown`'s factor
-at the iteration's start: the engine's truth may diverge from the model the policy plans with),
+at the iteration's start and `regime_slowdowns`' factor of the batch's regime: the engine's truth
+may diverge from the model the policy plans with),
 emit tokens (core.finish), tell the source
 about finished requests, `policy.observe`. An idle engine jumps to the next arrival.
 """
@@ -13,7 +14,8 @@ import math
 import time
 from collections.abc import Callable
 
-from backend.policy.latency import LatencyModel
+from backend.policy.calibration import regime_of
+from backend.policy.latency import BatchShape, LatencyModel
 from backend.policy.time_share import shape_of
 from backend.policy.types import FinishedRequest, IterationResult, Policy, Snapshot
 from backend.sim.config import SimConfig
@@ -73,7 +75,9 @@ def simulate(
                 break
             continue
         slowdown = config.slowdown_at(clock.now_s)
-        duration = _iterate(core, policy, latency, source, log, clock.now_s, slowdown)
+        duration = _iterate(
+            core, policy, latency, source, log, clock.now_s, slowdown, config.regime_slowdowns
+        )
         if duration is None:  # nothing to run until something arrives
             if not _jump_to_arrival(source, clock):
                 if clock.now_s >= clock.horizon_s:
@@ -121,11 +125,15 @@ def _iterate(
     log: IterationLog,
     now_s: float,
     slowdown: float = 1.0,
+    regime_slowdowns: tuple[float, ...] = (),
 ) -> float | None:
     """Plans and runs one iteration at `now_s`; its duration, or None when the plan was
-    empty. The engine's compute takes `slowdown` × the model's prediction; the policy only
-    sees the resulting duration in `observe`."""
-    step = start_iteration(core, policy, latency, now_s, slowdown)
+    empty. The engine's compute takes `slowdown` × the model's prediction (× the batch
+    regime's factor of `regime_slowdowns`); the policy only sees the resulting duration in
+    `observe`."""
+    step = start_iteration(
+        core, policy, latency, now_s, slowdown, regime_slowdowns=regime_slowdowns
+    )
     if step is None:
         return None
     end_iteration(core, policy, source, log, step)
@@ -175,9 +183,13 @@ def start_iteration(
     now_s: float,
     slowdown: float = 1.0,
     snap: Snapshot | None = None,
+    *,
+    regime_slowdowns: tuple[float, ...] = (),
 ) -> Step | None:
     """Plans an iteration at `now_s` and starts it (`core.apply`); None when the plan was
-    empty. *snap*: the snapshot to plan from, when the caller already took it at `now_s`."""
+    empty. *snap*: the snapshot to plan from, when the caller already took it at `now_s`.
+    The batch's compute takes `slowdown` × its regime's factor of *regime_slowdowns*
+    (`SimConfig.regime_slowdowns`; () = 1) × the model's prediction."""
     num_running, num_waiting = len(core.running), len(core.waiting)
     if snap is None:
         snap = core.snapshot(now_s)
@@ -188,10 +200,10 @@ def start_iteration(
         return None
     batch = core.apply(plan, now_s)
     kv_used = core.kv.used
-    duration = slowdown * latency.predict(batch.shape)
+    duration = _pace(slowdown, regime_slowdowns, batch.shape) * latency.predict(batch.shape)
     if core.bikv is not None:  # checkpoint and restore traffic of the bicache layout (unscaled)
         duration = core.bikv.iteration_s(duration)
-    rt_part_s = _rt_part_s(latency, batch, duration, slowdown)
+    rt_part_s = _rt_part_s(latency, batch, duration, slowdown, regime_slowdowns)
     return Step(batch, duration, num_running, num_waiting, plan_ms, kv_used, rt_part_s)
 
 
@@ -232,8 +244,19 @@ def end_iteration(
     return finished
 
 
+def _pace(slowdown: float, regime_slowdowns: tuple[float, ...], shape: BatchShape) -> float:
+    """How many times the model's prediction a batch of `shape` takes on the simulated engine."""
+    if not regime_slowdowns:
+        return slowdown
+    return slowdown * regime_slowdowns[regime_of(shape.num_prefill, shape.num_decode)]
+
+
 def _rt_part_s(
-    latency: LatencyModel, batch: Batch, duration_s: float, slowdown: float = 1.0
+    latency: LatencyModel,
+    batch: Batch,
+    duration_s: float,
+    slowdown: float = 1.0,
+    regime_slowdowns: tuple[float, ...] = (),
 ) -> float:
     """What `batch` would have taken with only its RT decodes and RT prompt chunks — the
     iteration's fixed cost included, on the same (slowed) engine — or 0 when it ran no RT work
@@ -249,7 +272,7 @@ def _rt_part_s(
     shape = shape_of(
         (s.prompt_len + s.generated for s in decodes), ((n, s.prefilled - n) for s, n in chunks)
     )
-    return min(duration_s, slowdown * latency.predict(shape))
+    return min(duration_s, _pace(slowdown, regime_slowdowns, shape) * latency.predict(shape))
 
 
 def _record(t: Track) -> RequestRecord:

@@ -177,7 +177,15 @@ def simulate_pool(
 
     def start(m: _Member, at_s: float, snap: Snapshot | None = None) -> None:
         slowdown = config.slowdown_at(at_s) * config.replica_slowdown(m.index)
-        m.step = start_iteration(m.core, m.policy, latency, at_s, slowdown, snap)
+        m.step = start_iteration(
+            m.core,
+            m.policy,
+            latency,
+            at_s,
+            slowdown,
+            snap,
+            regime_slowdowns=config.regime_slowdowns,
+        )
         if m.step is None:
             if m.has_work:
                 stalled.add(m.index)

@@ -59,6 +59,10 @@ def test_stats_carry_the_factors_and_the_error_and_one_warning_per_episode(
         assert len(warnings) == 1 and "h100-llama8b" in warnings[0].getMessage()
         run(drv, now, 1.0, 10.0)  # back on profile: the episode ends
         assert drv.stats.latency_factor_decode == pytest.approx(1.0, rel=0.01)
+        # the run's mean pace (what a twin replays) remembers the slow stretch
+        assert drv.stats.latency_mean_pace_decode is not None
+        assert 1.2 < drv.stats.latency_mean_pace_decode < 2.0
+        assert drv.stats.latency_mean_pace_mixed is None  # never ran a mixed batch
         run(drv, now, 2.0, CALIBRATION_WARN_S - 2.0)  # off again, but not for long enough
         run(drv, now, 1.0, 10.0)
         assert drv.stats.latency_warnings == 1
@@ -74,3 +78,4 @@ def test_a_policy_without_calibration_reports_neutral_values() -> None:
     summary = drv.stats.summary()
     assert summary["latency_factor_decode"] == 1.0 and summary["latency_factor_mixed"] == 1.0
     assert summary["latency_error_p50"] is None and summary["latency_warnings"] == 0
+    assert summary["latency_mean_pace_decode"] is None

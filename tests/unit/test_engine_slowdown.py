@@ -159,6 +159,35 @@ def test_a_schedule_switches_the_factor_mid_run() -> None:
     assert m["latency_model_error_p99"] == pytest.approx(2 / 3)
 
 
+def test_each_batch_regime_runs_at_its_own_pace() -> None:
+    # the live bench's twin: decode-only batches at 0.5×, prefill-only at 2×, mixed at 3×
+    base, _ = _simulate(())
+    policy = _Recorder()
+    cfg = SimConfig(
+        kv_capacity_tokens=8000, max_prefill_tokens=1024, regime_slowdowns=(0.5, 2.0, 3.0)
+    )
+    slow = simulate(ListSource(_requests()), policy, LATENCY, cfg)
+    log = slow.iterations
+    dur, pred = _col(log, "duration_s"), _col(log, "predicted_s")
+    n_p, n_d = _col(log, "num_prefill"), _col(log, "num_decode")
+    decode, prefill, mixed = n_p == 0, (n_p > 0) & (n_d == 0), (n_p > 0) & (n_d > 0)
+    assert decode.sum() > 5 and prefill.sum() > 0 and mixed.sum() > 0
+    np.testing.assert_allclose(dur[decode], 0.5 * pred[decode], rtol=1e-12)
+    np.testing.assert_allclose(dur[prefill], 2.0 * pred[prefill], rtol=1e-12)
+    np.testing.assert_allclose(dur[mixed], 3.0 * pred[mixed], rtol=1e-12)
+    # fcfs plans the same batches on the model, whatever their pace
+    np.testing.assert_allclose(pred, _col(base.iterations, "predicted_s"), rtol=1e-12)
+    # an RT-only part of a mixed batch is timed at its own regime's pace, never above the batch
+    rt_part = _col(log, "rt_part_s")
+    assert (rt_part <= dur * (1 + 1e-12)).all()
+
+
+@pytest.mark.parametrize("factors", [(1.0, 2.0), (1.0, 0.0, 2.0), (1.0, math.inf, 1.0)])
+def test_regime_slowdowns_must_be_three_positive_factors(factors: tuple[float, ...]) -> None:
+    with pytest.raises(ValueError, match="regime_slowdowns must be"):
+        SimConfig(kv_capacity_tokens=10, regime_slowdowns=factors)
+
+
 # --- the command line ---------------------------------------------------------------------
 
 

@@ -281,3 +281,22 @@ def test_a_second_of_much_faster_iterations_weighs_a_second_not_their_expected_t
     # a speedup that lasts is still believed within a few seconds of wall time
     wall_s = feed(calib, 1.2, 6.0, 0.004, DECODE)
     assert wall_s <= 6.01 and calib.factor(DECODE) < 2.0
+
+
+def test_the_mean_pace_weighs_the_whole_run_per_regime() -> None:
+    # the live bench's twin replays a run at Σ measured ÷ Σ predicted per regime, where the
+    # factors follow the last seconds only
+    calib = LatencyCalibration()
+    assert calib.mean_pace(DECODE) is None
+    for _ in range(200):
+        calib.observe(0.010, 0.030, DECODE)  # 3× slower for 6 s of engine time
+    for _ in range(200):
+        calib.observe(0.010, 0.010, DECODE)  # then as profiled for 2 s
+    calib.observe(0.100, 0.050, PREFILL)
+    assert calib.mean_pace(DECODE) == pytest.approx((6.0 + 2.0) / 4.0)
+    assert calib.factor(DECODE) < 1.5  # the factor has moved on toward the last pace
+    assert calib.mean_pace(PREFILL) == pytest.approx(0.5)
+    assert calib.mean_pace(MIXED) is None
+    summary = calib.summary()
+    assert summary["latency_mean_pace_decode"] == pytest.approx(2.0)
+    assert summary["latency_mean_pace_mixed"] is None
