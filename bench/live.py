@@ -17,7 +17,11 @@ the BE token times the simulator's metrics code (bench/metrics.py) expects. The 
 fraction of λ* measured in the simulator with the same CPU profile and KV pool (the real engine
 is too slow to search λ* on). Then every policy runs in the simulator on the identical workload
 (same seed, RT rate, KV pool, profile, policy options), and the report gives the sim/real ratio
-of each headline metric.
+of each headline metric. The twin is the real run's: its engine runs each batch regime at the
+pace tandem's calibration measured over its run (Σ measured ÷ Σ predicted), and its requests'
+tokens come the serving overhead later (HTTP, gateway, tokenizer, detokenizer: a client's TTFT
+less the engine's prefill step, measured on the idle engine before each replay), which the
+simulator does not model.
 
 Policies see exact output lengths here (``max_tokens`` = the workload's length with
 ``ignore_eos``): a random-weight model cannot be made to stop at a hidden length.
@@ -38,6 +42,7 @@ import sys
 import threading
 import time
 import urllib.request
+from array import array
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -60,7 +65,7 @@ from bench.live_client import DRAIN_TIMEOUT_S, TenantKeys, replay, replay_source
 from bench.metrics import Metrics, compute_metrics, rt_metrics
 from bench.runner import BenchConfig, build, measure_rate, sim_config
 from bench.series import PolicySeries, compute_series
-from bench.workloads.base import RequestSpec, Workload
+from bench.workloads.base import RequestSpec, SpecSource, Workload
 from bench.workloads.sources import SimSource
 from common.config import DEFAULT_CONFIG_PATH
 from common.sockets import free_port
@@ -122,6 +127,10 @@ class LiveRun:
     its mean pace, of the calibration's factors at the end of the run); 1 until tandem has run.
     The profile was measured on another machine, or on this one at another time: a twin at
     the profile's pace predicts a different engine."""
+    serving_overhead_s: dict[str, float] = field(default_factory=dict)
+    """Per policy: what a request spends outside the engine's iterations as the bench's client
+    sees it (`measure_serving_overhead`), measured on its idle engine before the replay; the
+    twin adds it to every request's token times (the simulator models the iterations only)."""
     sim_regime_pace: tuple[float, ...] = ()
     """The same per batch regime (decode, prefill, mixed: Σ measured ÷ Σ predicted over
     tandem's run, `learned_regime_pace`), which the twin runs at
@@ -240,7 +249,9 @@ def run_real(
     in-engine counters (empty for stock SGLang)."""
     workdir = run.config.out_dir / "live" / name
     with _stack(name, run, profile, profile_path, workdir) as (base_url, token, engine):
-        records, end_s = asyncio.run(_replay_all(base_url, token, run))
+        records, end_s, overhead_s = asyncio.run(_replay_all(base_url, token, run, engine))
+        if overhead_s is not None:
+            run.serving_overhead_s[name] = overhead_s
         stats = _engine_stats(engine) if name == "tandem" else {}
     result = SimResult(
         policy_name=name,
@@ -258,7 +269,8 @@ def _stack(
     name: str, run: LiveRun, profile: Profile, profile_path: Path, workdir: Path
 ) -> Iterator[tuple[str, str, dict[str, Any]]]:
     """A fresh `tandem serve` for policy *name*; yields (gateway URL, admin token, engine
-    config section)."""
+    config section, with the engine's API key under "api_key": the bench reads the engine's
+    own /v1/loads)."""
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "tandem.db").unlink(missing_ok=True)  # a rerun into the same folder
     engine_port, gateway_port = free_port(), free_port()
@@ -270,16 +282,31 @@ def _stack(
     }
     config_path = workdir / "config.yaml"
     config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    token = secrets.token_hex(16)
-    with served(config_path, token, workdir / "gateway.log", gateway_port) as base_url:
-        yield base_url, token, engine
+    token, engine_key = secrets.token_hex(16), secrets.token_hex(16)
+    with served(config_path, token, workdir / "gateway.log", gateway_port, engine_key) as url:
+        yield url, token, {**engine, "api_key": engine_key}
+
+
+def engine_headers(engine: dict[str, Any]) -> dict[str, str]:
+    """The headers of a request to the engine of a `_stack` (its API key)."""
+    key = engine.get("api_key")
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 @contextmanager
-def served(config_path: Path, admin_token: str, log_path: Path, port: int) -> Iterator[str]:
+def served(
+    config_path: Path,
+    admin_token: str,
+    log_path: Path,
+    port: int,
+    engine_api_key: str | None = None,
+) -> Iterator[str]:
     """`tandem serve --config …` in its own process group until the block ends; yields the
-    gateway URL once /readyz answers 200."""
+    gateway URL once /readyz answers 200. *engine_api_key*: the key its engine requires (by
+    environment, not in the config file; by default `tandem serve` makes one up)."""
     env = {**os.environ, "TANDEM_ADMIN_TOKEN": admin_token}
+    if engine_api_key is not None:
+        env["TANDEM_ENGINE__API_KEY"] = engine_api_key
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "gateway", "serve", "--config", str(config_path)],
@@ -409,7 +436,7 @@ def measure_live_capacity(run: LiveRun, profile: Profile, profile_path: Path) ->
             )
             run.capacity_probes.append((rate, value))
             _say(run.config, f"real λ* search: {rate:.3f} req/s → joint attainment {value:.3f}")
-            _wait_idle(engine_url)  # the next probe starts on an empty engine
+            _wait_idle(engine_url, engine_headers(engine))  # the next probe starts empty
             return value
 
         return probe
@@ -419,13 +446,14 @@ def measure_live_capacity(run: LiveRun, profile: Profile, profile_path: Path) ->
         return search_capacity(attainment(base_url, token), rel_tolerance=CAPACITY_TOLERANCE)
 
 
-def _wait_idle(engine_url: str, timeout_s: float = 120.0) -> None:
+def _wait_idle(engine_url: str, headers: dict[str, str], timeout_s: float = 120.0) -> None:
     """Waits until the engine runs and queues nothing (requests a probe gave up on are aborted
     by the gateway, but the engine needs a moment to drop them)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(engine_url + "/v1/loads", timeout=5) as resp:
+            request = urllib.request.Request(engine_url + "/v1/loads", headers=headers)
+            with urllib.request.urlopen(request, timeout=5) as resp:
                 loads = json.loads(resp.read())
         except OSError:
             return
@@ -441,8 +469,10 @@ def _wait_idle(engine_url: str, timeout_s: float = 120.0) -> None:
 
 
 async def _replay_all(
-    base_url: str, admin_token: str, run: LiveRun
-) -> tuple[list[RequestRecord], float]:
+    base_url: str, admin_token: str, run: LiveRun, engine: dict[str, Any]
+) -> tuple[list[RequestRecord], float, float | None]:
+    """The workload through the gateway at *base_url*: its records and end, and the serving
+    overhead measured on the idle engine just before (None where it could not be)."""
     timeout = aiohttp.ClientTimeout(total=None, sock_read=DRAIN_TIMEOUT_S)
     async with aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0), timeout=timeout
@@ -453,8 +483,74 @@ async def _replay_all(
             rid="warm-up", tier="be", arrival_s=0.0, prompt_len=16, output_len=4, max_new_tokens=4
         )
         await send(session, base_url, await keys.key_for(warm), warm, time.perf_counter())
+        overhead_s = None
+        probe = _first_rt_spec(run.workload.source(run.rt_rate_req_s, True))
+        if probe is not None:
+            overhead_s = await measure_serving_overhead(
+                session, base_url, await keys.key_for(probe), engine, probe
+            )
         source = run.workload.source(run.rt_rate_req_s, True)
-        return await replay(session, base_url, keys, source, run.workload.window_s or 0.0)
+        records, end_s = await replay(session, base_url, keys, source, run.workload.window_s or 0.0)
+        return records, end_s, overhead_s
+
+
+def _first_rt_spec(source: SpecSource) -> RequestSpec | None:
+    """The first RT request a source sends (None when it sends none)."""
+    while (at := source.next_arrival_s()) is not None:
+        for spec in source.pop_due(at):
+            if spec.tier == "rt":
+                return spec
+    return None
+
+
+SERVING_PROBES = 7
+"""Sequential requests that measure the serving overhead (their median counts)."""
+
+
+async def measure_serving_overhead(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    key: str,
+    engine: dict[str, Any],
+    like: RequestSpec,
+) -> float | None:
+    """What a request spends outside the engine's iterations, as the bench's client sees it,
+    seconds: the median over SERVING_PROBES sequential requests on the idle engine (shaped
+    like *like*, 4 output tokens) of the client's TTFT less the engine's own prefill step
+    (SGLang's cumulative `total_prefill_busy_us` on /v1/loads, read before and after). It is
+    the HTTP hops, the gateway, tokenization, the scheduler's pick-up, detokenization (which
+    holds back a token that ends mid-character) and the stream back — none of which the
+    simulator models. None when the engine does not report its prefill time."""
+    values = []
+    for i in range(SERVING_PROBES):
+        spec = replace(like, rid=f"overhead-{i}", arrival_s=0.0, output_len=4, max_new_tokens=4)
+        before = await _prefill_busy_s(session, engine)
+        record = await send(session, base_url, key, spec, time.perf_counter())
+        after = await _prefill_busy_s(session, engine)
+        if before is None or after is None or record.first_token_s is None:
+            return None
+        values.append(max(0.0, record.first_token_s - (after - before)))
+    return float(np.median(values))
+
+
+async def _prefill_busy_s(session: aiohttp.ClientSession, engine: dict[str, Any]) -> float | None:
+    """The engine's cumulative prefill step time, seconds (None when it does not say)."""
+    url = f"http://127.0.0.1:{engine['port']}/v1/loads"
+    try:
+        async with session.get(url, headers=engine_headers(engine)) as resp:
+            if resp.status != 200:
+                return None
+            body = await resp.json(content_type=None)
+    except (aiohttp.ClientError, ValueError):
+        return None
+    rows = body.get("loads") if isinstance(body, dict) else None
+    if not isinstance(rows, list) or not rows:
+        return None
+    busy = [r.get("total_prefill_busy_us") for r in rows if isinstance(r, dict)]
+    values = [float(b) for b in busy if isinstance(b, int | float)]
+    if not values or len(values) != len(busy):
+        return None
+    return sum(values) / 1e6
 
 
 # --- the simulator twin ----------------------------------------------------------------------
@@ -474,7 +570,21 @@ def run_sim(name: str, run: LiveRun, latency: LatencyModel, base: Any) -> SimRes
         sim = struct_replace(base, max_running=MAX_RUNNING, regime_slowdowns=run.sim_regime_pace)
     else:
         sim = struct_replace(base, max_running=MAX_RUNNING, engine_slowdown=((0.0, run.sim_pace),))
-    return simulate(source, policy, latency, sim)
+    return shifted(simulate(source, policy, latency, sim), run.serving_overhead_s.get(name, 0.0))
+
+
+def shifted(result: SimResult, overhead_s: float) -> SimResult:
+    """*result* with every request's tokens (first, each, last) *overhead_s* later: the serving
+    path's time outside the engine, which the client of the real run sees in each of them."""
+    if overhead_s <= 0.0:
+        return result
+    for r in result.requests:
+        if r.first_token_s is not None:
+            r.first_token_s += overhead_s
+        if r.finish_s is not None:
+            r.finish_s += overhead_s
+        r.token_times = array("d", (t + overhead_s for t in r.token_times))
+    return result
 
 
 _FACTOR_KEYS = ("latency_factor_decode", "latency_factor_prefill", "latency_factor_mixed")

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from backend.policy.calibration import REGIMES
-from bench.live import RATIO_KEYS, LiveRun, sim_real_ratios
+from bench.live import RATIO_KEYS, SERVING_PROBES, LiveRun, sim_real_ratios
 from bench.metrics import rounded
 from bench.plots import write_plots
 from bench.report import _fmt
@@ -59,6 +59,7 @@ def results_dict(run: LiveRun) -> dict[str, Any]:
         "capacity_probes": [list(p) for p in run.capacity_probes],
         "policy_options": run.policy_options,
         "sim_pace": run.sim_pace,
+        "serving_overhead_ms": {k: round(v * 1000, 2) for k, v in run.serving_overhead_s.items()},
         "sim_regime_pace": dict(zip(REGIMES, run.sim_regime_pace, strict=True))
         if run.sim_regime_pace
         else None,
@@ -100,6 +101,21 @@ def _twin_pace(run: LiveRun) -> str:
     )
 
 
+def _twin_overhead(run: LiveRun) -> str:
+    """The report's line on the serving overhead the twin adds."""
+    if not run.serving_overhead_s:
+        return (
+            "* serving overhead: not measured (the engine reports no prefill time); the twin's "
+            "times are the engine's iterations alone"
+        )
+    each = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in run.serving_overhead_s.items())
+    return (
+        f"* serving overhead (client TTFT less the engine's prefill step, median of "
+        f"{SERVING_PROBES} requests on the idle engine before each replay): {each}; the twin "
+        f"adds each policy's to its requests' token times"
+    )
+
+
 def report_markdown(run: LiveRun, plots: list[str]) -> str:
     cfg = run.config
     lines = [
@@ -120,6 +136,7 @@ def report_markdown(run: LiveRun, plots: list[str]) -> str:
         f"{run.workload.window_s} s; seed {cfg.seed}; exact output lengths (ignore_eos)",
         f"* tandem's options: `{json.dumps(run.policy_options)}`",
         _twin_pace(run),
+        _twin_overhead(run),
         "",
         "## Real engine",
         "",

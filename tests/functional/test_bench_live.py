@@ -47,6 +47,13 @@ def test_a_live_run_reports_real_and_simulated_metrics(tmp_path: Path) -> None:
     stats = results["engine_stats"]["tandem"]
     assert stats["policy"] == "tandem" and stats["iterations"] > 0
     assert 0.0 <= stats["overhead_frac"] < 1.0
+    # the twin runs at the engine's pace per regime over the run, plus the serving path's
+    # time outside the engine measured before the replay (HTTP, gateway, tokenizer, stream)
+    paces = results["sim_regime_pace"]
+    assert set(paces) == {"decode", "prefill", "mixed"} and all(v > 0 for v in paces.values())
+    assert results["sim_pace"] > 0
+    assert 0.0 < results["serving_overhead_ms"]["tandem"] < real["rt_ttft_p50_s"] * 1000
     report = (out / "report.md").read_text()
     assert report.startswith("`tandem bench W1 --engine sglang")
+    assert "serving overhead (client TTFT less the engine's prefill step" in report
     assert "## Simulator ÷ real" in report
