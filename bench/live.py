@@ -41,6 +41,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from array import array
 from collections.abc import Iterator
@@ -446,15 +447,21 @@ def measure_live_capacity(run: LiveRun, profile: Profile, profile_path: Path) ->
         return search_capacity(attainment(base_url, token), rel_tolerance=CAPACITY_TOLERANCE)
 
 
-def _wait_idle(engine_url: str, headers: dict[str, str], timeout_s: float = 120.0) -> None:
+def _wait_idle(
+    engine_url: str, headers: dict[str, str], timeout_s: float = 120.0, poll_s: float = 1.0
+) -> None:
     """Waits until the engine runs and queues nothing (requests a probe gave up on are aborted
-    by the gateway, but the engine needs a moment to drop them)."""
+    by the gateway, but the engine needs a moment to drop them). An engine that refuses the
+    question is an error (it was once a 401 taken for idle); one that is gone is left to the
+    next probe to find."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
             request = urllib.request.Request(engine_url + "/v1/loads", headers=headers)
             with urllib.request.urlopen(request, timeout=5) as resp:
                 loads = json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            raise RuntimeError(f"{engine_url}/v1/loads answered HTTP {exc.code}") from exc
         except OSError:
             return
         rows = loads.get("loads", []) if isinstance(loads, dict) else loads
@@ -465,7 +472,7 @@ def _wait_idle(engine_url: str, headers: dict[str, str], timeout_s: float = 120.
         )
         if busy == 0:
             return
-        time.sleep(1.0)
+        time.sleep(poll_s)
 
 
 async def _replay_all(
