@@ -255,6 +255,13 @@ class EngineConfig(_Section, frozen=True):
     """Torch device of the engine ("cpu" or "cuda")."""
     dtype: str = "float32"
     """Model dtype passed to SGLang (float32 on CPU; bfloat16 on GPUs)."""
+    cpu_threads: int | None = None
+    """On CPU: torch threads per engine process (its ``OMP_NUM_THREADS``). None: torch's
+    default, one per core. On a small host shared with other work, 1 keeps the engine at about
+    its own pace: with one thread per core, a process busy on one core stalls every iteration
+    (the threads wait for each other at each operator; a neighbour spinning on one of two
+    cores made the tiny model's iterations 10-40× slower, and one thread 1-2×). Only for
+    device "cpu"."""
     max_total_tokens: int = 16384
     """Size of the KV pool, tokens."""
     max_running_requests: int = 64
@@ -490,6 +497,14 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
         _check_positive("batch.max_inflight", self.batch.max_inflight)
         _check_positive("batch.poll_interval_s", self.batch.poll_interval_s)
         _check_positive("batch.max_attempts", self.batch.max_attempts)
+        threads = self.engine.cpu_threads
+        if threads is not None and threads < 1:
+            raise ConfigError(f"engine.cpu_threads must be ≥ 1 (or null), got {threads}")
+        if threads is not None and self.engine.device != "cpu":
+            raise ConfigError(
+                f"engine.cpu_threads is for device cpu only (engine.device is "
+                f"{self.engine.device!r}); remove it"
+            )
         engine_key = self.engine.api_key
         if engine_key is not None and (not engine_key.strip() or engine_key.startswith("-")):
             # SGLang turns its --config file back into flags: a value starting with "-" reads

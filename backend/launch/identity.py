@@ -71,6 +71,7 @@ def engine_identity(engine_cfg: EngineConfig, model_dir: Path) -> EngineIdentity
         kv_layout=engine_cfg.kv_layout,
         sglang_version=_version("sglang"),
         extra_args=list(engine_cfg.extra_args),
+        cpu_threads=engine_cfg.cpu_threads if engine_cfg.device == "cpu" else None,
     )
 
 

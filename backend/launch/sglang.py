@@ -267,6 +267,8 @@ def engine_env(
       embeddings fall back to vLLM's CUDA ops.
     * ``SGLANG_CPU_OMP_THREADS_BIND`` on CPU with data or tensor parallelism, unless given: the
       allowed cores split among the ranks (:func:`cpu_threads_bind`).
+    * ``OMP_NUM_THREADS`` = ``engine.cpu_threads`` on CPU when set (torch's threads per engine
+      process; it overrides one in *base*, since the config says so).
     * ``SGLANG_PLUGINS``: SGLang loads *every* installed plugin when the variable is empty, so
       "patch off" must name a list without tandem (``none`` when nothing else is left) for the
       engine to be stock SGLang; "patch on" adds ``tandem`` to whatever list is given.
@@ -277,6 +279,8 @@ def engine_env(
     env = dict(os.environ if base is None else base)
     if engine_cfg.device == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"
+        if engine_cfg.cpu_threads is not None:
+            env["OMP_NUM_THREADS"] = str(engine_cfg.cpu_threads)
         ranks = engine_cfg.dp_size * tp_size_of(engine_cfg.extra_args)
         if ranks > 1 and not env.get(CPU_THREADS_BIND_ENV):
             env[CPU_THREADS_BIND_ENV] = cpu_threads_bind(ranks, sorted(os.sched_getaffinity(0)))

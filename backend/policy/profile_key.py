@@ -57,13 +57,20 @@ class EngineIdentity(msgspec.Struct, frozen=True, kw_only=True):
     """Installed SGLang version ("" when unknown)."""
     extra_args: list[str] = msgspec.field(default_factory=list)
     """Further SGLang flags (engine.extra_args): any of them may change the speed."""
+    cpu_threads: int | None = None
+    """Torch threads per engine process on CPU (engine.cpu_threads; None: torch's default).
+    Left out of the key when None, so the keys of engines measured before the field existed
+    still match."""
 
 
 def profile_key(identity: EngineIdentity) -> str:
     """The identity's digest: :data:`KEY_HEX_CHARS` hex digits of SHA-256 over its canonical
     JSON (sorted keys, no whitespace) and :data:`KEY_VERSION`."""
+    fields = msgspec.to_builtins(identity)
+    if fields.get("cpu_threads") is None:
+        fields.pop("cpu_threads", None)
     canonical = json.dumps(
-        {"v": KEY_VERSION, **msgspec.to_builtins(identity)},
+        {"v": KEY_VERSION, **fields},
         sort_keys=True,
         separators=(",", ":"),
         ensure_ascii=True,

@@ -207,3 +207,28 @@ def test_an_attached_engine_shows_the_ranks_whose_sockets_answer(tmp_path: Path)
     finally:
         for server in servers:
             server.close()
+
+
+def test_cpu_threads_set_the_engines_torch_threads(tmp_path: Path) -> None:
+    cfg = config_from(tmp_path, cpu_threads="1")
+    assert engine_env(cfg.engine, base={"OMP_NUM_THREADS": "8"})["OMP_NUM_THREADS"] == "1"
+    # unset: torch's default (or whatever the operator's environment says)
+    assert "OMP_NUM_THREADS" not in engine_env(EngineConfig(), base={})
+    assert engine_env(EngineConfig(), base={"OMP_NUM_THREADS": "3"})["OMP_NUM_THREADS"] == "3"
+
+
+@pytest.mark.parametrize(
+    ("engine", "message"),
+    [
+        ({"cpu_threads": "0"}, r"engine\.cpu_threads must be ≥ 1 \(or null\), got 0"),
+        (
+            {"cpu_threads": "2", "device": "cuda", "dtype": "bfloat16"},
+            r"engine\.cpu_threads is for device cpu only \(engine\.device is 'cuda'\)",
+        ),
+    ],
+)
+def test_a_bad_thread_count_is_refused_naming_the_key(
+    tmp_path: Path, engine: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        config_from(tmp_path, **engine)

@@ -3,6 +3,7 @@ another, and a profile measured elsewhere says what differs."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -71,6 +72,7 @@ def test_the_same_facts_give_the_same_key() -> None:
         {"kv_layout": "bicache"},
         {"sglang_version": "0.5.24"},
         {"extra_args": ["--enable-torch-compile"]},
+        {"cpu_threads": 1},
     ],
 )
 def test_any_speed_relevant_change_changes_the_key(change: dict[str, object]) -> None:
@@ -99,6 +101,9 @@ def test_the_identity_of_a_configured_engine(tmp_path: Path) -> None:
     assert identity == engine_identity(cfg, tmp_path)
     other = engine_identity(EngineConfig(max_total_tokens=4096), tmp_path)
     assert profile_key(other) != profile_key(identity)
+    one_thread = engine_identity(EngineConfig(cpu_threads=1), tmp_path)
+    assert one_thread.cpu_threads == 1
+    assert engine_identity(EngineConfig(), tmp_path).cpu_threads is None
     with pytest.raises(ValueError, match="--tp-size must be a positive integer"):
         engine_identity(EngineConfig(extra_args=["--tp-size", "two"]), tmp_path)
     with pytest.raises(ValueError, match="cannot read the model config"):
@@ -109,3 +114,17 @@ def test_bundled_profiles_are_unkeyed() -> None:
     """Profiles from before keys load, and match no engine."""
     profile = load_profile(resolve_profile("cpu-tiny"))
     assert profile.key is None and profile.engine is None
+
+
+def test_a_default_thread_count_keeps_the_keys_measured_before_it_existed() -> None:
+    # engine.cpu_threads came after the first profiles were stored: an engine that leaves it
+    # unset keeps its key (the profile measured for it is still found), one that sets it
+    # gets its own (its speed differs)
+    identity = make_identity()
+    fields = msgspec.to_builtins(identity)
+    del fields["cpu_threads"]
+    canonical = json.dumps(
+        {"v": 1, **fields}, sort_keys=True, separators=(",", ":"), ensure_ascii=True
+    )
+    assert profile_key(identity) == hashlib.sha256(canonical.encode()).hexdigest()[:16]
+    assert profile_key(make_identity(cpu_threads=2)) != profile_key(make_identity(cpu_threads=1))
