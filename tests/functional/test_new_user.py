@@ -7,7 +7,11 @@ What the user noticed before (issue 15): beside a 50-line batch the chats' TTFT 
 and their TPOT ×7–8, and the gateway refused most of them. The bench scenario
 (`python -m bench.studies.new_user`, bench/results/new_user/) measures the issue's targets
 (×1.5 TTFT, ×1.3 TPOT) on a quiet machine; this test runs a smaller batch on whatever machine CI
-gives it, so it asserts bounds a loaded machine still holds (×2.5, ×1.6), all within one run.
+gives it, so it asserts bounds a loaded machine still holds (×3, ×1.6), all within one run.
+The TTFT bound was ×2.5 until config.yaml gave the engine one torch thread
+(`engine.cpu_threads`): the chats alone got faster (11 ms, from 13–14) and beside the batch
+stayed at ~20 ms, so the ratio rose (×1.75–2.04 idle, ×1.85–2.01 beside a CPU spinner, once
+×2.57 inside the whole suite) while nothing got slower.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ def test_chats_beside_a_batch_come_about_as_fast_as_alone_and_the_batch_complete
     assert alone["served_rt"] == CHATS, alone
     assert beside["served_rt"] == CHATS, beside  # none refused or downgraded for the batch
     assert beside["failed"] == 0
-    assert result["ttft_p50_ratio"] <= 2.5, result  # was ×12–23
+    assert result["ttft_p50_ratio"] <= 3.0, result  # was ×12–23
     assert result["tpot_p50_ratio"] <= 1.6, result  # was ×7–8
     batch = result["batch"]
     assert batch["status"] == "completed", batch
