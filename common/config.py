@@ -260,7 +260,7 @@ class EngineConfig(_Section, frozen=True):
     default, one per core. On a small host shared with other work, 1 keeps the engine at about
     its own pace: with one thread per core, a process busy on one core stalls every iteration
     (the threads wait for each other at each operator; a neighbour spinning on one of two
-    cores made the tiny model's iterations 10-40× slower, and one thread 1-2×). Only for
+    cores made the tiny model's iterations 7-40× slower, and with one thread about 1.2×). Only for
     device "cpu"."""
     max_total_tokens: int = 16384
     """Size of the KV pool, tokens."""
