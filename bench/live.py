@@ -44,7 +44,7 @@ import time
 import urllib.error
 import urllib.request
 from array import array
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -64,6 +64,7 @@ from backend.sim.source import SimRequest
 from bench.capacity import search_capacity
 from bench.live_client import DRAIN_TIMEOUT_S, TenantKeys, replay, replay_source, send
 from bench.metrics import Metrics, compute_metrics, rt_metrics
+from bench.profiler.probe import engine_prefill_busy_s
 from bench.runner import BenchConfig, build, measure_rate, sim_config
 from bench.series import PolicySeries, compute_series
 from bench.workloads.base import RequestSpec, SpecSource, Workload
@@ -203,9 +204,7 @@ def run_live(config: BenchConfig) -> LiveRun:
             run.engine_stats[name] = stats
             run.sim_regime_pace = learned_regime_pace(stats)
             run.sim_pace = (
-                float(np.exp(np.mean(np.log(run.sim_regime_pace))))
-                if run.sim_regime_pace
-                else learned_pace(stats)
+                geometric_mean(run.sim_regime_pace) if run.sim_regime_pace else learned_pace(stats)
             )
         sim_result = run_sim(name, run, latency, base)
         run.sim[name] = compute_metrics(sim_result, window)
@@ -531,33 +530,14 @@ async def measure_serving_overhead(
     values = []
     for i in range(SERVING_PROBES):
         spec = replace(like, rid=f"overhead-{i}", arrival_s=0.0, output_len=4, max_new_tokens=4)
-        before = await _prefill_busy_s(session, engine)
+        engine_url, headers = f"http://127.0.0.1:{engine['port']}", engine_headers(engine)
+        before = await engine_prefill_busy_s(session, engine_url, headers)
         record = await send(session, base_url, key, spec, time.perf_counter())
-        after = await _prefill_busy_s(session, engine)
+        after = await engine_prefill_busy_s(session, engine_url, headers)
         if before is None or after is None or record.first_token_s is None:
             return None
         values.append(max(0.0, record.first_token_s - (after - before)))
     return float(np.median(values))
-
-
-async def _prefill_busy_s(session: aiohttp.ClientSession, engine: dict[str, Any]) -> float | None:
-    """The engine's cumulative prefill step time, seconds (None when it does not say)."""
-    url = f"http://127.0.0.1:{engine['port']}/v1/loads"
-    try:
-        async with session.get(url, headers=engine_headers(engine)) as resp:
-            if resp.status != 200:
-                return None
-            body = await resp.json(content_type=None)
-    except (aiohttp.ClientError, ValueError):
-        return None
-    rows = body.get("loads") if isinstance(body, dict) else None
-    if not isinstance(rows, list) or not rows:
-        return None
-    busy = [r.get("total_prefill_busy_us") for r in rows if isinstance(r, dict)]
-    values = [float(b) for b in busy if isinstance(b, int | float)]
-    if not values or len(values) != len(busy):
-        return None
-    return sum(values) / 1e6
 
 
 # --- the simulator twin ----------------------------------------------------------------------
@@ -606,7 +586,12 @@ def learned_pace(stats: dict[str, Any]) -> float:
         for key in _FACTOR_KEYS
         if isinstance(stats.get(key), int | float) and stats[key] > 0
     ]
-    return float(np.exp(np.mean(np.log(factors)))) if factors else 1.0
+    return geometric_mean(factors) if factors else 1.0
+
+
+def geometric_mean(values: Sequence[float]) -> float:
+    """The geometric mean of positive *values* (not empty)."""
+    return float(np.exp(np.mean(np.log(values))))
 
 
 _MEAN_PACE_KEYS = (
@@ -626,7 +611,7 @@ def learned_regime_pace(stats: dict[str, Any]) -> tuple[float, ...]:
     known = [float(v) for v in values if isinstance(v, int | float) and 0 < v < math.inf]
     if not known:
         return ()
-    fill = float(np.exp(np.mean(np.log(known))))
+    fill = geometric_mean(known)
     return tuple(
         float(v) if isinstance(v, int | float) and 0 < v < math.inf else fill for v in values
     )

@@ -72,9 +72,12 @@ class EngineFacts:
         return 2 * layers * kv_heads * head_dim * size
 
 
-async def get_json(session: aiohttp.ClientSession, url: str) -> dict[str, Any] | None:
-    """GET a JSON object; None for a 4xx/5xx or a body that is not a JSON object."""
-    async with session.get(url) as resp:
+async def get_json(
+    session: aiohttp.ClientSession, url: str, headers: Mapping[str, str] | None = None
+) -> dict[str, Any] | None:
+    """GET a JSON object (with *headers*, if any); None for a 4xx/5xx or a body that is not a
+    JSON object."""
+    async with session.get(url, headers=headers) as resp:
         if resp.status != 200:
             return None
         try:
@@ -82,6 +85,22 @@ async def get_json(session: aiohttp.ClientSession, url: str) -> dict[str, Any] |
         except (ValueError, aiohttp.ContentTypeError):
             return None
     return body if isinstance(body, dict) else None
+
+
+async def engine_prefill_busy_s(
+    session: aiohttp.ClientSession, base_url: str, headers: Mapping[str, str] | None = None
+) -> float | None:
+    """The engine's own cumulative prefill step time, seconds (SGLang's /v1/loads
+    ``total_prefill_busy_us``), or None when the engine does not report it."""
+    try:
+        loads = await get_json(session, base_url + "/v1/loads", headers)
+    except aiohttp.ClientError:
+        return None
+    entries = (loads or {}).get("loads")
+    if not isinstance(entries, list) or not entries or not isinstance(entries[0], dict):
+        return None
+    busy_us = entries[0].get("total_prefill_busy_us")
+    return busy_us / 1e6 if isinstance(busy_us, int | float) else None
 
 
 async def discover(
@@ -254,15 +273,7 @@ class Prober:
     async def prefill_busy_s(self) -> float | None:
         """The engine's own cumulative prefill step time, seconds (SGLang's /v1/loads
         ``total_prefill_busy_us``), or None when the engine does not report it."""
-        try:
-            loads = await get_json(self.session, self.base_url + "/v1/loads")
-        except aiohttp.ClientError:
-            return None
-        entries = (loads or {}).get("loads")
-        if not isinstance(entries, list) or not entries or not isinstance(entries[0], dict):
-            return None
-        busy_us = entries[0].get("total_prefill_busy_us")
-        return busy_us / 1e6 if isinstance(busy_us, int | float) else None
+        return await engine_prefill_busy_s(self.session, self.base_url)
 
     async def abort(self, streams: list[Stream], tasks: list[asyncio.Task[None]]) -> None:
         """Stops generations that are still running (abort request, then disconnect)."""
