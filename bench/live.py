@@ -77,11 +77,15 @@ LIVE_POLICIES = ("tandem", "fcfs", "priority")
 DEFAULT_PROFILE = "cpu-tiny"
 DEFAULT_VARIANT = {"W1": "cpu"}
 """The workload variant sized for the CPU engine, where the workload has one."""
-CPU_POLICY_OPTIONS: dict[str, Any] = dict(
-    yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())["engine"]["policy_options"]
-)
+_SHIPPED_ENGINE: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())["engine"]
+CPU_POLICY_OPTIONS: dict[str, Any] = dict(_SHIPPED_ENGINE["policy_options"])
 """tandem's options for the tiny model on CPU: exactly what config.yaml ships, what a user's
 `tandem serve` runs with (the sim twin uses the same)."""
+CPU_THREADS: int | None = _SHIPPED_ENGINE.get("cpu_threads")
+"""The engine's torch threads on CPU, as config.yaml ships them (`engine.cpu_threads`), for
+every policy alike: with torch's default of one per core, the engine's iterations take every
+core of this small host, and the gateway, SGLang's tokenizer and detokenizer and the bench's
+own client wait for them (a TTFT tail that is not the scheduler's)."""
 MAX_RUNNING = 64
 READY_TIMEOUT_S = 420.0
 CAPACITY_PROBE_S = 20.0
@@ -230,6 +234,8 @@ def engine_section(
         "log_file": str(log_file),
         "startup_timeout_s": READY_TIMEOUT_S,
     }
+    if CPU_THREADS is not None:
+        section["cpu_threads"] = CPU_THREADS
     if name == "tandem":
         section.update(
             patch=True,

@@ -1,9 +1,12 @@
 """The live bench's client: tenants through the admin API, the workload replayed on the wall
 clock through the OpenAI completions API, one `RequestRecord` per request (bench/live.py).
 
-Every request is streamed with exact token-id prompts, greedy decoding and ``ignore_eos``; the
-client stamps each text chunk, which gives TTFT, TBT and the token times the simulator's metrics
-code expects.
+Every request is streamed with exact token-id prompts, greedy decoding and ``ignore_eos``, and
+with ``continuous_usage_stats``: the gateway sends an event for every token step with the running
+usage, and the client stamps each token when the event that counts it arrives, which gives TTFT,
+TBT and the token times the simulator's metrics code expects (stamping text instead would time a
+token whose bytes end mid-character when its character is finished, seconds later with the tiny
+model's random tokens).
 """
 
 from __future__ import annotations
@@ -153,7 +156,10 @@ async def send(
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
-        "stream_options": {"include_usage": True},
+        # every token step has an event with the running usage, also one whose bytes make
+        # no text yet (a random model's tokens often end mid-character: timed by text, such a
+        # request's first token would come seconds late)
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
     arrival = time.perf_counter() - t0
     chunk_times: list[float] = []
@@ -171,11 +177,11 @@ async def send(
             if not line.startswith(b"data:") or line == b"data: [DONE]":
                 continue
             chunk = json.loads(line[5:])
-            if chunk.get("usage"):
-                generated = int(chunk["usage"]["completion_tokens"])
-            choices = chunk.get("choices") or []
-            if choices and choices[0].get("text"):
-                chunk_times.append(time.perf_counter() - t0)
+            usage = chunk.get("usage")
+            if usage and int(usage["completion_tokens"]) > generated:
+                now = time.perf_counter() - t0
+                chunk_times += [now] * (int(usage["completion_tokens"]) - generated)
+                generated = int(usage["completion_tokens"])
     finish = time.perf_counter() - t0
     return RequestRecord(
         rid=spec.rid,
@@ -200,9 +206,8 @@ async def send(
 
 
 def _token_times(chunk_times: list[float], generated: int, finish_s: float) -> array[float]:
-    """One time per token: the chunk times, and where the gateway merged tokens into one chunk
-    (it holds back bytes of an unfinished UTF-8 character) the missing ones at the time of the
-    chunk that carried them (the last chunks, conservatively)."""
+    """One time per token: when the event that counted it arrived; a token no event counted
+    (a usage the gateway did not report) at the last event's time, or the finish's."""
     times = list(chunk_times[:generated])
     while len(times) < generated:
         times.append(times[-1] if times else finish_s)

@@ -174,7 +174,7 @@ async def _send_chunk(
     progress: Progress,
     options: StreamOptions,
 ) -> None:
-    for payload in render.events(chunk):
+    for payload in render.events(chunk, every_step=options.continuous_usage_stats):
         if options.continuous_usage_stats:
             payload["usage"] = _usage(progress)
         await _send(resp, payload)

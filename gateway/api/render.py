@@ -138,17 +138,26 @@ class StreamRenderer:
     _text_offset: int = 0
     """Characters of the completion's tokens sent so far (`text_offset` of the next)."""
     _tools: ToolStream | None = None
+    _tokens_sent: int = 0
+    """Output tokens of the chunks seen so far (`events`' every_step)."""
 
     def __post_init__(self) -> None:
         if self.head.endpoint == "chat" and self.head.tool_plan is not None:
             self._tools = ToolStream(self.head.tool_plan)
 
-    def events(self, chunk: EngineChunk) -> list[dict[str, Any]]:
+    def events(self, chunk: EngineChunk, every_step: bool = False) -> list[dict[str, Any]]:
         """The events of *chunk*: one with its text, or — when the answer is read for tool
         calls — one per content piece or call piece it lets out (none while the text may be a
-        call's start), the last chunk's with the finish reason."""
+        call's start), the last chunk's with the finish reason.
+
+        A chunk whose tokens make no text yet (the detokenizer holds back the bytes of a
+        character not finished) has no event, unless *every_step* (the client asked for
+        `continuous_usage_stats`): then it has one with empty text, so that the running usage
+        it carries tells the client of every token as it is generated."""
+        stepped = every_step and chunk.completion_tokens > self._tokens_sent
+        self._tokens_sent = max(self._tokens_sent, chunk.completion_tokens)
         if self._tools is None:
-            if chunk.text_delta or chunk.logprobs or chunk.finish_reason is not None:
+            if chunk.text_delta or chunk.logprobs or chunk.finish_reason is not None or stepped:
                 return [self.chunk(chunk)]
             return []
         pieces = self._tools.feed(chunk.text_delta)

@@ -115,3 +115,15 @@ def test_streamed_completion_logprobs_carry_the_text_offset_across_chunks() -> N
         )  # fmt: skip
         offsets += render.chunk(chunk)["choices"][0]["logprobs"]["text_offset"]
     assert offsets == [0, 2, 3]
+
+
+def test_tokens_that_make_no_text_yet_have_an_event_only_with_continuous_usage() -> None:
+    # a token that ends mid-character: the detokenizer holds its bytes back, the text is empty
+    steps = [chunk("", 1), chunk("", 2), chunk("é", 3), chunk("", 3), chunk("", 4, finish="length")]
+    quiet = StreamRenderer(ResponseHead(endpoint="completions", rid=RID, model="m"))
+    assert [len(quiet.events(c)) for c in steps] == [0, 0, 1, 0, 1]
+    stepping = StreamRenderer(ResponseHead(endpoint="completions", rid=RID, model="m"))
+    events = [stepping.events(c, every_step=True) for c in steps]
+    # every new token has its event (its running usage tells the client); no progress, none
+    assert [len(e) for e in events] == [1, 1, 1, 0, 1]
+    assert [e[0]["choices"][0]["text"] for e in events if e] == ["", "", "é", ""]
