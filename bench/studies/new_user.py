@@ -16,8 +16,10 @@ chats. This study does exactly that, through the OpenAI API, once per policy, on
    the prediction error comes back within 20 %;
 4. the batch is waited for to the end and its output file checked line by line.
 
-Chats stream and the client stamps every chunk: TTFT is the first content chunk's arrival from
-the request's start, TPOT the mean gap between the first and the last chunk. Every chat asks
+Chats stream with `continuous_usage_stats`, and the client stamps every token when the event
+that counts it arrives (not when text arrives: a token ending mid-character has no text until
+the next one): TTFT is the first token's arrival from the request's start, TPOT the mean gap
+between the first and the last token. Every chat asks
 `ignore_eos` so it always produces `--chat-max-tokens` tokens (the dummy-weight model would
 otherwise stop at random), and so do the batch lines.
 
@@ -146,6 +148,11 @@ async def chat(
         "max_tokens": max_tokens,
         "ignore_eos": True,
         "stream": True,
+        # an event for every token with the running usage: the client times tokens, not text
+        # (the tiny model's random tokens often end mid-character, and such a token's text
+        # comes with the next one: timed by text, a chat's first token would sometimes come
+        # one iteration late, more often beside the batch, whose batches change the numerics)
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
     started = time.perf_counter()
     stamps: list[float] = []
@@ -170,9 +177,9 @@ async def chat(
             if not line.startswith(b"data:") or line == b"data: [DONE]":
                 continue
             event = json.loads(line[5:])
-            for choice in event.get("choices", []):
-                if choice.get("delta", {}).get("content"):
-                    stamps.append(time.perf_counter())
+            usage = event.get("usage")
+            if usage and int(usage["completion_tokens"]) > len(stamps):
+                stamps += [time.perf_counter()] * (int(usage["completion_tokens"]) - len(stamps))
     record.tokens = len(stamps)
     if stamps:
         record.ttft_s = stamps[0] - started
