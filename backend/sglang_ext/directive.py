@@ -41,7 +41,9 @@ class Directive:
     park: tuple[str, ...] = ()
     """Decode rows (of the running batch after the evictions) that sit this iteration out, by
     rid, in batch order: split off with their KV kept, merged back after the batch's results.
-    Never every row (SGLang's batch code needs a non-empty running batch). The hooks decode
+    Every row only when the plan runs a prompt (which then runs alone, as SGLang runs one
+    before any decode); otherwise never every row (SGLang goes on to decode the running batch,
+    and its batch code needs that one non-empty). The hooks decode
     the batch whole instead when its penalizers keep per-row state a split would corrupt."""
     prefill_first: tuple[str, ...] = ()
     """Planned prompts in the order they go to the head of the waiting queue: plan order,

@@ -225,7 +225,7 @@ def test_the_directive_names_rows_by_rid_and_is_frozen() -> None:
     assert directive.chunk_for_continuing("other") == 16  # MIN_CHUNK_TOKENS
 
 
-def test_an_empty_plan_parks_nothing_and_a_full_park_keeps_one_row() -> None:
+def test_an_empty_plan_parks_nothing_and_a_prompt_can_run_alone() -> None:
     a, b = req("a", "be", out=2), req("b", "be", out=7)
     drv = EngineDriver(ScriptedPolicy(Plan()))  # type: ignore[arg-type]
     batch = FakeBatch([a, b])
@@ -235,7 +235,14 @@ def test_an_empty_plan_parks_nothing_and_a_full_park_keeps_one_row() -> None:
     drv = EngineDriver(ScriptedPolicy(Plan(prefills=[PrefillChunk("w", 10)])))  # type: ignore[arg-type]
     batch = FakeBatch([a, b])
     hooks, _ = plan_and_carry_out(drv, sched([waiting]), batch)
-    # SGLang needs a non-empty running batch: the most advanced row stays.
+    # the plan runs the prompt and no decode: every row sits out, SGLang runs the prompt alone
+    # (no mixed batch), as it does before any decode
+    assert batch.reqs == [] and [r.rid for r in hooks.parked_reqs()] == ["a", "b"]
+    # with no prompt SGLang decodes the running batch, which must not be empty: the most
+    # advanced row stays
+    drv = EngineDriver(ScriptedPolicy(Plan(decodes=["gone"])))  # type: ignore[arg-type]
+    batch = FakeBatch([a, b])
+    hooks, _ = plan_and_carry_out(drv, sched([]), batch)
     assert [r.rid for r in batch.reqs] == ["b"] and [r.rid for r in hooks.parked_reqs()] == ["a"]
 
 
