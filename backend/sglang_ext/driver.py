@@ -116,6 +116,8 @@ class EngineDriver:
         self._calib_samples = 0  # calibration samples already copied into the stats
         self._calib_off_since: float | None = None  # a factor left the band at this instant
         self._calib_warned = False  # this episode's warning was logged
+        self._parked_every_row = False  # this iteration's directive parks every decode row
+        self._stalled_full_park = False  # the last one did, and its prompt was not admitted
 
     # --- iteration boundaries ------------------------------------------------------------
 
@@ -152,6 +154,11 @@ class EngineDriver:
 
     def batch_started(self, ran_batch: bool, start_s: float) -> None:
         """End of ``get_next_batch_to_run``: whether this iteration runs a batch."""
+        # Every decode row sat out for a prompt that SGLang then did not admit: nothing ran.
+        # The next plan keeps a row decoding, so that a prompt refused again and again (KV the
+        # decodes hold) never stops the decodes that would free it.
+        self._stalled_full_park = self._parked_every_row and not ran_batch
+        self._parked_every_row = False
         if ran_batch:
             self._iter_start_s = start_s
             self._iter_plan = self._plan if self._plan is not None else Plan()
@@ -271,7 +278,8 @@ class EngineDriver:
         self._iter_rt_frac = self._rt_frac(plan, snap)
         evicted = set(evict)
         kept = [req for req in running if str(req.rid) not in evicted]
-        park = self._park(plan, kept)
+        park = self._park(plan, kept, keep_one=self._stalled_full_park)
+        self._parked_every_row = bool(park) and len(park) == len(kept)
         prefill_tokens = {c.rid: c.tokens for c in plan.prefills}
         self.stats.planned_prefills += len(plan.prefills)
         chunked = sched.chunked_req
@@ -323,13 +331,14 @@ class EngineDriver:
     # --- internals -----------------------------------------------------------------------
 
     @staticmethod
-    def _park(plan: Plan, rows: Sequence[ReqView]) -> tuple[str, ...]:
-        """The decode *rows* (the running batch after the evictions) the plan leaves out."""
+    def _park(plan: Plan, rows: Sequence[ReqView], keep_one: bool = False) -> tuple[str, ...]:
+        """The decode *rows* (the running batch after the evictions) the plan leaves out;
+        never every row when *keep_one* (the last time every row sat out, nothing ran)."""
         if not plan.decodes and not plan.prefills:
             return ()  # an empty plan: let SGLang decode as it would
         decodes = set(plan.decodes)
         park = [i for i, req in enumerate(rows) if str(req.rid) not in decodes]
-        if park and len(park) == len(rows) and not plan.prefills:
+        if park and len(park) == len(rows) and (keep_one or not plan.prefills):
             # With no prompt to run, SGLang goes on to decode the running batch, and its batch
             # code assumes that one is not empty: keep the row with the most progress (its KV
             # is the most expensive to lose). With a prompt, an empty running batch is what

@@ -246,6 +246,27 @@ def test_an_empty_plan_parks_nothing_and_a_prompt_can_run_alone() -> None:
     assert [r.rid for r in batch.reqs] == ["b"] and [r.rid for r in hooks.parked_reqs()] == ["a"]
 
 
+def test_a_prompt_not_admitted_after_a_full_park_leaves_a_row_decoding_next_time() -> None:
+    # every row sat out for a prompt that SGLang then did not admit (the KV the decodes hold):
+    # nothing ran. Parking every row again would stall for good; the next plan keeps one.
+    a, b = req("a", "be", out=2), req("b", "be", out=7)
+    waiting = req("w", "rt")
+    drv = EngineDriver(ScriptedPolicy(Plan(prefills=[PrefillChunk("w", 10)])))  # type: ignore[arg-type]
+    batch = FakeBatch([a, b])
+    hooks, _ = plan_and_carry_out(drv, sched([waiting]), batch)
+    assert batch.reqs == []
+    drv.batch_started(False, 0.0)  # no batch ran this iteration
+    batch = FakeBatch([a, b])
+    drv.begin_iteration()
+    hooks, _ = plan_and_carry_out(drv, sched([waiting]), batch)
+    assert [r.rid for r in batch.reqs] == ["b"] and [r.rid for r in hooks.parked_reqs()] == ["a"]
+    drv.batch_started(True, 0.0)  # it ran: a full park is allowed again
+    batch = FakeBatch([a, b])
+    drv.begin_iteration()
+    hooks, _ = plan_and_carry_out(drv, sched([waiting]), batch)
+    assert batch.reqs == []
+
+
 def test_a_batch_with_penalizers_decodes_whole() -> None:
     a, b = req("a", "be", out=2), req("b", "rt", out=7)
     drv = EngineDriver(ScriptedPolicy(Plan(decodes=["b"])))  # type: ignore[arg-type]
