@@ -392,7 +392,11 @@ def test_a_replica_sigkilled_mid_load_loses_nothing_and_comes_back(pool: Pool) -
     for reply in wholes:  # answered once: whole, or 503 from the dead replica
         assert reply.status_code in (200, 503), reply.text
         if reply.status_code == 503:
-            assert reply.json()["error"]["code"] == "engine_unavailable"
+            # engine_unavailable: it was on the dead replica. server_overloaded: the gateway
+            # refused the connection at the door, accepting nothing, because its loop could
+            # not read it in time (two engines and the gateway on a busy 2-core host: a 1 s
+            # stall was seen in a full suite run); the client is told to retry.
+            assert reply.json()["error"]["code"] in ("engine_unavailable", "server_overloaded")
     pool.measured["whole_requests_503"] = sum(r.status_code == 503 for r in wholes)
 
     # service continues: every request sent now is answered (on the survivor)
