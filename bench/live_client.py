@@ -192,7 +192,7 @@ async def send(
         generated=generated,
         first_token_s=chunk_times[0] if chunk_times else None,
         finish_s=finish,
-        token_times=_token_times(chunk_times, generated, finish),
+        token_times=array("d", chunk_times),  # one per token counted, in order
         evictions=0,
         cached_tokens=0,
         ttft_target_s=spec.ttft_target_s,
@@ -203,15 +203,6 @@ async def send(
         admitted_s=chunk_times[0] if chunk_times else None,
         admission="downgraded" if downgraded else "admitted",
     )
-
-
-def _token_times(chunk_times: list[float], generated: int, finish_s: float) -> array[float]:
-    """One time per token: when the event that counted it arrived; a token no event counted
-    (a usage the gateway did not report) at the last event's time, or the finish's."""
-    times = list(chunk_times[:generated])
-    while len(times) < generated:
-        times.append(times[-1] if times else finish_s)
-    return array("d", sorted(times))
 
 
 async def _error_code(resp: aiohttp.ClientResponse) -> str | None:
