@@ -192,6 +192,11 @@ class TenantLoad(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     num_running: int = 0
     """Its requests decoding (a tenant with none waiting but some decoding is still active:
     it is likely to send more while another tenant's request waits)."""
+    fair_counter: float = 0.0
+    """Its virtual token counter in the engine's weighted fair share (tokens served, prompt and
+    output, ÷ weight; lifted to the least backlogged tenant's when it comes back from idle).
+    Only differences between tenants mean anything: the tenant with the least is served next.
+    0 for every tenant when the engine's policy keeps no counters."""
 
 
 class EngineLoad(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

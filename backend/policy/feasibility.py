@@ -35,6 +35,20 @@ the same latency model the engine's policy plans with, corrected by that pace:
           of idle tenants W is the whole queue, as without tenants. RT work the report does
           not attribute to a tenant (an engine that does not split it, a backlog given as
           totals) counts in full.
+          The engine's counters also carry what each tenant was served (its decodes
+          included), so each share moves by the counters' gap: a U whose counter c_U is
+          below c_T is served w_U × (c_T − c_U) more first (`TenantLoad.fair_counter`, lifted
+          as the engine lifts a tenant back from idle). And while T waits its own running
+          decodes keep charging it: each iteration a U decoding less than its share of T's
+          is owed g = w_U × (D_T / w_T − D_U / w_U) prompt tokens more, so W is computed at
+          c − g of every chunk c (`fair_drift_tokens`). Without these, a tenant whose
+          decodes had taken its share while another burst was admitted on the split alone
+          and then waited, late, for the other to catch up (W6 at 1.5–2 λ*: the steady
+          tenant's admitted attainment 0.990, its token share 0.43–0.46 while both queued;
+          with them 0.998–0.999 and 0.50).
+
+          A waiting request already past its TTFT deadline is ahead of no one: tandem serves
+          it after every request that can still meet its own (`load_of`).
 
 A forecast is compared with the time the request has left (its target less the time it already
 waited) times `headroom` (< 1: the forecast is a mean, the SLO a bound): over it, the request
@@ -46,6 +60,7 @@ Pure: no I/O, no clock; the caller passes what it knows.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -55,6 +70,11 @@ from backend.policy.types import ReqState, Snapshot
 from common.wire import EngineLoad, TenantLoad
 
 Target = Literal["ttft", "tpot"]
+
+MAX_DRIFT = 16.0
+"""Most a tenant's own decodes can stretch the prompt work ahead of its ask (`fair_drift_tokens`):
+when they take all the fair share of every iteration, its prompt starts only as they finish,
+which no forecast from one state sees; ×16 is past any TTFT target's budget."""
 
 
 @dataclass(frozen=True)
@@ -236,6 +256,9 @@ class SloForecaster:
         f_chunk = f_mixed if running.num_decode else f_prefill
         chunk = self._chunk(running, budget_s, f_chunk, load)
         ahead_tokens = prompt_tokens_ahead(load, ask, backlog)
+        drift = fair_drift_tokens(load, ask)
+        if drift > 0.0:  # n iterations serve n × chunk prompt tokens, n × drift of them owed
+            ahead_tokens = math.ceil(ahead_tokens * chunk / max(chunk - drift, chunk / MAX_DRIFT))
         full, rest = divmod(ahead_tokens, chunk)
         prefill_s = full * f_chunk * self.latency.predict(running.with_prefill(chunk))
         if rest:
@@ -349,17 +372,15 @@ def idle(load: EngineLoad, backlog: Backlog = Backlog()) -> bool:
 def prompt_tokens_ahead(load: EngineLoad, ask: SloAsk, backlog: Backlog = Backlog()) -> int:
     """RT prompt tokens computed before *ask*'s first token, its own included: its tenant's
     waiting work and its prompt, plus each other tenant's waiting work up to that tenant's
-    weighted share of it — all of that share for a tenant with requests decoding (the module
-    doc's W).
+    weighted share of it — all of that share for a tenant with requests decoding — moved by
+    the gap between the two tenants' fair-share counters (the module doc's W).
 
-    From the waiting work alone, not the engine's fair-share counters: the counters differ from
-    "level" only by what the tenants were served while both were backlogged (within about one
-    request's tokens: VTC serves the least-served first) — a tenant that idled is lifted to the
-    least-served backlogged one when it comes back — so among the tenants waiting now, serving
-    by counter is serving their waiting work in proportion to their weights from about the same
-    start. The counters would add a second per-tenant list to every report for an error of one
-    request, and the gateway's backlog (work the engine's counters cannot know yet) would have
-    to be folded in anyway."""
+    The engine serves the least-served tenant first, so a tenant U whose counter is below T's
+    gets w_U × (c_T − c_U) more tokens before T's prompt is reached (fewer when above). The
+    counters are the engine's as reported (`TenantLoad.fair_counter`), each lifted as the
+    engine lifts a tenant that has nothing waiting when it next has: to the least counter of
+    the tenants with work waiting (T counts as waiting, with this ask). Without counters (all
+    0: a policy that keeps none) the gap is 0 and the split is by the waiting work alone."""
     total = load.rt_waiting_prompt_tokens + backlog.prompt_tokens + ask.prompt_tokens
     if not load.rt_by_tenant and not backlog.by_tenant:
         return total  # no split reported: every waiting prompt is ahead
@@ -374,14 +395,63 @@ def prompt_tokens_ahead(load: EngineLoad, ask: SloAsk, backlog: Backlog = Backlo
     for entry in backlog.by_tenant:
         waiting[entry.tenant_id] = waiting.get(entry.tenant_id, 0) + entry.waiting_prompt_tokens
         weights.setdefault(entry.tenant_id, entry.weight)
+    counters = _lifted_counters(load, ask)
     own = waiting.pop(ask.tenant_id, 0) + ask.prompt_tokens
     attributed = own + sum(waiting.values())
     ahead = float(own + max(0, total - attributed))  # work no tenant claims: ahead in full
     per_weight = own / ask.weight  # the own tenant's tokens per unit of weight
+    own_counter = counters.get(ask.tenant_id, 0.0)
     for tenant_id, tokens in waiting.items():
-        share = per_weight * weights[tenant_id]
+        weight = weights[tenant_id]
+        gap = weight * (own_counter - counters.get(tenant_id, own_counter))
+        share = max(0.0, per_weight * weight + gap)
         ahead += share if tenant_id in active else min(tokens, share)
     return math.ceil(ahead)
+
+
+def _lifted_counters(load: EngineLoad, ask: SloAsk) -> dict[str, float]:
+    """The RT tenants' fair-share counters as the engine will compare them once *ask* waits:
+    a tenant with nothing waiting is lifted, when it next has, to the least counter of those
+    waiting (`FairShare.set_backlogged`) — the ask's tenant first (to the others', or with
+    none waiting to the least of theirs, as the engine's last idle one), then every other
+    (to the least of the waiting ones, the ask's tenant among them). Empty when the engine
+    reports no counters."""
+    entries = load.rt_by_tenant
+    if not any(e.fair_counter for e in entries):
+        return {}
+    counters = {e.tenant_id: e.fair_counter for e in entries}
+    waiting_now = {e.tenant_id for e in entries if e.num_waiting}
+    others = [c for t, c in counters.items() if t != ask.tenant_id]
+    others_waiting = [counters[t] for t in waiting_now if t != ask.tenant_id]
+    own = counters.get(ask.tenant_id, 0.0)
+    if ask.tenant_id not in waiting_now and (others_waiting or others):
+        own = max(own, min(others_waiting or others))
+    counters[ask.tenant_id] = own
+    floor = min([own, *others_waiting])
+    for tenant_id, counter in counters.items():
+        if tenant_id not in waiting_now and tenant_id != ask.tenant_id:
+            counters[tenant_id] = max(counter, floor)
+    return counters
+
+
+def fair_drift_tokens(load: EngineLoad, ask: SloAsk) -> float:
+    """RT prompt tokens per iteration that other tenants gain on *ask* while it waits, as the
+    engine's fair share charges every decoded token: each iteration T's running decodes add
+    D_T / w_T to its counter and U's add D_U / w_U to U's, so a U decoding less than its share
+    of T's is owed w_U × (D_T / w_T − D_U / w_U) more prompt tokens each iteration (only a U
+    that is active: one that keeps sending). 0 without counters, or when T decodes no more
+    than its share."""
+    if not any(e.fair_counter for e in load.rt_by_tenant):
+        return 0.0
+    own_rate = 0.0
+    for e in load.rt_by_tenant:
+        if e.tenant_id == ask.tenant_id:
+            own_rate = e.num_running / ask.weight
+    drift = 0.0
+    for e in load.rt_by_tenant:
+        if e.tenant_id != ask.tenant_id and e.num_running:
+            drift += e.weight * max(0.0, own_rate - e.num_running / e.weight)
+    return drift
 
 
 def largest_chunk(
@@ -459,12 +529,22 @@ def load_of(
     latency_factors: tuple[float, float, float] = (1.0, 1.0, 1.0),
     pace_ratio_p90: float = 1.0,
     calibration_samples: int = 0,
+    rt_fair_counters: Mapping[str, float] | None = None,
 ) -> EngineLoad:
     """The `EngineLoad` an engine reports from the snapshot its policy planned from (the
     SGLang driver and the simulator build it the same way). One pass over the requests.
 
     A running request still prefilling (a chunked prompt) counts as waiting RT work: what is
-    left of its prompt is ahead of any new prompt; waiting RT work is also split by tenant."""
+    left of its prompt is ahead of any new prompt; waiting RT work is also split by tenant,
+    with each tenant's fair-share counter from *rt_fair_counters* (the policy's, when it keeps
+    them: `load_report.policy_rt_fair_counters`).
+
+    A waiting RT request already past its TTFT deadline counts in `num_rt_waiting` (and its
+    tenant's `num_waiting`) but not in the prompt tokens waiting: tandem serves such a request
+    after every one that can still meet its own (`RtQueue`: no domino of misses), so its prompt
+    is not ahead of a new request. Counted as ahead, a tenant's few overdue requests made the
+    forecast shed every new request of that tenant while another tenant burst (W6 at 2 λ*: the
+    steady tenant got 14 of 404 requests in during a burst, the burster 516 of 1,893)."""
     rt_waiting = rt_prompt = rt_running = rt_context = 0
     be_waiting = be_prompt = be_running = be_context = be_kv = 0
     # tenant → [weight, requests waiting, prompt tokens left, requests decoding]
@@ -490,14 +570,19 @@ def load_of(
             else:
                 be_running += 1
                 be_context += r.prompt_len + r.generated
+    now_s = snapshot.now_s
     for r in snapshot.waiting:
         if r.tier == "rt":
             rt_waiting += 1
+            if r.ttft_due_s is not None and r.first_token_s is None and r.ttft_due_s < now_s:
+                _tenant_entry(by_tenant, r)[1] += 1  # overdue: served last, ahead of nobody
+                continue
             rt_prompt += r.prefill_len - r.prefilled
             _count_waiting(by_tenant, r)
         else:
             be_waiting += 1
             be_prompt += r.prefill_len - r.prefilled
+    counters = rt_fair_counters or {}
     return EngineLoad(
         iteration=iteration,
         at_unix_s=at_unix_s,
@@ -525,6 +610,7 @@ def load_of(
                 num_waiting=count,
                 waiting_prompt_tokens=tokens,
                 num_running=running,
+                fair_counter=counters.get(tenant_id, 0.0),
             )
             for tenant_id, (weight, count, tokens, running) in by_tenant.items()
         ),

@@ -28,3 +28,11 @@ def policy_calibration_samples(policy: Any) -> int:
     """Iterations the policy's latency calibration has learned from (0 without one)."""
     calib = getattr(policy, "calibration", None)
     return 0 if calib is None else int(calib.samples)
+
+
+def policy_rt_fair_counters(policy: Any) -> dict[str, float]:
+    """The policy's RT fair-share counters by tenant (`FairShare.counters`), or none for a
+    policy without weighted fair share (the baselines)."""
+    fair = getattr(policy, "rt_fair", None)
+    counters = getattr(fair, "counters", None)
+    return dict(counters) if counters else {}

@@ -35,7 +35,11 @@ from types import MappingProxyType
 
 from backend.policy.calibration import DECODE, MIXED, PREFILL, PaceSpread
 from backend.policy.feasibility import load_of
-from backend.policy.load_report import policy_calibration_samples, policy_factors
+from backend.policy.load_report import (
+    policy_calibration_samples,
+    policy_factors,
+    policy_rt_fair_counters,
+)
 from backend.policy.tandem import slack
 from backend.policy.tandem.victims import victim_order
 from backend.policy.time_share import plan_times_s
@@ -395,6 +399,7 @@ class EngineDriver:
                 latency_factors=policy_factors(self.policy),
                 pace_ratio_p90=self._pace.upper(),
                 calibration_samples=policy_calibration_samples(self.policy),
+                rt_fair_counters=policy_rt_fair_counters(self.policy),
             )
         )
 

@@ -24,7 +24,7 @@ import msgspec
 from backend.policy.calibration import PaceSpread
 from backend.policy.common import PolicyBase
 from backend.policy.feasibility import SloAsk, SloForecaster, load_of
-from backend.policy.load_report import policy_calibration_samples
+from backend.policy.load_report import policy_calibration_samples, policy_rt_fair_counters
 from backend.policy.types import Policy, Snapshot
 from backend.sim.config import SloUnattainable
 from backend.sim.records import Admission, RequestRecord
@@ -40,12 +40,15 @@ class FrontDoor:
         latency_factors: Callable[[], tuple[float, float, float]],
         on_unattainable: SloUnattainable,
         calibration_samples: Callable[[], int] = lambda: 0,
+        rt_fair_counters: Callable[[], dict[str, float]] = dict,
     ) -> None:
         self.forecaster = forecaster
         self.latency_factors = latency_factors
         """The engine's pace as the policy has learned it, read at every forecast."""
         self.calibration_samples = calibration_samples
         """Iterations the policy's calibration has learned from, read at every forecast."""
+        self.rt_fair_counters = rt_fair_counters
+        """The policy's RT fair-share counters by tenant, read at every forecast."""
         self.on_unattainable: SloUnattainable = on_unattainable
         self.outcomes: dict[str, Admission] = {}
         """rid → how it was admitted, for the requests that were not simply admitted."""
@@ -68,6 +71,7 @@ class FrontDoor:
             latency_factors=self.latency_factors(),
             pace_ratio_p90=self.pace.upper(),
             calibration_samples=self.calibration_samples(),
+            rt_fair_counters=self.rt_fair_counters(),
         )
         ask = slo_ask(req, now_s)
         return self.outcome(req, self.forecaster.forecast(load, ask).feasible)
@@ -114,6 +118,7 @@ def front_door_for(policy: Policy, on_unattainable: SloUnattainable) -> FrontDoo
         policy.latency_factors,
         on_unattainable,
         lambda: policy_calibration_samples(policy),
+        lambda: policy_rt_fair_counters(policy),
     )
 
 

@@ -33,7 +33,7 @@ import numpy as np
 from backend.policy.calibration import PaceSpread
 from backend.policy.feasibility import Backlog, SloForecaster, load_of
 from backend.policy.latency import LatencyModel
-from backend.policy.load_report import policy_calibration_samples
+from backend.policy.load_report import policy_calibration_samples, policy_rt_fair_counters
 from backend.policy.placement import PlaceAsk, Replica, Router, prefix_keys
 from backend.policy.types import Policy, Snapshot
 from backend.sim.config import SimConfig
@@ -86,6 +86,7 @@ class _Member:
             latency_factors=factors() if factors is not None else (1.0, 1.0, 1.0),
             pace_ratio_p90=self.pace.upper(),
             calibration_samples=policy_calibration_samples(policy),
+            rt_fair_counters=policy_rt_fair_counters(policy),
         )
         self.view = Replica(name=self.name, load=load)
         self.unreported.clear()

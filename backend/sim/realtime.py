@@ -18,7 +18,11 @@ import time
 from backend.policy.calibration import PaceSpread
 from backend.policy.feasibility import load_of
 from backend.policy.latency import LatencyModel
-from backend.policy.load_report import policy_calibration_samples, policy_factors
+from backend.policy.load_report import (
+    policy_calibration_samples,
+    policy_factors,
+    policy_rt_fair_counters,
+)
 from backend.policy.types import FinishedRequest, IterationResult, Policy
 from backend.sim.config import SimConfig
 from backend.sim.core import EngineCore
@@ -167,6 +171,7 @@ class RealtimeEngine:
             latency_factors=policy_factors(self.policy),
             pace_ratio_p90=self._pace.upper(),
             calibration_samples=policy_calibration_samples(self.policy),
+            rt_fair_counters=policy_rt_fair_counters(self.policy),
         )
         published, self._load_published = self._load_published, asyncio.Event()
         published.set()

@@ -16,6 +16,7 @@ from backend.policy.feasibility import (
     SloAsk,
     SloForecaster,
     TtftFeedback,
+    fair_drift_tokens,
     idle,
     load_of,
     prompt_tokens_ahead,
@@ -221,7 +222,12 @@ def test_too_many_rt_decodes_miss_the_tpot_target() -> None:
 
 
 def waiting(
-    tenant_id: str, tokens: int, weight: float = 1.0, count: int = 1, running: int = 0
+    tenant_id: str,
+    tokens: int,
+    weight: float = 1.0,
+    count: int = 1,
+    running: int = 0,
+    counter: float = 0.0,
 ) -> TenantLoad:
     return TenantLoad(
         tenant_id=tenant_id,
@@ -229,6 +235,7 @@ def waiting(
         num_waiting=count,
         waiting_prompt_tokens=tokens,
         num_running=running,
+        fair_counter=counter,
     )
 
 
@@ -291,6 +298,68 @@ def test_an_active_tenant_counts_its_whole_share_ahead() -> None:
     assert prompt_tokens_ahead(active, steady) == 2000
 
 
+def test_the_tenant_served_more_waits_for_the_other_to_catch_up() -> None:
+    # both backlogged, equal weights; steady's counter is 3000 tokens above burst's (its
+    # decodes were charged while burst idled): burst is served 3000 more before steady's turn
+    load = split(
+        waiting("steady", 1000, counter=53_000, running=2),
+        waiting("burst", 20_000, count=10, counter=50_000, running=2),
+    )
+    steady = SloAsk(prompt_tokens=1000, ttft_target_s=0.5, tenant_id="steady")
+    burst = SloAsk(prompt_tokens=1000, ttft_target_s=0.5, tenant_id="burst")
+    assert prompt_tokens_ahead(load, steady) == 2000 + 2000 + 3000
+    # burst's own 21K, and of steady's queue its share less what burst is owed: 21K − 3K
+    assert prompt_tokens_ahead(load, burst) == 21_000 + 18_000
+    # the same state without counters (a policy that keeps none): the split by work alone
+    plain = split(waiting("steady", 1000, running=2), waiting("burst", 20_000, count=10, running=2))
+    assert prompt_tokens_ahead(plain, steady) == 4000
+
+
+def test_a_tenant_back_from_idle_is_lifted_to_the_least_waiting_counter() -> None:
+    # steady idled long (counter far below) and sends again: the engine lifts it to burst's
+    # counter, so it gets no credit for the idle time — and none is owed to it either
+    load = split(
+        waiting("steady", 0, count=0, counter=1_000),
+        waiting("burst", 20_000, count=10, counter=50_000, running=2),
+    )
+    steady = SloAsk(prompt_tokens=1000, ttft_target_s=0.5, tenant_id="steady")
+    assert prompt_tokens_ahead(load, steady) == 1000 + 1000
+    # burst has nothing waiting but decodes; steady waits: burst's next prompt is lifted to
+    # steady's counter, so it is owed nothing beyond its share
+    load = split(
+        waiting("steady", 4000, count=2, counter=60_000),
+        waiting("burst", 0, count=0, counter=50_000, running=2),
+    )
+    assert prompt_tokens_ahead(load, steady) == 5000 + 5000
+
+
+def test_own_decodes_beyond_the_share_stretch_the_wait_and_can_refuse() -> None:
+    # steady decodes 40 requests, burst 10: every iteration charges steady 30 tokens more than
+    # burst, which burst is owed in prompt tokens — on top of the work ahead
+    load = split(
+        waiting("steady", 0, count=0, counter=50_000, running=40),
+        waiting("burst", 4000, count=2, counter=50_000, running=10),
+    )
+    steady = SloAsk(prompt_tokens=1000, ttft_target_s=0.5, tenant_id="steady")
+    burst = SloAsk(prompt_tokens=1000, ttft_target_s=0.5, tenant_id="burst")
+    assert fair_drift_tokens(load, steady) == 30.0
+    assert fair_drift_tokens(load, burst) == 0.0
+    plain = split(
+        waiting("steady", 0, count=0, running=40), waiting("burst", 4000, count=2, running=10)
+    )
+    assert fair_drift_tokens(plain, steady) == 0.0  # no counters: no fair share to drift
+    stretched = FORECASTER.forecast(load, steady)
+    assert stretched.ttft_s > FORECASTER.forecast(plain, steady).ttft_s
+    # decodes that take every iteration's whole chunk: the prompt waits for them to finish
+    hogging = split(
+        waiting("steady", 0, count=0, counter=50_000, running=5000),
+        waiting("burst", 4000, count=2, counter=50_000, running=10),
+    )
+    late = FORECASTER.forecast(hogging, steady)
+    assert not late.feasible and late.shortfall is not None
+    assert late.shortfall.target == "ttft" and math.isfinite(late.shortfall.retry_after_s)
+
+
 def test_the_gateway_backlog_counts_by_tenant_and_unattributed_work_in_full() -> None:
     ask = SloAsk(prompt_tokens=1000, ttft_target_s=0.5, tenant_id="steady")
     load = split(waiting("steady", 1000))
@@ -318,6 +387,21 @@ def test_load_of_splits_waiting_rt_work_by_tenant() -> None:
     snap = make_snapshot(running=[decoding], waiting=[new_b], kv_capacity=100_000)
     load = load_of(snap, iteration=1, at_unix_s=0.0, iteration_s=0.0)
     assert load.rt_by_tenant == (waiting("b", 300, running=1),)
+    counted = load_of(
+        snap, iteration=1, at_unix_s=0.0, iteration_s=0.0, rt_fair_counters={"b": 42.0, "x": 1.0}
+    )
+    assert counted.rt_by_tenant == (waiting("b", 300, running=1, counter=42.0),)
+
+
+def test_load_of_leaves_an_overdue_prompt_out_of_the_work_ahead() -> None:
+    # tandem serves a request past its TTFT deadline after every one that can still meet its
+    # own, so its prompt is ahead of no new request; it still counts as waiting
+    overdue, fresh = make_req("late", prompt_len=5000), make_req("new", prompt_len=300)
+    overdue.ttft_due_s, fresh.ttft_due_s = 0.5, 2.5
+    snap = make_snapshot(waiting=[overdue, fresh], kv_capacity=100_000, now_s=1.0)
+    load = load_of(snap, iteration=1, at_unix_s=0.0, iteration_s=0.0)
+    assert (load.num_rt_waiting, load.rt_waiting_prompt_tokens) == (2, 300)
+    assert load.rt_by_tenant == (waiting(overdue.tenant_id, 300, count=2),)
 
 
 def test_the_front_door_forecasts_for_the_arrivals_tenant() -> None:
