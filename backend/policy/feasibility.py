@@ -20,7 +20,7 @@ the same latency model the engine's policy plans with, corrected by that pace:
           BE's queue does not count either; its running decodes do, through the measured
           iteration in flight.
 
-    W     the RT prompt work weighted fair share serves before it (`prompt_tokens_ahead`). The
+    W     the RT prompt work weighted fair share serves before it (`work_ahead`). The
           engine offers a tier's waiting prompts tenant by tenant, least served first (virtual
           token counters: tokens ÷ weight, backend/policy/fair_share.py), so a request of
           tenant T waits for T's own waiting prompts (the engine's and the gateway's backlog),
@@ -41,7 +41,7 @@ the same latency model the engine's policy plans with, corrected by that pace:
           as the engine lifts a tenant back from idle). And while T waits its own running
           decodes keep charging it: each iteration a U decoding less than its share of T's
           is owed g = w_U × (D_T / w_T − D_U / w_U) prompt tokens more, so W is computed at
-          c − g of every chunk c (`fair_drift_tokens`). Without these, a tenant whose
+          c − g of every chunk c (`WorkAhead.drift_tokens`). Without these, a tenant whose
           decodes had taken its share while another burst was admitted on the split alone
           and then waited, late, for the other to catch up (W6 at 1.5–2 λ*: the steady
           tenant's admitted attainment 0.990, its token share 0.43–0.46 while both queued;
@@ -62,7 +62,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from backend.policy.calibration import DECODE, MIXED, PREFILL, budget_pace
 from backend.policy.latency import BatchShape, LatencyModel
@@ -72,9 +72,10 @@ from common.wire import EngineLoad, TenantLoad
 Target = Literal["ttft", "tpot"]
 
 MAX_DRIFT = 16.0
-"""Most a tenant's own decodes can stretch the prompt work ahead of its ask (`fair_drift_tokens`):
-when they take all the fair share of every iteration, its prompt starts only as they finish,
-which no forecast from one state sees; ×16 is past any TTFT target's budget."""
+"""Most a tenant's own decodes can stretch the prompt work ahead of its ask
+(`WorkAhead.drift_tokens`): when they take all the fair share of every iteration, its prompt
+starts only as they finish, which no forecast from one state sees; ×16 is past any TTFT
+target's budget."""
 
 
 @dataclass(frozen=True)
@@ -255,8 +256,7 @@ class SloForecaster:
             budget_s = min(budget_s, ask.tpot_target_s)
         f_chunk = f_mixed if running.num_decode else f_prefill
         chunk = self._chunk(running, budget_s, f_chunk, load)
-        ahead_tokens = prompt_tokens_ahead(load, ask, backlog)
-        drift = fair_drift_tokens(load, ask)
+        ahead_tokens, drift = work_ahead(load, ask, backlog)
         if drift > 0.0:  # n iterations serve n × chunk prompt tokens, n × drift of them owed
             ahead_tokens = math.ceil(ahead_tokens * chunk / max(chunk - drift, chunk / MAX_DRIFT))
         full, rest = divmod(ahead_tokens, chunk)
@@ -369,89 +369,107 @@ def idle(load: EngineLoad, backlog: Backlog = Backlog()) -> bool:
     )
 
 
-def prompt_tokens_ahead(load: EngineLoad, ask: SloAsk, backlog: Backlog = Backlog()) -> int:
-    """RT prompt tokens computed before *ask*'s first token, its own included: its tenant's
-    waiting work and its prompt, plus each other tenant's waiting work up to that tenant's
-    weighted share of it — all of that share for a tenant with requests decoding — moved by
-    the gap between the two tenants' fair-share counters (the module doc's W).
+class WorkAhead(NamedTuple):
+    """What weighted fair share serves before an ask's first token (the module doc's W)."""
 
-    The engine serves the least-served tenant first, so a tenant U whose counter is below T's
-    gets w_U × (c_T − c_U) more tokens before T's prompt is reached (fewer when above). The
-    counters are the engine's as reported (`TenantLoad.fair_counter`), each lifted as the
-    engine lifts a tenant that has nothing waiting when it next has: to the least counter of
-    the tenants with work waiting (T counts as waiting, with this ask). Without counters (all
-    0: a policy that keeps none) the gap is 0 and the split is by the waiting work alone."""
+    tokens: int
+    """RT prompt tokens computed before it, its own included."""
+    drift_tokens: float
+    """RT prompt tokens per iteration the other tenants gain on it while it waits: its own
+    running decodes are charged to its counter every iteration, and a tenant decoding less
+    than its share of them is owed the difference in prompt tokens."""
+
+
+def work_ahead(load: EngineLoad, ask: SloAsk, backlog: Backlog = Backlog()) -> WorkAhead:
+    """The RT prompt work ahead of *ask* (the module doc's W): its tenant T's waiting work and
+    its prompt, plus each other tenant U's waiting work up to U's weighted share of that — all
+    of the share for a U with requests decoding (it keeps sending) — moved by the gap between
+    their fair-share counters; and the drift while it waits.
+
+    The engine serves the least-served tenant first, so a U whose counter is below T's is served
+    w_U × (c_T − c_U) more before T's prompt (less when above). The counters are the engine's
+    (`TenantLoad.fair_counter`), lifted as the engine lifts a tenant that has nothing waiting
+    when it next has (`FairShare.set_backlogged`): T, sending this, to the least counter of the
+    tenants waiting (with none waiting, of the others: the engine's last idle one); every other
+    idle U, when it sends, to the least of those waiting, T among them. Each iteration T's
+    running decodes add D_T / w_T to c_T and U's add D_U / w_U to c_U, so an active U is owed
+    w_U × (D_T / w_T − D_U / w_U) more prompt tokens per iteration (when positive). Without
+    counters (all 0: a policy that keeps none) there is no gap and no drift: the split is by
+    the waiting work alone."""
     total = load.rt_waiting_prompt_tokens + backlog.prompt_tokens + ask.prompt_tokens
-    if not load.rt_by_tenant and not backlog.by_tenant:
-        return total  # no split reported: every waiting prompt is ahead
+    entries = load.rt_by_tenant
+    if not entries and not backlog.by_tenant:
+        return WorkAhead(total, 0.0)  # no split reported: every waiting prompt is ahead
+    me = ask.tenant_id
     waiting: dict[str, int] = {}
     weights: dict[str, float] = {}
     active: set[str] = set()
-    for entry in load.rt_by_tenant:
-        waiting[entry.tenant_id] = entry.waiting_prompt_tokens
-        weights[entry.tenant_id] = entry.weight
-        if entry.num_running:
-            active.add(entry.tenant_id)
-    for entry in backlog.by_tenant:
-        waiting[entry.tenant_id] = waiting.get(entry.tenant_id, 0) + entry.waiting_prompt_tokens
-        weights.setdefault(entry.tenant_id, entry.weight)
-    counters = _lifted_counters(load, ask)
-    own = waiting.pop(ask.tenant_id, 0) + ask.prompt_tokens
+    counted = False
+    for e in entries:
+        waiting[e.tenant_id] = e.waiting_prompt_tokens
+        weights[e.tenant_id] = e.weight
+        if e.num_running:
+            active.add(e.tenant_id)
+        if e.fair_counter:
+            counted = True
+    for e in backlog.by_tenant:
+        waiting[e.tenant_id] = waiting.get(e.tenant_id, 0) + e.waiting_prompt_tokens
+        weights.setdefault(e.tenant_id, e.weight)
+    own = waiting.pop(me, 0) + ask.prompt_tokens
     attributed = own + sum(waiting.values())
     ahead = float(own + max(0, total - attributed))  # work no tenant claims: ahead in full
     per_weight = own / ask.weight  # the own tenant's tokens per unit of weight
-    own_counter = counters.get(ask.tenant_id, 0.0)
+    if not counted:
+        for tenant_id, tokens in waiting.items():
+            share = per_weight * weights[tenant_id]
+            ahead += share if tenant_id in active else min(tokens, share)
+        return WorkAhead(math.ceil(ahead), 0.0)
+    counters, drift = _lifted_counters_and_drift(entries, ask)
+    own_counter = counters[me]
     for tenant_id, tokens in waiting.items():
         weight = weights[tenant_id]
         gap = weight * (own_counter - counters.get(tenant_id, own_counter))
         share = max(0.0, per_weight * weight + gap)
         ahead += share if tenant_id in active else min(tokens, share)
-    return math.ceil(ahead)
+    return WorkAhead(math.ceil(ahead), drift)
 
 
-def _lifted_counters(load: EngineLoad, ask: SloAsk) -> dict[str, float]:
-    """The RT tenants' fair-share counters as the engine will compare them once *ask* waits:
-    a tenant with nothing waiting is lifted, when it next has, to the least counter of those
-    waiting (`FairShare.set_backlogged`) — the ask's tenant first (to the others', or with
-    none waiting to the least of theirs, as the engine's last idle one), then every other
-    (to the least of the waiting ones, the ask's tenant among them). Empty when the engine
-    reports no counters."""
-    entries = load.rt_by_tenant
-    if not any(e.fair_counter for e in entries):
-        return {}
-    counters = {e.tenant_id: e.fair_counter for e in entries}
-    waiting_now = {e.tenant_id for e in entries if e.num_waiting}
-    others = [c for t, c in counters.items() if t != ask.tenant_id]
-    others_waiting = [counters[t] for t in waiting_now if t != ask.tenant_id]
-    own = counters.get(ask.tenant_id, 0.0)
-    if ask.tenant_id not in waiting_now and (others_waiting or others):
-        own = max(own, min(others_waiting or others))
-    counters[ask.tenant_id] = own
-    floor = min([own, *others_waiting])
-    for tenant_id, counter in counters.items():
-        if tenant_id not in waiting_now and tenant_id != ask.tenant_id:
-            counters[tenant_id] = max(counter, floor)
-    return counters
-
-
-def fair_drift_tokens(load: EngineLoad, ask: SloAsk) -> float:
-    """RT prompt tokens per iteration that other tenants gain on *ask* while it waits, as the
-    engine's fair share charges every decoded token: each iteration T's running decodes add
-    D_T / w_T to its counter and U's add D_U / w_U to U's, so a U decoding less than its share
-    of T's is owed w_U × (D_T / w_T − D_U / w_U) more prompt tokens each iteration (only a U
-    that is active: one that keeps sending). 0 without counters, or when T decodes no more
-    than its share."""
-    if not any(e.fair_counter for e in load.rt_by_tenant):
-        return 0.0
+def _lifted_counters_and_drift(
+    entries: tuple[TenantLoad, ...], ask: SloAsk
+) -> tuple[dict[str, float], float]:
+    """`work_ahead`'s counters, lifted, by tenant (the ask's included), and its drift."""
+    me = ask.tenant_id
+    counters: dict[str, float] = {}
+    idle_others: list[str] = []
+    others_waiting: list[float] = []
+    others: list[float] = []
+    own_counter: float | None = None
+    own_waiting = False
     own_rate = 0.0
-    for e in load.rt_by_tenant:
-        if e.tenant_id == ask.tenant_id:
+    for e in entries:
+        if e.tenant_id == me:
+            own_counter, own_waiting = e.fair_counter, bool(e.num_waiting)
             own_rate = e.num_running / ask.weight
+            continue
+        counters[e.tenant_id] = e.fair_counter
+        others.append(e.fair_counter)
+        if e.num_waiting:
+            others_waiting.append(e.fair_counter)
+        else:
+            idle_others.append(e.tenant_id)
+    own = own_counter or 0.0
+    if not own_waiting and (others_waiting or others):
+        own = max(own, min(others_waiting or others))
+    counters[me] = own
+    floor = min(own, min(others_waiting)) if others_waiting else own
+    for tenant_id in idle_others:
+        counters[tenant_id] = max(counters[tenant_id], floor)
     drift = 0.0
-    for e in load.rt_by_tenant:
-        if e.tenant_id != ask.tenant_id and e.num_running:
-            drift += e.weight * max(0.0, own_rate - e.num_running / e.weight)
-    return drift
+    if own_rate:
+        for e in entries:
+            if e.tenant_id != me and e.num_running:
+                drift += e.weight * max(0.0, own_rate - e.num_running / e.weight)
+    return counters, drift
 
 
 def largest_chunk(

@@ -58,15 +58,16 @@ IDLE = EngineLoad(
     kv_capacity_tokens=400_000,
     # the RT work split by tenant, as engines report it: the forecast is per tenant
     rt_by_tenant=(
-        TenantLoad(tenant_id="ten_other", num_running=2),
-        TenantLoad(tenant_id="ten_reject", num_running=2),
+        TenantLoad(tenant_id="ten_other", num_running=2, fair_counter=1_000_000.0),
+        TenantLoad(tenant_id="ten_reject", num_running=2, fair_counter=1_000_500.0),
     ),
 )
 
 
 def swamped(asking_tenant_id: str) -> EngineLoad:
     """40K RT prompt tokens queued, half of them *asking_tenant_id*'s own (with equal weights
-    all of the queue is ahead of its request)."""
+    all of the queue is ahead of its request), its fair-share counter 2K tokens above the
+    other's and its decodes beyond its share (the forecast's counter gap and drift at work)."""
     return EngineLoad(
         iteration=1,
         at_unix_s=0.0,
@@ -76,7 +77,13 @@ def swamped(asking_tenant_id: str) -> EngineLoad:
         num_rt_running=30,
         rt_context_tokens=30_000,
         rt_by_tenant=tuple(
-            TenantLoad(tenant_id=t, num_waiting=10, waiting_prompt_tokens=20_000, num_running=15)
+            TenantLoad(
+                tenant_id=t,
+                num_waiting=10,
+                waiting_prompt_tokens=20_000,
+                num_running=18 if t == asking_tenant_id else 12,
+                fair_counter=1_002_000.0 if t == asking_tenant_id else 1_000_000.0,
+            )
             for t in ("ten_other", asking_tenant_id)
         ),
     )

@@ -429,6 +429,8 @@ def test_each_completed_iteration_publishes_the_load_it_plans_from() -> None:
     policy.calibration = SimpleNamespace(  # type: ignore[attr-defined]
         factors=(1.5, 1.0, 2.0), samples=0, last_error=None
     )
+    # the policy's RT fair-share counters go out with the load, per tenant
+    policy.rt_fair = SimpleNamespace(counters={"t": 1234.0})  # type: ignore[attr-defined]  # "t": FakeReq's tenant
     drv = run_one_iteration(policy, FakeBatch([rt]), [], duration_s=0.05)
     assert drv.loads.latest.iteration == 0  # closed, but not reported before the next plan
     s = sched([new_rt])
@@ -441,6 +443,7 @@ def test_each_completed_iteration_publishes_the_load_it_plans_from() -> None:
     assert (load.num_rt_running, load.rt_context_tokens) == (1, 103)
     assert (load.num_rt_waiting, load.rt_waiting_prompt_tokens) == (1, 40)
     assert load.latency_factors == (1.5, 1.0, 2.0)
+    assert [(t.tenant_id, t.fair_counter) for t in load.rt_by_tenant] == [("t", 1234.0)]
     assert load.kv_capacity_tokens == 10_000 and load.kv_used_tokens == 1_000
     drv.plan_iteration(s, FakeBatch([rt]))  # no iteration ran since (an idle loop): no report
     assert drv.loads.latest is load

@@ -16,10 +16,9 @@ from backend.policy.feasibility import (
     SloAsk,
     SloForecaster,
     TtftFeedback,
-    fair_drift_tokens,
     idle,
     load_of,
-    prompt_tokens_ahead,
+    work_ahead,
 )
 from backend.sim.config import SimConfig, SloUnattainable
 from backend.sim.engine import simulate
@@ -254,11 +253,11 @@ def test_the_tenant_over_its_share_is_shed_and_the_other_admitted_on_the_same_lo
     steady = SloAsk(prompt_tokens=1000, ttft_target_s=0.5, tenant_id="steady")
     burst = SloAsk(prompt_tokens=1000, ttft_target_s=0.5, tenant_id="burst")
     # steady: its prompt, and of burst's queue only as much again (equal weights): one chunk
-    assert prompt_tokens_ahead(load, steady) == 2000
+    assert work_ahead(load, steady).tokens == 2000
     admitted = FORECASTER.forecast(load, steady)
     assert admitted.feasible and admitted.ttft_s == pytest.approx(0.05)
     # burst: its whole queue is ahead of its own request
-    assert prompt_tokens_ahead(load, burst) == 21_000
+    assert work_ahead(load, burst).tokens == 21_000
     assert not FORECASTER.forecast(load, burst).feasible
     # the same queue reported without the split: all of it is ahead of everyone, as before
     totals = idle_load(num_rt_waiting=10, rt_waiting_prompt_tokens=20_000)
@@ -270,7 +269,7 @@ def test_equal_weights_and_equal_backlogs_forecast_as_one_queue() -> None:
     whole = idle_load(num_rt_waiting=6, rt_waiting_prompt_tokens=10_000, iteration_s=0.02)
     for tenant_id in ("a", "b"):
         ask = SloAsk(prompt_tokens=1000, ttft_target_s=0.5, tpot_target_s=0.2, tenant_id=tenant_id)
-        assert prompt_tokens_ahead(load, ask) == 11_000
+        assert work_ahead(load, ask).tokens == 11_000
         assert FORECASTER.forecast(load, ask) == FORECASTER.forecast(whole, ask)
 
 
@@ -279,8 +278,8 @@ def test_weights_two_to_one_shift_the_split() -> None:
     heavy = SloAsk(prompt_tokens=1000, ttft_target_s=0.6, tenant_id="heavy", weight=2.0)
     light = SloAsk(prompt_tokens=1000, ttft_target_s=0.6, tenant_id="light", weight=1.0)
     # heavy: its 11K, and light's half of that; light: its 11K, and all of heavy's 10K (≤ 22K)
-    assert prompt_tokens_ahead(load, heavy) == 11_000 + 5_500
-    assert prompt_tokens_ahead(load, light) == 11_000 + 10_000
+    assert work_ahead(load, heavy).tokens == 11_000 + 5_500
+    assert work_ahead(load, light).tokens == 11_000 + 10_000
     assert FORECASTER.forecast(load, heavy).feasible  # 8 chunks + 500 tokens: 0.42 s ≤ 0.48
     assert not FORECASTER.forecast(load, light).feasible  # 10 chunks + 1000: 0.53 s
 
@@ -290,12 +289,12 @@ def test_an_active_tenant_counts_its_whole_share_ahead() -> None:
     # and what it sends while burst's request waits is served first, up to its share
     ask = SloAsk(prompt_tokens=1000, ttft_target_s=0.5, tenant_id="burst")
     idle_steady = split(waiting("burst", 20_000, count=10), waiting("steady", 0, count=0))
-    assert prompt_tokens_ahead(idle_steady, ask) == 21_000
+    assert work_ahead(idle_steady, ask).tokens == 21_000
     active = split(waiting("burst", 20_000, count=10), waiting("steady", 0, count=0, running=3))
-    assert prompt_tokens_ahead(active, ask) == 42_000
+    assert work_ahead(active, ask).tokens == 42_000
     # and for steady's own request burst's share is bounded by steady's own work either way
     steady = SloAsk(prompt_tokens=1000, ttft_target_s=0.5, tenant_id="steady")
-    assert prompt_tokens_ahead(active, steady) == 2000
+    assert work_ahead(active, steady).tokens == 2000
 
 
 def test_the_tenant_served_more_waits_for_the_other_to_catch_up() -> None:
@@ -307,12 +306,12 @@ def test_the_tenant_served_more_waits_for_the_other_to_catch_up() -> None:
     )
     steady = SloAsk(prompt_tokens=1000, ttft_target_s=0.5, tenant_id="steady")
     burst = SloAsk(prompt_tokens=1000, ttft_target_s=0.5, tenant_id="burst")
-    assert prompt_tokens_ahead(load, steady) == 2000 + 2000 + 3000
+    assert work_ahead(load, steady).tokens == 2000 + 2000 + 3000
     # burst's own 21K, and of steady's queue its share less what burst is owed: 21K − 3K
-    assert prompt_tokens_ahead(load, burst) == 21_000 + 18_000
+    assert work_ahead(load, burst).tokens == 21_000 + 18_000
     # the same state without counters (a policy that keeps none): the split by work alone
     plain = split(waiting("steady", 1000, running=2), waiting("burst", 20_000, count=10, running=2))
-    assert prompt_tokens_ahead(plain, steady) == 4000
+    assert work_ahead(plain, steady).tokens == 4000
 
 
 def test_a_tenant_back_from_idle_is_lifted_to_the_least_waiting_counter() -> None:
@@ -323,14 +322,14 @@ def test_a_tenant_back_from_idle_is_lifted_to_the_least_waiting_counter() -> Non
         waiting("burst", 20_000, count=10, counter=50_000, running=2),
     )
     steady = SloAsk(prompt_tokens=1000, ttft_target_s=0.5, tenant_id="steady")
-    assert prompt_tokens_ahead(load, steady) == 1000 + 1000
+    assert work_ahead(load, steady).tokens == 1000 + 1000
     # burst has nothing waiting but decodes; steady waits: burst's next prompt is lifted to
     # steady's counter, so it is owed nothing beyond its share
     load = split(
         waiting("steady", 4000, count=2, counter=60_000),
         waiting("burst", 0, count=0, counter=50_000, running=2),
     )
-    assert prompt_tokens_ahead(load, steady) == 5000 + 5000
+    assert work_ahead(load, steady).tokens == 5000 + 5000
 
 
 def test_own_decodes_beyond_the_share_stretch_the_wait_and_can_refuse() -> None:
@@ -342,12 +341,12 @@ def test_own_decodes_beyond_the_share_stretch_the_wait_and_can_refuse() -> None:
     )
     steady = SloAsk(prompt_tokens=1000, ttft_target_s=0.5, tenant_id="steady")
     burst = SloAsk(prompt_tokens=1000, ttft_target_s=0.5, tenant_id="burst")
-    assert fair_drift_tokens(load, steady) == 30.0
-    assert fair_drift_tokens(load, burst) == 0.0
+    assert work_ahead(load, steady).drift_tokens == 30.0
+    assert work_ahead(load, burst).drift_tokens == 0.0
     plain = split(
         waiting("steady", 0, count=0, running=40), waiting("burst", 4000, count=2, running=10)
     )
-    assert fair_drift_tokens(plain, steady) == 0.0  # no counters: no fair share to drift
+    assert work_ahead(plain, steady).drift_tokens == 0.0  # no counters: no fair share to drift
     stretched = FORECASTER.forecast(load, steady)
     assert stretched.ttft_s > FORECASTER.forecast(plain, steady).ttft_s
     # decodes that take every iteration's whole chunk: the prompt waits for them to finish
@@ -364,10 +363,10 @@ def test_the_gateway_backlog_counts_by_tenant_and_unattributed_work_in_full() ->
     ask = SloAsk(prompt_tokens=1000, ttft_target_s=0.5, tenant_id="steady")
     load = split(waiting("steady", 1000))
     sent_by_burst = Backlog(8, 16_000, (waiting("burst", 16_000, count=8),))
-    assert prompt_tokens_ahead(load, ask, sent_by_burst) == 2000 + 2000
+    assert work_ahead(load, ask, sent_by_burst).tokens == 2000 + 2000
     sent_by_steady = Backlog(8, 16_000, (waiting("steady", 16_000, count=8),))
-    assert prompt_tokens_ahead(load, ask, sent_by_steady) == 18_000
-    assert prompt_tokens_ahead(load, ask, Backlog(8, 16_000)) == 18_000  # totals only
+    assert work_ahead(load, ask, sent_by_steady).tokens == 18_000
+    assert work_ahead(load, ask, Backlog(8, 16_000)).tokens == 18_000  # totals only
 
 
 def test_load_of_splits_waiting_rt_work_by_tenant() -> None:
