@@ -1,6 +1,7 @@
 """The patched engine's live state (real engine on CPU): the control endpoint's ``GET /load`` long
 poll answers with a later iteration while requests run, and the gateway's `LoadWatcher`, over the
-same control socket, sees a running RT request and then none."""
+same control socket, sees a running RT request (its tenant's fair-share counter with it) and then
+none."""
 
 from __future__ import annotations
 
@@ -75,6 +76,16 @@ async def test_load_long_poll_and_watcher_follow_a_running_rt_request(
                 return load if load and load.num_rt_running + load.num_rt_waiting >= 1 else None
 
             seen = await wait_until(rt_in_engine, 120, what="the RT request in the watcher's view")
+
+            def charged() -> Any:
+                load = watcher.latest
+                tenants = load.rt_by_tenant if load is not None else ()
+                entry = next((t for t in tenants if t.tenant_id == "load-test"), None)
+                return entry if entry is not None and entry.fair_counter > 0 else None
+
+            # the tenant's fair-share counter, which the gateway's per-tenant forecast follows,
+            # comes with the load once the policy has scheduled its tokens
+            await wait_until(charged, 120, what="the tenant's fair-share counter in the load")
             # While it runs, a poll past the newest iteration returns a later one.
             later = await asyncio.to_thread(_load, engine_server, seen.iteration, 30)
             assert later["iteration"] > seen.iteration
