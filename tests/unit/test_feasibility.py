@@ -416,6 +416,31 @@ def test_the_front_door_forecasts_for_the_arrivals_tenant() -> None:
     assert door.outcomes == {burst.rid: "shed"}
 
 
+def test_the_front_door_follows_the_policys_fair_share_counters() -> None:
+    # burst has 4K queued and keeps sending (one request decoding); steady has nothing waiting
+    # but 10 requests decoding. Split by work alone steady's 1K prompt fits; with steady's
+    # counter 20K tokens above burst's (its decodes were charged while burst idled), burst is
+    # owed those first, and it does not
+    queued = [make_req(f"b{i}", prompt_len=2000) for i in range(2)]
+    decoding = [make_req(f"s{i}", prompt_len=100, running=True, generated=5) for i in range(11)]
+    for r in queued + decoding[:1]:
+        r.tenant_id = "burst"
+    for r in decoding[1:]:
+        r.tenant_id = "steady"
+    snap = make_snapshot(waiting=queued, running=decoding, kv_capacity=400_000)
+    steady = make_request(prompt_len=1000, ttft_target_s=0.5, tenant_id="steady")
+    plain = FrontDoor(FORECASTER, lambda: (1.0, 1.0, 1.0), "reject")
+    assert plain.admit(steady, snap, now_s=0.0) is steady
+    counted = FrontDoor(
+        FORECASTER,
+        lambda: (1.0, 1.0, 1.0),
+        "reject",
+        rt_fair_counters=lambda: {"steady": 70_000.0, "burst": 50_000.0},
+    )
+    assert counted.admit(steady, snap, now_s=0.0) is None
+    assert counted.outcomes == {steady.rid: "shed"}
+
+
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="headroom"):
         SloForecaster(LATENCY, headroom=1.5)
