@@ -419,13 +419,8 @@ def work_ahead(load: EngineLoad, ask: SloAsk, backlog: Backlog = Backlog()) -> W
     attributed = own + sum(waiting.values())
     ahead = float(own + max(0, total - attributed))  # work no tenant claims: ahead in full
     per_weight = own / ask.weight  # the own tenant's tokens per unit of weight
-    if not counted:
-        for tenant_id, tokens in waiting.items():
-            share = per_weight * weights[tenant_id]
-            ahead += share if tenant_id in active else min(tokens, share)
-        return WorkAhead(math.ceil(ahead), 0.0)
-    counters, drift = _lifted_counters_and_drift(entries, ask)
-    own_counter = counters[me]
+    counters, drift = _lifted_counters_and_drift(entries, ask) if counted else ({}, 0.0)
+    own_counter = counters.get(me, 0.0)
     for tenant_id, tokens in waiting.items():
         weight = weights[tenant_id]
         gap = weight * (own_counter - counters.get(tenant_id, own_counter))

@@ -8,6 +8,7 @@ the snapshot the next plan uses and these factors.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 NO_CALIBRATION = (1.0, 1.0, 1.0)
@@ -30,9 +31,7 @@ def policy_calibration_samples(policy: Any) -> int:
     return 0 if calib is None else int(calib.samples)
 
 
-def policy_rt_fair_counters(policy: Any) -> dict[str, float]:
-    """The policy's RT fair-share counters by tenant (`FairShare.counters`), or none for a
-    policy without weighted fair share (the baselines)."""
-    fair = getattr(policy, "rt_fair", None)
-    counters = getattr(fair, "counters", None)
-    return dict(counters) if counters else {}
+def policy_rt_fair_counters(policy: Any) -> Mapping[str, float]:
+    """The policy's RT fair-share counters by tenant (`FairShare.counters`, live: read, not
+    kept), or none for a policy without weighted fair share (the baselines)."""
+    return getattr(getattr(policy, "rt_fair", None), "counters", None) or {}

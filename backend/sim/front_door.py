@@ -17,7 +17,7 @@ RT anyway.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import msgspec
 
@@ -40,7 +40,7 @@ class FrontDoor:
         latency_factors: Callable[[], tuple[float, float, float]],
         on_unattainable: SloUnattainable,
         calibration_samples: Callable[[], int] = lambda: 0,
-        rt_fair_counters: Callable[[], dict[str, float]] = dict,
+        rt_fair_counters: Callable[[], Mapping[str, float]] = dict,
     ) -> None:
         self.forecaster = forecaster
         self.latency_factors = latency_factors
