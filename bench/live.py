@@ -44,18 +44,20 @@ import time
 import urllib.error
 import urllib.request
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 import numpy as np
 import yaml
 from msgspec.structs import replace as struct_replace
 
-from backend.policy.latency import LatencyModel, Profile, load_profile
+from backend.policy.calibration import regime_of
+from backend.policy.latency import BatchShape, LatencyModel, Profile, ProfileSample, load_profile
 from backend.policy.profiles import resolve_profile
 from backend.policy.registry import make_policy
 from backend.sim.engine import simulate
@@ -71,6 +73,7 @@ from bench.workloads.base import RequestSpec, SpecSource, Workload
 from bench.workloads.sources import SimSource
 from common.config import DEFAULT_CONFIG_PATH
 from common.sockets import free_port
+from common.wire import CONTROL_ITERATIONS_PATH, IterationRecord, RecentIterations
 
 LIVE_POLICIES = ("tandem", "fcfs", "priority")
 """What `--engine sglang` can run, in run order."""
@@ -143,6 +146,20 @@ class LiveRun:
     (`SimConfig.regime_slowdowns`): a real engine departs from its profile by different
     amounts per regime, and one mean pace makes, e.g., the twin's prompts too fast where
     prefill runs slower than decode. () until tandem has run."""
+    sim_engine: LatencyModel | None = None
+    """The twin's engine: a latency model fitted to the real engine's own iterations over
+    tandem's run (each one's token mix and measured time, `fit_engine`). The simulator runs
+    every policy's batches at its times while the policy plans with the profile, as it did on
+    the real engine. A per-regime pace keeps the profile's shape, and the engine's differs (on
+    the CPU engine small decode batches run faster than profiled and large ones slower); None
+    until tandem has run, or when its engine logged too few iterations: the twin then runs the
+    profile at `sim_regime_pace`."""
+    sim_engine_iterations: int = 0
+    """Iterations `sim_engine` was fitted to."""
+    sim_engine_error: dict[str, float] = field(default_factory=dict)
+    """How well the twin's engine predicts the real one's iterations: median and p90 of
+    |predicted ÷ measured − 1| over them, for `sim_engine` ("fitted") and for the profile at
+    `sim_regime_pace` ("regime_pace")."""
 
 
 def live_config(config: BenchConfig) -> BenchConfig:
@@ -195,7 +212,7 @@ def run_live(config: BenchConfig) -> LiveRun:
     for name in config.policies:
         started = time.perf_counter()
         try:
-            result, stats = run_real(name, run, profile, profile_path)
+            result, stats, iterations = run_real(name, run, profile, profile_path)
         except (RuntimeError, OSError, aiohttp.ClientError) as exc:
             run.failed[name] = f"{type(exc).__name__}: {exc}"
             _say(config, f"{name} failed: {run.failed[name]}")
@@ -210,6 +227,16 @@ def run_live(config: BenchConfig) -> LiveRun:
             run.sim_pace = (
                 geometric_mean(run.sim_regime_pace) if run.sim_regime_pace else learned_pace(stats)
             )
+        if iterations:
+            samples = engine_samples(iterations)
+            _save_iterations(run.config.out_dir / "live" / name / "iterations.json", iterations)
+            if len(samples) >= MIN_ENGINE_SAMPLES:
+                run.sim_engine = fit_engine(samples)
+                run.sim_engine_iterations = len(samples)
+                run.sim_engine_error = {
+                    **_spread("fitted", run.sim_engine.predict, samples),
+                    **_spread("regime_pace", _paced(latency, run.sim_regime_pace), samples),
+                }
         sim_result = run_sim(name, run, latency, base)
         run.sim[name] = compute_metrics(sim_result, window)
         _say(config, f"{name}: real {_brief(run.real[name])} | sim {_brief(run.sim[name])}")
@@ -250,12 +277,14 @@ def engine_section(
 
 def run_real(
     name: str, run: LiveRun, profile: Profile, profile_path: Path
-) -> tuple[SimResult, dict[str, Any]]:
-    """One policy on a fresh gateway + engine; its records as a SimResult, and tandem's
-    in-engine counters (empty for stock SGLang)."""
+) -> tuple[SimResult, dict[str, Any], list[IterationRecord]]:
+    """One policy on a fresh gateway + engine; its records as a SimResult, tandem's in-engine
+    counters and the engine's log of its iterations (both empty for stock SGLang)."""
     workdir = run.config.out_dir / "live" / name
     with _stack(name, run, profile, profile_path, workdir) as (base_url, token, engine):
-        records, end_s, overhead_s = asyncio.run(_replay_all(base_url, token, run, engine))
+        records, end_s, overhead_s, iterations = asyncio.run(
+            _replay_all(base_url, token, run, engine, follow=name == "tandem")
+        )
         if overhead_s is not None:
             run.serving_overhead_s[name] = overhead_s
         stats = _engine_stats(engine) if name == "tandem" else {}
@@ -267,7 +296,7 @@ def run_real(
         end_s=end_s,
         prefix_reuse_ratio=0.0,
     )
-    return result, stats
+    return result, stats, iterations
 
 
 @contextmanager
@@ -409,6 +438,25 @@ def engine_control_get(port: int, path: str, timeout_s: float) -> tuple[int, Any
         conn.close()
 
 
+async def follow_iterations(port: int, records: list[IterationRecord], stop: asyncio.Event) -> None:
+    """Long-polls the `/iterations` log of the engine serving on *port* until *stop* is set,
+    appending every iteration's record to *records*, oldest first (a `/load` poll sees only the
+    newest: a follower starved of CPU would keep the long iterations and miss the short ones in
+    between). An engine without a control endpoint (stock SGLang) adds none."""
+    after = 0
+    while not stop.is_set():
+        status, body = await asyncio.to_thread(
+            engine_control_get, port, f"{CONTROL_ITERATIONS_PATH}?after={after}&wait_s=1", 5.0
+        )
+        if status != 200 or not isinstance(body, dict):
+            await asyncio.sleep(0.2)
+            continue
+        recent = msgspec.convert(body, RecentIterations)
+        records.extend(recent.iterations)
+        if recent.iterations:
+            after = recent.iterations[-1].iteration
+
+
 class _UnixHTTPConnection(http.client.HTTPConnection):
     """HTTP/1.1 over a Unix socket (the engine's control endpoint)."""
 
@@ -481,10 +529,11 @@ def _wait_idle(
 
 
 async def _replay_all(
-    base_url: str, admin_token: str, run: LiveRun, engine: dict[str, Any]
-) -> tuple[list[RequestRecord], float, float | None]:
-    """The workload through the gateway at *base_url*: its records and end, and the serving
-    overhead measured on the idle engine just before (None where it could not be)."""
+    base_url: str, admin_token: str, run: LiveRun, engine: dict[str, Any], *, follow: bool
+) -> tuple[list[RequestRecord], float, float | None, list[IterationRecord]]:
+    """The workload through the gateway at *base_url*: its records and end, the serving
+    overhead measured on the idle engine just before (None where it could not be), and, with
+    *follow*, the engine's record of every iteration of the replay (`follow_iterations`)."""
     timeout = aiohttp.ClientTimeout(total=None, sock_read=DRAIN_TIMEOUT_S)
     async with aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0), timeout=timeout
@@ -502,8 +551,22 @@ async def _replay_all(
                 session, base_url, await keys.key_for(probe), engine, probe
             )
         source = run.workload.source(run.rt_rate_req_s, True)
-        records, end_s = await replay(session, base_url, keys, source, run.workload.window_s or 0.0)
-        return records, end_s, overhead_s
+        iterations: list[IterationRecord] = []
+        stop = asyncio.Event()
+        follower = (
+            asyncio.create_task(follow_iterations(int(engine["port"]), iterations, stop))
+            if follow
+            else None
+        )
+        try:
+            records, end_s = await replay(
+                session, base_url, keys, source, run.workload.window_s or 0.0
+            )
+        finally:
+            stop.set()
+            if follower is not None:
+                await follower
+        return records, end_s, overhead_s, iterations
 
 
 def _first_rt_spec(source: SpecSource) -> RequestSpec | None:
@@ -558,12 +621,16 @@ def run_sim(name: str, run: LiveRun, latency: LatencyModel, base: Any) -> SimRes
     options = run.policy_options if name == "tandem" else {}
     policy = make_policy(SIM_POLICY[name], latency, **options)
     source = SimSource(run.workload.source(run.rt_rate_req_s, True), SimRequest)
-    # the engine's request cap, and its pace per batch regime, as the real engine has them
-    if run.sim_regime_pace:
+    # the engine's request cap, and its speed, as the real engine has them: fitted to its
+    # iterations, else the profile at its pace per batch regime
+    engine = latency
+    if run.sim_engine is not None:
+        sim, engine = struct_replace(base, max_running=MAX_RUNNING), run.sim_engine
+    elif run.sim_regime_pace:
         sim = struct_replace(base, max_running=MAX_RUNNING, regime_slowdowns=run.sim_regime_pace)
     else:
         sim = struct_replace(base, max_running=MAX_RUNNING, engine_slowdown=((0.0, run.sim_pace),))
-    return shifted(simulate(source, policy, latency, sim), run.serving_overhead_s.get(name, 0.0))
+    return shifted(simulate(source, policy, engine, sim), run.serving_overhead_s.get(name, 0.0))
 
 
 def shifted(result: SimResult, overhead_s: float) -> SimResult:
@@ -606,6 +673,60 @@ _MEAN_PACE_KEYS = (
     "latency_mean_pace_mixed",
 )
 """tandem's `/stats` keys of each regime's pace over the whole run, in regime order."""
+
+
+MIN_ENGINE_SAMPLES = 200
+"""Fewest logged iterations the twin's engine is fitted to (fewer: the profile at the learned
+pace per regime)."""
+
+
+def engine_samples(iterations: Sequence[IterationRecord]) -> list[ProfileSample]:
+    """The real engine's iterations that ran a plan of known token mix, as latency samples
+    (their measured time, which includes the scheduler's own work between batches: what the
+    twin's engine has to take per iteration too)."""
+    return [
+        ProfileSample(shape=BatchShape(**msgspec.structs.asdict(r.mix)), seconds=r.iteration_s)
+        for r in iterations
+        if r.mix is not None and r.iteration_s > 0.0 and (r.mix.num_prefill or r.mix.num_decode)
+    ]
+
+
+def fit_engine(samples: Sequence[ProfileSample]) -> LatencyModel:
+    """The twin's engine: the latency model's form fitted to the real engine's iterations
+    (`LatencyModel.fit`: relative error, non-negative weights, two pieces where they fit
+    clearly better). The fit only knows the shapes the run had; the twin replays the same
+    workload, whose shapes stay near them."""
+    return LatencyModel.fit(samples)
+
+
+def _paced(latency: LatencyModel, regime_pace: tuple[float, ...]) -> Callable[[BatchShape], float]:
+    """The profile's prediction at *regime_pace* (1 where it is empty): the twin's engine
+    without a fit."""
+
+    def predict(shape: BatchShape) -> float:
+        pace = regime_pace[regime_of(shape.num_prefill, shape.num_decode)] if regime_pace else 1.0
+        return pace * latency.predict(shape)
+
+    return predict
+
+
+def _spread(
+    name: str, predict: Callable[[BatchShape], float], samples: Sequence[ProfileSample]
+) -> dict[str, float]:
+    """Median and p90 of |predicted ÷ measured − 1| over *samples*, keyed `<name>_p50` and
+    `<name>_p90`."""
+    errors = np.abs(np.array([predict(s.shape) / s.seconds for s in samples]) - 1.0)
+    return {
+        f"{name}_p50": round(float(np.percentile(errors, 50)), 4),
+        f"{name}_p90": round(float(np.percentile(errors, 90)), 4),
+    }
+
+
+def _save_iterations(path: Path, iterations: Sequence[IterationRecord]) -> None:
+    """The engine's iteration log of a run (what the twin's engine was fitted to), kept beside
+    the run's engine log."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(msgspec.json.encode(list(iterations)))
 
 
 def learned_regime_pace(stats: dict[str, Any]) -> tuple[float, ...]:

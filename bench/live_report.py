@@ -63,6 +63,13 @@ def results_dict(run: LiveRun) -> dict[str, Any]:
         "sim_regime_pace": dict(zip(REGIMES, run.sim_regime_pace, strict=True))
         if run.sim_regime_pace
         else None,
+        "sim_engine": {
+            "iterations": run.sim_engine_iterations,
+            "weights": run.sim_engine.pieces,
+            "error": run.sim_engine_error,
+        }
+        if run.sim_engine is not None
+        else None,
         "command": cfg.command,
         "policies": {name: rounded(m) for name, m in run.real.items()},
         "sim": {name: rounded(m) for name, m in run.sim.items()},
@@ -86,6 +93,16 @@ def _table(rows: dict[str, dict[str, Any]], columns: tuple[tuple[str, str, str],
 
 def _twin_pace(run: LiveRun) -> str:
     """The report's line on the pace the simulator twin runs at."""
+    if run.sim_engine is not None:
+        err = run.sim_engine_error
+        return (
+            f"* the simulator twin's engine is the latency model fitted to the real engine's "
+            f"{run.sim_engine_iterations} iterations over tandem's run (their token mix and "
+            f"measured time); every policy plans with the profile, as on the real engine. Its "
+            f"error per iteration, |predicted ÷ measured − 1|: p50 {err['fitted_p50']:.1%}, p90 "
+            f"{err['fitted_p90']:.1%} (the profile at the pace per regime: p50 "
+            f"{err['regime_pace_p50']:.1%}, p90 {err['regime_pace_p90']:.1%})"
+        )
     if run.sim_regime_pace:
         paces = ", ".join(
             f"{name} {f:.3g}×" for name, f in zip(REGIMES, run.sim_regime_pace, strict=True)

@@ -155,8 +155,31 @@ ITERATION_LOG_SIZE = 1024
 """Iterations an engine keeps for `CONTROL_ITERATIONS_PATH` (older ones are gone)."""
 
 
+class IterationMix(msgspec.Struct, frozen=True, array_like=True):
+    """The token mix of the batch an iteration's plan ran: the latency model's input,
+    `backend.policy.latency.BatchShape` field for field (this layer cannot import it). With the
+    measured time, one sample of the engine's real speed: the live bench fits its simulator
+    twin's engine to them."""
+
+    prefill_tokens: int
+    """Prefill chunk tokens in the batch."""
+    num_prefill: int
+    """Requests with a prefill chunk."""
+    prefill_attn: float
+    """Σ chunk·(prefix + chunk), token²."""
+    prefill_attn_full: float
+    """Σ (prefix + chunk)², token²."""
+    decode_context: int
+    """Σ context length of the decoding requests, tokens."""
+    num_decode: int
+    """Decoding requests."""
+    decode_context_sq: float
+    """Σ context² of the decoding requests, token²."""
+
+
 class IterationRecord(msgspec.Struct, frozen=True, array_like=True):
-    """One scheduler iteration: when it ended, how long it took, what the model predicted."""
+    """One scheduler iteration: when it ended, how long it took, what the model predicted, and
+    what it ran."""
 
     iteration: int
     at_unix_s: float
@@ -165,6 +188,9 @@ class IterationRecord(msgspec.Struct, frozen=True, array_like=True):
     """Its measured duration, seconds."""
     predicted_iteration_s: float
     """The calibrated model's prediction for it when it was planned, seconds (0: none)."""
+    mix: IterationMix | None = None
+    """The token mix of the plan it ran (None: no plan of tandem's policy ran, as with
+    SGLang's own scheduler)."""
 
 
 class RecentIterations(msgspec.Struct, frozen=True, kw_only=True):

@@ -30,8 +30,10 @@ import math
 import queue
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
+
+import msgspec
 
 from backend.policy.calibration import DECODE, MIXED, PREFILL, PaceSpread
 from backend.policy.feasibility import load_of
@@ -42,7 +44,7 @@ from backend.policy.load_report import (
 )
 from backend.policy.tandem import slack
 from backend.policy.tandem.victims import victim_order
-from backend.policy.time_share import plan_times_s
+from backend.policy.time_share import plan_shape, plan_times_s
 from backend.policy.types import (
     FinishedRequest,
     IterationResult,
@@ -56,7 +58,7 @@ from backend.sglang_ext.driver_stats import PLAN_MS_KEPT, DriverStats
 from backend.sglang_ext.load_board import LoadBoard
 from backend.sglang_ext.mirror import ReqMirror
 from backend.sglang_ext.views import BatchView, ReqView, SchedulerView
-from common.wire import EngineLoad
+from common.wire import EngineLoad, IterationMix
 
 logger = logging.getLogger(__name__)
 
@@ -108,14 +110,17 @@ class EngineDriver:
         """Iterations that ran a batch since the scheduler started (never reset, unlike the
         stats: the gateway's long poll counts on it)."""
         self._plan: Plan | None = None  # this iteration's plan, for policy.observe
+        self._plan_mix: IterationMix | None = None  # its token mix, for the iteration log
         self._iter_start_s: float | None = None
         self._iter_plan: Plan | None = None
+        self._iter_mix: IterationMix | None = None
         self._iter_overhead_s = 0.0
         self._iter_rt_frac = 0.0
         self._finished: list[FinishedRequest] = []
         self._reported: set[str] = set()
         self._last_iteration_s: float | None = None
         self._last_predicted_s = 0.0  # what the plan of that iteration predicted (0: nothing)
+        self._last_mix: IterationMix | None = None  # the token mix that iteration ran
         self._pace = PaceSpread()  # measured ÷ predicted of the recent iterations
         self._calib_samples = 0  # calibration samples already copied into the stats
         self._calib_off_since: float | None = None  # a factor left the band at this instant
@@ -132,6 +137,7 @@ class EngineDriver:
             duration = t0 - self._iter_start_s
             self._last_iteration_s = duration
             self._last_predicted_s = self._iter_plan.predicted_s or 0.0
+            self._last_mix = self._iter_mix
             self._pace.observe(self._last_predicted_s, duration)
             self.iterations += 1
             self.stats.iterations += 1
@@ -150,9 +156,11 @@ class EngineDriver:
         self._finished = []
         self._iter_start_s = None
         self._iter_plan = None
+        self._iter_mix = None
         self._iter_overhead_s = 0.0
         self._iter_rt_frac = 0.0
         self._plan = None
+        self._plan_mix = None
         self._apply_control()
         self._iter_overhead_s += self.clock() - t0
 
@@ -166,6 +174,7 @@ class EngineDriver:
         if ran_batch:
             self._iter_start_s = start_s
             self._iter_plan = self._plan if self._plan is not None else Plan()
+            self._iter_mix = self._plan_mix if self._plan is not None else None
 
     def note_finished(self, reqs: Iterable[ReqView]) -> None:
         """After a batch's results: every finished request's output length (aborted ones
@@ -279,7 +288,10 @@ class EngineDriver:
         rids = {str(req.rid) for req in running}
         evict = tuple(rid for rid in plan.evictions if rid in rids)
         self.stats.evictions += len(evict)
-        self._iter_rt_frac = self._rt_frac(plan, snap)
+        states = {r.rid: r for r in snap.running}
+        states.update((r.rid, r) for r in snap.waiting)
+        self._iter_rt_frac = self._rt_frac(plan, states)
+        self._plan_mix = IterationMix(**msgspec.structs.asdict(plan_shape(plan, states)))
         evicted = set(evict)
         kept = [req for req in running if str(req.rid) not in evicted]
         park = self._park(plan, kept, keep_one=self._stalled_full_park)
@@ -298,14 +310,12 @@ class EngineDriver:
         self._iter_overhead_s += self.clock() - t0
         return directive
 
-    def _rt_frac(self, plan: Plan, snap: Snapshot) -> float:
+    def _rt_frac(self, plan: Plan, states: Mapping[str, ReqState]) -> float:
         """Share of this iteration's predicted time that its RT work alone would take
         (`backend.policy.time_share`); 0 for a policy without a latency model."""
         latency = getattr(self.policy, "latency", None)
         if latency is None:
             return 0.0
-        states = {r.rid: r for r in snap.running}
-        states.update((r.rid, r) for r in snap.waiting)
         full_s, rt_s = plan_times_s(latency, plan, states)
         return rt_s / full_s if full_s > 0 else 0.0
 
@@ -400,7 +410,8 @@ class EngineDriver:
                 pace_ratio_p90=self._pace.upper(),
                 calibration_samples=policy_calibration_samples(self.policy),
                 rt_fair_counters=policy_rt_fair_counters(self.policy),
-            )
+            ),
+            self._last_mix,
         )
 
     def _note_peaks(self, snap: Snapshot) -> None:

@@ -12,7 +12,13 @@ from __future__ import annotations
 import threading
 from collections import deque
 
-from common.wire import ITERATION_LOG_SIZE, EngineLoad, IterationRecord, RecentIterations
+from common.wire import (
+    ITERATION_LOG_SIZE,
+    EngineLoad,
+    IterationMix,
+    IterationRecord,
+    RecentIterations,
+)
 
 
 class LoadBoard:
@@ -28,10 +34,11 @@ class LoadBoard:
         """The newest published load."""
         return self._load
 
-    def publish(self, load: EngineLoad) -> None:
-        """Makes *load* the newest and wakes every waiter (the scheduler thread calls this)."""
+    def publish(self, load: EngineLoad, mix: IterationMix | None = None) -> None:
+        """Makes *load* the newest and wakes every waiter (the scheduler thread calls this);
+        *mix*: the token mix of the iteration it follows, for the iteration log."""
         record = IterationRecord(
-            load.iteration, load.at_unix_s, load.iteration_s, load.predicted_iteration_s
+            load.iteration, load.at_unix_s, load.iteration_s, load.predicted_iteration_s, mix
         )
         with self._cond:
             self._load = load

@@ -58,12 +58,12 @@ import msgspec
 import yaml
 
 from backend.policy.tandem.config import TandemConfig
-from bench.live import READY_TIMEOUT_S, engine_control_get, served
+from bench.live import READY_TIMEOUT_S, engine_control_get, follow_iterations, served
 from bench.live_client import create_tenant_key
 from bench.policy_spec import base_name, parse_policy_spec
 from common.config import DEFAULT_CONFIG_PATH
 from common.sockets import free_port
-from common.wire import CONTROL_ITERATIONS_PATH, CONTROL_LOAD_PATH, CONTROL_STATS_PATH
+from common.wire import CONTROL_LOAD_PATH, CONTROL_STATS_PATH, IterationRecord
 
 MODEL = "tandem-tiny"
 README_CONTRACT = {"ttft_ms": 500, "tpot_ms": 100}
@@ -300,27 +300,6 @@ async def wait_for(predicate: Any, timeout_s: float, what: str, every_s: float =
 # --- the engine's per-iteration state (for the burner phase) ------------------------------
 
 
-async def follow_iterations(
-    port: int, samples: list[dict[str, float]], stop: asyncio.Event
-) -> None:
-    """Long-polls the engine's `/iterations` and keeps (time, measured, predicted) of every
-    iteration (a `/load` poll sees only the newest: a follower starved of CPU by the burner
-    would keep the long iterations and miss the short ones in between)."""
-    after = 0
-    while not stop.is_set():
-        status, log = await asyncio.to_thread(
-            engine_control_get, port, f"{CONTROL_ITERATIONS_PATH}?after={after}&wait_s=1", 5.0
-        )
-        if status != 200 or not isinstance(log, dict):
-            await asyncio.sleep(0.2)
-            continue
-        for iteration, at_unix_s, measured_s, predicted_s in log["iterations"]:
-            samples.append(
-                {"at_unix_s": at_unix_s, "measured_s": measured_s, "predicted_s": predicted_s}
-            )
-            after = max(after, iteration)
-
-
 def _windows(
     samples: list[dict[str, float]], window_s: float
 ) -> Iterator[tuple[float, list[float]]]:
@@ -552,9 +531,9 @@ async def _burn_phase(
 ) -> dict[str, Any]:
     """Chats for `burn_s` seconds with CPU burners started after the first quarter of it; the
     per-iteration prediction error around the start."""
-    samples: list[dict[str, float]] = []
+    records: list[IterationRecord] = []
     stop = asyncio.Event()
-    follower = asyncio.create_task(follow_iterations(engine_port, samples, stop))
+    follower = asyncio.create_task(follow_iterations(engine_port, records, stop))
     lead_s = options.burn_s / 4
     phase = Phase("burn")
     before_phase = Phase("before_burn")
@@ -581,6 +560,14 @@ async def _burn_phase(
     finally:
         stop.set()
         await follower
+    samples = [
+        {
+            "at_unix_s": r.at_unix_s,
+            "measured_s": r.iteration_s,
+            "predicted_s": r.predicted_iteration_s,
+        }
+        for r in records
+    ]
     timeline = error_timeline(samples, ERROR_WINDOW_S)
     ratios = ratio_timeline(samples, ERROR_WINDOW_S)
     before = [e for t, e in timeline if t < burn_start]

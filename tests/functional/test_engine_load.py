@@ -1,7 +1,7 @@
 """The patched engine's live state (real engine on CPU): the control endpoint's ``GET /load`` long
 poll answers with a later iteration while requests run, and the gateway's `LoadWatcher`, over the
 same control socket, sees a running RT request (its tenant's fair-share counter with it) and then
-none."""
+none; the engine's iteration log (``GET /iterations``) says what each iteration ran."""
 
 from __future__ import annotations
 
@@ -11,9 +11,16 @@ import time
 import uuid
 from typing import Any
 
+import msgspec
 import pytest
 
-from common.wire import CONTROL_LOAD_PATH, RequestMeta, meta_to_custom_params
+from common.wire import (
+    CONTROL_ITERATIONS_PATH,
+    CONTROL_LOAD_PATH,
+    RecentIterations,
+    RequestMeta,
+    meta_to_custom_params,
+)
 from gateway.engine.load import LoadWatcher, watch
 from tests.functional.engine_fixtures import EngineServer, control, stream_events
 from tests.waiting import wait_until
@@ -101,6 +108,16 @@ async def test_load_long_poll_and_watcher_follow_a_running_rt_request(
 
         await wait_until(drained, 60, what="no RT request left in the watcher's view")
         assert watcher.latest is not None and watcher.latest.iteration > first["iteration"]
+        # The engine's iteration log says what each iteration ran (the live bench fits its
+        # simulator twin's engine to these): the request's decodes are there, with their time.
+        status, log = await asyncio.to_thread(
+            control, engine_server, "GET", f"{CONTROL_ITERATIONS_PATH}?after={first['iteration']}"
+        )
+        assert status == 200 and isinstance(log, dict)
+        recent = msgspec.convert(log, RecentIterations)
+        decoding = [r for r in recent.iterations if r.mix is not None and r.mix.num_decode >= 1]
+        assert decoding and all(r.iteration_s > 0 for r in decoding)
+        assert max(r.mix.decode_context for r in decoding if r.mix) >= MAX_NEW_TOKENS // 2
         # The measured staleness: iterations the engine ran that the watcher never saw.
         print(
             f"load watcher: {watcher.reports} reports, iterations "

@@ -8,6 +8,7 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+import msgspec
 import pytest
 
 from backend.policy.common import eviction_gain
@@ -447,6 +448,22 @@ def test_each_completed_iteration_publishes_the_load_it_plans_from() -> None:
     assert load.kv_capacity_tokens == 10_000 and load.kv_used_tokens == 1_000
     drv.plan_iteration(s, FakeBatch([rt]))  # no iteration ran since (an idle loop): no report
     assert drv.loads.latest is load
+
+
+def test_the_iteration_log_carries_the_token_mix_of_the_plan_that_ran() -> None:
+    """The live bench fits its twin's engine to the real one's iterations: each logged one
+    says what it ran (the latency model's input), not only how long it took."""
+    from backend.policy.time_share import shape_of
+
+    rt, be = req("rt", "rt", prompt=100, out=3), req("be", "be", prompt=200, out=5)
+    new_be = req("new", "be", prompt=300)
+    plan = Plan(decodes=["rt", "be"], prefills=[PrefillChunk("new", 120)], predicted_s=0.03)
+    drv = run_one_iteration(ScriptedPolicy(plan), FakeBatch([rt, be]), [new_be], 0.04)
+    drv.plan_iteration(sched([]), FakeBatch([rt, be]))  # publishes the iteration that ran
+    (record,) = drv.loads.iterations_after(0, 0.0).iterations
+    assert record.iteration_s == pytest.approx(0.04) and record.mix is not None
+    expected = shape_of([103, 205], [(120, 0)])  # contexts: prompt + generated
+    assert msgspec.structs.asdict(record.mix) == msgspec.structs.asdict(expected)
 
 
 def test_a_request_whose_grammar_compiled_is_planned_for_at_once() -> None:

@@ -1,16 +1,34 @@
-"""The live bench's simulator twin runs at the real engine's pace: per batch regime over tandem's
-run (bench.live.learned_regime_pace), or as tandem's calibration learned it at the end
-(bench.live.learned_pace), plus the serving path's own time (bench.live.shifted)."""
+"""The live bench's simulator twin runs at the real engine's speed: a latency model fitted to the
+real engine's own iterations (bench.live.engine_samples, fit_engine, run_sim), else the profile
+at the real engine's pace per batch regime over tandem's run (bench.live.learned_regime_pace),
+or as tandem's calibration learned it at the end (bench.live.learned_pace); plus the serving
+path's own time (bench.live.shifted)."""
 
 from __future__ import annotations
 
 from array import array
+from pathlib import Path
 
 import msgspec
 import pytest
 
+from backend.policy.latency import BatchShape, LatencyModel, ProfileSample, load_profile
+from backend.policy.profiles import resolve_profile
+from backend.policy.time_share import shape_of
 from backend.sim.records import IterationLog, RequestRecord, SimResult
-from bench.live import learned_pace, learned_regime_pace, shifted
+from bench.live import (
+    LiveRun,
+    engine_samples,
+    fit_engine,
+    learned_pace,
+    learned_regime_pace,
+    live_config,
+    run_sim,
+    shifted,
+)
+from bench.metrics import compute_metrics
+from bench.runner import BenchConfig, build, sim_config
+from common.wire import IterationMix, IterationRecord
 
 
 def test_the_twin_runs_at_the_geometric_mean_of_the_learned_factors() -> None:
@@ -80,3 +98,77 @@ def test_the_twin_adds_the_serving_overhead_to_every_token() -> None:
     assert record.arrival_s == 1.0  # the client sent it when it did
     assert unfinished.first_token_s is None and unfinished.finish_s is None
     assert out is result and shifted(result, 0.0) is result
+
+
+def _record(i: int, seconds: float, mix: IterationMix | None) -> IterationRecord:
+    return IterationRecord(i, float(i), seconds, 0.01, mix)
+
+
+def _mix(shape: BatchShape) -> IterationMix:
+    return IterationMix(**msgspec.structs.asdict(shape))
+
+
+def test_only_iterations_that_ran_a_known_token_mix_are_samples_of_the_engine() -> None:
+    decodes = shape_of([100, 200], [])
+    records = [
+        _record(1, 0.02, _mix(decodes)),
+        _record(2, 0.03, None),  # SGLang's own admission ran it: mix unknown
+        _record(3, 0.0, _mix(decodes)),  # no time measured
+        _record(4, 0.01, _mix(BatchShape())),  # nothing ran
+    ]
+    (sample,) = engine_samples(records)
+    assert sample.shape == decodes and sample.seconds == 0.02
+
+
+def _engine_shapes() -> list[BatchShape]:
+    """Decode batches of 1-64 requests, prompts alone and prompts beside decodes."""
+    shapes = [shape_of([300 + 10 * i] * n, []) for n in range(1, 65) for i in range(3)]
+    shapes += [
+        shape_of([], [(chunk, prefix)]) for chunk in (16, 64, 256, 512) for prefix in (0, 500)
+    ]
+    shapes += [shape_of([400] * n, [(chunk, 0)]) for n in (1, 8, 32) for chunk in (32, 128, 512)]
+    return shapes
+
+
+def test_the_twins_engine_is_fitted_to_the_real_engines_iterations() -> None:
+    """A real engine whose decode cost grows more slowly with the batch than its profile says
+    (large decode batches cheaper, small ones dearer): no single pace makes the profile
+    predict it, the fit to its own iterations does."""
+    profile = LatencyModel([0.004, 0.02, 0.004, 0.0, 0.0, 0.0, 0.0005, 0.0])
+    real = LatencyModel([0.008, 0.02, 0.001, 0.0, 0.0, 0.0, 0.0002, 0.0])
+    samples = [ProfileSample(shape=s, seconds=real.predict(s)) for s in _engine_shapes()]
+    fitted = fit_engine(samples)
+    for s in samples:
+        assert fitted.predict(s.shape) == pytest.approx(s.seconds, rel=0.02)
+    one_decode, full_batch = shape_of([300], []), shape_of([300] * 64, [])
+    profile_ratio = profile.predict(full_batch) / profile.predict(one_decode)
+    real_ratio = real.predict(full_batch) / real.predict(one_decode)
+    assert profile_ratio > 1.5 * real_ratio  # the shapes differ: a pace cannot fix that
+
+
+def test_the_twin_runs_its_batches_at_the_fitted_engines_times() -> None:
+    """Every policy plans with the profile; the twin's iterations take what the engine fitted
+    to the real run's iterations says: an engine twice as slow doubles the token times."""
+    config = live_config(
+        BenchConfig(workload="W1", out_dir=Path("unused"), engine="sglang", duration_s=5.0)
+    )
+    profile = load_profile(resolve_profile(config.profile))
+    latency = LatencyModel.fit(profile.samples)
+    workload, kv = build(config, latency, profile)
+    run = LiveRun(
+        config=config,
+        workload=workload,
+        profile_name="cpu-tiny",
+        kv_capacity_tokens=kv,
+        rt_capacity_req_s=None,
+        rt_rate_req_s=2.0,
+        policy_options={},
+        sim_regime_pace=(3.0, 3.0, 3.0),  # not what the twin runs at once an engine is fitted
+    )
+    base = sim_config(profile, kv, workload)
+    tpot: dict[str, float] = {}
+    for name, weights in (("as profiled", 1.0), ("twice as slow", 2.0)):
+        run.sim_engine = LatencyModel([w * weights for w in latency.weights])
+        metrics = compute_metrics(run_sim("fcfs", run, latency, base), workload.window_s)
+        tpot[name] = float(metrics["rt_tpot_mean_s"] or 0.0)
+    assert tpot["twice as slow"] == pytest.approx(2.0 * tpot["as profiled"], rel=0.1)
