@@ -160,3 +160,31 @@ def test_a_zero_stretch_keeps_be_decodes_out_even_when_the_model_calls_them_free
 
     assert be_decodes(rt_stretch=0.0) == []
     assert be_decodes(rt_stretch=0.3) == ["be0", "be1", "be2"]  # free riders within the stretch
+
+
+def test_be_is_paused_to_its_floor_while_rt_prompts_wait_for_time() -> None:
+    """RT prompt work left over after the RT part of the plan: BE's time share and the stretch
+    give way, and BE gets only its starvation floor before an RT request waits for it; the
+    share comes back once the RT prompts fit."""
+    options = {**WIDE_OPEN, "be_min_share": 0.05, "rt_stretch": 0.3, "be_min_time_share": 0.25}
+    policy = make_policy(**options)
+
+    def backlog(i: int) -> dict[str, int]:
+        # 500 + 3000 prompt tokens, 10 + 70 ms alone: the second is cut at τ = 40 ms and waits
+        short = make_request(f"a{i}", prompt_len=500, ttft_target_s=5.0)
+        long = make_request(f"b{i}", prompt_len=3000, ttft_target_s=5.0, arrival_s=NOW - 0.001)
+        be = make_request(f"be{i}", tier="be", prompt_len=5000)
+        got = chunks(policy.plan(snapshot(waiting=[short, long, be])))
+        assert got[f"a{i}"] + got[f"b{i}"] < 3500  # RT prompt work is left over
+        return got
+
+    for i in range(10):
+        # 5 % of the RT work's 40 ms (2 ms), though BE fell far behind its 25 % share (which
+        # would give it 40 / 0.75 − 40 = 13 ms)
+        assert backlog(i)[f"be{i}"] == pytest.approx(100, abs=1)
+    assert policy._be_time_share() < 0.25
+    # RT's prompt fits (10 + 10 ms): BE is behind, and gets its share of the time back
+    rt = make_request("rt", prompt_len=500, ttft_target_s=5.0)
+    be = make_request("be", tier="be", prompt_len=5000)
+    got = chunks(policy.plan(snapshot(waiting=[rt, be])))
+    assert got["rt"] == 500 and got["be"] == pytest.approx(333, abs=2)  # 20 / 0.75 − 20 ms

@@ -5,11 +5,13 @@ the KV left after the RT headroom.
                                                             (1 when no RT is around)
           ≤ T(RT part) × (1 + rt_stretch)  when the batch carries RT work and rt_stretch is
                                            set (RT tokens barely notice BE; × the first-token
-                                           share when it emits RT first tokens)
+                                           share when it emits RT first tokens; 0 while RT
+                                           prompt work is left over: `rt_backlog`)
           ≥ T(RT part) + be_min_share × τ  when BE has work   (BE never starves; with
                                            rt_stretch: + be_min_share × T(RT part), and
                                            BE's be_min_time_share of it while BE is behind
-                                           that share of the recent engine time)
+                                           that share of the recent engine time and no RT
+                                           prompt work is left over)
           ≤ hard cap                                        (never makes an RT token late)
     and τ itself was lowered to the tightest allowance of a running BE deadline
     (`cap_for_be_deadlines`, before the RT prompts: its JCT is kept, AccelGen)
@@ -67,12 +69,17 @@ def be_time_limit(ctx: PlanContext) -> float:
         # iteration after a first token is still on its TTFT.
         if ctx.batch.first_tokens or any(r.generated <= 1 for r in ctx.view.rt_decode):
             stretch *= cfg.first_token_be_frac
+        if ctx.rt_backlog:
+            # RT prompts wait for time: BE is paused down to its starvation floor before any
+            # RT request waits for it (without this, at the RT load the engine can just carry,
+            # BE's stretch and time share took the capacity the SLO admission then shed RT for)
+            stretch = 0.0
         limit = min(limit, t_rt * (1.0 + stretch))
         # the floor in the stretch's terms: a share of the RT work's own time, not of τ (on an
         # engine whose τ is 10× its RT iterations, 5 % of τ would double them)
         floor = t_rt * (1.0 + cfg.be_min_share)
-        if ctx.be_time_share < cfg.be_min_time_share:  # BE fell behind its share of the time
-            floor = max(floor, t_rt / (1.0 - cfg.be_min_time_share))
+        if ctx.be_time_share < cfg.be_min_time_share and not ctx.rt_backlog:
+            floor = max(floor, t_rt / (1.0 - cfg.be_min_time_share))  # BE fell behind its share
     return min(max(limit, floor), ctx.hard_s)
 
 

@@ -81,7 +81,8 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
     no BE at all; the BE starvation floor still applies). None: only τ and the RT deadlines
     bound it, so BE stretches RT iterations up to what the contracts allow. A contract is a
     bound, not what a user is used to: with a lax TPOT target (100 ms) on a fast engine (10 ms
-    alone), the deadlines alone would let BE make every RT token ×9 slower, within contract."""
+    alone), the deadlines alone would let BE make every RT token ×9 slower, within contract.
+    No stretch while RT prompt work is left over after the RT part of the plan."""
     rt_active_window_s: float = 10.0
     """With `rt_stretch` set: for this long after an RT request was last waiting or running, an
     iteration without RT work is held to the predicted time of a typical RT request's first
@@ -97,7 +98,10 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
     """With `rt_stretch` set: BE's share of the engine's time (predicted, over about the last
     second in which BE had work) is kept at least this. An iteration with RT work gives BE up to
     this share of it while BE is behind, whatever the stretch allows: under sustained RT load,
-    with RT first tokens in nearly every iteration, the stretch alone starves BE."""
+    with RT first tokens in nearly every iteration, the stretch alone starves BE. Neither this
+    share nor the stretch applies while RT prompt work is left over after the RT part of the
+    plan (RT lacks time: BE is paused down to `be_min_share` before an RT request waits for
+    it)."""
     be_max_wait_s: float = 60.0
     """A waiting BE request older than this is admitted before the caller's order (aging)."""
     be_order_prob: float = 0.8

@@ -83,6 +83,10 @@ class PlanContext:
     """No RT token in the batch may be emitted later than now + this (its allowance)."""
     be_time_share: float = 1.0
     """BE's recent share of the engine's predicted time while it had work (1: not behind)."""
+    rt_backlog: bool = False
+    """RT prompt work is left after the RT phase (a prompt waiting, or one mid-prefill with
+    more left than this plan's chunk): RT is what the engine lacks time for, so BE gets only
+    its starvation floor, not `rt_stretch` or `be_min_time_share` (set by the policy)."""
 
     def cap_tau(self) -> None:
         """Keeps τ within (1 − ε) × the hard cap."""

@@ -135,6 +135,7 @@ class TandemPolicy(PolicyBase):
         run_rt_decodes(ctx)  # stall-free; hard cap and τ ≤ L from their deadlines
         cap_for_be_deadlines(ctx)  # τ ≤ the tightest JCT allowance of a running BE
         run_rt_prefills(ctx)  # slack order; urgent ones raise τ; best-fit window; ERA
+        ctx.rt_backlog = self._rt_left(ctx, snapshot)
         rt_s = ctx.batch.time_s() if (ctx.batch.decodes or ctx.batch.prefills) else 0.0
         be_has_work = bool(view.be_decode or view.be_partial or len(self.be_queue))
         run_be_phase(ctx)  # BE decodes, partial prompts, admissions in what is left
@@ -212,6 +213,15 @@ class TandemPolicy(PolicyBase):
             has_rt=has_rt,
             be_time_share=self._be_time_share(),
             budget_s=self._rt_budget_s() if has_rt else self._be_alone_budget_s(snap.now_s),
+        )
+
+    def _rt_left(self, ctx: PlanContext, snapshot: Snapshot) -> bool:
+        """Some RT prompt work is left after the RT phase: a tenant's request (health probes
+        aside) waiting, started or mid-prefill whose prompt this plan does not finish."""
+        chunks = {c.rid: c.tokens for c in ctx.batch.prefills}
+        return any(
+            not r.is_probe and r.prefill_len - r.prefilled > chunks.get(r.rid, 0)
+            for r in itertools.chain(ctx.view.rt_partial, waiting_in(snapshot, "rt"))
         )
 
     def _note_be_time(self, rt_s: float, total_s: float) -> None:
