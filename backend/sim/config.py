@@ -126,6 +126,13 @@ class SimConfig(msgspec.Struct, frozen=True):
     slo_unattainable: SloUnattainable = "reject"
     """The RT contract's answer when the SLO admission predicts a miss (backend/sim/front_door.py;
     only for a policy that asks for the admission: `PolicyBase.slo_forecaster`)."""
+    ttft_feedback: bool = False
+    """The front door also learns from outcomes, as the gateway does: each admitted RT request,
+    once finished, tells it how much later its first token came than forecast
+    (`backend.policy.feasibility.TtftFeedback`), and later forecasts add what it learned. Off by
+    default: the simulator's forecast reads the engine's exact state at each arrival, and the
+    sim benches' results stay comparable run to run; the live bench's twin, which replays a run
+    through the gateway, turns it on. One engine only (`simulate`)."""
 
     def slowdown_at(self, t_s: float) -> float:
         """The slowdown factor in effect at simulated time `t_s` (1.0 without a schedule)."""

@@ -56,7 +56,7 @@ def simulate(
     and StalledPolicyError when the policy stops making progress.
     """
     core = EngineCore(config, policy.name)
-    door = front_door_for(policy, config.slo_unattainable)
+    door = front_door_for(policy, config.slo_unattainable, ttft_feedback=config.ttft_feedback)
     log = IterationLog(config.kv_capacity_tokens)
     clock = _Clock(config.horizon_s)
     next_progress = 0.0
@@ -75,9 +75,15 @@ def simulate(
                 break
             continue
         slowdown = config.slowdown_at(clock.now_s)
-        duration = _iterate(
-            core, policy, latency, source, log, clock.now_s, slowdown, config.regime_slowdowns
+        step = start_iteration(
+            core, policy, latency, clock.now_s, slowdown, regime_slowdowns=config.regime_slowdowns
         )
+        duration = None if step is None else step.duration_s
+        if step is not None:
+            finished = end_iteration(core, policy, source, log, step)
+            if door is not None and door.feedback is not None:
+                for t in finished:
+                    door.learn(t.state.rid, t.state.first_token_s, clock.now_s + step.duration_s)
         if duration is None:  # nothing to run until something arrives
             if not _jump_to_arrival(source, clock):
                 if clock.now_s >= clock.horizon_s:
@@ -115,29 +121,6 @@ def _jump_to_arrival(source: ArrivalSource, clock: _Clock) -> bool:
         return False
     clock.now_s = max(clock.now_s, nxt)
     return True
-
-
-def _iterate(
-    core: EngineCore,
-    policy: Policy,
-    latency: LatencyModel,
-    source: ArrivalSource,
-    log: IterationLog,
-    now_s: float,
-    slowdown: float = 1.0,
-    regime_slowdowns: tuple[float, ...] = (),
-) -> float | None:
-    """Plans and runs one iteration at `now_s`; its duration, or None when the plan was
-    empty. The engine's compute takes `slowdown` × the model's prediction (× the batch
-    regime's factor of `regime_slowdowns`); the policy only sees the resulting duration in
-    `observe`."""
-    step = start_iteration(
-        core, policy, latency, now_s, slowdown, regime_slowdowns=regime_slowdowns
-    )
-    if step is None:
-        return None
-    end_iteration(core, policy, source, log, step)
-    return step.duration_s
 
 
 class Step:

@@ -23,7 +23,7 @@ import msgspec
 
 from backend.policy.calibration import PaceSpread
 from backend.policy.common import PolicyBase
-from backend.policy.feasibility import SloAsk, SloForecaster, load_of
+from backend.policy.feasibility import SloAsk, SloForecaster, TtftFeedback, load_of
 from backend.policy.load_report import policy_calibration_samples, policy_rt_fair_counters
 from backend.policy.types import Policy, Snapshot
 from backend.sim.config import SloUnattainable
@@ -41,8 +41,15 @@ class FrontDoor:
         on_unattainable: SloUnattainable,
         calibration_samples: Callable[[], int] = lambda: 0,
         rt_fair_counters: Callable[[], Mapping[str, float]] = dict,
+        feedback: TtftFeedback | None = None,
     ) -> None:
         self.forecaster = forecaster
+        self.feedback = feedback
+        """What admitted requests' first tokens taught the forecast (the gateway's
+        `TtftFeedback`); None: forecasts are the model's alone."""
+        self._forecasts: dict[str, tuple[float, float]] = {}
+        """rid → (TTFT forecast from admission, admission time) of an admitted RT request, until
+        it finishes and teaches `feedback`."""
         self.latency_factors = latency_factors
         """The engine's pace as the policy has learned it, read at every forecast."""
         self.calibration_samples = calibration_samples
@@ -74,7 +81,21 @@ class FrontDoor:
             rt_fair_counters=self.rt_fair_counters(),
         )
         ask = slo_ask(req, now_s)
-        return self.outcome(req, self.forecaster.forecast(load, ask).feasible)
+        extra_s = self.feedback.extra_s(now_s) if self.feedback is not None else 0.0
+        forecast = self.forecaster.forecast(load, ask, ttft_extra_s=extra_s)
+        if forecast.feasible and self.feedback is not None:
+            # the model's own forecast from now, as the gateway keeps it (admission.py)
+            self._forecasts[req.rid] = (forecast.ttft_s - ask.waited_s - extra_s, now_s)
+        return self.outcome(req, forecast.feasible)
+
+    def learn(self, rid: str, first_token_s: float | None, now_s: float) -> None:
+        """Request *rid* finished at *now_s*, its first token at *first_token_s*: an admitted RT
+        request teaches the feedback, as the gateway's usage record of it does."""
+        kept = self._forecasts.pop(rid, None)
+        if kept is None or self.feedback is None or first_token_s is None:
+            return
+        forecast_s, admitted_s = kept
+        self.feedback.observe(forecast_s, first_token_s - admitted_s, now_s)
 
     def outcome(self, req: SimRequest, feasible: bool) -> SimRequest | None:
         """What the contract makes of an RT request whose forecast is *feasible* or not: the
@@ -106,8 +127,11 @@ def slo_ask(req: SimRequest, now_s: float) -> SloAsk:
     )
 
 
-def front_door_for(policy: Policy, on_unattainable: SloUnattainable) -> FrontDoor | None:
-    """The front door a policy asks for (`PolicyBase.slo_forecaster`); None: admit everything."""
+def front_door_for(
+    policy: Policy, on_unattainable: SloUnattainable, *, ttft_feedback: bool = False
+) -> FrontDoor | None:
+    """The front door a policy asks for (`PolicyBase.slo_forecaster`); None: admit everything.
+    *ttft_feedback*: it learns from outcomes (`SimConfig.ttft_feedback`)."""
     if not isinstance(policy, PolicyBase):
         return None
     forecaster = policy.slo_forecaster()
@@ -119,6 +143,7 @@ def front_door_for(policy: Policy, on_unattainable: SloUnattainable) -> FrontDoo
         on_unattainable,
         lambda: policy_calibration_samples(policy),
         lambda: policy_rt_fair_counters(policy),
+        TtftFeedback() if ttft_feedback else None,
     )
 
 

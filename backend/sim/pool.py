@@ -162,6 +162,8 @@ def simulate_pool(
     Raises what the single-engine simulator raises (InfeasiblePlanError, StalledPolicyError)."""
     if not policies:
         raise ValueError("a pool needs at least one replica")
+    if config.ttft_feedback:
+        raise ValueError("ttft_feedback is modelled for one engine (simulate), not for a pool")
     members = [_Member(i, p, config) for i, p in enumerate(policies)]
     door = front_door_for(policies[0], config.slo_unattainable)
     forecaster = forecaster or (door.forecaster if door is not None else None)

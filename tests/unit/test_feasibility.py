@@ -441,6 +441,33 @@ def test_the_front_door_follows_the_policys_fair_share_counters() -> None:
     assert counted.outcomes == {steady.rid: "shed"}
 
 
+def test_the_front_door_learns_from_outcomes_as_the_gateway_does() -> None:
+    """With `ttft_feedback`, an admitted request whose first token came later than forecast
+    (once finished, as the gateway's usage record of it) makes later forecasts add the lesson:
+    a request the model alone admits is then shed."""
+    snap = make_snapshot(waiting=[make_req("q", prompt_len=2000)], kv_capacity=400_000)
+    first = make_request(rid="first", prompt_len=1000, ttft_target_s=0.5)
+    later = make_request(rid="later", prompt_len=1000, ttft_target_s=0.5, arrival_s=2.0)
+    blind = FrontDoor(FORECASTER, lambda: (1.0, 1.0, 1.0), "reject")
+    taught = FrontDoor(FORECASTER, lambda: (1.0, 1.0, 1.0), "reject", feedback=TtftFeedback())
+    for door in (blind, taught):
+        assert door.admit(first, snap, now_s=0.0) is first
+        door.learn("first", first_token_s=1.2, now_s=2.0)  # 1.2 s after admission, not ~0.1
+    assert blind.admit(later, snap, now_s=2.0) is later
+    assert taught.admit(later, snap, now_s=2.0) is None
+    assert taught.outcomes == {"later": "shed"}
+    taught.learn("unknown", first_token_s=1.0, now_s=2.0)  # shed or never forecast: no lesson
+
+
+def test_the_simulators_admission_learns_only_when_asked_and_for_one_engine() -> None:
+    from backend.policy.placement import make_router
+    from backend.sim.pool import simulate_pool
+
+    config = SimConfig(kv_capacity_tokens=100_000, ttft_feedback=True)
+    with pytest.raises(ValueError, match="one engine"):
+        simulate_pool(ListSource([]), [make_policy()], LATENCY, config, make_router("round-robin"))
+
+
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="headroom"):
         SloForecaster(LATENCY, headroom=1.5)
