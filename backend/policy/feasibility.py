@@ -168,6 +168,7 @@ class SloForecaster:
         budget_pace_max: float = 1.0,
         headroom: float = 0.85,
         min_chunk_tokens: int = 64,
+        split_min_gain: float | None = None,
     ) -> None:
         if not 0.0 < headroom <= 1.0:
             raise ValueError(f"headroom must be in (0, 1], got {headroom}")
@@ -184,6 +185,9 @@ class SloForecaster:
         self.min_chunk_tokens = min_chunk_tokens
         """Smallest chunk assumed per iteration (the policy raises τ for urgent prompts rather
         than starve them), tokens."""
+        self.split_min_gain = split_min_gain
+        """The engine's policy runs prompts and decodes in iterations of their own where the
+        model says that is this fraction faster (tandem's `split_mixed`); None: never."""
         self._chunks: dict[tuple[int, int, float, float, int], int] = {}
         self._last_chunk: dict[tuple[float, float, int], int] = {}
         # The chunk is a search over the latency model (a binary search is ~15 predictions,
@@ -256,13 +260,33 @@ class SloForecaster:
             budget_s = min(budget_s, ask.tpot_target_s)
         f_chunk = f_mixed if running.num_decode else f_prefill
         chunk = self._chunk(running, budget_s, f_chunk, load)
+
+        # with `split_mixed` the engine may run the prompts alone, the decodes after them
+        split_decode_s: float | None = None
+        gain = self.split_min_gain
+        if gain is not None and running.num_decode:
+            alone = self._chunk(BatchShape(), budget_s, f_prefill, load)
+            decode_s = f_decode * self.latency.predict(running)
+            apart_s = f_prefill * self.latency.predict(BatchShape().with_prefill(alone))
+            mixed_s = f_chunk * self.latency.predict(running.with_prefill(alone))
+            if apart_s + decode_s <= (1.0 - gain) * mixed_s:
+                chunk, split_decode_s = alone, decode_s
+
+        def cycle_s(tokens: int) -> float:
+            """The iterations that compute *tokens* of prompt work, with the decodes' step."""
+            if split_decode_s is None:
+                return f_chunk * self.latency.predict(running.with_prefill(tokens))
+            return (
+                f_prefill * self.latency.predict(BatchShape().with_prefill(tokens)) + split_decode_s
+            )
+
         ahead_tokens, drift = work_ahead(load, ask, backlog)
         if drift > 0.0:  # n iterations serve n × chunk prompt tokens, n × drift of them owed
             ahead_tokens = math.ceil(ahead_tokens * chunk / max(chunk - drift, chunk / MAX_DRIFT))
         full, rest = divmod(ahead_tokens, chunk)
-        prefill_s = full * f_chunk * self.latency.predict(running.with_prefill(chunk))
+        prefill_s = full * cycle_s(chunk)
         if rest:
-            prefill_s += f_chunk * self.latency.predict(running.with_prefill(rest))
+            prefill_s += cycle_s(rest)
         return load.iteration_s + spread * prefill_s, tpot_s
 
     def _chunk(self, running: BatchShape, budget_s: float, factor: float, load: EngineLoad) -> int:

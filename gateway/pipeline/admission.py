@@ -402,4 +402,5 @@ def build_forecaster(config: Config) -> SloForecaster:
         budget_pace_max=options.latency_budget_pace_max if options.use_calibration else 1.0,
         headroom=options.slo_headroom,
         min_chunk_tokens=options.min_chunk_tokens,
+        split_min_gain=options.split_min_gain if options.split_mixed else None,
     )

@@ -20,6 +20,7 @@ from backend.policy.feasibility import (
     load_of,
     work_ahead,
 )
+from backend.policy.latency import LatencyModel
 from backend.sim.config import SimConfig, SloUnattainable
 from backend.sim.engine import simulate
 from backend.sim.front_door import FrontDoor
@@ -466,6 +467,30 @@ def test_the_simulators_admission_learns_only_when_asked_and_for_one_engine() ->
     config = SimConfig(kv_capacity_tokens=100_000, ttft_feedback=True)
     with pytest.raises(ValueError, match="one engine"):
         simulate_pool(ListSource([]), [make_policy()], LATENCY, config, make_router("round-robin"))
+
+
+def test_the_forecast_follows_an_engine_that_runs_prompts_and_decodes_apart() -> None:
+    """tandem's `split_mixed`: where the model says 20 decodes cost 100 ms more beside a prompt
+    than alone, the engine runs the prompt chunks alone and the decodes after them, and the
+    forecast counts those cycles, not the mixed iterations it would not run."""
+    penalty = LatencyModel([0.010, 0.020, 0.001, 0.0, 0.0, 0.0, 0.0, 0.0, 0.005])
+    load = idle_load(num_rt_running=20, rt_context_tokens=20_000)
+    ask = SloAsk(prompt_tokens=1000, ttft_target_s=0.5)
+    mixed = SloForecaster(penalty, iteration_budget_s=0.05, headroom=0.8).forecast(load, ask)
+    apart = SloForecaster(
+        penalty, iteration_budget_s=0.05, headroom=0.8, split_min_gain=0.1
+    ).forecast(load, ask)
+    # mixed: no chunk fits 50 ms beside the decodes (130 ms with any prompt): 16-token chunks
+    assert not mixed.feasible
+    # apart: the whole prompt alone (10 + 20 + 5 ms of its own square), then the decodes
+    # (10 + 20 ms): 65 ms
+    assert apart.feasible and apart.ttft_s == pytest.approx(0.065, rel=0.02)
+    # a model without the penalty: nothing to gain apart, the same forecast either way
+    plain = FORECASTER.forecast(load, ask)
+    split = SloForecaster(
+        LATENCY, iteration_budget_s=0.05, headroom=0.8, split_min_gain=0.1
+    ).forecast(load, ask)
+    assert split.ttft_s == plain.ttft_s
 
 
 def test_bad_settings_are_refused() -> None:

@@ -43,7 +43,10 @@ def run_be_phase(ctx: PlanContext) -> None:
     if not (view.be_decode or view.be_partial or len(ctx.be_queue)):
         return
     limit = be_time_limit(ctx)
-    _decode_be(ctx, limit)
+    if ctx.decodes_allowed:
+        _decode_be(ctx, limit)
+    if not ctx.prefills_allowed:
+        return
     b = ctx.batch
     for r in sorted(view.be_partial, key=lambda x: x.arrival_s):
         if b.time_s() >= limit:
@@ -57,12 +60,16 @@ def be_time_limit(ctx: PlanContext) -> float:
     """The time BE may fill this iteration up to (see the module docstring)."""
     cfg = ctx.config
     t_rt = ctx.batch.time_s()
+    # the RT work BE's allowance is measured against: the batch so far, and in the prompts'
+    # half of a split iteration the decodes it holds back (they run next, as late as BE makes
+    # this one)
+    rt_work_s = t_rt + ctx.deferred_decode_s
     share = ctx.be_frac if ctx.has_rt else 1.0  # the share protects RT; alone, BE takes all
     if ctx.batch.first_tokens:
         share *= cfg.first_token_be_frac  # BE time here delays RT first tokens (TTFT)
     limit = t_rt + share * max(0.0, ctx.tau_s - t_rt)
     floor = t_rt + cfg.be_min_share * min(ctx.tau_s, ctx.budget_s)
-    if cfg.rt_stretch is not None and (ctx.batch.decodes or ctx.batch.prefills):
+    if cfg.rt_stretch is not None and rt_work_s > 0.0:
         stretch = cfg.rt_stretch  # the batch so far is all RT
         # An RT request's first token reaches its client with the *next* iteration's output
         # (SGLang streams it then; on the CPU engine 8-14 ms after its prefill ends), so the
@@ -74,12 +81,14 @@ def be_time_limit(ctx: PlanContext) -> float:
             # RT request waits for it (without this, at the RT load the engine can just carry,
             # BE's stretch and time share took the capacity the SLO admission then shed RT for)
             stretch = 0.0
-        limit = min(limit, t_rt * (1.0 + stretch))
+        limit = min(limit, t_rt + stretch * rt_work_s)
         # the floor in the stretch's terms: a share of the RT work's own time, not of τ (on an
         # engine whose τ is 10× its RT iterations, 5 % of τ would double them)
-        floor = t_rt * (1.0 + cfg.be_min_share)
+        floor = t_rt + cfg.be_min_share * rt_work_s
         if ctx.be_time_share < cfg.be_min_time_share and not ctx.rt_backlog:
-            floor = max(floor, t_rt / (1.0 - cfg.be_min_time_share))  # BE fell behind its share
+            # BE fell behind its share
+            kept = cfg.be_min_time_share / (1.0 - cfg.be_min_time_share)
+            floor = max(floor, t_rt + kept * rt_work_s)
     return min(max(limit, floor), ctx.hard_s)
 
 

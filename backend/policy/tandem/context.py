@@ -83,6 +83,14 @@ class PlanContext:
     """No RT token in the batch may be emitted later than now + this (its allowance)."""
     be_time_share: float = 1.0
     """BE's recent share of the engine's predicted time while it had work (1: not behind)."""
+    decodes_allowed: bool = True
+    """False in the prompts' half of a split iteration (`rt_phase.split_pays`): every decode
+    sits it out."""
+    deferred_decode_s: float = 0.0
+    """In the prompts' half of a split iteration: the predicted time of the decodes' half
+    that follows (what BE's allowance is measured against, with the batch's RT work)."""
+    prefills_allowed: bool = True
+    """False in the decodes' half of a split iteration: no prompt chunk, RT or BE."""
     rt_backlog: bool = False
     """RT prompt work is left after the RT phase (a prompt waiting, or one mid-prefill with
     more left than this plan's chunk): RT is what the engine lacks time for, so BE gets only

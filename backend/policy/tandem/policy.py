@@ -40,7 +40,12 @@ from backend.policy.tandem.context import PlanContext, RunningView, split_runnin
 from backend.policy.tandem.feedback import Feedback
 from backend.policy.tandem.progress import ensure_progress
 from backend.policy.tandem.queues import BeQueue, RtQueue
-from backend.policy.tandem.rt_phase import run_rt_decodes, run_rt_prefills
+from backend.policy.tandem.rt_phase import (
+    defer_rt_decodes,
+    run_rt_decodes,
+    run_rt_prefills,
+    split_pays,
+)
 from backend.policy.tandem.timing import BatchTotals, Timer
 from backend.policy.types import IterationResult, Plan, ReqState, Snapshot
 from common.wire import Tier
@@ -95,6 +100,7 @@ class TandemPolicy(PolicyBase):
         self._last_plan: Plan | None = None
         self._last_scale = self.timer.scale  # the factors the last plan was predicted with
         self._rt_seen_s = -math.inf  # when an RT request was last waiting or running
+        self._decodes_owed = False  # the last plan ran prompts alone (`split_mixed`)
         self._rt_prompt_tokens = 0.0  # moving mean of RT prompt lengths, tokens
         self._be_time_s = 0.0  # BE's predicted time in recent iterations where it had work
         self._be_window_s = 0.0  # all predicted time of those iterations (decayed alike)
@@ -111,6 +117,7 @@ class TandemPolicy(PolicyBase):
             budget_pace_max=cfg.latency_budget_pace_max if cfg.use_calibration else 1.0,
             headroom=cfg.slo_headroom,
             min_chunk_tokens=cfg.min_chunk_tokens,
+            split_min_gain=cfg.split_min_gain if cfg.split_mixed else None,
         )
 
     def latency_factors(self) -> tuple[float, float, float]:
@@ -132,17 +139,32 @@ class TandemPolicy(PolicyBase):
         self.be_queue.sync(waiting_in(snapshot, "be"))
         self.headroom.update(snapshot.now_s, view.rt_kv_tokens)
         ctx = self._context(snapshot, view)
-        run_rt_decodes(ctx)  # stall-free; hard cap and τ ≤ L from their deadlines
+        if self._decodes_owed:  # the prompts ran alone last time: now the decodes, alone
+            ctx.prefills_allowed = not (view.rt_decode or view.be_decode)
+        elif cfg.split_mixed and split_pays(ctx):
+            ctx.decodes_allowed = False
+        if ctx.decodes_allowed:
+            run_rt_decodes(ctx)  # stall-free; hard cap and τ ≤ L from their deadlines
+        else:
+            defer_rt_decodes(ctx)  # the hard cap leaves the decodes' iteration its time
         cap_for_be_deadlines(ctx)  # τ ≤ the tightest JCT allowance of a running BE
-        run_rt_prefills(ctx)  # slack order; urgent ones raise τ; best-fit window; ERA
-        ctx.rt_backlog = self._rt_left(ctx, snapshot)
+        if ctx.prefills_allowed:
+            run_rt_prefills(ctx)  # slack order; urgent ones raise τ; best-fit window; ERA
+        # prompts held back for the decodes' half of a split iteration wait by choice, not for time
+        ctx.rt_backlog = ctx.prefills_allowed and self._rt_left(ctx, snapshot)
         rt_s = ctx.batch.time_s() if (ctx.batch.decodes or ctx.batch.prefills) else 0.0
         be_has_work = bool(view.be_decode or view.be_partial or len(self.be_queue))
         run_be_phase(ctx)  # BE decodes, partial prompts, admissions in what is left
+        if not (ctx.decodes_allowed or ctx.batch.prefills):
+            # the prompts' half found no prompt it could run (KV, slots): the decodes run now
+            ctx.decodes_allowed, ctx.prefills_allowed, ctx.deferred_decode_s = True, False, 0.0
+            run_rt_decodes(ctx)
+            run_be_phase(ctx)
         if not (ctx.batch.decodes or ctx.batch.prefills):
             ensure_progress(ctx)  # never an empty plan while there is work it could run
         if be_has_work:
             self._note_be_time(rt_s, ctx.batch.time_s())
+        self._decodes_owed = not ctx.decodes_allowed and bool(ctx.batch.prefills)
         self.feedback.expect(ctx.batch.rt_deadline_s, ctx.batch.rt_allowance_s)
         self._charge_served()
         plan = ctx.batch.plan()

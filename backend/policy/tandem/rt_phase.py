@@ -24,11 +24,71 @@ from collections.abc import Iterator
 from backend.policy.common import decode_cost, prefill_cost
 from backend.policy.tandem import slack
 from backend.policy.tandem.context import PlanContext
+from backend.policy.tandem.timing import BatchTotals
 from backend.policy.tandem.victims import evict_for, progress, victim_order
 from backend.policy.types import ReqState
 
 STOP, SKIP, DONE = 0, 1, 2
 """Outcome of trying one prompt: stop the phase, skip it (try the next), scheduled."""
+
+
+def split_pays(ctx: PlanContext) -> bool:
+    """`split_mixed`: prompt work waits beside running decodes, and the model predicts that
+    running them apart — this iteration the prompts, the decodes sitting it out, the next one
+    the decodes — clearly beats running them together (`split_min_gain`), within the RT decodes'
+    TPOT deadlines.
+
+    RT prompt work: the chunk the budget allows alone, plus the decodes alone, against the same
+    chunk beside the decodes. Else BE prompt work (with `rt_stretch`): what BE may add to the
+    decodes' time (the stretch) buys a clearly longer chunk alone than beside them."""
+    view = ctx.view
+    decoding = list(itertools.chain(view.rt_decode, view.be_decode))
+    if not decoding:
+        return False
+    timer, alone, decodes = ctx.timer, BatchTotals(), BatchTotals()
+    contexts = [r.prompt_len + r.generated for r in decoding]
+    decodes.num_decode = len(contexts)
+    decodes.decode_context = sum(contexts)
+    decodes.decode_context_sq = float(sum(c * c for c in contexts))
+    decode_s = timer.predict(decodes)
+    rt_left = sum(
+        r.prefill_len - r.prefilled
+        for r in itertools.chain(view.rt_partial, ctx.rt_queue.known.reqs.values())
+        if not r.is_probe
+    )
+    stretch, gain = ctx.config.rt_stretch, ctx.config.split_min_gain
+    if rt_left > 0:
+        cap = min(rt_left, ctx.max_prefill)
+        chunk = max(1, timer.max_chunk(alone, ctx.budget_s, prefix=0, cap=cap))
+        apart_s = timer.with_chunk(alone, chunk, 0) + decode_s
+        if apart_s > (1.0 - gain) * timer.with_chunk(decodes, chunk, 0):
+            return False
+    elif stretch and (view.be_partial or len(ctx.be_queue)):
+        extra_s = stretch * decode_s
+        beside = timer.max_chunk(decodes, decode_s + extra_s, prefix=0, cap=ctx.max_prefill)
+        apart = timer.max_chunk(alone, extra_s, prefix=0, cap=ctx.max_prefill)
+        if apart < max(ctx.config.min_chunk_tokens, (1.0 + gain) * beside):
+            return False
+        apart_s = extra_s + decode_s
+    else:
+        return False
+    deadline = slack.decode_deadline(view.rt_decode, ctx.now_s, decode_s)
+    return apart_s <= (1 - ctx.eps) * (deadline - ctx.now_s)
+
+
+def defer_rt_decodes(ctx: PlanContext) -> None:
+    """The prompts' half of a split iteration: no decode runs, and the hard cap leaves the
+    decodes' own iteration, which follows, within their deadlines."""
+    view = ctx.view
+    contexts = [r.prompt_len + r.generated for r in itertools.chain(view.rt_decode, view.be_decode)]
+    decode_s = ctx.timer.with_decodes(
+        BatchTotals(), len(contexts), sum(contexts), float(sum(c * c for c in contexts))
+    )
+    deadline = slack.decode_deadline(view.rt_decode, ctx.now_s, decode_s)
+    ctx.deferred_decode_s = decode_s
+    ctx.hard_s = deadline - ctx.now_s - decode_s
+    ctx.tau_s = ctx.budget_s
+    ctx.cap_tau()
 
 
 def run_rt_decodes(ctx: PlanContext) -> None:

@@ -1,0 +1,84 @@
+"""`split_mixed`: where the latency model says the decodes and the prompts of an iteration cost
+clearly more together than apart (SGLang's torch-native CPU backend recomputes every decode in a
+batch with a prompt), the prompts run in an iteration of their own, the decodes sitting it out
+within their TPOT deadlines, and the decodes in the next one, with no prompt."""
+
+from __future__ import annotations
+
+from backend.policy.latency import LatencyModel
+from backend.policy.tandem.config import TandemConfig
+from backend.policy.tandem.policy import TandemPolicy
+from backend.policy.types import Plan
+from tests.unit.tandem_factories import LATENCY, NOW, chunks, make_request, snapshot
+
+MIXED_COST = LatencyModel([0.010, 0.020, 0.001, 0.0, 0.0, 0.0, 0.0, 0.0, 0.005])
+"""LATENCY plus 5 ms per (1K tokens)² of full-square attention: 20 decodes at 1K context cost
+100 ms more beside a prompt than alone."""
+
+OPTIONS = {"latency_budget_s": 0.04, "split_mixed": True}
+
+
+def policy(latency: LatencyModel = MIXED_COST, **options: object) -> TandemPolicy:
+    return TandemPolicy(latency, config=TandemConfig(**{**OPTIONS, **options}))  # type: ignore[arg-type]
+
+
+def decoding(count: int = 20, *, last_token_s: float = NOW, tpot_s: float = 0.5) -> list:
+    return [
+        make_request(
+            f"d{i}",
+            prompt_len=999,
+            running=True,
+            generated=1,
+            tpot_target_s=tpot_s,
+            last_token_s=last_token_s,
+        )
+        for i in range(count)
+    ]
+
+
+def kinds(plan: Plan) -> tuple[int, int]:
+    """(decodes, prompt chunks) of a plan."""
+    return len(plan.decodes), len(plan.prefills)
+
+
+def test_prompts_run_alone_then_the_decodes_alone() -> None:
+    running = decoding()
+    prompt = make_request("p", prompt_len=200, ttft_target_s=2.0)
+    split = policy()
+    first = split.plan(snapshot(waiting=[prompt], running=running))
+    assert kinds(first) == (0, 1) and chunks(first) == {"p": 200}  # 10 + 4 ms, not 10 + 4 + 100
+    # the decodes' turn: a prompt that came meanwhile waits for the next iteration
+    late = make_request("q", prompt_len=200, ttft_target_s=2.0, arrival_s=NOW)
+    second = split.plan(snapshot(waiting=[late], running=running, now_s=NOW + 0.02))
+    assert kinds(second) == (20, 0)
+    third = split.plan(snapshot(waiting=[late], running=running, now_s=NOW + 0.06))
+    assert kinds(third) == (0, 1)  # and so on, in turn
+    # without the option: stall-free mixed batches, as ever
+    mixed = policy(split_mixed=False).plan(snapshot(waiting=[prompt], running=running))
+    assert kinds(mixed) == (20, 1)
+
+
+def test_no_split_where_the_model_gives_it_nothing() -> None:
+    # a GPU-style model: the decodes cost the same beside a prompt; apart pays the fixed
+    # per-iteration cost twice
+    plan = policy(LATENCY).plan(snapshot(waiting=[make_request("p")], running=decoding()))
+    assert kinds(plan) == (20, 1)
+
+
+def test_no_split_that_would_make_a_decode_late() -> None:
+    # tokens due in 45 ms: the prompt's iteration and then the decodes' (14 + 30 ms) would miss
+    running = decoding(tpot_s=0.06, last_token_s=NOW - 0.015)
+    plan = policy().plan(snapshot(waiting=[make_request("p", prompt_len=200)], running=running))
+    assert len(plan.decodes) == 20
+
+
+def test_be_prompts_get_an_iteration_of_their_own_within_the_stretch() -> None:
+    # beside 20 decodes (30 ms alone) a BE chunk costs the 100 ms penalty first: the stretch
+    # (50 % of 30 ms) buys nothing there, and 15 ms alone: 250 tokens after the fixed 10 ms
+    be = make_request("be", tier="be", prompt_len=5000)
+    split = policy(rt_stretch=0.5, be_min_share=0.0, be_frac_init=1.0)
+    first = split.plan(snapshot(waiting=[be], running=decoding()))
+    assert kinds(first) == (0, 1)
+    assert 200 <= chunks(first)["be"] <= 250
+    second = split.plan(snapshot(waiting=[], running=decoding(), now_s=NOW + 0.01))
+    assert kinds(second) == (20, 0)
