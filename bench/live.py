@@ -231,7 +231,7 @@ def run_live(config: BenchConfig) -> LiveRun:
             samples = engine_samples(iterations)
             _save_iterations(run.config.out_dir / "live" / name / "iterations.json", iterations)
             if len(samples) >= MIN_ENGINE_SAMPLES:
-                run.sim_engine = fit_engine(samples)
+                run.sim_engine = fit_engine(samples, paced_samples(profile, run.sim_regime_pace))
                 run.sim_engine_iterations = len(samples)
                 run.sim_engine_error = {
                     **_spread("fitted", run.sim_engine.predict, samples),
@@ -694,12 +694,28 @@ def engine_samples(iterations: Sequence[IterationRecord]) -> list[ProfileSample]
     ]
 
 
-def fit_engine(samples: Sequence[ProfileSample]) -> LatencyModel:
+def fit_engine(
+    samples: Sequence[ProfileSample], anchors: Sequence[ProfileSample] = ()
+) -> LatencyModel:
     """The twin's engine: the latency model's form fitted to the real engine's iterations
     (`LatencyModel.fit`: relative error, non-negative weights, two pieces where they fit
-    clearly better). The fit only knows the shapes the run had; the twin replays the same
-    workload, whose shapes stay near them."""
-    return LatencyModel.fit(samples)
+    clearly better), with *anchors* for the shapes tandem's run did not have (the profile's
+    samples at the run's pace: the stock baselines run large mixed batches that tandem, which
+    runs prompts and decodes apart on this engine, hardly ever does)."""
+    return LatencyModel.fit([*samples, *anchors])
+
+
+def paced_samples(profile: Profile, regime_pace: tuple[float, ...]) -> list[ProfileSample]:
+    """The profile's samples at *regime_pace* (unchanged where it is empty)."""
+    if not regime_pace:
+        return list(profile.samples)
+    return [
+        ProfileSample(
+            shape=s.shape,
+            seconds=s.seconds * regime_pace[regime_of(s.shape.num_prefill, s.shape.num_decode)],
+        )
+        for s in profile.samples
+    ]
 
 
 def _paced(latency: LatencyModel, regime_pace: tuple[float, ...]) -> Callable[[BatchShape], float]:

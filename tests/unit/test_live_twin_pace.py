@@ -23,6 +23,7 @@ from bench.live import (
     learned_pace,
     learned_regime_pace,
     live_config,
+    paced_samples,
     run_sim,
     shifted,
 )
@@ -172,3 +173,13 @@ def test_the_twin_runs_its_batches_at_the_fitted_engines_times() -> None:
         metrics = compute_metrics(run_sim("fcfs", run, latency, base), workload.window_s)
         tpot[name] = float(metrics["rt_tpot_mean_s"] or 0.0)
     assert tpot["twice as slow"] == pytest.approx(2.0 * tpot["as profiled"], rel=0.1)
+
+
+def test_the_profile_anchors_the_fit_at_the_runs_pace_per_regime() -> None:
+    profile = load_profile(resolve_profile("cpu-tiny"))
+    paced = paced_samples(profile, (2.0, 3.0, 4.0))
+    for before, after in zip(profile.samples, paced, strict=True):
+        regime = 0 if not before.shape.num_prefill else 1 if not before.shape.num_decode else 2
+        assert after.shape == before.shape
+        assert after.seconds == pytest.approx(before.seconds * (2.0, 3.0, 4.0)[regime])
+    assert paced_samples(profile, ()) == list(profile.samples)
