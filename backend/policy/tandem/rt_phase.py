@@ -64,7 +64,8 @@ def split_pays(ctx: PlanContext) -> bool:
         if apart_s > (1.0 - gain) * timer.with_chunk(decodes, chunk, 0):
             return False
     elif stretch and (view.be_partial or len(ctx.be_queue)):
-        extra_s = stretch * decode_s
+        # a BE prompt's own iteration is one an RT arrival waits for, as a BE-alone one
+        extra_s = min(stretch * decode_s, ctx.be_alone_s)
         beside = timer.max_chunk(decodes, decode_s + extra_s, prefix=0, cap=ctx.max_prefill)
         apart = timer.max_chunk(alone, extra_s, prefix=0, cap=ctx.max_prefill)
         if apart < max(ctx.config.min_chunk_tokens, (1.0 + gain) * beside):
