@@ -72,22 +72,15 @@ def test_no_split_that_would_make_a_decode_late() -> None:
     assert len(plan.decodes) == 20
 
 
-def test_be_prompts_get_an_iteration_of_their_own_within_the_stretch() -> None:
-    # beside 20 decodes (30 ms alone) a BE chunk costs the 100 ms penalty first: the stretch
-    # (50 % of 30 ms) buys nothing there, and 15 ms alone: 250 tokens after the fixed 10 ms
-    # (an RT prompt of 500 tokens, 20 ms alone, came just before: an iteration of BE alone may
-    # last that long now, as one an RT arrival waits for)
+def test_be_prompts_ride_in_the_rt_prompts_iteration_but_get_none_of_their_own() -> None:
+    typical = make_request("rt", prompt_len=200, ttft_target_s=2.0)
     be = make_request("be", tier="be", prompt_len=5000)
-    typical = make_request("rt", prompt_len=500, ttft_target_s=5.0)
     split = policy(rt_stretch=0.5, be_min_share=0.0, be_frac_init=1.0)
-    split.plan(snapshot(waiting=[typical], now_s=NOW - 1.0))
-    first = split.plan(snapshot(waiting=[be], running=decoding()))
-    assert kinds(first) == (0, 1)
-    assert 200 <= chunks(first)["be"] <= 250
-    # held to a quarter of the RT prompt's iteration (5 ms), a BE-alone iteration would not even
-    # pay its fixed 10 ms: BE's prompt waits, the decodes run
-    short = policy(rt_stretch=0.5, be_min_share=0.0, be_frac_init=1.0, rt_active_be_frac=0.25)
-    short.plan(snapshot(waiting=[typical], now_s=NOW - 1.0))
-    assert len(short.plan(snapshot(waiting=[be], running=decoding())).decodes) == 20
-    second = split.plan(snapshot(waiting=[], running=decoding(), now_s=NOW + 0.01))
-    assert kinds(second) == (20, 0)
+    # the RT prompt's iteration (14 ms) with the decodes' (30 ms) held back: BE may add half of
+    # the pair's RT work, 22 ms, of its own prompt (20 ms per 1K tokens and its own square)
+    first = split.plan(snapshot(waiting=[typical, be], running=decoding()))
+    assert kinds(first) == (0, 2) and chunks(first)["rt"] == 200
+    assert 850 <= chunks(first)["be"] <= 1100
+    # BE's prompt alone beside running decodes: the decodes run, BE waits its turn
+    alone = policy(rt_stretch=0.5, be_min_share=0.0, be_frac_init=1.0)
+    assert len(alone.plan(snapshot(waiting=[be], running=decoding())).decodes) == 20

@@ -82,8 +82,6 @@ def be_time_limit(ctx: PlanContext) -> float:
             # BE's stretch and time share took the capacity the SLO admission then shed RT for)
             stretch = 0.0
         limit = min(limit, t_rt + stretch * rt_work_s)
-        if t_rt == 0.0:  # BE prompts' own iteration of a split: an RT arrival waits for it
-            limit = min(limit, ctx.be_alone_s)
         # the floor in the stretch's terms: a share of the RT work's own time, not of τ (on an
         # engine whose τ is 10× its RT iterations, 5 % of τ would double them)
         floor = t_rt + cfg.be_min_share * rt_work_s

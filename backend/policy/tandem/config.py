@@ -131,14 +131,14 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
     requests are offered tenant by tenant, the least served (weighted tokens) first; off: one
     queue per tier, whatever the tenant."""
     split_mixed: bool = False
-    """When the latency model says the decodes and the prompts of an iteration cost clearly
+    """When the latency model says the decodes and the RT prompts of an iteration cost clearly
     more together than apart (`split_min_gain`), run them apart: an iteration of
-    prompts, the decodes sitting it out where their TPOT deadlines allow, then one of decodes
-    with no prompt. SGLang's torch-native attention (the CPU engine) recomputes every decode as
-    a 1-token extend over its whole context in a batch with a prompt: 62 decodes and a 31-token
-    prompt took 190 ms together, 60 ms and about 15 ms apart. Off: stall-free mixed batches
-    always (a GPU backend's model gives the split nothing: the decodes cost the same beside a
-    prompt). The SLO admission forecasts the same way."""
+    prompts (BE's may ride within the stretch), the decodes sitting it out where their TPOT
+    deadlines allow, then one of decodes with no prompt. SGLang's torch-native attention (the
+    CPU engine) recomputes every decode as a 1-token extend over its whole context in a batch
+    with a prompt: 62 decodes and a 31-token prompt took 190 ms together, 60 ms and about 15 ms
+    apart. Off: stall-free mixed batches always (a GPU backend's model gives the split nothing:
+    the decodes cost the same beside a prompt). The SLO admission forecasts the same way."""
     split_min_gain: float = 0.1
     """With `split_mixed`: prompts and decodes run apart only when the model predicts the two
     iterations take at least this fraction less time than the mixed one (a small gain is not

@@ -86,9 +86,6 @@ class PlanContext:
     decodes_allowed: bool = True
     """False in the prompts' half of a split iteration (`rt_phase.split_pays`): every decode
     sits it out."""
-    be_alone_s: float = math.inf
-    """How long an iteration of BE work alone may be now (`idle_budget_s`, or shorter while
-    RT requests come: `rt_active_be_frac`): an RT arrival waits for it."""
     deferred_decode_s: float = 0.0
     """In the prompts' half of a split iteration: the predicted time of the decodes' half
     that follows (what BE's allowance is measured against, with the batch's RT work)."""

@@ -235,7 +235,6 @@ class TandemPolicy(PolicyBase):
             has_rt=has_rt,
             be_time_share=self._be_time_share(),
             budget_s=self._rt_budget_s() if has_rt else self._be_alone_budget_s(snap.now_s),
-            be_alone_s=self._be_alone_budget_s(snap.now_s),
         )
 
     def _rt_left(self, ctx: PlanContext, snapshot: Snapshot) -> bool:
