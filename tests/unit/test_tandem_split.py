@@ -81,6 +81,18 @@ def test_be_prompts_ride_in_the_rt_prompts_iteration_but_get_none_of_their_own()
     first = split.plan(snapshot(waiting=[typical, be], running=decoding()))
     assert kinds(first) == (0, 2) and chunks(first)["rt"] == 200
     assert 850 <= chunks(first)["be"] <= 1100
+    # held-back BE decodes are no RT work: beside a batch and one RT stream, BE adds half of the
+    # RT prompt's 14 ms and the stream's decode (11 ms alone), not of the batch's decodes
+    batch = [
+        make_request(f"b{i}", tier="be", prompt_len=999, running=True, generated=1)
+        for i in range(19)
+    ]
+    beside_batch = policy(rt_stretch=0.5, be_min_share=0.0, be_frac_init=1.0)
+    first = beside_batch.plan(snapshot(waiting=[typical, be], running=batch + decoding(1)))
+    assert kinds(first) == (0, 2) and 500 <= chunks(first)["be"] <= 620
+    # with BE decodes alone nothing is held back for them: the prompt runs beside them, as ever
+    only_be = policy(rt_stretch=0.5, be_min_share=0.0, be_frac_init=1.0)
+    assert only_be.plan(snapshot(waiting=[typical], running=batch)).prefills
     # BE's prompt alone beside running decodes: the decodes run, BE waits its turn
     alone = policy(rt_stretch=0.5, be_min_share=0.0, be_frac_init=1.0)
     assert len(alone.plan(snapshot(waiting=[be], running=decoding())).decodes) == 20

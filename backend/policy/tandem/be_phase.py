@@ -63,7 +63,7 @@ def be_time_limit(ctx: PlanContext) -> float:
     # the RT work BE's allowance is measured against: the batch so far, and in the prompts'
     # half of a split iteration the decodes it holds back (they run next, as late as BE makes
     # this one)
-    rt_work_s = t_rt + ctx.deferred_decode_s
+    rt_work_s = t_rt + ctx.deferred_rt_decode_s
     share = ctx.be_frac if ctx.has_rt else 1.0  # the share protects RT; alone, BE takes all
     if ctx.batch.first_tokens:
         share *= cfg.first_token_be_frac  # BE time here delays RT first tokens (TTFT)

@@ -86,9 +86,11 @@ class PlanContext:
     decodes_allowed: bool = True
     """False in the prompts' half of a split iteration (`rt_phase.split_pays`): every decode
     sits it out."""
-    deferred_decode_s: float = 0.0
-    """In the prompts' half of a split iteration: the predicted time of the decodes' half
-    that follows (what BE's allowance is measured against, with the batch's RT work)."""
+    deferred_rt_decode_s: float = 0.0
+    """In the prompts' half of a split iteration: the predicted time of the RT decodes it holds
+    back, alone (RT work BE's allowance is measured against, with the batch's own; not the BE
+    decodes': a chat beside a batch would wait for BE prompt work sized by the batch's own
+    decodes)."""
     prefills_allowed: bool = True
     """False in the decodes' half of a split iteration: no prompt chunk, RT or BE."""
     rt_backlog: bool = False

@@ -157,7 +157,8 @@ class TandemPolicy(PolicyBase):
         run_be_phase(ctx)  # BE decodes, partial prompts, admissions in what is left
         if not (ctx.decodes_allowed or ctx.batch.prefills):
             # the prompts' half found no prompt it could run (KV, slots): the decodes run now
-            ctx.decodes_allowed, ctx.prefills_allowed, ctx.deferred_decode_s = True, False, 0.0
+            ctx.decodes_allowed, ctx.prefills_allowed = True, False
+            ctx.deferred_rt_decode_s = 0.0
             run_rt_decodes(ctx)
             run_be_phase(ctx)
         if not (ctx.batch.decodes or ctx.batch.prefills):
