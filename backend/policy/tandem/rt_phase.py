@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from backend.policy.common import decode_cost, prefill_cost
 from backend.policy.tandem import slack
@@ -38,11 +38,10 @@ def split_pays(ctx: PlanContext) -> bool:
     decodes sitting it out, the next one the decodes — is clearly faster (`split_min_gain`) than
     the same chunk beside the decodes, within the RT decodes' TPOT deadlines.
 
-    BE prompts get no iteration of their own: tried on the real engine, the extra iterations
-    beside a chat (each with SGLang's own per-iteration work, which the model does not see) made
-    its TPOT ×1.3 and TTFT ×1.75 of the chat alone."""
+    BE prompts get no iteration of their own: a first version gave them one, and the new
+    user's chats beside a batch came later with it (TTFT ×1.75, TPOT ×1.34 of alone; on a host
+    where the code before the split gave ×1.65, ×1.41, so the cause is not settled)."""
     view = ctx.view
-    decoding = list(itertools.chain(view.rt_decode, view.be_decode))
     rt_left = sum(
         r.prefill_len - r.prefilled
         for r in itertools.chain(view.rt_partial, ctx.rt_queue.known.reqs.values())
@@ -50,14 +49,10 @@ def split_pays(ctx: PlanContext) -> bool:
     )
     if not view.rt_decode or rt_left <= 0:
         # only RT decodes are worth holding back for: beside BE's alone, an RT prompt already
-        # runs with every BE row parked (the stretch), and the new user's chats beside a batch
-        # came later with the split (TTFT ×1.3-1.46, TPOT ×1.23-1.35 of alone, not ×1.14, ×1.01)
+        # runs with every BE row parked (the stretch)
         return False
-    timer, alone, decodes = ctx.timer, BatchTotals(), BatchTotals()
-    contexts = [r.prompt_len + r.generated for r in decoding]
-    decodes.num_decode = len(contexts)
-    decodes.decode_context = sum(contexts)
-    decodes.decode_context_sq = float(sum(c * c for c in contexts))
+    timer, alone = ctx.timer, BatchTotals()
+    decodes = _decode_totals(itertools.chain(view.rt_decode, view.be_decode))
     decode_s = timer.predict(decodes)
     cap = min(rt_left, ctx.max_prefill)
     chunk = max(1, timer.max_chunk(alone, ctx.budget_s, prefix=0, cap=cap))
@@ -72,20 +67,23 @@ def defer_rt_decodes(ctx: PlanContext) -> None:
     """The prompts' half of a split iteration: no decode runs, and the hard cap leaves the
     decodes' own iteration, which follows, within their deadlines."""
     view = ctx.view
-    contexts = [r.prompt_len + r.generated for r in itertools.chain(view.rt_decode, view.be_decode)]
-    decode_s = ctx.timer.with_decodes(
-        BatchTotals(), len(contexts), sum(contexts), float(sum(c * c for c in contexts))
-    )
+    decode_s = ctx.timer.predict(_decode_totals(itertools.chain(view.rt_decode, view.be_decode)))
     deadline = slack.decode_deadline(view.rt_decode, ctx.now_s, decode_s)
-    rt = [r.prompt_len + r.generated for r in view.rt_decode]
-    ctx.deferred_rt_decode_s = (
-        ctx.timer.with_decodes(BatchTotals(), len(rt), sum(rt), float(sum(c * c for c in rt)))
-        if rt
-        else 0.0
-    )
+    ctx.deferred_rt_decode_s = ctx.timer.predict(_decode_totals(view.rt_decode))
     ctx.hard_s = deadline - ctx.now_s - decode_s
     ctx.tau_s = ctx.budget_s
     ctx.cap_tau()
+
+
+def _decode_totals(reqs: Iterable[ReqState]) -> BatchTotals:
+    """The totals of a batch that decodes *reqs* (their contexts: prompt and generated)."""
+    totals = BatchTotals()
+    for r in reqs:
+        context = r.prompt_len + r.generated
+        totals.num_decode += 1
+        totals.decode_context += context
+        totals.decode_context_sq += context * context
+    return totals
 
 
 def run_rt_decodes(ctx: PlanContext) -> None:
