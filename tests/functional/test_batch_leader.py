@@ -200,18 +200,42 @@ def test_a_killed_batch_leader_hands_its_batch_over_every_line_once(
         input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
     ).id
 
-    def progress() -> int:
+    async def line_counts() -> tuple[int, int]:
+        """(lines succeeded, lines running) as committed in SQL."""
+        conn = await asyncpg.connect(url)
+        try:
+            rows = await conn.fetch(
+                "SELECT status, count(*) AS n FROM batch_items WHERE batch_id = $1 "
+                "GROUP BY status",
+                batch_id,
+            )
+        finally:
+            await conn.close()
+        counts = {row["status"]: int(row["n"]) for row in rows}
+        return counts.get("succeeded", 0), counts.get("running", 0)
+
+    assert leader.proc is not None
+    leader_proc = leader.proc
+
+    def frozen_with_lines_in_flight() -> int:
+        """Freezes the leader (SIGSTOP: it commits nothing more and keeps its lock) once 4 lines
+        are done, and returns how many it has running then; thaws it and returns 0 when it has
+        none (its lines finish in waves of batch.max_inflight, with gaps between them)."""
         batch = api.batches.retrieve(batch_id)
         assert batch.status in ("validating", "in_progress"), batch.status
-        done = batch.request_counts.completed if batch.request_counts else 0
-        return done if done >= 4 else 0
+        if not batch.request_counts or batch.request_counts.completed < 4:
+            return 0
+        leader_proc.send_signal(signal.SIGSTOP)
+        succeeded, running = asyncio.run(line_counts())
+        assert succeeded < LINES, "the batch finished before the kill; make it longer"
+        if running == 0:
+            leader_proc.send_signal(signal.SIGCONT)
+        return running
 
-    completed = wait_until_sync(progress, 300, what="4 lines done before the kill")
-    assert completed < LINES, "the batch finished before the kill; make it longer"
-    assert leader.proc is not None
+    in_flight = wait_until_sync(frozen_with_lines_in_flight, 300, what="lines in flight after 4")
     killed_at = time.monotonic()
-    leader.proc.send_signal(signal.SIGKILL)
-    leader.proc.wait(timeout=30)
+    leader_proc.send_signal(signal.SIGKILL)
+    leader_proc.wait(timeout=30)
 
     wait_until_sync(other.leads, TAKEOVER_TIMEOUT_S, what="the other gateway leads")
     takeover_s = time.monotonic() - killed_at
@@ -240,4 +264,5 @@ def test_a_killed_batch_leader_hands_its_batch_over_every_line_once(
         finally:
             await conn.close()
 
-    assert asyncio.run(rerun_lines()) >= 1  # lines the dead leader had in flight ran again
+    # the lines the dead leader had in flight ran once more, and no other line did
+    assert asyncio.run(rerun_lines()) == in_flight
