@@ -205,8 +205,7 @@ def test_a_killed_batch_leader_hands_its_batch_over_every_line_once(
         conn = await asyncpg.connect(url)
         try:
             rows = await conn.fetch(
-                "SELECT status, count(*) AS n FROM batch_items WHERE batch_id = $1 "
-                "GROUP BY status",
+                "SELECT status, count(*) AS n FROM batch_items WHERE batch_id = $1 GROUP BY status",
                 batch_id,
             )
         finally:
