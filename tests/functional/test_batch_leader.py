@@ -35,6 +35,7 @@ from gateway.batch.app import BATCH_LEADER
 from gateway.batch.leader import LOCK_KEY
 from tests.functional.engine_fixtures import EngineServer
 from tests.functional.gateway_fixtures import start_gateway
+from tests.functional.mid_batch import freeze_with_lines_running
 from tests.functional.store_fixtures import PgServer
 from tests.waiting import wait_until, wait_until_sync
 
@@ -214,27 +215,12 @@ def test_a_killed_batch_leader_hands_its_batch_over_every_line_once(
         return counts.get("succeeded", 0), counts.get("running", 0)
 
     assert leader.proc is not None
-    leader_proc = leader.proc
-
-    def frozen_with_lines_in_flight() -> int:
-        """Freezes the leader (SIGSTOP: it commits nothing more and keeps its lock) once 4 lines
-        are done, and returns how many it has running then; thaws it and returns 0 when it has
-        none (its lines finish in waves of batch.max_inflight, with gaps between them)."""
-        batch = api.batches.retrieve(batch_id)
-        assert batch.status in ("validating", "in_progress"), batch.status
-        if not batch.request_counts or batch.request_counts.completed < 4:
-            return 0
-        leader_proc.send_signal(signal.SIGSTOP)
-        succeeded, running = asyncio.run(line_counts())
-        assert succeeded < LINES, "the batch finished before the kill; make it longer"
-        if running == 0:
-            leader_proc.send_signal(signal.SIGCONT)
-        return running
-
-    in_flight = wait_until_sync(frozen_with_lines_in_flight, 300, what="lines in flight after 4")
+    in_flight = freeze_with_lines_running(
+        leader.proc, lambda: asyncio.run(line_counts()), min_done=4, total=LINES
+    )
     killed_at = time.monotonic()
-    leader_proc.send_signal(signal.SIGKILL)
-    leader_proc.wait(timeout=30)
+    leader.proc.send_signal(signal.SIGKILL)
+    leader.proc.wait(timeout=30)
 
     wait_until_sync(other.leads, TAKEOVER_TIMEOUT_S, what="the other gateway leads")
     takeover_s = time.monotonic() - killed_at

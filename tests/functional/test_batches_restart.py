@@ -21,6 +21,7 @@ import pytest
 
 from common.sockets import free_port
 from tests.functional.engine_fixtures import EngineServer
+from tests.functional.mid_batch import freeze_with_lines_running
 from tests.waiting import wait_until_sync
 
 pytestmark = pytest.mark.slow
@@ -103,11 +104,6 @@ def gateway_process(engine_server: EngineServer, tmp_path: Path) -> Iterator[Gat
     gw.stop()
 
 
-def _counts(api: openai.OpenAI, batch_id: str) -> tuple[str, int]:
-    batch = api.batches.retrieve(batch_id)
-    return batch.status, batch.request_counts.completed if batch.request_counts else 0
-
-
 def test_killed_gateway_resumes_the_batch_without_losing_or_duplicating_a_line(
     gateway_process: GatewayProcess, tmp_path: Path
 ) -> None:
@@ -136,19 +132,22 @@ def test_killed_gateway_resumes_the_batch_without_losing_or_duplicating_a_line(
         input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
     ).id
 
-    def progress() -> int:
-        status, completed = _counts(api, batch_id)
-        assert status in ("validating", "in_progress"), status
-        return completed if completed >= 4 else 0
+    def line_counts() -> tuple[int, int]:
+        """(lines succeeded, lines running) as committed in SQL."""
+        db = sqlite3.connect(tmp_path / "tandem.db")
+        try:
+            rows = db.execute(
+                "SELECT status, count(*) FROM batch_items WHERE batch_id = ? GROUP BY status",
+                (batch_id,),
+            ).fetchall()
+        finally:
+            db.close()
+        counts = dict(rows)
+        return counts.get("succeeded", 0), counts.get("running", 0)
 
-    completed = wait_until_sync(progress, 300, what="4 lines done before the kill")
-    assert completed < LINES, "the batch finished before the kill; make it longer"
+    assert gw.proc is not None
+    in_flight = freeze_with_lines_running(gw.proc, line_counts, min_done=4, total=LINES)
     gw.kill()
-
-    db = sqlite3.connect(tmp_path / "tandem.db")
-    running = db.execute("SELECT count(*) FROM batch_items WHERE status = 'running'").fetchone()
-    db.close()
-    assert running[0] > 0  # lines were on the engine when the gateway died
 
     gw.start()  # same database, new process
     api = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0)
@@ -171,4 +170,4 @@ def test_killed_gateway_resumes_the_batch_without_losing_or_duplicating_a_line(
     db = sqlite3.connect(tmp_path / "tandem.db")
     rerun = db.execute("SELECT count(*) FROM batch_items WHERE attempts > 1").fetchone()[0]
     db.close()
-    assert rerun >= 1  # the lines cut off by the kill ran again after the restart
+    assert rerun == in_flight  # the lines cut off by the kill ran again after the restart
