@@ -1,0 +1,43 @@
+"""Killing a gateway in the middle of a batch, at a moment it has lines on the engine.
+
+A gateway runs a batch's lines in waves of `batch.max_inflight`, and a wave's lines (one length
+each) finish together: between two waves it has none running for a moment, and a kill that
+falls there tests no hand-over at all. `freeze_with_lines_running` stops the process (SIGSTOP:
+it commits nothing more and keeps its connections, locks included), reads the lines' states as
+committed in SQL, and thaws it to try again when none was running; the caller then SIGKILLs the
+frozen process, whose running lines are exactly the ones read.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from collections.abc import Callable
+
+from tests.waiting import wait_until_sync
+
+
+def freeze_with_lines_running(
+    proc: subprocess.Popen[bytes],
+    line_counts: Callable[[], tuple[int, int]],
+    *,
+    min_done: int,
+    total: int,
+    timeout_s: float = 300.0,
+) -> int:
+    """Freezes *proc* once *min_done* lines have succeeded and some are running, and returns
+    how many are running (≥ 1). *line_counts* reads (succeeded, running) from SQL."""
+
+    def frozen() -> int:
+        if line_counts()[0] < min_done:
+            return 0
+        proc.send_signal(signal.SIGSTOP)
+        succeeded, running = line_counts()
+        assert succeeded < total, "the batch finished before the kill; make it longer"
+        if running == 0:
+            proc.send_signal(signal.SIGCONT)
+        return running
+
+    return wait_until_sync(
+        frozen, timeout_s, what=f"{min_done} lines done and others running before the kill"
+    )
