@@ -8,7 +8,9 @@ chats. This study does exactly that, through the OpenAI API, once per policy, on
 
 1. **alone** — `--chats` sequential streamed chats, nothing else running;
 2. **beside a batch** — a Batch API batch of `--batch-lines` lines (`--batch-max-tokens` each)
-   is created; once the engine runs its lines, the same chats again, one after the other;
+   is created; once the engine runs its lines, the same chats again, one after the other,
+   for as long as the batch runs (a policy that finishes it first is measured on the chats
+   sent before it ended, `batch_ended_during_chats`, not on chats that ran alone);
 3. **under a CPU burner** (tandem only, `--burn-s` > 0) — with the batch still running,
    `--burners` processes (default one) that spin on the CPU start; the chats go on for
    `--burn-s` seconds while the study follows the engine's per-iteration state (`/load`: the
@@ -47,7 +49,7 @@ import secrets
 import statistics
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -197,14 +199,18 @@ async def chats_in_a_row(
     count: int | None = None,
     for_s: float | None = None,
     max_tokens: int,
+    while_: Callable[[], Awaitable[bool]] | None = None,
 ) -> Phase:
-    """Sequential chats: *count* of them, or as many as start within *for_s* seconds. After a
-    429 the next chat waits for its `Retry-After`, as the OpenAI client libraries do."""
+    """Sequential chats: *count* of them, or as many as start within *for_s* seconds, and only
+    while *while_* holds (checked before each chat: the batch still runs). After a 429 the next
+    chat waits for its `Retry-After`, as the OpenAI client libraries do."""
     t0 = time.perf_counter()
     while True:
         if count is not None and len(phase.chats) >= count:
             return phase
         if for_s is not None and time.perf_counter() - t0 >= for_s:
+            return phase
+        if while_ is not None and not await while_():
             return phase
         record = await chat(session, base_url, key, max_tokens, t0)
         phase.chats.append(record)
@@ -469,10 +475,23 @@ async def _scenario(
             batch = await gw.batch(docs_key, batch_id)
             return bool(batch["status"] == "in_progress")
 
+        async def batch_runs() -> bool:
+            batch = await gw.batch(docs_key, batch_id)
+            return bool(batch["status"] in ("validating", "in_progress"))
+
         await wait_for(be_running, 300, "the batch's lines to run on the engine")
         before = await gw.batch(docs_key, batch_id)
+        # Only chats started while the batch still runs: a policy that finishes it first (stock
+        # SGLang serves its prompts ahead of the chats) would otherwise be measured on chats
+        # that ran alone.
         beside = await chats_in_a_row(
-            session, base_url, chat_key, Phase("beside_batch"), count=n, max_tokens=mt
+            session,
+            base_url,
+            chat_key,
+            Phase("beside_batch"),
+            count=n,
+            max_tokens=mt,
+            while_=batch_runs,
         )
         after = await gw.batch(docs_key, batch_id)
         say(f"beside the batch: {beside.summary(contract)}")
@@ -506,6 +525,7 @@ async def _scenario(
         "tpot_p50_ratio": _ratio(b["tpot_p50_s"], a["tpot_p50_s"]),
         "batch_completed_during_chats": after["request_counts"]["completed"]
         - before["request_counts"]["completed"],
+        "batch_ended_during_chats": len(beside.chats) < n,
         "batch": {
             "status": final["status"],
             "request_counts": final["request_counts"],
@@ -634,6 +654,13 @@ def report(results: list[dict[str, Any]], command: str) -> str:
             f"| {b['refused']} | {counts['completed']}/{counts['total']} "
             f"({r['batch']['lines_with_full_output']} full) | {r['batch']['seconds']} |"
         )
+    for r in results:
+        if r.get("batch_ended_during_chats"):
+            lines += [
+                "",
+                f"{r['policy']}: the batch ended after {r['beside_batch']['chats']} of the "
+                f"{r['options']['chats']} chats beside it; its ratios rest on those.",
+            ]
     for r in results:
         burn = r.get("burn")
         if burn:

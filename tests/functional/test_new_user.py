@@ -44,6 +44,7 @@ def test_chats_beside_a_batch_come_about_as_fast_as_alone_and_the_batch_complete
     )
     result = run_policy("tandem", tmp_path, options)
     alone, beside = result["alone"], result["beside_batch"]
+    assert not result["batch_ended_during_chats"], "the batch ended first; make it longer"
     assert alone["served_rt"] == CHATS, alone
     assert beside["served_rt"] == CHATS, beside  # none refused or downgraded for the batch
     assert beside["failed"] == 0
