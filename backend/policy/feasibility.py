@@ -190,6 +190,7 @@ class SloForecaster:
         model says that is this fraction faster (tandem's `split_mixed`); None: never."""
         self._chunks: dict[tuple[int, int, float, float, int], int] = {}
         self._last_chunk: dict[tuple[float, float, int], int] = {}
+        self._splits: dict[tuple[float, ...], tuple[int, float] | None] = {}
         # The chunk is a search over the latency model (a binary search is ~15 predictions,
         # most of a forecast's cost) that depends on the engine's state and the budget only, not
         # on the ask: every request forecast on one state (all those arriving within one
@@ -263,14 +264,10 @@ class SloForecaster:
 
         # with `split_mixed` the engine may run the prompts alone, the decodes after them
         split_decode_s: float | None = None
-        gain = self.split_min_gain
-        if gain is not None and running.num_decode:
-            alone = self._chunk(BatchShape(), budget_s, f_prefill, load)
-            decode_s = f_decode * self.latency.predict(running)
-            apart_s = f_prefill * self.latency.predict(BatchShape().with_prefill(alone))
-            mixed_s = f_chunk * self.latency.predict(running.with_prefill(alone))
-            if apart_s + decode_s <= (1.0 - gain) * mixed_s:
-                chunk, split_decode_s = alone, decode_s
+        if self.split_min_gain is not None and running.num_decode:
+            split = self._split(running, budget_s, factors, load)
+            if split is not None:
+                chunk, split_decode_s = split
 
         def cycle_s(tokens: int) -> float:
             """The iterations that compute *tokens* of prompt work, with the decodes' step."""
@@ -288,6 +285,32 @@ class SloForecaster:
         if rest:
             prefill_s += cycle_s(rest)
         return load.iteration_s + spread * prefill_s, tpot_s
+
+    def _split(
+        self, running: BatchShape, budget_s: float, factors: tuple[float, ...], load: EngineLoad
+    ) -> tuple[int, float] | None:
+        """(the prompts' chunk alone, the decodes' iteration after it, seconds) when the model
+        says prompts and decodes run clearly faster apart (`split_min_gain`), else None.
+        Memoised like the chunk: it depends on the state and the budget, not on the ask."""
+        assert self.split_min_gain is not None
+        f_decode, f_prefill, f_mixed = factors[DECODE], factors[PREFILL], factors[MIXED]
+        cap = max(1, load.max_prefill_tokens)
+        key = (running.num_decode, running.decode_context, budget_s, *factors, cap)
+        if key in self._splits:
+            return self._splits[key]
+        alone = self._chunk(BatchShape(), budget_s, f_prefill, load)
+        decode_s = f_decode * self.latency.predict(running)
+        apart_s = f_prefill * self.latency.predict(BatchShape().with_prefill(alone))
+        mixed_s = f_mixed * self.latency.predict(running.with_prefill(alone))
+        split = (
+            (alone, decode_s)
+            if apart_s + decode_s <= (1.0 - self.split_min_gain) * mixed_s
+            else None
+        )
+        if len(self._splits) >= _MAX_MEMO:
+            self._splits.clear()
+        self._splits[key] = split
+        return split
 
     def _chunk(self, running: BatchShape, budget_s: float, factor: float, load: EngineLoad) -> int:
         """Prompt tokens one iteration computes beside the running RT decodes within the budget."""
