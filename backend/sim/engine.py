@@ -78,13 +78,7 @@ def simulate(
         step = start_iteration(
             core, policy, latency, clock.now_s, slowdown, regime_slowdowns=config.regime_slowdowns
         )
-        duration = None if step is None else step.duration_s
-        if step is not None:
-            finished = end_iteration(core, policy, source, log, step)
-            if door is not None and door.feedback is not None:
-                for t in finished:
-                    door.learn(t.state.rid, t.state.first_token_s, clock.now_s + step.duration_s)
-        if duration is None:  # nothing to run until something arrives
+        if step is None:  # nothing to run until something arrives
             if not _jump_to_arrival(source, clock):
                 if clock.now_s >= clock.horizon_s:
                     break
@@ -94,6 +88,11 @@ def simulate(
                     f"arrival to come"
                 )
             continue
+        duration = step.duration_s
+        finished = end_iteration(core, policy, source, log, step)
+        if door is not None and door.feedback is not None:
+            for t in finished:
+                door.learn(t.state.rid, t.state.first_token_s, clock.now_s + duration)
         clock.now_s += duration
         if door is not None and duration > 0.0:  # the engine's recent pace, as /load reports it
             door.pace.observe(log.predicted_s[-1], duration)
