@@ -19,7 +19,15 @@ change of machine or of load moves them by different amounts —
 e.g. an H200 in place of the profiled H100 speeds decodes up by its bandwidth (×1.4) and leaves
 prefill almost as it was; a busy host CPU slows small decode batches far more than long chunks.
 A regime with no sample of its own yet uses the pooled factor (learned from every iteration),
-so a stale profile never keeps a rarely seen batch kind optimistic.
+so a stale profile never keeps a rarely seen batch kind optimistic. Nor does a regime with
+*little* evidence of its own: its estimate is its own samples' weighted mean plus, for the weight
+they do not carry yet, the pooled estimate *as it is now* (not as it was at the regime's first
+sample). A regime seen for a few iterations at the start of a run, before the pooled factor
+learned the engine's pace, would otherwise keep those iterations' factor — measured: prompt-only
+batches on an engine twice as slow as profiled kept 1.1–1.3 for minutes while every other batch
+said 2, because the policy rarely plans a batch without decodes once RT is running. A regime
+with seconds of evidence of its own is its own: the pooled one no longer moves it (see
+`test_regimes_learn_independently_and_an_unseen_one_uses_the_pooled_factor`).
 
 Estimator, per regime and pooled: two exponentially weighted means of log(measured/predicted),
 a fast one (time constant `tau_fast_s`) and a slow one (`tau_slow_s`); the factor is exp of the
@@ -97,18 +105,35 @@ second; a sustained slowdown of ×40 is learned in about six iterations)."""
 
 
 class _LogMean:
-    """One regime's estimator: the fast and slow time-weighted means of the log-ratio."""
+    """One estimator: the fast and slow time-weighted means of the log-ratio.
 
-    __slots__ = ("fast", "samples", "slow")
+    A regime's means start from a prior (the pooled means) and are kept split in two: the
+    weighted sum of its own samples (`fast`, `slow`) and the weight the prior still carries
+    (`prior_fast`, `prior_slow`: 1 before any sample, × (1 − a) with each sample of weight a).
+    The mean is own part + prior weight × the prior's current value. The pooled estimator has
+    no prior (weight 0)."""
 
-    def __init__(self, fast: float = 0.0, slow: float = 0.0) -> None:
-        self.fast = fast
-        self.slow = slow
+    __slots__ = ("fast", "prior_fast", "prior_slow", "samples", "slow")
+
+    def __init__(self, prior_weight: float = 0.0) -> None:
+        self.fast = 0.0
+        self.slow = 0.0
+        self.prior_fast = prior_weight
+        self.prior_slow = prior_weight
         self.samples = 0
 
-    @property
-    def log_factor(self) -> float:
-        return self.fast if self.fast > self.slow else self.slow
+    def means(self, prior: _LogMean | None) -> tuple[float, float]:
+        """(fast, slow) means with the prior's weight on `prior`'s current means."""
+        if prior is None:
+            return self.fast, self.slow
+        return (
+            self.fast + self.prior_fast * prior.fast,
+            self.slow + self.prior_slow * prior.slow,
+        )
+
+    def log_factor(self, prior: _LogMean | None) -> float:
+        fast, slow = self.means(prior)
+        return fast if fast > slow else slow
 
 
 class LatencyCalibration:
@@ -139,7 +164,7 @@ class LatencyCalibration:
         self._hi = math.log(max_factor)
         self._clip = math.log(clip_ratio)
         self.exact_tol = exact_tol
-        self._regimes = [_LogMean() for _ in REGIMES]
+        self._regimes = [_LogMean(prior_weight=1.0) for _ in REGIMES]
         self._pooled = _LogMean()
         self._errors: deque[float] = deque(maxlen=window)
         self._corrected_errors: deque[float] = deque(maxlen=window)
@@ -176,8 +201,6 @@ class LatencyCalibration:
         if abs(x) <= self.exact_tol:
             x = 0.0
         est = self._regimes[regime]
-        if est.samples == 0:  # first sample of its own: start from what every batch says
-            est.fast, est.slow = self._pooled.fast, self._pooled.slow
         # The sample's weight in engine time: its expected duration (free of its own noise),
         # or half the measured one when that is longer — an engine far slower than believed
         # must not take as many samples to learn it as at the old pace (their rate dropped) —
@@ -189,23 +212,40 @@ class LatencyCalibration:
             dt = measured_s
         else:
             dt = max(expected_s, min(SURPRISE_WEIGHT * measured_s, self.tau_fast_s / 2))
-        self._update(est, x, dt)
-        self._update(self._pooled, x, dt)
-        d, p, m = (math.exp((e if e.samples else self._pooled).log_factor) for e in self._regimes)
+        pooled = self._pooled
+        self._update(est, x, dt, pooled)
+        self._update(pooled, x, dt, None)
+        d, p, m = (
+            math.exp(min(self._hi, max(self._lo, e.log_factor(pooled)))) for e in self._regimes
+        )
         self.factors = (d, p, m)
 
-    def _update(self, est: _LogMean, x: float, dt: float) -> None:
+    def _update(self, est: _LogMean, x: float, dt: float, prior: _LogMean | None) -> None:
+        """One sample `x` of weight `dt` seconds into `est` (whose prior is `prior`'s current
+        means): each mean moves toward the sample, clipped around the mean, kept within the
+        factor bounds; the prior's weight shrinks by the sample's."""
         est.samples += 1
-        est.fast = self._step(est.fast, x, dt, self.tau_fast_s)
-        est.slow = self._step(est.slow, x, dt, self.tau_slow_s)
+        fast, slow = est.means(prior)
+        weight_fast = -math.expm1(-dt / self.tau_fast_s)
+        weight_slow = -math.expm1(-dt / self.tau_slow_s)
+        new_fast = self._step(fast, x, weight_fast)
+        new_slow = self._step(slow, x, weight_slow)
+        if prior is None:
+            est.fast, est.slow = new_fast, new_slow
+            return
+        # own part = the new mean less what the (smaller) prior weight contributes
+        est.prior_fast *= 1.0 - weight_fast
+        est.prior_slow *= 1.0 - weight_slow
+        est.fast = new_fast - est.prior_fast * prior.fast
+        est.slow = new_slow - est.prior_slow * prior.slow
 
-    def _step(self, old: float, x: float, dt: float, tau: float) -> float:
-        """`old` moved toward the sample `x` by the weight of `dt` seconds (time constant
-        `tau`), the sample clipped around `old`, the result kept within the factor bounds."""
+    def _step(self, old: float, x: float, weight: float) -> float:
+        """`old` moved toward the sample `x` by `weight` (in [0, 1]), the sample clipped
+        around `old`, the result kept within the factor bounds."""
         resid = min(self._clip, max(-self._clip, x - old))
         if resid == 0.0:
             return old
-        new = old - math.expm1(-dt / tau) * resid
+        new = old + weight * resid
         return min(self._hi, max(self._lo, new))
 
     def mean_pace(self, regime: int) -> float | None:

@@ -149,6 +149,26 @@ def test_regimes_learn_independently_and_an_unseen_one_uses_the_pooled_factor() 
     assert calib.factor(PREFILL) == pytest.approx(1.0, rel=0.02)
 
 
+def test_a_regime_seen_briefly_before_a_change_of_pace_follows_the_pooled_factor() -> None:
+    # the simulator at slowdown 2 (session 35): a few prompt-only iterations at the start, while
+    # every factor was still near 1, then RT decodes in every batch. The prompt-only factor kept
+    # its first iterations' 1.1–1.3 for minutes while the engine ran at 2 in every regime, and
+    # the policy split prompts from decodes expecting prompt-only iterations at 1.1× the profile.
+    calib = LatencyCalibration()
+    feed(calib, 1.0, 0.15, 0.03, PREFILL)  # 5 iterations, 0.15 s of evidence
+    feed(calib, 2.0, 10.0, 0.03, MIXED)
+    feed(calib, 2.0, 10.0, 0.03, DECODE)
+    assert calib.factor(MIXED) == pytest.approx(2.0, rel=0.02)
+    assert calib.factor(PREFILL) > 1.7  # the pooled pace for the weight its own 5 lack
+    # its own evidence takes over as it comes: at pace 2 it converges to 2 exactly as fast
+    assert time_to_within(calib, 2.0, 0.03, tol=0.02, regime=PREFILL) < 2.0
+    # and a regime with seconds of evidence of its own is not moved by the others
+    feed(calib, 1.0, 10.0, 0.03, PREFILL)
+    feed(calib, 3.0, 10.0, 0.03, DECODE)
+    assert calib.factor(PREFILL) == pytest.approx(1.0, rel=0.02)
+    assert calib.factor(DECODE) == pytest.approx(3.0, rel=0.02)
+
+
 def test_error_percentiles_on_a_known_sequence() -> None:
     calib = LatencyCalibration(window=100)
     assert calib.error_percentiles() == (None, None)
