@@ -585,6 +585,9 @@ async def _burn_phase(
             "at_unix_s": r.at_unix_s,
             "measured_s": r.iteration_s,
             "predicted_s": r.predicted_iteration_s,
+            # the plan's token mix (`common.wire.IterationMix`, field order): with the profile,
+            # the model's uncorrected prediction, so a calibration can be replayed on the run
+            "mix": None if r.mix is None else list(msgspec.structs.astuple(r.mix)),
         }
         for r in records
     ]
@@ -603,6 +606,7 @@ async def _burn_phase(
     return {
         "burners": burners,
         "burner_nice": options.burner_nice,
+        "burn_start_unix_s": burn_start,
         "chats": summary,
         "chats_before_burn": before_phase.summary(options.contract),
         "chats_whole_phase": whole,
