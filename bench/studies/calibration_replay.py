@@ -1,17 +1,24 @@
-"""Replays the iterations a new-user run logged under the CPU burner through the latency
-calibration as it is in this tree, and says how soon its prediction error came back within the
-study's band: an A/B of calibration changes on the same real iterations, without the engine.
+"""Replays a real engine's logged iterations through the latency calibration as it is in this
+tree: an A/B of calibration changes on the same real iterations, without the engine.
 
-The run's `results.json` (bench/studies/new_user.py, since session 36) keeps every iteration of
-the burner phase with its measured time, the calibrated prediction it was planned with, and its
-token mix. With the profile the engine planned with (its `/stats` `profile`: a measured one
-lies under the profile cache, `<model.cache_dir>/profiles/<key>.json`), the mix gives the
-model's own prediction; the replay feeds it and the measured time to a fresh
-`LatencyCalibration` (options as `key=value`) and predicts each iteration with the factors in
-force before it, as the engine did. Open loop: the engine's plans stay the run's own, so this
-compares estimators on one sequence, not the policies they would have made.
+Two logs carry what it needs (each iteration's measured time, the calibrated prediction it was
+planned with, and its token mix):
 
-    python -m bench.studies.calibration_replay RESULTS.json PROFILE.json [--policy tandem]
+* a live bench run's `live/<policy>/iterations.json` (`tandem bench … --engine sglang`): the
+  whole run, from the engine's first iteration;
+* a new-user run's `results.json` (bench/studies/new_user.py, since session 36): the CPU-burner
+  phase, with the burner's start — the replay then also says how soon the prediction error
+  came back within the study's band.
+
+With the profile the engine planned with (its `/stats` `profile`; a measured one lies under the
+profile cache, `<model.cache_dir>/profiles/<key>.json`), the mix gives the model's own
+prediction. The replay feeds it and the measured time to a fresh `LatencyCalibration` (options
+as `key=value`) and predicts each iteration with the factors in force before it, as the engine
+did: on a whole run with the tree's code, "replayed" is the run's own prediction again. Open
+loop: the plans stay the run's, so this compares estimators on one sequence, not the policies
+they would have made. To compare two versions of the calibration, run it at both commits.
+
+    python -m bench.studies.calibration_replay LOG PROFILE.json [--policy tandem]
         [--calibration tau_fast_s=0.5 ...]
 """
 
@@ -19,15 +26,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import msgspec
 
-from backend.policy.calibration import LatencyCalibration, regime_of
+from backend.policy.calibration import REGIMES, LatencyCalibration, regime_of
 from backend.policy.latency import BatchShape, LatencyModel, load_profile
 from bench.studies.new_user import (
     ERROR_BAND,
@@ -36,79 +43,151 @@ from bench.studies.new_user import (
     ratio_timeline,
     recovery_s,
 )
+from common.wire import IterationRecord
 
 MIX_FIELDS = tuple(BatchShape.__struct_fields__)
 """The order of a logged mix's numbers (`common.wire.IterationMix` is BatchShape field for
 field)."""
+LATE_RATIO = 1.25
+"""An iteration that took more than this × its prediction counts as late (the prediction was
+optimistic: what makes RT late)."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One logged iteration."""
+
+    at_unix_s: float
+    measured_s: float
+    predicted_s: float
+    """The calibrated prediction it was planned with (the run's), or the replay's."""
+    shape: BatchShape | None
+    """Its token mix (None: no plan of tandem's ran)."""
+
+
+@dataclass(frozen=True)
+class Fit:
+    """How one prediction fared on a set of iterations."""
+
+    iterations: int
+    error_p50: float
+    """Median |predicted − measured| / measured."""
+    late_share: float
+    """Share of iterations that took more than LATE_RATIO × their prediction."""
+    pace_p50: float
+    """Median measured ÷ predicted (1: unbiased; above 1: optimistic)."""
 
 
 @dataclass(frozen=True)
 class Recovery:
-    """How one prediction of the burner phase's iterations fared."""
+    """How soon the prediction came back after the burner started (new-user runs)."""
 
     back_within_band_s: float | None
-    """Seconds from the burner's start until the windowed median |predicted ÷ measured − 1|
-    is back within the band (the study's `error_back_within_band_s`); None: never."""
+    """Seconds until the windowed median |predicted ÷ measured − 1| is back within the band
+    (the study's `error_back_within_band_s`); None: never."""
     ratio_back_within_band_s: float | None
     """The same for |median of predicted ÷ measured − 1|."""
-    error_p50_before: float | None
-    """Median windowed error before the burner."""
-    error_p50_after: float | None
-    """Median windowed error from the burner's start on."""
 
 
-def recovery(samples: list[dict[str, float]], burn_start_unix_s: float) -> Recovery:
-    """The study's recovery measures of *samples* (at_unix_s, measured_s, predicted_s)."""
-    errors = error_timeline(samples, ERROR_WINDOW_S)
-    ratios = ratio_timeline(samples, ERROR_WINDOW_S)
-    before = [e for t, e in errors if t < burn_start_unix_s]
-    after = [e for t, e in errors if t >= burn_start_unix_s]
+def fit(samples: list[Sample]) -> Fit | None:
+    """The fit of *samples*' predictions (None when there is none)."""
+    pairs = [(s.predicted_s, s.measured_s) for s in samples if s.predicted_s > 0]
+    if not pairs:
+        return None
+    errors = sorted(abs(p - m) / m for p, m in pairs)
+    return Fit(
+        iterations=len(pairs),
+        error_p50=errors[len(errors) // 2],
+        late_share=sum(1 for p, m in pairs if m > LATE_RATIO * p) / len(pairs),
+        pace_p50=math.exp(statistics.median(math.log(m / p) for p, m in pairs)),
+    )
+
+
+def recovery(samples: list[Sample], burn_start_unix_s: float) -> Recovery:
+    """The new-user study's recovery measures of *samples* after *burn_start_unix_s*."""
+    rows = [
+        {"at_unix_s": s.at_unix_s, "measured_s": s.measured_s, "predicted_s": s.predicted_s}
+        for s in samples
+    ]
     return Recovery(
-        back_within_band_s=recovery_s(errors, burn_start_unix_s, ERROR_BAND),
-        ratio_back_within_band_s=recovery_s(ratios, burn_start_unix_s, ERROR_BAND),
-        error_p50_before=statistics.median(before) if before else None,
-        error_p50_after=statistics.median(after) if after else None,
+        back_within_band_s=recovery_s(
+            error_timeline(rows, ERROR_WINDOW_S), burn_start_unix_s, ERROR_BAND
+        ),
+        ratio_back_within_band_s=recovery_s(
+            ratio_timeline(rows, ERROR_WINDOW_S), burn_start_unix_s, ERROR_BAND
+        ),
     )
 
 
 def replay(
-    samples: list[dict[str, Any]], model: LatencyModel, calibration: LatencyCalibration
-) -> list[dict[str, float]]:
+    samples: list[Sample], model: LatencyModel, calibration: LatencyCalibration
+) -> list[Sample]:
     """*samples* predicted again: each iteration with a mix gets the calibration's factor for
     its regime times the model's prediction, then teaches the calibration its measured time.
-    Iterations without a mix (no plan of tandem's ran) are left out."""
-    out: list[dict[str, float]] = []
+    Iterations without a mix are left out."""
+    out: list[Sample] = []
     for s in samples:
-        if not s.get("mix"):
+        if s.shape is None:
             continue
-        shape = BatchShape(**dict(zip(MIX_FIELDS, s["mix"], strict=True)))
-        raw_s = model.predict(shape)
-        regime = regime_of(shape.num_prefill, shape.num_decode)
+        raw_s = model.predict(s.shape)
+        regime = regime_of(s.shape.num_prefill, s.shape.num_decode)
         predicted_s = calibration.factor(regime) * raw_s
-        calibration.observe(raw_s, s["measured_s"], regime)
-        out.append(
-            {"at_unix_s": s["at_unix_s"], "measured_s": s["measured_s"], "predicted_s": predicted_s}
-        )
+        calibration.observe(raw_s, s.measured_s, regime)
+        out.append(Sample(s.at_unix_s, s.measured_s, predicted_s, s.shape))
     return out
 
 
-def burn_phase(results: list[dict[str, Any]], policy: str) -> dict[str, Any]:
-    """The burner phase of *policy*'s row; ValueError naming what is missing."""
-    rows = [r for r in results if r.get("policy") == policy]
+def _shape(mix: list[float] | None) -> BatchShape | None:
+    return None if not mix else BatchShape(**dict(zip(MIX_FIELDS, mix, strict=True)))
+
+
+def load_log(path: Path, policy: str) -> tuple[list[Sample], float | None]:
+    """The iterations of a live run's iterations.json or of a new-user results.json (the row
+    of *policy*), and the burner's start (None for a live run); ValueError naming what is
+    wrong."""
+    raw = path.read_bytes()
+    data = json.loads(raw)
+    if isinstance(data, list) and data and isinstance(data[0], list):
+        records = msgspec.json.decode(raw, type=list[IterationRecord])
+        samples = [
+            Sample(
+                r.at_unix_s,
+                r.iteration_s,
+                r.predicted_iteration_s,
+                None if r.mix is None else BatchShape(**msgspec.structs.asdict(r.mix)),
+            )
+            for r in records
+            if r.iteration_s > 0
+        ]
+        if not any(s.shape for s in samples):
+            raise ValueError(f"{path}: no iteration carries a token mix (no plan of tandem's)")
+        return samples, None
+    if not isinstance(data, list):
+        raise ValueError(
+            f"{path}: neither a live run's iterations.json nor a new-user results.json"
+        )
+    rows = [r for r in data if isinstance(r, dict) and r.get("policy") == policy]
     if not rows:
         raise ValueError(
-            f"no row of policy {policy!r} (rows: {[r.get('policy') for r in results]})"
+            f"{path}: no row of policy {policy!r} "
+            f"(rows: {[r.get('policy') for r in data if isinstance(r, dict)]})"
         )
     burn = rows[0].get("burn")
     if not burn or not burn.get("samples"):
-        raise ValueError(f"policy {policy!r} has no burner phase with iterations")
+        raise ValueError(f"{path}: policy {policy!r} has no burner phase with iterations")
     if not any(s.get("mix") for s in burn["samples"]):
-        raise ValueError("its iterations carry no token mix (a run from before session 36)")
-    if burn.get("burn_start_unix_s") is None:
-        # runs of session 36's first version kept only the timeline relative to the start
-        first = error_timeline(burn["samples"], ERROR_WINDOW_S)[0][0]
-        burn = {**burn, "burn_start_unix_s": first - burn["timeline"][0]["t_s"]}
-    return burn
+        raise ValueError(
+            f"{path}: its iterations carry no token mix (a run from before session 36)"
+        )
+    start = burn.get("burn_start_unix_s")
+    if start is None:  # session 36's first runs kept only the timeline relative to the start
+        start = error_timeline(burn["samples"], ERROR_WINDOW_S)[0][0] - burn["timeline"][0]["t_s"]
+    samples = [
+        Sample(s["at_unix_s"], s["measured_s"], s["predicted_s"], _shape(s.get("mix")))
+        for s in burn["samples"]
+        if s["measured_s"] > 0
+    ]
+    return samples, float(start)
 
 
 def parse_options(pairs: list[str]) -> dict[str, float | int]:
@@ -126,13 +205,62 @@ def parse_options(pairs: list[str]) -> dict[str, float | int]:
     return options
 
 
+def report(samples: list[Sample], replayed: list[Sample], burn_start_unix_s: float | None) -> str:
+    """The table: per prediction (the run's, the replay's) and batch regime, the fit; with a
+    burner, the recovery."""
+    with_mix = [s for s in samples if s.shape is not None]
+    lines = [
+        "| prediction | batches | iterations | error p50 | late (> 1.25×) "
+        "| measured ÷ predicted p50 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, run in (("as run", with_mix), ("replayed", replayed)):
+        groups: list[tuple[str, list[Sample]]] = [("all", run)]
+        for r, regime in enumerate(REGIMES):
+            groups.append(
+                (
+                    regime,
+                    [
+                        s
+                        for s in run
+                        if s.shape and regime_of(s.shape.num_prefill, s.shape.num_decode) == r
+                    ],
+                )
+            )
+        for group, part in groups:
+            f = fit(part)
+            if f is not None:
+                lines.append(
+                    f"| {name} | {group} | {f.iterations} | {f.error_p50:.3f} | "
+                    f"{f.late_share:.3f} | {f.pace_p50:.3f} |"
+                )
+    if burn_start_unix_s is not None:
+        lines += [
+            "",
+            "| prediction | back within band after the burner, s | median ratio back, s |",
+            "|---|---|---|",
+        ]
+        for name, run in (("as run", with_mix), ("replayed", replayed)):
+            r = recovery(run, burn_start_unix_s)
+            cells = [r.back_within_band_s, r.ratio_back_within_band_s]
+            lines.append(
+                f"| {name} | " + " | ".join("–" if c is None else f"{c:.2f}" for c in cells) + " |"
+            )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.studies.calibration_replay", description=__doc__.split("\n\n")[0]
+        prog="python -m bench.studies.calibration_replay",
+        description=(__doc__ or "").split("\n\n")[0],
     )
-    parser.add_argument("results", type=Path, help="a new-user run's results.json")
+    parser.add_argument(
+        "log", type=Path, help="a live run's iterations.json or a new-user results.json"
+    )
     parser.add_argument("profile", type=Path, help="the latency profile the engine planned with")
-    parser.add_argument("--policy", default="tandem", help="the row to replay (default tandem)")
+    parser.add_argument(
+        "--policy", default="tandem", help="the new-user row to replay (default tandem)"
+    )
     parser.add_argument(
         "--calibration",
         nargs="*",
@@ -142,28 +270,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        burn = burn_phase(json.loads(args.results.read_text()), args.policy)
-        options = parse_options(args.calibration)
-        calibration = LatencyCalibration(**options)  # type: ignore[arg-type]
+        samples, burn_start = load_log(args.log, args.policy)
+        calibration = LatencyCalibration(**parse_options(args.calibration))  # type: ignore[arg-type]
         model = LatencyModel.fit(load_profile(args.profile).samples)
-    except (OSError, ValueError, TypeError, msgspec.DecodeError) as exc:
+    except (OSError, ValueError, TypeError, msgspec.DecodeError, msgspec.ValidationError) as exc:
         print(f"calibration_replay: {exc}", file=sys.stderr)
         return 2
-    start = burn["burn_start_unix_s"]
-    rows = {
-        "as run": recovery(burn["samples"], start),
-        "replayed": recovery(replay(burn["samples"], model, calibration), start),
-    }
-    print("| prediction | back within band, s | median ratio back, s | error p50 before | after |")
-    print("|---|---|---|---|---|")
-    for name, r in rows.items():
-        cells = [
-            r.back_within_band_s,
-            r.ratio_back_within_band_s,
-            r.error_p50_before,
-            r.error_p50_after,
-        ]
-        print(f"| {name} | " + " | ".join("–" if c is None else f"{c:.3f}" for c in cells) + " |")
+    print(report(samples, replay(samples, model, calibration), burn_start))
     return 0
 
 
