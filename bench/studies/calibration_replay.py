@@ -6,7 +6,7 @@ planned with, and its token mix):
 
 * a live bench run's `live/<policy>/iterations.json` (`tandem bench … --engine sglang`): the
   whole run, from the engine's first iteration;
-* a new-user run's `results.json` (bench/studies/new_user.py, since session 36): the CPU-burner
+* a new-user run's `results.json` (bench/studies/new_user.py, since 2026-11-29): the CPU-burner
   phase, with the burner's start — the replay then also says how soon the prediction error
   came back within the study's band.
 
@@ -177,10 +177,11 @@ def load_log(path: Path, policy: str) -> tuple[list[Sample], float | None]:
         raise ValueError(f"{path}: policy {policy!r} has no burner phase with iterations")
     if not any(s.get("mix") for s in burn["samples"]):
         raise ValueError(
-            f"{path}: its iterations carry no token mix (a run from before session 36)"
+            f"{path}: its iterations carry no token mix (the study logs it since 2026-11-29: "
+            "run it again)"
         )
     start = burn.get("burn_start_unix_s")
-    if start is None:  # session 36's first runs kept only the timeline relative to the start
+    if start is None:  # the first runs with the mix kept only the timeline relative to it
         start = error_timeline(burn["samples"], ERROR_WINDOW_S)[0][0] - burn["timeline"][0]["t_s"]
     samples = [
         Sample(s["at_unix_s"], s["measured_s"], s["predicted_s"], _shape(s.get("mix")))
