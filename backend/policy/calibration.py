@@ -113,14 +113,13 @@ class _LogMean:
     The mean is own part + prior weight × the prior's current value. The pooled estimator has
     no prior (weight 0)."""
 
-    __slots__ = ("fast", "prior_fast", "prior_slow", "samples", "slow")
+    __slots__ = ("fast", "prior_fast", "prior_slow", "slow")
 
     def __init__(self, prior_weight: float = 0.0) -> None:
         self.fast = 0.0
         self.slow = 0.0
         self.prior_fast = prior_weight
         self.prior_slow = prior_weight
-        self.samples = 0
 
     def means(self, prior: _LogMean | None) -> tuple[float, float]:
         """(fast, slow) means with the prior's weight on `prior`'s current means."""
@@ -224,7 +223,6 @@ class LatencyCalibration:
         """One sample `x` of weight `dt` seconds into `est` (whose prior is `prior`'s current
         means): each mean moves toward the sample, clipped around the mean, kept within the
         factor bounds; the prior's weight shrinks by the sample's."""
-        est.samples += 1
         fast, slow = est.means(prior)
         weight_fast = -math.expm1(-dt / self.tau_fast_s)
         weight_slow = -math.expm1(-dt / self.tau_slow_s)
