@@ -64,6 +64,12 @@ class Sample:
     shape: BatchShape | None
     """Its token mix (None: no plan of tandem's ran)."""
 
+    @property
+    def regime(self) -> int | None:
+        """Its batch regime (`backend.policy.calibration`), None without a mix."""
+        shape = self.shape
+        return None if shape is None else regime_of(shape.num_prefill, shape.num_decode)
+
 
 @dataclass(frozen=True)
 class Fit:
@@ -216,18 +222,9 @@ def report(samples: list[Sample], replayed: list[Sample], burn_start_unix_s: flo
         "|---|---|---|---|---|---|",
     ]
     for name, run in (("as run", with_mix), ("replayed", replayed)):
-        groups: list[tuple[str, list[Sample]]] = [("all", run)]
-        for r, regime in enumerate(REGIMES):
-            groups.append(
-                (
-                    regime,
-                    [
-                        s
-                        for s in run
-                        if s.shape and regime_of(s.shape.num_prefill, s.shape.num_decode) == r
-                    ],
-                )
-            )
+        groups = [("all", run)] + [
+            (regime, [s for s in run if s.regime == r]) for r, regime in enumerate(REGIMES)
+        ]
         for group, part in groups:
             f = fit(part)
             if f is not None:
