@@ -18,7 +18,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client.registry import Collector
 
-from backend.policy.feasibility import TtftFeedback
+from backend.policy.feasibility import TtftFeedbackByEngine
 from backend.policy.placement import make_router
 from common.config import Config
 from gateway.api import admin, batches, files, openai, ops
@@ -85,7 +85,7 @@ def create_app(config: Config, admin_token: str, model_dir: Path) -> web.Applica
     app[POOL] = EnginePool(config.engine)
     app[SLO_FORECASTER] = build_forecaster(config)
     app[ROUTER] = make_router(config.gateway.router, app[SLO_FORECASTER])
-    app[TTFT_FEEDBACK] = TtftFeedback()
+    app[TTFT_FEEDBACK] = TtftFeedbackByEngine()
     # the bounds are per engine: the pool's queues hold as many as its engines together
     app[TIER_QUEUES] = TierQueues(tier_bounds(config.gateway, engines=len(app[POOL])))
     app.cleanup_ctx.append(_loop_watch)

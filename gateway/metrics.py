@@ -121,7 +121,9 @@ class GatewayMetrics:
         self.slo_ttft_feedback = Gauge(
             "tandem_slo_ttft_feedback_seconds",
             "How much later than the engine model forecast admitted RT requests got their first "
-            "token lately: the SLO admission adds it to its TTFT forecasts (0: as forecast).",
+            "token lately, by engine: the SLO admission adds it to its TTFT forecasts on that "
+            "engine (0: as forecast).",
+            ["engine"],
             registry=r,
         )
         self.quota_rejections = Counter(

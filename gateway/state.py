@@ -9,7 +9,7 @@ from typing import Any
 from aiohttp import web
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backend.policy.feasibility import SloForecaster, TtftFeedback
+from backend.policy.feasibility import SloForecaster, TtftFeedbackByEngine
 from backend.policy.placement import Router
 from common.config import Config
 from gateway.auth import AuthCache
@@ -49,8 +49,8 @@ SLO_FORECASTER = web.AppKey("slo_forecaster", SloForecaster)
 """The SLO admission's forecaster, on the latency model the engine's policy plans with."""
 ROUTER: web.AppKey[Router] = web.AppKey("router")
 """The place stage's router (`gateway.router`) and its memory of what it placed where."""
-TTFT_FEEDBACK = web.AppKey("ttft_feedback", TtftFeedback)
-"""What admitted RT requests' real TTFT taught the SLO admission about its forecast."""
+TTFT_FEEDBACK = web.AppKey("ttft_feedback", TtftFeedbackByEngine)
+"""What admitted RT requests' real TTFT taught the SLO admission about each engine's forecast."""
 TIER_QUEUES = web.AppKey("tier_queues", TierQueues)
 """Interactive requests in flight per tier, against the tiers' bounds (the pool's: each
 engine's bound times the engines)."""

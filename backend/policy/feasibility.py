@@ -402,6 +402,33 @@ class TtftFeedback:
         self.samples += 1
 
 
+class TtftFeedbackByEngine:
+    """A `TtftFeedback` per engine, by name: what one engine's admitted requests taught — time
+    its model does not see: its HTTP server and tokenizer, its host's CPU — is that engine's.
+    One correction for a pool made one slow replica's late first tokens (a neighbour took its
+    CPU) refuse every request for as long as the correction took to decay, also those the
+    other replicas would have served in time: two CPU replicas, one beside a CPU burner, 283
+    of 317 chats refused (bench/results/placement/README.md, a slowed replica).
+    *options*: each engine's `TtftFeedback` keyword arguments."""
+
+    def __init__(self, **options: float) -> None:
+        TtftFeedback(**options)  # a bad option fails here, not at an engine's first sample
+        self._options = options
+        self._by_engine: dict[str, TtftFeedback] = {}
+
+    def of(self, engine: str) -> TtftFeedback:
+        """Engine *engine*'s feedback (a new one, nothing learned, the first time)."""
+        feedback = self._by_engine.get(engine)
+        if feedback is None:
+            feedback = self._by_engine[engine] = TtftFeedback(**self._options)
+        return feedback
+
+    def extra_s(self, engine: str, now_s: float) -> float:
+        """Seconds to add to a TTFT forecast on *engine* at *now_s* (0 before it taught any)."""
+        feedback = self._by_engine.get(engine)
+        return feedback.extra_s(now_s) if feedback is not None else 0.0
+
+
 MIN_VERIFIED_ITERATIONS = 16
 """Iterations the calibration must have learned from before its pace may refuse a request on
 an idle engine (`SloForecaster.forecast`): until then the model is the profile's word alone."""

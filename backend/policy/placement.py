@@ -80,6 +80,10 @@ class Replica:
     counts as empty but for what was sent to it)."""
     backlog: Backlog = _NO_BACKLOG
     """RT work sent to it that `load` does not show yet (the gateway's `LoadWatcher.backlog`)."""
+    ttft_extra_s: float = 0.0
+    """What admitted requests' first tokens on it taught its TTFT forecast (the gateway's
+    `TtftFeedback.extra_s` for this replica): time its engine model does not see — its HTTP
+    server and tokenizer, its host's CPU taken by a neighbour — seconds."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,8 +99,6 @@ class PlaceAsk:
     """Tokens per block of `prefix_keys`."""
     slo: SloAsk | None = None
     """RT with a TTFT target: its contract (the slo router forecasts it); None otherwise."""
-    ttft_extra_s: float = 0.0
-    """What outcomes taught the TTFT forecast (`TtftFeedback.extra_s`), seconds."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -394,7 +396,7 @@ class SloAware:
         best: tuple[float, int, Forecast] | None = None
         if hit is not None:  # its turns stay together where the contract holds
             cached = hit[1] * ask.block_tokens
-            forecast = self._forecast(replicas[hit[0]], slo, cached, ask.ttft_extra_s)
+            forecast = self._forecast(replicas[hit[0]], slo, cached)
             if forecast.feasible:
                 return PlaceDecision(hit[0], forecast)
             best = (_slack(forecast, slo, headroom), hit[0], forecast)
@@ -407,16 +409,17 @@ class SloAware:
             if hit is not None and i == hit[0]:
                 continue
             cached = shared if shared and replicas[i].name in holders else 0
-            forecast = self._forecast(replicas[i], slo, cached, ask.ttft_extra_s)
+            forecast = self._forecast(replicas[i], slo, cached)
             slack = _slack(forecast, slo, headroom)
             if best is None or slack > best[0]:
                 best = (slack, i, forecast)
         assert best is not None
         return PlaceDecision(best[1], best[2])
 
-    def _forecast(self, r: Replica, slo: SloAsk, cached: int, extra_s: float) -> Forecast:
-        """The forecast on *r*: its report (an empty one without), the RT sent since, and the
-        prompt less what its cache holds (at least a token is computed).
+    def _forecast(self, r: Replica, slo: SloAsk, cached: int) -> Forecast:
+        """The forecast on *r*: its report (an empty one without), the RT sent since, what its
+        own outcomes taught (`Replica.ttft_extra_s`), and the prompt less what its cache holds
+        (at least a token is computed).
 
         An idle replica whose calibration has not learned from `MIN_VERIFIED_ITERATIONS` yet is
         forecast at its profile's pace: the few iterations it ran (a fresh engine's first ones
@@ -430,7 +433,7 @@ class SloAware:
                 load, latency_factors=(1.0, 1.0, 1.0), pace_ratio_p90=1.0
             )
         ask = replace(slo, prompt_tokens=max(1, slo.prompt_tokens - cached)) if cached else slo
-        return self.forecaster.forecast(load, ask, r.backlog, extra_s)
+        return self.forecaster.forecast(load, ask, r.backlog, r.ttft_extra_s)
 
     def _place_be(
         self, ask: PlaceAsk, replicas: Sequence[Replica], hit: tuple[int, int] | None

@@ -141,12 +141,17 @@ class Phase:
 
 
 async def chat(
-    session: aiohttp.ClientSession, base_url: str, key: str, max_tokens: int, t0: float
+    session: aiohttp.ClientSession,
+    base_url: str,
+    key: str,
+    max_tokens: int,
+    t0: float,
+    prompt: str = CHAT_PROMPT,
 ) -> Chat:
-    """One streamed chat completion; its timings from the client's clock."""
+    """One streamed chat completion of *prompt*; its timings from the client's clock."""
     body = {
         "model": MODEL,
-        "messages": [{"role": "user", "content": CHAT_PROMPT}],
+        "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
         "ignore_eos": True,
         "stream": True,

@@ -12,12 +12,14 @@ The first refusal ends admission, and the holds the earlier checks took are give
 The checks, in order:
 
 * **quota** — the tenant's limits (gateway/quotas): `QuotaCheck`.
-* **SLO feasibility** — `SloCheck`: for an RT request, forecast from the engine's live state
-  (`LOADS`: its latest `EngineLoad` and the RT work sent since) with the latency model the
-  engine's policy plans with (backend/policy/feasibility.py) whether the contract (TTFT, TPOT)
-  can be met — per tenant: the request waits behind its own tenant's queue and the others'
-  weighted fair share of it, so a tenant over its share is shed first. If it cannot, the
-  tenant's contract (`Slo.on_unattainable`) decides:
+* **SLO feasibility** — `SloCheck`: for an RT request, the engine it will run on (the place
+  stage's router picks it now, and the place stage keeps it), and from that engine's live
+  state (`LOADS`: its latest `EngineLoad` and the RT work sent since) with the latency model
+  the engine's policy plans with (backend/policy/feasibility.py), plus what that engine's own
+  outcomes taught (`TtftFeedbackByEngine`), whether the contract (TTFT, TPOT) can be met — per
+  tenant: the request waits behind its own tenant's queue and the others' weighted fair share
+  of it, so a tenant over its share is shed first. If it cannot, the tenant's contract
+  (`Slo.on_unattainable`) decides:
 
       reject     Refused(429, code="slo_unattainable", retryable=True, retry_after_s): the
                  message names the target and by how much the forecast misses it
@@ -41,6 +43,7 @@ A check that needs the engine's state reads it through the app (it is given the 
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -49,16 +52,22 @@ from typing import Literal, Protocol
 import msgspec
 from aiohttp import web
 
-from backend.policy.feasibility import Backlog, Shortfall, SloAsk, SloForecaster, TtftFeedback
+from backend.policy.feasibility import (
+    Backlog,
+    Forecast,
+    Shortfall,
+    SloAsk,
+    SloForecaster,
+    TtftFeedbackByEngine,
+)
 from backend.policy.latency import LatencyModel, load_profile
 from backend.policy.profiles import AUTO, bundled_profile_for, resolve_profile
 from backend.policy.tandem.config import TandemConfig
 from common.config import Config
 from common.wire import EngineLoad
-from gateway.engine.load import LoadWatcher
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline.outcome import Refused
-from gateway.pipeline.placement import engine_candidates
+from gateway.pipeline.placement import Placement, decide, engine_candidates
 from gateway.pipeline.prepare import EngineRequest, in_tier
 from gateway.pipeline.tier_queue import TierQueueCheck
 from gateway.quotas.limiter import (
@@ -69,10 +78,10 @@ from gateway.quotas.limiter import (
     Ticket,
 )
 from gateway.state import (
-    LOADS,
     METRICS,
     POOL,
     QUOTAS,
+    ROUTER,
     SLO_FORECASTER,
     TIER_QUEUES,
     TTFT_FEEDBACK,
@@ -105,6 +114,10 @@ class Admitted:
     check refuses it)."""
     slo: SloDecision | None = None
     """What the SLO admission decided (None: it did not judge this request — not RT)."""
+    placement: Placement | None = None
+    """The engine the SLO admission judged an RT request on, chosen by the place stage's router
+    (`SloCheck`): the place stage keeps it, so the request runs where its contract was
+    forecast. None: not judged on one (not RT, downgraded, or no engine to judge on)."""
 
     def holding(self, hold: Hold) -> Admitted:
         """This admission with one more hold."""
@@ -140,7 +153,10 @@ def admission_checks(app: web.Application) -> tuple[AdmissionCheck, ...]:
     checks: tuple[AdmissionCheck, ...] = (
         QuotaCheck(app[QUOTAS], metrics),
         SloCheck(
-            app.get(SLO_FORECASTER), load_watcher(app), metrics, feedback=app.get(TTFT_FEEDBACK)
+            app.get(SLO_FORECASTER),
+            functools.partial(slo_placement, app),
+            metrics,
+            feedback=app.get(TTFT_FEEDBACK),
         ),
     )
     queues = app.get(TIER_QUEUES)
@@ -232,6 +248,9 @@ class SloDecision:
     (without `TtftFeedback`'s extra), seconds; None: nothing was forecast."""
     waited_s: float = 0.0
     """Time the request had already spent at admission, seconds."""
+    engine: str | None = None
+    """The engine it was judged on (its name); its first token teaches that engine's
+    `TtftFeedback`. None: judged on none."""
 
     @property
     def target(self) -> str:
@@ -253,17 +272,22 @@ def decide_slo(
     load: EngineLoad | None,
     backlog: Backlog,
     ttft_extra_s: float = 0.0,
+    *,
+    forecast: Forecast | None = None,
+    engine: str | None = None,
 ) -> SloDecision:
-    """The verdict on an RT request asking *ask* of an engine in state *load* with *backlog*
-    sent since: admitted when its forecast (plus *ttft_extra_s*, what outcomes taught:
-    `TtftFeedback`) meets the contract, else what the contract's `on_unattainable` says;
-    unchecked when there is no state (or no model) to forecast from. Pure."""
+    """The verdict on an RT request asking *ask* of engine *engine* in state *load* with
+    *backlog* sent since: admitted when its forecast (plus *ttft_extra_s*, what outcomes
+    taught: `TtftFeedback`) meets the contract, else what the contract's `on_unattainable`
+    says; unchecked when there is no state (or no model) to forecast from. *forecast*: the one
+    the router made for this engine on the same state (with the same extra), used as is. Pure."""
     if forecaster is None or load is None:
-        return SloDecision("unchecked")
-    forecast = forecaster.forecast(load, ask, backlog, ttft_extra_s)
+        return SloDecision("unchecked", engine=engine)
+    if forecast is None:
+        forecast = forecaster.forecast(load, ask, backlog, ttft_extra_s)
     to_come_s = forecast.ttft_s - ask.waited_s - ttft_extra_s  # the model's own forecast
     outcome = "admitted" if forecast.shortfall is None else _ON_MISS[contract.on_unattainable]
-    return SloDecision(outcome, forecast.shortfall, to_come_s, ask.waited_s)
+    return SloDecision(outcome, forecast.shortfall, to_come_s, ask.waited_s, engine)
 
 
 def slo_ask(request: EngineRequest, now_unix_s: float) -> SloAsk | None:
@@ -296,71 +320,82 @@ def slo_unattainable(shortfall: Shortfall) -> Refused:
     )
 
 
+Placer = Callable[[EngineRequest, SloAsk, float], Placement | None]
+"""Where an RT request asking an `SloAsk` would run at a wall-clock time (the place stage's
+router on the engines that serve now); None: no engine to place it on."""
+
+
 @dataclass(frozen=True)
 class SloCheck:
-    """Forecasts an RT request's TTFT and TPOT on the engine's live state and applies the
-    tenant's contract when they miss (see the module doc). No I/O: it reads the watcher's latest
-    state, kept fresh by its own loop."""
+    """Forecasts an RT request's TTFT and TPOT on the engine it will run on, from that engine's
+    live state, and applies the tenant's contract when they miss (see the module doc).
+
+    The engine is chosen here, by the place stage's router (*place*), and kept on the
+    `Admitted` for the place stage: judged on one engine and run on another, a request was
+    forecast on the wrong queue — in a pool the admission used to judge on the replica with
+    the least RT work waiting whatever the router chose, and the outcomes of requests that ran
+    elsewhere then taught the forecast what it had not forecast. No I/O: it reads the watchers'
+    latest state, kept fresh by their own loops."""
 
     forecaster: SloForecaster | None
     """None: no latency model, nothing is forecast (every RT request is unchecked)."""
-    watcher: LoadWatcher | None
-    """The engine's live state; None: none is watched (every RT request is unchecked)."""
+    place: Placer
     metrics: GatewayMetrics
     clock: Callable[[], float] = time.time
     """Wall clock, seconds (the request's arrival is a wall-clock time)."""
-    feedback: TtftFeedback | None = None
-    """What admitted requests' real TTFT taught about the forecast (None: nothing learned)."""
+    feedback: TtftFeedbackByEngine | None = None
+    """What admitted requests' real TTFT taught about each engine's forecast (None: nothing
+    learned)."""
 
     def __call__(self, admitted: Admitted) -> Admitted | Refused:
         now_unix_s = self.clock()
         ask = slo_ask(admitted.request, now_unix_s)
         if ask is None:
             return admitted
-        watcher = self.watcher
+        placement = self.place(admitted.request, ask, now_unix_s)
+        engine = placement.engine if placement is not None else None
+        watcher = engine.load if engine is not None else None
         load = watcher.latest if watcher is not None else None
         backlog = (
             watcher.backlog(now_unix_s) if watcher is not None and load is not None else Backlog()
         )
-        extra_s = self.feedback.extra_s(now_unix_s) if self.feedback is not None else 0.0
-        self.metrics.slo_ttft_feedback.set(extra_s)
-        decision = decide_slo(self.forecaster, admitted.tenant.slo, ask, load, backlog, extra_s)
+        extra_s = 0.0
+        if engine is not None and self.feedback is not None:
+            extra_s = self.feedback.extra_s(engine.name, now_unix_s)
+            self.metrics.slo_ttft_feedback.labels(engine.name).set(extra_s)
+        decision = decide_slo(
+            self.forecaster,
+            admitted.tenant.slo,
+            ask,
+            load,
+            backlog,
+            extra_s,
+            forecast=placement.forecast if placement is not None else None,
+            engine=engine.name if engine is not None else None,
+        )
         self.metrics.slo_admission(admitted.tenant.id, decision.outcome, decision.target)
         if decision.outcome == "shed":
             assert decision.shortfall is not None
             return slo_unattainable(decision.shortfall)
         if decision.outcome == "downgraded":
+            # placed again as what it now is (BE goes where capacity is left over)
             request = in_tier(admitted.request, admitted.tenant, "be")
             return replace(admitted, request=request, slo=decision)
         if watcher is not None:
             watcher.sent(ask.prompt_tokens, now_unix_s, ask.tenant_id, ask.weight)
-        return replace(admitted, slo=decision)
+        return replace(admitted, slo=decision, placement=placement)
 
 
-def load_watcher(app: web.Application) -> LoadWatcher | None:
-    """The live state the SLO admission forecasts on (`LOADS`, by engine name): that of the
-    engine requests are placed on — in a pool, the serving engine with the least RT work
-    waiting (its backlog included), the one an RT request has the best chance on; with one
-    engine, its watcher (or the one watcher there is when the names differ). None when the
-    app watches none of them."""
-    watchers = app.get(LOADS)
-    if not watchers:
-        return None
-    candidates = [w for h in engine_candidates(app) if (w := watchers.get(h.name)) is not None]
+def slo_placement(
+    app: web.Application, request: EngineRequest, ask: SloAsk, now_unix_s: float
+) -> Placement | None:
+    """The app's `Placer`: the engine the place stage's router (`ROUTER`) picks for *request*
+    among those that serve now (`engine_candidates`); with one engine, that one. None when the
+    app knows no engine."""
+    candidates = engine_candidates(app)
     if not candidates:
-        return next(iter(watchers.values())) if len(watchers) == 1 else None
-    if len(candidates) == 1:
-        return candidates[0]
-    return min(candidates, key=_rt_waiting_tokens)
-
-
-def _rt_waiting_tokens(watcher: LoadWatcher) -> float:
-    """RT prompt tokens waiting on the watcher's engine, those sent since its report included;
-    an engine with no report yet counts as the busiest (nothing is known of it)."""
-    latest = watcher.latest
-    if latest is None:
-        return float("inf")
-    return float(latest.rt_waiting_prompt_tokens + watcher.backlog().prompt_tokens)
+        return None
+    return decide(request, candidates, app.get(ROUTER), ask, now_unix_s, app.get(TTFT_FEEDBACK))
 
 
 def queue_key(app: web.Application) -> str:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from backend.policy.feasibility import Forecast, SloAsk
+from backend.policy.feasibility import Forecast, SloAsk, TtftFeedbackByEngine
 from backend.policy.placement import PlaceAsk, Replica, Router, token_prefix_keys
 from gateway.engine.client import EngineClient
 from gateway.engine.load import LoadWatcher
@@ -92,10 +92,12 @@ def decide(
     router: Router | None,
     slo: SloAsk | None = None,
     now_unix_s: float | None = None,
+    feedback: TtftFeedbackByEngine | None = None,
 ) -> Placement:
     """`choose_engine`'s placement; *slo*: what an RT request asks (`admission.slo_ask`), for
     the slo router to forecast — its forecast on the engine chosen is `Placement.forecast`
-    (infeasible when no candidate was predicted to meet the contract)."""
+    (infeasible when no candidate was predicted to meet the contract); *feedback*: what each
+    engine's own outcomes taught its TTFT forecast."""
     if not candidates:
         raise ValueError("no engine to place the request on")
     if router is None or len(candidates) == 1:
@@ -108,13 +110,22 @@ def decide(
         block_tokens=PREFIX_BLOCK_TOKENS,
         slo=slo,
     )
-    decision = router.choose(ask, [_replica(h, now) for h in candidates])
+    decision = router.choose(ask, [_replica(h, now, feedback) for h in candidates])
     return Placement(engine=candidates[decision.index], forecast=decision.forecast)
 
 
-def _replica(handle: EngineHandle, now_unix_s: float) -> Replica:
-    """The router's view of an engine: its latest report and the RT sent to it since."""
+def _replica(
+    handle: EngineHandle, now_unix_s: float, feedback: TtftFeedbackByEngine | None
+) -> Replica:
+    """The router's view of an engine: its latest report, the RT sent to it since, and what
+    its outcomes taught its TTFT forecast."""
     watcher = handle.load
+    extra_s = feedback.extra_s(handle.name, now_unix_s) if feedback is not None else 0.0
     if watcher is None or watcher.latest is None:
-        return Replica(name=handle.name, load=None)
-    return Replica(name=handle.name, load=watcher.latest, backlog=watcher.backlog(now_unix_s))
+        return Replica(name=handle.name, load=None, ttft_extra_s=extra_s)
+    return Replica(
+        name=handle.name,
+        load=watcher.latest,
+        backlog=watcher.backlog(now_unix_s),
+        ttft_extra_s=extra_s,
+    )

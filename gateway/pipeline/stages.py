@@ -270,9 +270,19 @@ def place(app: web.Application, flight: Flight, *, avoid: str | None = None) -> 
     candidates = [h for h in engine_candidates(app) if h.name != avoid]
     if not candidates:
         return None
+    judged = flight.admitted.placement  # the engine the SLO admission judged it on
+    if (
+        judged is not None
+        and avoid is None
+        and any(h.name == judged.engine.name for h in candidates)
+    ):
+        flight.placement = judged
+        return judged
     now_unix_s = time.time()
     slo = slo_ask(request, now_unix_s)
-    flight.placement = decide(request, candidates, app.get(ROUTER), slo, now_unix_s)
+    flight.placement = decide(
+        request, candidates, app.get(ROUTER), slo, now_unix_s, app.get(TTFT_FEEDBACK)
+    )
     return flight.placement
 
 
@@ -386,8 +396,11 @@ def _teach_forecast(app: web.Application, flight: Flight, usage: UsageRecord) ->
     slo = admitted.slo
     if slo is None or slo.outcome != "admitted" or slo.forecast_ttft_s is None:
         return
+    placement = flight.placement
+    if slo.engine is None or (placement is not None and placement.engine.name != slo.engine):
+        return  # it ran elsewhere (its engine failed): the forecast was for another engine
     observed_s = usage.ttft_ms / 1000.0 - slo.waited_s  # from admission, as forecast
-    feedback.observe(slo.forecast_ttft_s, observed_s, time.time())
+    feedback.of(slo.engine).observe(slo.forecast_ttft_s, observed_s, time.time())
 
 
 # ---------------------------------------------------------------------------------- drivers

@@ -32,9 +32,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gateway.pipeline.admission import load_watcher
 from gateway.pipeline.placement import engine_candidates
-from gateway.state import TIER_QUEUES
+from gateway.state import LOADS, TIER_QUEUES
 from tests.functional.engine_fixtures import EngineServer
 from tests.functional.gateway_fixtures import GatewayHandle, start_gateway
 from tests.waiting import wait_until
@@ -152,7 +151,7 @@ async def test_overload_loses_nothing_accepted_and_refuses_the_rest_up_front(
         TANDEM_BATCH__RETRY_AFTER_S="0.2",
     )
     try:
-        watcher = load_watcher(gw.app)
+        watcher = next(iter((gw.app.get(LOADS) or {}).values()), None)
         assert watcher is not None, "the gateway watches the engine's load (the batch pause)"
         await wait_until(lambda: watcher.latest, 30.0, what="the engine's first load report")
         rt_id, rt_key = await gw.new_tenant(

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from backend.policy.feasibility import MIN_VERIFIED_ITERATIONS
-from gateway.pipeline.admission import load_watcher
+from gateway.state import LOADS
 from tests.functional.engine_fixtures import EngineServer
 from tests.functional.gateway_fixtures import GatewayHandle
 from tests.waiting import wait_until
@@ -35,7 +35,7 @@ async def engine_state_is_watched(gw: GatewayHandle) -> None:
     been checked against enough iterations to refuse on (an idle engine whose model no
     iteration has checked admits what it forecasts late: `unverified_and_idle`); serves a
     chat of a tenant with a lax contract until it has. Skips when no watcher is wired."""
-    watcher = load_watcher(gw.app)
+    watcher = next(iter((gw.app.get(LOADS) or {}).values()), None)
     if watcher is None:
         pytest.skip("the gateway watches no engine state (LOADS is not wired in the app)")
     await wait_until(lambda: watcher.latest, 30.0, what="the engine's first load report")

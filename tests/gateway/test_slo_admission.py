@@ -37,10 +37,11 @@ async def watched(
     tmp_path: Path, tiny_model_dir: Path, sim_port: int, template_db: Path
 ) -> AsyncIterator[tuple[Gateway, LoadWatcher]]:
     """A gateway whose engine state is whatever the test sets on the watcher (swamped first)."""
-    watcher = LoadWatcher("sim")
+    engine = f"http://127.0.0.1:{sim_port}"  # the engine's name: its base URL
+    watcher = LoadWatcher(engine)
     watcher.latest = SWAMPED
     async with running_gateway(
-        tmp_path, tiny_model_dir, sim_port, template_db=template_db, loads={"sim": watcher}
+        tmp_path, tiny_model_dir, sim_port, template_db=template_db, loads={engine: watcher}
     ) as gateway:
         yield gateway, watcher
 

@@ -12,23 +12,27 @@ import msgspec
 import pytest
 from aiohttp import web
 
-from backend.policy.feasibility import Backlog, SloAsk, SloForecaster, TtftFeedback
+from backend.policy.feasibility import Backlog, SloAsk, SloForecaster, TtftFeedbackByEngine
 from backend.policy.latency import LatencyModel, load_profile
+from backend.policy.placement import make_router
 from backend.policy.profiles import resolve_profile
 from common.wire import PRIORITY_RT, EngineLoad, TenantLoad, meta_from_custom_params
 from gateway.engine.load import LoadWatcher
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline.admission import (
     Admitted,
+    Placer,
     SloCheck,
     decide_slo,
-    load_watcher,
     slo_ask,
+    slo_placement,
 )
 from gateway.pipeline.outcome import Refused
+from gateway.pipeline.placement import EngineHandle, Placement, decide
 from gateway.pipeline.stages import (
     DOWNGRADED_HEADER,
     admit,
+    place,
     prepare,
     record,
     response_headers,
@@ -83,9 +87,25 @@ def watched(load: EngineLoad | None) -> LoadWatcher:
     return watcher
 
 
+def handle(watcher: LoadWatcher | None, name: str = "engine") -> EngineHandle:
+    return EngineHandle(name=name, client=FakeEngine(replies()), load=watcher)  # type: ignore[arg-type]
+
+
+def on_engine(watcher: LoadWatcher | None) -> Placer:
+    """A placer with one engine, watched by *watcher* (None: it reports no state)."""
+    return lambda request, ask, now: Placement(engine=handle(watcher))
+
+
 def check(forecaster: SloForecaster, load: EngineLoad | None) -> tuple[SloCheck, GatewayMetrics]:
     metrics = GatewayMetrics()
-    return SloCheck(forecaster, watched(load), metrics, clock=lambda: NOW_S), metrics
+    return SloCheck(forecaster, on_engine(watched(load)), metrics, clock=lambda: NOW_S), metrics
+
+
+def watcher_of(slo_check: SloCheck) -> LoadWatcher:
+    """The watcher of the one engine a `check` judges on."""
+    placement = slo_check.place(None, None, NOW_S)  # type: ignore[arg-type]
+    assert placement is not None and placement.engine.load is not None
+    return placement.engine.load
 
 
 def candidate(tenant: Any, tier: str = "rt", prompt_len: int = 10) -> Admitted:
@@ -201,7 +221,8 @@ def test_downgrade_runs_the_same_request_as_be(forecaster: SloForecaster) -> Non
     sent = meta_from_custom_params(request.payload["sampling_params"]["custom_params"])
     assert sent == request.meta  # the engine sees the BE terms
     assert counted(metrics, "downgraded", "ttft") == 1
-    assert slo_check.watcher is not None and slo_check.watcher.backlog(NOW_S) == Backlog()  # not RT
+    assert watcher_of(slo_check).backlog(NOW_S) == Backlog()  # not RT
+    assert outcome.placement is None  # placed again, as BE
 
 
 def test_accept_runs_it_as_rt_and_counts_it_as_sent(forecaster: SloForecaster) -> None:
@@ -210,8 +231,7 @@ def test_accept_runs_it_as_rt_and_counts_it_as_sent(forecaster: SloForecaster) -
     assert isinstance(outcome, Admitted) and outcome.slo is not None
     assert outcome.slo.outcome == "accepted" and outcome.request.meta.tier == "rt"
     assert counted(metrics, "accepted", "ttft") == 1
-    assert slo_check.watcher is not None
-    assert slo_check.watcher.backlog(NOW_S) == Backlog(
+    assert watcher_of(slo_check).backlog(NOW_S) == Backlog(
         num_requests=1,
         prompt_tokens=12,
         by_tenant=(
@@ -264,20 +284,86 @@ def test_be_requests_are_not_judged(forecaster: SloForecaster) -> None:
 
 def test_no_watcher_admits_unchecked(forecaster: SloForecaster) -> None:
     metrics = GatewayMetrics()
-    outcome = SloCheck(forecaster, None, metrics)(candidate(rt_tenant()))
+    outcome = SloCheck(forecaster, on_engine(None), metrics)(candidate(rt_tenant()))
     assert isinstance(outcome, Admitted) and outcome.slo is not None
     assert outcome.slo.outcome == "unchecked" and counted(metrics, "unchecked", "") == 1
 
 
-def test_the_watcher_is_the_engines_or_none() -> None:
+def test_the_app_judges_on_the_engine_its_router_places_on(forecaster: SloForecaster) -> None:
     app = make_app(FakeEngine(replies()))
-    assert load_watcher(app) is None
+    request = make_request(make_principal(rt_tenant()))
+    rt = slo_ask(request, NOW_S)
+    assert rt is not None
+    placement = slo_placement(app, request, rt, NOW_S)
+    assert placement is not None and placement.engine.load is None  # no state watched
     mine = LoadWatcher(FakeEngine.base_url)
     app[LOADS] = {"other": LoadWatcher("other"), FakeEngine.base_url: mine}
-    assert load_watcher(app) is mine
-    only = LoadWatcher("named-differently")
-    app[LOADS] = {"named-differently": only}
-    assert load_watcher(app) is only
+    placement = slo_placement(app, request, rt, NOW_S)
+    assert placement is not None and placement.engine.load is mine
+
+
+def pool_check(
+    forecaster: SloForecaster,
+    router: Any,
+    loads: dict[str, EngineLoad],
+    feedback: TtftFeedbackByEngine | None = None,
+) -> tuple[SloCheck, GatewayMetrics]:
+    """An SLO check over a pool of engines in states *loads* (by name), placing with *router*."""
+    handles = [handle(watched(load), name) for name, load in loads.items()]
+
+    def place(request: Any, ask: SloAsk, now: float) -> Placement:
+        return decide(request, handles, router, ask, now, feedback)
+
+    metrics = GatewayMetrics()
+    return SloCheck(forecaster, place, metrics, clock=lambda: NOW_S, feedback=feedback), metrics
+
+
+def test_in_a_pool_each_request_is_judged_on_the_engine_it_is_placed_on(
+    forecaster: SloForecaster,
+) -> None:
+    # round-robin places every other request on the swamped engine: those are judged there
+    # (and shed), not on the idle one that the pool also has
+    loads = {"idle": IDLE, "swamped": SWAMPED}
+    slo_check, metrics = pool_check(forecaster, make_router("round-robin"), loads)
+    first, second = (slo_check(candidate(rt_tenant("reject"))) for _ in range(2))
+    assert isinstance(first, Admitted) and first.placement is not None
+    assert first.placement.engine.name == "idle" and first.slo is not None
+    assert first.slo.engine == "idle"
+    assert isinstance(second, Refused) and second.code == "slo_unattainable"
+    # the slo router places each where the forecast has the most slack: both are admitted there
+    slo_check, metrics = pool_check(forecaster, make_router("slo", forecaster), loads)
+    outcomes = [slo_check(candidate(rt_tenant("reject"))) for _ in range(2)]
+    assert all(isinstance(o, Admitted) and o.placement is not None for o in outcomes)
+    assert {
+        o.placement.engine.name for o in outcomes if isinstance(o, Admitted) and o.placement
+    } == {"idle"}
+    assert counted(metrics, "admitted", "") == 2
+
+
+def test_late_first_tokens_on_one_engine_make_only_that_engine_stricter(
+    forecaster: SloForecaster,
+) -> None:
+    # requests on "slow" got their first token a second later than forecast (a neighbour took
+    # its host's CPU); "fast" served as forecast. Both report an idle engine.
+    feedback = TtftFeedbackByEngine(decay_s=1e9)
+    feedback.of("slow").observe(0.01, 1.0, NOW_S)
+    feedback.of("fast").observe(0.01, 0.01, NOW_S)
+    loads = {"slow": IDLE, "fast": IDLE}
+    slo_check, _ = pool_check(forecaster, make_router("round-robin"), loads, feedback)
+    on_slow, on_fast = (slo_check(candidate(rt_tenant("reject"))) for _ in range(2))
+    assert isinstance(on_slow, Refused) and "time to first token" in on_slow.message
+    assert isinstance(on_fast, Admitted) and on_fast.slo is not None
+    assert on_fast.slo.outcome == "admitted"
+    # the slo router sends them all to the engine whose outcomes were as forecast
+    slo_check, metrics = pool_check(forecaster, make_router("slo", forecaster), loads, feedback)
+    for _ in range(3):
+        outcome = slo_check(candidate(rt_tenant("reject")))
+        assert isinstance(outcome, Admitted) and outcome.placement is not None
+        assert outcome.placement.engine.name == "fast"
+    taught = metrics.registry.get_sample_value(
+        "tandem_slo_ttft_feedback_seconds", {"engine": "fast"}
+    )
+    assert taught == 0.0
 
 
 # ---------------------------------------------------------------------------------- the stages
@@ -323,6 +409,17 @@ def test_a_request_admitted_without_a_miss_records_admitted(forecaster: SloForec
     assert usage_of(app).records[0].admission == "admitted"
 
 
+def test_the_place_stage_runs_a_request_where_it_was_judged(forecaster: SloForecaster) -> None:
+    app = staged_app(forecaster, IDLE)
+    flight = make_flight(make_principal(rt_tenant()))
+    prepare(app, flight, chat_body(), make_prompt())
+    admitted = admit(app, flight)
+    assert isinstance(admitted, Admitted) and admitted.placement is not None
+    assert place(app, flight) is admitted.placement
+    # failing over (its engine would not take it) places it elsewhere or nowhere, never there
+    assert place(app, flight, avoid=FakeEngine.base_url) is None
+
+
 def test_first_tokens_later_than_forecast_teach_the_admission_to_shed(
     forecaster: SloForecaster,
 ) -> None:
@@ -330,7 +427,8 @@ def test_first_tokens_later_than_forecast_teach_the_admission_to_shed(
     # token comes 1 s after its arrival (time outside the engine model: a host CPU taken by
     # another process); the contract's TTFT is 300 ms
     app = staged_app(forecaster, IDLE)
-    app[TTFT_FEEDBACK] = feedback = TtftFeedback(decay_s=1e9)
+    app[TTFT_FEEDBACK] = feedbacks = TtftFeedbackByEngine(decay_s=1e9)
+    feedback = feedbacks.of(FakeEngine.base_url)
     outcomes = []
     for _ in range(4):
         flight = make_flight(make_principal(rt_tenant()))
@@ -344,5 +442,7 @@ def test_first_tokens_later_than_forecast_teach_the_admission_to_shed(
     assert outcomes == ["admitted", "shed", "shed", "shed"]  # one miss is enough
     assert feedback.samples == 1  # only admitted ones teach
     assert feedback.extra_s(0.0) > 0.4
-    gauge = app[METRICS].registry.get_sample_value("tandem_slo_ttft_feedback_seconds")
+    gauge = app[METRICS].registry.get_sample_value(
+        "tandem_slo_ttft_feedback_seconds", {"engine": FakeEngine.base_url}
+    )
     assert gauge is not None and gauge > 0.4  # operators see the admission grow stricter
