@@ -60,6 +60,7 @@ Pure: no I/O, no clock; the caller passes what it knows.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
@@ -353,31 +354,50 @@ class TtftFeedback:
     Additive, in seconds, not a factor: that time is mostly a fixed cost per request, and a
     factor learned on an idle engine (10 ms forecast, 25 ms observed: ×2.5) would multiply a
     busy engine's long queue by it. Per sample x = observed − forecast (≥ 0: this only corrects
-    optimism; the forecast's headroom is the margin when it is right), the estimate e moves
-    toward x by `up_weight` when x is above it (a forecast that proved optimistic is believed at
-    once: every admitted request that misses was promised its contract) and by `down_weight`
-    when below. Between samples e decays toward 0 with time constant `decay_s`: when the
-    correction makes the admission shed everything, no sample comes back, and an engine that
-    became fast again must be tried again.
+    optimism; the forecast's headroom is the margin when it is right).
 
-    extra_s(now) = e × exp(−(now − last sample) / decay_s). Pure; the caller gives the clock."""
+    The estimate is a high quantile (`quantile`) of the last `window` samples. Lateness that
+    the requests share — a gateway or tokenizer whose CPU another process takes — is believed
+    from its first samples (a lone sample is its own quantile: every admitted request that
+    misses was promised its contract), and once it is a quarter of the window; a first token
+    late now and then among many on time moves nothing. Refusing requests cannot make a
+    random stall rarer, only a lateness they share. An estimator that moved halfway to every
+    sample above it refused every request for seconds after each rare late one: two CPU
+    replicas and a CPU burner, 4–7 s without one admission, five times in a minute
+    (bench/results/placement/README.md, a replica slowed by a neighbour).
+
+    Each sample fades toward 0 with time constant `decay_s` from its own time: when the
+    correction makes the admission shed everything, no sample comes back, and an engine that
+    became fast again must be tried again — and when one is admitted, the late ones from
+    before do not come back whole with it.
+
+    extra_s(now) = Q(x_i × exp(−(now − t_i) / decay_s) over the last `window` samples). Pure;
+    the caller gives the clock."""
 
     def __init__(
         self,
         *,
-        up_weight: float = 0.5,
-        down_weight: float = 0.1,
+        quantile: float = 0.75,
+        window: int = 16,
         decay_s: float = 20.0,
         max_extra_s: float = 60.0,
     ) -> None:
-        if not (0.0 < down_weight <= up_weight <= 1.0):
-            raise ValueError("need 0 < down_weight ≤ up_weight ≤ 1")
+        if not 0.0 < quantile <= 1.0:
+            raise ValueError(f"quantile must be in (0, 1], got {quantile}")
+        if window < 1:
+            raise ValueError(f"window must be ≥ 1, got {window}")
         if decay_s <= 0.0 or max_extra_s <= 0.0:
             raise ValueError("need decay_s > 0 and max_extra_s > 0")
-        self.up_weight = up_weight
-        self.down_weight = down_weight
+        self.quantile = quantile
+        """The share of recent samples the correction covers (nearest rank)."""
+        self.window = window
+        """Recent samples the quantile is taken over."""
         self.decay_s = decay_s
+        """Time constant of the fade between samples, seconds."""
         self.max_extra_s = max_extra_s
+        """Cap on the correction, seconds."""
+        self._recent: deque[tuple[float, float]] = deque(maxlen=window)
+        """(time, x) of the last `window` samples."""
         self._extra_s = 0.0
         self._at_s = 0.0
         self.samples = 0
@@ -394,10 +414,12 @@ class TtftFeedback:
         got it *observed_s* after. Samples that are not finite are ignored."""
         if not (math.isfinite(forecast_s) and math.isfinite(observed_s)):
             return
-        e = self.extra_s(now_s)
-        x = max(0.0, observed_s - forecast_s)
-        weight = self.up_weight if x > e else self.down_weight
-        self._extra_s = min(self.max_extra_s, e + weight * (x - e))
+        self._recent.append((now_s, max(0.0, observed_s - forecast_s)))
+        # every sample fades from its own time: an old late one does not come back whole with
+        # the next sample (from here on they all fade alike, so the quantile does too)
+        ordered = sorted(x * math.exp(-max(0.0, now_s - t) / self.decay_s) for t, x in self._recent)
+        rank = max(1, math.ceil(self.quantile * len(ordered)))
+        self._extra_s = min(self.max_extra_s, ordered[rank - 1])
         self._at_s = now_s
         self.samples += 1
 

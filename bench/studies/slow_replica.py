@@ -33,7 +33,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from backend.policy.placement import ROUTERS
 from bench.live import engine_control_get, served
@@ -284,6 +285,44 @@ async def _load(
         return list(await asyncio.gather(*(one(t, p) for t, p in zip(times, texts, strict=True))))
 
 
+async def follow_feedback(
+    base_url: str, timeline: list[dict[str, Any]], stop: asyncio.Event, every_s: float = 0.5
+) -> None:
+    """Samples the SLO admission's TTFT correction (`tandem_slo_ttft_feedback_seconds`, by
+    engine where the gateway labels it) from /metrics until *stop* is set."""
+    t0 = time.perf_counter()
+    async with aiohttp.ClientSession() as session:
+        while not stop.is_set():
+            try:
+                async with session.get(f"{base_url}/metrics") as resp:
+                    text = await resp.text()
+            except aiohttp.ClientError:
+                text = ""
+            values = {
+                sample.labels.get("engine", "all"): sample.value
+                for family in text_string_to_metric_families(text)
+                if family.name == "tandem_slo_ttft_feedback_seconds"
+                for sample in family.samples
+            }
+            timeline.append({"t_s": round(time.perf_counter() - t0, 2), "extra_s": values})
+            with suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), every_s)
+
+
+async def _load_and_follow(
+    base_url: str, token: str, options: Options, times: list[float], texts: list[str]
+) -> tuple[list[Chat], list[dict[str, Any]]]:
+    timeline: list[dict[str, Any]] = []
+    stop = asyncio.Event()
+    follower = asyncio.create_task(follow_feedback(base_url, timeline, stop))
+    try:
+        chats = await _load(base_url, token, options, times, texts)
+    finally:
+        stop.set()
+        await follower
+    return chats, timeline
+
+
 async def _both_serving(base_url: str, timeout_s: float) -> None:
     """Waits for /readyz to list two engines, both serving."""
     deadline = time.monotonic() + timeout_s
@@ -322,7 +361,7 @@ def run_router(router: str, out_dir: Path, options: Options) -> dict[str, Any]:
         say(f"serving; replica threads pinned to cores {cores}: {pinned}")
         started = time.monotonic()
         with neighbour(cores[SLOWED], options.burners):
-            chats = asyncio.run(_load(base_url, token, options, times, texts))
+            chats, feedback = asyncio.run(_load_and_follow(base_url, token, options, times, texts))
         load_s = time.monotonic() - started
         replicas = []
         for p in ports:
@@ -337,6 +376,7 @@ def run_router(router: str, out_dir: Path, options: Options) -> dict[str, Any]:
         "steady": summary(steady, options.contract),
         "replicas": replicas,
         "slowed_replica": SLOWED,
+        "ttft_feedback": feedback,
         "chats": [asdict(c) for c in chats],
     }
     say(f"all: {result['all']}")

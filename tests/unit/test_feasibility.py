@@ -169,22 +169,41 @@ def test_what_outcomes_taught_is_added_to_the_ttft() -> None:
     assert taught.ttft_s == pytest.approx(0.1 + 0.03 + 0.5) and not taught.feasible
 
 
-def test_feedback_believes_a_late_first_token_at_once_and_a_prompt_one_slowly() -> None:
-    feedback = TtftFeedback(up_weight=0.5, down_weight=0.1, decay_s=1e9)
+def test_feedback_believes_lateness_every_request_shares_at_once() -> None:
+    feedback = TtftFeedback(quantile=0.75, window=16, decay_s=1e9)
     assert feedback.extra_s(0.0) == 0.0
-    for t in range(4):  # first tokens 1 s later than forecast
+    feedback.observe(0.1, 1.1, 0.0)  # the first first token, 1 s later than forecast
+    assert feedback.extra_s(0.0) == pytest.approx(1.0)  # a lone sample is believed
+    for t in range(1, 4):
         feedback.observe(0.1, 1.1, float(t))
-    assert feedback.extra_s(4.0) == pytest.approx(1 - 0.5**4)
-    for t in range(4, 8):  # and then as forecast
+    assert feedback.extra_s(4.0) == pytest.approx(1.0)
+    for t in range(4, 15):  # then as forecast: 4 late of 15 still hold a quarter of them
         feedback.observe(0.1, 0.1, float(t))
-    assert feedback.extra_s(8.0) == pytest.approx((1 - 0.5**4) * 0.9**4)  # down slowly
-    for t in range(8, 400):
-        feedback.observe(0.1, 0.05, float(t))  # earlier than forecast: never below 0
-    assert feedback.extra_s(400.0) == pytest.approx(0.0, abs=1e-9)
+    assert feedback.extra_s(15.0) == pytest.approx(1.0)
+    feedback.observe(0.1, 0.05, 15.0)  # earlier than forecast counts as on time, never below
+    assert feedback.extra_s(16.0) == 0.0
+
+
+def test_feedback_is_not_moved_by_a_first_token_late_now_and_then() -> None:
+    feedback = TtftFeedback(quantile=0.75, window=16, decay_s=1e9)
+    for t in range(64):  # one in five first tokens 0.7 s late (a stall), the rest on time
+        feedback.observe(0.05, 0.75 if t % 5 == 4 else 0.06, float(t))
+        assert feedback.extra_s(float(t)) <= 0.0100001
+    for t in range(64, 80):  # but one in three is a lateness they share: it is believed
+        feedback.observe(0.05, 0.75 if t % 3 == 0 else 0.06, float(t))
+    assert feedback.extra_s(80.0) == pytest.approx(0.7)
+
+
+def test_feedback_lets_old_late_samples_fade_also_when_a_new_one_comes() -> None:
+    feedback = TtftFeedback(quantile=0.75, window=16, decay_s=10.0)
+    for _ in range(8):
+        feedback.observe(0.1, 1.1, 0.0)  # a burst of first tokens 1 s late
+    feedback.observe(0.1, 0.1, 30.0)  # 30 s later (three time constants) one on time
+    assert feedback.extra_s(30.0) == pytest.approx(math.exp(-3.0))
 
 
 def test_feedback_fades_when_nothing_is_admitted_to_learn_from() -> None:
-    feedback = TtftFeedback(up_weight=1.0, decay_s=10.0)
+    feedback = TtftFeedback(decay_s=10.0)
     feedback.observe(0.1, 0.9, 0.0)  # one first token 0.8 s late
     assert feedback.extra_s(0.0) == pytest.approx(0.8)
     assert feedback.extra_s(10.0) == pytest.approx(0.8 * math.exp(-1.0))
@@ -192,15 +211,16 @@ def test_feedback_fades_when_nothing_is_admitted_to_learn_from() -> None:
 
 
 def test_feedback_ignores_nonsense_and_stays_bounded() -> None:
-    feedback = TtftFeedback(up_weight=1.0, decay_s=1e9, max_extra_s=60.0)
+    feedback = TtftFeedback(decay_s=1e9, max_extra_s=60.0)
     for bad in (math.inf, math.nan):
         feedback.observe(0.1, bad, 0.0)
         feedback.observe(bad, 0.1, 0.0)
     assert feedback.extra_s(0.0) == 0.0 and feedback.samples == 0
     feedback.observe(0.001, 1e6, 0.0)
     assert feedback.extra_s(0.0) == 60.0
-    with pytest.raises(ValueError):
-        TtftFeedback(up_weight=0.1, down_weight=0.5)
+    for bad_option in ({"quantile": 0.0}, {"quantile": 1.5}, {"window": 0}, {"decay_s": 0.0}):
+        with pytest.raises(ValueError):
+            TtftFeedback(**bad_option)
 
 
 def test_too_many_rt_decodes_miss_the_tpot_target() -> None:
