@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -431,18 +431,17 @@ class TtftFeedbackByEngine:
     CPU) refuse every request for as long as the correction took to decay, also those the
     other replicas would have served in time: two CPU replicas, one beside a CPU burner, 283
     of 317 chats refused (bench/results/placement/README.md, a slowed replica).
-    *options*: each engine's `TtftFeedback` keyword arguments."""
+    *make*: a new engine's `TtftFeedback`."""
 
-    def __init__(self, **options: float) -> None:
-        TtftFeedback(**options)  # a bad option fails here, not at an engine's first sample
-        self._options = options
+    def __init__(self, make: Callable[[], TtftFeedback] = TtftFeedback) -> None:
+        self._make = make
         self._by_engine: dict[str, TtftFeedback] = {}
 
     def of(self, engine: str) -> TtftFeedback:
         """Engine *engine*'s feedback (a new one, nothing learned, the first time)."""
         feedback = self._by_engine.get(engine)
         if feedback is None:
-            feedback = self._by_engine[engine] = TtftFeedback(**self._options)
+            feedback = self._by_engine[engine] = self._make()
         return feedback
 
     def extra_s(self, engine: str, now_s: float) -> float:

@@ -12,7 +12,13 @@ import msgspec
 import pytest
 from aiohttp import web
 
-from backend.policy.feasibility import Backlog, SloAsk, SloForecaster, TtftFeedbackByEngine
+from backend.policy.feasibility import (
+    Backlog,
+    SloAsk,
+    SloForecaster,
+    TtftFeedback,
+    TtftFeedbackByEngine,
+)
 from backend.policy.latency import LatencyModel, load_profile
 from backend.policy.placement import make_router
 from backend.policy.profiles import resolve_profile
@@ -345,7 +351,7 @@ def test_late_first_tokens_on_one_engine_make_only_that_engine_stricter(
 ) -> None:
     # requests on "slow" got their first token a second later than forecast (a neighbour took
     # its host's CPU); "fast" served as forecast. Both report an idle engine.
-    feedback = TtftFeedbackByEngine(decay_s=1e9)
+    feedback = TtftFeedbackByEngine(lambda: TtftFeedback(decay_s=1e9))
     feedback.of("slow").observe(0.01, 1.0, NOW_S)
     feedback.of("fast").observe(0.01, 0.01, NOW_S)
     loads = {"slow": IDLE, "fast": IDLE}
@@ -427,7 +433,7 @@ def test_first_tokens_later_than_forecast_teach_the_admission_to_shed(
     # token comes 1 s after its arrival (time outside the engine model: a host CPU taken by
     # another process); the contract's TTFT is 300 ms
     app = staged_app(forecaster, IDLE)
-    app[TTFT_FEEDBACK] = feedbacks = TtftFeedbackByEngine(decay_s=1e9)
+    app[TTFT_FEEDBACK] = feedbacks = TtftFeedbackByEngine(lambda: TtftFeedback(decay_s=1e9))
     feedback = feedbacks.of(FakeEngine.base_url)
     outcomes = []
     for _ in range(4):
