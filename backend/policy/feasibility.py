@@ -363,8 +363,8 @@ class TtftFeedback:
     late now and then among many on time moves nothing. Refusing requests cannot make a
     random stall rarer, only a lateness they share. An estimator that moved halfway to every
     sample above it refused every request for seconds after each rare late one: two CPU
-    replicas and a CPU burner, 4–7 s without one admission, five times in a minute
-    (bench/results/placement/README.md, a replica slowed by a neighbour).
+    replicas beside a CPU burner, 5–10 s without one admission, three times in a minute
+    (bench/results/placement/README.md, two real replicas, one beside a neighbour).
 
     Each sample fades toward 0 with time constant `decay_s` from its own time: when the
     correction makes the admission shed everything, no sample comes back, and an engine that
@@ -429,9 +429,8 @@ class TtftFeedbackByEngine:
     its model does not see: its HTTP server and tokenizer, its host's CPU — is that engine's.
     One correction for a pool made one slow replica's late first tokens (a neighbour took its
     CPU) refuse every request for as long as the correction took to decay, also those the
-    other replicas would have served in time: two CPU replicas, one beside a CPU burner, 283
-    of 317 chats refused (bench/results/placement/README.md, a slowed replica).
-    *make*: a new engine's `TtftFeedback`."""
+    other replicas would have served in time (bench/results/placement/README.md, two real
+    replicas, one beside a neighbour). *make*: a new engine's `TtftFeedback`."""
 
     def __init__(self, make: Callable[[], TtftFeedback] = TtftFeedback) -> None:
         self._make = make
