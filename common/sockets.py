@@ -50,6 +50,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def free_consecutive_ports(count: int, host: str = "127.0.0.1") -> int:
+    """A port p such that p … p + count − 1 were free a moment ago (`free_port` for p): an
+    engine pool of *count* replicas on one host takes consecutive ports."""
+    if count < 1:
+        raise ValueError(f"count must be ≥ 1, got {count}")
+    for _ in range(50):
+        port = free_port(host)
+        if all(port_holder(host, port + i) is None for i in range(1, count)):
+            return port
+    raise RuntimeError(f"no {count} consecutive free ports on {host}")
+
+
 def _ephemeral_start() -> int:
     """The first port of the kernel's ephemeral range (32768, Linux's default, elsewhere)."""
     try:

@@ -29,7 +29,6 @@ import multiprocessing
 import os
 import re
 import secrets
-import socket
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -47,7 +46,7 @@ from backend.policy.placement import ROUTERS
 from bench.live import engine_control_get, served
 from bench.studies.new_user import Chat, Gateway, chat, config_for
 from bench.studies.new_user import Options as NewUserOptions
-from common.sockets import free_port
+from common.sockets import free_consecutive_ports
 from common.wire import CONTROL_STATS_PATH
 
 SLOWED = 1
@@ -179,19 +178,6 @@ def neighbour(core: int, count: int) -> Iterator[None]:
             p.kill()
         for p in procs:
             p.join(timeout=10)
-
-
-def free_port_pair() -> int:
-    """A port p such that p and p + 1 were free a moment ago (the pool's replicas take both)."""
-    for _ in range(50):
-        port = free_port()
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no two consecutive free ports")
 
 
 # --- the load ------------------------------------------------------------------------------
@@ -342,7 +328,7 @@ def run_router(router: str, out_dir: Path, options: Options) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "tandem.db").unlink(missing_ok=True)
     cfg, port = config_for("tandem", workdir, NewUserOptions())
-    engine_port = free_port_pair()
+    engine_port = free_consecutive_ports(2)  # the pool's replicas take p and p + 1
     cfg["engine"].update(port=engine_port, replicas=2)
     cfg["gateway"]["router"] = router
     config_path = workdir / "config.yaml"

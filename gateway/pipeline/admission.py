@@ -67,7 +67,7 @@ from common.config import Config
 from common.wire import EngineLoad
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline.outcome import Refused
-from gateway.pipeline.placement import Placement, decide, engine_candidates
+from gateway.pipeline.placement import Placement, engine_candidates, place_request
 from gateway.pipeline.prepare import EngineRequest, in_tier
 from gateway.pipeline.tier_queue import TierQueueCheck
 from gateway.quotas.limiter import (
@@ -81,7 +81,6 @@ from gateway.state import (
     METRICS,
     POOL,
     QUOTAS,
-    ROUTER,
     SLO_FORECASTER,
     TIER_QUEUES,
     TTFT_FEEDBACK,
@@ -154,7 +153,7 @@ def admission_checks(app: web.Application) -> tuple[AdmissionCheck, ...]:
         QuotaCheck(app[QUOTAS], metrics),
         SloCheck(
             app.get(SLO_FORECASTER),
-            functools.partial(slo_placement, app),
+            functools.partial(place_request, app),
             metrics,
             feedback=app.get(TTFT_FEEDBACK),
         ),
@@ -384,18 +383,6 @@ class SloCheck:
         if watcher is not None:
             watcher.sent(ask.prompt_tokens, now_unix_s, ask.tenant_id, ask.weight)
         return replace(admitted, slo=decision, placement=placement)
-
-
-def slo_placement(
-    app: web.Application, request: EngineRequest, ask: SloAsk, now_unix_s: float
-) -> Placement | None:
-    """The app's `Placer`: the engine the place stage's router (`ROUTER`) picks for *request*
-    among those that serve now (`engine_candidates`); with one engine, that one. None when the
-    app knows no engine."""
-    candidates = engine_candidates(app)
-    if not candidates:
-        return None
-    return decide(request, candidates, app.get(ROUTER), ask, now_unix_s, app.get(TTFT_FEEDBACK))
 
 
 def queue_key(app: web.Application) -> str:

@@ -25,7 +25,7 @@ from backend.policy.placement import PlaceAsk, Replica, Router, token_prefix_key
 from gateway.engine.client import EngineClient
 from gateway.engine.load import LoadWatcher
 from gateway.pipeline.prepare import EngineRequest
-from gateway.state import ENGINE, LOADS, POOL
+from gateway.state import ENGINE, LOADS, POOL, ROUTER, TTFT_FEEDBACK
 
 PREFIX_BLOCK_TOKENS = 64
 """Tokens per block of the prompt prefixes the router tracks (the engines' radix caches match
@@ -71,6 +71,23 @@ def engine_candidates(app: web.Application) -> list[EngineHandle]:
         EngineHandle(name=r.name, client=r.require_client(), load=loads.get(r.name))
         for r in replicas
     ]
+
+
+def place_request(
+    app: web.Application,
+    request: EngineRequest,
+    slo: SloAsk | None,
+    now_unix_s: float,
+    avoid: str | None = None,
+) -> Placement | None:
+    """The app's placement of *request* (*slo*: what it asks, if RT with a target) among the
+    engines that serve now (`engine_candidates`), by the app's router (`ROUTER`) with what each
+    engine's outcomes taught (`TTFT_FEEDBACK`); *avoid*: an engine's name not to place it on.
+    None when that leaves no engine."""
+    candidates = [h for h in engine_candidates(app) if h.name != avoid]
+    if not candidates:
+        return None
+    return decide(request, candidates, app.get(ROUTER), slo, now_unix_s, app.get(TTFT_FEEDBACK))
 
 
 def choose_engine(

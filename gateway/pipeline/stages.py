@@ -64,7 +64,7 @@ from gateway.pipeline.outcome import (
     invalid_request,
     stream_ended_early,
 )
-from gateway.pipeline.placement import Placement, decide, engine_candidates
+from gateway.pipeline.placement import Placement, engine_candidates, place_request
 from gateway.pipeline.prepare import (
     EngineRequest,
     PreparedPrompt,
@@ -81,7 +81,6 @@ from gateway.state import (
     METRICS,
     POOL,
     QUOTAS,
-    ROUTER,
     TOKENIZER,
     TTFT_FEEDBACK,
     USAGE,
@@ -267,23 +266,19 @@ def place(app: web.Application, flight: Flight, *, avoid: str | None = None) -> 
     it on (None when that leaves no engine)."""
     assert flight.admitted is not None, "admit runs before place"
     request = flight.admitted.request
-    candidates = [h for h in engine_candidates(app) if h.name != avoid]
-    if not candidates:
-        return None
     judged = flight.admitted.placement  # the engine the SLO admission judged it on
     if (
         judged is not None
         and avoid is None
-        and any(h.name == judged.engine.name for h in candidates)
+        and any(h.name == judged.engine.name for h in engine_candidates(app))
     ):
         flight.placement = judged
         return judged
     now_unix_s = time.time()
-    slo = slo_ask(request, now_unix_s)
-    flight.placement = decide(
-        request, candidates, app.get(ROUTER), slo, now_unix_s, app.get(TTFT_FEEDBACK)
-    )
-    return flight.placement
+    placement = place_request(app, request, slo_ask(request, now_unix_s), now_unix_s, avoid)
+    if placement is not None:  # none left: the one it was placed on stays its engine
+        flight.placement = placement
+    return placement
 
 
 async def run(app: web.Application, flight: Flight) -> AsyncGenerator[EngineChunk, None]:

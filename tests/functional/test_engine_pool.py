@@ -23,7 +23,6 @@ import io
 import json
 import os
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -39,7 +38,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.sockets import free_port
+from common.sockets import free_consecutive_ports, free_port
 from tests.waiting import wait_until, wait_until_sync
 
 pytestmark = pytest.mark.slow
@@ -53,19 +52,6 @@ DEATH_NOTICE_TIMEOUT_S = 20.0
 """How long a client in flight may wait to hear that its engine died (the issue: 2 s; measured
 well under a second): a generous bound, so a busy machine does not fail the test."""
 BATCH_LINES = 24
-
-
-def free_port_pair() -> int:
-    """A port p such that p and p + 1 were free a moment ago."""
-    for _ in range(50):
-        port = free_port()
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise AssertionError("no two consecutive free ports")
 
 
 @dataclass
@@ -165,7 +151,7 @@ def _parent_of(pid: int) -> int | None:
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
     tmp = tmp_path_factory.mktemp("pool")
-    gw_port, engine_port = free_port(), free_port_pair()
+    gw_port, engine_port = free_port(), free_consecutive_ports(2)
     env = dict(
         os.environ,
         TANDEM_ADMIN_TOKEN=ADMIN,

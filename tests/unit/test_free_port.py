@@ -44,3 +44,16 @@ def test_without_the_range_file_linux_defaults_are_assumed(
     monkeypatch.setattr(sockets, "EPHEMERAL_RANGE_FILE", tmp_path / "missing")
     assert sockets._ephemeral_start() == 32768
     assert 32768 - sockets.FREE_PORT_SPAN <= free_port() < 32768
+
+
+def test_consecutive_ports_for_a_pool_are_all_free() -> None:
+    first = sockets.free_consecutive_ports(3)
+    servers = [socket.socket() for _ in range(3)]
+    try:
+        for i, server in enumerate(servers):
+            server.bind(("127.0.0.1", first + i))  # each free a moment ago
+    finally:
+        for server in servers:
+            server.close()
+    with pytest.raises(ValueError):
+        sockets.free_consecutive_ports(0)

@@ -31,10 +31,9 @@ from gateway.pipeline.admission import (
     SloCheck,
     decide_slo,
     slo_ask,
-    slo_placement,
 )
 from gateway.pipeline.outcome import Refused
-from gateway.pipeline.placement import EngineHandle, Placement, decide
+from gateway.pipeline.placement import EngineHandle, Placement, decide, place_request
 from gateway.pipeline.stages import (
     DOWNGRADED_HEADER,
     admit,
@@ -300,11 +299,11 @@ def test_the_app_judges_on_the_engine_its_router_places_on(forecaster: SloForeca
     request = make_request(make_principal(rt_tenant()))
     rt = slo_ask(request, NOW_S)
     assert rt is not None
-    placement = slo_placement(app, request, rt, NOW_S)
+    placement = place_request(app, request, rt, NOW_S)
     assert placement is not None and placement.engine.load is None  # no state watched
     mine = LoadWatcher(FakeEngine.base_url)
     app[LOADS] = {"other": LoadWatcher("other"), FakeEngine.base_url: mine}
-    placement = slo_placement(app, request, rt, NOW_S)
+    placement = place_request(app, request, rt, NOW_S)
     assert placement is not None and placement.engine.load is mine
 
 
