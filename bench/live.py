@@ -9,7 +9,8 @@ folder), configured as
 * ``priority`` — stock SGLang with ``--enable-priority-scheduling`` (the gateway's RT/BE
   priorities: RT 100, BE 0).
 
-Tenants and keys are made through the admin API (one RT tenant per SLO class, one BE tenant);
+Tenants and keys are made through the admin API (one RT tenant per SLO class, one BE tenant;
+a workload's named tenants, W6's, each one of its own with its weight);
 the workload's requests are replayed on the wall clock through the OpenAI completions API with
 exact token-id prompts, greedy decoding and ``ignore_eos`` (so every request produces its
 workload length), all streamed: the client stamps each token chunk, which gives TTFT, TBT and
@@ -65,7 +66,7 @@ from backend.sim.records import IterationLog, RequestRecord, SimResult
 from backend.sim.source import SimRequest
 from bench.capacity import search_capacity
 from bench.live_client import DRAIN_TIMEOUT_S, TenantKeys, replay, replay_source, send
-from bench.metrics import Metrics, compute_metrics, rt_metrics
+from bench.metrics import Metrics, compute_metrics, rt_metrics, tenant_metrics
 from bench.profiler.probe import engine_prefill_busy_s
 from bench.runner import BenchConfig, build, measure_rate, sim_config
 from bench.series import PolicySeries, compute_series
@@ -77,8 +78,11 @@ from common.wire import CONTROL_ITERATIONS_PATH, IterationRecord, RecentIteratio
 
 LIVE_POLICIES = ("tandem", "fcfs", "priority")
 """What `--engine sglang` can run, in run order."""
+LIVE_WORKLOADS = ("W1", "W5", "W6")
+"""The workloads `--engine sglang` replays: open-loop RT next to BE (W6: several tenants of each
+tier, each a tenant of the gateway with its weight)."""
 DEFAULT_PROFILE = "cpu-tiny"
-DEFAULT_VARIANT = {"W1": "cpu"}
+DEFAULT_VARIANT = {"W1": "cpu", "W6": "cpu"}
 """The workload variant sized for the CPU engine, where the workload has one."""
 _SHIPPED_ENGINE: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())["engine"]
 CPU_POLICY_OPTIONS: dict[str, Any] = dict(_SHIPPED_ENGINE["policy_options"])
@@ -126,6 +130,11 @@ class LiveRun:
     real: dict[str, Metrics] = field(default_factory=dict)
     sim: dict[str, Metrics] = field(default_factory=dict)
     series: dict[str, PolicySeries] = field(default_factory=dict)
+    tenants: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    """Per policy, per named tenant of the workload (W6): `bench.metrics.tenant_metrics` of the
+    real run; empty for a workload without named tenants."""
+    sim_tenants: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    """The same for the simulator twin's run."""
     engine_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
     """tandem's in-engine counters (control endpoint) per policy that has them."""
     failed: dict[str, str] = field(default_factory=dict)
@@ -173,9 +182,9 @@ def live_config(config: BenchConfig) -> BenchConfig:
         raise ValueError(
             f"--engine sglang runs {', '.join(LIVE_POLICIES)}; not {', '.join(unknown)}"
         )
-    if config.workload not in ("W1", "W5"):
+    if config.workload not in LIVE_WORKLOADS:
         raise ValueError(
-            f"--engine sglang runs W1 and W5 (open-loop RT next to BE); not {config.workload}"
+            f"--engine sglang runs W1, W5 and W6 (open-loop RT next to BE); not {config.workload}"
         )
     return replace(
         config, profile=profile, variant=variant, policies=tuple(policies), max_new="exact"
@@ -221,6 +230,8 @@ def run_live(config: BenchConfig) -> LiveRun:
         window = workload.window_s
         run.real[name] = compute_metrics(result, window)
         run.series[name] = compute_series(result, window or result.end_s)
+        if workload.tenants:
+            run.tenants[name] = tenant_metrics(result.requests, workload.tenants, result.end_s)
         if stats:
             run.engine_stats[name] = stats
             run.sim_regime_pace = learned_regime_pace(stats)
@@ -239,6 +250,10 @@ def run_live(config: BenchConfig) -> LiveRun:
                 }
         sim_result = run_sim(name, run, latency, base)
         run.sim[name] = compute_metrics(sim_result, window)
+        if workload.tenants:
+            run.sim_tenants[name] = tenant_metrics(
+                sim_result.requests, workload.tenants, sim_result.end_s
+            )
         _say(config, f"{name}: real {_brief(run.real[name])} | sim {_brief(run.sim[name])}")
     return run
 

@@ -35,36 +35,43 @@ class RequestFailed(RuntimeError):
 
 
 class TenantKeys:
-    """API keys per SLO class (RT) and for BE, made through the admin API."""
+    """API keys made through the admin API: per named tenant of the workload (a request's
+    `tenant_id`: W6's tenants, each with its tier, SLO and fair-share weight), else per SLO
+    class (RT) and one for BE."""
 
     def __init__(self, base_url: str, admin_token: str, session: aiohttp.ClientSession) -> None:
         self.base_url = base_url
         self.headers = {"Authorization": f"Bearer {admin_token}"}
         self.session = session
-        self._keys: dict[tuple[str, float | None, float | None], str] = {}
+        self._keys: dict[tuple[str, str, float | None, float | None], str] = {}
 
     async def key_for(self, spec: RequestSpec) -> str:
+        rt = spec.tier == "rt"
         slo = (
-            (spec.tier, spec.ttft_target_s, spec.tpot_target_s)
-            if spec.tier == "rt"
-            else ("be", None, None)
+            spec.tenant_id,
+            spec.tier,
+            spec.ttft_target_s if rt else None,
+            spec.tpot_target_s if rt else None,
         )
         key = self._keys.get(slo)
         if key is None:
-            key = self._keys[slo] = await self._new_tenant(*slo)
+            key = self._keys[slo] = await self._new_tenant(spec)
         return key
 
-    async def _new_tenant(
-        self, tier: str, ttft_target_s: float | None, tpot_target_s: float | None
-    ) -> str:
-        name = f"{tier}-{len(self._keys)}-{secrets.token_hex(3)}"
+    async def _new_tenant(self, spec: RequestSpec) -> str:
+        label = spec.tenant_id or f"{spec.tier}-{len(self._keys)}"
+        name = f"{label}-{secrets.token_hex(3)}"
         slo: dict[str, Any] = {}
-        if tier == "rt":
+        if spec.tier == "rt":
             slo = {
-                "ttft_ms": round(1000 * (ttft_target_s or 1.0), 3),
-                "tpot_ms": round(1000 * (tpot_target_s or 1.0), 3),
+                "ttft_ms": round(1000 * (spec.ttft_target_s or 1.0), 3),
+                "tpot_ms": round(1000 * (spec.tpot_target_s or 1.0), 3),
             }
-        return await create_tenant_key(self.session, self.base_url, self.headers, name, tier, slo)
+        if spec.tenant_id:
+            slo["weight"] = spec.tenant_weight
+        return await create_tenant_key(
+            self.session, self.base_url, self.headers, name, spec.tier, slo
+        )
 
 
 async def create_tenant_key(

@@ -10,11 +10,13 @@ from backend.policy.calibration import REGIMES
 from bench.live import RATIO_KEYS, SERVING_PROBES, LiveRun, sim_real_ratios
 from bench.metrics import rounded
 from bench.plots import write_plots
-from bench.report import _fmt
+from bench.report import _fmt, tenant_table
 
 LIVE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("rt_ttft_attainment", "RT TTFT att.", "pct"),
     ("rt_tpot_attainment", "RT TPOT att.", "pct"),
+    ("rt_admitted_attainment", "RT adm. att.", "pct"),
+    ("rt_shed_rate", "RT shed", "pct"),
     ("rt_ttft_p50_s", "TTFT p50 s", "s"),
     ("rt_ttft_p99_s", "TTFT p99 s", "s"),
     ("rt_tpot_mean_s", "TPOT mean s", "s"),
@@ -71,13 +73,21 @@ def results_dict(run: LiveRun) -> dict[str, Any]:
         if run.sim_engine is not None
         else None,
         "command": cfg.command,
-        "policies": {name: rounded(m) for name, m in run.real.items()},
-        "sim": {name: rounded(m) for name, m in run.sim.items()},
+        "policies": {name: _row(m, run.tenants.get(name)) for name, m in run.real.items()},
+        "sim": {name: _row(m, run.sim_tenants.get(name)) for name, m in run.sim.items()},
         "sim_over_real": sim_real_ratios(run),
         "engine_stats": run.engine_stats,
         "failed": run.failed,
         "wall_s": {k: round(v, 1) for k, v in run.wall_s.items()},
     }
+
+
+def _row(metrics: Any, tenants: dict[str, dict[str, Any]] | None) -> dict[str, Any]:
+    """One policy's row: its metrics, plus `tenants` when the workload names tenants."""
+    row = dict(rounded(metrics))
+    if tenants:
+        row["tenants"] = {name: rounded(m) for name, m in tenants.items()}
+    return row
 
 
 def _table(rows: dict[str, dict[str, Any]], columns: tuple[tuple[str, str, str], ...]) -> list[str]:
@@ -159,10 +169,12 @@ def report_markdown(run: LiveRun, plots: list[str]) -> str:
         "",
         *_table(run.real, LIVE_COLUMNS),
         "",
+        *tenant_table(run.tenants),
         "## Simulator, same workload",
         "",
         *_table(run.sim, LIVE_COLUMNS),
         "",
+        *tenant_table(run.sim_tenants),
         "## Simulator ÷ real",
         "",
     ]

@@ -125,9 +125,10 @@ def _table(run: BenchRun) -> list[str]:
     return lines
 
 
-def _tenant_table(run: BenchRun) -> list[str]:
-    """One row per (policy, tenant); empty when no policy has per-tenant metrics."""
-    rows = [(name, r.tenants) for name, r in run.runs.items() if r.tenants]
+def tenant_table(by_policy: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    """The per-tenant table of a report: one row per (policy, tenant) of *by_policy* (policy →
+    tenant → `bench.metrics.tenant_metrics` row); empty when it has none."""
+    rows = [(name, tenants) for name, tenants in by_policy.items() if tenants]
     if not rows:
         return []
     lines = [
@@ -217,7 +218,7 @@ def report_markdown(run: BenchRun, plots: list[str]) -> str:
         "",
         *_table(run),
         "",
-        *_tenant_table(run),
+        *tenant_table({name: r.tenants for name, r in run.runs.items() if r.tenants}),
         "Attainments are shares of RT requests (token att.: of RT tokens; iter. att.: of "
         "iterations emitting RT tokens, all of them on time); rates are per "
         "second of the measurement window; `–` = not applicable. Every metric, with its "

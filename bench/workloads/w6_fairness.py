@@ -24,6 +24,11 @@ stream as one Poisson stream, found as for W1) or --rt-rate. Arrival times are d
 seed: the burster's arrivals are a Poisson process of rate 5 s in "on time" (the concatenated
 bursts), mapped onto the bursts, so the draws are the same at every rate, only scaled.
 Full size: 10 simulated minutes; default scale 0.25 (150 s).
+
+Variant "cpu" (the real engine bench, `--engine sglang`, and its simulator twin): W1's "cpu"
+shape for both tiers — RT lengths ÷ 4 and class SLOs TTFT 1.5 s, TPOT 0.25 s; BE batches of 32
+with prompt U(128,256), output U(8,32) — so the tiny model on a 2-core CPU serves the same
+contention. The default, "full", is W1's full shape.
 """
 
 from __future__ import annotations
@@ -37,12 +42,13 @@ from bench.workloads.base import (
     TenantSpec,
     Workload,
     WorkloadParams,
+    check_variant,
     max_new_for,
     scaled_duration,
 )
 from bench.workloads.sampling import lognormal_ints, poisson_times, rng_for, uniform_ints
 from bench.workloads.sources import BatchSource, TimedSource, merge
-from bench.workloads.w1_hybrid import FULL_SHAPE, rt_requests
+from bench.workloads.w1_hybrid import CPU_SHAPE, FULL_SHAPE, Shape, rt_requests
 
 FULL_DURATION_S = 600.0
 DEFAULT_SCALE = 0.25
@@ -52,7 +58,9 @@ BURST_S = 4.0
 """Length of a burst (the last BURST_S seconds of each period), seconds."""
 BURST_RATIO = 5.0
 """rt-burst's rate during a burst over rt-steady's rate."""
-BE_BATCH_SIZE = 256
+VARIANTS = ("full", "cpu")
+SHAPES = {"full": FULL_SHAPE, "cpu": CPU_SHAPE}
+"""Each variant's lengths, BE batch size and RT SLOs (W1's shapes)."""
 RT_STEADY, RT_BURST, BE_A, BE_B = "rt-steady", "rt-burst", "be-a", "be-b"
 TENANTS = (
     TenantSpec(RT_STEADY, "rt", 1.0),
@@ -85,13 +93,13 @@ def in_burst(t: float) -> bool:
 
 
 def tenant_rt_requests(
-    params: WorkloadParams, tenant: str, times: list[float]
+    params: WorkloadParams, tenant: str, times: list[float], shape: Shape = FULL_SHAPE
 ) -> list[RequestSpec]:
     """One RT tenant's requests at the given arrival times (lengths from the tenant's own
     streams: request i is the same at every rate)."""
     n = len(times)
-    p_mean, p_std, p_max = FULL_SHAPE.rt_prompt
-    o_mean, o_std, o_max = FULL_SHAPE.rt_output
+    p_mean, p_std, p_max = shape.rt_prompt
+    o_mean, o_std, o_max = shape.rt_output
     prompts = lognormal_ints(
         rng_for(params.seed, "w6", tenant, "prompt"), p_mean, p_std, n, low=4, high=p_max
     )
@@ -106,8 +114,8 @@ def tenant_rt_requests(
             prompt_len=int(prompts[i]),
             output_len=int(outputs[i]),
             max_new_tokens=max_new_for(params, int(outputs[i]), o_max),
-            ttft_target_s=FULL_SHAPE.ttft_target_s,
-            tpot_target_s=FULL_SHAPE.tpot_target_s,
+            ttft_target_s=shape.ttft_target_s,
+            tpot_target_s=shape.tpot_target_s,
             length_key=tenant,
             tenant_id=tenant,
             tenant_weight=WEIGHTS[tenant],
@@ -116,22 +124,24 @@ def tenant_rt_requests(
     ]
 
 
-def rt_streams(params: WorkloadParams, rate: float, duration_s: float) -> list[RequestSpec]:
+def rt_streams(
+    params: WorkloadParams, rate: float, duration_s: float, shape: Shape = FULL_SHAPE
+) -> list[RequestSpec]:
     """Both RT tenants' requests at mean total rate `rate` req/s, in arrival order."""
     steady = rate / 2.0
     steady_times = poisson_times(rng_for(params.seed, "w6", RT_STEADY, "gaps"), steady, duration_s)
-    specs = tenant_rt_requests(params, RT_STEADY, [float(t) for t in steady_times])
-    specs += tenant_rt_requests(params, RT_BURST, burst_times(params, steady, duration_s))
+    specs = tenant_rt_requests(params, RT_STEADY, [float(t) for t in steady_times], shape)
+    specs += tenant_rt_requests(params, RT_BURST, burst_times(params, steady, duration_s), shape)
     return sorted(specs, key=lambda s: (s.arrival_s, s.rid))
 
 
 def be_batch(
-    params: WorkloadParams, tenant: str, index: int, arrival_s: float
+    params: WorkloadParams, tenant: str, index: int, arrival_s: float, shape: Shape = FULL_SHAPE
 ) -> list[RequestSpec]:
     """BE tenant `tenant`'s batch `index` (the same lengths whenever it is submitted)."""
     rng = rng_for(params.seed, "w6", tenant, "batch", index)
-    prompts = uniform_ints(rng, *FULL_SHAPE.be_prompt, BE_BATCH_SIZE)
-    outputs = uniform_ints(rng, *FULL_SHAPE.be_output, BE_BATCH_SIZE)
+    prompts = uniform_ints(rng, *shape.be_prompt, shape.be_batch_size)
+    outputs = uniform_ints(rng, *shape.be_output, shape.be_batch_size)
     return [
         RequestSpec(
             rid=f"{tenant}-{index:04d}-{j:03d}",
@@ -139,42 +149,48 @@ def be_batch(
             arrival_s=arrival_s,
             prompt_len=int(prompts[j]),
             output_len=int(outputs[j]),
-            max_new_tokens=max_new_for(params, int(outputs[j]), FULL_SHAPE.be_output[1]),
+            max_new_tokens=max_new_for(params, int(outputs[j]), shape.be_output[1]),
             length_key=tenant,
             tenant_id=tenant,
             tenant_weight=WEIGHTS[tenant],
             order_key=float(j),
         )
-        for j in range(BE_BATCH_SIZE)
+        for j in range(shape.be_batch_size)
     ]
 
 
-def be_maker(params: WorkloadParams, tenant: str) -> Callable[[int, float], list[RequestSpec]]:
+def be_maker(
+    params: WorkloadParams, tenant: str, shape: Shape = FULL_SHAPE
+) -> Callable[[int, float], list[RequestSpec]]:
     """(batch index, arrival) → BE tenant `tenant`'s batch, for its BatchSource."""
-    return lambda index, arrival_s: be_batch(params, tenant, index, arrival_s)
+    return lambda index, arrival_s: be_batch(params, tenant, index, arrival_s, shape)
 
 
 def build(params: WorkloadParams, ctx: BuildContext) -> Workload:
     """W6 as a Workload."""
-    if params.variant is not None:
-        raise ValueError(f"W6 has no variants (got {params.variant!r})")
+    variant = check_variant("W6", params.variant, VARIANTS)
+    shape = SHAPES[variant]
     duration = scaled_duration(params, FULL_DURATION_S, DEFAULT_SCALE)
 
     def make_source(rate: float | None, include_be: bool) -> SpecSource:
-        sources: list[SpecSource] = [TimedSource(rt_streams(params, rate or 0.0, duration))]
+        sources: list[SpecSource] = [TimedSource(rt_streams(params, rate or 0.0, duration, shape))]
         if include_be:
-            sources += [BatchSource(be_maker(params, t), stop_s=duration) for t in (BE_A, BE_B)]
+            sources += [
+                BatchSource(be_maker(params, t, shape), stop_s=duration) for t in (BE_A, BE_B)
+            ]
         return merge(sources)
 
     def rt_poisson(rate: float, length_s: float) -> SpecSource:
         # λ*: the same chat requests as one Poisson stream (W1's RT part, W6's own seed label)
-        return TimedSource(rt_requests(params, rate, length_s, hetero=False, label="w6"))
+        return TimedSource(
+            rt_requests(params, rate, length_s, hetero=False, label="w6", shape=shape)
+        )
 
     return Workload(
         name="W6",
         description="fairness: RT rt-steady + bursty rt-burst (5× in bursts), BE be-a + be-b",
         make_source=make_source,
-        longest_prompt=max(FULL_SHAPE.rt_prompt[2], FULL_SHAPE.be_prompt[1]),
+        longest_prompt=max(shape.rt_prompt[2], shape.be_prompt[1]),
         window_s=duration,
         rt_poisson=rt_poisson,
         params={
@@ -182,9 +198,9 @@ def build(params: WorkloadParams, ctx: BuildContext) -> Workload:
             "burst_period_s": PERIOD_S,
             "burst_s": BURST_S,
             "burst_ratio": BURST_RATIO,
-            "be_batch_size": BE_BATCH_SIZE,
-            "rt_ttft_s": FULL_SHAPE.ttft_target_s,
-            "rt_tpot_s": FULL_SHAPE.tpot_target_s,
+            "be_batch_size": shape.be_batch_size,
+            "rt_ttft_s": shape.ttft_target_s,
+            "rt_tpot_s": shape.tpot_target_s,
         },
         tenants=TENANTS,
     )

@@ -39,7 +39,7 @@ def one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
         (["bench", "W1", "--load", "-1"], "--load must be > 0"),
         (["bench", "W1", "--load", "abc"], "invalid float value"),
         (["bench", "W1", "--kv-scale", "0.5"], "--kv-scale must be > 1"),
-        (["bench", "W2", "--engine", "sglang"], "--engine sglang runs W1 and W5"),
+        (["bench", "W2", "--engine", "sglang"], "--engine sglang runs W1, W5 and W6"),
         (["bench", "W1", "--engine", "sglang", "--policies", "rr"], "not rr"),
         (["bench", "W1", "--engine", "vllm"], "invalid choice"),
         (["bench", "W1", "--bogus"], "unrecognized arguments: --bogus"),

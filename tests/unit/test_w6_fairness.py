@@ -78,8 +78,28 @@ def test_w6_be_tenants_each_keep_a_batch_outstanding() -> None:
     specs = [s for s in w6_specs() if s.tier == "be"]
     counts = Counter(s.length_key for s in specs)
     assert set(counts) == {"be-a", "be-b"}
-    assert all(n % w6_fairness.BE_BATCH_SIZE == 0 and n > 0 for n in counts.values())
+    assert all(n % w6_fairness.FULL_SHAPE.be_batch_size == 0 and n > 0 for n in counts.values())
     assert {s.arrival_s for s in specs if s.rid.endswith("-0000-000")} == {0.0}
+
+
+def test_w6_cpu_variant_has_w1s_cpu_lengths_batches_and_slos() -> None:
+    """The real engine bench's W6 (`--engine sglang`): what the tiny model on a CPU serves."""
+    params = WorkloadParams(duration_s=60.0, variant="cpu")
+    workload = build_workload("W6", params, CTX)
+    specs = drain(workload.source(10.0, True), finish_after_s=1.0)
+    rt = [s for s in specs if s.tier == "rt"]
+    be = [s for s in specs if s.tier == "be"]
+    cpu = w6_fairness.CPU_SHAPE
+    assert {(s.ttft_target_s, s.tpot_target_s) for s in rt} == {(1.5, 0.25)}
+    assert max(s.prompt_len for s in rt) <= cpu.rt_prompt[2]
+    assert all(cpu.be_prompt[0] <= s.prompt_len <= cpu.be_prompt[1] for s in be)
+    assert all(n % cpu.be_batch_size == 0 for n in Counter(s.tenant_id for s in be).values())
+    assert workload.params["be_batch_size"] == 32 and workload.params["rt_ttft_s"] == 1.5
+    # the same tenants, arrivals and bursts as the full shape
+    full = [s for s in w6_specs(rate=10.0) if s.tier == "rt"]
+    assert [(s.rid, s.arrival_s) for s in rt] == [(s.rid, s.arrival_s) for s in full]
+    with pytest.raises(ValueError, match="W6 has no variant 'hetero'"):
+        build_workload("W6", WorkloadParams(variant="hetero"), CTX)
 
 
 def rec(
