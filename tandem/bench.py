@@ -94,7 +94,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--scale", type=float, help="fraction of the full-size workload")
     p.add_argument("--duration-s", type=float, help="arrival window, simulated seconds")
-    p.add_argument("--variant", help="W1 class|hetero, W3 d1|d2|d3, W4 p35|p5")
+    p.add_argument("--variant", help="W1 class|hetero|cpu, W3 d1|d2|d3, W4 p35|p5, W6 full|cpu")
     p.add_argument(
         "--max-new",
         choices=("exact", "cap"),
