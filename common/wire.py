@@ -254,6 +254,17 @@ class EngineLoad(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """RT requests decoding."""
     rt_context_tokens: int = 0
     """Σ context length (prompt + generated) of the decoding RT requests, tokens."""
+    num_rt_prefilling: int = 0
+    """RT requests admitted with their prompt partly computed (a chunked prompt): counted in
+    `num_rt_waiting`, but already holding a request slot."""
+    max_running_requests: int = 0
+    """The engine's cap on requests holding a slot (running or prefilling; SGLang's
+    `max_running_requests`); 0: none reported. BE gives its slots up to RT, so only RT's count
+    against an RT prompt: with every slot RT's, a new prompt waits for an RT request to finish."""
+    rt_decode_steps_left: tuple[int, ...] = ()
+    """Decode steps each running RT decode is expected to take before it finishes and frees its
+    slot (`backend.policy.feasibility.RtOutputs`), fewest first, at most 128 of them; (): not
+    reported (no slot wait is forecast)."""
     num_be_waiting: int = 0
     be_waiting_prompt_tokens: int = 0
     """Prompt tokens the waiting BE requests still have to compute (their part of the engine's

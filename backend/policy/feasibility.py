@@ -50,6 +50,19 @@ the same latency model the engine's policy plans with, corrected by that pace:
           A waiting request already past its TTFT deadline is ahead of no one: tandem serves
           it after every request that can still meet its own (`load_of`).
 
+    slot  a prompt also needs one of the engine's request slots (`max_running_requests`). BE
+          gives its slots up to RT, so only RT's count: while the slots RT does not hold cover
+          the RT prompts queued ahead of it (the queued requests in W's share of the queued
+          prompt work) and it, there is no wait; else the excess k RT requests must finish
+          first. The engine reports how many decode steps each running RT decode has left
+          (`RtOutputs`: the mean of L − g over the lengths L > g of the RT requests it
+          finished lately, at most the request's max_new_tokens − g), fewest first, and the
+          k-th of them, at the decodes' step time, is the wait; the prompt starts after it:
+              TTFT ≥ iteration_s + steps_k × f_decode × predict(decodes) + its own prompt
+          Without it, a bursting tenant's requests were admitted on the prompt work alone
+          while every slot was RT's, and waited 2-4 s for one (W6 on the real engine, 64
+          slots: 25 of its 249 admitted requests late).
+
 A forecast is compared with the time the request has left (its target less the time it already
 waited) times `headroom` (< 1: the forecast is a mean, the SLO a bound): over it, the request
 misses, and `Shortfall` says which target, the predicted time and by how much.
@@ -59,6 +72,9 @@ Pure: no I/O, no clock; the caller passes what it knows.
 
 from __future__ import annotations
 
+import bisect
+import heapq
+import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -278,14 +294,45 @@ class SloForecaster:
                 f_prefill * self.latency.predict(BatchShape().with_prefill(tokens)) + split_decode_s
             )
 
-        ahead_tokens, drift = work_ahead(load, ask, backlog)
+        def prefill_s(tokens: int) -> float:
+            full, rest = divmod(tokens, chunk)
+            return full * cycle_s(chunk) + (cycle_s(rest) if rest else 0.0)
+
+        work, drift = work_ahead(load, ask, backlog)
+        ahead_tokens = work
         if drift > 0.0:  # n iterations serve n × chunk prompt tokens, n × drift of them owed
             ahead_tokens = math.ceil(ahead_tokens * chunk / max(chunk - drift, chunk / MAX_DRIFT))
-        full, rest = divmod(ahead_tokens, chunk)
-        prefill_s = full * cycle_s(chunk)
-        if rest:
-            prefill_s += cycle_s(rest)
-        return load.iteration_s + spread * prefill_s, tpot_s
+        ttft_s = spread * prefill_s(ahead_tokens)
+        slot_steps = self._slot_wait_steps(load, ask, backlog, work)
+        if slot_steps:  # its prompt starts once a slot is its, whatever was computed by then
+            step_s = f_decode * self.latency.predict(running)
+            wait_s = slot_steps * step_s + prefill_s(ask.prompt_tokens)
+            ttft_s = max(ttft_s, spread * wait_s)
+        return load.iteration_s + ttft_s, tpot_s
+
+    @staticmethod
+    def _slot_wait_steps(load: EngineLoad, ask: SloAsk, backlog: Backlog, work_tokens: int) -> int:
+        """The decode steps the ask waits for a request slot (the module doc's slot wait): 0
+        while the slots RT does not hold cover the RT prompts queued ahead of it and it; else
+        the excess k RT requests must finish first, which takes the k-th fewest steps left of
+        the running RT decodes (`EngineLoad.rt_decode_steps_left`). The requests ahead are the
+        queued ones in the share of the queued prompt work that fair share serves first
+        (`work_ahead`)."""
+        cap = load.max_running_requests
+        if cap <= 0:
+            return 0
+        free = cap - load.num_rt_running - load.num_rt_prefilling
+        queued = max(0, load.num_rt_waiting - load.num_rt_prefilling) + backlog.num_requests
+        if queued + 1 <= free:
+            return 0
+        others_tokens = load.rt_waiting_prompt_tokens + backlog.prompt_tokens
+        share = min(1.0, max(0, work_tokens - ask.prompt_tokens) / max(1, others_tokens))
+        excess = math.ceil(queued * share) + 1 - free
+        steps = load.rt_decode_steps_left
+        if excess <= 0 or not steps:
+            return 0  # no RT decode holds a slot: prefilling prompts hold them, ahead of it
+        rounds, within = divmod(excess - 1, len(steps))
+        return rounds * steps[-1] + steps[within]  # past the reported ones: they turn over
 
     def _split(
         self, running: BatchShape, budget_s: float, factors: tuple[float, ...], load: EngineLoad
@@ -606,6 +653,11 @@ def largest_chunk(
     return lo
 
 
+STEPS_LEFT_REPORTED = 128
+"""The most running RT decodes whose steps left an engine reports (the fewest): a forecast
+that needs more slots than that waits for them to turn over again."""
+NO_CAP = 1 << 30
+"""`Snapshot.max_running` of an engine without a request cap (the default)."""
 _MAX_MEMO = 256
 """Chunk sizes a forecaster remembers (states × budgets) before it starts over."""
 
@@ -637,6 +689,7 @@ def load_of(
     pace_ratio_p90: float = 1.0,
     calibration_samples: int = 0,
     rt_fair_counters: Mapping[str, float] | None = None,
+    rt_steps_left: Callable[[ReqState], int] | None = None,
 ) -> EngineLoad:
     """The `EngineLoad` an engine reports from the snapshot its policy planned from (the
     SGLang driver and the simulator build it the same way). One pass over the requests.
@@ -652,7 +705,7 @@ def load_of(
     is not ahead of a new request. Counted as ahead, a tenant's few overdue requests made the
     forecast shed every new request of that tenant while another tenant burst (W6 at 2 λ*: the
     steady tenant got 14 of 404 requests in during a burst, the burster 516 of 1,893)."""
-    rt_waiting = rt_prompt = rt_running = rt_context = 0
+    rt_waiting = rt_prompt = rt_running = rt_context = rt_prefilling = 0
     be_waiting = be_prompt = be_running = be_context = be_kv = 0
     # tenant → [weight, requests waiting, prompt tokens left, requests decoding]
     by_tenant: dict[str, list[Any]] = {}
@@ -660,6 +713,7 @@ def load_of(
         if r.tier == "rt":
             if r.prefilled < r.prefill_len:
                 rt_waiting += 1
+                rt_prefilling += 1
                 rt_prompt += r.prefill_len - r.prefilled
                 _count_waiting(by_tenant, r)
             else:
@@ -700,6 +754,9 @@ def load_of(
         rt_waiting_prompt_tokens=rt_prompt,
         num_rt_running=rt_running,
         rt_context_tokens=rt_context,
+        num_rt_prefilling=rt_prefilling,
+        max_running_requests=snapshot.max_running if snapshot.max_running < NO_CAP else 0,
+        rt_decode_steps_left=_fewest_steps_left(snapshot, rt_steps_left),
         num_be_waiting=be_waiting,
         be_waiting_prompt_tokens=be_prompt,
         num_be_running=be_running,
@@ -722,6 +779,67 @@ def load_of(
             for tenant_id, (weight, count, tokens, running) in by_tenant.items()
         ),
     )
+
+
+class RtOutputs:
+    """How long RT requests on one engine run, learned from the snapshots its policy plans
+    from, to tell when a running one will free its request slot.
+
+    An RT request that held a slot in one snapshot and is neither running nor waiting in the
+    next has finished (one back in the queue was evicted, and still needs a slot); its output
+    length joins the last `history` ones. A running request that has generated g tokens then
+    has, expected, the mean of L − g over those finished lengths L > g left (the past outputs
+    of the engine's own RT traffic, Past-Future style), at most its `max_new_tokens` − g; with
+    none of them longer than g (or none finished yet), its `max_new_tokens` − g: a guess
+    shorter than that once let requests in that then waited seconds for a slot. Pure: the
+    caller passes each snapshot."""
+
+    def __init__(self, history: int = 256) -> None:
+        if history < 1:
+            raise ValueError(f"history must be ≥ 1, got {history}")
+        self._recent: deque[int] = deque(maxlen=history)
+        self._holding: dict[str, int] = {}
+        """rid → tokens generated, of the RT requests running in the last snapshot."""
+        self._sorted: list[int] | None = None
+        self._suffix: list[int] = []
+
+    def observe(self, snapshot: Snapshot) -> None:
+        """Takes in *snapshot*: the RT requests gone from it since the last one finished."""
+        holding = {r.rid: r.generated for r in snapshot.running if r.tier == "rt"}
+        gone = self._holding.keys() - holding.keys()
+        if gone:
+            waiting = snapshot.waiting_rt if snapshot.waiting_rt is not None else snapshot.waiting
+            gone -= {r.rid for r in waiting if r.tier == "rt"}
+            for rid in gone:
+                # the last count seen; the final token's step is not seen: one more
+                self._recent.append(self._holding[rid] + 1)
+                self._sorted = None
+        self._holding = holding
+
+    def steps_left(self, r: ReqState) -> int:
+        """Decode steps *r* (running, decoding) is expected to take before it finishes."""
+        bound = max(1, r.max_new_tokens - r.generated)
+        if self._sorted is None:
+            self._sorted = sorted(self._recent)
+            self._suffix = list(itertools.accumulate(reversed(self._sorted)))[::-1]
+        longer = bisect.bisect_right(self._sorted, r.generated)
+        count = len(self._sorted) - longer
+        if not count:
+            return bound  # longer than every one seen (or none seen yet): only its cap is known
+        return max(1, min(bound, math.ceil(self._suffix[longer] / count - r.generated)))
+
+
+def _fewest_steps_left(
+    snapshot: Snapshot, steps_left: Callable[[ReqState], int] | None
+) -> tuple[int, ...]:
+    """The decode steps before each running RT decode finishes (*steps_left*), fewest first,
+    at most `STEPS_LEFT_REPORTED` of them; () without an estimate."""
+    if steps_left is None:
+        return ()
+    steps = [
+        steps_left(r) for r in snapshot.running if r.tier == "rt" and r.prefilled >= r.prefill_len
+    ]
+    return tuple(heapq.nsmallest(STEPS_LEFT_REPORTED, steps))
 
 
 def _tenant_entry(by_tenant: dict[str, list[Any]], r: ReqState) -> list[Any]:

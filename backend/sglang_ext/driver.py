@@ -36,7 +36,7 @@ from types import MappingProxyType
 import msgspec
 
 from backend.policy.calibration import DECODE, MIXED, PREFILL, PaceSpread
-from backend.policy.feasibility import load_of
+from backend.policy.feasibility import RtOutputs, load_of
 from backend.policy.load_report import (
     policy_calibration_samples,
     policy_factors,
@@ -122,6 +122,7 @@ class EngineDriver:
         self._last_predicted_s = 0.0  # what the plan of that iteration predicted (0: nothing)
         self._last_mix: IterationMix | None = None  # the token mix that iteration ran
         self._pace = PaceSpread()  # measured ÷ predicted of the recent iterations
+        self._rt_outputs = RtOutputs()  # how long RT requests run: when slots free up
         self._calib_samples = 0  # calibration samples already copied into the stats
         self._calib_off_since: float | None = None  # a factor left the band at this instant
         self._calib_warned = False  # this episode's warning was logged
@@ -399,6 +400,7 @@ class EngineDriver:
         engine's state only changes by arrivals, which the next iteration reports)."""
         if self.iterations == self.loads.latest.iteration:
             return
+        self._rt_outputs.observe(snap)
         self.loads.publish(
             load_of(
                 snap,
@@ -410,6 +412,7 @@ class EngineDriver:
                 pace_ratio_p90=self._pace.upper(),
                 calibration_samples=policy_calibration_samples(self.policy),
                 rt_fair_counters=policy_rt_fair_counters(self.policy),
+                rt_steps_left=self._rt_outputs.steps_left,
             ),
             self._last_mix,
         )

@@ -23,7 +23,13 @@ import msgspec
 
 from backend.policy.calibration import PaceSpread
 from backend.policy.common import PolicyBase
-from backend.policy.feasibility import SloAsk, SloForecaster, TtftFeedback, load_of
+from backend.policy.feasibility import (
+    RtOutputs,
+    SloAsk,
+    SloForecaster,
+    TtftFeedback,
+    load_of,
+)
 from backend.policy.load_report import policy_calibration_samples, policy_rt_fair_counters
 from backend.policy.types import Policy, Snapshot
 from backend.sim.config import SloUnattainable
@@ -61,6 +67,9 @@ class FrontDoor:
         """rid → how it was admitted, for the requests that were not simply admitted."""
         self.shed: list[RequestRecord] = []
         """The requests it refused (they never reached the engine)."""
+        self.rt_outputs = RtOutputs()
+        """How long the engine's RT requests run (seen in the snapshots it forecasts from), for
+        `EngineLoad.rt_decode_steps_left` as the real engine reports it."""
         self.pace = PaceSpread()
         """The engine's recent measured ÷ predicted iteration times (the simulator's loop feeds
         it), as the real engine reports them in `EngineLoad.pace_ratio_p90`."""
@@ -70,6 +79,7 @@ class FrontDoor:
         *snapshot* is the engine's state with every earlier arrival already in it."""
         if req.tier != "rt" or req.ttft_target_s is None:
             return req
+        self.rt_outputs.observe(snapshot)
         load = load_of(
             snapshot,
             iteration=0,
@@ -79,6 +89,7 @@ class FrontDoor:
             pace_ratio_p90=self.pace.upper(),
             calibration_samples=self.calibration_samples(),
             rt_fair_counters=self.rt_fair_counters(),
+            rt_steps_left=self.rt_outputs.steps_left,
         )
         ask = slo_ask(req, now_s)
         extra_s = self.feedback.extra_s(now_s) if self.feedback is not None else 0.0

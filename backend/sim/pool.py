@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from backend.policy.calibration import PaceSpread
-from backend.policy.feasibility import Backlog, SloForecaster, load_of
+from backend.policy.feasibility import Backlog, RtOutputs, SloForecaster, load_of
 from backend.policy.latency import LatencyModel
 from backend.policy.load_report import policy_calibration_samples, policy_rt_fair_counters
 from backend.policy.placement import PlaceAsk, Replica, Router, prefix_keys
@@ -58,6 +58,8 @@ class _Member:
         self.core = EngineCore(config, policy.name)
         self.log = IterationLog(config.kv_capacity_tokens)
         self.pace = PaceSpread()
+        self.rt_outputs = RtOutputs()
+        """How long its RT requests run, for its slots' turnover as the real engine reports it."""
         self.step: Step | None = None
         """The iteration in flight (None: idle)."""
         self.inbox: list[SimRequest] = []
@@ -78,6 +80,7 @@ class _Member:
         policy = self.policy
         factors = getattr(policy, "latency_factors", None)
         snap = self.core.snapshot(now_s)
+        self.rt_outputs.observe(snap)
         load = load_of(
             snap,
             iteration=self.iterations,
@@ -87,6 +90,7 @@ class _Member:
             pace_ratio_p90=self.pace.upper(),
             calibration_samples=policy_calibration_samples(policy),
             rt_fair_counters=policy_rt_fair_counters(policy),
+            rt_steps_left=self.rt_outputs.steps_left,
         )
         self.view = Replica(name=self.name, load=load)
         self.unreported.clear()

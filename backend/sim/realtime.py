@@ -16,7 +16,7 @@ import logging
 import time
 
 from backend.policy.calibration import PaceSpread
-from backend.policy.feasibility import load_of
+from backend.policy.feasibility import RtOutputs, load_of
 from backend.policy.latency import LatencyModel
 from backend.policy.load_report import (
     policy_calibration_samples,
@@ -80,6 +80,7 @@ class RealtimeEngine:
         self.iterations = 0
         """Iterations run since start."""
         self._pace = PaceSpread()  # measured ÷ predicted of the recent iterations
+        self._rt_outputs = RtOutputs()  # how long RT requests run: when slots free up
         self.load = EngineLoad(
             iteration=0,
             at_unix_s=time.time(),
@@ -163,8 +164,10 @@ class RealtimeEngine:
     def _publish_load(self, now_s: float) -> None:
         """The state the next iteration will plan from, to the long polls (an idle engine
         changes only by arrivals, which the next iteration reports)."""
+        snapshot = self.core.snapshot(now_s)
+        self._rt_outputs.observe(snapshot)
         self.load = load_of(
-            self.core.snapshot(now_s),
+            snapshot,
             iteration=self.iterations,
             at_unix_s=time.time(),
             iteration_s=self.core.last_iteration_s or 0.0,
@@ -172,6 +175,7 @@ class RealtimeEngine:
             pace_ratio_p90=self._pace.upper(),
             calibration_samples=policy_calibration_samples(self.policy),
             rt_fair_counters=policy_rt_fair_counters(self.policy),
+            rt_steps_left=self._rt_outputs.steps_left,
         )
         published, self._load_published = self._load_published, asyncio.Event()
         published.set()

@@ -74,6 +74,7 @@ def test_report_sums_the_snapshot_by_tier_and_state() -> None:
         kv_free_tokens=700,
         kv_evictable_tokens=100,
         last_iteration_s=0.02,
+        max_running=64,
         max_prefill_tokens=512,
     )
     load = load_of(
@@ -87,6 +88,8 @@ def test_report_sums_the_snapshot_by_tier_and_state() -> None:
         rt_waiting_prompt_tokens=100 + 30 + 136,
         num_rt_running=1,
         rt_context_tokens=15,
+        num_rt_prefilling=1,  # r2: holds a slot
+        max_running_requests=64,
         num_be_waiting=2,
         be_waiting_prompt_tokens=50 + 32,
         num_be_running=1,

@@ -7,11 +7,13 @@ import math
 from typing import Any
 
 import pytest
+from msgspec.structs import replace as msgspec_replace
 
 from backend.policy.calibration import PaceSpread
 from backend.policy.feasibility import (
     MIN_VERIFIED_ITERATIONS,
     Backlog,
+    RtOutputs,
     Shortfall,
     SloAsk,
     SloForecaster,
@@ -539,6 +541,146 @@ def test_load_of_counts_what_the_engine_holds() -> None:
     assert load.be_kv_tokens == 410
     assert load.kv_capacity_tokens == 100_000
     assert load.latency_factors == factors
+
+
+def test_load_of_reports_the_request_cap_and_the_rt_prompts_holding_a_slot() -> None:
+    snap = make_snapshot(
+        running=[
+            make_req("rt-dec", prompt_len=500, generated=20, running=True),
+            make_req("rt-dec2", prompt_len=500, generated=90, running=True),
+            make_req("rt-chunk", prompt_len=3000, running=True, prefilled=1000),
+        ],
+        waiting=[make_req("rt-new", prompt_len=700)],
+        kv_capacity=100_000,
+        max_running=64,
+    )
+    load = load_of(
+        snap,
+        iteration=1,
+        at_unix_s=0.0,
+        iteration_s=0.0,
+        rt_steps_left=lambda r: r.max_new_tokens - r.generated,
+    )
+    assert (load.num_rt_prefilling, load.max_running_requests) == (1, 64)
+    assert load.rt_decode_steps_left == (10, 80)  # the decodes', fewest first
+    uncapped = load_of(
+        make_snapshot(kv_capacity=100_000), iteration=1, at_unix_s=0.0, iteration_s=0.0
+    )
+    assert (uncapped.max_running_requests, uncapped.rt_decode_steps_left) == (0, ())
+
+
+def slots_full(queued_by_tenant: dict[str, int], steps: int = 10) -> EngineLoad:
+    """64 request slots, every one held by an RT decode (the k-th to finish after k × *steps*
+    decode steps); *queued_by_tenant*: RT prompts of 100 tokens waiting per tenant (each tenant
+    with decodes running). A decode step of the 64 takes 10 ms + 12.8 ms (LATENCY)."""
+    queued = sum(queued_by_tenant.values())
+    return idle_load(
+        max_running_requests=64,
+        num_rt_running=64,
+        rt_context_tokens=64 * 200,
+        num_rt_waiting=queued,
+        rt_waiting_prompt_tokens=100 * queued,
+        rt_decode_steps_left=tuple(steps * (i + 1) for i in range(64)),
+        rt_by_tenant=tuple(
+            TenantLoad(tenant_id=t, num_waiting=n, waiting_prompt_tokens=100 * n, num_running=32)
+            for t, n in queued_by_tenant.items()
+        ),
+    )
+
+
+STEP_S = 0.010 + 0.001 * 12.8  # one decode step of the 64 running (LATENCY)
+
+
+def test_with_every_slot_held_by_rt_a_prompt_waits_for_rt_requests_to_finish() -> None:
+    """W6 on the real engine: a bursting tenant's requests were admitted on the prompt work
+    ahead (0.4-0.8 s) while all 64 slots were RT's, and waited 2-4 s for one."""
+    ask = SloAsk(prompt_tokens=100, ttft_target_s=2.0, tenant_id="burst")
+    # 20 queued ahead and it: the 21st RT decode to finish frees its slot, after 210 steps
+    full = FORECASTER.forecast(slots_full({"burst": 20}), ask)
+    assert full.ttft_s == pytest.approx(210 * STEP_S, rel=0.05)
+    assert not full.feasible and full.shortfall is not None and full.shortfall.target == "ttft"
+    # the same queue with slots to spare: the prompt work alone (21 × 100 tokens, ~0.1 s)
+    spare = FORECASTER.forecast(
+        msgspec_replace(slots_full({"burst": 20}), max_running_requests=128), ask
+    )
+    assert spare.ttft_s < 0.2 and spare.feasible
+    # an engine that reports no cap, or no estimate of when its decodes finish: no slot wait
+    for unknown in ({"max_running_requests": 0}, {"rt_decode_steps_left": ()}):
+        blind = FORECASTER.forecast(msgspec_replace(slots_full({"burst": 20}), **unknown), ask)
+        assert blind.ttft_s == pytest.approx(spare.ttft_s)
+    # more slots needed than decodes reported: the reported ones turn over again
+    short_list = msgspec_replace(slots_full({"burst": 20}), rt_decode_steps_left=(10, 20))
+    assert FORECASTER.forecast(short_list, ask).ttft_s == pytest.approx(
+        (10 * 20 + 10) * STEP_S, rel=0.05
+    )
+
+
+def test_a_slot_comes_sooner_to_the_tenant_fair_share_serves_first() -> None:
+    load = slots_full({"steady": 1, "burst": 20})
+    steady = FORECASTER.forecast(
+        load, SloAsk(prompt_tokens=100, ttft_target_s=2.0, tenant_id="steady")
+    )
+    burst = FORECASTER.forecast(
+        load, SloAsk(prompt_tokens=100, ttft_target_s=2.0, tenant_id="burst")
+    )
+    # steady: its own queued prompt, the burster's share of as much, and it: 4 slots
+    assert steady.ttft_s == pytest.approx(40 * STEP_S, rel=0.1) and steady.feasible
+    assert burst.ttft_s > 2.0 and not burst.feasible
+
+
+def test_rt_outputs_learn_how_long_rt_requests_run_from_the_finished_ones() -> None:
+    outputs = RtOutputs()
+    early = make_req("x", running=True, generated=10, max_new_tokens=1000)
+    assert outputs.steps_left(early) == 990  # no history: only its cap is known
+    done = [make_req(f"d{i}", running=True, generated=n - 1) for i, n in enumerate((20, 40, 60))]
+    kept = make_req("e", running=True, generated=5)
+    outputs.observe(make_snapshot(running=[*done, kept]))
+    evicted = make_req("e")  # back in the queue: it has not finished
+    outputs.observe(make_snapshot(waiting=[evicted]))
+    # finished at 20, 40 and 60 tokens; at 10 generated all three are longer: 40 - 10 left
+    assert outputs.steps_left(early) == 30
+    at_30 = make_req("y", running=True, generated=30, max_new_tokens=1000)
+    assert outputs.steps_left(at_30) == 20  # (40 + 60) / 2 - 30
+    capped = make_req("z", running=True, generated=30, max_new_tokens=35)
+    assert outputs.steps_left(capped) == 5  # never past its max_new_tokens
+    outlived = make_req("o", running=True, generated=70, max_new_tokens=1000)
+    assert outputs.steps_left(outlived) == 930  # longer than every one seen
+    with pytest.raises(ValueError, match="history"):
+        RtOutputs(history=0)
+
+
+def _slot_bound(max_running: int) -> list[RequestRecord]:
+    """10 s of short RT prompts with long outputs, arriving faster than *max_running* slots
+    free up (each request decodes for ~2 s; 20 arrive a second): prompt work is light, slots
+    are what runs out."""
+    rt = [
+        make_request(
+            tier="rt",
+            prompt_len=50,
+            output_len=150,
+            arrival_s=i * 0.05,
+            ttft_target_s=0.5,
+            tpot_target_s=0.2,
+        )
+        for i in range(200)
+    ]
+    result = simulate(
+        ListSource(rt),
+        make_policy(latency_budget_s=0.05),
+        LATENCY,
+        SimConfig(kv_capacity_tokens=400_000, max_running=max_running),
+    )
+    return result.requests
+
+
+def test_the_admitted_keep_their_ttft_when_request_slots_run_out() -> None:
+    capped = _slot_bound(8)
+    admitted = [r for r in capped if r.admission != "shed"]
+    assert len(admitted) < len(capped)  # slots ran out: some were refused
+    assert all(_met(r) for r in admitted), [
+        round((r.first_token_s or math.inf) - r.arrival_s, 2) for r in admitted if not _met(r)
+    ]
+    assert all(r.admission != "shed" and _met(r) for r in _slot_bound(1024))  # slots to spare
 
 
 def _overload(slo_unattainable: SloUnattainable) -> list[RequestRecord]:
