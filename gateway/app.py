@@ -66,6 +66,11 @@ log = logging.getLogger(__name__)
 
 # engine SSE lines carry the cumulative text of a generation; allow long ones
 _ENGINE_READ_BUFSIZE = 4 * 1024 * 1024
+ENGINE_KEEPALIVE_S = 2.0
+"""How long an idle connection to an engine is kept for the next request, seconds: shorter than
+the engine keeps it (SGLang's uvicorn: 5 s, `SGLANG_TIMEOUT_KEEP_ALIVE`). Kept longer (aiohttp's
+default is 15 s), a request sent on a connection the engine had just closed failed at once with
+a 503 "engine lost" (ServerDisconnectedError, ClientOSError): twice in one live W6 run."""
 
 
 def create_app(config: Config, admin_token: str, model_dir: Path) -> web.Application:
@@ -140,7 +145,8 @@ async def _engine_client(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     session = aiohttp.ClientSession(
         read_bufsize=_ENGINE_READ_BUFSIZE,
-        connector=aiohttp.TCPConnector(limit=0),  # one connection per in-flight request
+        # one connection per in-flight request, dropped before the engine drops it
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=ENGINE_KEEPALIVE_S),
         headers=config.engine.auth_headers,  # the engine refuses requests without its key
     )
     pool = app[POOL]

@@ -325,3 +325,13 @@ def test_the_dp_controller_is_where_the_plugin_looks_for_it(sglang: ModuleType) 
 
     entry = getattr(data_parallel_controller, plugin.DP_CONTROLLER_FUNCTION)
     assert "load_plugins()" in inspect.getsource(entry)
+
+
+def test_the_gateway_drops_an_idle_engine_connection_before_sglang_does() -> None:
+    """A request sent on a kept-alive connection the engine has just closed fails at once (503
+    "engine lost" in a live W6 run): the gateway must let idle connections go first."""
+    from sglang.srt.environ import envs
+
+    from gateway.app import ENGINE_KEEPALIVE_S
+
+    assert envs.SGLANG_TIMEOUT_KEEP_ALIVE.get() > ENGINE_KEEPALIVE_S
