@@ -73,6 +73,7 @@ Pure: no I/O, no clock; the caller passes what it knows.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
 import itertools
 import math
@@ -138,6 +139,9 @@ class Shortfall:
     budget_s: float | None = None
     """What the forecast had to stay within, seconds: the target times the forecaster's headroom
     (the forecast is a mean, the target a bound); None: the target itself."""
+    slot_wait_s: float = 0.0
+    """Of the predicted TTFT, the time waiting for a request slot (every slot held by RT
+    requests: the module doc's slot wait), seconds; 0: no such wait."""
 
     @property
     def over_s(self) -> float:
@@ -153,9 +157,15 @@ class Shortfall:
                 f" against the {self.budget_s * 1000:.0f} ms a forecast must stay within "
                 "to keep the target (the forecast is a mean, the target a bound)"
             )
+        slot = ""
+        if self.slot_wait_s > 0.0:
+            slot = (
+                f", {self.slot_wait_s * 1000:.0f} ms of it waiting for one of the engine's "
+                "request slots (all held by RT requests)"
+            )
         return (
             f"the {name} target of {self.target_s * 1000:.0f} ms cannot be met at the engine's "
-            f"current load: predicted {self.predicted_s * 1000:.0f} ms{within} "
+            f"current load: predicted {self.predicted_s * 1000:.0f} ms{within}{slot} "
             f"({self.over_s * 1000:.0f} ms over)"
         )
 
@@ -239,16 +249,20 @@ class SloForecaster:
         # in ten) bounds them from above while the pace changes or swings (`PaceSpread`). The
         # engine's policy sizes its chunks with the factors; the spread stretches their time.
         spread = max(1.0, load.pace_ratio_p90) if math.isfinite(load.pace_ratio_p90) else 1.0
-        ttft_s, tpot_s = self._predict(load, ask, backlog, load.latency_factors, spread)
+        ttft_s, tpot_s, slot_wait_s = self._predict(
+            load, ask, backlog, load.latency_factors, spread
+        )
         ttft_s += ask.waited_s + ttft_extra_s
         shortfall = self._shortfall(ask, ttft_s, tpot_s)
+        if shortfall is not None and shortfall.target == "ttft" and slot_wait_s > 0.0:
+            shortfall = dataclasses.replace(shortfall, slot_wait_s=slot_wait_s)
         if shortfall is not None and idle(load, backlog):
             at_pace: tuple[float, float | None]
             if load.calibration_samples < MIN_VERIFIED_ITERATIONS:
                 at_pace = (ask.waited_s + ttft_extra_s, None)  # the model is the profile's word
             else:
                 factors = tuple(min(1.0, f) for f in load.latency_factors)
-                ttft_at, tpot_at = self._predict(load, ask, backlog, factors, 1.0)
+                ttft_at, tpot_at, _ = self._predict(load, ask, backlog, factors, 1.0)
                 at_pace = (ttft_at + ask.waited_s + ttft_extra_s, tpot_at)
             if self._shortfall(ask, *at_pace) is None:
                 shortfall = None
@@ -261,9 +275,10 @@ class SloForecaster:
         backlog: Backlog,
         factors: tuple[float, ...],
         spread: float,
-    ) -> tuple[float, float | None]:
-        """(TTFT from now, before what was waited and taught; TPOT or None) at the engine's
-        pace *factors* (decode, prefill, mixed), stretched by *spread*."""
+    ) -> tuple[float, float | None, float]:
+        """(TTFT from now, before what was waited and taught; TPOT or None; the part of the TTFT
+        spent waiting for a request slot) at the engine's pace *factors* (decode, prefill,
+        mixed), stretched by *spread*."""
         f_decode, f_prefill, f_mixed = factors[DECODE], factors[PREFILL], factors[MIXED]
         running = _decodes(load.num_rt_running, load.rt_context_tokens)
         # Everyone ahead decodes beside it once prefilled: contexts of about their prompts.
@@ -303,12 +318,18 @@ class SloForecaster:
         if drift > 0.0:  # n iterations serve n × chunk prompt tokens, n × drift of them owed
             ahead_tokens = math.ceil(ahead_tokens * chunk / max(chunk - drift, chunk / MAX_DRIFT))
         ttft_s = spread * prefill_s(ahead_tokens)
+        slot_wait_s = 0.0
         slot_steps = self._slot_wait_steps(load, ask, backlog, work)
         if slot_steps:  # its prompt starts once a slot is its, whatever was computed by then
-            step_s = f_decode * self.latency.predict(running)
-            wait_s = slot_steps * step_s + prefill_s(ask.prompt_tokens)
-            ttft_s = max(ttft_s, spread * wait_s)
-        return load.iteration_s + ttft_s, tpot_s
+            slot_wait_s = spread * slot_steps * f_decode * self.latency.predict(running)
+            after_slot_s = slot_wait_s + spread * prefill_s(ask.prompt_tokens)
+            if after_slot_s > ttft_s:
+                ttft_s = after_slot_s
+            else:
+                slot_wait_s = (
+                    0.0  # the prompts ahead take longer: the slot is not what it waits for
+                )
+        return load.iteration_s + ttft_s, tpot_s, slot_wait_s
 
     @staticmethod
     def _slot_wait_steps(load: EngineLoad, ask: SloAsk, backlog: Backlog, work_tokens: int) -> int:

@@ -599,11 +599,19 @@ def test_with_every_slot_held_by_rt_a_prompt_waits_for_rt_requests_to_finish() -
     full = FORECASTER.forecast(slots_full({"burst": 20}), ask)
     assert full.ttft_s == pytest.approx(210 * STEP_S, rel=0.05)
     assert not full.feasible and full.shortfall is not None and full.shortfall.target == "ttft"
+    assert full.shortfall.slot_wait_s == pytest.approx(210 * STEP_S, rel=0.01)
+    assert "waiting for one of the engine's request slots" in full.shortfall.describe()
     # the same queue with slots to spare: the prompt work alone (21 × 100 tokens, ~0.1 s)
     spare = FORECASTER.forecast(
         msgspec_replace(slots_full({"burst": 20}), max_running_requests=128), ask
     )
     assert spare.ttft_s < 0.2 and spare.feasible
+    # a miss for the prompt work ahead, with slots to spare, names no slot
+    backlogged = msgspec_replace(
+        slots_full({"burst": 20}), max_running_requests=128, rt_waiting_prompt_tokens=200_000
+    )
+    [late] = [FORECASTER.forecast(backlogged, ask).shortfall]
+    assert late is not None and late.slot_wait_s == 0.0 and "slots" not in late.describe()
     # an engine that reports no cap, or no estimate of when its decodes finish: no slot wait
     for unknown in ({"max_running_requests": 0}, {"rt_decode_steps_left": ()}):
         blind = FORECASTER.forecast(msgspec_replace(slots_full({"burst": 20}), **unknown), ask)
