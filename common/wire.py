@@ -264,7 +264,8 @@ class EngineLoad(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     rt_decode_steps_left: tuple[int, ...] = ()
     """Decode steps each running RT decode is expected to take before it finishes and frees its
     slot (`backend.policy.feasibility.RtOutputs`), fewest first, at most 128 of them; (): not
-    reported (no slot wait is forecast)."""
+    reported, or RT requests (running and waiting) fill less than half the slots: no slot wait
+    is forecast."""
     num_be_waiting: int = 0
     be_waiting_prompt_tokens: int = 0
     """Prompt tokens the waiting BE requests still have to compute (their part of the engine's

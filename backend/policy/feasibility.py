@@ -777,7 +777,13 @@ def load_of(
         rt_context_tokens=rt_context,
         num_rt_prefilling=rt_prefilling,
         max_running_requests=snapshot.max_running if snapshot.max_running < NO_CAP else 0,
-        rt_decode_steps_left=_fewest_steps_left(snapshot, rt_steps_left),
+        rt_decode_steps_left=(
+            _fewest_steps_left(snapshot, rt_steps_left)
+            # only where the slots can run out: an estimate per running decode costs more
+            # than the rest of the report (half the pool simulator's time at 1,000 running)
+            if 2 * (rt_running + rt_waiting) >= snapshot.max_running
+            else ()
+        ),
         num_be_waiting=be_waiting,
         be_waiting_prompt_tokens=be_prompt,
         num_be_running=be_running,

@@ -552,17 +552,18 @@ def test_load_of_reports_the_request_cap_and_the_rt_prompts_holding_a_slot() -> 
         ],
         waiting=[make_req("rt-new", prompt_len=700)],
         kv_capacity=100_000,
-        max_running=64,
+        max_running=8,
     )
-    load = load_of(
-        snap,
-        iteration=1,
-        at_unix_s=0.0,
-        iteration_s=0.0,
-        rt_steps_left=lambda r: r.max_new_tokens - r.generated,
-    )
-    assert (load.num_rt_prefilling, load.max_running_requests) == (1, 64)
+    exact = {"rt_steps_left": lambda r: r.max_new_tokens - r.generated}
+    load = load_of(snap, iteration=1, at_unix_s=0.0, iteration_s=0.0, **exact)
+    assert (load.num_rt_prefilling, load.max_running_requests) == (1, 8)
     assert load.rt_decode_steps_left == (10, 80)  # the decodes', fewest first
+    # 4 RT requests of 64 slots: they cannot run out, and nothing is estimated
+    roomy = msgspec_replace(snap, max_running=64)
+    assert (
+        load_of(roomy, iteration=1, at_unix_s=0.0, iteration_s=0.0, **exact).rt_decode_steps_left
+        == ()
+    )
     uncapped = load_of(
         make_snapshot(kv_capacity=100_000), iteration=1, at_unix_s=0.0, iteration_s=0.0
     )
