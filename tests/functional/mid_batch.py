@@ -13,6 +13,7 @@ from __future__ import annotations
 import signal
 import subprocess
 from collections.abc import Callable
+from pathlib import Path
 
 from tests.waiting import wait_until_sync
 
@@ -32,6 +33,9 @@ def freeze_with_lines_running(
         if line_counts()[0] < min_done:
             return 0
         proc.send_signal(signal.SIGSTOP)
+        # the signal is delivered asynchronously: read SQL only once every thread has stopped,
+        # or a line committed in between is read as running (a CI run saw 3 running, 2 rerun)
+        wait_until_sync(lambda: _stopped(proc.pid), 30, what=f"process {proc.pid} stopped")
         succeeded, running = line_counts()
         assert succeeded < total, "the batch finished before the kill; make it longer"
         if running == 0:
@@ -40,4 +44,12 @@ def freeze_with_lines_running(
 
     return wait_until_sync(
         frozen, timeout_s, what=f"{min_done} lines done and others running before the kill"
+    )
+
+
+def _stopped(pid: int) -> bool:
+    """Whether every thread of process *pid* is in the stopped state (`T` in /proc)."""
+    tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    return bool(tasks) and all(
+        (task / "stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t") for task in tasks
     )
