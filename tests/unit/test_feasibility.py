@@ -658,28 +658,31 @@ def test_rt_outputs_learn_how_long_rt_requests_run_from_the_finished_ones() -> N
         RtOutputs(history=0)
 
 
+def _rt_stream(
+    count: int, gap_s: float, prompt_len: int, output_len: int, **sim: Any
+) -> list[RequestRecord]:
+    """*count* RT requests (TTFT 0.5 s, TPOT 0.2 s) one every *gap_s*, through tandem with its
+    SLO admission; *sim*: the SimConfig's other fields."""
+    rt = [
+        make_request(
+            tier="rt",
+            prompt_len=prompt_len,
+            output_len=output_len,
+            arrival_s=i * gap_s,
+            ttft_target_s=0.5,
+            tpot_target_s=0.2,
+        )
+        for i in range(count)
+    ]
+    config = SimConfig(kv_capacity_tokens=400_000, **sim)
+    return simulate(ListSource(rt), make_policy(latency_budget_s=0.05), LATENCY, config).requests
+
+
 def _slot_bound(max_running: int) -> list[RequestRecord]:
     """10 s of short RT prompts with long outputs, arriving faster than *max_running* slots
     free up (each request decodes for ~2 s; 20 arrive a second): prompt work is light, slots
     are what runs out."""
-    rt = [
-        make_request(
-            tier="rt",
-            prompt_len=50,
-            output_len=150,
-            arrival_s=i * 0.05,
-            ttft_target_s=0.5,
-            tpot_target_s=0.2,
-        )
-        for i in range(200)
-    ]
-    result = simulate(
-        ListSource(rt),
-        make_policy(latency_budget_s=0.05),
-        LATENCY,
-        SimConfig(kv_capacity_tokens=400_000, max_running=max_running),
-    )
-    return result.requests
+    return _rt_stream(200, 0.05, 50, 150, max_running=max_running)
 
 
 def test_the_admitted_keep_their_ttft_when_request_slots_run_out() -> None:
@@ -694,24 +697,7 @@ def test_the_admitted_keep_their_ttft_when_request_slots_run_out() -> None:
 
 def _overload(slo_unattainable: SloUnattainable) -> list[RequestRecord]:
     """8 s of 2000-token RT prompts at about twice what the engine can prefill in time."""
-    rt = [
-        make_request(
-            tier="rt",
-            prompt_len=2000,
-            output_len=4,
-            arrival_s=i * 0.02,
-            ttft_target_s=0.5,
-            tpot_target_s=0.2,
-        )
-        for i in range(400)
-    ]
-    result = simulate(
-        ListSource(rt),
-        make_policy(latency_budget_s=0.05),
-        LATENCY,
-        SimConfig(kv_capacity_tokens=400_000, slo_unattainable=slo_unattainable),
-    )
-    return result.requests
+    return _rt_stream(400, 0.02, 2000, 4, slo_unattainable=slo_unattainable)
 
 
 def _met(rec: RequestRecord) -> bool:
