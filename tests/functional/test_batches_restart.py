@@ -132,14 +132,22 @@ def test_killed_gateway_resumes_the_batch_without_losing_or_duplicating_a_line(
         input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
     ).id
 
-    def line_counts() -> tuple[int, int]:
-        """(lines succeeded, lines running) as committed in SQL."""
-        db = sqlite3.connect(tmp_path / "tandem.db")
+    def line_counts() -> tuple[int, int] | None:
+        """(lines succeeded, lines running) as committed in SQL, or None while the gateway holds
+        SQLite's write lock: frozen in the middle of a commit, it may have written the commit to
+        the WAL without publishing it yet, and the restart's WAL recovery would then see the line
+        finished that this read sees running (a CI run read 3 running, 2 ran again)."""
+        db = sqlite3.connect(tmp_path / "tandem.db", timeout=0, isolation_level=None)
         try:
+            try:
+                db.execute("BEGIN IMMEDIATE")  # fails at once if a write transaction is open
+            except sqlite3.OperationalError:
+                return None
             rows = db.execute(
                 "SELECT status, count(*) FROM batch_items WHERE batch_id = ? GROUP BY status",
                 (batch_id,),
             ).fetchall()
+            db.execute("ROLLBACK")
         finally:
             db.close()
         counts = dict(rows)
