@@ -599,7 +599,46 @@ class _Tried(Protocol):
     @property
     def meets(self) -> bool: ...
 
+    @property
+    def missed_share(self) -> float | None: ...
+
     def guess(self, target: float) -> int | None: ...
+
+
+CURVE_MAX_SHARE = 0.25
+"""Miss shares up to which two failures are read as one curve (`_curve_guess`): below it an
+undersized pool misses by queueing, its miss share falling about exponentially with the count;
+above it, by shedding what it cannot serve, which `Trial.guess` reads better."""
+
+
+def _crossing(lower: tuple[int, float], upper: tuple[int, float], goal: float) -> float | None:
+    """The count where ln(miss share) drawn straight through two trials' (count, share) reaches
+    *goal*; None unless the share falls as the count grows."""
+    (n1, f1), (n2, f2) = lower, upper
+    if not (n1 < n2 and 0.0 < f2 < f1):
+        return None
+    slope = (math.log(f2) - math.log(f1)) / (n2 - n1)
+    return n2 + (math.log(goal) - math.log(f2)) / slope
+
+
+def _curve_guess(failed: list[tuple[int, float]], target: float) -> float | None:
+    """Where the answer lies judging by the last two failures (count, miss share), both missing
+    by queueing (share ≤ `CURVE_MAX_SHARE`), or None. One failure's guess (`Trial.guess`, every
+    miss read as shed load) runs low there, since queueing misses more; the miss share drawn
+    as a straight line in its logarithm runs high, since it falls ever faster towards the
+    answer (the one-hour fleet plan: ln share fell 0.22 per replica from 32 to 36 replicas,
+    0.29 to 38, 0.37 to 40, 0.76 to 41). The answer is between the two, and the geometric mean
+    is the guess."""
+    if len(failed) < 2:
+        return None
+    (n1, f1), (n2, f2) = failed[-2], failed[-1]
+    if f1 > CURVE_MAX_SHARE:
+        return None
+    line = _crossing((n1, f1), (n2, f2), 1.0 - target)
+    shed = target * n2 / (1.0 - f2)
+    if line is None or line <= shed:
+        return None
+    return math.sqrt(shed * line)
 
 
 def search_replicas(
@@ -609,41 +648,59 @@ def search_replicas(
     assuming more replicas never do worse — the answer of trying every count from 1 up.
 
     A bracket [low, high] (the largest count known to fail, the smallest known to meet)
-    narrows until they are adjacent. A count that meets runs its whole trace, one that fails
-    stops as soon as its misses decide it (the further below the answer, the sooner), so the
-    next count is where the last failure's miss share guesses the answer (`Trial.guess`),
-    safeguarded: while nothing has met, at most 2× the last count (the old doubling) and,
-    after two smaller steps in a row, at least 1.25× it; once something has, within the
-    bracket at least a quarter of its width from either end (so it shrinks by a quarter or
-    more each time when guesses are poor). After a count that met (no guess), the next is a
-    quarter of the bracket up from its low end rather than the middle: tried under the
-    answer, a count fails part-way, cheaper than one more whole run over it."""
+    narrows until they are adjacent. A count that meets runs its whole trace, and one that
+    fails stops as soon as its misses decide it (the further below the answer, the sooner; a
+    count just under it runs nearly whole), so the search tries to land on the answer and the
+    count under it, and on little else:
+    * while nothing has met, the next count is where the last failure's miss share guesses the
+      answer (`Trial.guess`), or, once the last two failures both miss by queueing, between
+      that and their curve's guess (`_curve_guess`), safeguarded: at most 2× the last count
+      (the old doubling) and, after two smaller steps in a row, at least 1.25× it;
+    * once something has, where the miss share drawn through the bracket's two ends (the
+      failure's and the success's, in its logarithm) crosses the target's, else the last
+      failure's guess, else (no share to go by) a quarter of the bracket up from its low end,
+      since a count under the answer fails part-way, cheaper than a whole run over it; always
+      at least a quarter of the bracket's width from either end, so it shrinks by a quarter
+      or more each time when guesses are poor."""
     if max_replicas < 1:
         raise ValueError(f"max_replicas must be ≥ 1, got {max_replicas}")
     low, high = 0, None
+    failed: list[tuple[int, float]] = []  # (count, miss share), counts rising
+    met: tuple[int, float] | None = None  # the smallest count that met, with its miss share
     n = 1
     creeping = 0  # steps in a row of less than 1.25× while nothing has met
     while True:
         t = trial(n)
+        share = t.missed_share
         if t.meets:
             high = n
+            met = (n, share) if share is not None else None
         else:
             low = n
+            if share is not None:
+                failed.append((n, share))
         if high is None and n >= max_replicas:
             return None
         if high is not None and high - low <= 1:
             return high
-        guess = None if t.meets else t.guess(target)
+        guess: float | None = None if t.meets else t.guess(target)
         if high is None:
+            curve = _curve_guess(failed, target) if failed and failed[-1][0] == n else None
+            if curve is not None:
+                guess = max(guess or 0, math.ceil(curve - 1e-9))
             least = n + (max(1, n // 4) if creeping >= 2 else 1)
-            step = min(max(guess or 2 * n, least), 2 * n, max_replicas)
+            step = min(max(int(guess or 2 * n), least), 2 * n, max_replicas)
             creeping = creeping + 1 if 4 * step < 5 * n else 0
             n = step
             continue
         margin = max(1, (high - low) // 4)
-        # no guess (the last count met): a quarter in from below, a count under the answer
-        # costs less
-        n = low + margin if guess is None else min(max(guess, low + margin), high - margin)
+        if failed and failed[-1][0] == low and met is not None:
+            crossing = _crossing(failed[-1], met, 1.0 - target)
+            if crossing is not None:
+                guess = math.ceil(crossing - 1e-9)
+        # no guess (the last count met, no shares): a quarter in from below, a count under
+        # the answer costs less
+        n = low + margin if guess is None else min(max(int(guess), low + margin), high - margin)
 
 
 def _round(value: float | None) -> float | None:

@@ -99,6 +99,8 @@ class FakeTrial:
     replicas off (None: no guess) — and above the count, as `Trial.guess` always is (a failure
     missed more than the target allows)."""
 
+    missed_share: float | None = None  # nothing for the curve guesses to go by
+
     def __init__(self, n: int, needed: int, bias: int | None) -> None:
         self.meets = n >= needed
         self._guess = None if bias is None else max(n + 1, needed + bias)
@@ -136,6 +138,77 @@ def test_a_good_guess_runs_one_count_that_meets() -> None:
 
         assert search_replicas(trial, 64) == needed
         assert [n for n in tried if n >= needed] == [needed]
+
+
+class CurveTrial:
+    """A count's outcome on a pool whose miss share at n replicas is *share(n)*: it meets where
+    the share is within the target's 1 %, and guesses as `Trial.guess` does."""
+
+    def __init__(self, n: int, share: float) -> None:
+        self.replicas = n
+        self.missed_share = share
+        self.meets = share <= 0.01
+
+    guess = Trial.guess
+
+
+# The one-hour fleet plan's miss shares (bench/results/placement/plan-fleet256-1h/plan.json):
+# shed load far below the answer, queueing near it, ln share falling ever faster towards 41.
+FLEET_1H = {1: 0.9966, 2: 0.992, 4: 0.968, 8: 0.899, 16: 0.659, 32: 0.114, 36: 0.047}
+FLEET_1H |= {38: 0.0265, 40: 0.0126, 41: 0.0059, 47: 9.4e-5}
+
+
+def fleet_share(n: int) -> float:
+    """`FLEET_1H` drawn through in ln share (and on past its last point)."""
+    known = sorted(FLEET_1H)
+    below = max((k for k in known if k <= n), default=known[0])
+    above = min((k for k in known if k > n), default=None)
+    if above is None:
+        return FLEET_1H[known[-1]] * 0.5 ** (n - known[-1])
+    w = (n - below) / (above - below)
+    return math.exp((1 - w) * math.log(FLEET_1H[below]) + w * math.log(FLEET_1H[above]))
+
+
+def test_the_miss_shares_bring_the_search_to_the_answer_and_the_count_under_it() -> None:
+    # near the answer every count costs about a whole run: the one-hour fleet plan tried 38,
+    # 40, 41 and 47 there; drawing the shares as curves it lands on 41, then 40
+    tried: list[int] = []
+
+    def trial(n: int) -> CurveTrial:
+        tried.append(n)
+        return CurveTrial(n, fleet_share(n))
+
+    assert search_replicas(trial, 64) == 41
+    assert tried == [1, 2, 4, 8, 16, 32, 36, 41, 40]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_curve_guesses_never_change_the_answer(seed: int) -> None:
+    # shares that fall with the count at any pace, or jump about (early stops read them over
+    # different stretches of the trace): the answer is still the first count that meets
+    rng = random.Random(seed)
+    for _ in range(200):
+        max_replicas = rng.choice([1, 7, 64])
+        needed = rng.randint(1, 80)
+        decay = rng.uniform(0.02, 2.0)
+        noise = rng.choice([0.0, 0.5, 3.0])
+
+        def share(
+            n: int, needed: int = needed, decay: float = decay, noise: float = noise
+        ) -> float:
+            f = 0.01 * math.exp(decay * (needed - n) + noise * rng.uniform(-1, 1))
+            return min(max(f, 0.0101), 0.999) if n < needed else min(f, 0.01)  # meets from needed
+
+        tried: list[int] = []
+
+        def trial(n: int, tried: list[int] = tried, top: int = max_replicas) -> CurveTrial:
+            assert 1 <= n <= top and n not in tried
+            tried.append(n)
+            return CurveTrial(n, share(n))
+
+        exhaustive = needed if needed <= max_replicas else None
+        assert search_replicas(trial, max_replicas) == exhaustive, (needed, decay, noise)
+        assert len(tried) <= 5 * math.log2(max_replicas) + 3
 
 
 def dense_trace(path: Path) -> Path:
