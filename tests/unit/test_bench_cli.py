@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import bench.trace
 from bench.defaults import DEFAULT_DATA_DIR
 from bench.trace import (
     TILE_HASH_STRIDE,
@@ -111,6 +112,11 @@ GOOD = '{"t_ms": 0, "input_len": 512, "output_len": 8}'
             "more than the 2 blocks",
         ),
         ('{"t_ms": 1, "input_len": 5, "output_len": 3, "tenant": 7}', "field 'tenant'"),
+        ('{"t_ms": NaN, "input_len": 5, "output_len": 3}', "field 't_ms'"),
+        ('{"t_ms": true, "input_len": 5, "output_len": 3}', "field 't_ms'"),
+        ('{"t_ms": 1, "input_len": true, "output_len": 3}', "field 'input_len'"),
+        ('{"t_ms": 1, "input_len": 5, "output_len": 3, "tier": null}', "field 'tier'"),
+        ('{"t_ms": 1, "input_len": 5, "output_len": 3, "prefix_hashes": null}', "prefix_hashes"),
     ],
 )
 def test_trace_errors_name_the_line_and_field(tmp_path: Path, bad: str, needle: str) -> None:
@@ -118,6 +124,34 @@ def test_trace_errors_name_the_line_and_field(tmp_path: Path, bad: str, needle: 
     with pytest.raises(TraceError) as exc_info:
         read_trace(path)
     assert f"{path}:3: " in str(exc_info.value) and needle in str(exc_info.value)
+
+
+def test_a_line_that_is_not_utf8_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    path.write_bytes(GOOD.encode() + b'\n{"t_ms": 1, "tenant": "\xff", "input_len": 5}\n')
+    with pytest.raises(TraceError, match=f"{path}:2: invalid JSON"):
+        read_trace(path)
+
+
+def test_every_line_reads_as_the_field_by_field_check_reads_it(tmp_path: Path) -> None:
+    # the fast path (msgspec) and the checked one (json, `_check_line`) give the same rows,
+    # also for what only one of them takes as is: ints as t_ms, defaults, unknown fields, an
+    # integer past 64 bits
+    lines = [
+        '{"t_ms": 0, "input_len": 512, "output_len": 8}',
+        '{"t_ms": 12.5, "input_len": 1024, "output_len": 3, "tier": "be", "tenant": "acme"}',
+        '{"t_ms": 7, "input_len": 600, "output_len": 1, "prefix_hashes": [3, 4], "x": [1]}',
+        '{"t_ms": 8, "input_len": 600, "output_len": 1, "prefix_hashes": [123456789012345678901]}',
+        '{"t_ms": 9, "input_len": 20, "output_len": 2, "tenant": null, "tier": "rt"}',
+    ]
+    path = write_trace(tmp_path, lines)
+    checked = [
+        bench.trace._check_line(json.loads(line), "") | {"line": n}
+        for n, line in enumerate(lines, start=1)
+    ]
+    rows = read_trace(path)
+    assert rows == checked
+    assert [type(row["t_ms"]) for row in rows] == [float] * len(lines)
 
 
 def test_trace_replay_scales_time_and_keeps_fields(tmp_path: Path) -> None:
