@@ -11,8 +11,8 @@ RESULTS_DIR = BENCH_DIR / "results"
 """Default parent of output folders."""
 DEFAULT_PROFILE = "h100-llama8b-analytic"
 """The simulator's default latency profile."""
-DEFAULT_DATA_DIR = BENCH_DIR.parent.parent / "shared" / "data"
-"""../shared/data relative to the repository: the Azure trace CSVs."""
+DEFAULT_DATA_DIR = BENCH_DIR / "data"
+"""bench/data: the Azure trace CSVs, shipped with the repository (its README: source, license)."""
 ENGINES = ("sim", "sglang")
 """Engines `--engine` accepts (sglang: issue 5)."""
 WORKLOAD_NAMES = ("W1", "W2", "W3", "W4", "W5", "W6")

@@ -9,7 +9,7 @@ One request a line::
 
 Convert an Azure trace (one command)::
 
-    python -m bench.trace convert-azure ../shared/data/azure_llm_2023_conv.csv OUT.jsonl \
+    python -m bench.trace convert-azure bench/data/azure_llm_2023_conv.csv OUT.jsonl \
         [--tier rt|be] [--limit N] [--mean-turns T [--seed S]]
 
 A heavier trace of the same shape (K copies overlaid, each shifted in time; a fleet's load)::
@@ -364,7 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     conv = sub.add_parser("convert-azure", help="Azure LLM trace CSV → trace JSONL")
-    conv.add_argument("csv", help="e.g. ../shared/data/azure_llm_2023_conv.csv")
+    conv.add_argument("csv", help="e.g. bench/data/azure_llm_2023_conv.csv")
     conv.add_argument("out", help="the JSONL file to write")
     conv.add_argument("--tier", choices=["rt", "be"], default="rt", help="tier of every line")
     conv.add_argument("--limit", type=int, default=None, help="only the first N requests")

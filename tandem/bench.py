@@ -90,7 +90,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--data-dir",
         type=Path,
         default=DEFAULT_DATA_DIR,
-        help="folder of the Azure trace CSVs (default ../shared/data)",
+        help="folder of the Azure trace CSVs (default bench/data, shipped with tandem)",
     )
     p.add_argument("--scale", type=float, help="fraction of the full-size workload")
     p.add_argument("--duration-s", type=float, help="arrival window, simulated seconds")

@@ -14,7 +14,7 @@ and reports the joint attainment over every RT request offered (a shed request c
 miss), the RT goodput, and the router's capacity: the largest rate scale of the grid up to which
 every run met `--goal` (0.99 by default). A run is a few seconds to a minute of CPU.
 
-    python -m bench.trace convert-azure ../shared/data/azure_llm_2023_conv.csv \\
+    python -m bench.trace convert-azure bench/data/azure_llm_2023_conv.csv \\
         /tmp/azure_conv_turns4.jsonl --mean-turns 4
     python -m bench.studies.router_capacity /tmp/azure_conv_turns4.jsonl \\
         --routers slo,round-robin --scales 24,28,32,36,40,44,48,52,56 \\

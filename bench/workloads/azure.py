@@ -41,7 +41,7 @@ def trace_path(data_dir: Path, kind: str = "conv") -> Path:
     if not path.is_file():
         raise ValueError(
             f"Azure trace not found: {path} (point --data-dir at the folder "
-            f"holding {FILES[kind]}, e.g. ../shared/data)"
+            f"holding {FILES[kind]}; the repository ships it in bench/data)"
         )
     return path
 

@@ -24,6 +24,7 @@ from typing import Any, Literal, Protocol
 import msgspec
 
 from backend.policy.latency import BatchShape, LatencyModel
+from bench.defaults import DEFAULT_DATA_DIR
 from common.wire import Tier
 
 MaxNew = Literal["exact", "cap"]
@@ -102,8 +103,8 @@ class WorkloadParams(msgspec.Struct, frozen=True, kw_only=True):
     workload's default (see bench/README.md)."""
     duration_s: float | None = None
     """Arrival window, seconds; overrides scale for the time-based workloads."""
-    data_dir: Path = Path("../shared/data")
-    """Folder with the Azure trace CSVs (W5)."""
+    data_dir: Path = DEFAULT_DATA_DIR
+    """Folder with the Azure trace CSVs (W5; default bench/data)."""
     variant: str | None = None
     """Workload variant: W1 slo class|hetero, W3 d1|d2|d3, W4 p35|p5; None = the default."""
     max_new: MaxNew = "cap"

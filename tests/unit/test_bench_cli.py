@@ -172,10 +172,6 @@ def test_trace_replay_scales_time_and_keeps_fields(tmp_path: Path) -> None:
         read_trace(write_trace(tmp_path, ["", "  "]))
 
 
-@pytest.mark.skipif(
-    not (DEFAULT_DATA_DIR / "azure_llm_2023_conv.csv").is_file(),
-    reason="Azure trace not in ../shared/data",
-)
 def test_convert_azure_writes_a_valid_trace(tmp_path: Path) -> None:
     out = tmp_path / "azure.jsonl"
     assert convert_azure(DEFAULT_DATA_DIR / "azure_llm_2023_conv.csv", out, tier="be", limit=5) == 5

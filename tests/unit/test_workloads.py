@@ -19,8 +19,6 @@ from bench.workloads.sources import BatchSource, ClosedLoopSource, drain
 # 5 ms per iteration + 50 ms per 1K prefill tokens + 10 ms per 1K decode context tokens
 LATENCY = LatencyModel([0.005, 0.05, 0.01, 0.0, 0.0, 0.0, 0.0, 0.0])
 CTX = BuildContext(latency=LATENCY, kv_capacity_tokens=400_000, max_prefill_tokens=8192)
-HAS_AZURE = (DEFAULT_DATA_DIR / "azure_llm_2023_conv.csv").is_file()
-needs_azure = pytest.mark.skipif(not HAS_AZURE, reason="Azure trace not in ../shared/data")
 
 
 def params(**kw: object) -> WorkloadParams:
@@ -39,7 +37,7 @@ def specs(
     return drain(workload.source(rate, include_be), finish_after_s=finish_after_s)
 
 
-@pytest.mark.parametrize("name", ["W1", "W2", "W3", "W4", pytest.param("W5", marks=needs_azure)])
+@pytest.mark.parametrize("name", ["W1", "W2", "W3", "W4", "W5"])
 def test_same_seed_same_requests_other_seed_others(name: str) -> None:
     kw: dict[str, Any] = {"duration_s": 20.0} if name != "W4" else {"scale": 0.01}
     first, again = specs(name, **kw), specs(name, **kw)
@@ -187,7 +185,6 @@ def test_w4_prefix_share_and_mmlu_prefixes(variant: str) -> None:
     assert all(len(s.prefix_hashes) == s.prompt_len // BLOCK_TOKENS for s in out)
 
 
-@needs_azure
 def test_w5_modulated_rate_has_the_swing_and_mean() -> None:
     workload = build_workload("W5", params(duration_s=1200.0), CTX)
     rt = [s for s in drain(workload.source(30.0, False), finish_after_s=None)]
@@ -200,7 +197,6 @@ def test_w5_modulated_rate_has_the_swing_and_mean() -> None:
     assert all(45.0 <= b - a <= 75.0 for a, b, _ in segments)
 
 
-@needs_azure
 def test_w5_be_backlog_stays_full() -> None:
     workload = build_workload("W5", params(duration_s=60.0), CTX)
     depth = w5_bursty.backlog_depth(CTX)
