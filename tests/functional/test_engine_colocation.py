@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -52,10 +53,10 @@ async def complete(
         return dict(reply)
 
 
-async def stream_ttft(
-    gw: GatewayHandle, key: str, prompt: list[int], max_tokens: int
-) -> tuple[float, int]:
-    """A streaming completion; (seconds to the first content chunk, chunks with text)."""
+async def stream_chunks(
+    gw: GatewayHandle, key: str, prompt: list[int], max_tokens: int, **extra: Any
+) -> AsyncIterator[dict[str, Any]]:
+    """A streaming greedy completion; its events, parsed, as they come (none an error)."""
     body = {
         "model": MODEL,
         "prompt": prompt,
@@ -63,10 +64,8 @@ async def stream_ttft(
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
+        **extra,
     }
-    start = time.perf_counter()
-    first: float | None = None
-    chunks = 0
     async with gw.session.post(
         f"{gw.base_url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}
     ) as resp:
@@ -77,10 +76,21 @@ async def stream_ttft(
                 continue
             chunk = json.loads(line[5:])
             assert "error" not in chunk, f"the stream ended in an error: {chunk}"
-            if chunk["choices"] and chunk["choices"][0].get("text"):
-                chunks += 1
-                if first is None:
-                    first = time.perf_counter() - start
+            yield chunk
+
+
+async def stream_ttft(
+    gw: GatewayHandle, key: str, prompt: list[int], max_tokens: int
+) -> tuple[float, int]:
+    """A streaming completion; (seconds to the first content chunk, chunks with text)."""
+    start = time.perf_counter()
+    first: float | None = None
+    chunks = 0
+    async for chunk in stream_chunks(gw, key, prompt, max_tokens):
+        if chunk["choices"] and chunk["choices"][0].get("text"):
+            chunks += 1
+            if first is None:
+                first = time.perf_counter() - start
     assert first is not None, "no token came back"
     return first, chunks
 
@@ -112,30 +122,13 @@ async def first_token_at(
     """A streamed completion timed by token (`continuous_usage_stats`: an event per token step,
     so a token whose text is not complete yet is still seen); (`time.perf_counter()` when its
     first token came, its output tokens)."""
-    body = {
-        "model": MODEL,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"continuous_usage_stats": True},
-    }
     first: float | None = None
     tokens = 0
-    async with gw.session.post(
-        f"{gw.base_url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}
-    ) as resp:
-        assert resp.status == 200, await resp.text()
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            assert "error" not in chunk, f"the stream ended in an error: {chunk}"
-            tokens = max(tokens, (chunk.get("usage") or {}).get("completion_tokens") or 0)
-            if first is None and tokens:
-                first = time.perf_counter()
+    usage_events = {"stream_options": {"continuous_usage_stats": True}}
+    async for chunk in stream_chunks(gw, key, prompt, max_tokens, **usage_events):
+        tokens = max(tokens, (chunk.get("usage") or {}).get("completion_tokens") or 0)
+        if first is None and tokens:
+            first = time.perf_counter()
     assert first is not None, "no token came back"
     return first, tokens
 
