@@ -17,6 +17,8 @@ exists in the pinned SGLang):
   request-local state"): parse ``req.sampling_params.custom_params`` into the gateway's
   :class:`~common.wire.RequestMeta` and attach it as ``req.tandem`` (None when absent or
   malformed — a bad client dict must never kill the scheduler).
+* AROUND ``TokenizerManager.sigterm_watchdog``, in the HTTP server's main process only: SIGTERM
+  is noticed within 0.1 s rather than 5 s (:func:`register_prompt_shutdown`).
 
 With ``settings.policy`` (a ``backend.policy.registry`` name; the launcher sets it unless
 ``engine.policy`` is ``none``) the plugin also puts that policy in charge of the scheduler: it
@@ -42,6 +44,7 @@ the plugin never pulls the scheduler (and torch kernels) into a process that doe
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -50,7 +53,7 @@ import time
 from typing import Any
 
 from backend.sglang_ext.request_meta import REQ_ATTR, get_meta, meta_of, trace_fields
-from backend.sglang_ext.seams import CREATE_REQ_SEAM, SEAMS
+from backend.sglang_ext.seams import CREATE_REQ_SEAM, SEAMS, SIGTERM_WATCHDOG_SEAM
 from common.config import EngineSettings, engine_settings_from_env
 from common.wire import RequestMeta
 
@@ -59,6 +62,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["REQ_ATTR", "SEAMS", "get_meta", "register"]
 
 SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
+DETOKENIZER_MODULE = "sglang.srt.managers.detokenizer_manager"
+SIGTERM_POLL_S = 0.1
+"""How often the main process looks for a SIGTERM it was sent (SGLang's own watchdog: 5 s)."""
 
 # The trace path, set once at registration from the engine's settings. None: no trace.
 _trace_path: str | None = None
@@ -69,8 +75,10 @@ def register() -> None:
     global _trace_path
     if SCHEDULER_MODULE not in sys.modules:
         # Not a process that runs the scheduler (the scheduler process always has the module:
-        # load_plugins() is called from inside it); nothing to do, and nothing to import.
-        logger.debug("tandem plugin: no scheduler in pid %d, nothing registered", os.getpid())
+        # load_plugins() is called from inside it); nothing to schedule, and nothing to import.
+        if DETOKENIZER_MODULE not in sys.modules:
+            register_prompt_shutdown()  # the HTTP server's main process: it loads plugins first
+        logger.debug("tandem plugin: no scheduler in pid %d, no scheduler hooks", os.getpid())
         return
     if in_dp_controller():
         # With data parallelism SGLang's DP controller imports the scheduler module (to start
@@ -146,6 +154,27 @@ def _install(settings: EngineSettings) -> None:
             control.start(driver, socket_path)
     if bicache:
         kv_layout_engine.install()
+
+
+def register_prompt_shutdown() -> None:
+    """Makes SIGTERM stop the engine at once rather than within 5 s.
+
+    SGLang's HTTP process turns SIGTERM into a flag that its ``sigterm_watchdog`` task reads
+    every 5 s, then drains the requests left and stops the scheduler. So an idle engine took
+    5 s to stop: every `tandem serve` shutdown, every replica the supervisor replaces, every
+    test engine. The hook reads the flag every :data:`SIGTERM_POLL_S` and then hands over to
+    SGLang's own watchdog, which finds the flag set and drains and stops as before. Called in
+    the process that loads the plugins before any of SGLang's managers (its main process)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(SIGTERM_WATCHDOG_SEAM, around_sigterm_watchdog, HookType.AROUND)
+
+
+async def around_sigterm_watchdog(original: Any, tokenizer_manager: Any) -> None:
+    """``TokenizerManager.sigterm_watchdog``, looking for the SIGTERM flag every 0.1 s."""
+    while not tokenizer_manager.gracefully_exit:
+        await asyncio.sleep(SIGTERM_POLL_S)
+    await original(tokenizer_manager)
 
 
 DP_CONTROLLER_FUNCTION = "run_data_parallel_controller_process"

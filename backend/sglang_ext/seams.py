@@ -20,9 +20,12 @@ IDLE_SEAM = f"{SCHED}.is_fully_idle"
 ADD_TO_QUEUE = f"{SCHED}._add_request_to_queue"
 
 CREATE_REQ_SEAM = f"{SCHED}._create_generation_req"
+SIGTERM_WATCHDOG_SEAM = "sglang.srt.managers.tokenizer_manager.TokenizerManager.sigterm_watchdog"
+"""In the HTTP server's process (``backend.sglang_ext.plugin.register_prompt_shutdown``)."""
 
 SEAMS: tuple[str, ...] = (
     CREATE_REQ_SEAM,
+    SIGTERM_WATCHDOG_SEAM,
     NEXT_BATCH_SEAM,
     DEFER_PREFILL_SEAM,
     ADDER_CLASS_SEAM,

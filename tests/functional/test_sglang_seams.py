@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import asyncio
 import collections
 import dataclasses
 import inspect
@@ -40,13 +41,20 @@ PINNED_SGLANG = "0.5.23"
 @pytest.fixture(scope="module")
 def sglang() -> ModuleType:
     """SGLang with its scheduler imported, as in the engine's scheduler process."""
+    # SGLang's tokenizer manager (the main process's, whose SIGTERM watchdog the plugin hooks)
+    # makes uvloop the process's event loop policy when imported: the later tests' subprocesses
+    # need asyncio's own (uvloop's has no child watcher).
+    policy = asyncio.get_event_loop_policy()
     with warnings.catch_warnings():
         # Import-time UserWarnings about CUDA-only kernels (AWQ, GGUF, Triton) are expected on CPU.
         warnings.simplefilter("ignore")
         import sglang
+        import sglang.srt.managers.detokenizer_manager
         import sglang.srt.managers.scheduler
+        import sglang.srt.managers.tokenizer_manager
         import sglang.srt.plugins
         import sglang.srt.server_args
+    asyncio.set_event_loop_policy(policy)
     return cast(ModuleType, sglang)
 
 
@@ -214,12 +222,39 @@ def test_register_hooks_only_where_the_scheduler_lives(
     monkeypatch.setattr(HookRegistry, "_hooks", collections.defaultdict(list))
     monkeypatch.delenv("TANDEM_ENGINE_SETTINGS", raising=False)  # metadata only
     with monkeypatch.context() as m:
-        m.delitem(sys.modules, plugin.SCHEDULER_MODULE)  # e.g. the detokenizer process
+        m.delitem(sys.modules, plugin.SCHEDULER_MODULE)  # the detokenizer process
         plugin.register()
-    assert not HookRegistry._hooks.get(plugin.CREATE_REQ_SEAM)
+    assert not HookRegistry._hooks
+    with monkeypatch.context() as m:
+        m.delitem(sys.modules, plugin.SCHEDULER_MODULE)  # the HTTP server's main process
+        m.delitem(sys.modules, plugin.DETOKENIZER_MODULE)
+        plugin.register()
+    assert list(HookRegistry._hooks) == [plugin.SIGTERM_WATCHDOG_SEAM]
+    assert [(t, h) for t, h, _ in HookRegistry._hooks[plugin.SIGTERM_WATCHDOG_SEAM]] == [
+        (HookType.AROUND, plugin.around_sigterm_watchdog)
+    ]
+    HookRegistry._hooks.clear()
     plugin.register()
     hooks = HookRegistry._hooks[plugin.CREATE_REQ_SEAM]
     assert [(t, h) for t, h, _ in hooks] == [(HookType.AFTER, plugin.after_create_generation_req)]
+    assert plugin.SIGTERM_WATCHDOG_SEAM not in HookRegistry._hooks
+
+
+async def test_a_sigterm_hands_over_to_sglangs_watchdog_within_a_poll() -> None:
+    """The main process's watchdog sees SGLang's SIGTERM flag within one short poll (SGLang's
+    own looks every 5 s) and then runs SGLang's drain-and-stop once."""
+    manager = SimpleNamespace(gracefully_exit=False)
+    handed_over: list[bool] = []
+
+    async def sglang_watchdog(tokenizer_manager: SimpleNamespace) -> None:
+        handed_over.append(tokenizer_manager.gracefully_exit)
+
+    watchdog = asyncio.create_task(plugin.around_sigterm_watchdog(sglang_watchdog, manager))
+    await asyncio.sleep(3 * plugin.SIGTERM_POLL_S)
+    assert not watchdog.done() and handed_over == []  # no SIGTERM: it keeps watching
+    manager.gracefully_exit = True  # what SGLang's SIGTERM handler does
+    await asyncio.wait_for(watchdog, timeout=60)
+    assert handed_over == [True]
 
 
 def _fake_req(custom_params: Any, rid: str = "r1") -> SimpleNamespace:
