@@ -29,7 +29,8 @@ def test_be_fills_as_usual_when_the_rt_prompt_does_not_finish() -> None:
     plan = make_policy(latency_budget_s=0.04, be_frac_init=1.0, first_token_be_frac=0.0).plan(
         snapshot(waiting=[rt, be])
     )
-    assert chunks(plan) == {"rt": 1500, "be": 100}  # RT fills τ; BE gets its floor as always
+    # RT fills τ; BE gets its floor as always: 3 % of L = 1.2 ms, 60 prompt tokens
+    assert chunks(plan) == {"rt": 1500, "be": 60}
     decoding = [make_request(f"d{i}", prompt_len=999, running=True, generated=3) for i in range(5)]
     plan = make_policy(latency_budget_s=0.04, be_frac_init=1.0, first_token_be_frac=0.0).plan(
         snapshot(waiting=[be], running=decoding)

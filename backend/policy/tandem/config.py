@@ -71,10 +71,13 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Scales the BE share (and `rt_stretch`) in an iteration that emits RT first tokens: every
     second of BE work there is a second of TTFT for each of them (HyGen's mean-TTFT
     interference); 1 = no difference, 0 = such iterations carry only the BE starvation floor."""
-    be_min_share: float = 0.05
+    be_min_share: float = 0.03
     """BE always gets at least this fraction of τ when it has work (starvation freedom under
     sustained RT load), even past τ; with `rt_stretch` set, this fraction of the RT work's own
-    predicted time in an iteration that carries RT work."""
+    predicted time in an iteration that carries RT work. While RT overloads the engine the SLO
+    admission sheds the RT requests this floor leaves no room for: on W1 at 0.75 λ* with the
+    engine 2× slower than its profile, 5 % shed 0.309 of RT (BE 139 tok/s), 3 % sheds 0.294
+    (BE 99 tok/s), 0 % 0.278 (BE 33 tok/s): bench/results/slo/README.md."""
     rt_stretch: float | None = None
     """How much longer BE may make an iteration that carries RT work, as a fraction of that
     RT work's own predicted time (0.3: RT tokens come at most 30 % later than they would with
