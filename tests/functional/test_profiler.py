@@ -4,13 +4,14 @@ model fits; the command writes the file and reports the fit; errors are one line
 from __future__ import annotations
 
 import argparse
+import statistics
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from backend.policy.calibration import REGIMES, regime_of
-from backend.policy.latency import LatencyModel, Profile, load_profile, mape
+from backend.policy.latency import LatencyModel, Profile, load_profile
 from bench.profiler.measure import ProfileGrid, profile_engine
 from bench.profiler.probe import Stream, median_run, repeat_until_stable, steady_gap
 from common.sockets import free_port
@@ -68,8 +69,15 @@ async def test_quick_profile_of_the_real_engine(unscheduled_engine: EngineServer
     # Prefix probes really were served from the prefix cache.
     assert any(s.shape.prefill_attn > s.shape.prefill_tokens**2 for s in profile.samples)
     assert any("round trip" in line for line in lines)
+    # The fit reproduces the engine: judged on the typical point, and on how many points it
+    # misses by half. Not on the mean error: on a busy 2-core machine a stall can carry a point
+    # whichever way it is repeated (in one clean-clone suite run the 16-token prefill read 77 ms
+    # in every repeat, where a quiet machine takes a few ms, and the mean error of the 14 points
+    # was 0.86; on a quiet machine the quick grid's mean error is about 0.05, its median 0.04).
     model = LatencyModel.fit(profile.samples)
-    assert mape(model, profile.samples) < 0.5
+    errors = [abs(model.predict(s.shape) - s.seconds) / s.seconds for s in profile.samples]
+    assert statistics.median(errors) < 0.25, errors
+    assert sum(error > 0.5 for error in errors) <= 2, errors
 
 
 @pytest.mark.slow
