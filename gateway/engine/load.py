@@ -207,7 +207,7 @@ class LoadWatcher:
                     logger.warning(
                         "engine %s load reports unavailable (%s); retrying",
                         self.engine_name,
-                        exc or exc.__class__.__name__,
+                        str(exc) or exc.__class__.__name__,  # a timeout has no message
                     )
                     down = True
                     self.outages += 1

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import pytest_asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestServer
@@ -130,7 +131,9 @@ async def serve_on(port: int | None) -> AsyncIterator[TestServer]:
         await server.close()
 
 
-async def test_a_frozen_engine_leaves_placement_and_rejoins(pool: Pool) -> None:
+async def test_a_frozen_engine_leaves_placement_and_rejoins(
+    pool: Pool, caplog: pytest.LogCaptureFixture
+) -> None:
     gw = pool.gateway
     _, key = await gw.new_tenant("frozen")
     pool.freezers[0].thawed.clear()  # the first engine stops answering, its port still open
@@ -141,6 +144,9 @@ async def test_a_frozen_engine_leaves_placement_and_rejoins(pool: Pool) -> None:
 
     await wait_until(out_of_placement, 30, what="the frozen engine out of placement")
     print(f"\nengine frozen -> out of placement after {time.monotonic() - frozen_at:.2f} s")
+    # the operator's log says why (a timeout has no message of its own: its name stands in)
+    outage = f"engine {pool.engines[0]} load reports unavailable (TimeoutError); retrying"
+    assert outage in caplog.messages, caplog.messages
     for _ in range(3):  # served by the other engine, none waits on the frozen one
         reply = await asyncio.wait_for(gw.chat(key, max_tokens=4), 30)
         assert reply.status == 200, reply
