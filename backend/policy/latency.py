@@ -330,9 +330,14 @@ def _alternate(
     return pair
 
 
+def relative_errors(model: LatencyModel, samples: Iterable[ProfileSample]) -> list[float]:
+    """|predicted − measured| ÷ measured of `model` on each sample that took any time."""
+    return [abs(model.predict(s.shape) - s.seconds) / s.seconds for s in samples if s.seconds > 0]
+
+
 def mape(model: LatencyModel, samples: Iterable[ProfileSample]) -> float:
     """Mean absolute percentage error of `model` on `samples`, as a fraction."""
-    errors = [abs(model.predict(s.shape) - s.seconds) / s.seconds for s in samples if s.seconds > 0]
+    errors = relative_errors(model, samples)
     return sum(errors) / len(errors) if errors else math.nan
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from backend.policy.calibration import REGIMES, regime_of
-from backend.policy.latency import LatencyModel, Profile, load_profile
+from backend.policy.latency import LatencyModel, Profile, load_profile, relative_errors
 from bench.profiler.measure import ProfileGrid, profile_engine
 from bench.profiler.probe import Stream, median_run, repeat_until_stable, steady_gap
 from common.sockets import free_port
@@ -75,7 +75,7 @@ async def test_quick_profile_of_the_real_engine(unscheduled_engine: EngineServer
     # in every repeat, where a quiet machine takes a few ms, and the mean error of the 14 points
     # was 0.86; on a quiet machine the quick grid's mean error is about 0.05, its median 0.04).
     model = LatencyModel.fit(profile.samples)
-    errors = [abs(model.predict(s.shape) - s.seconds) / s.seconds for s in profile.samples]
+    errors = relative_errors(model, profile.samples)
     assert statistics.median(errors) < 0.25, errors
     assert sum(error > 0.5 for error in errors) <= 2, errors
 

@@ -32,6 +32,7 @@ from backend.sglang_ext import plugin, views
 from backend.sglang_ext.request_meta import tpot_target_s
 from common.config import EngineConfig, EngineSettings, engine_settings_from_env
 from common.wire import RequestMeta, meta_to_custom_params
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow  # imports torch (and Triton or SGLang): seconds, not a unit test
 
@@ -243,16 +244,29 @@ def test_register_hooks_only_where_the_scheduler_lives(
 async def test_a_sigterm_hands_over_to_sglangs_watchdog_within_a_poll() -> None:
     """The main process's watchdog sees SGLang's SIGTERM flag within one short poll (SGLang's
     own looks every 5 s) and then runs SGLang's drain-and-stop once."""
-    manager = SimpleNamespace(gracefully_exit=False)
+
+    class Manager:
+        """SGLang's tokenizer manager as the watchdog sees it: the flag, and how often read."""
+
+        def __init__(self) -> None:
+            self.flag = False
+            self.looks = 0
+
+        @property
+        def gracefully_exit(self) -> bool:
+            self.looks += 1
+            return self.flag
+
+    manager = Manager()
     handed_over: list[bool] = []
 
-    async def sglang_watchdog(tokenizer_manager: SimpleNamespace) -> None:
+    async def sglang_watchdog(tokenizer_manager: Manager) -> None:
         handed_over.append(tokenizer_manager.gracefully_exit)
 
     watchdog = asyncio.create_task(plugin.around_sigterm_watchdog(sglang_watchdog, manager))
-    await asyncio.sleep(3 * plugin.SIGTERM_POLL_S)
+    await wait_until(lambda: manager.looks >= 3, 60, what="the watchdog looking three times")
     assert not watchdog.done() and handed_over == []  # no SIGTERM: it keeps watching
-    manager.gracefully_exit = True  # what SGLang's SIGTERM handler does
+    manager.flag = True  # what SGLang's SIGTERM handler does
     await asyncio.wait_for(watchdog, timeout=60)
     assert handed_over == [True]
 
