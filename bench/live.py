@@ -66,7 +66,13 @@ from backend.sim.records import IterationLog, RequestRecord, SimResult
 from backend.sim.source import SimRequest
 from bench.capacity import search_capacity
 from bench.live_client import DRAIN_TIMEOUT_S, TenantKeys, replay, replay_source, send
-from bench.metrics import Metrics, compute_metrics, rt_metrics, tenant_metrics
+from bench.metrics import (
+    Metrics,
+    compute_metrics,
+    prediction_error_metrics,
+    rt_metrics,
+    tenant_metrics,
+)
 from bench.profiler.probe import engine_prefill_busy_s
 from bench.runner import BenchConfig, build, measure_rate, sim_config
 from bench.series import PolicySeries, compute_series
@@ -229,6 +235,8 @@ def run_live(config: BenchConfig) -> LiveRun:
         run.wall_s[name] = time.perf_counter() - started
         window = workload.window_s
         run.real[name] = compute_metrics(result, window)
+        if iterations:
+            run.real[name].update(engine_iteration_metrics(iterations))
         run.series[name] = compute_series(result, window or result.end_s)
         if workload.tenants:
             run.tenants[name] = tenant_metrics(result.requests, workload.tenants, result.end_s)
@@ -696,6 +704,25 @@ _MEAN_PACE_KEYS = (
 MIN_ENGINE_SAMPLES = 200
 """Fewest logged iterations the twin's engine is fitted to (fewer: the profile at the learned
 pace per regime)."""
+
+
+def engine_iteration_metrics(iterations: Sequence[IterationRecord]) -> Metrics:
+    """The real engine's iteration metrics from the iterations the bench recorded of its run
+    (the simulator's come from its own log): how many, how long, and how far the calibrated
+    latency model the policy planned them with was from their measured time
+    (`latency_model_error_p50` / `_p99`, `prediction_error_metrics`; an iteration planned
+    without a prediction counts in none of these)."""
+    measured_s = np.asarray([r.iteration_s for r in iterations], dtype=float)
+    predicted_s = np.asarray(
+        [r.predicted_iteration_s if r.predicted_iteration_s > 0 else math.nan for r in iterations],
+        dtype=float,
+    )
+    return {
+        "iterations": len(iterations),
+        "iteration_s_mean": float(measured_s.mean()),
+        "iteration_s_p99": float(np.percentile(measured_s, 99)),
+        **prediction_error_metrics(predicted_s, measured_s),
+    }
 
 
 def engine_samples(iterations: Sequence[IterationRecord]) -> list[ProfileSample]:

@@ -193,10 +193,24 @@ def report_markdown(run: LiveRun, plots: list[str]) -> str:
         for name, stats in run.engine_stats.items():
             cells = [_fmt(stats.get(k), "x" if k.endswith("_frac") else "r") for k in STAT_KEYS]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append("")
+        lines += [_model_error(name, run.real.get(name, {})) for name in run.engine_stats]
     if run.failed:
         lines += ["", "## Failed", ""] + [f"* {k}: {v}" for k, v in run.failed.items()]
     lines += ["", *[f"![{p}]({p})" for p in plots], ""]
     return "\n".join(lines)
+
+
+def _model_error(name: str, metrics: Any) -> str:
+    """The report's line on how far *name*'s calibrated latency model was from its iterations."""
+    p50, p99 = metrics.get("latency_model_error_p50"), metrics.get("latency_model_error_p99")
+    if p50 is None or p99 is None:
+        return f"* {name}: no iteration with a prediction was recorded"
+    return (
+        f"* {name}: the calibrated latency model's error per iteration, |predicted ÷ measured "
+        f"− 1| over the {metrics['iterations']} iterations the bench recorded: p50 {p50:.1%}, "
+        f"p99 {p99:.1%}"
+    )
 
 
 def _num(value: float | None) -> str:

@@ -430,9 +430,6 @@ def iteration_metrics(log: IterationLog) -> Metrics:
     dur = _col(log, "duration_s")
     kv = _col(log, "kv_used_tokens") / max(1, log.kv_capacity_tokens)
     plan = _col(log, "plan_ms")
-    pred = _col(log, "predicted_s")
-    has_pred = np.isfinite(pred) & (dur > 0)
-    model_error = np.abs(pred[has_pred] - dur[has_pred]) / dur[has_pred]
     total = float(dur.sum())
     return {
         "iterations": len(log),
@@ -445,9 +442,21 @@ def iteration_metrics(log: IterationLog) -> Metrics:
         "plan_ms_p99": percentile(plan, 99),
         "plan_ms_mean": mean(plan),
         "plan_overhead_frac": float(plan.sum() / 1000.0 / total) if total > 0 else None,
-        "over_predicted_frac": (
-            float(np.mean(dur[has_pred] > pred[has_pred] * (1 + 1e-9))) if has_pred.any() else None
-        ),
+        **prediction_error_metrics(_col(log, "predicted_s"), dur),
+    }
+
+
+def prediction_error_metrics(predicted_s: np.ndarray, measured_s: np.ndarray) -> Metrics:
+    """How far an engine's iterations were from the latency model's predictions for them
+    (`iteration_metrics`' definitions): over the iterations with a prediction (finite) and a
+    measured duration > 0, `over_predicted_frac` (measured longer than predicted), and the
+    relative error |predicted − measured| / measured as `latency_mape` (its mean) and
+    `latency_model_error_p50` / `_p99`. None without predictions."""
+    has_pred = np.isfinite(predicted_s) & (measured_s > 0)
+    pred, dur = predicted_s[has_pred], measured_s[has_pred]
+    model_error = np.abs(pred - dur) / dur
+    return {
+        "over_predicted_frac": float(np.mean(dur > pred * (1 + 1e-9))) if dur.size else None,
         "latency_mape": mean(model_error),
         "latency_model_error_p50": percentile(model_error, 50),
         "latency_model_error_p99": percentile(model_error, 99),

@@ -47,6 +47,9 @@ def test_a_live_run_reports_real_and_simulated_metrics(tmp_path: Path) -> None:
     stats = results["engine_stats"]["tandem"]
     assert stats["policy"] == "tandem" and stats["iterations"] > 0
     assert 0.0 <= stats["overhead_frac"] < 1.0
+    # the real row carries the calibrated model's error over the iterations the bench recorded
+    assert real["iterations"] > 0 and real["latency_model_error_p50"] is not None
+    assert 0.0 <= real["latency_model_error_p50"] <= real["latency_model_error_p99"]
     # the twin runs at the engine's pace per regime over the run, plus the serving path's
     # time outside the engine measured before the replay (HTTP, gateway, tokenizer, stream)
     paces = results["sim_regime_pace"]
@@ -57,3 +60,4 @@ def test_a_live_run_reports_real_and_simulated_metrics(tmp_path: Path) -> None:
     assert report.startswith("`tandem bench W1 --engine sglang")
     assert "serving overhead (client TTFT less the engine's prefill step" in report
     assert "## Simulator ÷ real" in report
+    assert "the calibrated latency model's error per iteration" in report

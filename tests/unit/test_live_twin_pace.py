@@ -18,6 +18,7 @@ from backend.policy.time_share import shape_of
 from backend.sim.records import IterationLog, RequestRecord, SimResult
 from bench.live import (
     LiveRun,
+    engine_iteration_metrics,
     engine_samples,
     fit_engine,
     learned_pace,
@@ -119,6 +120,27 @@ def test_only_iterations_that_ran_a_known_token_mix_are_samples_of_the_engine() 
     ]
     (sample,) = engine_samples(records)
     assert sample.shape == decodes and sample.seconds == 0.02
+
+
+def test_the_real_rows_model_error_is_over_the_iterations_with_a_prediction() -> None:
+    decodes = _mix(shape_of([100, 200], []))
+    records = [
+        IterationRecord(1, 1.0, 0.020, 0.010, decodes),  # predicted half: error 0.5
+        IterationRecord(2, 2.0, 0.010, 0.010, decodes),  # exact
+        IterationRecord(3, 3.0, 0.040, 0.0, None),  # SGLang's own scheduler: no prediction
+    ]
+    out = engine_iteration_metrics(records)
+    assert out["iterations"] == 3
+    assert out["iteration_s_mean"] == pytest.approx(0.07 / 3)
+    assert out["latency_mape"] == pytest.approx(0.25)
+    assert out["latency_model_error_p50"] == pytest.approx(0.25)
+    assert out["latency_model_error_p99"] == pytest.approx(0.495)
+    assert out["over_predicted_frac"] == pytest.approx(0.5)
+
+
+def test_a_run_without_predictions_has_no_model_error() -> None:
+    out = engine_iteration_metrics([IterationRecord(1, 1.0, 0.02, 0.0, None)])
+    assert out["latency_model_error_p50"] is None and out["latency_mape"] is None
 
 
 def _engine_shapes() -> list[BatchShape]:
