@@ -69,6 +69,8 @@ from bench.live_client import DRAIN_TIMEOUT_S, TenantKeys, replay, replay_source
 from bench.metrics import (
     Metrics,
     compute_metrics,
+    mean,
+    percentile,
     prediction_error_metrics,
     rt_metrics,
     tenant_metrics,
@@ -719,8 +721,8 @@ def engine_iteration_metrics(iterations: Sequence[IterationRecord]) -> Metrics:
     )
     return {
         "iterations": len(iterations),
-        "iteration_s_mean": float(measured_s.mean()),
-        "iteration_s_p99": float(np.percentile(measured_s, 99)),
+        "iteration_s_mean": mean(measured_s),
+        "iteration_s_p99": percentile(measured_s, 99),
         **prediction_error_metrics(predicted_s, measured_s),
     }
 

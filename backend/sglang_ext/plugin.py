@@ -171,7 +171,8 @@ def register_prompt_shutdown() -> None:
 
 
 async def around_sigterm_watchdog(original: Any, tokenizer_manager: Any) -> None:
-    """``TokenizerManager.sigterm_watchdog``, looking for the SIGTERM flag every 0.1 s."""
+    """``TokenizerManager.sigterm_watchdog``, looking for the SIGTERM flag every
+    :data:`SIGTERM_POLL_S`."""
     while not tokenizer_manager.gracefully_exit:
         await asyncio.sleep(SIGTERM_POLL_S)
     await original(tokenizer_manager)
