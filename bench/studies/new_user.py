@@ -76,6 +76,10 @@ ERROR_BAND = 0.2
 ERROR_WINDOW_S = 1.0
 """The error is judged on the median over the iterations of this trailing window, seconds (one
 iteration's ratio is noisy on a shared CPU)."""
+ONSET_S = 5.0
+"""The burner's disturbance is the error leaving the band within this many seconds of the
+burner's start (it showed within 1.1–1.8 s in every run of sessions 33–42); a later excursion
+is noise of the shared CPU, reported apart (`excursions`), not the change of pace."""
 BATCH_TIMEOUT_S = 1800.0
 POLICIES = ("tandem", "fcfs")
 CHAT_PROMPT = "Hello! Can you tell me a bit about how large language models are served?"
@@ -342,14 +346,23 @@ def ratio_timeline(samples: list[dict[str, float]], window_s: float) -> list[tup
 
 
 def recovery_s(
-    timeline: list[tuple[float, float]], start_unix_s: float, band: float, hold_s: float = 3.0
+    timeline: list[tuple[float, float]],
+    start_unix_s: float,
+    band: float,
+    hold_s: float = 3.0,
+    onset_s: float = ONSET_S,
 ) -> float | None:
     """Seconds from *start_unix_s* until the windowed error, once the disturbance has shown
-    (the first point after the start above *band*), is back within *band* and stays within
-    1.5 × *band* for the next *hold_s* seconds (or to the timeline's end); 0.0 when it never
-    left the band, None when it never came back."""
+    (the first point above *band* within *onset_s* of the start), is back within *band* and
+    stays within 1.5 × *band* for the next *hold_s* seconds (or to the timeline's end); 0.0
+    when it did not leave the band within *onset_s*, None when it never came back. A point
+    above the band that first comes later is not the change of pace that started at
+    *start_unix_s* (on this shared CPU the error leaves the band for a moment now and then,
+    burner or not): `excursions` lists those."""
     after = [(t, e) for t, e in timeline if t >= start_unix_s]
-    hit = next((i for i, (_, e) in enumerate(after) if e > band), None)
+    hit = next(
+        (i for i, (t, e) in enumerate(after) if e > band and t <= start_unix_s + onset_s), None
+    )
     if hit is None:
         return 0.0
     for i in range(hit, len(after)):
@@ -357,6 +370,40 @@ def recovery_s(
         if e <= band and all(e2 <= band * 1.5 for t2, e2 in after[i:] if t2 <= t + hold_s):
             return t - start_unix_s
     return None
+
+
+def excursions(
+    timeline: list[tuple[float, float]], from_unix_s: float, band: float
+) -> list[dict[str, float]]:
+    """The spells after *from_unix_s* in which the windowed error was above *band*: when each
+    began (seconds after *from_unix_s*), how long it lasted (to the next point back within
+    *band*, or to the timeline's end) and its peak."""
+    spells: list[dict[str, float]] = []
+    start: float | None = None
+    peak = 0.0
+    last_t = from_unix_s
+    for t, e in timeline:
+        if t < from_unix_s:
+            continue
+        last_t = t
+        if e > band:
+            if start is None:
+                start, peak = t, e
+            peak = max(peak, e)
+        elif start is not None:
+            spells.append(_spell(start, t, peak, from_unix_s))
+            start = None
+    if start is not None:
+        spells.append(_spell(start, last_t, peak, from_unix_s))
+    return spells
+
+
+def _spell(start: float, end: float, peak: float, origin: float) -> dict[str, float]:
+    return {
+        "at_s": round(start - origin, 3),
+        "duration_s": round(end - start, 3),
+        "peak_error": round(peak, 4),
+    }
 
 
 def _spin(niceness: int) -> None:  # pragma: no cover - runs in the burner processes
@@ -604,9 +651,10 @@ async def _burn_phase(
     whole = Phase("whole", before_phase.chats + phase.chats).summary(options.contract)
     back_s = recovery_s(timeline, burn_start, ERROR_BAND)
     ratio_back_s = recovery_s(ratios, burn_start, ERROR_BAND)
+    spells = excursions(timeline, burn_start, ERROR_BAND)
     say(
         f"burn: {summary}, error back within {ERROR_BAND:.0%} after {back_s} s "
-        f"(median ratio: {ratio_back_s} s); whole phase {whole}"
+        f"(median ratio: {ratio_back_s} s; {len(spells)} spells above it); whole phase {whole}"
     )
     return {
         "burners": burners,
@@ -625,6 +673,7 @@ async def _burn_phase(
         "chat_log": [asdict(c) for c in phase.chats],
         "error_before_p50": statistics.median(before) if before else None,
         "error_back_within_band_s": back_s,
+        "error_excursions": spells,
         "iterations": len(samples),
         "timeline": [{"t_s": round(t - burn_start, 3), "error": round(e, 4)} for t, e in timeline],
         "samples": samples,
@@ -681,6 +730,7 @@ def report(results: list[dict[str, Any]], command: str) -> str:
                 f"p50 before {burn['error_before_p50']}, back within {ERROR_BAND:.0%} after "
                 f"{burn['error_back_within_band_s']} s (|p50 of predicted ÷ measured − 1|: "
                 f"back within {ERROR_BAND:.0%} after {burn['ratio_p50_back_within_band_s']} s); "
+                f"{_spells_line(burn.get('error_excursions', []))}; "
                 f"chats under the burner {c['chats']}, served as RT "
                 f"{c['served_rt']}, refused {c['refused']}, admitted attainment "
                 f"{c['admitted_attainment']}; the whole phase (before and under the burner) "
@@ -688,6 +738,16 @@ def report(results: list[dict[str, Any]], command: str) -> str:
                 f"{burn['chats_whole_phase']['admitted_attainment']}.",
             ]
     return "\n".join(lines) + "\n"
+
+
+def _spells_line(spells: list[dict[str, float]]) -> str:
+    if not spells:
+        return "it never left the band under the burner"
+    longest = max(spells, key=lambda s: s["duration_s"])
+    return (
+        f"{len(spells)} spells above the band under the burner, the longest "
+        f"{longest['duration_s']} s at {longest['at_s']} s (peak {longest['peak_error']})"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
