@@ -6,11 +6,12 @@ One `tandem serve` for the module (two engines start once); what a client and an
 
 * both replicas run, each in its own process group with its own control socket, and
   `/readyz`, `/metrics` and the dashboard list each one;
-* one replica SIGKILLed while streams, whole requests and a batch run: every stream ends — with
-  an error event and ``[DONE]`` on the dead replica, normally on the other — no request hangs
-  or is answered twice, requests sent after the kill are all answered 200 (on the survivor),
-  the batch completes with every custom_id exactly once, and the killed replica is reaped,
-  restarted, and serves again.
+* one replica SIGKILLed while streams, whole requests and a batch run (the gateway places by
+  round-robin, and the replica killed carries streams and batch lines both): every stream
+  ends — with an error event and ``[DONE]`` on the dead replica, normally on the other — no
+  request hangs or is answered twice, requests sent after the kill are all answered 200 (on
+  the survivor), the batch completes with every custom_id exactly once (the lines lost with
+  the replica ran once more), and the killed replica is reaped, restarted, and serves again.
 
 Measured times (kill → streams ended, kill → out of placement, kill → serving again) are
 printed (``-s`` shows them); bench/results/pool/README.md records a run.
@@ -127,16 +128,23 @@ class Pool:
         ).json()["key"]
         return tenant["id"], key
 
-    def engine_running(self, index: int) -> int:
-        """Requests running or waiting on replica *index* (its own /v1/loads)."""
-        body = httpx.get(
-            f"{self.engine_url(index)}/v1/loads",
-            headers={"Authorization": f"Bearer {ENGINE_KEY}"},
-            timeout=10,
-        ).json()
+    def requests_on(self, index: int, tier: str) -> int:
+        """*tier*'s requests waiting or running on replica *index*, as the gateway's live state
+        of it last showed them (`/metrics`). The streams and whole requests are the RT
+        tenant's, the batch lines the BE tenant's."""
+        samples = self.metrics()
+        name = self.engine_url(index)
         return sum(
-            int(r.get("num_running_reqs", 0)) + int(r.get("num_waiting_reqs", 0))
-            for r in body["loads"]
+            int(
+                samples.get(
+                    (
+                        "tandem_engine_load_requests",
+                        frozenset({("engine", name), ("tier", tier), ("state", state)}),
+                    ),
+                    0.0,
+                )
+            )
+            for state in ("waiting", "running")
         )
 
 
@@ -158,7 +166,10 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
         TANDEM_GATEWAY__PORT=str(gw_port),
         TANDEM_ENGINE__PORT=str(engine_port),
         TANDEM_ENGINE__REPLICAS="2",
-        TANDEM_ENGINE__API_KEY=ENGINE_KEY,  # the test reads each engine's own /v1/loads
+        # alternate the replicas: the slo router puts the streams on the replica with the most
+        # slack and the batch lines on the other, so a kill would test only one of the two
+        TANDEM_GATEWAY__ROUTER="round-robin",
+        TANDEM_ENGINE__API_KEY=ENGINE_KEY,  # the test calls an engine directly at the end
         TANDEM_ENGINE__MAX_RUNNING_REQUESTS="16",
         TANDEM_DATABASE__URL=f"sqlite:///{tmp / 'serve.db'}",
         TANDEM_MODEL__CACHE_DIR=str(tmp / "cache"),
@@ -331,15 +342,19 @@ def test_a_replica_sigkilled_mid_load_loses_nothing_and_comes_back(pool: Pool) -
 
         await wait_until(under_way, 120, what="streams under way")
 
-        def reported_loads() -> list[int] | None:
-            # SGLang publishes its /v1/loads snapshot after a prefill (before the prefilled
-            # requests join the running batch) and then every 15 decode steps: a replica
-            # can read 0 for a moment while its streams run
-            loads = [pool.engine_running(i) for i in (0, 1)]
-            return loads if max(loads) > 0 else None
+        def victim_found() -> tuple[int] | None:  # (index,): truthy for replica 0 too
+            # the replica to kill carries streams and batch lines both, so one kill tests what
+            # a streaming client and the batch runner get from a dying replica: the one with
+            # the most RT requests carries at least one of the 4 streams (there are 2 whole
+            # requests besides), once every stream shows in the replicas' live state
+            rt = [pool.requests_on(i, "rt") for i in (0, 1)]
+            be = [pool.requests_on(i, "be") for i in (0, 1)]
+            most = 0 if rt[0] >= rt[1] else 1
+            return (most,) if sum(rt) >= len(streams) and be[most] > 0 else None
 
-        loads = await wait_until(reported_loads, 60, what="a replica reporting its requests")
-        victim = 0 if loads[0] >= loads[1] else 1
+        (victim,) = await wait_until(
+            victim_found, 60, what="a replica running streams and batch lines"
+        )
         pid = pool.engine_pid(victim)
         killed_at = time.monotonic()
         os.kill(pid, signal.SIGKILL)
@@ -364,6 +379,7 @@ def test_a_replica_sigkilled_mid_load_loses_nothing_and_comes_back(pool: Pool) -
 
     victim, killed_at, pid = asyncio.run(scenario())
     ended = [s for s in streams if s.ended_at is not None]
+    assert ended, "no stream ended, though the replica killed had one"
     for seen in streams:
         if seen.ended_at is not None:  # on the dead replica: an error event, then [DONE]
             assert seen.events[-1] == "[DONE]", seen.events[-3:]
@@ -403,7 +419,8 @@ def test_a_replica_sigkilled_mid_load_loses_nothing_and_comes_back(pool: Pool) -
     assert all(line["response"]["body"]["usage"]["completion_tokens"] == 48 for line in out)
     with sqlite3.connect(pool.db_path) as db:
         attempts = [n for (n,) in db.execute("SELECT attempts FROM batch_items")]
-    assert max(attempts) <= 2  # a line lost with the replica ran again once, on the other
+    # the lines lost with the replica (it had some in flight) ran again once, on the other
+    assert max(attempts) == 2, attempts
     pool.measured["batch_lines_run_twice"] = sum(n == 2 for n in attempts)
 
     # the killed replica is reaped, restarted, and serves again
