@@ -278,7 +278,8 @@ async def latest_requests(request: web.Request) -> web.Response:
             param="limit",
             code="invalid_value",
         )
-    records = await request.app[STORE].latest_requests(tenant_id, int(limit_text))
+    engine = request.query.get("engine") or None
+    records = await request.app[STORE].latest_requests(tenant_id, int(limit_text), engine)
     return _json({"object": "list", "data": records})
 
 

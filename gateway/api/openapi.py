@@ -828,6 +828,7 @@ OPERATIONS: list[Op] = [
         response=list_of("UsageRecord"),
         query=[
             ("tenant", _STRING, "tenant id (default: all)"),
+            ("engine", _STRING, "one engine's records: its name in /readyz (default: all)"),
             ("limit", _integer(1, 1000), "1-1000, default 100"),
         ],
         errors=(400, 401),

@@ -501,6 +501,7 @@ def usage_record(flight: Flight) -> UsageRecord:
         error=failure.record_error if failure is not None else None,
         slo_met=met,
         admission=flight.admission,
+        engine=flight.placement.engine.name if flight.placement is not None else None,
         created_at=flight.created_at,
         finished_at=datetime.now(UTC),
     )

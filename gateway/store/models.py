@@ -186,6 +186,8 @@ class UsageRow(Base):
     slo_met: Mapped[bool | None] = mapped_column(Boolean)
     admission: Mapped[str | None] = mapped_column(String(16))
     """The SLO admission's outcome (gateway.store.types.AdmissionOutcome); NULL: not checked."""
+    engine: Mapped[str | None] = mapped_column(String(256))
+    """The engine that ran it (gateway.store.types.UsageRecord.engine); NULL: none."""
     created_at: Mapped[datetime]
     finished_at: Mapped[datetime]
 

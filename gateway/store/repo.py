@@ -238,11 +238,16 @@ class Store:
         async with self._sessions.begin() as session:
             await session.execute(insert(UsageRow), rows)
 
-    async def latest_requests(self, tenant_id: str | None, limit: int) -> list[UsageRecord]:
-        """The newest *limit* usage records (of one tenant, or of all with None), newest first."""
+    async def latest_requests(
+        self, tenant_id: str | None, limit: int, engine: str | None = None
+    ) -> list[UsageRecord]:
+        """The newest *limit* usage records (of one tenant, or of all with None; of one engine
+        with *engine*), newest first."""
         stmt = select(UsageRow).order_by(UsageRow.created_at.desc(), UsageRow.id.desc())
         if tenant_id is not None:
             stmt = stmt.where(UsageRow.tenant_id == tenant_id)
+        if engine is not None:
+            stmt = stmt.where(UsageRow.engine == engine)
         async with self._sessions() as session:
             rows = (await session.scalars(stmt.limit(max(limit, 0)))).all()
             return [usage_struct(r) for r in rows]

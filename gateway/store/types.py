@@ -161,6 +161,11 @@ class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
     admission: AdmissionOutcome | None = None
     """How the SLO admission treated it (None: it never reached that check — not an RT request,
     refused earlier, or invalid)."""
+    engine: str | None = None
+    """The engine (replica) it ran on, by its name in `/readyz` and `/metrics` (its URL;
+    `<url>#dp<k>` for one rank of SGLang's data parallelism); a request placed again because
+    its engine refused the connection names the second. None: it was never placed (invalid,
+    or refused before: a quota, a full queue, the SLO admission)."""
     created_at: datetime
     """Request start (arrival at the gateway), UTC."""
     finished_at: datetime

@@ -419,8 +419,13 @@ def test_a_replica_sigkilled_mid_load_loses_nothing_and_comes_back(pool: Pool) -
     assert all(line["response"]["body"]["usage"]["completion_tokens"] == 48 for line in out)
     with sqlite3.connect(pool.db_path) as db:
         attempts = [n for (n,) in db.execute("SELECT attempts FROM batch_items")]
+        lost = db.execute(  # what the kill cut off, by the engine each record names
+            "SELECT DISTINCT engine FROM usage_records WHERE status = 'engine_unavailable'"
+        ).fetchall()
     # the lines lost with the replica (it had some in flight) ran again once, on the other
     assert max(attempts) == 2, attempts
+    # every request the kill cut off names the replica killed as its engine
+    assert lost == [(pool.engine_url(victim),)], lost
     pool.measured["batch_lines_run_twice"] = sum(n == 2 for n in attempts)
 
     # the killed replica is reaped, restarted, and serves again

@@ -44,7 +44,9 @@ def assert_timed(record: dict[str, Any], completion_tokens: int) -> None:
     assert record["queue_ms"] is not None and record["queue_ms"] >= 0
 
 
-async def test_chat_non_streaming(gateway: GatewayHandle, rt_tenant: tuple[str, str]) -> None:
+async def test_chat_non_streaming(
+    gateway: GatewayHandle, rt_tenant: tuple[str, str], engine_server: Any
+) -> None:
     tenant_id, key = rt_tenant
     reply = await client(gateway, key).chat.completions.create(
         model=MODEL,
@@ -63,6 +65,7 @@ async def test_chat_non_streaming(gateway: GatewayHandle, rt_tenant: tuple[str, 
     assert_timed(record, 12)
     assert record["prompt_tokens"] == reply.usage.prompt_tokens
     assert record["slo_met"] is True  # generous targets on purpose
+    assert record["engine"] == f"http://127.0.0.1:{engine_server.port}"  # where it ran
     # the finished output length joined the tenant's length history (Past-Future's input)
     assert 12 in await gateway.app[STORE].length_history(tenant_id, 100)
 

@@ -52,6 +52,8 @@ async def test_usage_round_trips_every_field(store: Store) -> None:
         http_status=499,
         error="client went away",
         slo_met=False,
+        admission="admitted",
+        engine="http://10.0.0.11:30000#dp1",
     )
     await store.insert_usage([record])
     [got] = await store.latest_requests("ten_a", 10)
@@ -71,6 +73,26 @@ async def test_latest_requests_newest_first_with_limit_and_tenant(store: Store) 
     assert [r.request_id for r in await store.latest_requests(None, 4)] == ["a4", "a3", "b2", "a2"]
     assert await store.latest_requests("ten_c", 10) == []
     assert await store.latest_requests(None, 0) == []
+
+
+async def test_latest_requests_of_one_engine(store: Store) -> None:
+    """The request log of one replica (`GET /admin/v1/requests?engine=`), with the tenant's
+    filter or without."""
+    engines = ("http://127.0.0.1:30000", "http://127.0.0.1:30001")
+    await store.insert_usage(
+        [make_usage(f"a{i}", "ten_a", start_s=i, engine=engines[i % 2]) for i in range(6)]
+        + [make_usage("b0", "ten_b", start_s=2.5, engine=engines[1])]
+        + [make_usage("refused", "ten_a", start_s=9)]  # never placed: no engine
+    )
+    latest = await store.latest_requests(None, 10, engines[1])
+    assert [r.request_id for r in latest] == ["a5", "a3", "b0", "a1"]
+    assert {r.engine for r in latest} == {engines[1]}
+    assert [r.request_id for r in await store.latest_requests("ten_a", 2, engines[0])] == [
+        "a4",
+        "a2",
+    ]
+    assert await store.latest_requests(None, 10, "http://10.9.9.9:30000") == []
+    assert (await store.latest_requests("ten_a", 1))[0].engine is None
 
 
 async def test_bulk_insert_of_many_records_and_of_none(store: Store) -> None:

@@ -109,6 +109,15 @@ async def test_a_dead_engine_leaves_placement_and_rejoins(pool: Pool) -> None:
     assert ready.status == 200, ready  # one engine serves: the gateway is ready
     records = await gw.records(tenant, count=5)
     assert [r["status"] for r in records] == ["ok"] * 5
+    # each record names the engine that ran it: the four after the death, the survivor; and
+    # the operator reads one engine's request log
+    assert [r["engine"] for r in records[:4]] == [pool.engines[1]] * 4
+    assert records[4]["engine"] in pool.engines
+    on_dead = await gw.admin("GET", f"/requests?tenant={tenant}&engine={pool.engines[0]}")
+    assert on_dead.status == 200, on_dead
+    assert [r["request_id"] for r in on_dead.body["data"]] == [
+        r["request_id"] for r in records if r["engine"] == pool.engines[0]
+    ]
 
     # the engine comes back on its port: it is probed, and serves again
     async with serve_on(port):

@@ -138,4 +138,4 @@ def test_head_revision_is_read_from_the_migrations_folder() -> None:
 
     versions = Path(__file__).resolve().parents[2] / "migrations" / "versions"
     newest = max(p.name.split("_", 1)[0] for p in versions.glob("[0-9]*_*.py"))
-    assert head_revision() == newest == "0006"
+    assert head_revision() == newest == "0007"
