@@ -22,7 +22,7 @@ from tests.functional.store_fixtures import PgServer
 
 TABLES = {"tenants", "api_keys", "slo_contracts", "quotas", "usage_records", "length_history"}
 TABLES |= {"files", "batches", "batch_items"}  # 0002
-TABLES |= {"gateway_instances", "quota_demand", "quota_monthly"}  # 0003; 0004 and 0005 add none
+TABLES |= {"gateway_instances", "quota_demand", "quota_monthly"}  # 0003; 0004-0007 add none
 
 
 async def table_names(url: str) -> set[str]:
@@ -171,6 +171,36 @@ async def test_0005_gives_existing_contracts_the_defaults_and_downgrade_drops_th
         assert "admission" not in await _columns(empty_db_url, "usage_records")
         columns = await _columns(empty_db_url, "slo_contracts")
         assert "weight" not in columns and "on_unattainable" not in columns
+    finally:
+        await engine.dispose()
+
+
+async def test_0007_keeps_existing_usage_records_without_an_engine_and_downgrade_drops_it(
+    empty_db_url: str,
+) -> None:
+    await upgrade_async(empty_db_url, "0006")
+    engine = create_engine(empty_db_url)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(
+                text(
+                    "INSERT INTO usage_records (request_id, tenant_id, tier, model, endpoint, "
+                    "stream, prompt_tokens, completion_tokens, status, http_status, created_at, "
+                    "finished_at) VALUES ('r1', 'ten_1', 'rt', 'tandem-tiny', 'chat', false, 5, "
+                    "7, 'ok', 200, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"
+                )
+            )
+        await upgrade_async(empty_db_url)
+        async with engine.connect() as conn:
+            kept = await conn.execute(
+                text("SELECT request_id, completion_tokens, engine FROM usage_records")
+            )
+            assert [tuple(r) for r in kept] == [("r1", 7, None)]
+
+        await asyncio.to_thread(command.downgrade, alembic_config(empty_db_url), "0006")
+        assert "engine" not in await _columns(empty_db_url, "usage_records")
+        async with engine.connect() as conn:
+            assert (await conn.execute(text("SELECT count(*) FROM usage_records"))).scalar() == 1
     finally:
         await engine.dispose()
 
