@@ -133,6 +133,20 @@ def add_admin_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
     usage.add_argument("--format", choices=["table", "json", "csv"], default="table")
     usage.set_defaults(func=_entry, action=_usage)
 
+    requests = admin.add_parser(
+        "requests",
+        parents=[conn],
+        help="the latest requests, newest first: tenant, tier, status, tokens, latency, SLO, "
+        "the engine that ran each",
+    )
+    requests.add_argument("--tenant", help="tenant id or name (default: all)")
+    requests.add_argument(
+        "--engine", help="one engine's requests: its name in /readyz (default: all)"
+    )
+    requests.add_argument("--limit", type=int, default=20, help="how many (default: 20)")
+    requests.add_argument("--format", choices=["table", "json"], default="table")
+    requests.set_defaults(func=_entry, action=_requests)
+
 
 def _contract_flags(parser: argparse.ArgumentParser, *, update: bool) -> None:
     """The SLO contract and quota flags of `tenant create` and `tenant update`."""
@@ -423,6 +437,55 @@ def _key_list(client: AdminClient, args: argparse.Namespace) -> int:
 def _key_revoke(client: AdminClient, args: argparse.Namespace) -> int:
     _print(client.call("DELETE", f"/keys/{urllib.parse.quote(args.key_id, safe='')}"))
     return 0
+
+
+def _requests(client: AdminClient, args: argparse.Namespace) -> int:
+    tenants = {t["id"]: t["name"] for t in client.call("GET", "/tenants")["data"]}
+    query = {"limit": str(args.limit)}
+    if args.tenant:
+        query["tenant"] = _find_tenant(client, args.tenant)["id"]
+    if args.engine:
+        query["engine"] = args.engine
+    records = client.call("GET", "/requests", query=query)["data"]
+    if args.format == "json":
+        _print(records)
+    else:
+        print(requests_table(records, tenants))
+    return 0
+
+
+def requests_table(records: list[dict[str, Any]], tenant_names: dict[str, str]) -> str:
+    """Usage records as an aligned text table for a terminal, one row each (times in ms)."""
+    header = ("started", "tenant", "tier", "status", "http", "prompt", "compl", "ttft_ms",
+              "tpot_ms", "e2e_ms", "slo", "admission", "engine")  # fmt: skip
+    lines = [header]
+    for r in records:
+        slo = {True: "met", False: "missed"}.get(r["slo_met"], "-")
+        lines.append(
+            (
+                r["created_at"][:19].replace("T", " "),
+                tenant_names.get(r["tenant_id"], r["tenant_id"]),
+                r["tier"],
+                r["status"],
+                str(r["http_status"]),
+                str(r["prompt_tokens"]),
+                str(r["completion_tokens"]),
+                *(_ms_cell(r[k]) for k in ("ttft_ms", "tpot_ms", "e2e_ms")),
+                slo,
+                r["admission"] or "-",
+                r["engine"] or "-",
+            )
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    text = ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
+            for line in lines]  # fmt: skip
+    if not records:
+        text.append("(no requests)")
+    return "\n".join(text)
+
+
+def _ms_cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def _usage(client: AdminClient, args: argparse.Namespace) -> int:

@@ -132,6 +132,8 @@ async def test_every_failure_is_one_clear_line(gw: Gateway, cli: Cli) -> None:
         (("key", "revoke", "key_nope"), "key 'key_nope' not found"),
         (("usage", "--start", "yesterday"), "start must be an ISO 8601 date"),
         (("usage", "--tenant", "nobody"), "tenant 'nobody' not found"),
+        (("requests", "--tenant", "nobody"), "no tenant with id or name 'nobody'"),
+        (("requests", "--limit", "0"), "limit must be an integer in [1, 1000]"),
     ]
     for args, message in refusals:
         line = await cli.fails("admin", *args)
@@ -178,6 +180,33 @@ async def test_the_usage_report_as_a_table_json_and_csv(gw: Gateway, cli: Cli) -
     assert header[:3] == ["period", "tenant", "requests"]
     assert cells[2] == "reported" and int(cells[3]) == 3  # the period is two words
     assert int(cells[4]) == row["prompt_tokens"] and int(cells[5]) == row["completion_tokens"]
+
+
+async def test_the_latest_requests_as_a_table_and_json(gw: Gateway, cli: Cli) -> None:
+    """`tandem admin requests`: the request log, newest first, one row each with the engine
+    that ran it; `--tenant` takes a name, `--engine` one engine's requests."""
+    tenant_id, key = await gw.new_tenant("logged")
+    for max_tokens in (2, 3):
+        assert (await gw.chat(key, max_tokens=max_tokens)).status == 200
+    records = await gw.records(tenant_id, count=2)
+    engine = records[0]["engine"]
+    assert engine is not None and engine.startswith("http://127.0.0.1:")
+
+    cli.use(gw.base_url)
+    rows = await cli.json("admin", "requests", "--tenant", "logged", "--format", "json")
+    assert rows == records
+    assert [r["completion_tokens"] for r in rows] == [3, 2]  # newest first
+    code, out, err = await cli.run("admin", "requests", "--tenant", "logged", "--limit", "1")
+    assert code == 0, err
+    header, cells = (line.split() for line in out.strip().splitlines())
+    assert header[:4] == ["started", "tenant", "tier", "status"] and header[-1] == "engine"
+    # the start is two words (date and time)
+    assert cells[2:5] == ["logged", "rt", "ok"] and cells[-1] == engine
+    assert int(cells[6]) == records[0]["prompt_tokens"] and int(cells[7]) == 3
+    elsewhere = ("--engine", "http://127.0.0.1:1", "--tenant", "logged")
+    code, out, err = await cli.run("admin", "requests", *elsewhere)
+    assert code == 0, err
+    assert out.strip().splitlines()[-1] == "(no requests)"
 
 
 async def test_the_gateway_address_comes_from_url_then_env_then_config(
