@@ -134,6 +134,8 @@ class ReportQuery(msgspec.Struct, frozen=True, kw_only=True):
     group_by: str
     bucket_s: int
     tenant: str | None = None
+    engine: str | None = None
+    """Only the requests this engine ran (its name in /readyz); None: all."""
     format: str = "json"
 
 
@@ -148,7 +150,7 @@ class BadQuery(ValueError):
 def parse_query(
     params: Mapping[str, str], now: datetime, formats: tuple[str, ...] = ("json", "csv")
 ) -> ReportQuery:
-    """The report asked for by *params* (tenant, start, end, group_by, format)."""
+    """The report asked for by *params* (tenant, engine, start, end, group_by, format)."""
     group_by = params.get("group_by") or "day"
     if group_by not in GROUP_BY_S:
         raise BadQuery("group_by", f"group_by must be 'day' or 'hour', got {group_by!r}")
@@ -178,6 +180,7 @@ def parse_query(
         group_by=group_by,
         bucket_s=bucket_s,
         tenant=params.get("tenant") or None,
+        engine=params.get("engine") or None,
         format=fmt,
     )
 
@@ -196,12 +199,18 @@ def parse_time(param: str, text: str) -> datetime:
 
 
 async def usage_report(
-    db: AsyncEngine, start: datetime, end: datetime, bucket_s: int, tenant_id: str | None = None
+    db: AsyncEngine,
+    start: datetime,
+    end: datetime,
+    bucket_s: int,
+    tenant_id: str | None = None,
+    engine: str | None = None,
 ) -> list[UsagePeriod]:
     """Usage per tenant and period of *bucket_s* seconds for requests finished in [start, end),
-    oldest period first, then by tenant id."""
+    oldest period first, then by tenant id; with *engine*, only the requests that engine ran
+    (one replica's figures, to compare with another's)."""
     async with db.connect() as conn:
-        stmt = _report_sql(conn.dialect.name, start, end, bucket_s, tenant_id)
+        stmt = _report_sql(conn.dialect.name, start, end, bucket_s, tenant_id, engine)
         rows = (await conn.execute(stmt)).mappings().all()
     return [_period(row) for row in rows]
 
@@ -222,12 +231,19 @@ def _bucket(dialect: str, bucket_s: int) -> ColumnElement[Any]:
 
 
 def _report_sql(
-    dialect: str, start: datetime, end: datetime, bucket_s: int, tenant_id: str | None
+    dialect: str,
+    start: datetime,
+    end: datetime,
+    bucket_s: int,
+    tenant_id: str | None,
+    engine: str | None = None,
 ) -> Any:
     u = _usage
     where = [u.c.finished_at >= start, u.c.finished_at < end, u.c.status != INTERRUPTED]
     if tenant_id is not None:
         where.append(u.c.tenant_id == tenant_id)
+    if engine is not None:
+        where.append(u.c.engine == engine)
     base = (
         select(
             u.c.tenant_id,

@@ -125,6 +125,9 @@ def add_admin_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
     )
     usage.add_argument("--tenant", help="tenant id or name (default: all)")
     usage.add_argument(
+        "--engine", help="only the requests one engine ran: its name in /readyz (default: all)"
+    )
+    usage.add_argument(
         "--start",
         help="ISO date or date-time, UTC if no zone (default: 30 days / 24 hours before --end)",
     )
@@ -492,7 +495,7 @@ def _usage(client: AdminClient, args: argparse.Namespace) -> int:
     from gateway.reports import UsagePeriod, to_table
 
     query = {"group_by": args.group_by, "format": "csv" if args.format == "csv" else "json"}
-    for name in ("tenant", "start", "end"):
+    for name in ("tenant", "engine", "start", "end"):
         if getattr(args, name):
             query[name] = getattr(args, name)
     if args.format == "csv":

@@ -295,7 +295,7 @@ async def usage(request: web.Request) -> web.Response:
     if query.tenant is not None:
         tenant_id = await _resolve_tenant(request, query.tenant)
     rows = await usage_report(
-        request.app[DB_ENGINE], query.start, query.end, query.bucket_s, tenant_id
+        request.app[DB_ENGINE], query.start, query.end, query.bucket_s, tenant_id, query.engine
     )
     if query.format == "csv":
         return web.Response(

@@ -558,6 +558,7 @@ _DATE_TIME: dict[str, Any] = {
 }
 _USAGE_QUERY = [
     ("tenant", _STRING, "tenant id or name (default: all tenants)"),
+    ("engine", _STRING, "only the requests one engine ran: its name in /readyz (default: all)"),
     (
         "start",
         _DATE_TIME,

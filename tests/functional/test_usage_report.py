@@ -29,6 +29,7 @@ STATUSES = ["ok"] * 8 + [
     "interrupted",  # batch work a shutdown cut off: in no figure
 ]
 UNJUDGED = ("client_disconnected", "interrupted")
+ENGINES = ("http://127.0.0.1:30000", "http://127.0.0.1:30001")
 RAN_AS_RT = ("admitted", "unchecked", "accepted")
 
 
@@ -68,6 +69,7 @@ def make_records(tenants: list[str], seed: int = 7) -> list[UsageRecord]:
                 http_status=200 if ok else 429 if refused else 400,
                 slo_met=None if refused or status in UNJUDGED else (ok and rng.random() < 0.8),
                 admission=admission,
+                engine=None if refused else ENGINES[i % 2],  # refused: never placed
                 created_at=created,
                 finished_at=finished,
             )
@@ -218,6 +220,22 @@ async def test_usage_of_one_tenant_by_id_or_name(gateway_without_engine: Gateway
         status, _, text = await get(gw, f"tenant={ident}&start=2026-10-05&end=2026-10-07")
         assert status == 200
         assert [normalize(r) for r in json.loads(text)["data"]] == [normalize(r) for r in want]
+
+
+async def test_usage_of_one_engine(gateway_without_engine: GatewayHandle) -> None:
+    """One replica's figures: only the requests it ran (refused ones ran on none)."""
+    gw = gateway_without_engine
+    records, names = await seeded(gw)
+    for engine in ENGINES:
+        want = expected(
+            [r for r in records if r.engine == engine], names, 3600, DAY, DAY + timedelta(days=2)
+        )
+        query = f"engine={engine}&group_by=hour&start=2026-10-05&end=2026-10-07"
+        status, _, text = await get(gw, query)
+        assert status == 200
+        got = json.loads(text)["data"]
+        assert [normalize(r) for r in got] == [normalize(r) for r in want]
+        assert sum(r["rate_limited"] for r in got) == 0 and sum(r["requests"] for r in got) > 50
 
 
 @pytest.mark.parametrize(

@@ -180,6 +180,13 @@ async def test_the_usage_report_as_a_table_json_and_csv(gw: Gateway, cli: Cli) -
     assert header[:3] == ["period", "tenant", "requests"]
     assert cells[2] == "reported" and int(cells[3]) == 3  # the period is two words
     assert int(cells[4]) == row["prompt_tokens"] and int(cells[5]) == row["completion_tokens"]
+    # one engine's figures: the requests it ran
+    (record, *_) = await gw.records(tenant_id, count=3)
+    for engine, requests in ((record["engine"], 3), ("http://127.0.0.1:1", 0)):
+        rows = await cli.json(
+            *usage, "--engine", engine, "--tenant", "reported", "--format", "json"
+        )
+        assert sum(r["requests"] for r in rows) == requests, (engine, rows)
 
 
 async def test_the_latest_requests_as_a_table_and_json(gw: Gateway, cli: Cli) -> None:
