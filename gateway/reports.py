@@ -215,6 +215,51 @@ async def usage_report(
     return [_period(row) for row in rows]
 
 
+class EngineTotals(msgspec.Struct, frozen=True, kw_only=True):
+    """One engine's requests finished in a window, counted as the usage report counts them
+    (the dashboard's Engines table: one replica's record beside another's)."""
+
+    requests: int
+    """Requests it ran (batch work a shutdown cut off left out)."""
+    errors: int
+    """Those that failed (a cancel is no error)."""
+    slo_attainment: float | None
+    """Share of its judged requests that met their tenant's SLO; None: none judged."""
+
+
+async def engine_totals(db: AsyncEngine, start: datetime, end: datetime) -> dict[str, EngineTotals]:
+    """Per engine (its name in /readyz), the requests it ran that finished in [start, end)."""
+    u = _usage
+    stmt = (
+        select(
+            u.c.engine,
+            func.count().label("requests"),
+            func.sum(case((u.c.status.not_in(("ok", CANCELLED)), 1), else_=0)).label("errors"),
+            func.sum(case((u.c.slo_met.is_(True), 1), else_=0)).label("slo_met"),
+            func.sum(case((u.c.slo_met.is_not(None), 1), else_=0)).label("slo_judged"),
+        )
+        .where(
+            u.c.finished_at >= start,
+            u.c.finished_at < end,
+            u.c.status != INTERRUPTED,
+            u.c.engine.is_not(None),
+        )
+        .group_by(u.c.engine)
+    )
+    async with db.connect() as conn:
+        rows = (await conn.execute(stmt)).mappings().all()
+    return {
+        row["engine"]: EngineTotals(
+            requests=int(row["requests"]),
+            errors=int(row["errors"] or 0),
+            slo_attainment=int(row["slo_met"]) / int(row["slo_judged"])
+            if row["slo_judged"]
+            else None,
+        )
+        for row in rows
+    }
+
+
 def _bucket(dialect: str, bucket_s: int) -> ColumnElement[Any]:
     """Start of the period a request finished in, as Unix seconds (an integer) in the
     dialect's SQL."""

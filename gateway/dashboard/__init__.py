@@ -24,7 +24,7 @@ from aiohttp import web
 
 from gateway.engine.stats import EngineStatsWindow
 from gateway.errors import ApiError
-from gateway.reports import tier_series, usage_report
+from gateway.reports import EngineTotals, engine_totals, tier_series, usage_report
 from gateway.state import ADMIN_TOKEN, DB_ENGINE, ENGINE_STATS, METRICS, POOL, STORE
 
 routes = web.RouteTableDef()
@@ -109,7 +109,7 @@ async def dashboard_data(request: web.Request) -> web.Response:
         "tiers": tiers,
         "engine": _engine_history(request, start.timestamp()),
         "latency_model": _latency_model(request),
-        "engines": _engines(request),
+        "engines": _engines(request, await engine_totals(db, start, end + timedelta(seconds=1))),
     }
     return web.Response(
         body=_encoder.encode(payload),
@@ -127,9 +127,9 @@ def _latency_model(request: web.Request) -> dict[str, float | None]:
     return window.latency_errors()
 
 
-def _engines(request: web.Request) -> list[dict[str, Any]]:
+def _engines(request: web.Request, totals: dict[str, EngineTotals]) -> list[dict[str, Any]]:
     """Each engine of the pool now: its state, restarts, load at the last sample and latency
-    model's errors (None where unknown)."""
+    model's errors (None where unknown), and the requests it ran in the window (*totals*)."""
     sampler = request.app[METRICS].sampler
     last = sampler.history[-1] if sampler is not None and sampler.history else None
     sampled = {e.name: e for e in last.engines} if last is not None else {}
@@ -147,6 +147,11 @@ def _engines(request: web.Request) -> list[dict[str, Any]]:
                 "waiting": reading.waiting if reading is not None and reading.up else None,
                 "kv_usage": reading.kv_usage if reading is not None and reading.up else None,
                 **window.latency_errors(),
+                **msgspec.structs.asdict(
+                    totals.get(
+                        replica.name, EngineTotals(requests=0, errors=0, slo_attainment=None)
+                    )
+                ),
             }
         )
     return out

@@ -81,6 +81,7 @@ async def seeded_gateway(
                         http_status=200 if ok else 400,
                         slo_met=ok and (tier == "be" or (t or 0) <= ttft * 1.2),
                         admission="admitted" if tier == "rt" else None,
+                        engine=f"http://127.0.0.1:{engine_server.port}",  # the one it fronts
                         created_at=created,
                         finished_at=created + timedelta(seconds=2),
                     )
@@ -151,6 +152,13 @@ async def test_dashboard_renders_every_chart_without_console_errors(
             "document.querySelectorAll('#latency-model tbody tr').length"
         )
         assert model_rows == 2  # the profile's error and the calibrated one
+        (engine_row,) = await page.evaluate(
+            "[...document.querySelectorAll('#engines tbody tr')]"
+            ".map(tr => [...tr.children].map(td => td.textContent))"
+        )
+        # the engine ran every seeded request: their count, their errors, the SLO share met
+        assert engine_row[1] == "up" and int(engine_row[7]) == seeded, engine_row
+        assert 0 < int(engine_row[8]) < seeded and engine_row[9].endswith(" %"), engine_row
         shot = tmp_path / "dashboard.png"
         await page.screenshot(shot)
         assert shot.stat().st_size > 20_000

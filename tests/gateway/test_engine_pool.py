@@ -88,6 +88,18 @@ async def test_each_engine_is_watched_and_shown(pool: Pool) -> None:
     dashboard = await gw.request("GET", "/admin/v1/dashboard/data?hours=1", admin=True)
     assert dashboard.status == 200, dashboard
     assert [e["name"] for e in dashboard.body["engines"]] == pool.engines
+    assert [e["requests"] for e in dashboard.body["engines"]] == [0, 0]
+
+    # each engine's row counts the requests it ran, as their usage records name it
+    tenant, key = await gw.new_tenant("shown")
+    for _ in range(3):
+        assert (await gw.chat(key, max_tokens=2)).status == 200
+    ran = [r["engine"] for r in await gw.records(tenant, count=3)]
+    dashboard = await gw.request("GET", "/admin/v1/dashboard/data?hours=1", admin=True)
+    rows = dashboard.body["engines"]
+    assert [e["requests"] for e in rows] == [ran.count(url) for url in pool.engines]
+    assert all(e["errors"] == 0 for e in rows)
+    assert [e["slo_attainment"] for e in rows if e["requests"]] == [1.0] * len(set(ran))
 
 
 async def test_a_dead_engine_leaves_placement_and_rejoins(pool: Pool) -> None:
