@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import csv
 import io
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
@@ -227,6 +227,16 @@ class EngineTotals(msgspec.Struct, frozen=True, kw_only=True):
     """Share of its judged requests that met their tenant's SLO; None: none judged."""
 
 
+def _counts(source: Any) -> list[ColumnElement[Any]]:
+    """The counts a usage figure and an engine's totals share, over *source*'s usage columns:
+    errors (a cancel is none), SLO met, SLO judged."""
+    return [
+        func.sum(case((source.c.status.not_in(("ok", CANCELLED)), 1), else_=0)).label("errors"),
+        func.sum(case((source.c.slo_met.is_(True), 1), else_=0)).label("slo_met"),
+        func.sum(case((source.c.slo_met.is_not(None), 1), else_=0)).label("slo_judged"),
+    ]
+
+
 async def engine_totals(db: AsyncEngine, start: datetime, end: datetime) -> dict[str, EngineTotals]:
     """Per engine (its name in /readyz), the requests it ran that finished in [start, end)."""
     u = _usage
@@ -234,9 +244,7 @@ async def engine_totals(db: AsyncEngine, start: datetime, end: datetime) -> dict
         select(
             u.c.engine,
             func.count().label("requests"),
-            func.sum(case((u.c.status.not_in(("ok", CANCELLED)), 1), else_=0)).label("errors"),
-            func.sum(case((u.c.slo_met.is_(True), 1), else_=0)).label("slo_met"),
-            func.sum(case((u.c.slo_met.is_not(None), 1), else_=0)).label("slo_judged"),
+            *_counts(u),
         )
         .where(
             u.c.finished_at >= start,
@@ -323,11 +331,9 @@ def _report_sql(
             func.count().label("requests"),
             func.sum(base.c.prompt_tokens).label("prompt_tokens"),
             func.sum(base.c.completion_tokens).label("completion_tokens"),
-            func.sum(case((base.c.status.not_in(("ok", CANCELLED)), 1), else_=0)).label("errors"),
+            *_counts(base),
             func.sum(case((base.c.status == "rate_limited", 1), else_=0)).label("rate_limited"),
             func.sum(case((base.c.status == CANCELLED, 1), else_=0)).label("cancelled"),
-            func.sum(case((base.c.slo_met.is_(True), 1), else_=0)).label("slo_met"),
-            func.sum(case((base.c.slo_met.is_not(None), 1), else_=0)).label("slo_judged"),
             func.sum(case((base.c.admission == "shed", 1), else_=0)).label("shed"),
             func.sum(case((base.c.admission == "downgraded", 1), else_=0)).label("downgraded"),
             func.sum(case((and_(ran_as_rt, base.c.slo_met.is_(True)), 1), else_=0)).label(
@@ -487,17 +493,51 @@ def to_table(rows: list[UsagePeriod]) -> str:
                 str(r.admitted_missed),
             )
         )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    text = [
+    text = _aligned(lines, left=2)
+    if not rows:
+        text.append("(no requests in this range)")
+    return "\n".join(text)
+
+
+def requests_table(records: list[dict[str, Any]], tenant_names: dict[str, str]) -> str:
+    """Usage records as `GET /admin/v1/requests` gives them, as an aligned text table for a
+    terminal, one row each (times in ms)."""
+    header = ("started", "tenant", "tier", "status", "http", "prompt", "compl", "ttft_ms",
+              "tpot_ms", "e2e_ms", "slo", "admission", "engine")  # fmt: skip
+    lines = [header]
+    for r in records:
+        lines.append(
+            (
+                r["created_at"][:19].replace("T", " "),
+                tenant_names.get(r["tenant_id"], r["tenant_id"]),
+                r["tier"],
+                r["status"],
+                str(r["http_status"]),
+                str(r["prompt_tokens"]),
+                str(r["completion_tokens"]),
+                *(_ms(r[k]) for k in ("ttft_ms", "tpot_ms", "e2e_ms")),
+                {True: "met", False: "missed"}.get(r["slo_met"], "-"),
+                r["admission"] or "-",
+                r["engine"] or "-",
+            )
+        )
+    text = [line.rstrip() for line in _aligned(lines, left=len(header))]
+    if not records:
+        text.append("(no requests)")
+    return "\n".join(text)
+
+
+def _aligned(lines: Sequence[Sequence[str]], left: int) -> list[str]:
+    """*lines* (a header first) in columns two spaces apart: the first *left* columns
+    left-aligned, the rest right-aligned."""
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    return [
         "  ".join(
-            c.ljust(w) if i < 2 else c.rjust(w)
+            c.ljust(w) if i < left else c.rjust(w)
             for i, (c, w) in enumerate(zip(line, widths, strict=True))
         )
         for line in lines
     ]
-    if not rows:
-        text.append("(no requests in this range)")
-    return "\n".join(text)
 
 
 def _cells(row: UsagePeriod) -> list[Any]:

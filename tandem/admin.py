@@ -117,15 +117,16 @@ def add_admin_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
     key_revoke.add_argument("key_id")
     key_revoke.set_defaults(func=_entry, action=_key_revoke)
 
+    filters = argparse.ArgumentParser(add_help=False, parents=[conn])
+    filters.add_argument("--tenant", help="tenant id or name (default: all)")
+    filters.add_argument(
+        "--engine", help="only the requests one engine ran: its name in /readyz (default: all)"
+    )
     usage = admin.add_parser(
         "usage",
-        parents=[conn],
+        parents=[filters],
         help="usage per tenant and day or hour (requests, tokens, latency percentiles, SLO "
         "attainment, errors)",
-    )
-    usage.add_argument("--tenant", help="tenant id or name (default: all)")
-    usage.add_argument(
-        "--engine", help="only the requests one engine ran: its name in /readyz (default: all)"
     )
     usage.add_argument(
         "--start",
@@ -138,13 +139,9 @@ def add_admin_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
 
     requests = admin.add_parser(
         "requests",
-        parents=[conn],
+        parents=[filters],
         help="the latest requests, newest first: tenant, tier, status, tokens, latency, SLO, "
         "the engine that ran each",
-    )
-    requests.add_argument("--tenant", help="tenant id or name (default: all)")
-    requests.add_argument(
-        "--engine", help="one engine's requests: its name in /readyz (default: all)"
     )
     requests.add_argument("--limit", type=int, default=20, help="how many (default: 20)")
     requests.add_argument("--format", choices=["table", "json"], default="table")
@@ -453,42 +450,10 @@ def _requests(client: AdminClient, args: argparse.Namespace) -> int:
     if args.format == "json":
         _print(records)
     else:
+        from gateway.reports import requests_table
+
         print(requests_table(records, tenants))
     return 0
-
-
-def requests_table(records: list[dict[str, Any]], tenant_names: dict[str, str]) -> str:
-    """Usage records as an aligned text table for a terminal, one row each (times in ms)."""
-    header = ("started", "tenant", "tier", "status", "http", "prompt", "compl", "ttft_ms",
-              "tpot_ms", "e2e_ms", "slo", "admission", "engine")  # fmt: skip
-    lines = [header]
-    for r in records:
-        slo = {True: "met", False: "missed"}.get(r["slo_met"], "-")
-        lines.append(
-            (
-                r["created_at"][:19].replace("T", " "),
-                tenant_names.get(r["tenant_id"], r["tenant_id"]),
-                r["tier"],
-                r["status"],
-                str(r["http_status"]),
-                str(r["prompt_tokens"]),
-                str(r["completion_tokens"]),
-                *(_ms_cell(r[k]) for k in ("ttft_ms", "tpot_ms", "e2e_ms")),
-                slo,
-                r["admission"] or "-",
-                r["engine"] or "-",
-            )
-        )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    text = ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
-            for line in lines]  # fmt: skip
-    if not records:
-        text.append("(no requests)")
-    return "\n".join(text)
-
-
-def _ms_cell(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
 
 
 def _usage(client: AdminClient, args: argparse.Namespace) -> int:
