@@ -38,6 +38,8 @@ STAT_KEYS = (
     "retractions_ordered",
     "admitted_prefills",
     "refused_prefills",
+    "parked_chunks",
+    "released_chunks",
     "peak_running",
     "peak_kv_used_tokens",
 )

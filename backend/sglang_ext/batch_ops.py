@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from backend.sglang_ext.views import BatchView, ReqView, SchedulerView
@@ -41,6 +41,23 @@ def evict(sched: SchedulerView, batch: BatchView, rids: Sequence[str]) -> None:
         logger.warning(
             "tandem: %d evicted requests had no way to resume", len(indices) - len(released)
         )
+
+
+def release_chunked(
+    sched: SchedulerView, release_kv: Callable[[SchedulerView, ReqView], None]
+) -> ReqView | None:
+    """Sends SGLang's in-progress chunked prompt back to the waiting queue: *release_kv* frees
+    its KV row (keeping what it computed in the prefix cache, from which it resumes), it is
+    reset as SGLang resets a retracted request, and it is re-queued as one. Returns it, or None
+    when no prompt is mid-prefill."""
+    req = sched.chunked_req
+    if req is None:
+        return None
+    release_kv(sched, req)
+    req.reset_for_retract()
+    sched.chunked_req = None
+    sched._add_request_to_queue(req, is_retracted=True)
+    return req
 
 
 def penalizers_required(batch: BatchView) -> bool:

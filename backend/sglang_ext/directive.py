@@ -3,10 +3,11 @@ scheduler must do (plain data, no sglang import).
 
 :meth:`~backend.sglang_ext.driver.EngineDriver.plan_iteration` makes one :class:`Directive` per
 iteration from a snapshot of the scheduler; the hooks (``backend.sglang_ext.hooks``) carry it
-out at the seams, in this order: evict, park, reorder the waiting queue, skip or run the prefill
-pass, and admit exactly the planned prompts in it. It is frozen and names rows by request id
-(never by SGLang object or row index), so it stays valid while the hooks reshape the batch, and
-it is the only thing that passes from the planning seam to the prefill pass.
+out at the seams, in this order: evict, park, release the in-progress chunked prefill, reorder
+the waiting queue, skip or run the prefill pass, and admit exactly the planned prompts in it.
+It is frozen and names rows by request id (never by SGLang object or row index), so it stays
+valid while the hooks reshape the batch, and it is the only thing that passes from the planning
+seam to the prefill pass.
 """
 
 from __future__ import annotations
@@ -14,11 +15,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-
-MIN_CHUNK_TOKENS = 16
-"""Chunk given to SGLang's in-progress chunked prefill when the plan leaves it out but prefills
-others: SGLang cannot pause it in a prefill pass (one chunked request at a time, and the pass
-accounts for it), so it advances by this little."""
 
 
 def _no_chunks() -> Mapping[str, int]:
@@ -51,14 +47,23 @@ class Directive:
     pass)."""
     prefill_tokens: Mapping[str, int] = field(default_factory=_no_chunks)
     """rid → planned chunk, tokens, in plan order (read-only): the prefill pass admits exactly
-    these prompts, each cut at its chunk; the in-progress chunked request advances by its own."""
+    these prompts, each cut at its chunk; the in-progress chunked request advances by its own,
+    or sits the pass out (its KV kept) when the plan leaves it out."""
+    release_chunked: bool = False
+    """True: SGLang's in-progress chunked prefill goes back to the waiting queue before the
+    pass, the KV it computed kept in the prefix cache (it resumes from there), because a planned
+    prompt must be cut and SGLang cuts one prompt at a time. Only where the prefix cache keeps
+    a request's KV for later (`EngineDriver.plan_iteration`)."""
     skip_prefill: bool = False
     """True: SGLang skips its prefill pass (the plan prefills nothing, the in-progress chunk
     included), so the iteration only decodes."""
 
-    def chunk_for_continuing(self, rid: str) -> int:
-        """Chunk for SGLang's in-progress chunked prefill *rid* this pass, tokens."""
-        return self.prefill_tokens.get(rid, MIN_CHUNK_TOKENS)
+    def chunk_for_continuing(self, rid: str) -> int | None:
+        """Chunk for SGLang's in-progress chunked prefill *rid* this pass, tokens; None: it sits
+        this pass out (the plan leaves it out), so the pass computes only what the plan put in
+        it — a chunk of a long prompt costs about as much as its whole prefix, however short the
+        chunk (attention reads all of it), so even a few tokens of it would hold the pass up."""
+        return self.prefill_tokens.get(rid)
 
 
 NOTHING_PLANNED = Directive()

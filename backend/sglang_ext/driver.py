@@ -212,6 +212,14 @@ class EngineDriver:
         """The hooks split *rows* decode rows off the running batch for this iteration."""
         self.stats.parked_decodes += rows
 
+    def note_chunk_parked(self) -> None:
+        """SGLang's in-progress chunked prompt sat this prefill pass out (the plan left it out)."""
+        self.stats.parked_chunks += 1
+
+    def note_chunk_released(self) -> None:
+        """SGLang's in-progress chunked prompt went back to the waiting queue, its KV cached."""
+        self.stats.released_chunks += 1
+
     def note_prefill(self, *, admitted: bool) -> None:
         """The prefill pass took a planned chunk (*admitted*) or could not (SGLang's
         one-chunked-request rule, KV)."""
@@ -299,14 +307,29 @@ class EngineDriver:
         self._parked_every_row = bool(park) and len(park) == len(kept)
         prefill_tokens = {c.rid: c.tokens for c in plan.prefills}
         self.stats.planned_prefills += len(plan.prefills)
+        prefill_first = self._prefill_first(prefill_tokens)
         chunked = sched.chunked_req
         chunked_planned = chunked is not None and str(chunked.rid) in prefill_tokens
+        release_chunked = False
+        if chunked is not None and not chunked_planned and _cuts_a_prompt(prefill_tokens, states):
+            # SGLang cuts one prompt at a time: the in-progress one must make way, or a planned
+            # prompt that must be cut waits for all of it.
+            if sched.tree_cache.supports_prefix_sharing():
+                release_chunked = True  # back to the queue, its KV cached
+            else:
+                # Nowhere to keep its KV: it runs to its end in this pass (SGLang then lets the
+                # planned prompt be cut after it), rather than sit out while that prompt waits.
+                state = states.get(str(chunked.rid))
+                if state is not None and state.prompt_left > 0:
+                    prefill_tokens[str(chunked.rid)] = state.prompt_left
+                    chunked_planned = True
         directive = Directive(
             evict=evict,
             park=park,
-            prefill_first=self._prefill_first(prefill_tokens),
+            prefill_first=prefill_first,
             prefill_tokens=MappingProxyType(prefill_tokens),
             skip_prefill=not (plan.prefills or chunked_planned),
+            release_chunked=release_chunked,
         )
         self._iter_overhead_s += self.clock() - t0
         return directive
@@ -496,3 +519,14 @@ def _slack(r: ReqState, now_s: float) -> float:
 def _is_abort(req: ReqView) -> bool:
     reason = getattr(req, "finished_reason", None)
     return type(reason).__name__ == "FINISH_ABORT"
+
+
+def _cuts_a_prompt(prefill_tokens: Mapping[str, int], states: Mapping[str, ReqState]) -> bool:
+    """True when a planned prompt is planned a chunk shorter than what it has left to compute,
+    so the pass must cut it (as the mirror sees it: a prefix-cache hit the pass finds may make
+    the prompt fit after all)."""
+    for rid, tokens in prefill_tokens.items():
+        state = states.get(rid)
+        if state is not None and tokens < state.prompt_left:
+            return True
+    return False

@@ -40,6 +40,13 @@ class DriverStats(msgspec.Struct, kw_only=True):
     """Planned chunks SGLang's prefill pass actually took."""
     refused_prefills: int = 0
     """Planned chunks the engine could not take (SGLang's one-chunked-request rule, KV)."""
+    parked_chunks: int = 0
+    """Prefill passes in which SGLang's in-progress chunked prompt sat out, its KV kept, because
+    the plan left it out (an RT prompt ran without waiting for a chunk of a long BE prompt)."""
+    released_chunks: int = 0
+    """In-progress chunked prompts sent back to the waiting queue, the KV they had computed
+    kept in the prefix cache, so that a planned prompt could be cut (SGLang cuts one prompt at
+    a time); each resumes from its cached prefix."""
     finished: int = 0
     """Requests that finished (their output length went into the length history)."""
     history_updates: int = 0

@@ -13,10 +13,15 @@ SCHED.get_next_batch_to_run                 AROUND   iteration boundary: feed th
                                                      back (policy.observe), apply control pushes
 SCHED._should_defer_prefill                 REPLACE  plan the iteration (the driver's directive)
                                                      and carry out its first half: evict, park
-                                                     the decodes it leaves out, planned prompts
-                                                     first; skip the prefill pass when it says so
+                                                     the decodes it leaves out, release the
+                                                     chunked prompt to the queue when told,
+                                                     planned prompts first; skip the prefill
+                                                     pass when it says so
 SCHED.get_prefill_adder_class               REPLACE  ``prefill_adder.TandemPrefillAdder`` bound to
-                                                     the directive: its second half
+                                                     the directive: its second half (a chunked
+                                                     prompt left out of the plan sits the pass
+                                                     out; SGLang's count of its chunks in flight
+                                                     is put back after the pass)
 SCHED.process_batch_result                  AFTER    finished output lengths; parked rows merged
                                                      back
 ScheduleBatch._get_decode_retraction_order  REPLACE  SGLang's out-of-memory retraction takes the
@@ -68,6 +73,14 @@ def _ignore_parked(reqs: Sequence[ReqView]) -> None:
     pass
 
 
+def _release_into_prefix_cache(sched: SchedulerView, req: ReqView) -> None:
+    """SGLang's own release of a request's KV row, with what it computed kept in the prefix
+    cache (``release_kv_cache(..., checkpoint=True)``), so the request resumes from there."""
+    from sglang.srt.mem_cache.common import release_kv_cache
+
+    release_kv_cache(req, sched.tree_cache, checkpoint=True)
+
+
 def admit_ready_grammars(sched: SchedulerView) -> None:
     """Moves the requests whose grammar (`json_schema`, `regex`, `ebnf`) has compiled from
     SGLang's grammar queue into the waiting queue, as SGLang does at the start of its prefill
@@ -89,18 +102,26 @@ class SchedulerHooks:
         *,
         prompt_slack_tokens: Callable[[], int] = _no_slack,
         on_park: Callable[[Sequence[ReqView]], None] = _ignore_parked,
+        release_kv: Callable[[SchedulerView, ReqView], None] = _release_into_prefix_cache,
     ) -> None:
         """*prompt_slack_tokens*: KV slots the KV layout may lose to each prompt beyond its own
         tokens (``kv_layout_engine.prompt_slack_tokens``); *on_park*: told the requests
-        parked right now after every change (the bicache layout makes BE ones dormant)."""
+        parked right now after every change (the bicache layout makes BE ones dormant);
+        *release_kv*: frees a released chunked prompt's KV row, its computed KV kept in the
+        prefix cache (SGLang's own release by default)."""
         self.driver = driver
         self._prompt_slack_tokens = prompt_slack_tokens
         self._on_park = on_park
+        self._release_kv = release_kv
         self._directive: Directive = NOTHING_PLANNED
         """This iteration's directive: made by the planning seam, given to the prefill adder;
         back to NOTHING_PLANNED at the top of each iteration."""
         self._parked: BatchView | None = None
         """SGLang ``ScheduleBatch`` of the decode rows sitting this iteration out, or None."""
+        self._parked_chunk: tuple[ReqView, int] | None = None
+        """The chunked prompt sitting this prefill pass out, with its count of chunks in flight
+        before the pass (SGLang counts one more for it once the pass builds a batch, though it
+        runs none: put back after the pass), or None."""
 
     def install(self) -> None:
         """Registers the hooks (call from the plugin's ``register`` in the scheduler process)."""
@@ -135,7 +156,16 @@ class SchedulerHooks:
             running = self._unpark(_running_arg(args, kwargs))
             kwargs["running_batch"] = sched.running_batch = running
             args = ()
+        self._parked_chunk = None
         result = original(sched, *args, **kwargs)
+        if self._parked_chunk is not None:
+            req, in_flight = self._parked_chunk
+            # SGLang adds one to the chunked request's chunks in flight for every prefill
+            # batch built while it is the chunked request; a parked one is not in the batch,
+            # so the result of the batch would never take it off again, and its last chunk
+            # would be taken for a middle one (its first token never sent).
+            req.inflight_middle_chunks = min(req.inflight_middle_chunks, in_flight)
+            self._parked_chunk = None
         drv.batch_started(result.batch_to_run is not None, start_s)
         return result
 
@@ -158,6 +188,8 @@ class SchedulerHooks:
                 self._parked = parked
                 drv.note_parked(len(parked.reqs))
                 self._on_park(self.parked_reqs())
+        if directive.release_chunked and batch_ops.release_chunked(sched, self._release_kv):
+            drv.note_chunk_released()
         batch_ops.put_first(sched.waiting_queue, directive.prefill_first)
         drv.note_overhead(drv.clock() - t0)
         return directive.skip_prefill
@@ -173,7 +205,13 @@ class SchedulerHooks:
             directive=self._directive,
             driver=self.driver,
             slack_tokens=self._prompt_slack_tokens(),
+            on_chunk_parked=self._chunk_parked,
         )
+
+    def _chunk_parked(self, req: ReqView) -> None:
+        """The prefill adder left the chunked prompt *req* out of this pass."""
+        self._parked_chunk = (req, int(req.inflight_middle_chunks))
+        self.driver.note_chunk_parked()
 
     def after_process_batch_result(
         self, result: Any, sched: SchedulerView, batch: BatchView, *args: Any, **kwargs: Any

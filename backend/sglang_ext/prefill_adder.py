@@ -11,11 +11,13 @@ order.
 
 SGLang tracks one chunked prefill at a time (``Scheduler.chunked_req`` is a scalar; a second cut
 prompt in one pass trips an assertion), so a planned prompt that would have to be cut while
-another is mid-prefill waits a pass (counted as a refused prefill).
+another is mid-prefill waits a pass (counted as a refused prefill) — unless the planning seam
+sent the in-progress one back to the queue first (``Directive.release_chunked``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
@@ -28,8 +30,9 @@ from backend.sglang_ext.driver import EngineDriver
 class TandemPrefillAdder(PrefillAdder):  # type: ignore[misc]  # SGLang is untyped here
     """SGLang's prefill pass, restricted to the *directive*: a waiting request is admitted only
     when the directive prefills it, with at most its planned chunk; the in-progress chunked
-    request advances by its planned chunk (or a minimal one); no KV is reserved for future
-    tokens (the policy's admission decided). With ``directive.own_admission`` it is SGLang's
+    request advances by its planned chunk, or sits the pass out (``on_chunk_parked`` is told)
+    when the plan leaves it out; no KV is reserved for future tokens (the policy's admission
+    decided). With ``directive.own_admission`` it is SGLang's
     own adder."""
 
     rem_chunk_tokens: int | None
@@ -41,11 +44,13 @@ class TandemPrefillAdder(PrefillAdder):  # type: ignore[misc]  # SGLang is untyp
         directive: Directive,
         driver: EngineDriver,
         slack_tokens: int,
+        on_chunk_parked: Callable[[Any], None],
         **kwargs: Any,
     ) -> None:
         # Set before SGLang's __init__: it calls _get_running_request_total_token_offset.
         self._directive = directive
         self._driver = driver
+        self._on_chunk_parked = on_chunk_parked
         super().__init__(*args, **kwargs)
         self._planned_left = len(directive.prefill_tokens)
         if type(self.memory_budget) is PrefillBudget and not directive.own_admission:
@@ -64,10 +69,14 @@ class TandemPrefillAdder(PrefillAdder):  # type: ignore[misc]  # SGLang is untyp
         directive = self._directive
         if directive.own_admission:
             return super().add_chunked_req(req)
-        rid = str(req.rid)
-        self.chunked_req_limit = max(1, directive.chunk_for_continuing(rid))
-        if rid in directive.prefill_tokens:
-            self._planned_left -= 1
+        chunk = directive.chunk_for_continuing(str(req.rid))
+        if chunk is None:
+            # The plan leaves it out: it sits this pass out with its KV (SGLang's own way of
+            # parking a chunk: the request comes back unchanged and stays the chunked one).
+            self._on_chunk_parked(req)
+            return req
+        self._planned_left -= 1
+        self.chunked_req_limit = max(1, chunk)
         return super().add_chunked_req(req)
 
     def add_one_req(

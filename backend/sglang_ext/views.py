@@ -88,6 +88,11 @@ class ReqView(Protocol):
         """Times SGLang (or tandem's eviction) retracted the request, count."""
         ...
 
+    inflight_middle_chunks: int
+    """Chunks of its prompt SGLang counts as built and not yet through their results (a result
+    with a count above 0 is a middle chunk's: no token sent); tandem puts the count back when the
+    request sat a pass out."""
+
     @property
     def finished_reason(self) -> object:
         """Why it finished (an SGLang ``BaseFinishReason`` subclass), None while it runs."""
@@ -110,6 +115,11 @@ class ReqView(Protocol):
 
     def finished(self) -> bool:
         """True once it finished (any reason, abort included)."""
+        ...
+
+    def reset_for_retract(self) -> None:
+        """Resets it as SGLang resets a retracted request (its KV row already freed), to be
+        re-queued and resumed from whatever of its prefix the prefix cache holds."""
         ...
 
 
@@ -167,6 +177,11 @@ class TreeCacheView(Protocol):
         """KV slots the cache holds that no request uses (freed on demand), tokens."""
         ...
 
+    def supports_prefix_sharing(self) -> bool:
+        """True when a request's KV stays in the cache for later use (a radix cache that is
+        on): a prompt sent back to the queue resumes from it rather than recomputing."""
+        ...
+
 
 class SchedulerView(Protocol):
     """SGLang's scheduler (``managers.scheduler.Scheduler``): its queues and pool sizes."""
@@ -181,10 +196,9 @@ class SchedulerView(Protocol):
     """The decoding requests between iterations; tandem assigns it when it merges parked rows
     back."""
 
-    @property
-    def chunked_req(self) -> ReqView | None:
-        """The request mid-way through a chunked prefill (at most one), or None."""
-        ...
+    chunked_req: ReqView | None
+    """The request mid-way through a chunked prefill (at most one), or None; tandem clears it
+    when it sends that request back to the waiting queue."""
 
     @property
     def token_to_kv_pool_allocator(self) -> KvAllocatorView:

@@ -2,7 +2,9 @@
 
 What a user notices: an RT request that arrives while BE prompts fill the engine gets its first
 token before those prompts are all computed (it does not queue behind them, as it would on a
-first-come-first-served engine); BE requests whose decodes sat out iterations complete with
+first-come-first-served engine), also while a long BE prompt is half computed (the prompt sits
+out the RT prompt's iteration, or makes way for an RT prompt that must be cut, and completes
+with the same output); BE requests whose decodes sat out iterations complete with
 the full, correct output; the engine does not admit more BE work than the KV pool can carry when
 the tenant's history says its outputs are long; every request ends exactly once.
 """
@@ -16,10 +18,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
+from common.wire import CONTROL_ITERATIONS_PATH, CONTROL_LOAD_PATH, RecentIterations
 from gateway.state import STORE
-from tests.functional.engine_fixtures import EngineServer, control, running_engine
+from tests.functional.engine_fixtures import EngineServer, control, post_json, running_engine
 from tests.functional.gateway_fixtures import GatewayHandle, start_gateway
 from tests.waiting import wait_until
 
@@ -158,6 +162,129 @@ async def test_an_rt_prompt_does_not_queue_behind_the_be_prompts_before_it(
     )
     assert rt_tokens == 16
     assert [tokens for _, tokens in replies] == [40] * 12
+
+
+LONG_BE_PROMPT_TOKENS = 3500
+"""A BE prompt deep enough into the tiny model's 4096-token context that each chunk of it costs
+mostly its prefix (the CPU engine's attention reads all of it): several chunks of 512."""
+
+
+async def _mid_prefill(engine: EngineServer) -> None:
+    """Waits until the engine holds a BE request whose prompt is partly computed."""
+
+    def partly_computed() -> bool:
+        status, load = control(engine, "GET", CONTROL_LOAD_PATH)
+        assert status == 200, load
+        # some of its prompt in the KV, and most of it still to compute
+        return load["be_kv_tokens"] >= 512 and load["be_waiting_prompt_tokens"] >= 1024
+
+    await wait_until(
+        partly_computed, timeout_s=60, what="the long BE prompt half computed", max_interval_s=0.02
+    )
+
+
+async def _alone_then_uncached(
+    gw: GatewayHandle, engine: EngineServer, key: str, prompt: list[int]
+) -> str:
+    """The prompt's greedy output alone, with the prefix cache emptied after (so the run beside
+    RT computes the prompt again rather than finding it cached)."""
+    alone = await complete(gw, key, prompt, 8)
+    status, body = await asyncio.to_thread(post_json, engine.base_url, "/flush_cache", {})
+    assert status == 200, body
+    assert control(engine, "POST", "/stats/reset")[0] == 200
+    return str(alone["choices"][0]["text"])
+
+
+async def test_an_rt_prompt_does_not_wait_for_a_chunk_of_a_long_be_prompt(
+    gateway: GatewayHandle, engine_server: EngineServer
+) -> None:
+    _, be_key = await gateway.new_tenant("colo-long-be", "be")
+    _, rt_key = await gateway.new_tenant(
+        "colo-long-rt", "rt", ttft_ms=5000, tpot_ms=1000, on_unattainable="accept"
+    )
+    long_prompt = prompt_ids(600, LONG_BE_PROMPT_TOKENS)
+    alone = await _alone_then_uncached(gateway, engine_server, be_key, long_prompt)
+    status, log = control(engine_server, "GET", CONTROL_ITERATIONS_PATH)
+    assert status == 200, log
+    after = max([r[0] for r in log["iterations"]], default=-1)
+
+    be = asyncio.create_task(complete(gateway, be_key, long_prompt, 8))
+    await _mid_prefill(engine_server)
+    for i in range(3):  # short RT prompts, one after the other, while the BE prompt is computed
+        await complete(gateway, rt_key, prompt_ids(700 + i, 48), 4)
+    beside = await be
+    counters = stats(engine_server)
+
+    assert beside["choices"][0]["text"] == alone, "the BE prompt's output changed"
+    assert counters["parked_chunks"] >= 1, counters
+    status, log = control(engine_server, "GET", f"{CONTROL_ITERATIONS_PATH}?after={after}")
+    assert status == 200, log
+    runs = [r for r in msgspec.convert(log, RecentIterations).iterations if r.mix is not None]
+
+    def prefix_of(mix: Any) -> int:  # the one prompt's prefix: F_p = (prefix + chunk)²
+        return round(mix.prefill_attn_full**0.5) - mix.prefill_tokens
+
+    rt_prompts = [
+        r.iteration_s
+        for r in runs
+        if r.mix.num_prefill == 1
+        and r.mix.num_decode == 0
+        and prefix_of(r.mix) == 0
+        and r.mix.prefill_tokens <= 64
+    ]
+    deep_be_chunks = [
+        r.iteration_s
+        for r in runs
+        if r.mix.num_prefill == 1 and r.mix.num_decode == 0 and prefix_of(r.mix) >= 2048
+    ]
+    assert rt_prompts and deep_be_chunks, runs
+    # Compared within the run: before, the BE prompt advanced by a few tokens in every RT
+    # prompt's iteration, and paid for its whole prefix there (as long as a BE chunk itself).
+    assert max(rt_prompts) < 0.5 * min(deep_be_chunks), (
+        f"RT prompt iterations {rt_prompts} vs the BE prompt's deep chunks {deep_be_chunks}"
+    )
+
+
+async def test_an_rt_prompt_that_must_be_cut_does_not_wait_for_a_long_be_prompt(
+    gateway: GatewayHandle, engine_server: EngineServer
+) -> None:
+    _, be_key = await gateway.new_tenant("colo-cut-be", "be")
+    _, rt_key = await gateway.new_tenant(
+        "colo-cut-rt", "rt", ttft_ms=5000, tpot_ms=1000, on_unattainable="accept"
+    )
+    long_prompt = prompt_ids(800, LONG_BE_PROMPT_TOKENS)
+    alone = await _alone_then_uncached(gateway, engine_server, be_key, long_prompt)
+
+    be_first: list[float] = []
+
+    async def be_run() -> dict[str, Any]:
+        text = ""
+        usage: dict[str, Any] = {}
+        async for chunk in stream_chunks(
+            gateway, be_key, long_prompt, 8, stream_options={"continuous_usage_stats": True}
+        ):
+            usage = chunk.get("usage") or usage
+            if usage.get("completion_tokens") and not be_first:
+                be_first.append(time.perf_counter())
+            if chunk["choices"]:
+                text += chunk["choices"][0].get("text") or ""
+        return {"text": text, "usage": usage}
+
+    be = asyncio.create_task(be_run())
+    await _mid_prefill(engine_server)
+    # 1500 tokens: longer than the engine's chunk (512), so SGLang must cut it, and it cuts one
+    # prompt at a time — before, the RT prompt waited until the BE prompt was all computed.
+    rt_first, rt_tokens = await first_token_at(gateway, rt_key, prompt_ids(900, 1500), 4)
+    beside = await be
+    counters = stats(engine_server)
+
+    assert rt_tokens == 4 and beside["usage"]["completion_tokens"] == 8
+    assert be_first and rt_first < be_first[0], (
+        f"the RT prompt's first token came {rt_first - be_first[0]:.2f} s after the BE prompt's"
+    )
+    assert counters["released_chunks"] >= 1, counters
+    # it resumed from the KV it had computed (kept in the prefix cache), with the same output
+    assert beside["text"] == alone, "the BE prompt's output changed"
 
 
 async def test_be_decodes_that_sat_out_complete_with_the_right_tokens(

@@ -26,6 +26,11 @@ class FakeReq(SimpleNamespace):
     def finished(self) -> bool:
         return self.finished_reason is not None
 
+    def reset_for_retract(self) -> None:  # SGLang's, the part the driver reads back
+        self.retraction_count += 1
+        self.prefix_len = 0
+        self.inflight_middle_chunks = 0
+
 
 class FINISH_ABORT:  # SGLang's class name: the driver matches it by name
     pass
@@ -66,6 +71,7 @@ def req(
         prefix_len=0,
         finished_reason=None,
         retraction_count=0,
+        inflight_middle_chunks=0,
     )
     setattr(r, REQ_ATTR, meta_of(meta_to_custom_params(meta)))
     return r
@@ -101,7 +107,7 @@ def sched(waiting: list[Any]) -> SimpleNamespace:
         chunked_req=None,
         max_total_num_tokens=10_000,
         token_to_kv_pool_allocator=SimpleNamespace(available_size=lambda: 9_000),
-        tree_cache=SimpleNamespace(evictable_size=lambda: 0),
+        tree_cache=SimpleNamespace(evictable_size=lambda: 0, supports_prefix_sharing=lambda: True),
         chunked_prefill_size=512,
         max_prefill_tokens=16384,
         is_mixed_chunk=True,
@@ -223,7 +229,7 @@ def test_the_directive_names_rows_by_rid_and_is_frozen() -> None:
     with pytest.raises(TypeError):
         directive.prefill_tokens["w"] = 5  # type: ignore[index]
     assert directive.chunk_for_continuing("w") == 4
-    assert directive.chunk_for_continuing("other") == 16  # MIN_CHUNK_TOKENS
+    assert directive.chunk_for_continuing("other") is None  # left out: it sits the pass out
 
 
 def test_an_empty_plan_parks_nothing_and_a_prompt_can_run_alone() -> None:
@@ -520,3 +526,81 @@ def test_a_request_without_tandem_metadata_is_served_as_an_rt_probe() -> None:
     seen = {r.rid: r for r in policy.snapshots[-1].waiting}
     assert (seen["HEALTH_CHECK_1"].tier, seen["HEALTH_CHECK_1"].is_probe) == ("rt", True)
     assert (seen["rt"].tier, seen["rt"].is_probe) == ("rt", False)
+
+
+def mid_prefill(s: SimpleNamespace, rid: str = "c", prompt: int = 3000, done: int = 2048) -> Any:
+    """A BE prompt SGLang is computing in chunks, *done* tokens of it so far."""
+    chunked = req(rid, "be", prompt=prompt)
+    chunked.prefix_len = done
+    s.chunked_req = chunked
+    return chunked
+
+
+def test_a_chunked_prompt_the_plan_leaves_out_sits_the_pass_out() -> None:
+    s = sched([req("w", "rt", prompt=50)])
+    chunked = mid_prefill(s)
+    drv = EngineDriver(ScriptedPolicy(Plan(prefills=[PrefillChunk("w", 50)])))  # type: ignore[arg-type]
+    hooks, skip_prefill = plan_and_carry_out(drv, s, FakeBatch([]))
+    assert not skip_prefill and not hooks._directive.release_chunked  # the RT prompt fits whole
+    assert hooks._directive.chunk_for_continuing("c") is None
+    assert s.chunked_req is chunked  # still SGLang's chunked request, its KV kept
+
+    def prefill_pass(sched: Any, running_batch: Any, last_batch: Any) -> SimpleNamespace:
+        # What SGLang does in a pass that builds a batch: the adder parks the chunk, then the
+        # scheduler counts one more chunk in flight for whatever is its chunked request.
+        hooks._chunk_parked(sched.chunked_req)
+        sched.chunked_req.inflight_middle_chunks += 1
+        return SimpleNamespace(batch_to_run=object())
+
+    hooks.around_get_next_batch_to_run(prefill_pass, s, FakeBatch([]), None)  # type: ignore[arg-type]
+    # put back: its next real chunk's result must count it done, or its first token is lost
+    assert chunked.inflight_middle_chunks == 0
+    assert drv.stats.parked_chunks == 1 and drv.stats.released_chunks == 0
+
+
+def test_a_chunked_prompt_goes_back_to_the_queue_when_a_planned_prompt_must_be_cut() -> None:
+    long_rt = req("w", "rt", prompt=1500)
+    s = sched([long_rt])
+    chunked = mid_prefill(s)
+    released: list[str] = []
+    drv = EngineDriver(ScriptedPolicy(Plan(prefills=[PrefillChunk("w", 512)])))  # type: ignore[arg-type]
+    hooks = SchedulerHooks(drv, release_kv=lambda sched, r: released.append(r.rid))
+    skip_prefill = hooks.replace_should_defer_prefill(s, FakeBatch([]))  # type: ignore[arg-type]
+    assert not skip_prefill and hooks._directive.release_chunked
+    # SGLang cuts one prompt at a time: the BE prompt makes way, its KV kept in the prefix cache
+    assert released == ["c"] and s.chunked_req is None
+    assert s.requeued == [("c", True)] and chunked.retraction_count == 1
+    assert [r.rid for r in s.waiting_queue] == ["w", "c"]  # the planned prompt still first
+    assert drv.stats.released_chunks == 1
+
+
+@pytest.mark.parametrize("case", ["prompt fits", "chunk planned too", "nothing planned"])
+def test_a_chunked_prompt_stays_where_releasing_it_gains_nothing(case: str) -> None:
+    s = sched([req("w", "rt", prompt=50 if case == "prompt fits" else 1500)])
+    chunked = mid_prefill(s)
+    prefills = [PrefillChunk("w", 50 if case == "prompt fits" else 512)]
+    if case == "chunk planned too":
+        prefills.append(PrefillChunk("c", 64))
+    if case == "nothing planned":
+        prefills = []
+    drv = EngineDriver(ScriptedPolicy(Plan(prefills=prefills)))  # type: ignore[arg-type]
+    released: list[str] = []
+    hooks = SchedulerHooks(drv, release_kv=lambda sched, r: released.append(r.rid))
+    hooks.replace_should_defer_prefill(s, FakeBatch([]))  # type: ignore[arg-type]
+    assert not hooks._directive.release_chunked
+    assert released == [] and s.chunked_req is chunked and s.requeued == []
+
+
+def test_without_a_prefix_cache_the_chunked_prompt_runs_to_its_end_for_a_prompt_to_cut() -> None:
+    # Released, its KV would be lost (computed again); left out, the planned prompt would wait
+    # for it pass after pass while it sits out: it runs to its end, and the planned prompt is
+    # cut after it (in the same pass when the chunk budget has room).
+    s = sched([req("w", "rt", prompt=1500)])
+    s.tree_cache.supports_prefix_sharing = lambda: False
+    chunked = mid_prefill(s, prompt=3000, done=2048)
+    drv = EngineDriver(ScriptedPolicy(Plan(prefills=[PrefillChunk("w", 512)])))  # type: ignore[arg-type]
+    hooks, skip_prefill = plan_and_carry_out(drv, s, FakeBatch([]))
+    directive = hooks._directive
+    assert not skip_prefill and not directive.release_chunked and s.chunked_req is chunked
+    assert directive.chunk_for_continuing("c") == 3000 - 2048
+    assert directive.prefill_first == ("w",)  # the waiting queue holds only the planned prompt

@@ -5,10 +5,18 @@ snapshots; budgets of 1 µs make every chunk "too slow"."""
 
 from __future__ import annotations
 
+from backend.policy.latency import BatchShape, LatencyModel
+from backend.policy.tandem.config import TandemConfig
+from backend.policy.tandem.policy import TandemPolicy
 from backend.policy.types import ReqState
 from tests.unit.tandem_factories import chunks, make_policy, make_request, snapshot
 
-NO_TIME = {"latency_budget_s": 1e-6, "idle_budget_s": 1e-6, "min_chunk_tokens": 64}
+NO_TIME = {
+    "latency_budget_s": 1e-6,
+    "idle_budget_s": 1e-6,
+    "min_chunk_tokens": 64,
+    "least_chunk_stretch": 0.0,
+}
 
 
 def _partial(rid: str, tier: str) -> ReqState:
@@ -41,3 +49,51 @@ def test_progress_is_only_the_last_resort() -> None:
     be = make_request("be", tier="be", prompt_len=500)
     plan = make_policy(latency_budget_s=0.04, idle_budget_s=0.04).plan(snapshot(waiting=[be]))
     assert chunks(plan)["be"] > 64  # the budget allows more than the least chunk: it is used
+
+
+# Deep into a long prompt on an engine whose attention reads the whole prefix on every chunk
+# (the CPU engine's torch-native attention: F_p, Σ (prefix + chunk)², dominates): 1 ms a
+# iteration, 1 ms per 1K chunk tokens, and 10 ms per (1K tokens)² of F_p.
+PREFIX_BOUND = LatencyModel([0.001, 0.001, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.010])
+
+
+def _deep_partial(rid: str, tier: str) -> ReqState:
+    return make_request(rid, tier=tier, prompt_len=8192, running=True, prefilled=6000)  # type: ignore[arg-type]
+
+
+def _least_chunk_plan(stretch: float, tier: str) -> tuple[int, float]:
+    policy = TandemPolicy(
+        PREFIX_BOUND, config=TandemConfig(**{**NO_TIME, "least_chunk_stretch": stretch})
+    )
+    (chunk,) = policy.plan(snapshot(running=[_deep_partial(tier, tier)])).prefills
+    seconds = PREFIX_BOUND.predict(
+        BatchShape(
+            prefill_tokens=chunk.tokens,
+            num_prefill=1,
+            prefill_attn=chunk.tokens * (6000 + chunk.tokens),
+            prefill_attn_full=(6000 + chunk.tokens) ** 2,
+        )
+    )
+    return chunk.tokens, seconds
+
+
+def test_deep_in_a_long_prompt_the_least_chunk_grows_within_its_stretch() -> None:
+    for tier in ("be", "rt"):
+        least, least_s = _least_chunk_plan(0.0, tier)
+        grown, grown_s = _least_chunk_plan(0.25, tier)
+        assert least == 64
+        # the prefix costs 0.36 s whatever the chunk: a chunk several times longer costs
+        # at most a quarter more, and the prompt needs several times fewer of them
+        assert grown >= 4 * least
+        assert grown_s <= 1.25 * least_s + 1e-9
+        assert grown_s / grown < 0.3 * least_s / least  # seconds per prompt token
+
+
+def test_the_stretch_never_shrinks_the_least_chunk_nor_passes_the_prompt() -> None:
+    short = make_request("be", tier="be", prompt_len=6040, running=True, prefilled=6000)
+    policy = TandemPolicy(
+        PREFIX_BOUND, config=TandemConfig(**{**NO_TIME, "least_chunk_stretch": 5.0})
+    )
+    assert chunks(policy.plan(snapshot(running=[short]))) == {"be": 40}  # the rest, no more
+    cheap = make_policy(**{**NO_TIME, "least_chunk_stretch": 1e-9})
+    assert chunks(cheap.plan(snapshot(running=[_partial("be", "be")]))) == {"be": 64}

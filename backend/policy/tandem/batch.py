@@ -30,6 +30,7 @@ class TandemBatch(BatchBuilder):
         timer: Timer,
         *,
         min_chunk_tokens: int = 1,
+        least_chunk_stretch: float = 0.0,
         on_tokens: Callable[[Sequence[ReqState], int], None] | None = None,
     ) -> None:
         super().__init__(snapshot)
@@ -39,6 +40,9 @@ class TandemBatch(BatchBuilder):
         chunk's length, 1 for decodes)."""
         self.min_chunk_tokens = min_chunk_tokens
         """Chunks shorter than this are not worth a slot (unless they finish the prompt)."""
+        self.least_chunk_stretch = least_chunk_stretch
+        """How much longer than the least chunk's iteration `least_chunk` lets a longer chunk's
+        run (0: the least chunk as it is)."""
         self.first_tokens = 0
         """RT prompts this batch finishes (each emits its first token when it ends)."""
         self.rt_deadline_s = math.inf
@@ -102,12 +106,25 @@ class TandemBatch(BatchBuilder):
         budget says: `min_chunk_tokens` (or the rest of the prompt), within the KV available
         and the engine caps; 0 when even that does not fit. Progress before budgets: a model
         that overestimates the engine (a profile measured on a busy machine) must not leave it
-        idle with work queued."""
+        idle with work queued.
+
+        The chunk grows while the batch stays within `least_chunk_stretch` of the least
+        chunk's predicted time: where a chunk's cost is mostly its prefix (attention that reads
+        a long prompt's whole KV, on every chunk of it), a chunk many times longer costs little
+        more, and a long prompt cut into least chunks pays its prefix over and over (on the CPU
+        engine, an 8K prompt's 16-token chunks took 0.5–1 s each)."""
         left = req.prefill_len - req.prefilled
         cap = min(left, self.prefill_left, affordable_chunk(req, self.kv_avail, self.page))
         if cap <= 0 or (not req.is_running and self.running_slots < 1):
             return 0
-        return align_chunk(req, min(cap, max(1, self.min_chunk_tokens)), self.page)
+        least = align_chunk(req, min(cap, max(1, self.min_chunk_tokens)), self.page)
+        if least >= cap or self.least_chunk_stretch <= 0.0:
+            return least
+        limit_s = (1.0 + self.least_chunk_stretch) * self.timer.with_chunk(
+            self, least, req.prefilled
+        )
+        longer = self.timer.max_chunk(self, limit_s, prefix=req.prefilled, cap=cap)
+        return max(least, align_chunk(req, longer, self.page))
 
     def note_rt_token(self, deadline_s: float, allowance_s: float) -> None:
         """Records that this batch emits an RT token due at `deadline_s`."""

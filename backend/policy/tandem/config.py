@@ -6,6 +6,8 @@ concept off at a time and the bench can show what each one buys.
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 
@@ -116,6 +118,13 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
     engine's budget); 0 = τ ≤ L also for RT prompts."""
     min_chunk_tokens: int = 16
     """Smallest prefill chunk worth a slot unless it finishes the prompt, tokens."""
+    least_chunk_stretch: float = 0.25
+    """When no time budget leaves room for even the smallest chunk (`min_chunk_tokens`) and the
+    plan would be empty, that chunk runs anyway (an engine must not idle on queued work), grown
+    while the iteration stays within this fraction above the smallest chunk's predicted time:
+    deep into a long prompt, where every chunk pays for attention over the whole prefix, a
+    longer chunk costs little more and saves the prefix's cost many times over (0: the smallest
+    chunk as it is)."""
     rt_slot_reserve_frac: float = 0.1
     """Share of the engine's request slots (max_running) that BE admissions leave free, so an
     RT arrival is never kept waiting by the request cap alone (engines with a finite cap)."""
@@ -201,6 +210,10 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("be_frac_init and be_frac_reset must be in (0, 1]")
         if self.rt_active_be_frac <= 0.0:
             raise ValueError(f"rt_active_be_frac must be in (0, 1], got {self.rt_active_be_frac}")
+        if not (self.least_chunk_stretch >= 0.0 and math.isfinite(self.least_chunk_stretch)):
+            raise ValueError(
+                f"least_chunk_stretch must be a finite number ≥ 0, got {self.least_chunk_stretch}"
+            )
         if self.rt_stretch is not None and self.rt_stretch < 0:
             raise ValueError(f"rt_stretch must be ≥ 0 (or null), got {self.rt_stretch}")
         if self.rt_prefill_floor_tokens < 0:

@@ -223,6 +223,7 @@ class TandemPolicy(PolicyBase):
                 snap,
                 self.timer,
                 min_chunk_tokens=cfg.min_chunk_tokens,
+                least_chunk_stretch=cfg.least_chunk_stretch,
                 on_tokens=self._charge if cfg.use_fair_share else None,
             ),
             view=view,
