@@ -45,19 +45,20 @@ def evict(sched: SchedulerView, batch: BatchView, rids: Sequence[str]) -> None:
 
 def release_chunked(
     sched: SchedulerView, release_kv: Callable[[SchedulerView, ReqView], None]
-) -> ReqView | None:
+) -> tuple[ReqView, int] | None:
     """Sends SGLang's in-progress chunked prompt back to the waiting queue: *release_kv* frees
     its KV row (keeping what it computed in the prefix cache, from which it resumes), it is
-    reset as SGLang resets a retracted request, and it is re-queued as one. Returns it, or None
-    when no prompt is mid-prefill."""
+    reset as SGLang resets a retracted request, and it is re-queued as one. Returns it with the
+    tokens of KV it had computed, or None when no prompt is mid-prefill."""
     req = sched.chunked_req
     if req is None:
         return None
+    computed = int(req.prefix_len)
     release_kv(sched, req)
     req.reset_for_retract()
     sched.chunked_req = None
     sched._add_request_to_queue(req, is_retracted=True)
-    return req
+    return req, computed
 
 
 def penalizers_required(batch: BatchView) -> bool:

@@ -216,9 +216,11 @@ class EngineDriver:
         """SGLang's in-progress chunked prompt sat this prefill pass out (the plan left it out)."""
         self.stats.parked_chunks += 1
 
-    def note_chunk_released(self) -> None:
-        """SGLang's in-progress chunked prompt went back to the waiting queue, its KV cached."""
+    def note_chunk_released(self, rid: str, cached_tokens: int) -> None:
+        """SGLang's in-progress chunked prompt *rid* went back to the waiting queue, the KV of
+        its first *cached_tokens* tokens kept in the prefix cache."""
         self.stats.released_chunks += 1
+        self.mirror.note_cached(rid, cached_tokens)
 
     def note_prefill(self, *, admitted: bool) -> None:
         """The prefill pass took a planned chunk (*admitted*) or could not (SGLang's

@@ -188,8 +188,14 @@ class SchedulerHooks:
                 self._parked = parked
                 drv.note_parked(len(parked.reqs))
                 self._on_park(self.parked_reqs())
-        if directive.release_chunked and batch_ops.release_chunked(sched, self._release_kv):
-            drv.note_chunk_released()
+        released = (
+            batch_ops.release_chunked(sched, self._release_kv)
+            if directive.release_chunked
+            else None
+        )
+        if released is not None:
+            req, cached_tokens = released
+            drv.note_chunk_released(str(req.rid), cached_tokens)
         batch_ops.put_first(sched.waiting_queue, directive.prefill_first)
         drv.note_overhead(drv.clock() - t0)
         return directive.skip_prefill

@@ -18,8 +18,10 @@ Field mapping (SGLang 0.5.23 ``Req``, read through ``views.ReqView``; no sglang 
 ``prompt_len``      ``len(req.origin_input_ids)``
 ``prefill_len``     waiting: ``len(origin_input_ids) + len(output_ids)`` (a retracted request
                     recomputes its outputs too); running: what it had to prefill when admitted
-``prefilled``       waiting: 0; the in-progress chunked request: ``req.prefix_len`` (KV computed
-                    so far); decoding: ``prefill_len``
+``prefilled``       waiting: 0, or for a chunked prompt sent back to the queue the KV it had
+                    computed (kept in the prefix cache: ``cached_len`` too, as the simulator
+                    marks a prefix-cache hit); the in-progress chunked request:
+                    ``req.prefix_len`` (KV computed so far); decoding: ``prefill_len``
 ``generated``       ``len(req.output_ids)``
 ``kv_tokens``       ``req.kv.kv_allocated_len`` (its own KV plus its cached prefix)
 ``kv_shared_tokens`` ``req.kv.cache_protected_len`` (owned by the radix cache)
@@ -51,6 +53,7 @@ class ReqMirror:
         self._states: dict[str, ReqState] = {}
         self._prefill_len: dict[str, int] = {}  # rid -> tokens it had to prefill when admitted
         self._seen: dict[str, int] = {}  # rid -> output tokens at its last refresh
+        self._cached: dict[str, int] = {}  # rid -> prefix it left in the cache when sent back
 
     def __len__(self) -> int:
         return len(self._states)
@@ -68,8 +71,9 @@ class ReqMirror:
         state = self._state(req, now_s)
         fill = len(req.origin_input_ids) + len(req.output_ids)
         state.prefill_len = fill
-        state.prefilled = 0
-        state.cached_len = 0
+        # a prompt sent back mid-prefill resumes from the KV it left in the prefix cache (at
+        # least one token is always computed); planned and predicted from there
+        state.prefilled = state.cached_len = min(self._cached.get(state.rid, 0), max(0, fill - 1))
         state.generated = len(req.output_ids)
         state.kv_tokens = 0
         state.kv_shared_tokens = 0
@@ -83,6 +87,7 @@ class ReqMirror:
         """The state of an admitted request (decoding, or *chunked*: mid-prefill)."""
         state = self._state(req, now_s)
         rid = state.rid
+        self._cached.pop(rid, None)
         fill = self._prefill_len.get(rid)
         if fill is None:  # admitted before the mirror saw it wait (plugin enabled mid-run)
             fill = self._prefill_len[rid] = len(req.origin_input_ids) + len(req.output_ids)
@@ -100,11 +105,17 @@ class ReqMirror:
         self._note_tokens(state, now_s)
         return state
 
+    def note_cached(self, rid: str, tokens: int) -> None:
+        """*rid* went back to the waiting queue with its first *tokens* prompt tokens' KV kept
+        in the prefix cache: until it is admitted again, it waits with them prefilled."""
+        self._cached[rid] = max(0, int(tokens))
+
     def forget(self, rid: str) -> None:
         """Drops a request that left the engine (finished or aborted)."""
         self._states.pop(rid, None)
         self._prefill_len.pop(rid, None)
         self._seen.pop(rid, None)
+        self._cached.pop(rid, None)
 
     def sweep(self, live_rids: set[str]) -> int:
         """Drops every mirrored request not in *live_rids* (aborted while waiting, ...);

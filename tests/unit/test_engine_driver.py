@@ -572,6 +572,14 @@ def test_a_chunked_prompt_goes_back_to_the_queue_when_a_planned_prompt_must_be_c
     assert s.requeued == [("c", True)] and chunked.retraction_count == 1
     assert [r.rid for r in s.waiting_queue] == ["w", "c"]  # the planned prompt still first
     assert drv.stats.released_chunks == 1
+    # the next plan sees it waiting with the 2,048 tokens it computed in the prefix cache: its
+    # chunks are planned and predicted from there, as the simulator marks a prefix-cache hit
+    policy = drv.policy
+    drv.plan_iteration(s, FakeBatch([]))  # type: ignore[arg-type]
+    waiting = {r.rid: r for r in policy.snapshots[-1].waiting}  # type: ignore[attr-defined]
+    assert (waiting["c"].prefilled, waiting["c"].cached_len) == (2048, 2048)
+    assert waiting["c"].prompt_left == 3000 - 2048
+    assert (waiting["w"].prefilled, waiting["w"].cached_len) == (0, 0)
 
 
 @pytest.mark.parametrize("case", ["prompt fits", "chunk planned too", "nothing planned"])
