@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -238,9 +239,10 @@ async def test_an_rt_prompt_does_not_wait_for_a_chunk_of_a_long_be_prompt(
         if r.mix.num_prefill == 1 and r.mix.num_decode == 0 and prefix_of(r.mix) >= 2048
     ]
     assert rt_prompts and deep_be_chunks, runs
-    # Compared within the run: before, the BE prompt advanced by a few tokens in every RT
-    # prompt's iteration, and paid for its whole prefix there (as long as a BE chunk itself).
-    assert max(rt_prompts) < 0.5 * min(deep_be_chunks), (
+    # Compared within the run (medians: one iteration a busy host stalls does not decide it):
+    # before, the BE prompt advanced by a few tokens in every RT prompt's iteration, and paid
+    # for its whole prefix there (as long as a BE chunk itself).
+    assert statistics.median(rt_prompts) < 0.5 * statistics.median(deep_be_chunks), (
         f"RT prompt iterations {rt_prompts} vs the BE prompt's deep chunks {deep_be_chunks}"
     )
 
