@@ -32,8 +32,7 @@ class TandemPrefillAdder(PrefillAdder):  # type: ignore[misc]  # SGLang is untyp
     when the directive prefills it, with at most its planned chunk; the in-progress chunked
     request advances by its planned chunk, or sits the pass out (``on_chunk_parked`` is told)
     when the plan leaves it out; no KV is reserved for future tokens (the policy's admission
-    decided). With ``directive.own_admission`` it is SGLang's
-    own adder."""
+    decided). With ``directive.own_admission`` it is SGLang's own adder."""
 
     rem_chunk_tokens: int | None
     """SGLang's: chunk tokens left in this pass (None: no chunking); narrowed per prompt here."""
