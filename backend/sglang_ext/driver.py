@@ -309,11 +309,15 @@ class EngineDriver:
         self._parked_every_row = bool(park) and len(park) == len(kept)
         prefill_tokens = {c.rid: c.tokens for c in plan.prefills}
         self.stats.planned_prefills += len(plan.prefills)
-        prefill_first = self._prefill_first(prefill_tokens)
+        prefill_first = _prefill_first(prefill_tokens, states)
         chunked = sched.chunked_req
         chunked_planned = chunked is not None and str(chunked.rid) in prefill_tokens
         release_chunked = False
-        if chunked is not None and not chunked_planned and _cuts_a_prompt(prefill_tokens, states):
+        if (
+            chunked is not None
+            and not chunked_planned
+            and any(_is_cut(rid, prefill_tokens, states) for rid in prefill_tokens)
+        ):
             # SGLang cuts one prompt at a time: the in-progress one must make way, or a planned
             # prompt that must be cut waits for all of it.
             if sched.tree_cache.supports_prefix_sharing():
@@ -387,18 +391,6 @@ class EngineDriver:
             # against 8, the RT request's TTFT).
             park.remove(max(park, key=lambda i: len(rows[i].output_ids)))
         return tuple(str(rows[i].rid) for i in park)
-
-    def _prefill_first(self, prefill_tokens: dict[str, int]) -> tuple[str, ...]:
-        """The planned prompts in queue order: plan order, whole prompts before the one that
-        will be cut into a chunk (SGLang cuts at most one per pass)."""
-
-        def is_partial(rid: str) -> bool:
-            state = self.mirror.get(rid)
-            left = state.prompt_left if state is not None else 0
-            return prefill_tokens[rid] < left
-
-        order = {rid: i for i, rid in enumerate(prefill_tokens)}
-        return tuple(sorted(prefill_tokens, key=lambda rid: (is_partial(rid), order[rid])))
 
     def _apply_control(self) -> None:
         while True:
@@ -523,12 +515,20 @@ def _is_abort(req: ReqView) -> bool:
     return type(reason).__name__ == "FINISH_ABORT"
 
 
-def _cuts_a_prompt(prefill_tokens: Mapping[str, int], states: Mapping[str, ReqState]) -> bool:
-    """True when a planned prompt is planned a chunk shorter than what it has left to compute,
-    so the pass must cut it (as the mirror sees it: a prefix-cache hit the pass finds may make
-    the prompt fit after all)."""
-    for rid, tokens in prefill_tokens.items():
-        state = states.get(rid)
-        if state is not None and tokens < state.prompt_left:
-            return True
-    return False
+def _is_cut(rid: str, prefill_tokens: Mapping[str, int], states: Mapping[str, ReqState]) -> bool:
+    """True when the planned prompt *rid* is planned a chunk shorter than what it has left to
+    compute, so the pass must cut it (as the mirror sees it: a prefix-cache hit the pass finds
+    may make the prompt fit after all)."""
+    state = states.get(rid)
+    return state is not None and prefill_tokens[rid] < state.prompt_left
+
+
+def _prefill_first(
+    prefill_tokens: Mapping[str, int], states: Mapping[str, ReqState]
+) -> tuple[str, ...]:
+    """The planned prompts in queue order: plan order, whole prompts before the one that will
+    be cut into a chunk (SGLang cuts at most one per pass)."""
+    order = {rid: i for i, rid in enumerate(prefill_tokens)}
+    return tuple(
+        sorted(prefill_tokens, key=lambda rid: (_is_cut(rid, prefill_tokens, states), order[rid]))
+    )
