@@ -184,27 +184,30 @@ async def _mid_prefill(engine: EngineServer) -> None:
     )
 
 
-async def _alone_then_uncached(
-    gw: GatewayHandle, engine: EngineServer, key: str, prompt: list[int]
-) -> str:
-    """The prompt's greedy output alone, with the prefix cache emptied after (so the run beside
-    RT computes the prompt again rather than finding it cached)."""
-    alone = await complete(gw, key, prompt, 8)
+async def _long_be_prompt_alone(
+    gw: GatewayHandle, engine: EngineServer, name: str, seed: int
+) -> tuple[str, str, list[int], str]:
+    """A BE and an RT tenant (`name`-be, `name`-rt), a long BE prompt and its greedy output
+    alone, with the prefix cache emptied after (so the run beside RT computes the prompt again
+    rather than finding it cached): (BE key, RT key, prompt, output alone)."""
+    _, be_key = await gw.new_tenant(f"{name}-be", "be")
+    _, rt_key = await gw.new_tenant(
+        f"{name}-rt", "rt", ttft_ms=5000, tpot_ms=1000, on_unattainable="accept"
+    )
+    prompt = prompt_ids(seed, LONG_BE_PROMPT_TOKENS)
+    alone = await complete(gw, be_key, prompt, 8)
     status, body = await asyncio.to_thread(post_json, engine.base_url, "/flush_cache", {})
     assert status == 200, body
     assert control(engine, "POST", "/stats/reset")[0] == 200
-    return str(alone["choices"][0]["text"])
+    return be_key, rt_key, prompt, str(alone["choices"][0]["text"])
 
 
 async def test_an_rt_prompt_does_not_wait_for_a_chunk_of_a_long_be_prompt(
     gateway: GatewayHandle, engine_server: EngineServer
 ) -> None:
-    _, be_key = await gateway.new_tenant("colo-long-be", "be")
-    _, rt_key = await gateway.new_tenant(
-        "colo-long-rt", "rt", ttft_ms=5000, tpot_ms=1000, on_unattainable="accept"
+    be_key, rt_key, long_prompt, alone = await _long_be_prompt_alone(
+        gateway, engine_server, "colo-long", 600
     )
-    long_prompt = prompt_ids(600, LONG_BE_PROMPT_TOKENS)
-    alone = await _alone_then_uncached(gateway, engine_server, be_key, long_prompt)
     status, log = control(engine_server, "GET", CONTROL_ITERATIONS_PATH)
     assert status == 200, log
     after = max([r[0] for r in log["iterations"]], default=-1)
@@ -250,12 +253,9 @@ async def test_an_rt_prompt_does_not_wait_for_a_chunk_of_a_long_be_prompt(
 async def test_an_rt_prompt_that_must_be_cut_does_not_wait_for_a_long_be_prompt(
     gateway: GatewayHandle, engine_server: EngineServer
 ) -> None:
-    _, be_key = await gateway.new_tenant("colo-cut-be", "be")
-    _, rt_key = await gateway.new_tenant(
-        "colo-cut-rt", "rt", ttft_ms=5000, tpot_ms=1000, on_unattainable="accept"
+    be_key, rt_key, long_prompt, alone = await _long_be_prompt_alone(
+        gateway, engine_server, "colo-cut", 800
     )
-    long_prompt = prompt_ids(800, LONG_BE_PROMPT_TOKENS)
-    alone = await _alone_then_uncached(gateway, engine_server, be_key, long_prompt)
 
     be_first: list[float] = []
 
