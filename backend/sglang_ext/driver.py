@@ -69,6 +69,16 @@ CALIBRATION_BAND = (0.8, 1.25)
 enough; one outside it for longer than CALIBRATION_WARN_S starts a warning episode."""
 CALIBRATION_WARN_S = 10.0
 """Seconds a factor must stay outside CALIBRATION_BAND before the (single) warning."""
+PREFIX_NEW_MATCHES = 64
+"""Waiting requests matched against the prefix cache per plan the first time they are seen
+(the rest of a flood of arrivals in the next plans; one not matched yet is planned from its
+first token, as before matching)."""
+PREFIX_RECHECK_S = 0.5
+"""A waiting request's prefix match is renewed after this long (the cache changes under it:
+another request computes a prefix it shares, an eviction takes one), seconds."""
+PREFIX_RECHECKS = 8
+"""Renewed matches per plan at most, in queue order (the prompts tandem planned first lead
+it): each costs SGLang's match over the prompt."""
 
 
 class EngineDriver:
@@ -83,8 +93,13 @@ class EngineDriver:
         profile: str = "",
         profile_matches: bool | None = None,
         kv_unfreeable: Callable[[str], int] = lambda rid: 0,
+        cached_prefix: Callable[[SchedulerView, ReqView], int] | None = None,
     ) -> None:
         self.policy = policy
+        self.cached_prefix = cached_prefix
+        """(scheduler, waiting request) → how many of its prompt tokens the prefix cache holds
+        now (SGLang's own match; at most all but one); None: not matched, every waiting prompt
+        is planned from its first token (but one sent back mid-prefill)."""
         self.kv_unfreeable = kv_unfreeable
         """rid → how many of a running request's KV slots evicting it would not add to the
         allocator's ``available_size`` (``kv_layout_engine.unfreeable_tokens``; 0 without a KV
@@ -236,6 +251,7 @@ class EngineDriver:
         """The engine's state as the policy sees it, at the start of a prefill decision."""
         now = self.clock()
         mirror = self.mirror
+        self._match_prefixes(sched, now)
         waiting = [mirror.waiting(req, now) for req in sched.waiting_queue]
         running = [mirror.running(req, now) for req in running_reqs]
         chunked = sched.chunked_req
@@ -266,6 +282,40 @@ class EngineDriver:
             max_prefill_tokens=max(1, int(chunk_cap)),
             page_size=int(sched.page_size),
         )
+
+    def _match_prefixes(self, sched: SchedulerView, now_s: float) -> None:
+        """Notes the prefix the cache holds for waiting requests: every new one (up to
+        PREFIX_NEW_MATCHES a plan), and up to PREFIX_RECHECKS whose match is older than
+        PREFIX_RECHECK_S. A conversation's next turn finds its history there, a batch line its
+        shared instructions once another line computed them: planned as the few tokens SGLang
+        will compute, not the whole prompt (else the plan, the latency model's calibration and
+        the SLO admission all count work that never runs)."""
+        match = self.cached_prefix
+        if match is None or not sched.waiting_queue:
+            return
+        if not sched.tree_cache.supports_prefix_sharing():
+            return
+        mirror = self.mirror
+        stats = self.stats
+        new = PREFIX_NEW_MATCHES
+        renew = PREFIX_RECHECKS
+        for req in sched.waiting_queue:
+            rid = str(req.rid)
+            at = mirror.matched_at(rid)
+            if at is None:
+                if new <= 0:
+                    continue
+                new -= 1
+            elif now_s - at < PREFIX_RECHECK_S or renew <= 0:
+                continue
+            else:
+                renew -= 1
+            tokens = match(sched, req)
+            mirror.note_match(rid, tokens, now_s)
+            stats.prefix_matches += 1
+            stats.waiting_cached_tokens += tokens
+            if new <= 0 and renew <= 0:
+                return
 
     def plan_iteration(
         self, sched: SchedulerView, running_batch: BatchView, parked: Sequence[ReqView] = ()

@@ -47,6 +47,12 @@ class DriverStats(msgspec.Struct, kw_only=True):
     """In-progress chunked prompts sent back to the waiting queue, the KV they had computed
     kept in the prefix cache, so that a planned prompt could be cut (SGLang cuts one prompt at
     a time); each resumes from its cached prefix."""
+    prefix_matches: int = 0
+    """Prefix-cache matches run for waiting requests (each new one once, then a few a plan
+    again: `driver.PREFIX_RECHECK_S`), so a prompt is planned from the prefix the cache holds."""
+    waiting_cached_tokens: int = 0
+    """Σ of the prompt tokens those matches found in the prefix cache (a renewed match counts
+    again): prompt work the plans did not count as to be computed."""
     finished: int = 0
     """Requests that finished (their output length went into the length history)."""
     history_updates: int = 0

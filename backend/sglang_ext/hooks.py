@@ -81,6 +81,18 @@ def _release_into_prefix_cache(sched: SchedulerView, req: ReqView) -> None:
     release_kv_cache(req, sched.tree_cache, checkpoint=True)
 
 
+def cached_prefix_in_tree(sched: SchedulerView, req: ReqView) -> int:
+    """How many of waiting *req*'s prompt tokens the prefix cache holds now: SGLang's own match
+    (``match_kv_cache``, as its cache-aware queue policies run it on the waiting requests each
+    pass; SGLang matches again when it admits the request), capped at all tokens but one (one
+    is always computed)."""
+    from sglang.srt.mem_cache.common import match_kv_cache
+
+    ids = req.origin_input_ids + req.output_ids if len(req.output_ids) else req.origin_input_ids
+    result = match_kv_cache(req, sched.tree_cache, ids, max_prefix_len=max(0, len(ids) - 1))
+    return min(int(result.device_prefix_len), max(0, len(ids) - 1))
+
+
 def admit_ready_grammars(sched: SchedulerView) -> None:
     """Moves the requests whose grammar (`json_schema`, `regex`, `ebnf`) has compiled from
     SGLang's grammar queue into the waiting queue, as SGLang does at the start of its prefill

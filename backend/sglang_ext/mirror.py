@@ -18,9 +18,11 @@ Field mapping (SGLang 0.5.23 ``Req``, read through ``views.ReqView``; no sglang 
 ``prompt_len``      ``len(req.origin_input_ids)``
 ``prefill_len``     waiting: ``len(origin_input_ids) + len(output_ids)`` (a retracted request
                     recomputes its outputs too); running: what it had to prefill when admitted
-``prefilled``       waiting: 0, or for a chunked prompt sent back to the queue the KV it had
-                    computed (kept in the prefix cache: ``cached_len`` too, as the simulator
-                    marks a prefix-cache hit); the in-progress chunked request:
+``prefilled``       waiting: the prompt's prefix the radix cache holds (``cached_len`` too, as
+                    the simulator marks a prefix-cache hit: a conversation's history, a shared
+                    system prompt, a chunked prompt sent back to the queue with the KV it had
+                    computed), as last matched (:meth:`ReqMirror.note_match`; at least one
+                    token is always computed); the in-progress chunked request:
                     ``req.prefix_len`` (KV computed so far); decoding: ``prefill_len``
 ``generated``       ``len(req.output_ids)``
 ``kv_tokens``       ``req.kv.kv_allocated_len`` (its own KV plus its cached prefix)
@@ -54,6 +56,7 @@ class ReqMirror:
         self._prefill_len: dict[str, int] = {}  # rid -> tokens it had to prefill when admitted
         self._seen: dict[str, int] = {}  # rid -> output tokens at its last refresh
         self._cached: dict[str, int] = {}  # rid -> prefix it left in the cache when sent back
+        self._matched: dict[str, tuple[int, float]] = {}  # rid -> (cached prefix, matched at)
 
     def __len__(self) -> int:
         return len(self._states)
@@ -71,9 +74,11 @@ class ReqMirror:
         state = self._state(req, now_s)
         fill = len(req.origin_input_ids) + len(req.output_ids)
         state.prefill_len = fill
-        # a prompt sent back mid-prefill resumes from the KV it left in the prefix cache (at
-        # least one token is always computed); planned and predicted from there
-        state.prefilled = state.cached_len = min(self._cached.get(state.rid, 0), max(0, fill - 1))
+        # a prompt resumes from the KV the prefix cache holds for it (at least one token is
+        # always computed): planned and predicted from there, as SGLang will run it
+        matched = self._matched.get(state.rid)
+        cached = max(self._cached.get(state.rid, 0), matched[0] if matched is not None else 0)
+        state.prefilled = state.cached_len = min(cached, max(0, fill - 1))
         state.generated = len(req.output_ids)
         state.kv_tokens = 0
         state.kv_shared_tokens = 0
@@ -88,6 +93,7 @@ class ReqMirror:
         state = self._state(req, now_s)
         rid = state.rid
         self._cached.pop(rid, None)
+        self._matched.pop(rid, None)  # a retracted request waits again: matched afresh
         fill = self._prefill_len.get(rid)
         if fill is None:  # admitted before the mirror saw it wait (plugin enabled mid-run)
             fill = self._prefill_len[rid] = len(req.origin_input_ids) + len(req.output_ids)
@@ -110,12 +116,23 @@ class ReqMirror:
         in the prefix cache: until it is admitted again, it waits with them prefilled."""
         self._cached[rid] = max(0, int(tokens))
 
+    def note_match(self, rid: str, tokens: int, now_s: float) -> None:
+        """The prefix cache held the first *tokens* tokens of waiting request *rid*'s prompt at
+        *now_s* (SGLang's own prefix match): it waits with them prefilled."""
+        self._matched[rid] = (max(0, int(tokens)), now_s)
+
+    def matched_at(self, rid: str) -> float | None:
+        """When *rid*'s cached prefix was last matched (None: never since it last waited)."""
+        matched = self._matched.get(rid)
+        return matched[1] if matched is not None else None
+
     def forget(self, rid: str) -> None:
         """Drops a request that left the engine (finished or aborted)."""
         self._states.pop(rid, None)
         self._prefill_len.pop(rid, None)
         self._seen.pop(rid, None)
         self._cached.pop(rid, None)
+        self._matched.pop(rid, None)
 
     def sweep(self, live_rids: set[str]) -> int:
         """Drops every mirrored request not in *live_rids* (aborted while waiting, ...);

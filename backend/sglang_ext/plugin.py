@@ -123,7 +123,7 @@ def _install(settings: EngineSettings) -> None:
         from backend.policy.registry import make_policy
         from backend.sglang_ext import control
         from backend.sglang_ext.driver import EngineDriver
-        from backend.sglang_ext.hooks import SchedulerHooks
+        from backend.sglang_ext.hooks import SchedulerHooks, cached_prefix_in_tree
 
         assert settings.profile_path is not None  # EngineSettings requires it with a policy
         profile = load_profile(settings.profile_path)
@@ -135,6 +135,7 @@ def _install(settings: EngineSettings) -> None:
             if settings.engine_key is None
             else profile.key == settings.engine_key,
             kv_unfreeable=kv_layout_engine.unfreeable_tokens,
+            cached_prefix=cached_prefix_in_tree,
         )
         if driver.profile_matches is False:
             logger.warning(

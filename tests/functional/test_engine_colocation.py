@@ -322,6 +322,39 @@ async def test_be_decodes_that_sat_out_complete_with_the_right_tokens(
         assert shared["choices"][0]["text"] == alone["choices"][0]["text"]
 
 
+async def test_a_conversations_next_turn_is_planned_from_its_cached_history(
+    gateway: GatewayHandle, engine_server: EngineServer
+) -> None:
+    # The policy plans what SGLang will compute: the new turn's few tokens beside the history
+    # the prefix cache holds, not the whole conversation from its first token (which the plan,
+    # the latency model's calibration and the SLO admission would all count as work to do).
+    _, rt_key = await gateway.new_tenant(
+        "colo-turns", "rt", ttft_ms=5000, tpot_ms=1000, on_unattainable="accept"
+    )
+    history = prompt_ids(900, 1500)
+    await complete(gateway, rt_key, history, 4)
+    status, log = control(engine_server, "GET", CONTROL_ITERATIONS_PATH)
+    assert status == 200, log
+    after = max([r[0] for r in log["iterations"]], default=-1)
+    before = stats(engine_server)
+
+    await complete(gateway, rt_key, history + prompt_ids(901, 40), 4)
+    counters = stats(engine_server)
+    assert counters["waiting_cached_tokens"] - before["waiting_cached_tokens"] >= 1400, counters
+    status, log = control(engine_server, "GET", f"{CONTROL_ITERATIONS_PATH}?after={after}")
+    assert status == 200, log
+    prompts = [
+        r.mix
+        for r in msgspec.convert(log, RecentIterations).iterations
+        if r.mix is not None and r.mix.num_prefill == 1
+    ]
+    # one prompt iteration: the 40 new tokens (and at most the cache's last block) after the
+    # history, where the plan used to be the conversation's first 512-token chunk
+    assert len(prompts) == 1, prompts
+    prefix = round(prompts[0].prefill_attn_full ** 0.5) - prompts[0].prefill_tokens
+    assert prompts[0].prefill_tokens <= 64 and prefix >= 1400, prompts[0]
+
+
 @pytest.fixture(scope="module")
 def small_engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """An engine whose KV pool holds four 340-token requests but not five."""

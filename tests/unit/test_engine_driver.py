@@ -13,6 +13,7 @@ import pytest
 
 from backend.policy.common import eviction_gain
 from backend.policy.types import IterationResult, Plan, PrefillChunk, Snapshot
+from backend.sglang_ext import driver
 from backend.sglang_ext.directive import Directive
 from backend.sglang_ext.driver import EngineDriver
 from backend.sglang_ext.hooks import SchedulerHooks
@@ -612,3 +613,63 @@ def test_without_a_prefix_cache_the_chunked_prompt_runs_to_its_end_for_a_prompt_
     assert not skip_prefill and not directive.release_chunked and s.chunked_req is chunked
     assert directive.chunk_for_continuing("c") == 3000 - 2048
     assert directive.prefill_first == ("w",)  # the waiting queue holds only the planned prompt
+
+
+def test_a_waiting_prompt_is_planned_from_the_prefix_the_cache_holds() -> None:
+    # A conversation's next turn: its 2,000-token history is in the prefix cache, 50 tokens are
+    # new. The plan (and so the latency model and its calibration) sees the 50 tokens SGLang
+    # will compute, not 2,050.
+    turn, fresh = req("turn", "rt", prompt=2050), req("fresh", "rt", prompt=300)
+    s = sched([turn, fresh])
+    held = {"turn": 2000, "fresh": 0}
+    matched: list[str] = []
+
+    def cached_prefix(sched: Any, r: Any) -> int:
+        matched.append(r.rid)
+        return held[r.rid]
+
+    policy = ScriptedPolicy(Plan())
+    drv = EngineDriver(policy, cached_prefix=cached_prefix)  # type: ignore[arg-type]
+    drv.plan_iteration(s, FakeBatch([]))  # type: ignore[arg-type]
+    waiting = {r.rid: r for r in policy.snapshots[-1].waiting}
+    assert (waiting["turn"].prefilled, waiting["turn"].cached_len) == (2000, 2000)
+    assert waiting["turn"].prompt_left == 50
+    assert (waiting["fresh"].prefilled, waiting["fresh"].prompt_left) == (0, 300)
+    assert sorted(matched) == ["fresh", "turn"]
+    assert drv.stats.prefix_matches == 2 and drv.stats.waiting_cached_tokens == 2000
+
+
+def test_prefix_matches_are_renewed_a_few_at_a_time_and_never_without_a_prefix_cache() -> None:
+    clock = [100.0]
+    waiting = [req(f"b{i}", "be", prompt=400) for i in range(100)]
+    s = sched(waiting)
+    held = dict.fromkeys((r.rid for r in waiting), 0)
+    matched: list[str] = []
+
+    def cached_prefix(sched: Any, r: Any) -> int:
+        matched.append(r.rid)
+        return held[r.rid]
+
+    policy = ScriptedPolicy(Plan())
+    drv = EngineDriver(policy, clock=lambda: clock[0], cached_prefix=cached_prefix)  # type: ignore[arg-type]
+    drv.plan_iteration(s, FakeBatch([]))  # type: ignore[arg-type]
+    assert len(matched) == driver.PREFIX_NEW_MATCHES  # a flood is matched over several plans
+    drv.plan_iteration(s, FakeBatch([]))  # type: ignore[arg-type]
+    assert len(set(matched)) == len(matched) == 100  # the rest, each once
+    # another line computed the shared instructions: the renewed matches find them, in queue
+    # order, a few a plan once the last match is old enough
+    held.update(dict.fromkeys(held, 300))
+    matched.clear()
+    drv.plan_iteration(s, FakeBatch([]))  # type: ignore[arg-type]
+    assert matched == []  # matched just now
+    clock[0] += driver.PREFIX_RECHECK_S
+    drv.plan_iteration(s, FakeBatch([]))  # type: ignore[arg-type]
+    assert matched == [f"b{i}" for i in range(driver.PREFIX_RECHECKS)]
+    planned = {r.rid: r.prefilled for r in policy.snapshots[-1].waiting}
+    assert planned["b0"] == 300 and planned[f"b{driver.PREFIX_RECHECKS}"] == 0
+
+    s.tree_cache.supports_prefix_sharing = lambda: False  # the bicache layout: no radix cache
+    matched.clear()
+    clock[0] += 10 * driver.PREFIX_RECHECK_S
+    drv.plan_iteration(s, FakeBatch([]))  # type: ignore[arg-type]
+    assert matched == []
