@@ -121,6 +121,10 @@ class Router(Protocol):
     """A placement policy."""
 
     name: str
+    forecasts: bool
+    """True when it forecasts an RT request's contract with the prefix its replica's cache holds
+    taken off the prompt: then even one replica is placed through it (the forecast is the SLO
+    admission's, and its memory of prefixes must see every request)."""
 
     def choose(self, ask: PlaceAsk, replicas: Sequence[Replica]) -> PlaceDecision:
         """The replica to run *ask* on, among *replicas* (at least one); records the placement."""
@@ -142,10 +146,13 @@ def prefix_keys(blocks: Iterable[Sequence[int] | int]) -> tuple[int, ...]:
 def token_prefix_keys(tokens: Sequence[int], block_tokens: int) -> tuple[int, ...]:
     """`prefix_keys` of a token sequence's full blocks of *block_tokens* (the gateway's view of
     a prompt: the engine's radix cache matches tokens)."""
-    full = len(tokens) // block_tokens
-    return prefix_keys(
-        tuple(tokens[i * block_tokens : (i + 1) * block_tokens]) for i in range(full)
-    )
+    # `prefix_keys` unrolled for token blocks: the gateway keys every prompt it places
+    keys: list[int] = []
+    key = 0
+    for start in range(0, len(tokens) // block_tokens * block_tokens, block_tokens):
+        key = hash((key, tuple(tokens[start : start + block_tokens])))
+        keys.append(key)
+    return tuple(keys)
 
 
 class PrefixTracker:
@@ -258,6 +265,7 @@ class RoundRobin:
     """Replicas in turn."""
 
     name = "round-robin"
+    forecasts = False
 
     def __init__(self) -> None:
         self._turn = itertools.count()
@@ -271,6 +279,7 @@ class LeastLoad:
     """Fewest running + waiting tokens, tokens sent since the report included."""
 
     name = "least-load"
+    forecasts = False
 
     def __init__(self) -> None:
         self._sent = _Sent()
@@ -290,6 +299,7 @@ class PrefixAware:
     else least load."""
 
     name = "prefix"
+    forecasts = False
 
     def __init__(
         self,
@@ -334,6 +344,7 @@ class SloAware:
     prefixes kept together (the module doc)."""
 
     name = "slo"
+    forecasts = True
 
     def __init__(
         self,
@@ -356,6 +367,7 @@ class SloAware:
 
     def choose(self, ask: PlaceAsk, replicas: Sequence[Replica]) -> PlaceDecision:
         _check(replicas)
+        self._bound_tracker(replicas, ask.block_tokens)
         if ask.slo is not None:
             decision = self._place_rt(ask, ask.slo, replicas)
         else:
@@ -365,6 +377,20 @@ class SloAware:
         self._sent.add(chosen, ask.prompt_tokens)
         self.tracker.record(chosen.name, ask.prefix_keys)
         return decision
+
+    def _bound_tracker(self, replicas: Sequence[Replica], block_tokens: int) -> None:
+        """The prefix memory keeps no more blocks than the replicas' KV pools hold together
+        (once every replica has reported its size): the engines evict their caches' least
+        recently used prefixes to make room, and a prefix remembered past that would be
+        forecast as cached when its prompt is computed again (a small engine — the CPU's
+        16K-token pool — holds a few conversations, not the last 8 M tokens sent)."""
+        total = 0
+        for r in replicas:
+            load = r.load
+            if load is None or load.kv_capacity_tokens <= 0:
+                return
+            total += load.kv_capacity_tokens
+        self.tracker.max_keys = max(1, total // max(1, block_tokens))
 
     def _place_rt(self, ask: PlaceAsk, slo: SloAsk, replicas: Sequence[Replica]) -> PlaceDecision:
         sent = self._sent

@@ -26,8 +26,9 @@ from typing import Any
 
 import msgspec
 
-from backend.policy.feasibility import SloForecaster
+from backend.policy.feasibility import SloAsk, SloForecaster
 from backend.policy.latency import LatencyModel, load_profile
+from backend.policy.placement import make_router
 from backend.policy.profiles import resolve_profile
 from common.wire import EngineLoad, TenantLoad
 from gateway.api.schemas import ChatCompletionRequest
@@ -42,7 +43,8 @@ from gateway.pipeline.admission import (
     release_holds,
 )
 from gateway.pipeline.outcome import Refused
-from gateway.pipeline.prepare import build_engine_request
+from gateway.pipeline.placement import EngineHandle, Placement, decide
+from gateway.pipeline.prepare import EngineRequest, build_engine_request
 from gateway.quotas.limiter import QuotaLimiter
 from gateway.store.types import Quota, Slo, Tenant
 
@@ -109,10 +111,11 @@ def _tenant(on_unattainable: str) -> Tenant:
     )
 
 
-def _candidate(tenant: Tenant) -> Admitted:
-    """A request of *tenant* as prepare leaves it, arriving now."""
+def _candidate(tenant: Tenant, seq: int) -> Admitted:
+    """Request *seq* of *tenant* as prepare leaves it, arriving now (its first token its own:
+    no prompt shares a prefix with another's, so each is forecast whole)."""
     principal = Principal(tenant=tenant, key_id="key_1", key_prefix="p")
-    request = build_engine_request(_BODY, _PROMPT_IDS, 128, principal, "rt")
+    request = build_engine_request(_BODY, [100_000 + seq, *_PROMPT_IDS[1:]], 128, principal, "rt")
     return Admitted(tenant=tenant, origin="api", request=request)
 
 
@@ -132,12 +135,20 @@ def run_scenario(
 ) -> dict[str, Any]:
     """Times `admit_through` for *requests* requests; p50/p99/mean in µs and the outcomes."""
     metrics, watcher = GatewayMetrics(), LoadWatcher("bench")
-    checks = (QuotaCheck(QuotaLimiter("bench"), metrics), SloCheck(forecaster, watcher, metrics))
+    # the gateway's place stage on its one engine, with config.yaml's router (slo): it forecasts
+    # the request with the prefix the engine's cache holds taken off its prompt
+    engine = EngineHandle(name="bench", client=None, load=watcher)  # type: ignore[arg-type]
+    router = make_router("slo", forecaster)
+
+    def place(request: EngineRequest, slo: SloAsk, now_unix_s: float) -> Placement:
+        return decide(request, [engine], router, slo, now_unix_s)
+
+    checks = (QuotaCheck(QuotaLimiter("bench"), metrics), SloCheck(forecaster, place, metrics))
     tenant = _tenant(on_unattainable)
     samples_us: list[float] = []
     outcomes: dict[str, int] = {}
     for i in range(requests):
-        candidate = _candidate(tenant)
+        candidate = _candidate(tenant, i)
         if i % state_every == 0:  # the engine's next iteration reports what it took in
             # each iteration the running RT decodes' contexts grow by one token each
             watcher.latest = msgspec.structs.replace(

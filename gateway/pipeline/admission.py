@@ -355,8 +355,11 @@ class SloCheck:
         engine = placement.engine if placement is not None else None
         watcher = engine.load if engine is not None else None
         load = watcher.latest if watcher is not None else None
-        backlog = (
-            watcher.backlog(now_unix_s) if watcher is not None and load is not None else Backlog()
+        forecast = placement.forecast if placement is not None else None
+        backlog = (  # the router's forecast counted it already
+            watcher.backlog(now_unix_s)
+            if forecast is None and watcher is not None and load is not None
+            else Backlog()
         )
         extra_s = 0.0
         if engine is not None and self.feedback is not None:
@@ -369,7 +372,7 @@ class SloCheck:
             load,
             backlog,
             extra_s,
-            forecast=placement.forecast if placement is not None else None,
+            forecast=forecast,
             engine=engine.name if engine is not None else None,
         )
         self.metrics.slo_admission(admitted.tenant.id, decision.outcome, decision.target)

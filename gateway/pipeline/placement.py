@@ -8,8 +8,10 @@ RT to the engine with the most predicted slack against its contract, load. A han
 engine's live state (`load`, the app's `LOADS` watcher for it): the watcher's fields are read,
 never polled, here. The router keeps its memory (what it sent where since each engine's last
 report, which prefixes went where) in the app (`ROUTER`). With one candidate the choice is
-forced. The run stage uses only the `Placement`, and the record stage aborts an unfinished
-request on the engine it was placed on.
+forced, but a router that forecasts (`slo`) still places it: its forecast, with the prefix the
+engine's cache holds taken off the prompt (a conversation's history), is the SLO admission's.
+The run stage uses only the `Placement`, and the record stage aborts an unfinished request on
+the engine it was placed on.
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ def choose_engine(
 ) -> EngineHandle:
     """The engine to run *request* on, among *candidates* (at least one). With one engine, or
     without a router, the choice is forced (the first); else *router* ranks the candidates by
-    their live state (`decide`)."""
+    their live state (`decide`; with one engine too when it forecasts)."""
     return decide(request, candidates, router, slo, now_unix_s).engine
 
 
@@ -117,7 +119,7 @@ def decide(
     engine's own outcomes taught its TTFT forecast."""
     if not candidates:
         raise ValueError("no engine to place the request on")
-    if router is None or len(candidates) == 1:
+    if router is None or (len(candidates) == 1 and not router.forecasts):
         return Placement(engine=candidates[0])
     now = time.time() if now_unix_s is None else now_unix_s
     ask = PlaceAsk(

@@ -28,7 +28,14 @@ from common.wire import EngineLoad
 from gateway.engine.load import LoadWatcher
 from gateway.pipeline.admission import slo_ask
 from gateway.pipeline.placement import EngineHandle, choose_engine, decide
-from tests.unit.pipeline_factories import FakeEngine, make_principal, make_request, replies
+from gateway.pipeline.prepare import build_engine_request
+from tests.unit.pipeline_factories import (
+    FakeEngine,
+    chat_body,
+    make_principal,
+    make_request,
+    replies,
+)
 
 KV = 100_000
 
@@ -307,6 +314,45 @@ def test_place_stage_with_one_engine_is_forced(forecaster: SloForecaster) -> Non
     placement = decide(request, only, SloAware(forecaster))
     assert placement.engine is only[0] and placement.forecast is None
     assert choose_engine(request, only) is only[0]
+    assert decide(request, only, LeastLoad()).engine is only[0]
+
+
+def test_with_one_engine_a_turn_is_forecast_without_the_history_its_cache_holds(
+    forecaster: SloForecaster,
+) -> None:
+    # The SLO admission's forecast of a conversation's next turn counts the new tokens, not
+    # the 6,000-token history the engine computed for the turn before (it would refuse the
+    # turn on a busy engine for a prompt it will not compute).
+    principal = make_principal()
+    busy = {"num_rt_running": 16, "rt_context_tokens": 40_000}
+    only = [_handle("http://a", load(**busy))]
+    router = SloAware(forecaster)
+
+    def forecast(request: Any) -> Any:
+        slo = slo_ask(request, request.meta.arrival_unix_s)
+        placement = decide(request, only, router, slo, now_unix_s=0.0)
+        assert placement.engine is only[0] and placement.forecast is not None
+        return placement.forecast
+
+    forecast(make_request(principal, prompt_len=6000))
+    assert only[0].load is not None
+    only[0].load.update(load(iteration=2, **busy))  # the turn's report: nothing in flight
+    turn = forecast(make_request(principal, prompt_len=6100))  # its history and 100 tokens
+    only[0].load.update(load(iteration=3, **busy))
+    fresh_ids = list(range(10_001, 16_101))  # as long, nothing of it computed before
+    fresh = forecast(build_engine_request(chat_body(), fresh_ids, 8, principal, "rt"))  # type: ignore[arg-type]
+    assert turn.ttft_s < 0.5 * fresh.ttft_s, (turn, fresh)
+
+
+def test_slo_router_remembers_no_more_prefixes_than_the_engines_kv_holds(
+    forecaster: SloForecaster,
+) -> None:
+    router = SloAware(forecaster)
+    small = replicas(load(kv_capacity_tokens=1024), load(kv_capacity_tokens=1024))  # 4 blocks
+    for block in range(6):
+        router.choose(be_ask(prompt=512, keys=prefix_keys([block])), small)
+    assert router.tracker.match(prefix_keys([1])) is None  # evicted by the engines by now
+    assert router.tracker.match(prefix_keys([5])) is not None
 
 
 def test_config_names_the_router_and_refuses_an_unknown_one() -> None:
