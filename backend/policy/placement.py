@@ -64,6 +64,9 @@ from backend.policy.feasibility import (
 from common.wire import EngineLoad, Tier
 
 ROUTERS = ("slo", "round-robin", "least-load", "prefix")
+TRACKER_BOUND_EVERY = 256
+"""The slo router sums its replicas' KV sizes (its prefix memory's bound) at least this often,
+in decisions."""
 """Router names (`--routers`, the gateway's `gateway.router`)."""
 
 _NO_BACKLOG = Backlog()
@@ -364,6 +367,8 @@ class SloAware:
         and still be chosen."""
         self.tracker = tracker or PrefixTracker()
         self._sent = _Sent()
+        self._decisions = 0
+        self._bound_replicas = 0  # replicas when the tracker's bound was last summed
 
     def choose(self, ask: PlaceAsk, replicas: Sequence[Replica]) -> PlaceDecision:
         _check(replicas)
@@ -384,12 +389,18 @@ class SloAware:
         recently used prefixes to make room, and a prefix remembered past that would be
         forecast as cached when its prompt is computed again (a small engine — the CPU's
         16K-token pool — holds a few conversations, not the last 8 M tokens sent)."""
+        # a pool's KV sizes change only when replicas come or go: summed again then, and
+        # every TRACKER_BOUND_EVERY decisions (a replica's first report)
+        self._decisions += 1
+        if len(replicas) == self._bound_replicas and self._decisions % TRACKER_BOUND_EVERY:
+            return
         total = 0
         for r in replicas:
             load = r.load
             if load is None or load.kv_capacity_tokens <= 0:
                 return
             total += load.kv_capacity_tokens
+        self._bound_replicas = len(replicas)
         self.tracker.max_keys = max(1, total // max(1, block_tokens))
 
     def _place_rt(self, ask: PlaceAsk, slo: SloAsk, replicas: Sequence[Replica]) -> PlaceDecision:
