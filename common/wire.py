@@ -233,9 +233,16 @@ class EngineLoad(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     iteration: int
     """Iterations the scheduler has run since it started (0: none yet)."""
     at_unix_s: float
-    """When the iteration ended (wall clock)."""
+    """When the iteration ended and the next was planned (wall clock)."""
     iteration_s: float = 0.0
     """The last iteration's measured duration, seconds (0 before the first)."""
+    inflight_predicted_s: float | None = None
+    """The iteration the engine started at `at_unix_s`, just after this report was taken: its
+    predicted duration at the calibrated pace (the plan's), seconds; 0 when it started none
+    (nothing to run). An RT request that arrives while it runs waits for what is left of it
+    (an iteration is not preempted: deep into a long prompt on a CPU engine, a BE chunk runs
+    for seconds). None: not reported (an engine whose policy predicts nothing): the SLO
+    admission then counts `iteration_s` for it."""
     predicted_iteration_s: float = 0.0
     """What the policy's calibrated latency model predicted for that iteration when it planned
     it, seconds (0: no prediction — before the first iteration, or a policy that predicts

@@ -11,14 +11,16 @@ the same latency model the engine's policy plans with, corrected by that pace:
           tandem gives BE only the time RT leaves under its deadlines, so BE does not count;
           a TPOT the RT decodes alone cannot keep, no schedule keeps.
 
-    TTFT  the iteration in flight, then the RT prompt tokens W ahead of it (below) and its
-          own prompt, computed in chunks beside those decodes:
-              iteration_s + ⌈W / c⌉ × f_mixed × predict(decodes + chunk c)
+    TTFT  what is left of the iteration in flight, then the RT prompt tokens W ahead of it
+          (below) and its own prompt, computed in chunks beside those decodes:
+              left + ⌈W / c⌉ × f_mixed × predict(decodes + chunk c)
           where c is the largest chunk whose iteration stays within the per-iteration budget
           (`iteration_budget_s`, the policy's τ; the request's own TPOT target when smaller),
-          capped by the engine's max prefill. RT prompts are served before any BE prompt, so
-          BE's queue does not count either; its running decodes do, through the measured
-          iteration in flight.
+          capped by the engine's max prefill; left is the in-flight iteration's predicted time
+          (`EngineLoad.inflight_predicted_s`) less what has run since the report
+          (`inflight_left_s`; the last measured iteration from an engine that does not report
+          it). RT prompts are served before any BE prompt, so BE's queue does not count
+          either; its running decodes and chunks do, through the iteration in flight.
 
     W     the RT prompt work weighted fair share serves before it (`work_ahead`). The
           engine offers a tier's waiting prompts tenant by tenant, least served first (virtual
@@ -58,7 +60,7 @@ the same latency model the engine's policy plans with, corrected by that pace:
           (`RtOutputs`: the mean of L − g over the lengths L > g of the RT requests it
           finished lately, at most the request's max_new_tokens − g), fewest first, and the
           k-th of them, at the decodes' step time, is the wait; the prompt starts after it:
-              TTFT ≥ iteration_s + steps_k × f_decode × predict(decodes) + its own prompt
+              TTFT ≥ left + steps_k × f_decode × predict(decodes) + its own prompt
           Without it, a bursting tenant's requests were admitted on the prompt work alone
           while every slot was RT's, and waited 2-4 s for one (W6 on the real engine, 64
           slots: 25 of its 249 admitted requests late).
@@ -111,6 +113,10 @@ class SloAsk:
     """The tenant it is served for (its fair-share lane; "" is the anonymous tenant)."""
     weight: float = 1.0
     """The tenant's fair-share weight within the RT tier (> 0; from its contract)."""
+    at_s: float | None = None
+    """When it is judged, on the clock of the engine reports' `at_unix_s` (the gateway's wall
+    clock, the engine on the same host; the simulator's clock): what has run of the iteration
+    in flight since the report is not waited for again. None: as at the report's instant."""
 
 
 @dataclass(frozen=True)
@@ -329,7 +335,7 @@ class SloForecaster:
                 slot_wait_s = (
                     0.0  # the prompts ahead take longer: the slot is not what it waits for
                 )
-        return load.iteration_s + ttft_s, tpot_s, slot_wait_s
+        return inflight_left_s(load, ask.at_s, spread) + ttft_s, tpot_s, slot_wait_s
 
     @staticmethod
     def _slot_wait_steps(load: EngineLoad, ask: SloAsk, backlog: Backlog, work_tokens: int) -> int:
@@ -694,6 +700,19 @@ def _decodes(count: int, context_tokens: int) -> BatchShape:
     )
 
 
+def inflight_left_s(load: EngineLoad, at_s: float | None, spread: float = 1.0) -> float:
+    """What is left at *at_s* of the iteration the engine started when it took *load*: its
+    predicted time, stretched by the pace *spread*, less the time since the report (none with
+    *at_s* None); the last measured iteration for an engine that does not say what it runs."""
+    predicted_s = load.inflight_predicted_s
+    if predicted_s is None:
+        return load.iteration_s
+    left_s = spread * predicted_s
+    if at_s is not None:
+        left_s -= max(0.0, at_s - load.at_unix_s)
+    return max(0.0, left_s)
+
+
 def _retry_after(over_s: float) -> float:
     """Whole seconds, at least one (HTTP's Retry-After has a one-second resolution)."""
     return float(max(1, math.ceil(over_s)))
@@ -706,6 +725,7 @@ def load_of(
     at_unix_s: float,
     iteration_s: float,
     predicted_iteration_s: float = 0.0,
+    inflight_predicted_s: float | None = None,
     latency_factors: tuple[float, float, float] = (1.0, 1.0, 1.0),
     pace_ratio_p90: float = 1.0,
     calibration_samples: int = 0,
@@ -770,6 +790,7 @@ def load_of(
         at_unix_s=at_unix_s,
         iteration_s=iteration_s,
         predicted_iteration_s=predicted_iteration_s,
+        inflight_predicted_s=inflight_predicted_s,
         pace_ratio_p90=pace_ratio_p90,
         num_rt_waiting=rt_waiting,
         rt_waiting_prompt_tokens=rt_prompt,

@@ -330,12 +330,12 @@ class EngineDriver:
         running = list(running_batch.reqs)
         snap = self.snapshot(sched, running + list(parked))
         self._note_peaks(snap)
-        self._publish_load(snap)
         t_plan = self.clock()
         plan = self.policy.plan(snap)
         plan_ms = (self.clock() - t_plan) * 1000.0
         self._plan = plan
         self._note_plan_ms(plan_ms)
+        self._publish_load(snap, plan)
         if (
             not (plan.prefills or plan.decodes or plan.evictions)
             and snap.waiting
@@ -461,10 +461,11 @@ class EngineDriver:
         add to the old object for one more iteration)."""
         self.stats = DriverStats(policy=self.policy.name)
 
-    def _publish_load(self, snap: Snapshot) -> None:
-        """After each completed iteration, the state the next one plans from goes to the
-        control endpoint's long polls (once: the scheduler also plans while idle, and an idle
-        engine's state only changes by arrivals, which the next iteration reports)."""
+    def _publish_load(self, snap: Snapshot, plan: Plan) -> None:
+        """After each completed iteration, the state the next one plans from, and what *plan*
+        predicts that iteration takes, go to the control endpoint's long polls (once: the
+        scheduler also plans while idle, and an idle engine's state only changes by arrivals,
+        which the next iteration reports)."""
         if self.iterations == self.loads.latest.iteration:
             return
         self._rt_outputs.observe(snap)
@@ -475,6 +476,7 @@ class EngineDriver:
                 at_unix_s=self.wall_clock(),
                 iteration_s=self._last_iteration_s or 0.0,
                 predicted_iteration_s=self._last_predicted_s,
+                inflight_predicted_s=_inflight_predicted_s(plan, snap),
                 latency_factors=policy_factors(self.policy),
                 pace_ratio_p90=self._pace.upper(),
                 calibration_samples=policy_calibration_samples(self.policy),
@@ -563,6 +565,15 @@ def _slack(r: ReqState, now_s: float) -> float:
 def _is_abort(req: ReqView) -> bool:
     reason = getattr(req, "finished_reason", None)
     return type(reason).__name__ == "FINISH_ABORT"
+
+
+def _inflight_predicted_s(plan: Plan, snap: Snapshot) -> float | None:
+    """What the iteration about to run is predicted to take: the plan's prediction; 0 when
+    nothing will run (nothing planned, waiting or running); None when unknown (a policy that
+    predicts nothing, or SGLang admitting on its own after an empty plan)."""
+    if plan.prefills or plan.decodes or plan.evictions:
+        return plan.predicted_s
+    return 0.0 if not (snap.waiting or snap.running) else None
 
 
 def _is_cut(rid: str, prefill_tokens: Mapping[str, int], states: Mapping[str, ReqState]) -> bool:

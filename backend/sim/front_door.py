@@ -135,6 +135,7 @@ def slo_ask(req: SimRequest, now_s: float) -> SloAsk:
         # the tenant as the core files it (backend/sim/core.py): its fair-share lane
         tenant_id=req.length_key if req.tenant_id is None else req.tenant_id,
         weight=req.tenant_weight,
+        at_s=now_s,
     )
 
 

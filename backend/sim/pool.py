@@ -28,6 +28,7 @@ from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 
 from backend.policy.calibration import PaceSpread
@@ -95,6 +96,18 @@ class _Member:
         self.view = Replica(name=self.name, load=load)
         self.unreported.clear()
         return snap
+
+    def started(self, at_s: float) -> None:
+        """Its next iteration started at *at_s*: its report says what it runs, as the real
+        engine's does (`EngineLoad.inflight_predicted_s`), so that a request placed while it
+        runs is forecast to wait for what is left of it."""
+        load, step = self.view.load, self.step
+        if load is None or step is None:
+            return
+        load = msgspec.structs.replace(
+            load, at_unix_s=at_s, inflight_predicted_s=step.batch.plan.predicted_s
+        )
+        self.view = Replica(self.name, load, self.view.backlog)
 
     def sent(self, req: SimRequest) -> None:
         """A request was placed on it: it waits in the inbox while an iteration is in flight
@@ -199,6 +212,7 @@ def simulate_pool(
             return
         stalled.discard(m.index)
         heapq.heappush(ends, (m.step.end_s, m.index))
+        m.started(at_s)
 
     def place(req: SimRequest, at_s: float) -> bool:
         """Routes and admits one arrival; False when the run should stop."""

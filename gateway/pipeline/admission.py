@@ -303,6 +303,7 @@ def slo_ask(request: EngineRequest, now_unix_s: float) -> SloAsk | None:
         waited_s=max(0.0, now_unix_s - meta.arrival_unix_s),
         tenant_id=meta.tenant_id,
         weight=meta.tenant_weight,
+        at_s=now_unix_s,
     )
 
 

@@ -453,8 +453,21 @@ def test_each_completed_iteration_publishes_the_load_it_plans_from() -> None:
     assert load.latency_factors == (1.5, 1.0, 2.0)
     assert [(t.tenant_id, t.fair_counter) for t in load.rt_by_tenant] == [("t", 1234.0)]
     assert load.kv_capacity_tokens == 10_000 and load.kv_used_tokens == 1_000
+    # the iteration it starts now: what its plan predicts (the admission waits for its rest)
+    assert load.inflight_predicted_s == pytest.approx(0.02)
     drv.plan_iteration(s, FakeBatch([rt]))  # no iteration ran since (an idle loop): no report
     assert drv.loads.latest is load
+
+
+def test_the_load_says_when_nothing_runs_and_when_what_runs_is_unknown() -> None:
+    idle_policy = ScriptedPolicy(Plan())
+    drv = run_one_iteration(idle_policy, FakeBatch([]), [req("w", "rt")], duration_s=0.05)
+    drv.plan_iteration(sched([]), FakeBatch([]))  # nothing left to run
+    assert drv.loads.latest.inflight_predicted_s == 0.0
+    # SGLang admits on its own after an empty plan for queued work: nothing predicted it
+    drv = run_one_iteration(idle_policy, FakeBatch([]), [req("w", "rt")], duration_s=0.05)
+    drv.plan_iteration(sched([req("w2", "rt")]), FakeBatch([]))
+    assert drv.loads.latest.inflight_predicted_s is None
 
 
 def test_the_iteration_log_carries_the_token_mix_of_the_plan_that_ran() -> None:

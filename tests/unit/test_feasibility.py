@@ -81,6 +81,27 @@ def test_an_idle_engine_re_checks_a_pace_learned_earlier_instead_of_refusing_on_
     assert not FORECASTER.forecast(learned, impossible).feasible  # 10 ms decodes at any pace
 
 
+def test_a_request_waits_for_what_is_left_of_the_iteration_in_flight() -> None:
+    """An iteration is not preempted: deep into a long BE prompt on a CPU engine one runs for
+    seconds, and an RT request that arrives then waits for its rest, whatever the iteration
+    before it took."""
+    ask = SloAsk(prompt_tokens=1000, ttft_target_s=1.0)  # 30 ms alone
+    # the report came after a 10 ms iteration, and a 2 s one started then
+    long_next = idle_load(num_be_running=1, iteration_s=0.01, inflight_predicted_s=2.0)
+    assert FORECASTER.forecast(long_next, ask).ttft_s == pytest.approx(2.03)
+    judged_at = [(0.5, 1.53), (1.9, 0.13), (3.0, 0.03)]  # seconds after the report
+    for at_s, ttft_s in judged_at:
+        forecast = FORECASTER.forecast(long_next, SloAsk(1000, 1.0, at_s=at_s))
+        assert forecast.ttft_s == pytest.approx(ttft_s)
+        assert forecast.feasible == (ttft_s <= 1.0 * FORECASTER.headroom)
+    # an engine that does not say what runs: its last iteration stands for it, as before
+    unknown = idle_load(num_be_running=1, iteration_s=0.4)
+    assert FORECASTER.forecast(unknown, SloAsk(1000, 1.0, at_s=5.0)).ttft_s == pytest.approx(0.43)
+    # the engine's recent worst pace stretches it like the rest of the forecast
+    slow = msgspec_replace(long_next, pace_ratio_p90=2.0)
+    assert FORECASTER.forecast(slow, SloAsk(1000, 1.0, at_s=3.0)).ttft_s == pytest.approx(1.06)
+
+
 def test_rt_prompts_ahead_delay_the_first_token_and_the_excess_is_named() -> None:
     load = idle_load(num_rt_waiting=10, rt_waiting_prompt_tokens=20_000, iteration_s=0.05)
     ask = SloAsk(prompt_tokens=1000, ttft_target_s=0.5, tpot_target_s=0.2)
