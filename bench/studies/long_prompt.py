@@ -22,12 +22,22 @@ counters over the phase (chunked prompts parked and released, prefills refused);
 engine's iteration log, the time of the iterations that computed an RT prompt from its start
 beside those that computed a chunk deep into a BE prompt (prefix ≥ 2,048 tokens).
 
+With ``--gateway`` the study runs instead one phase through `tandem serve` (the gateway and
+its SLO admission in front of the same engine, config.yaml's settings but for the model, the
+pool, the `cpu-tiny` profile): the BE prompts as a BE tenant's completions, and an RT tenant's
+chats (contract TTFT ``--ttft-ms``, TPOT 200 ms, refused when the gateway forecasts a miss)
+every second while they run. Reported: the chats the gateway refused (429
+`slo_unattainable`), those it admitted that met the contract and those that missed it, and
+the admitted chats' TTFT.
+
     python -m bench.studies.long_prompt --out bench/results/long_prompt/run.json
+    python -m bench.studies.long_prompt --gateway --out bench/results/long_prompt/gateway.json
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import shutil
 import statistics
@@ -312,6 +322,145 @@ def run(options: Options, workdir: Path) -> list[Phase]:
         engine.stop()
 
 
+@dataclass
+class GatewayChat:
+    """One RT chat through the gateway."""
+
+    status: int
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    error_code: str | None = None
+
+    def met(self, options: Options) -> bool:
+        return (
+            self.status == 200
+            and self.ttft_s is not None
+            and self.ttft_s * 1000 <= options.ttft_ms
+            and (self.tpot_s is None or self.tpot_s * 1000 <= options.tpot_ms)
+        )
+
+
+async def _completion(
+    session: Any, base_url: str, key: str, ids: list[int], max_tokens: int
+) -> GatewayChat:
+    """One streamed greedy completion of token ids through the gateway, timed by token."""
+    body = {
+        "model": MODEL_NAME,
+        "prompt": ids,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    started = time.perf_counter()
+    stamps: list[float] = []
+    async with session.post(
+        f"{base_url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+    ) as resp:
+        chat = GatewayChat(status=resp.status)
+        if resp.status != 200:
+            try:
+                chat.error_code = (await resp.json())["error"]["code"]
+            except (KeyError, TypeError, ValueError):
+                chat.error_code = f"HTTP {resp.status}"
+            return chat
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            usage = json.loads(line[5:]).get("usage")
+            new = int(usage["completion_tokens"]) - len(stamps) if usage else 0
+            if new > 0:
+                stamps += [time.perf_counter()] * new
+    if stamps:
+        chat.ttft_s = stamps[0] - started
+    if len(stamps) > 1:
+        chat.tpot_s = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+    return chat
+
+
+async def _gateway_phase(base_url: str, admin_token: str, options: Options) -> dict[str, Any]:
+    import aiohttp
+
+    from bench.live_client import create_tenant_key
+
+    admin = {"Authorization": f"Bearer {admin_token}"}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
+        contract = {"ttft_ms": options.ttft_ms, "tpot_ms": options.tpot_ms}
+        rt_key = await create_tenant_key(session, base_url, admin, "chat", "rt", contract)
+        be_key = await create_tenant_key(session, base_url, admin, "docs", "be", {})
+        await _completion(session, base_url, rt_key, prompt(0, options.rt_prompt_tokens), 4)
+        be_s: list[float] = []
+
+        async def be(ids: list[int]) -> None:
+            started = time.perf_counter()
+            done = await _completion(session, base_url, be_key, ids, 8)
+            if done.status != 200:
+                raise RuntimeError(f"a BE prompt failed: {done}")
+            be_s.append(time.perf_counter() - started)
+
+        tasks = [
+            asyncio.create_task(be(prompt(1000 + b, options.be_prompt_tokens)))
+            for b in range(options.be_prompts)
+        ]
+        chats: list[GatewayChat] = []
+        n = 0
+        while not all(t.done() for t in tasks):
+            await asyncio.sleep(1.0)
+            ids = prompt(200 + n, options.rt_prompt_tokens)
+            chats.append(await _completion(session, base_url, rt_key, ids, 16))
+            n += 1
+        await asyncio.gather(*tasks)
+    admitted = [c for c in chats if c.status == 200]
+    ttft = sorted(c.ttft_s for c in admitted if c.ttft_s is not None)
+    return {
+        "phase": "RT chats beside long BE prompts, through the gateway",
+        "rt_chats": len(chats),
+        "rt_refused": sum(c.error_code == "slo_unattainable" for c in chats),
+        "rt_failed": sum(c.status not in (200, 429) for c in chats),
+        "rt_admitted_met": sum(c.met(options) for c in admitted),
+        "rt_admitted_missed": sum(not c.met(options) for c in admitted),
+        "rt_admitted_ttft_p50_s": statistics.median(ttft) if ttft else None,
+        "rt_admitted_ttft_max_s": ttft[-1] if ttft else None,
+        "be_prompt_s": be_s,
+        "chats": [asdict(c) for c in chats],
+    }
+
+
+def run_gateway(options: Options, workdir: Path) -> dict[str, Any]:
+    """The gateway phase on a fresh `tandem serve`; stopped whatever happens."""
+    import secrets
+
+    import yaml
+
+    from bench.live import READY_TIMEOUT_S, served
+    from common.config import DEFAULT_CONFIG_PATH
+
+    cfg: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())
+    port = free_port()
+    (workdir / "tandem.db").unlink(missing_ok=True)
+    cfg["gateway"]["port"] = port
+    cfg["database"]["url"] = f"sqlite+aiosqlite:///{workdir / 'tandem.db'}"
+    cfg["model"].update(
+        name=MODEL_NAME,
+        path=str(long_context_model(workdir / "model-cache", options.context_tokens)),
+    )
+    cfg["engine"].update(
+        port=free_port(),
+        log_file=str(workdir / "engine.log"),
+        startup_timeout_s=READY_TIMEOUT_S,
+        profile="cpu-tiny",
+        max_total_tokens=options.pool_tokens,
+        max_running_requests=16,
+    )
+    config_path = workdir / "config.yaml"
+    config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    token = secrets.token_hex(16)
+    with served(config_path, token, workdir / "gateway.log", port) as base_url:
+        return asyncio.run(_gateway_phase(base_url, token, options))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.studies.long_prompt", description=__doc__.split("\n\n")[0]
@@ -325,6 +474,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rt-long-prompt", type=int, default=d.rt_long_prompt_tokens)
     parser.add_argument("--chats", type=int, default=d.chats)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/tandem-long-prompt"))
+    parser.add_argument("--ttft-ms", type=float, default=d.ttft_ms, help="RT TTFT target")
+    parser.add_argument(
+        "--gateway", action="store_true", help="one phase through tandem serve (see above)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the results here (JSON)")
     args = parser.parse_args(argv)
     options = Options(
@@ -335,19 +488,21 @@ def main(argv: list[str] | None = None) -> int:
         rt_prompt_tokens=args.rt_prompt,
         rt_long_prompt_tokens=args.rt_long_prompt,
         chats=args.chats,
+        ttft_ms=args.ttft_ms,
     )
     if args.be_prompt + 8 > args.context or args.rt_long_prompt + 16 > args.context:
         parser.error("--be-prompt and --rt-long-prompt must fit in --context with their output")
     if min(args.be_prompts, args.chats, args.rt_prompt, args.pool_tokens) < 1:
         parser.error("--be-prompts, --chats, --rt-prompt and --pool-tokens must be ≥ 1")
     args.workdir.mkdir(parents=True, exist_ok=True)
-    phases = run(options, args.workdir)
-    result = {
-        "command": "python -m bench.studies.long_prompt "
-        + " ".join(sys.argv[1:] if argv is None else argv),
-        "options": asdict(options),
-        "phases": [p.summary() for p in phases],
-    }
+    command = "python -m bench.studies.long_prompt " + " ".join(
+        sys.argv[1:] if argv is None else argv
+    )
+    if args.gateway:
+        summaries = [run_gateway(options, args.workdir)]
+    else:
+        summaries = [p.summary() for p in run(options, args.workdir)]
+    result = {"command": command, "options": asdict(options), "phases": summaries}
     text = json.dumps(result, indent=2)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
