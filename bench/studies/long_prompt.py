@@ -445,6 +445,7 @@ def run_gateway(options: Options, workdir: Path) -> dict[str, Any]:
     cfg["model"].update(
         name=MODEL_NAME,
         path=str(long_context_model(workdir / "model-cache", options.context_tokens)),
+        random_weights=True,
     )
     cfg["engine"].update(
         port=free_port(),
