@@ -64,6 +64,15 @@ from backend.policy.feasibility import (
 from common.wire import EngineLoad, Tier
 
 ROUTERS = ("slo", "round-robin", "least-load", "prefix")
+CLAIM_HELD_FRAC = 0.9
+"""A prefix-memory claim holds when the engine found at least this share of it cached (its
+count ends on its own page and block boundaries)."""
+CACHE_SHARE_CUT = 0.7
+CACHE_SHARE_STEP = 0.02
+CACHE_SHARE_MIN = 0.05
+"""The slo router's prefix memory spans `SloAware.cache_share` of the replicas' KV pools: cut
+to CACHE_SHARE_CUT × itself when an engine held less than it claimed, raised by
+CACHE_SHARE_STEP when a claim held, never below CACHE_SHARE_MIN."""
 TRACKER_BOUND_EVERY = 256
 """The slo router sums its replicas' KV sizes (its prefix memory's bound) at least this often,
 in decisions."""
@@ -112,6 +121,9 @@ class PlaceDecision:
     """Index of the chosen replica in the list given to `choose`."""
     forecast: Forecast | None = None
     """The slo router's forecast of an RT request on the chosen replica (None: not forecast)."""
+    cached_tokens: int = 0
+    """Prompt tokens that forecast took as held by the chosen replica's prefix cache (its
+    prefix memory's claim; `SloAware.observe_cached` checks it against the engine's count)."""
 
     @property
     def unattainable(self) -> bool:
@@ -131,6 +143,12 @@ class Router(Protocol):
 
     def choose(self, ask: PlaceAsk, replicas: Sequence[Replica]) -> PlaceDecision:
         """The replica to run *ask* on, among *replicas* (at least one); records the placement."""
+        ...
+
+    def observe_cached(self, claimed_tokens: int, engine_cached_tokens: int) -> None:
+        """A request placed with *claimed_tokens* of its prompt taken as cached (its
+        `PlaceDecision.cached_tokens`) found *engine_cached_tokens* in the engine's prefix
+        cache (the engine's count, once it computed the prompt)."""
         ...
 
 
@@ -270,6 +288,9 @@ class RoundRobin:
     name = "round-robin"
     forecasts = False
 
+    def observe_cached(self, claimed_tokens: int, engine_cached_tokens: int) -> None:
+        pass  # no forecast rests on its prefix memory
+
     def __init__(self) -> None:
         self._turn = itertools.count()
 
@@ -283,6 +304,9 @@ class LeastLoad:
 
     name = "least-load"
     forecasts = False
+
+    def observe_cached(self, claimed_tokens: int, engine_cached_tokens: int) -> None:
+        pass  # no forecast rests on its prefix memory
 
     def __init__(self) -> None:
         self._sent = _Sent()
@@ -303,6 +327,9 @@ class PrefixAware:
 
     name = "prefix"
     forecasts = False
+
+    def observe_cached(self, claimed_tokens: int, engine_cached_tokens: int) -> None:
+        pass  # no forecast rests on its prefix memory
 
     def __init__(
         self,
@@ -369,6 +396,11 @@ class SloAware:
         self._sent = _Sent()
         self._decisions = 0
         self._bound_replicas = 0  # replicas when the tracker's bound was last summed
+        self._bound_keys = 0  # the pools' KV in blocks, when last summed
+        self.cache_share = 1.0
+        """The share of the replicas' KV pools their prefix caches are taken to keep: lowered
+        when an engine held less of a prompt than the memory claimed (`observe_cached`),
+        raised back slowly while its claims hold."""
 
     def choose(self, ask: PlaceAsk, replicas: Sequence[Replica]) -> PlaceDecision:
         _check(replicas)
@@ -401,7 +433,25 @@ class SloAware:
                 return
             total += load.kv_capacity_tokens
         self._bound_replicas = len(replicas)
-        self.tracker.max_keys = max(1, total // max(1, block_tokens))
+        self._bound_keys = max(1, total // max(1, block_tokens))
+        self.tracker.max_keys = max(1, int(self._bound_keys * self.cache_share))
+
+    def observe_cached(self, claimed_tokens: int, engine_cached_tokens: int) -> None:
+        """The engine's count of a request's cached prompt tokens against what the forecast
+        took as cached: the prefix memory's bound follows what the engines really keep (their
+        pools hold running requests' KV too, and evict their caches' least recently used
+        prefixes first). A claim the engine did not hold cuts the share of the pools the
+        memory spans by CACHE_SHARE_CUT; a claim it held raises it by CACHE_SHARE_STEP (a
+        loop like TCP's window: claims that fail are costly — a forecast too short, a request
+        admitted to miss —, so the memory shrinks fast and grows back slowly)."""
+        if claimed_tokens <= 0:
+            return
+        if engine_cached_tokens < CLAIM_HELD_FRAC * claimed_tokens:
+            self.cache_share = max(CACHE_SHARE_MIN, self.cache_share * CACHE_SHARE_CUT)
+        else:
+            self.cache_share = min(1.0, self.cache_share + CACHE_SHARE_STEP)
+        if self._bound_keys:
+            self.tracker.max_keys = max(1, int(self._bound_keys * self.cache_share))
 
     def _place_rt(self, ask: PlaceAsk, slo: SloAsk, replicas: Sequence[Replica]) -> PlaceDecision:
         sent = self._sent
@@ -430,13 +480,13 @@ class SloAware:
             return waiting + r.backlog.prompt_tokens + sent.tokens(r)
 
         headroom = self.forecaster.headroom
-        best: tuple[float, int, Forecast] | None = None
+        best: tuple[float, int, Forecast, int] | None = None
         if hit is not None:  # its turns stay together where the contract holds
             cached = hit[1] * ask.block_tokens
             forecast = self._forecast(replicas[hit[0]], slo, cached)
             if forecast.feasible:
-                return PlaceDecision(hit[0], forecast)
-            best = (_slack(forecast, slo, headroom), hit[0], forecast)
+                return PlaceDecision(hit[0], forecast, cached)
+            best = (_slack(forecast, slo, headroom), hit[0], forecast, cached)
         count = len(replicas)
         if count <= self.forecast_candidates:
             candidates: Iterable[int] = range(count)
@@ -449,9 +499,9 @@ class SloAware:
             forecast = self._forecast(replicas[i], slo, cached)
             slack = _slack(forecast, slo, headroom)
             if best is None or slack > best[0]:
-                best = (slack, i, forecast)
+                best = (slack, i, forecast, cached)
         assert best is not None
-        return PlaceDecision(best[1], best[2])
+        return PlaceDecision(best[1], best[2], best[3])
 
     def _forecast(self, r: Replica, slo: SloAsk, cached: int) -> Forecast:
         """The forecast on *r*: its report (an empty one without), the RT sent since, what its

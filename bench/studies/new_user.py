@@ -298,7 +298,9 @@ class Gateway:
             text = await r.text()
             if r.status != 200:
                 raise RuntimeError(f"reading file {file_id}: HTTP {r.status} {text[:200]}")
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
+        # JSONL lines end at "\n" only: the random model's text may hold U+2028 and its kin,
+        # which str.splitlines also splits on
+        return [json.loads(line) for line in text.split("\n") if line.strip()]
 
 
 async def wait_for(predicate: Any, timeout_s: float, what: str, every_s: float = 0.5) -> Any:

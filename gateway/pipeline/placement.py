@@ -53,6 +53,9 @@ class Placement:
     engine: EngineHandle
     forecast: Forecast | None = None
     """The slo router's forecast of an RT request on that engine (None: not forecast)."""
+    cached_tokens: int = 0
+    """Prompt tokens that forecast took as held by the engine's prefix cache (the router's
+    claim, checked against the engine's own count when the request ends)."""
 
 
 def engine_candidates(app: web.Application) -> list[EngineHandle]:
@@ -130,7 +133,11 @@ def decide(
         slo=slo,
     )
     decision = router.choose(ask, [_replica(h, now, feedback) for h in candidates])
-    return Placement(engine=candidates[decision.index], forecast=decision.forecast)
+    return Placement(
+        engine=candidates[decision.index],
+        forecast=decision.forecast,
+        cached_tokens=decision.cached_tokens,
+    )
 
 
 def _replica(

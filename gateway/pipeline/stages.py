@@ -34,6 +34,7 @@ from datetime import UTC, datetime
 
 from aiohttp import web
 
+from backend.policy.placement import CLAIM_HELD_FRAC
 from common.wire import Tier
 from gateway.api.schemas import ChatCompletionRequest, Endpoint, OpenAIRequest
 from gateway.auth import Principal
@@ -81,6 +82,7 @@ from gateway.state import (
     METRICS,
     POOL,
     QUOTAS,
+    ROUTER,
     TOKENIZER,
     TTFT_FEEDBACK,
     USAGE,
@@ -98,6 +100,8 @@ class Progress:
     completion_tokens: int = 0
     queue_ms: float | None = None
     """Time the request waited in the engine's queue, ms."""
+    cached_tokens: int = 0
+    """Prompt tokens the engine found in its prefix cache (its count)."""
     finish_reason: str | None = None
     """The engine's: "stop", "length" or "abort"; None until the last chunk."""
 
@@ -306,6 +310,7 @@ async def run(app: web.Application, flight: Flight) -> AsyncGenerator[EngineChun
                     flight.timer.on_tokens(chunk.completion_tokens)
                     progress.completion_tokens = chunk.completion_tokens
                     progress.prompt_tokens = chunk.prompt_tokens or progress.prompt_tokens
+                    progress.cached_tokens = max(progress.cached_tokens, chunk.cached_tokens)
                     if chunk.queue_time_s is not None:
                         progress.queue_ms = chunk.queue_time_s * 1000.0
                     if chunk.finish_reason is not None:
@@ -374,11 +379,31 @@ def record(app: web.Application, flight: Flight, *, cancelled: bool) -> None:
         used = progress.prompt_tokens + progress.completion_tokens if ran and billed else 0
         release_holds(flight.admitted.holds, used)
     usage = usage_record(flight)
-    _teach_forecast(app, flight, usage)
+    cache_claim_held = _teach_prefix_memory(app, flight)
+    if cache_claim_held:
+        _teach_forecast(app, flight, usage)
     meta = flight.request.meta if flight.request is not None else None
     length_key = meta.length_key if meta is not None and flight.failure is None else None
     app[METRICS].request_finished(usage, started=flight.admitted is not None)
     app[USAGE].record(usage, length_key=length_key, key_id=flight.principal.key_id)
+
+
+def _teach_prefix_memory(app: web.Application, flight: Flight) -> bool:
+    """A request whose forecast took part of its prompt as cached on its engine tells the
+    router how much the engine really held (`Router.observe_cached`); False when the engine
+    held less than claimed. Its TTFT then says nothing about the engine's pace — the engine
+    computed what the forecast left out —, so it does not teach the TTFT feedback: taught,
+    a few such misses made the admission refuse every request for a while (multi-turn chats
+    on the CPU engine: 40 of 40 turns refused beside a batch)."""
+    placement = flight.placement
+    router = app.get(ROUTER)
+    if placement is None or router is None or placement.cached_tokens <= 0:
+        return True
+    if flight.progress.completion_tokens <= 0:
+        return True  # never prefilled: nothing learned
+    cached = flight.progress.cached_tokens
+    router.observe_cached(placement.cached_tokens, cached)
+    return cached >= CLAIM_HELD_FRAC * placement.cached_tokens
 
 
 def _teach_forecast(app: web.Application, flight: Flight, usage: UsageRecord) -> None:

@@ -10,6 +10,9 @@ import pytest
 from backend.policy.feasibility import Backlog, SloAsk, SloForecaster
 from backend.policy.latency import LatencyModel, load_profile
 from backend.policy.placement import (
+    CACHE_SHARE_CUT,
+    CACHE_SHARE_MIN,
+    CACHE_SHARE_STEP,
     ROUTERS,
     LeastLoad,
     PlaceAsk,
@@ -342,6 +345,39 @@ def test_with_one_engine_a_turn_is_forecast_without_the_history_its_cache_holds(
     fresh_ids = list(range(10_001, 16_101))  # as long, nothing of it computed before
     fresh = forecast(build_engine_request(chat_body(), fresh_ids, 8, principal, "rt"))  # type: ignore[arg-type]
     assert turn.ttft_s < 0.5 * fresh.ttft_s, (turn, fresh)
+
+
+def test_the_slo_routers_decision_names_the_cache_it_counted_on(
+    forecaster: SloForecaster,
+) -> None:
+    router = SloAware(forecaster)
+    history = prefix_keys([21, 22, 23])
+    pool = replicas(load())
+    assert router.choose(rt_ask(prompt=1600, keys=history), pool).cached_tokens == 0
+    pool = replicas(load(iteration=2))
+    turn = router.choose(rt_ask(prompt=1700, keys=(*history, hash(24))), pool)
+    assert turn.cached_tokens == 3 * 512  # the blocks it sent before, 512 tokens each
+
+
+def test_claims_the_engine_did_not_hold_shrink_the_prefix_memory_fast_and_back_slowly(
+    forecaster: SloForecaster,
+) -> None:
+    router = SloAware(forecaster)
+    pool = replicas(load(kv_capacity_tokens=51_200))  # 100 blocks of 512
+    router.choose(be_ask(prompt=512, keys=prefix_keys([0])), pool)
+    assert router.tracker.max_keys == 100
+    router.observe_cached(claimed_tokens=2048, engine_cached_tokens=0)  # evicted
+    router.observe_cached(claimed_tokens=2048, engine_cached_tokens=512)
+    assert router.cache_share == pytest.approx(CACHE_SHARE_CUT**2)
+    assert router.tracker.max_keys == int(100 * CACHE_SHARE_CUT**2)
+    for _ in range(5):  # held (within its last page and block)
+        router.observe_cached(claimed_tokens=2048, engine_cached_tokens=1900)
+    assert router.cache_share == pytest.approx(CACHE_SHARE_CUT**2 + 5 * CACHE_SHARE_STEP)
+    router.observe_cached(claimed_tokens=0, engine_cached_tokens=0)  # nothing claimed: no news
+    assert router.cache_share == pytest.approx(CACHE_SHARE_CUT**2 + 5 * CACHE_SHARE_STEP)
+    for _ in range(200):
+        router.observe_cached(claimed_tokens=2048, engine_cached_tokens=0)
+    assert router.cache_share == pytest.approx(CACHE_SHARE_MIN)  # never forgets everything
 
 
 def test_slo_router_remembers_no_more_prefixes_than_the_engines_kv_holds(

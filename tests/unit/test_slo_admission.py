@@ -6,6 +6,7 @@ written to the usage record, and a downgrade is announced in a response header."
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -20,7 +21,7 @@ from backend.policy.feasibility import (
     TtftFeedbackByEngine,
 )
 from backend.policy.latency import LatencyModel, load_profile
-from backend.policy.placement import make_router
+from backend.policy.placement import CACHE_SHARE_CUT, CACHE_SHARE_STEP, SloAware, make_router
 from backend.policy.profiles import resolve_profile
 from common.wire import PRIORITY_RT, EngineLoad, TenantLoad, meta_from_custom_params
 from gateway.engine.load import LoadWatcher
@@ -42,7 +43,7 @@ from gateway.pipeline.stages import (
     record,
     response_headers,
 )
-from gateway.state import LOADS, METRICS, SLO_FORECASTER, TTFT_FEEDBACK
+from gateway.state import LOADS, METRICS, ROUTER, SLO_FORECASTER, TTFT_FEEDBACK
 from tests.unit.pipeline_factories import (
     FakeEngine,
     chat_body,
@@ -451,3 +452,36 @@ def test_first_tokens_later_than_forecast_teach_the_admission_to_shed(
         "tandem_slo_ttft_feedback_seconds", {"engine": FakeEngine.base_url}
     )
     assert gauge is not None and gauge > 0.4  # operators see the admission grow stricter
+
+
+def test_a_cache_claim_the_engine_did_not_hold_shrinks_the_prefix_memory_not_the_forecast(
+    forecaster: SloForecaster,
+) -> None:
+    # The router forecast a turn with 2,000 tokens of history cached, but the engine had
+    # evicted it and computed the whole prompt: its late first token says nothing about the
+    # engine's pace (TtftFeedback is not taught), and the router's prefix memory shrinks.
+    app = staged_app(forecaster, IDLE)
+    app[ROUTER] = router = SloAware(forecaster)
+    app[TTFT_FEEDBACK] = feedbacks = TtftFeedbackByEngine(lambda: TtftFeedback(decay_s=1e9))
+    feedback = feedbacks.of(FakeEngine.base_url)
+
+    def turn(engine_cached_tokens: int) -> None:
+        flight = make_flight(make_principal(rt_tenant()))
+        prepare(app, flight, chat_body(), make_prompt())
+        assert not isinstance(admit(app, flight), Refused)
+        placement = place(app, flight)
+        assert placement is not None
+        flight.placement = replace(placement, cached_tokens=2000)
+        flight.timer.start_s -= 1.0  # a second late
+        flight.timer.on_tokens(1)
+        flight.progress.completion_tokens = 1
+        flight.progress.cached_tokens = engine_cached_tokens
+        flight.progress.finish_reason = "length"  # ended: nothing to abort
+        record(app, flight, cancelled=True)
+
+    turn(engine_cached_tokens=0)
+    assert router.cache_share == pytest.approx(CACHE_SHARE_CUT)
+    assert feedback.samples == 0
+    turn(engine_cached_tokens=2000)  # held: the lateness is the engine's, and it teaches
+    assert router.cache_share == pytest.approx(CACHE_SHARE_CUT + CACHE_SHARE_STEP)
+    assert feedback.samples == 1
