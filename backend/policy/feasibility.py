@@ -20,7 +20,10 @@ the same latency model the engine's policy plans with, corrected by that pace:
           (`EngineLoad.inflight_predicted_s`) less what has run since the report
           (`inflight_left_s`; the last measured iteration from an engine that does not report
           it). RT prompts are served before any BE prompt, so BE's queue does not count
-          either; its running decodes and chunks do, through the iteration in flight.
+          either; its running decodes and chunks do, through the iteration in flight. A
+          prompt whose prefix the engine's cache holds (`SloAsk.cached_tokens`: a
+          conversation's history) computes only the rest, in chunks that attend to that
+          prefix: each is predicted at its place after it.
 
     W     the RT prompt work weighted fair share serves before it (`work_ahead`). The
           engine offers a tier's waiting prompts tenant by tenant, least served first (virtual
@@ -113,6 +116,11 @@ class SloAsk:
     """The tenant it is served for (its fair-share lane; "" is the anonymous tenant)."""
     weight: float = 1.0
     """The tenant's fair-share weight within the RT tier (> 0; from its contract)."""
+    cached_tokens: int = 0
+    """Tokens before its prompt that its engine's prefix cache holds (a conversation's
+    history; `prompt_tokens` counts only what is left to compute): its chunks attend to them,
+    which costs more the longer they are (on a backend that recomputes the prefix's attention
+    rows, as much as computing them)."""
     at_s: float | None = None
     """When it is judged, on the clock of the engine reports' `at_unix_s` (the gateway's wall
     clock, the engine on the same host; the simulator's clock): what has run of the iteration
@@ -307,13 +315,13 @@ class SloForecaster:
             if split is not None:
                 chunk, split_decode_s = split
 
-        def cycle_s(tokens: int) -> float:
-            """The iterations that compute *tokens* of prompt work, with the decodes' step."""
+        def cycle_s(tokens: int, prefix: int = 0) -> float:
+            """The iterations that compute *tokens* of prompt work after *prefix* tokens of
+            KV, with the decodes' step."""
             if split_decode_s is None:
-                return f_chunk * self.latency.predict(running.with_prefill(tokens))
-            return (
-                f_prefill * self.latency.predict(BatchShape().with_prefill(tokens)) + split_decode_s
-            )
+                return f_chunk * self.latency.predict(running.with_prefill(tokens, prefix))
+            prompt = BatchShape().with_prefill(tokens, prefix)
+            return f_prefill * self.latency.predict(prompt) + split_decode_s
 
         def prefill_s(tokens: int) -> float:
             full, rest = divmod(tokens, chunk)
@@ -324,6 +332,12 @@ class SloForecaster:
         if drift > 0.0:  # n iterations serve n × chunk prompt tokens, n × drift of them owed
             ahead_tokens = math.ceil(ahead_tokens * chunk / max(chunk - drift, chunk / MAX_DRIFT))
         ttft_s = spread * prefill_s(ahead_tokens)
+        if ask.cached_tokens > 0:  # its own chunks attend to the cached prefix as well
+            done = 0
+            while done < ask.prompt_tokens:
+                c = min(chunk, ask.prompt_tokens - done)
+                ttft_s += spread * (cycle_s(c, ask.cached_tokens + done) - cycle_s(c))
+                done += c
         slot_wait_s = 0.0
         slot_steps = self._slot_wait_steps(load, ask, backlog, work)
         if slot_steps:  # its prompt starts once a slot is its, whatever was computed by then

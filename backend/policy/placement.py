@@ -519,7 +519,11 @@ class SloAware:
             load = msgspec.structs.replace(
                 load, latency_factors=(1.0, 1.0, 1.0), pace_ratio_p90=1.0
             )
-        ask = replace(slo, prompt_tokens=max(1, slo.prompt_tokens - cached)) if cached else slo
+        if cached:  # computed after the prefix its cache holds
+            prompt = max(1, slo.prompt_tokens - cached)
+            ask = replace(slo, prompt_tokens=prompt, cached_tokens=slo.prompt_tokens - prompt)
+        else:
+            ask = slo
         return self.forecaster.forecast(load, ask, r.backlog, r.ttft_extra_s)
 
     def _place_be(

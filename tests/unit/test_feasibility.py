@@ -102,6 +102,24 @@ def test_a_request_waits_for_what_is_left_of_the_iteration_in_flight() -> None:
     assert FORECASTER.forecast(slow, SloAsk(1000, 1.0, at_s=3.0)).ttft_s == pytest.approx(1.06)
 
 
+def test_a_prompt_after_a_cached_prefix_costs_what_its_chunks_attend_to() -> None:
+    """A conversation's turn computes only its new tokens, but they attend to the whole
+    history its engine's cache holds: on a backend that recomputes the prefix's attention rows
+    (the CPU engine's), a 274-token turn after 2,200 cached tokens costs about as much as the
+    whole conversation's last chunk."""
+    # 10 ms per iteration + 20 ms per 1K prompt tokens + 50 ms per 1M token² of (prefix+chunk)²
+    full_square = LatencyModel([0.010, 0.020, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.050])
+    forecaster = SloForecaster(full_square, iteration_budget_s=1.0)
+    new_only = forecaster.forecast(idle_load(), SloAsk(274, 1.0)).ttft_s
+    turn = forecaster.forecast(idle_load(), SloAsk(274, 1.0, cached_tokens=2200)).ttft_s
+    assert new_only == pytest.approx(0.010 + 0.020 * 0.274 + 0.050 * 0.274**2)
+    assert turn == pytest.approx(0.010 + 0.020 * 0.274 + 0.050 * 2.474**2)
+    # the forecast's own model (no such term) sees no difference
+    assert FORECASTER.forecast(idle_load(), SloAsk(274, 1.0, cached_tokens=2200)).ttft_s == (
+        pytest.approx(FORECASTER.forecast(idle_load(), SloAsk(274, 1.0)).ttft_s)
+    )
+
+
 def test_rt_prompts_ahead_delay_the_first_token_and_the_excess_is_named() -> None:
     load = idle_load(num_rt_waiting=10, rt_waiting_prompt_tokens=20_000, iteration_s=0.05)
     ask = SloAsk(prompt_tokens=1000, ttft_target_s=0.5, tpot_target_s=0.2)
