@@ -54,6 +54,9 @@ from bench.studies.new_user import (
 )
 from common.wire import CONTROL_LOAD_PATH, CONTROL_STATS_PATH
 
+RESENDS = 2
+"""A refused turn is sent again this many times at most, each after its `Retry-After` (the
+OpenAI Python client's default for a 429)."""
 ENGINE_COUNTERS = ("prefix_matches", "waiting_cached_tokens", "iterations")
 
 
@@ -76,9 +79,15 @@ class Turn:
     turn: int
     status: int
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    """What the engine's prefix cache held of its prompt (`usage.prompt_tokens_details`)."""
     ttft_s: float | None = None
     tpot_s: float | None = None
     error_code: str | None = None
+    retry_after_s: float | None = None
+    """A refusal's `Retry-After`, seconds."""
+    attempt: int = 0
+    """0 for the first try, then each resend after a refusal."""
 
     def met(self, contract: dict[str, float]) -> bool:
         """Served within the contract's TTFT and TPOT."""
@@ -99,25 +108,32 @@ class Phase:
 
     def summary(self, contract: dict[str, float]) -> dict[str, Any]:
         served_turns = [t for t in self.turns if t.status == 200]
+        asked = {(t.conversation, t.turn) for t in self.turns}
         by_turn: list[dict[str, Any]] = []
         for n in sorted({t.turn for t in self.turns}):
             these = [t for t in self.turns if t.turn == n]
+            turns_asked = len({t.conversation for t in these})
             ttfts = [t.ttft_s for t in these if t.ttft_s is not None]
             prompts = [t.prompt_tokens for t in these if t.prompt_tokens is not None]
+            cached = [t.cached_tokens for t in these if t.cached_tokens is not None]
             by_turn.append(
                 {
                     "turn": n,
-                    "turns": len(these),
+                    "turns": turns_asked,
+                    "requests": len(these),
                     "prompt_tokens_p50": statistics.median(prompts) if prompts else None,
+                    "cached_tokens_p50": statistics.median(cached) if cached else None,
                     "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
                     "met": sum(t.met(contract) for t in these),
                     "refused": sum(t.status == 429 for t in these),
                 }
             )
         return {
-            "turns": len(self.turns),
+            "turns": len(asked),
+            "requests": len(self.turns),
             "served": len(served_turns),
             "refused": sum(t.status == 429 for t in self.turns),
+            "turns_never_served": len(asked) - len(served_turns),
             "failed": sum(t.status not in (200, 429) for t in self.turns),
             "met": sum(t.met(contract) for t in self.turns),
             "admitted_attainment": (
@@ -156,6 +172,8 @@ async def send_turn(
     ) as resp:
         record = Turn(conversation=conversation, turn=turn, status=resp.status)
         if resp.status != 200:
+            if "Retry-After" in resp.headers:
+                record.retry_after_s = float(resp.headers["Retry-After"])
             try:
                 record.error_code = (await resp.json())["error"]["code"]
             except (aiohttp.ContentTypeError, KeyError, TypeError, ValueError):
@@ -171,6 +189,9 @@ async def send_turn(
             usage = event.get("usage")
             if usage:
                 record.prompt_tokens = int(usage["prompt_tokens"])
+                details = usage.get("prompt_tokens_details") or {}
+                if details.get("cached_tokens") is not None:
+                    record.cached_tokens = int(details["cached_tokens"])
                 if int(usage["completion_tokens"]) > len(stamps):
                     stamps += [time.perf_counter()] * (
                         int(usage["completion_tokens"]) - len(stamps)
@@ -193,7 +214,8 @@ async def conversations(
 ) -> Phase:
     """`options.conversations` conversations of `options.turns` turns, turns interleaved, one
     request at a time; stops early when *while_* (checked before each turn) is false. A refused
-    turn is not part of the history (the user sends the next message after it anyway)."""
+    turn is sent again after its `Retry-After`, up to `RESENDS` times (as the OpenAI client
+    libraries retry a 429); one refused every time is not part of the history."""
     histories: list[list[dict[str, str]]] = [[] for _ in range(options.conversations)]
     for turn in range(options.turns):
         for c, history in enumerate(histories):
@@ -204,16 +226,21 @@ async def conversations(
                 "role": "user",
                 "content": f"Conversation {conversation}, part {turn}: " + DOCUMENT * 3,
             }
-            record, reply = await send_turn(
-                session,
-                base_url,
-                key,
-                [*history, ask],
-                options.reply_tokens,
-                conversation,
-                turn,
-            )
-            phase.turns.append(record)
+            for attempt in range(RESENDS + 1):
+                record, reply = await send_turn(
+                    session,
+                    base_url,
+                    key,
+                    [*history, ask],
+                    options.reply_tokens,
+                    conversation,
+                    turn,
+                )
+                record.attempt = attempt
+                phase.turns.append(record)
+                if record.status != 429 or attempt == RESENDS:
+                    break
+                await asyncio.sleep(record.retry_after_s or 1.0)
             if record.status == 200:
                 history += [ask, {"role": "assistant", "content": reply}]
     return phase
@@ -321,20 +348,24 @@ def report(result: dict[str, Any], command: str) -> str:
         out += [
             f"## {name}",
             "",
-            f"{phase['met']} of {phase['turns']} turns met the contract, {phase['refused']} "
-            f"refused, {phase['failed']} failed; admitted attainment "
+            f"{phase['met']} of {phase['turns']} turns met the contract; {phase['requests']} "
+            f"requests, {phase['refused']} of them refused (a refused turn is sent again "
+            f"after its Retry-After, twice at most), {phase['turns_never_served']} turns "
+            f"never served, {phase['failed']} failed; admitted attainment "
             f"{phase['admitted_attainment']}. Engine: {engine['prefix_matches']} prefix matches "
             f"found {engine['waiting_cached_tokens']} cached tokens; latency model error "
             f"p50 {engine['latency_corrected_error_p50']}, "
             f"p99 {engine['latency_corrected_error_p99']}.",
             "",
-            "| turn | turns | prompt tokens p50 | TTFT p50 s | met | refused |",
-            "|---:|---:|---:|---:|---:|---:|",
+            "| turn | turns | requests | prompt tokens p50 | cached p50 | TTFT p50 s | met | "
+            "refused |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for row in phase["by_turn"]:
             ttft = row["ttft_p50_s"]
             out.append(
-                f"| {row['turn']} | {row['turns']} | {row['prompt_tokens_p50']} | "
+                f"| {row['turn']} | {row['turns']} | {row['requests']} | "
+                f"{row['prompt_tokens_p50']} | {row['cached_tokens_p50']} | "
                 f"{'–' if ttft is None else f'{ttft:.3f}'} | {row['met']} | {row['refused']} |"
             )
         out.append("")

@@ -117,7 +117,7 @@ async def _respond(app: web.Application, flight: Flight) -> web.Response:
     result = await complete(app, flight)
     if not isinstance(result, Completion):
         raise result.api_error()
-    usage = usage_body(result.prompt_tokens, result.completion_tokens)
+    usage = usage_body(result.prompt_tokens, result.completion_tokens, result.cached_tokens)
     body = completion_body(_head(flight), result.text, result.finish_reason, usage, result.logprobs)
     return web.json_response(body=_encoder.encode(body), headers=response_headers(app, flight))
 
@@ -196,5 +196,5 @@ def _head(flight: Flight) -> ResponseHead:
     )
 
 
-def _usage(progress: Progress) -> dict[str, int]:
-    return usage_body(progress.prompt_tokens, progress.completion_tokens)
+def _usage(progress: Progress) -> dict[str, Any]:
+    return usage_body(progress.prompt_tokens, progress.completion_tokens, progress.cached_tokens)

@@ -23,12 +23,16 @@ def response_id(endpoint: Endpoint, rid: str) -> str:
     return f"chatcmpl-{rid}" if endpoint == "chat" else f"cmpl-{rid}"
 
 
-def usage_body(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """OpenAI's `usage` object."""
+def usage_body(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+) -> dict[str, Any]:
+    """OpenAI's `usage` object; `prompt_tokens_details.cached_tokens`: the prompt tokens the
+    engine found in its prefix cache (a conversation's history, a shared system prompt)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 

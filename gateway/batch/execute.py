@@ -157,7 +157,7 @@ async def _run_attempt(
         logprobs=request.asks_logprobs,
         tool_plan=request.tool_plan,
     )
-    usage = usage_body(result.prompt_tokens, result.completion_tokens)
+    usage = usage_body(result.prompt_tokens, result.completion_tokens, result.cached_tokens)
     body = completion_body(head, result.text, result.finish_reason, usage, result.logprobs)
     await store.finish_item(
         batch_id,

@@ -158,6 +158,8 @@ class Completion:
     completion_tokens: int
     logprobs: list[TokenLogprob] = field(default_factory=list)
     """Each output token's log probability, when the request asked for them."""
+    cached_tokens: int = 0
+    """Prompt tokens the engine found in its prefix cache."""
 
 
 # ---------------------------------------------------------------------------------- the stages
@@ -468,6 +470,7 @@ async def complete(app: web.Application, flight: Flight) -> Completion | Failure
         prompt_tokens=progress.prompt_tokens,
         completion_tokens=progress.completion_tokens,
         logprobs=logprobs,
+        cached_tokens=progress.cached_tokens,
     )
 
 

@@ -17,7 +17,7 @@ RID = "tdm-0123abcd"
 
 def test_chat_completion_body() -> None:
     head = ResponseHead(endpoint="chat", rid=RID, model="tandem-tiny", created_unix_s=1700)
-    body = completion_body(head, "Hello!", "length", usage_body(5, 3))
+    body = completion_body(head, "Hello!", "length", usage_body(5, 3, cached_tokens=4))
     assert body == {
         "id": f"chatcmpl-{RID}",
         "object": "chat.completion",
@@ -31,7 +31,13 @@ def test_chat_completion_body() -> None:
                 "logprobs": None,
             }
         ],
-        "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8},
+        "usage": {
+            "prompt_tokens": 5,
+            "completion_tokens": 3,
+            "total_tokens": 8,
+            # what the engine's prefix cache held of the prompt, as OpenAI reports it
+            "prompt_tokens_details": {"cached_tokens": 4},
+        },
     }
 
 
