@@ -97,3 +97,25 @@ def test_the_stretch_never_shrinks_the_least_chunk_nor_passes_the_prompt() -> No
     assert chunks(policy.plan(snapshot(running=[short]))) == {"be": 40}  # the rest, no more
     cheap = make_policy(**{**NO_TIME, "least_chunk_stretch": 1e-9})
     assert chunks(cheap.plan(snapshot(running=[_partial("be", "be")]))) == {"be": 64}
+
+
+def test_a_turn_after_a_cached_history_is_not_cut_where_its_prefix_is_its_cost() -> None:
+    """A conversation's turn: 251 new tokens after 2,190 the prefix cache holds. Every chunk
+    of it attends to the whole history, so cut to the budget it pays the history in each
+    chunk; within the stretch it runs whole (1 iteration instead of several)."""
+
+    def plan(stretch: float) -> int:
+        config = TandemConfig(latency_budget_s=0.05, least_chunk_stretch=stretch)
+        turn = make_request("turn", prompt_len=2441)
+        turn.prefilled = turn.cached_len = 2190  # waiting, its history in the prefix cache
+        return chunks(TandemPolicy(PREFIX_BOUND, config=config).plan(snapshot(waiting=[turn])))[
+            "turn"
+        ]
+
+    assert plan(0.0) < 251  # the budget alone: cut
+    assert plan(0.25) == 251  # whole: (2,441)² costs < 1.25 × (2,206)²
+    # where the cost is the chunk's own (no prefix to speak of), the budget still cuts
+    fresh = make_request("fresh", prompt_len=4000)
+    config = TandemConfig(latency_budget_s=0.05)
+    cut = chunks(TandemPolicy(PREFIX_BOUND, config=config).plan(snapshot(waiting=[fresh])))
+    assert cut["fresh"] < 4000

@@ -42,7 +42,8 @@ class TandemBatch(BatchBuilder):
         """Chunks shorter than this are not worth a slot (unless they finish the prompt)."""
         self.least_chunk_stretch = least_chunk_stretch
         """How much longer than the least chunk's iteration `least_chunk` lets a longer chunk's
-        run (0: the least chunk as it is)."""
+        run (0: the least chunk as it is); `chunk_for` grows a chunk the same way where its
+        cost is mostly its prefix."""
         self.first_tokens = 0
         """RT prompts this batch finishes (each emits its first token when it ends)."""
         self.rt_deadline_s = math.inf
@@ -99,6 +100,19 @@ class TandemBatch(BatchBuilder):
         )
         if tokens < left and tokens < self.min_chunk_tokens:
             return 0
+        if 0 < tokens < cap and self.least_chunk_stretch > 0.0:
+            # Where a chunk's cost is its prefix (the least chunk costs nearly as much as this
+            # one), cutting the prompt here saves this iteration little and pays the prefix
+            # again in the next: the chunk grows as `least_chunk` does. On the CPU engine a
+            # conversation's 251-token turn after 2,190 cached tokens was cut in three, each
+            # as long as the whole: TTFT 0.69 s where the turn before took 0.19 s.
+            least = align_chunk(req, min(tokens, max(1, self.min_chunk_tokens)), self.page)
+            limit_s = (1.0 + self.least_chunk_stretch) * self.timer.with_chunk(
+                self, least, req.prefilled
+            )
+            if self.timer.with_chunk(self, tokens, req.prefilled) <= limit_s:
+                longer = self.timer.max_chunk(self, limit_s, prefix=req.prefilled, cap=cap)
+                tokens = max(tokens, align_chunk(req, longer, self.page))
         return tokens
 
     def least_chunk(self, req: ReqState) -> int:

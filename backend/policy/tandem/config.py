@@ -124,7 +124,9 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
     while the iteration stays within this fraction above the smallest chunk's predicted time:
     deep into a long prompt, where every chunk pays for attention over the whole prefix, a
     longer chunk costs little more and saves the prefix's cost many times over (0: the smallest
-    chunk as it is)."""
+    chunk as it is). A chunk the budget cuts grows the same way where the smallest chunk
+    would cost nearly as much (a conversation's turn after its cached history: cut, it pays
+    the history in every chunk)."""
     rt_slot_reserve_frac: float = 0.1
     """Share of the engine's request slots (max_running) that BE admissions leave free, so an
     RT arrival is never kept waiting by the request cap alone (engines with a finite cap)."""
