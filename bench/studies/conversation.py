@@ -52,7 +52,7 @@ from bench.studies.new_user import (
     config_for,
     wait_for,
 )
-from common.wire import CONTROL_LOAD_PATH, CONTROL_STATS_PATH
+from common.wire import CONTROL_ITERATIONS_PATH, CONTROL_LOAD_PATH, CONTROL_STATS_PATH
 
 RESENDS = 2
 """A refused turn is sent again this many times at most, each after its `Retry-After` (the
@@ -88,6 +88,8 @@ class Turn:
     """A refusal's `Retry-After`, seconds."""
     attempt: int = 0
     """0 for the first try, then each resend after a refusal."""
+    sent_unix_s: float = 0.0
+    """When it was sent (wall clock: the engine's iteration log's clock)."""
 
     def met(self, contract: dict[str, float]) -> bool:
         """Served within the contract's TTFT and TPOT."""
@@ -165,12 +167,15 @@ async def send_turn(
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
     started = time.perf_counter()
+    sent_unix_s = time.time()
     stamps: list[float] = []
     text: list[str] = []
     async with session.post(
         f"{base_url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
     ) as resp:
-        record = Turn(conversation=conversation, turn=turn, status=resp.status)
+        record = Turn(
+            conversation=conversation, turn=turn, status=resp.status, sent_unix_s=sent_unix_s
+        )
         if resp.status != 200:
             if "Retry-After" in resp.headers:
                 record.retry_after_s = float(resp.headers["Retry-After"])
@@ -298,6 +303,11 @@ async def scenario(base_url: str, token: str, engine_port: int, options: Options
         )
         after_beside = await engine_stats(engine_port)
         print(f"beside the batch: {beside.summary(contract)}", file=sys.stderr)
+        # the engine's last iterations (measured, predicted, token mix): where a slow turn went
+        status, log = await asyncio.to_thread(
+            engine_control_get, engine_port, CONTROL_ITERATIONS_PATH, 10.0
+        )
+        iterations = log.get("iterations", []) if status == 200 and isinstance(log, dict) else []
 
         async def batch_done() -> dict[str, Any] | None:
             b = await gw.batch(docs_key, batch_id)
@@ -324,6 +334,7 @@ async def scenario(base_url: str, token: str, engine_port: int, options: Options
             "request_counts": final["request_counts"],
             "lines_with_full_output": full,
         },
+        "iterations_beside_batch": iterations,
         "turns": {
             "alone": [asdict(t) for t in alone.turns],
             "beside_batch": [asdict(t) for t in beside.turns],

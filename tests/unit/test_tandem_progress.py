@@ -119,3 +119,18 @@ def test_a_turn_after_a_cached_history_is_not_cut_where_its_prefix_is_its_cost()
     config = TandemConfig(latency_budget_s=0.05)
     cut = chunks(TandemPolicy(PREFIX_BOUND, config=config).plan(snapshot(waiting=[fresh])))
     assert cut["fresh"] < 4000
+
+
+def test_an_rt_prompt_whose_least_chunk_exceeds_the_budget_does_not_wait_for_be() -> None:
+    """Deep into a long context every chunk costs its prefix, and here even the least chunk
+    takes longer than τ: with BE decoding beside it, the RT prompt still runs (before, it
+    waited for every BE request to drain)."""
+    turn = make_request("turn", prompt_len=2441)
+    turn.prefilled = turn.cached_len = 2417  # 24 tokens to compute after 2,417 cached
+    be = [
+        make_request(f"be{i}", tier="be", prompt_len=300, running=True, generated=5)
+        for i in range(8)
+    ]
+    config = TandemConfig(latency_budget_s=0.02)  # the chunk alone: 1 ms + 60 ms of prefix
+    plan = TandemPolicy(PREFIX_BOUND, config=config).plan(snapshot(waiting=[turn], running=be))
+    assert chunks(plan) == {"turn": 24}

@@ -106,10 +106,12 @@ class TandemBatch(BatchBuilder):
             # again in the next: the chunk grows as `least_chunk` does. On the CPU engine a
             # conversation's 251-token turn after 2,190 cached tokens was cut in three, each
             # as long as the whole: TTFT 0.69 s where the turn before took 0.19 s.
+            # (marginal costs: what the chunk adds to the batch, so that a batch full of
+            # decodes does not make every chunk look cheap)
             least = align_chunk(req, min(tokens, max(1, self.min_chunk_tokens)), self.page)
-            limit_s = (1.0 + self.least_chunk_stretch) * self.timer.with_chunk(
-                self, least, req.prefilled
-            )
+            base_s = self.time_s()
+            least_s = self.timer.with_chunk(self, least, req.prefilled) - base_s
+            limit_s = base_s + (1.0 + self.least_chunk_stretch) * least_s
             if self.timer.with_chunk(self, tokens, req.prefilled) <= limit_s:
                 longer = self.timer.max_chunk(self, limit_s, prefix=req.prefilled, cap=cap)
                 tokens = max(tokens, align_chunk(req, longer, self.page))

@@ -205,6 +205,13 @@ def _prefill(
     if not r.is_running and b.running_slots < 1 and not _free_slot(ctx, r):
         return STOP  # every slot is RT's own: later prompts would find none either
     chunk = b.chunk_for(r, ctx.tau_s)
+    if chunk <= 0 and not b.prefills and not b.decodes:
+        # Even its least chunk alone takes longer than τ (deep into a long context on a
+        # backend whose every chunk pays for its prefix, or an engine slower than its model):
+        # τ protects RT decodes, and there are none here, so it runs anyway. Left out, it
+        # waited for every BE request to drain (a conversation's turn after a 2,400-token
+        # history: 18 s beside a batch on the CPU engine, its chunk 0.2 s).
+        chunk = b.least_chunk(r)
     chunk = _make_room(ctx, r, chunk, urgent)
     if chunk <= 0:
         return STOP
