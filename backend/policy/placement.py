@@ -151,6 +151,16 @@ class Router(Protocol):
         cache (the engine's count, once it computed the prompt)."""
         ...
 
+    def forecast_alone(self, ask: PlaceAsk, replica: Replica) -> PlaceDecision:
+        """*ask* on the one replica there is (index 0): its forecast (a router that
+        forecasts), recording nothing — with one replica the memory steers no choice, so the
+        caller records the prompt when it has run (`remember`), off the admission's path."""
+        ...
+
+    def remember(self, name: str, prefix_keys: Sequence[int]) -> None:
+        """Replica *name* computed a prompt with these blocks: its cache holds them now."""
+        ...
+
 
 def prefix_keys(blocks: Iterable[Sequence[int] | int]) -> tuple[int, ...]:
     """Chained keys of a prompt's blocks (each block a token tuple, or a block hash): key i
@@ -291,6 +301,12 @@ class RoundRobin:
     def observe_cached(self, claimed_tokens: int, engine_cached_tokens: int) -> None:
         pass  # no forecast rests on its prefix memory
 
+    def forecast_alone(self, ask: PlaceAsk, replica: Replica) -> PlaceDecision:
+        return PlaceDecision(0)  # it forecasts nothing
+
+    def remember(self, name: str, prefix_keys: Sequence[int]) -> None:
+        pass  # its memory is kept by `choose`
+
     def __init__(self) -> None:
         self._turn = itertools.count()
 
@@ -307,6 +323,12 @@ class LeastLoad:
 
     def observe_cached(self, claimed_tokens: int, engine_cached_tokens: int) -> None:
         pass  # no forecast rests on its prefix memory
+
+    def forecast_alone(self, ask: PlaceAsk, replica: Replica) -> PlaceDecision:
+        return PlaceDecision(0)  # it forecasts nothing
+
+    def remember(self, name: str, prefix_keys: Sequence[int]) -> None:
+        pass  # its memory is kept by `choose`
 
     def __init__(self) -> None:
         self._sent = _Sent()
@@ -330,6 +352,12 @@ class PrefixAware:
 
     def observe_cached(self, claimed_tokens: int, engine_cached_tokens: int) -> None:
         pass  # no forecast rests on its prefix memory
+
+    def forecast_alone(self, ask: PlaceAsk, replica: Replica) -> PlaceDecision:
+        return PlaceDecision(0)  # it forecasts nothing
+
+    def remember(self, name: str, prefix_keys: Sequence[int]) -> None:
+        pass  # its memory is kept by `choose`
 
     def __init__(
         self,
@@ -435,6 +463,21 @@ class SloAware:
         self._bound_replicas = len(replicas)
         self._bound_keys = max(1, total // max(1, block_tokens))
         self.tracker.max_keys = max(1, int(self._bound_keys * self.cache_share))
+
+    def forecast_alone(self, ask: PlaceAsk, replica: Replica) -> PlaceDecision:
+        """*ask* on the one replica there is: an RT contract forecast with the prefix the
+        replica's cache holds taken off its prompt; nothing recorded (`remember` does, once
+        the prompt has run: the gateway's one engine, where the admission's cost counts)."""
+        self._bound_tracker((replica,), ask.block_tokens)
+        if ask.slo is None:
+            return PlaceDecision(0)
+        cached = self.tracker.depth_on(replica.name, ask.prefix_keys) * ask.block_tokens
+        if cached >= ask.prompt_tokens:
+            cached = ask.prompt_tokens - 1  # at least a token is computed
+        return PlaceDecision(0, self._forecast(replica, ask.slo, cached), max(0, cached))
+
+    def remember(self, name: str, prefix_keys: Sequence[int]) -> None:
+        self.tracker.record(name, prefix_keys)
 
     def observe_cached(self, claimed_tokens: int, engine_cached_tokens: int) -> None:
         """The engine's count of a request's cached prompt tokens against what the forecast

@@ -56,6 +56,10 @@ class Placement:
     cached_tokens: int = 0
     """Prompt tokens that forecast took as held by the engine's prefix cache (the router's
     claim, checked against the engine's own count when the request ends)."""
+    remember_keys: tuple[int, ...] = ()
+    """The prompt's prefix keys, for the router to remember once it has run (`Router.remember`;
+    with one engine nothing is recorded at placement: that keeps it off the admission's path);
+    empty: recorded at placement, or nothing to record."""
 
 
 def engine_candidates(app: web.Application) -> list[EngineHandle]:
@@ -132,6 +136,15 @@ def decide(
         block_tokens=PREFIX_BLOCK_TOKENS,
         slo=slo,
     )
+    if len(candidates) == 1:  # nothing to choose: the forecast alone, recorded once it ran
+        only = candidates[0]
+        decision = router.forecast_alone(ask, _replica(only, now, feedback))
+        return Placement(
+            engine=only,
+            forecast=decision.forecast,
+            cached_tokens=decision.cached_tokens,
+            remember_keys=ask.prefix_keys,
+        )
     decision = router.choose(ask, [_replica(h, now, feedback) for h in candidates])
     return Placement(
         engine=candidates[decision.index],

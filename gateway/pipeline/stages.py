@@ -399,10 +399,12 @@ def _teach_prefix_memory(app: web.Application, flight: Flight) -> bool:
     on the CPU engine: 40 of 40 turns refused beside a batch)."""
     placement = flight.placement
     router = app.get(ROUTER)
-    if placement is None or router is None or placement.cached_tokens <= 0:
-        return True
-    if flight.progress.completion_tokens <= 0:
+    if placement is None or router is None or flight.progress.completion_tokens <= 0:
         return True  # never prefilled: nothing learned
+    if placement.remember_keys:  # its engine computed the prompt: its cache holds it now
+        router.remember(placement.engine.name, placement.remember_keys)
+    if placement.cached_tokens <= 0:
+        return True
     cached = flight.progress.cached_tokens
     router.observe_cached(placement.cached_tokens, cached)
     return cached >= CLAIM_HELD_FRAC * placement.cached_tokens

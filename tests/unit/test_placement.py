@@ -335,16 +335,22 @@ def test_with_one_engine_a_turn_is_forecast_without_the_history_its_cache_holds(
         slo = slo_ask(request, request.meta.arrival_unix_s)
         placement = decide(request, only, router, slo, now_unix_s=0.0)
         assert placement.engine is only[0] and placement.forecast is not None
-        return placement.forecast
+        return placement
 
-    forecast(make_request(principal, prompt_len=6000))
+    first = forecast(make_request(principal, prompt_len=6000))
+    # nothing recorded while it is placed (the admission's path stays short): the record
+    # stage remembers the prompt once the engine has computed it
+    assert router.tracker.match(first.remember_keys) is None
+    router.remember(first.engine.name, first.remember_keys)
     assert only[0].load is not None
     only[0].load.update(load(iteration=2, **busy))  # the turn's report: nothing in flight
     turn = forecast(make_request(principal, prompt_len=6100))  # its history and 100 tokens
+    assert turn.cached_tokens == 6000 // 64 * 64
     only[0].load.update(load(iteration=3, **busy))
     fresh_ids = list(range(10_001, 16_101))  # as long, nothing of it computed before
     fresh = forecast(build_engine_request(chat_body(), fresh_ids, 8, principal, "rt"))  # type: ignore[arg-type]
-    assert turn.ttft_s < 0.5 * fresh.ttft_s, (turn, fresh)
+    assert fresh.cached_tokens == 0
+    assert turn.forecast.ttft_s < 0.5 * fresh.forecast.ttft_s, (turn, fresh)
 
 
 def test_the_slo_routers_decision_names_the_cache_it_counted_on(
