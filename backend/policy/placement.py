@@ -292,10 +292,9 @@ def leftover_tokens(load: EngineLoad | None) -> int:
     )
 
 
-class RoundRobin:
-    """Replicas in turn."""
+class _NoForecast:
+    """A router that forecasts nothing: the `Router` calls only a forecasting one needs."""
 
-    name = "round-robin"
     forecasts = False
 
     def observe_cached(self, claimed_tokens: int, engine_cached_tokens: int) -> None:
@@ -306,6 +305,12 @@ class RoundRobin:
 
     def remember(self, name: str, prefix_keys: Sequence[int]) -> None:
         pass  # its memory is kept by `choose`
+
+
+class RoundRobin(_NoForecast):
+    """Replicas in turn."""
+
+    name = "round-robin"
 
     def __init__(self) -> None:
         self._turn = itertools.count()
@@ -315,20 +320,10 @@ class RoundRobin:
         return PlaceDecision(next(self._turn) % len(replicas))
 
 
-class LeastLoad:
+class LeastLoad(_NoForecast):
     """Fewest running + waiting tokens, tokens sent since the report included."""
 
     name = "least-load"
-    forecasts = False
-
-    def observe_cached(self, claimed_tokens: int, engine_cached_tokens: int) -> None:
-        pass  # no forecast rests on its prefix memory
-
-    def forecast_alone(self, ask: PlaceAsk, replica: Replica) -> PlaceDecision:
-        return PlaceDecision(0)  # it forecasts nothing
-
-    def remember(self, name: str, prefix_keys: Sequence[int]) -> None:
-        pass  # its memory is kept by `choose`
 
     def __init__(self) -> None:
         self._sent = _Sent()
@@ -342,22 +337,12 @@ class LeastLoad:
         return PlaceDecision(index)
 
 
-class PrefixAware:
+class PrefixAware(_NoForecast):
     """Cache-aware (the SGLang model gateway's policy, on tokens): least load when the pool is
     imbalanced, else the longest prefix match if it covers `cache_threshold` of the prompt,
     else least load."""
 
     name = "prefix"
-    forecasts = False
-
-    def observe_cached(self, claimed_tokens: int, engine_cached_tokens: int) -> None:
-        pass  # no forecast rests on its prefix memory
-
-    def forecast_alone(self, ask: PlaceAsk, replica: Replica) -> PlaceDecision:
-        return PlaceDecision(0)  # it forecasts nothing
-
-    def remember(self, name: str, prefix_keys: Sequence[int]) -> None:
-        pass  # its memory is kept by `choose`
 
     def __init__(
         self,
