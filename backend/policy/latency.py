@@ -50,6 +50,13 @@ TWO_PIECE_MIN_GAIN = 0.3
 least this fraction (noise alone buys a few percent with 8 more weights)."""
 _GOOD_FIT_RMS = 1e-3  # a linear fit this close (relative RMS) is kept without trying more
 _RESTARTS = 8  # random initial splits tried for the max-affine fit (fixed seed)
+RELATIVE_FLOOR_OF_MEDIAN = 0.05
+"""The fit weighs each sample's error relative to its time, but never relative to less than
+this fraction of the median sample's time. A black-box probe can read a point near zero (a
+prefill's TTFT minus an overestimated round trip, clamped at 10 µs); weighed by 1 ÷ 10 µs it
+outweighs every other point together, and the fit predicts ~0 for all of them (median error
+0.82 on the cpu-tiny profile with one such point). No shipped profile has a sample below 5 %
+of its median, so their fits do not change."""
 
 
 class BatchShape(msgspec.Struct, frozen=True, kw_only=True):
@@ -207,7 +214,7 @@ class LatencyModel:
             raise ValueError(f"need at least 3 profile samples to fit, got {len(rows)}")
         x = np.array([features(s.shape) for s in rows], dtype=float)
         y = np.array([s.seconds for s in rows], dtype=float)
-        scale = 1.0 / np.maximum(y, 1e-9)  # minimise relative error
+        scale = 1.0 / _relative_floor(y)  # minimise relative error
         linear = _nnls(x, y, scale)
         if max_pieces < 2 or len(rows) < 2 * len(FEATURES):
             return cls(linear.tolist())
@@ -287,10 +294,16 @@ def _nnls(x: np.ndarray, y: np.ndarray, scale: np.ndarray) -> np.ndarray:
     return weights
 
 
+def _relative_floor(y: np.ndarray) -> np.ndarray:
+    """Each sample's time, raised to :data:`RELATIVE_FLOOR_OF_MEDIAN` of the median (and to
+    1 ns): what the fit divides its errors by."""
+    return np.maximum(y, max(RELATIVE_FLOOR_OF_MEDIAN * float(np.median(y)), 1e-9))
+
+
 def _rel_sse(pieces: Sequence[np.ndarray], x: np.ndarray, y: np.ndarray) -> float:
-    """Σ ((max over pieces of x·w) / y − 1)²."""
+    """Σ ((max over pieces of x·w − y) / y)², y raised as :func:`_relative_floor` does."""
     pred = np.max(np.stack([x @ w for w in pieces]), axis=0)
-    return float(np.sum((pred / np.maximum(y, 1e-9) - 1.0) ** 2))
+    return float(np.sum(((pred - y) / _relative_floor(y)) ** 2))
 
 
 def _best_two_pieces(

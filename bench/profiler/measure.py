@@ -20,7 +20,8 @@ probes, so nothing is served from cache unless a probe asks for it):
   (P prefill + B decodes). SGLang counts running decodes against its chunk budget (mixed
   chunk), so only P + B ≤ chunked_prefill_size is probed: one iteration.
 * **Prefill only** — one request of P tokens (P ≤ chunked_prefill_size: one iteration) with
-  max_new_tokens=1 on an idle engine: TTFT minus the round trip. With a prefix, a request of
+  max_new_tokens=1 on an idle engine: TTFT minus the round trip, and never less than the
+  engine's own prefill step time when it reports one (``/v1/loads``). With a prefix, a request of
   the prefix tokens runs first, so the probe's prefix is served from the cache and the
   iteration prefills P tokens attending to it (the engine's ``cached_tokens`` says how many).
 
@@ -222,12 +223,18 @@ async def _prefill_once(
         setup, task = prober.start(prompt, 1)
         await prober.wait_until(lambda: setup.is_done, WAIT_S, "the prefix request")
         _check(task, [setup], 1)
+    busy0 = await prober.prefill_busy_s()
     stream, task = prober.start(prompt + prober.random_prompt(tokens), 1)
     await prober.wait_until(lambda: stream.is_done, WAIT_S, "a prefill probe")
     _check(task, [stream], 1)
+    busy1 = await prober.prefill_busy_s()
     cached = min(stream.cached_tokens, stream.prompt_len - 1)
     shape = BatchShape().with_prefill(stream.prompt_len - cached, cached)
-    return shape, max(1e-5, stream.ttft_s - rtt)
+    # The engine's own prefill step time bounds the point from below: a round trip
+    # overestimated on a busy host once left a 16-token prefill 10 µs (TTFT − rtt clamped), and
+    # that one point, weighed by its relative error, made the whole fit predict ~0.
+    step = busy1 - busy0 if busy0 is not None and busy1 is not None and busy1 > busy0 else 0.0
+    return shape, max(1e-5, step, stream.ttft_s - rtt)
 
 
 async def _decode_points(prober: Prober, grid: ProfileGrid, say: Progress) -> list[ProfileSample]:

@@ -76,8 +76,9 @@ async def test_quick_profile_of_the_real_engine(unscheduled_engine: EngineServer
     # was 0.86; on a quiet machine the quick grid's mean error is about 0.05, its median 0.04).
     model = LatencyModel.fit(profile.samples)
     errors = relative_errors(model, profile.samples)
-    assert statistics.median(errors) < 0.25, errors
-    assert sum(error > 0.5 for error in errors) <= 2, errors
+    report = "\n".join([*lines, f"fit: {model.to_dict()}", f"errors: {errors}"])
+    assert statistics.median(errors) < 0.25, report
+    assert sum(error > 0.5 for error in errors) <= 2, report
 
 
 @pytest.mark.slow

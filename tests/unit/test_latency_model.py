@@ -170,3 +170,19 @@ def test_a_bad_profile_file_is_a_value_error_naming_it(tmp_path: Path, content: 
 def test_a_missing_profile_file_is_a_value_error_naming_it(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"absent\.json"):
         load_profile(tmp_path / "absent.json")
+
+
+def test_one_point_read_near_zero_does_not_sink_the_fit() -> None:
+    # a black-box probe once read a small prefill as 10 µs (its TTFT minus an overestimated
+    # round trip); weighed by its relative error, that one point made the fit predict ~0
+    samples = synthetic(TRUE_WEIGHTS)
+    smallest = min(range(len(samples)), key=lambda i: samples[i].seconds)
+    misread = list(samples)
+    misread[smallest] = ProfileSample(shape=samples[smallest].shape, seconds=1e-5)
+    model = LatencyModel.fit(misread)
+    errors = sorted(
+        abs(model.predict(s.shape) - s.seconds) / s.seconds
+        for i, s in enumerate(samples)
+        if i != smallest
+    )
+    assert errors[len(errors) // 2] < 0.1
