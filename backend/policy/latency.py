@@ -297,7 +297,8 @@ def _nnls(x: np.ndarray, y: np.ndarray, scale: np.ndarray) -> np.ndarray:
 def _relative_floor(y: np.ndarray) -> np.ndarray:
     """Each sample's time, raised to :data:`RELATIVE_FLOOR_OF_MEDIAN` of the median (and to
     1 ns): what the fit divides its errors by."""
-    return np.maximum(y, max(RELATIVE_FLOOR_OF_MEDIAN * float(np.median(y)), 1e-9))
+    floored: np.ndarray = np.maximum(y, max(RELATIVE_FLOOR_OF_MEDIAN * float(np.median(y)), 1e-9))
+    return floored
 
 
 def _rel_sse(pieces: Sequence[np.ndarray], x: np.ndarray, y: np.ndarray) -> float:
