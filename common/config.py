@@ -278,6 +278,15 @@ class EngineConfig(_Section, frozen=True):
     RT may take over the slots of a parked BE request after copying them to host memory; needs
     max_total_tokens a multiple of 16 and runs without the radix cache). Off by default: on this
     engine it does not pay (bench/results/W1-bicache/README.md)."""
+    torch_native_extend: Literal["new-rows", "stock"] = "new-rows"
+    """How SGLang's torch_native attention backend (the CPU engine's) computes a prompt chunk:
+    "new-rows" computes the chunk's own rows over its cached prefix, as GPU kernels do
+    (tandem's kernel, ``backend/sglang_ext/cpu_attention.py``, loaded as its own SGLang plugin,
+    also with `patch` off: it is part of the engine, not of its scheduling); "stock" runs
+    SGLang's own, which computes the whole sequence for every chunk — a 16-token chunk after
+    8K cached tokens costs as much as 8K² of attention, and so does each decode that rides in
+    an iteration with a prompt. Other attention backends (every GPU one) compute new rows
+    only already and are not touched."""
     extra_args: list[str] = msgspec.field(default_factory=list)
     """Further command-line flags for each `sglang.launch_server` (e.g. ``["--tp-size", "2"]``
     or ``["--dp-size", "2"]``: SGLang's own tensor and data parallelism, passed through as

@@ -67,12 +67,21 @@ def engine_identity(engine_cfg: EngineConfig, model_dir: Path) -> EngineIdentity
         pipeline_parallel=pp,
         kv_pool_tokens=engine_cfg.max_total_tokens,
         chunked_prefill_tokens=engine_cfg.chunked_prefill_size,
-        attention_backend=_flag(engine_cfg.extra_args, ("--attention-backend",)) or default_backend,
+        attention_backend=_attention(engine_cfg, default_backend),
         kv_layout=engine_cfg.kv_layout,
         sglang_version=_version("sglang"),
         extra_args=list(engine_cfg.extra_args),
         cpu_threads=engine_cfg.cpu_threads if engine_cfg.device == "cpu" else None,
     )
+
+
+def _attention(engine_cfg: EngineConfig, default_backend: str) -> str:
+    """The attention backend's name, "+new-rows" after torch_native when tandem's prompt
+    attention replaces SGLang's there (a different speed: ``backend.sglang_ext.cpu_attention``)."""
+    backend = _flag(engine_cfg.extra_args, ("--attention-backend",)) or default_backend
+    if backend == "torch_native" and engine_cfg.torch_native_extend == "new-rows":
+        return f"{backend}+new-rows"
+    return backend
 
 
 def model_speed_config(model_dir: Path) -> dict[str, Any]:

@@ -40,6 +40,8 @@ import msgspec
 from common.config import ENGINE_SETTINGS_ENV, EngineConfig, EngineSettings
 
 PLUGIN_NAME = "tandem"  # the entry-point name in pyproject.toml (= backend.sglang_ext.plugin)
+CPU_ATTENTION_PLUGIN_NAME = "tandem_cpu_attention"
+"""The entry point of ``backend.sglang_ext.cpu_attention`` (engine.torch_native_extend)."""
 NO_PLUGINS = "none"  # an SGLANG_PLUGINS value naming no installed plugin: load nothing
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
@@ -271,7 +273,8 @@ def engine_env(
       process; it overrides one in *base*, since the config says so).
     * ``SGLANG_PLUGINS``: SGLang loads *every* installed plugin when the variable is empty, so
       "patch off" must name a list without tandem (``none`` when nothing else is left) for the
-      engine to be stock SGLang; "patch on" adds ``tandem`` to whatever list is given.
+      engine to be stock SGLang; "patch on" adds ``tandem`` to whatever list is given, and
+      ``engine.torch_native_extend: new-rows`` adds ``tandem_cpu_attention``, patch on or off.
     * ``TANDEM_ENGINE_SETTINGS``: :func:`engine_settings` as JSON (*scheduler_trace*,
       *profile_path* and *engine_key* as there), all the plugin reads (decoded by
       ``common.config.engine_settings_from_env`` in the scheduler process).
@@ -285,9 +288,11 @@ def engine_env(
         if ranks > 1 and not env.get(CPU_THREADS_BIND_ENV):
             env[CPU_THREADS_BIND_ENV] = cpu_threads_bind(ranks, sorted(os.sched_getaffinity(0)))
     plugins = [p.strip() for p in env.get("SGLANG_PLUGINS", "").split(",") if p.strip()]
-    plugins = [p for p in plugins if p not in (PLUGIN_NAME, NO_PLUGINS)]
+    plugins = [p for p in plugins if p not in (PLUGIN_NAME, CPU_ATTENTION_PLUGIN_NAME, NO_PLUGINS)]
     if engine_cfg.patch:
         plugins.append(PLUGIN_NAME)
+    if engine_cfg.torch_native_extend == "new-rows":
+        plugins.append(CPU_ATTENTION_PLUGIN_NAME)
     env["SGLANG_PLUGINS"] = ",".join(plugins) or NO_PLUGINS
     settings = engine_settings(
         engine_cfg,

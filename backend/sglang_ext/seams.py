@@ -68,3 +68,10 @@ KV_LAYOUT_SEAMS: tuple[str, ...] = (
 )
 """What the bicache KV layout (``backend.sglang_ext.kv_layout_engine``) hooks or relies on."""
 SEAMS = SEAMS + KV_LAYOUT_SEAMS
+
+TORCH_NATIVE_EXTEND_SEAM = (
+    "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
+    "._run_sdpa_forward_extend"
+)
+"""Replaced by ``backend.sglang_ext.cpu_attention`` (``engine.torch_native_extend: new-rows``)."""
+SEAMS = (*SEAMS, TORCH_NATIVE_EXTEND_SEAM)

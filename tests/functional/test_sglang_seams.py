@@ -157,23 +157,31 @@ def test_torchvision_imports_next_to_cpu_torch(sglang: ModuleType) -> None:
 
 
 @pytest.mark.parametrize(
-    ("patch", "inherited", "expected"),
-    [(True, None, {"tandem"}), (False, None, set()), (False, "tandem", set())],
+    ("patch", "extend", "inherited", "expected"),
+    [
+        (True, "stock", None, {"tandem"}),
+        (False, "stock", None, set()),
+        (False, "stock", "tandem,tandem_cpu_attention", set()),
+        # tandem's prompt attention is part of the engine, scheduling patched or not
+        (True, "new-rows", None, {"tandem", "tandem_cpu_attention"}),
+        (False, "new-rows", "tandem", {"tandem_cpu_attention"}),
+    ],
 )
-def test_sglang_loads_our_plugin_exactly_when_patched(
+def test_sglang_loads_our_plugins_exactly_as_configured(
     sglang: ModuleType,
     monkeypatch: pytest.MonkeyPatch,
     patch: bool,
+    extend: str,
     inherited: str | None,
     expected: set[str],
 ) -> None:
     base = {} if inherited is None else {"SGLANG_PLUGINS": inherited}
-    env = engine_env(EngineConfig(patch=patch), base=base)
+    env = engine_env(EngineConfig(patch=patch, torch_native_extend=extend), base=base)
     monkeypatch.setenv("SGLANG_PLUGINS", env["SGLANG_PLUGINS"])
-    # SGLang's own discovery, which runs in each of its processes; the plugin's register() is
+    # SGLang's own discovery, which runs in each of its processes; the plugins' register() is
     # only loaded here, not called.
     loaded = sglang.srt.plugins.load_plugins_by_group(sglang.srt.plugins.GENERAL_PLUGINS_GROUP)
-    assert set(loaded) & {"tandem"} == expected
+    assert set(loaded) & {"tandem", "tandem_cpu_attention"} == expected
 
 
 def test_sglang_accepts_every_launch_flag(sglang: ModuleType, tmp_path: Path) -> None:

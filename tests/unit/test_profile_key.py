@@ -101,6 +101,10 @@ def test_the_identity_of_a_configured_engine(tmp_path: Path) -> None:
     assert identity == engine_identity(cfg, tmp_path)
     other = engine_identity(EngineConfig(max_total_tokens=4096), tmp_path)
     assert profile_key(other) != profile_key(identity)
+    # tandem's prompt attention on the CPU engine runs at another speed than SGLang's own
+    assert engine_identity(EngineConfig(), tmp_path).attention_backend == "torch_native+new-rows"
+    stock = engine_identity(EngineConfig(torch_native_extend="stock"), tmp_path)
+    assert stock.attention_backend == "torch_native"
     one_thread = engine_identity(EngineConfig(cpu_threads=1), tmp_path)
     assert one_thread.cpu_threads == 1
     assert engine_identity(EngineConfig(), tmp_path).cpu_threads is None
