@@ -113,7 +113,7 @@ def choose_profile(config: Config, model_dir: Path) -> ChosenProfile:
                 "the stored profile %s holds key %s; measuring it again", cached, profile.key
             )
     if config.engine.skip_profile:
-        name = bundled_profile_for(config.engine.device)
+        name = bundled_profile_for(config.engine.device, config.engine.torch_native_extend)
         log.info("latency profile: none stored for this engine (key %s), not measuring "
                  "(skip_profile); using the bundled %s", key, name)  # fmt: skip
         return _use(_named(name), key, identity)

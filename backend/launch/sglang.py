@@ -208,7 +208,9 @@ def engine_settings(
     if profile_path is None:
         name = engine_cfg.profile
         profile_path = resolve_profile(
-            bundled_profile_for(engine_cfg.device) if name == AUTO else name
+            bundled_profile_for(engine_cfg.device, engine_cfg.torch_native_extend)
+            if name == AUTO
+            else name
         )
     return EngineSettings(
         policy=engine_cfg.policy,

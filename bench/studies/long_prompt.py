@@ -4,7 +4,8 @@ Issue 15 asks that RT never wait for what BE holds, "including long-prompt mixes
 of 8K+ tokens fill the pool". The built-in tiny model's context is 4,096 tokens, so this study
 runs a copy of it whose context is ``--context`` tokens (its weights are random either way; RoPE
 takes the longer positions), in one patched SGLang engine with tandem's policy, config.yaml's
-engine settings and the bundled ``cpu-tiny`` profile (the calibration learns the rest), on a KV
+engine settings and the bundled profile for its prompt attention (``cpu-tiny``, or
+``cpu-tiny-stock`` with ``--torch-native-extend stock``; the calibration learns the rest), on a KV
 pool of ``--pool-tokens``. The client talks to the engine directly, with the gateway's request
 metadata (tier, targets), so what is measured is the engine alone.
 
@@ -24,7 +25,7 @@ beside those that computed a chunk deep into a BE prompt (prefix ≥ 2,048 token
 
 With ``--gateway`` the study runs instead one phase through `tandem serve` (the gateway and
 its SLO admission in front of the same engine, config.yaml's settings but for the model, the
-pool, the `cpu-tiny` profile): the BE prompts as a BE tenant's completions, and an RT tenant's
+pool, the bundled profile): the BE prompts as a BE tenant's completions, and an RT tenant's
 chats (contract TTFT ``--ttft-ms``, TPOT 200 ms, refused when the gateway forecasts a miss)
 every second while they run. Reported: the chats the gateway refused (429
 `slo_unattainable`), those it admitted that met the contract and those that missed it, and
@@ -53,6 +54,7 @@ import msgspec
 
 from backend.launch.sglang import EngineProcess, engine_base_url, engine_env, server_argv
 from backend.launch.tiny_model import ensure_tiny_model
+from backend.policy.profiles import bundled_profile_for
 from bench.live import engine_control_get
 from common.config import load_config
 from common.sockets import free_port
@@ -85,6 +87,8 @@ class Options:
     chats: int = 10
     ttft_ms: float = 1000.0
     tpot_ms: float = 200.0
+    torch_native_extend: str = "new-rows"
+    """The engine's prompt attention (`engine.torch_native_extend`); its bundled profile follows."""
 
 
 @dataclass
@@ -269,8 +273,9 @@ def run(options: Options, workdir: Path) -> list[Phase]:
         port=free_port(),
         max_total_tokens=options.pool_tokens,
         max_running_requests=16,
-        profile="cpu-tiny",
+        profile=bundled_profile_for("cpu", options.torch_native_extend),
         control_socket=None,
+        torch_native_extend=options.torch_native_extend,
     )
     model = long_context_model(workdir / "model-cache", options.context_tokens)
     engine = EngineProcess(
@@ -451,7 +456,8 @@ def run_gateway(options: Options, workdir: Path) -> dict[str, Any]:
         port=free_port(),
         log_file=str(workdir / "engine.log"),
         startup_timeout_s=READY_TIMEOUT_S,
-        profile="cpu-tiny",
+        profile=bundled_profile_for("cpu", options.torch_native_extend),
+        torch_native_extend=options.torch_native_extend,
         max_total_tokens=options.pool_tokens,
         max_running_requests=16,
     )
@@ -479,6 +485,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--gateway", action="store_true", help="one phase through tandem serve (see above)"
     )
+    parser.add_argument(
+        "--torch-native-extend",
+        choices=("new-rows", "stock"),
+        default=d.torch_native_extend,
+        help="the engine's prompt attention (engine.torch_native_extend)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the results here (JSON)")
     args = parser.parse_args(argv)
     options = Options(
@@ -490,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
         rt_long_prompt_tokens=args.rt_long_prompt,
         chats=args.chats,
         ttft_ms=args.ttft_ms,
+        torch_native_extend=args.torch_native_extend,
     )
     if args.be_prompt + 8 > args.context or args.rt_long_prompt + 16 > args.context:
         parser.error("--be-prompt and --rt-long-prompt must fit in --context with their output")

@@ -403,7 +403,7 @@ def engine_profile(config: Config) -> str:
     if config.engine.kind == "sim":
         return config.engine.sim_profile
     if config.engine.profile == AUTO:
-        return bundled_profile_for(config.engine.device)
+        return bundled_profile_for(config.engine.device, config.engine.torch_native_extend)
     return config.engine.profile
 
 

@@ -167,7 +167,34 @@ async def test_an_rt_prompt_does_not_queue_behind_the_be_prompts_before_it(
 
 LONG_BE_PROMPT_TOKENS = 3500
 """A BE prompt deep enough into the tiny model's 4096-token context that each chunk of it costs
-mostly its prefix (the CPU engine's attention reads all of it): several chunks of 512."""
+mostly its prefix on the engine below: several chunks of 512."""
+
+
+@pytest.fixture(scope="module")
+def deep_chunk_engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """An engine on which a chunk deep into a prompt costs about its whole prefix: SGLang's own
+    CPU attention (`torch_native_extend: stock`) computes every chunk over the whole sequence.
+    tandem's default kernel computes a chunk's own rows, and there a 3,500-token prompt's
+    chunks are short enough to ride beside an RT prompt; the park-and-release path below is for
+    a backend (or a context) where they are not."""
+    with running_engine(
+        tmp_path_factory.mktemp("deep-chunk-engine"), torch_native_extend="stock"
+    ) as engine:
+        yield engine
+
+
+@pytest.fixture
+async def deep_chunk_gateway(
+    deep_chunk_engine: EngineServer, tmp_path: Path
+) -> AsyncIterator[GatewayHandle]:
+    server, gw = await start_gateway(
+        f"sqlite:///{tmp_path / 'tandem.db'}", deep_chunk_engine.port, deep_chunk_engine.model_path
+    )
+    try:
+        yield gw
+    finally:
+        await gw.session.close()
+        await server.close()
 
 
 async def _mid_prefill(engine: EngineServer) -> None:
@@ -203,8 +230,9 @@ async def _long_be_prompt_alone(
 
 
 async def test_an_rt_prompt_does_not_wait_for_a_chunk_of_a_long_be_prompt(
-    gateway: GatewayHandle, engine_server: EngineServer
+    deep_chunk_gateway: GatewayHandle, deep_chunk_engine: EngineServer
 ) -> None:
+    gateway, engine_server = deep_chunk_gateway, deep_chunk_engine
     be_key, rt_key, long_prompt, alone = await _long_be_prompt_alone(
         gateway, engine_server, "colo-long", 600
     )
@@ -251,8 +279,9 @@ async def test_an_rt_prompt_does_not_wait_for_a_chunk_of_a_long_be_prompt(
 
 
 async def test_an_rt_prompt_that_must_be_cut_does_not_wait_for_a_long_be_prompt(
-    gateway: GatewayHandle, engine_server: EngineServer
+    deep_chunk_gateway: GatewayHandle, deep_chunk_engine: EngineServer
 ) -> None:
+    gateway, engine_server = deep_chunk_gateway, deep_chunk_engine
     be_key, rt_key, long_prompt, alone = await _long_be_prompt_alone(
         gateway, engine_server, "colo-cut", 800
     )

@@ -103,6 +103,9 @@ def test_skip_profile_uses_the_bundled_profile_without_measuring(
         chosen = choose_profile(make_config(tmp_path, skip_profile=True), model_dir)
     assert chosen.path == resolve_profile("cpu-tiny") and not chosen.matches
     assert "does not match the served engine" in caplog.text
+    # on SGLang's own prompt attention a chunk costs its prefix squared: its own stand-in
+    stock = make_config(tmp_path, skip_profile=True, torch_native_extend="stock")
+    assert choose_profile(stock, model_dir).path == resolve_profile("cpu-tiny-stock")
 
 
 def test_bad_profile_names_are_config_errors(tmp_path: Path, model_dir: Path) -> None:

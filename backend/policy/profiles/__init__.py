@@ -17,9 +17,19 @@ BUNDLED_BY_DEVICE = {"cpu": "cpu-tiny", "cuda": "h100-llama8b-analytic"}
 for it (it matches no engine but the one it came from)."""
 
 
-def bundled_profile_for(device: str) -> str:
-    """The name of the bundled stand-in profile for *device* (cpu-tiny for any unknown one)."""
-    return BUNDLED_BY_DEVICE.get(device, BUNDLED_BY_DEVICE["cpu"])
+BUNDLED_CPU_STOCK_ATTENTION = "cpu-tiny-stock"
+"""The CPU stand-in for an engine on SGLang's own prompt attention (`engine.torch_native_extend:
+stock`): every chunk computed over the whole sequence, so a chunk's time grows with its prefix
+squared, which cpu-tiny (tandem's new-rows kernel) does not show."""
+
+
+def bundled_profile_for(device: str, torch_native_extend: str = "new-rows") -> str:
+    """The name of the bundled stand-in profile for *device* (cpu-tiny for any unknown one) and
+    the CPU engine's prompt attention (`engine.torch_native_extend`)."""
+    name = BUNDLED_BY_DEVICE.get(device, BUNDLED_BY_DEVICE["cpu"])
+    if name == BUNDLED_BY_DEVICE["cpu"] and torch_native_extend == "stock":
+        return BUNDLED_CPU_STOCK_ATTENTION
+    return name
 
 
 def resolve_profile(name_or_path: str) -> Path:
