@@ -12,7 +12,9 @@ time order::
               idle replica, enters at once and an iteration starts
     end       core.finish → the inbox enters the queue → a report (`load_of` on the snapshot
               the next plan uses, as the real engine publishes after every iteration) → the
-              next iteration starts (or the replica idles)
+              next iteration starts (or the replica idles); each request that finished and
+              whose placement took part of its prompt as cached tells the router how much its
+              replica really held (`router.observe_cached`, as the gateway's record stage does)
 
 The router sees each replica as the gateway sees an engine: its last report and the RT sent
 since (`Backlog`, from the inbox). A replica whose policy runs nothing while it has work idles
@@ -190,6 +192,9 @@ def simulate_pool(
     stalled: set[int] = set()  # idle replicas with work their policy would not run
     decisions: list[float] = []
     placed = [0] * len(members)
+    # rid → prompt tokens the placement took as cached on its replica: once the request ran,
+    # the router hears how much the replica really held, as the gateway's record stage tells it
+    claims: dict[str, int] = {}
     now = 0.0
     next_progress = 0.0
     for m in members:
@@ -242,6 +247,8 @@ def simulate_pool(
                 return stop is None or not stop(door.shed[-1])
             req = admitted
         placed[m.index] += 1
+        if decision.cached_tokens > 0:
+            claims[req.rid] = decision.cached_tokens
         idle = m.step is None
         m.sent(req)
         if idle:  # it takes the request now
@@ -283,6 +290,9 @@ def simulate_pool(
             assert step is not None
             m.step = None
             finished = end_iteration(m.core, m.policy, source, m.log, step)
+            for track in finished:
+                if (claim := claims.pop(track.state.rid, 0)) > 0:
+                    router.observe_cached(claim, track.first_cached or 0)
             if stop is not None and finished and _stop_on_finished(finished, door, stop):
                 stopped = True
             if step.duration_s > 0.0:  # the engine's recent pace, as /load reports it

@@ -403,3 +403,47 @@ def test_config_names_the_router_and_refuses_an_unknown_one() -> None:
     assert make_router(config.gateway.router).name == "prefix"
     with pytest.raises(ConfigError, match="router"):
         load_config(environ={"TANDEM_GATEWAY__ROUTER": "fastest"})
+
+
+def test_the_simulated_pool_tells_the_router_what_its_replicas_cached(
+    forecaster: SloForecaster,
+) -> None:
+    """As the gateway's record stage does: each request whose placement counted on a cached
+    prefix, once run, tells the router how much its replica held (`observe_cached`)."""
+    from backend.sim.config import SimConfig
+    from backend.sim.pool import simulate_pool
+    from backend.sim.source import ListSource, SimRequest
+    from backend.policy.tandem.policy import TandemPolicy
+
+    heard: list[tuple[int, int]] = []
+
+    class Listening(SloAware):
+        def observe_cached(self, claimed_tokens: int, engine_cached_tokens: int) -> None:
+            heard.append((claimed_tokens, engine_cached_tokens))
+            super().observe_cached(claimed_tokens, engine_cached_tokens)
+
+    block = 512
+    turns = [  # 6 conversations of 3 turns, each turn its history plus 2 blocks, 1 s apart
+        SimRequest(
+            rid=f"c{c}-t{k}",
+            tier="rt",
+            arrival_s=0.1 * c + 1.0 * k,
+            prompt_len=(k + 1) * 2 * block,
+            output_len=8,
+            max_new_tokens=8,
+            ttft_target_s=2.0,
+            tpot_target_s=0.5,
+            prefix_hashes=tuple(1000 * c + b for b in range((k + 1) * 2)),
+        )
+        for c in range(6)
+        for k in range(3)
+    ]
+    router = Listening(forecaster)
+    config = SimConfig(kv_capacity_tokens=200_000, prefix_block_tokens=block)
+    latency = forecaster.latency
+    policies = [TandemPolicy(latency), TandemPolicy(latency)]
+    simulate_pool(ListSource(turns), policies, latency, config, router)
+    assert heard, "no turn was placed on its cached history"
+    # an ample pool keeps every conversation's history: each claim held
+    assert all(cached >= 0.9 * claimed for claimed, cached in heard), heard
+    assert router.cache_share == 1.0
