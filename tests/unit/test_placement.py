@@ -410,10 +410,10 @@ def test_the_simulated_pool_tells_the_router_what_its_replicas_cached(
 ) -> None:
     """As the gateway's record stage does: each request whose placement counted on a cached
     prefix, once run, tells the router how much its replica held (`observe_cached`)."""
+    from backend.policy.tandem.policy import TandemPolicy
     from backend.sim.config import SimConfig
     from backend.sim.pool import simulate_pool
     from backend.sim.source import ListSource, SimRequest
-    from backend.policy.tandem.policy import TandemPolicy
 
     heard: list[tuple[int, int]] = []
 
