@@ -398,6 +398,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reply-tokens", type=int, default=d.reply_tokens)
     parser.add_argument("--batch-lines", type=int, default=d.batch_lines)
     parser.add_argument("--batch-max-tokens", type=int, default=d.batch_max_tokens)
+    parser.add_argument(
+        "--torch-native-extend",
+        choices=("new-rows", "stock"),
+        default="new-rows",
+        help="the engine's prompt attention (engine.torch_native_extend)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="folder for the results")
     args = parser.parse_args(argv)
     if min(args.conversations, args.turns, args.reply_tokens, args.batch_lines) < 1:
@@ -416,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "tandem.db").unlink(missing_ok=True)
     cfg, port = config_for("tandem", out, _new_user_options())
+    cfg["engine"]["torch_native_extend"] = args.torch_native_extend
     config_path = out / "config.yaml"
     config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     token = secrets.token_hex(16)
