@@ -4,10 +4,10 @@ SGLang 0.5.23's ``TorchNativeAttnBackend._run_sdpa_forward_extend`` computes a c
 prompt by running attention over the request's *whole* sequence: it pads the chunk's queries to
 the full length (prefix + chunk) and keeps the last rows of the result. So a 16-token chunk
 after 8K cached tokens costs what attention over 8K × 8K costs, and in a mixed batch each decode
-(a 1-token extend there) pays its context squared. On the tiny model that is ~195 ms a layer for
-such a chunk against ~2 ms for its own 16 rows, and a 512-token chunk after 2.2K tokens ~330 ms
-against ~15 ms (one thread pair, this 2-core host, ``torch.nn.functional
-.scaled_dot_product_attention``). GPU kernels (FlashInfer, FlashAttention) compute only the
+(a 1-token extend there) pays its context squared. On the tiny model's shape (4 heads of 64)
+that is 150–195 ms a layer for such a chunk against ~2 ms for its own 16 rows, and 7.7 against
+0.3 ms after 1.5K tokens (``torch.nn.functional.scaled_dot_product_attention`` on a 2-core
+host; best of five, idle). GPU kernels (FlashInfer, FlashAttention) compute only the
 chunk's rows, so an iteration's time grows with the tokens it computes; on the CPU engine the
 policy could not shorten a deep BE chunk's iteration at all, and an RT prompt that arrived
 during one waited for it (``bench/results/long_prompt/README.md``).
