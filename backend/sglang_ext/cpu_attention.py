@@ -84,9 +84,10 @@ def extend_new_rows(
         seq_len = int(seq_lens[i])
         end_q = start_q + num_new
         start_kv = 0
-        if encoder_lens is not None:
-            start_kv = 0 if is_cross_attn else int(encoder_lens[i])
-            seq_len = int(encoder_lens[i]) if is_cross_attn else seq_len
+        if encoder_lens is not None and is_cross_attn:  # the encoder's tokens are the keys
+            seq_len = int(encoder_lens[i])
+        elif encoder_lens is not None:  # the decoder's tokens follow the encoder's
+            start_kv = int(encoder_lens[i])
         tokens = req_to_token[req_pool_indices[i], start_kv : start_kv + seq_len]
         key = k_cache[tokens].movedim(0, query.dim() - 2)
         value = v_cache[tokens].movedim(0, query.dim() - 2)
@@ -105,7 +106,9 @@ def extend_new_rows(
             )
         elif causal and prefix == 0 and num_new == seq_len:
             is_causal = True  # no prefix: the plain causal square
-        elif causal:  # row j sees the keys up to its own position, prefix + j
+        elif causal and num_new > 1:  # row j sees the keys up to its own position, prefix + j
+            # (a single row, such as a decode riding beside a prompt, is the sequence's last
+            # and sees every key: no mask)
             positions = torch.arange(prefix, prefix + num_new, device=rows.device)
             mask = torch.arange(seq_len, device=rows.device)[None, :] <= positions[:, None]
         out = scaled_dot_product_attention(
