@@ -567,8 +567,9 @@ class SloAware:
 
 def _slack(forecast: Forecast, slo: SloAsk, headroom: float) -> float:
     """Relative slack of a forecast against the contract (within the headroom): the smaller of
-    1 − TTFT ÷ budget and 1 − TPOT ÷ budget; < 0 when a target is predicted to be missed."""
-    slack = 1.0 - forecast.ttft_s / (headroom * slo.ttft_target_s)
+    1 − TTFT ÷ its budget (`Forecast.ttft_budget_s`) and 1 − TPOT ÷ the headroom of its target;
+    < 0 when a target is predicted to be missed."""
+    slack = 1.0 - forecast.ttft_s / forecast.ttft_budget_s
     if forecast.tpot_s is not None and slo.tpot_target_s:
         slack = min(slack, 1.0 - forecast.tpot_s / (headroom * slo.tpot_target_s))
     return slack
