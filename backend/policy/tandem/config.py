@@ -168,7 +168,8 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
     real engine, the simulator's front door for the bench."""
     slo_headroom: float = 0.65
     """The SLO admission's forecast may use this fraction of the time a request has left (the
-    forecast is a mean, the contract a bound)."""
+    forecast is a mean, the contract a bound); a wait for a request slot, a sum of many decode
+    steps, may use its square root (`backend.policy.feasibility`)."""
 
     def __post_init__(self) -> None:
         for name in (
