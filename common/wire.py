@@ -273,6 +273,11 @@ class EngineLoad(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     slot (`backend.policy.feasibility.RtOutputs`), fewest first, at most 128 of them; (): not
     reported, or RT requests (running and waiting) fill less than half the slots: no slot wait
     is forecast."""
+    rt_new_decode_steps: int = 0
+    """Decode steps an RT request that starts now is expected to take (the mean over the RT
+    requests the engine finished lately), reported with `rt_decode_steps_left`: when more slots
+    are needed than RT decodes run, the requests that take the freed slots hold them this long;
+    0: not reported, or no RT request finished yet."""
     num_be_waiting: int = 0
     be_waiting_prompt_tokens: int = 0
     """Prompt tokens the waiting BE requests still have to compute (their part of the engine's

@@ -392,7 +392,16 @@ class SloForecaster:
         if excess <= 0 or not steps:
             return 0  # no RT decode holds a slot: prefilling prompts hold them, ahead of it
         rounds, within = divmod(excess - 1, len(steps))
-        return rounds * steps[-1] + steps[within]  # past the reported ones: they turn over
+        # Past the reported ones the slots turn over: the one freed after steps[within] frees
+        # again a whole request later. Those not reported have more steps left than the last
+        # reported; with every running decode reported, the slots are taken by requests that
+        # start then and run a new request's length (`rt_new_decode_steps`) — requests that
+        # started together can all be near their end (8 slots: 36 steps left at most, where the
+        # next ones ran 150).
+        turnover = steps[-1]
+        if len(steps) >= load.num_rt_running:
+            turnover = max(turnover, load.rt_new_decode_steps)
+        return rounds * turnover + steps[within]
 
     def _split(
         self, running: BatchShape, budget_s: float, factors: tuple[float, ...], load: EngineLoad
@@ -774,7 +783,7 @@ def load_of(
     pace_ratio_p90: float = 1.0,
     calibration_samples: int = 0,
     rt_fair_counters: Mapping[str, float] | None = None,
-    rt_steps_left: Callable[[ReqState], int] | None = None,
+    rt_outputs: RtOutputs | None = None,
 ) -> EngineLoad:
     """The `EngineLoad` an engine reports from the snapshot its policy planned from (the
     SGLang driver and the simulator build it the same way). One pass over the requests.
@@ -789,7 +798,10 @@ def load_of(
     after every one that can still meet its own (`RtQueue`: no domino of misses), so its prompt
     is not ahead of a new request. Counted as ahead, a tenant's few overdue requests made the
     forecast shed every new request of that tenant while another tenant burst (W6 at 2 λ*: the
-    steady tenant got 14 of 404 requests in during a burst, the burster 516 of 1,893)."""
+    steady tenant got 14 of 404 requests in during a burst, the burster 516 of 1,893).
+
+    *rt_outputs* tells how long the running RT decodes and a new RT request will run (the
+    report's `rt_decode_steps_left` and `rt_new_decode_steps`); None: not reported."""
     rt_waiting = rt_prompt = rt_running = rt_context = rt_prefilling = 0
     be_waiting = be_prompt = be_running = be_context = be_kv = 0
     # tenant → [weight, requests waiting, prompt tokens left, requests decoding]
@@ -829,6 +841,9 @@ def load_of(
             be_waiting += 1
             be_prompt += r.prefill_len - r.prefilled
     counters = rt_fair_counters or {}
+    # only where the slots can run out: an estimate per running decode costs more than the rest
+    # of the report (half the pool simulator's time at 1,000 running)
+    slots_tight = rt_outputs is not None and 2 * (rt_running + rt_waiting) >= snapshot.max_running
     return EngineLoad(
         iteration=iteration,
         at_unix_s=at_unix_s,
@@ -843,11 +858,12 @@ def load_of(
         num_rt_prefilling=rt_prefilling,
         max_running_requests=snapshot.max_running if snapshot.max_running < NO_CAP else 0,
         rt_decode_steps_left=(
-            _fewest_steps_left(snapshot, rt_steps_left)
-            # only where the slots can run out: an estimate per running decode costs more
-            # than the rest of the report (half the pool simulator's time at 1,000 running)
-            if 2 * (rt_running + rt_waiting) >= snapshot.max_running
+            _fewest_steps_left(snapshot, rt_outputs.steps_left)
+            if slots_tight and rt_outputs is not None
             else ()
+        ),
+        rt_new_decode_steps=(
+            rt_outputs.new_request_steps() if slots_tight and rt_outputs is not None else 0
         ),
         num_be_waiting=be_waiting,
         be_waiting_prompt_tokens=be_prompt,
@@ -890,6 +906,8 @@ class RtOutputs:
         if history < 1:
             raise ValueError(f"history must be ≥ 1, got {history}")
         self._recent: deque[int] = deque(maxlen=history)
+        self._recent_total = 0
+        """Σ of `_recent`."""
         self._holding: dict[str, int] = {}
         """rid → tokens generated, of the RT requests running in the last snapshot."""
         self._sorted: list[int] | None = None
@@ -903,10 +921,21 @@ class RtOutputs:
             waiting = snapshot.waiting_rt if snapshot.waiting_rt is not None else snapshot.waiting
             gone -= {r.rid for r in waiting if r.tier == "rt"}
             for rid in gone:
+                if len(self._recent) == self._recent.maxlen:
+                    self._recent_total -= self._recent[0]
                 # the last count seen; the final token's step is not seen: one more
-                self._recent.append(self._holding[rid] + 1)
+                length = self._holding[rid] + 1
+                self._recent.append(length)
+                self._recent_total += length
                 self._sorted = None
         self._holding = holding
+
+    def new_request_steps(self) -> int:
+        """Decode steps an RT request that starts now is expected to take: the mean of the
+        lengths finished lately (0 before any finished)."""
+        if not self._recent:
+            return 0
+        return math.ceil(self._recent_total / len(self._recent))
 
     def steps_left(self, r: ReqState) -> int:
         """Decode steps *r* (running, decoding) is expected to take before it finishes."""
@@ -922,12 +951,10 @@ class RtOutputs:
 
 
 def _fewest_steps_left(
-    snapshot: Snapshot, steps_left: Callable[[ReqState], int] | None
+    snapshot: Snapshot, steps_left: Callable[[ReqState], int]
 ) -> tuple[int, ...]:
     """The decode steps before each running RT decode finishes (*steps_left*), fewest first,
-    at most `STEPS_LEFT_REPORTED` of them; () without an estimate."""
-    if steps_left is None:
-        return ()
+    at most `STEPS_LEFT_REPORTED` of them."""
     steps = [
         steps_left(r) for r in snapshot.running if r.tier == "rt" and r.prefilled >= r.prefill_len
     ]

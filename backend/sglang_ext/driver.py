@@ -481,7 +481,7 @@ class EngineDriver:
                 pace_ratio_p90=self._pace.upper(),
                 calibration_samples=policy_calibration_samples(self.policy),
                 rt_fair_counters=policy_rt_fair_counters(self.policy),
-                rt_steps_left=self._rt_outputs.steps_left,
+                rt_outputs=self._rt_outputs,
             ),
             self._last_mix,
         )

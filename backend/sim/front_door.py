@@ -89,7 +89,7 @@ class FrontDoor:
             pace_ratio_p90=self.pace.upper(),
             calibration_samples=self.calibration_samples(),
             rt_fair_counters=self.rt_fair_counters(),
-            rt_steps_left=self.rt_outputs.steps_left,
+            rt_outputs=self.rt_outputs,
         )
         ask = slo_ask(req, now_s)
         extra_s = self.feedback.extra_s(now_s) if self.feedback is not None else 0.0

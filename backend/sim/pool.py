@@ -93,7 +93,7 @@ class _Member:
             pace_ratio_p90=self.pace.upper(),
             calibration_samples=policy_calibration_samples(policy),
             rt_fair_counters=policy_rt_fair_counters(policy),
-            rt_steps_left=self.rt_outputs.steps_left,
+            rt_outputs=self.rt_outputs,
         )
         self.view = Replica(name=self.name, load=load)
         self.unreported.clear()

@@ -175,7 +175,7 @@ class RealtimeEngine:
             pace_ratio_p90=self._pace.upper(),
             calibration_samples=policy_calibration_samples(self.policy),
             rt_fair_counters=policy_rt_fair_counters(self.policy),
-            rt_steps_left=self._rt_outputs.steps_left,
+            rt_outputs=self._rt_outputs,
         )
         published, self._load_published = self._load_published, asyncio.Event()
         published.set()

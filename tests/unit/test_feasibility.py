@@ -599,7 +599,7 @@ def test_load_of_reports_the_request_cap_and_the_rt_prompts_holding_a_slot() -> 
         kv_capacity=100_000,
         max_running=8,
     )
-    exact = {"rt_steps_left": lambda r: r.max_new_tokens - r.generated}
+    exact = {"rt_outputs": RtOutputs()}  # no history: each one's max_new_tokens − generated
     load = load_of(snap, iteration=1, at_unix_s=0.0, iteration_s=0.0, **exact)
     assert (load.num_rt_prefilling, load.max_running_requests) == (1, 8)
     assert load.rt_decode_steps_left == (10, 80)  # the decodes', fewest first
@@ -667,6 +667,30 @@ def test_with_every_slot_held_by_rt_a_prompt_waits_for_rt_requests_to_finish() -
     assert FORECASTER.forecast(short_list, ask).ttft_s == pytest.approx(
         (10 * 20 + 10) * STEP_S, rel=0.05
     )
+    # more slots needed than decodes run, every one reported: the requests that take the freed
+    # slots run a new request's length (8 slots: 150 steps, while those running now all end
+    # within 16; 8 queued ahead and it: the 9th slot frees when the request that took the
+    # 1st, freed after 2 steps, has run its 150)
+    step_8_s = 0.010 + 0.001 * 8 * 200 / 1000  # LATENCY: 8 decodes of 200 tokens
+    burst = idle_load(
+        max_running_requests=8,
+        num_rt_running=8,
+        rt_context_tokens=8 * 200,
+        num_rt_waiting=8,
+        rt_waiting_prompt_tokens=100 * 8,
+        rt_decode_steps_left=(2, 4, 6, 8, 10, 12, 14, 16),
+        rt_new_decode_steps=150,
+        rt_by_tenant=(
+            TenantLoad(tenant_id="burst", num_waiting=8, waiting_prompt_tokens=800, num_running=8),
+        ),
+    )
+    turned = FORECASTER.forecast(burst, dataclasses.replace(ask, ttft_target_s=1.5))
+    assert turned.shortfall is not None
+    assert turned.shortfall.slot_wait_s == pytest.approx((150 + 2) * step_8_s, rel=0.01)
+    unknown = FORECASTER.forecast(
+        msgspec_replace(burst, rt_new_decode_steps=0), dataclasses.replace(ask, ttft_target_s=1.5)
+    )
+    assert unknown.ttft_s < turned.ttft_s  # without it: the longest running one's 16 steps
 
 
 def test_the_headroom_is_for_what_the_forecast_guesses_not_for_what_it_counts() -> None:
@@ -728,6 +752,8 @@ def test_rt_outputs_learn_how_long_rt_requests_run_from_the_finished_ones() -> N
     assert outputs.steps_left(capped) == 5  # never past its max_new_tokens
     outlived = make_req("o", running=True, generated=70, max_new_tokens=1000)
     assert outputs.steps_left(outlived) == 930  # longer than every one seen
+    assert outputs.new_request_steps() == 40  # a request starting now: the mean length
+    assert RtOutputs().new_request_steps() == 0  # none finished yet
     with pytest.raises(ValueError, match="history"):
         RtOutputs(history=0)
 
