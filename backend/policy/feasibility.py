@@ -841,9 +841,13 @@ def load_of(
             be_waiting += 1
             be_prompt += r.prefill_len - r.prefilled
     counters = rt_fair_counters or {}
+    steps_left: tuple[int, ...] = ()
+    new_steps = 0
     # only where the slots can run out: an estimate per running decode costs more than the rest
     # of the report (half the pool simulator's time at 1,000 running)
-    slots_tight = rt_outputs is not None and 2 * (rt_running + rt_waiting) >= snapshot.max_running
+    if rt_outputs is not None and 2 * (rt_running + rt_waiting) >= snapshot.max_running:
+        steps_left = _fewest_steps_left(snapshot, rt_outputs.steps_left)
+        new_steps = rt_outputs.new_request_steps()
     return EngineLoad(
         iteration=iteration,
         at_unix_s=at_unix_s,
@@ -857,14 +861,8 @@ def load_of(
         rt_context_tokens=rt_context,
         num_rt_prefilling=rt_prefilling,
         max_running_requests=snapshot.max_running if snapshot.max_running < NO_CAP else 0,
-        rt_decode_steps_left=(
-            _fewest_steps_left(snapshot, rt_outputs.steps_left)
-            if slots_tight and rt_outputs is not None
-            else ()
-        ),
-        rt_new_decode_steps=(
-            rt_outputs.new_request_steps() if slots_tight and rt_outputs is not None else 0
-        ),
+        rt_decode_steps_left=steps_left,
+        rt_new_decode_steps=new_steps,
         num_be_waiting=be_waiting,
         be_waiting_prompt_tokens=be_prompt,
         num_be_running=be_running,
@@ -906,8 +904,6 @@ class RtOutputs:
         if history < 1:
             raise ValueError(f"history must be ≥ 1, got {history}")
         self._recent: deque[int] = deque(maxlen=history)
-        self._recent_total = 0
-        """Σ of `_recent`."""
         self._holding: dict[str, int] = {}
         """rid → tokens generated, of the RT requests running in the last snapshot."""
         self._sorted: list[int] | None = None
@@ -921,12 +917,8 @@ class RtOutputs:
             waiting = snapshot.waiting_rt if snapshot.waiting_rt is not None else snapshot.waiting
             gone -= {r.rid for r in waiting if r.tier == "rt"}
             for rid in gone:
-                if len(self._recent) == self._recent.maxlen:
-                    self._recent_total -= self._recent[0]
                 # the last count seen; the final token's step is not seen: one more
-                length = self._holding[rid] + 1
-                self._recent.append(length)
-                self._recent_total += length
+                self._recent.append(self._holding[rid] + 1)
                 self._sorted = None
         self._holding = holding
 
@@ -935,19 +927,26 @@ class RtOutputs:
         lengths finished lately (0 before any finished)."""
         if not self._recent:
             return 0
-        return math.ceil(self._recent_total / len(self._recent))
+        suffix = self._sorted_lengths()[1]
+        return math.ceil(suffix[0] / len(suffix))
 
     def steps_left(self, r: ReqState) -> int:
         """Decode steps *r* (running, decoding) is expected to take before it finishes."""
         bound = max(1, r.max_new_tokens - r.generated)
+        lengths, suffix = self._sorted_lengths()
+        longer = bisect.bisect_right(lengths, r.generated)
+        count = len(lengths) - longer
+        if not count:
+            return bound  # longer than every one seen (or none seen yet): only its cap is known
+        return max(1, min(bound, math.ceil(suffix[longer] / count - r.generated)))
+
+    def _sorted_lengths(self) -> tuple[list[int], list[int]]:
+        """The recent lengths sorted, and their suffix sums (sorted again only after a new
+        one came)."""
         if self._sorted is None:
             self._sorted = sorted(self._recent)
             self._suffix = list(itertools.accumulate(reversed(self._sorted)))[::-1]
-        longer = bisect.bisect_right(self._sorted, r.generated)
-        count = len(self._sorted) - longer
-        if not count:
-            return bound  # longer than every one seen (or none seen yet): only its cap is known
-        return max(1, min(bound, math.ceil(self._suffix[longer] / count - r.generated)))
+        return self._sorted, self._suffix
 
 
 def _fewest_steps_left(
