@@ -201,7 +201,10 @@ def admission_metrics(
     * `rt_shed_rate`: share of the RT requests offered that were refused;
     * `rt_downgraded_rate`: share of the RT requests offered that ran as BE;
     * `rt_accepted_late_rate`: share admitted as RT although predicted late (the contract said
-      "accept").
+      "accept");
+    * `rt_admitted_ttft_p99_s`, `rt_admitted_ttft_max_s`: the TTFT tail of the RT requests
+      admitted as RT — how late a request the admission let in can come (the plain TTFT
+      statistics count a shed request's TTFT as censored at the run's end).
 
     RT goodput (requests meeting both targets per second, shed and downgraded ones counting as
     missed) is `rt_goodput_req_s`."""
@@ -214,6 +217,16 @@ def admission_metrics(
         "rt_shed_rate": num_shed / offered if offered else None,
         "rt_downgraded_rate": num_downgraded / offered if offered else None,
         "rt_accepted_late_rate": num_accepted / offered if offered else None,
+        **admitted_ttft_tail(admitted),
+    }
+
+
+def admitted_ttft_tail(admitted: Sequence[RtStats]) -> Metrics:
+    """P99 and max TTFT of admitted RT requests (None without any)."""
+    ttft = [s.ttft_s for s in admitted]
+    return {
+        "rt_admitted_ttft_p99_s": percentile(ttft, 99),
+        "rt_admitted_ttft_max_s": max(ttft) if ttft else None,
     }
 
 
@@ -350,7 +363,8 @@ def tenant_metrics(
     * `tier`: "rt" or "be"; `requests`: the tenant's requests; `weight`: its fair-share weight
       from the workload.
     * `rt_admitted_attainment` (RT tenants): joint TTFT & TPOT attainment over its admitted
-      requests; `rt_shed`: how many of its requests the SLO admission refused.
+      requests; `rt_shed`: how many of its requests the SLO admission refused;
+      `rt_admitted_ttft_p99_s`, `rt_admitted_ttft_max_s`: its admitted requests' TTFT tail.
     * `tokens_in_contended`: its tokens served inside C (below).
     * `contended_s`: length of its tier's contended window C: the times at which every tenant
       of the tier had work outstanding (at least one request arrived and not finished — closed
@@ -392,6 +406,7 @@ def tenant_metrics(
                 stats = [rt_stats(r, end_s) for r in recs]
                 row["rt_admitted_attainment"] = _share([s.ttft_met and s.tpot_met for s in stats])
                 row["rt_shed"] = len(offered[t.name]) - len(recs)
+                row.update(admitted_ttft_tail(stats))
             row["contended_s"] = contended
             row["tokens_in_contended"] = served[t.name]
             row["token_share"] = served[t.name] / total if total else None

@@ -53,7 +53,9 @@ the same latency model the engine's policy plans with, corrected by that pace:
           with them 0.998–0.999 and 0.50).
 
           A waiting request already past its TTFT deadline is ahead of no one: tandem serves
-          it after every request that can still meet its own (`load_of`).
+          it after every request that can still meet its own (`load_of`), or earlier only in
+          the time they can spare within the headroom of their targets, which an admitted
+          forecast stays within anyway (`tandem.queues.PromptPace`).
 
     slot  a prompt also needs one of the engine's request slots (`max_running_requests`). BE
           gives its slots up to RT, so only RT's count: while the slots RT does not hold cover

@@ -119,6 +119,19 @@ def test_rt_attainment_and_latency() -> None:
     assert m["rt_token_goodput_tok_s"] == pytest.approx(3 / WINDOW_S)
 
 
+def test_the_admitted_ttft_tail_leaves_the_shed_out() -> None:
+    res = result()
+    shed = make_record("s", arrival_s=0.0, times=(), target=4, finished=False)
+    shed.admission = "shed"  # refused: its TTFT is censored at the end (END_S), not a wait
+    res.requests.append(shed)
+    m = compute_metrics(res, WINDOW_S)
+    assert m["rt_ttft_p99_s"] == pytest.approx(np.percentile([0.2, 1.0, 9.0, END_S], 99))
+    admitted = [0.2, 1.0, 9.0]  # C was admitted and never started: it waited to the end
+    assert m["rt_admitted_ttft_max_s"] == pytest.approx(9.0)
+    assert m["rt_admitted_ttft_p99_s"] == pytest.approx(np.percentile(admitted, 99))
+    assert m["rt_shed_rate"] == pytest.approx(1 / 4)
+
+
 def test_be_throughput_waits_and_deadlines() -> None:
     m = compute_metrics(result(), WINDOW_S)
     assert m["be_throughput_tok_s"] == pytest.approx(4 / WINDOW_S)  # token at 11 s is late

@@ -3,7 +3,7 @@ service order per tier."""
 
 from __future__ import annotations
 
-from backend.policy.tandem.queues import BeQueue, RtQueue, WaitingSet
+from backend.policy.tandem.queues import BeQueue, PromptPace, RtQueue, WaitingSet
 from tests.unit.tandem_factories import NOW, make_request
 
 
@@ -108,3 +108,25 @@ def test_with_fair_share_off_tenants_share_one_lane() -> None:
     queue.sync([b, a])
     queue.fair.charge("x", 10_000)
     assert [r.rid for r in queue.candidates(NOW)] == ["a", "b"]  # latest start only
+
+
+def test_a_hopeless_request_goes_first_where_the_feasible_ones_can_spare_the_time() -> None:
+    queue = RtQueue(lambda r: (r.ttft_due_s or 0.0) - r.prompt_len / 1000)
+    pace = PromptPace(chunk_tokens=100, iteration_s=0.1, headroom=0.65)  # 1000 tokens/s
+    tight = make_request("tight", arrival_s=NOW - 0.2, prompt_len=100)  # due in 0.3 s
+    # due in 2 s; 0.65 of it is 1.3 s, of which its prompt and the one ahead take 0.3
+    relaxed = make_request("relaxed", arrival_s=NOW, prompt_len=100, ttft_target_s=2.0)
+    late_old = make_request("late-old", arrival_s=NOW - 2.0, prompt_len=600)  # 0.6 s each
+    late_new = make_request("late-new", arrival_s=NOW - 1.0, prompt_len=600)
+    queue.sync([late_old, late_new, tight, relaxed])
+    # the tight one cannot wait 0.6 s more; the relaxed one can, once: the older late one
+    # goes before it, the other after every feasible one
+    order = [r.rid for r in queue.candidates(NOW, pace)]
+    assert order == ["tight", "late-old", "relaxed", "late-new"]
+    queue.restore()
+    # without a pace (stealing off) every hopeless one waits behind every feasible one
+    assert [r.rid for r in queue.candidates(NOW)] == ["tight", "relaxed", "late-old", "late-new"]
+    queue.restore()
+    queue.take(tight)
+    order = [r.rid for r in queue.candidates(NOW, pace)]
+    assert order == ["late-old", "relaxed", "late-new"]

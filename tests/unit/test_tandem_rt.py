@@ -145,11 +145,21 @@ def test_at_most_one_long_prompt_mid_prefill_per_tier() -> None:
     assert "rt-long-u" in chunks(plan)
 
 
-def test_a_hopeless_prompt_waits_behind_a_feasible_one() -> None:
+def test_a_hopeless_prompt_waits_behind_a_feasible_one_that_cannot_spare_the_time() -> None:
     hopeless = make_request("late", prompt_len=1000, arrival_s=NOW - 2.0)  # due 1.5 s ago
-    feasible = make_request("fresh", prompt_len=1000, arrival_s=NOW - 0.05)
+    # due in 0.2 s, past 0.65 of its target already: no time of it is the late one's
+    feasible = make_request("fresh", prompt_len=1000, arrival_s=NOW - 0.3)
     plan = make_policy(latency_budget_s=0.035).plan(snapshot(waiting=[hopeless, feasible]))
     assert chunks(plan) == {"fresh": 1000, "late": 250}
+    assert plan.prefills[0].rid == "fresh"
+    # one that just came has the time: the late one goes first, and it still comes within
+    # 0.65 of its target
+    feasible = make_request("fresh", prompt_len=1000, arrival_s=NOW - 0.05)
+    plan = make_policy(latency_budget_s=0.035).plan(snapshot(waiting=[hopeless, feasible]))
+    assert plan.prefills[0].rid == "late"
+    # stealing off: EDF's order under overload, the late one last
+    policy = make_policy(latency_budget_s=0.035, use_slack_stealing=False)
+    plan = policy.plan(snapshot(waiting=[hopeless, feasible]))
     assert plan.prefills[0].rid == "fresh"
 
 

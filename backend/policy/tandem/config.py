@@ -140,6 +140,13 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
     """AIMD on ε and the BE share; off: both fixed at their initial values (BE share 1)."""
     use_era: bool = True
     """At most `max_long_prefills` long prompts mid-prefill per tier; off: no limit."""
+    use_slack_stealing: bool = True
+    """A hopeless RT prompt (its TTFT is lost) goes before feasible ones where they can spare
+    the time (`queues.PromptPace`): none of them is pushed past `slo_headroom` of its TTFT
+    target at the RT phase's pace, the share the admission would have allowed its forecast, so
+    what the headroom keeps for the model's error stays kept. A request late by a little is then
+    not left waiting for a whole burst to drain (real W6: 2.8–3.9 s in the queue behind it).
+    Off: hopeless prompts wait behind every feasible one (EDF's order under overload)."""
     use_fair_share: bool = True
     """Weighted fair share among the tenants of a tier (backend.policy.fair_share): waiting
     requests are offered tenant by tenant, the least served (weighted tokens) first; off: one

@@ -31,9 +31,11 @@ import heapq
 import itertools
 import math
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 from backend.policy.fair_share import FairShare, interleave
+from backend.policy.tandem import slack
 from backend.policy.types import ReqState
 
 FULL_SYNC_EVERY = 64
@@ -194,16 +196,87 @@ class KeyedHeap:
             yield item
 
 
+MAX_STEAL_SCAN = 256
+"""A hopeless RT request moves forward only while at most this many feasible ones wait (their
+slack is checked one by one, every plan); past that the engine is overloaded and there is no
+slack to spare anyway."""
+
+
+@dataclass(frozen=True)
+class PromptPace:
+    """How fast the RT phase works through waiting prompts, to tell how much slack the feasible
+    ones can spare for a hopeless one (`RtQueue.candidates`). Prompts are taken at
+    `chunk_tokens` per iteration of `iteration_s` (the chunk that fits beside the running
+    decodes: the rate the phase's urgency test assumes), after `ahead_tokens` of running
+    partial prompts; one iteration more covers the rounding to whole iterations."""
+
+    chunk_tokens: int
+    iteration_s: float
+    ahead_tokens: int = 0
+    headroom: float = 1.0
+    """A feasible request's first token may be pushed to this fraction of its TTFT target at
+    most (`TandemConfig.slo_headroom`: the rest is for the latency model's error)."""
+
+    def seconds(self, tokens: int) -> float:
+        """The time the phase takes for `tokens` of prompt."""
+        return tokens / max(1, self.chunk_tokens) * self.iteration_s
+
+    def merge(self, feasible: list[ReqState], late: list[ReqState], now_s: float) -> list[ReqState]:
+        """`feasible` (in service order) with each of `late` (in its order, which is kept) put
+        before the first feasible one from which every feasible request still has, at this
+        pace, its prompt's own time to spare once the late one's prompt goes first."""
+        spare: list[float] = []
+        done = self.ahead_tokens
+        for r in feasible:
+            done += r.prefill_len - r.prefilled
+            deadline = slack.rt_deadline(r)
+            if r.first_token_s is None and r.ttft_due_s is not None:
+                deadline = r.arrival_s + self.headroom * (r.ttft_due_s - r.arrival_s)
+            spare.append(deadline - now_s - self.seconds(done) - self.iteration_s)
+        before: list[list[ReqState]] = [[] for _ in range(len(feasible) + 1)]
+        start = 0
+        for r in late:
+            cost = self.seconds(r.prefill_len - r.prefilled)
+            at = len(feasible)  # behind every feasible one: always safe
+            least = math.inf
+            for i in range(len(feasible) - 1, start - 1, -1):  # the suffix minima of spare
+                least = min(least, spare[i])
+                if least < cost:
+                    break
+                at = i
+            before[at].append(r)
+            for i in range(at, len(feasible)):
+                spare[i] -= cost
+            start = at
+        out: list[ReqState] = []
+        for i, r in enumerate(feasible):
+            out.extend(before[i])
+            out.append(r)
+        out.extend(before[-1])
+        return out
+
+
+def _unique(reqs: Iterable[ReqState]) -> Iterator[ReqState]:
+    """`reqs` without repeats (a request can stand in both of a lane's heaps)."""
+    seen: set[str] = set()
+    for r in reqs:
+        if r.rid not in seen:
+            seen.add(r.rid)
+            yield r
+
+
 class RtQueue:
     """Waiting RT requests, per tenant (interleaved by fair share, see the module docstring):
     feasible ones by latest start time (deadline − standalone prefill time), then hopeless ones
     (the TTFT is lost whatever happens) oldest first.
 
-    Serving a hopeless request before a feasible one only turns a second request into a miss
-    (EDF's domino effect under overload), so they wait behind every feasible one — of every
-    tenant; they are still RT, so they still go before any BE. A request that already emitted
-    tokens (evicted mid-decode) is never hopeless: its TPOT can still be met, so it goes first
-    in its lane.
+    Serving a hopeless request before a feasible one that then misses only turns a second
+    request into a miss (EDF's domino effect under overload), so a hopeless one goes after
+    every feasible one — of every tenant — unless the feasible ones behind it have the slack to
+    spare (`PromptPace`, given by the caller): then it goes as early as that slack allows, and a
+    request late by a little is not made late by a whole burst. They are still RT, so they
+    still go before any BE. A request that already emitted tokens (evicted mid-decode) is never
+    hopeless: its TPOT can still be met, so it goes first in its lane.
     """
 
     def __init__(
@@ -242,21 +315,35 @@ class RtQueue:
         self.known.add(r)
         self._push(r)
 
-    def candidates(self, now_s: float) -> Iterator[ReqState]:
+    def candidates(self, now_s: float, pace: PromptPace | None = None) -> Iterator[ReqState]:
         """Waiting RT requests in service order (popping; `restore` afterwards): the feasible
         ones of every tenant, interleaved by fair share, each lane by latest start time (moving
-        the ones found hopeless to its hopeless heap); then the hopeless ones, likewise."""
+        the ones found hopeless to its hopeless heap); then the hopeless ones, likewise — each
+        moved forward into the slack the feasible ones can spare at `pace` (None: none moves).
+        """
         lanes = self._backlogged()
         offered: dict[str, float] = {}
-        seen: set[str] = set()
-        for stage in (
+        feasible = interleave(
             {t: lane.feasible_candidates(now_s) for t, lane in lanes.items()},
+            self.fair,
+            prompt_cost,
+            offered,
+        )
+        # lazy: it pops the hopeless heaps only after the feasible stage has filled them
+        late = interleave(
             {t: lane.hopeless_candidates() for t, lane in lanes.items()},
-        ):
-            for r in interleave(stage, self.fair, prompt_cost, offered):
-                if r.rid not in seen:
-                    seen.add(r.rid)
-                    yield r
+            self.fair,
+            prompt_cost,
+            offered,
+        )
+        if pace is not None and any(lane.has_hopeless(now_s) for lane in lanes.values()):
+            ahead = list(itertools.islice(feasible, MAX_STEAL_SCAN + 1))
+            if len(ahead) <= MAX_STEAL_SCAN:  # the whole feasible queue: its slack is known
+                first_late = list(itertools.islice(late, MAX_STEAL_SCAN))
+                yield from _unique(itertools.chain(pace.merge(ahead, first_late, now_s), late))
+                return
+            feasible = itertools.chain(ahead, feasible)  # too long to check: none moves
+        yield from _unique(itertools.chain(feasible, late))
 
     def _backlogged(self) -> dict[str, _RtLane]:
         per_tenant = self.known.per_tenant
@@ -287,6 +374,15 @@ class _RtLane:
                 self.hopeless.push(r, r.arrival_s)
                 continue
             yield r
+
+    def has_hopeless(self, now_s: float) -> bool:
+        """A hopeless request waits: in its heap, or still at the head of the feasible one (a
+        fresh request whose latest start has passed; one behind an evicted request, which
+        heads it, is found once that one is taken)."""
+        if self.hopeless.peek_valid() is not None:
+            return True
+        head = self.feasible.peek_valid()
+        return head is not None and -math.inf < head[0] < now_s
 
     def hopeless_candidates(self) -> Iterator[ReqState]:
         for _, r in self.hopeless.iter_valid():

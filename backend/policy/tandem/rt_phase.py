@@ -3,7 +3,7 @@
 1. every running RT decode (KV short: evict BE, least progress first)
 2. τ from the decodes' deadlines (slack.py)
 3. prompts in slack order — running partial ones, then the queue (feasible by latest start,
-   then hopeless):
+   then hopeless, each moved forward into the slack the feasible ones can spare):
    * urgent ones first, each raising τ as far as it needs to make its deadline
      (`needed_budget`, within the hard cap) and evicting BE, then non-urgent RT, for KV;
    * then a window of non-urgent ones (within γ of the first one's slack, at most K) placed
@@ -24,6 +24,7 @@ from collections.abc import Iterable, Iterator
 from backend.policy.common import decode_cost, prefill_cost
 from backend.policy.tandem import slack
 from backend.policy.tandem.context import PlanContext
+from backend.policy.tandem.queues import PromptPace
 from backend.policy.tandem.timing import BatchTotals
 from backend.policy.tandem.victims import evict_for, progress, victim_order
 from backend.policy.types import ReqState
@@ -112,7 +113,7 @@ def run_rt_prefills(ctx: PlanContext) -> None:
     Windows are taken one after the other while τ has room."""
     b = ctx.batch
     chunk_at_budget = max(1, ctx.timer.max_chunk(b, ctx.budget_s, prefix=0, cap=ctx.max_prefill))
-    candidates = _candidates(ctx)
+    candidates = _candidates(ctx, chunk_at_budget)
     pending: ReqState | None = None
     while True:
         window: list[tuple[ReqState, float, float]] = []
@@ -183,10 +184,20 @@ def _slack(ctx: PlanContext, r: ReqState) -> float:
     return slack.slack_s(slack.rt_deadline(r), ctx.now_s, n, ctx.budget_s)
 
 
-def _candidates(ctx: PlanContext) -> Iterator[ReqState]:
-    """Running partial RT prompts (earliest deadline first), then the waiting queue."""
-    yield from sorted(ctx.view.rt_partial, key=slack.rt_deadline)
-    yield from ctx.rt_queue.candidates(ctx.now_s)
+def _candidates(ctx: PlanContext, chunk_at_budget: int) -> Iterator[ReqState]:
+    """Running partial RT prompts (earliest deadline first), then the waiting queue (hopeless
+    ones moved into the slack the rest can spare, at `chunk_at_budget` tokens an iteration)."""
+    partial = sorted(ctx.view.rt_partial, key=slack.rt_deadline)
+    yield from partial
+    config, pace = ctx.config, None
+    if config.use_slack and config.use_slack_stealing:
+        pace = PromptPace(
+            chunk_at_budget,
+            ctx.budget_s,
+            ahead_tokens=sum(r.prefill_len - r.prefilled for r in partial),
+            headroom=config.slo_headroom,
+        )
+    yield from ctx.rt_queue.candidates(ctx.now_s, pace)
 
 
 def _prefill(

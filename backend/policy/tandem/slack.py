@@ -14,7 +14,8 @@ emission of its previous token + its TPOT target. From the planned start t0::
                 iterations (`needed_budget`), never above (1 − ε)·hard cap
 
 An RT prompt whose deadline cannot be met even alone on the engine is *hopeless* (its TTFT is
-lost); it is served after every feasible one (queues.RtQueue), without raising τ.
+lost); it is served after the feasible ones, or where they can spare the time
+(queues.RtQueue), without raising τ.
 """
 
 from __future__ import annotations
