@@ -4,8 +4,9 @@
                                               static-chunk:chunk_tokens=960
 
 The whole spec is the policy's label in the report, so one run can compare settings of one
-policy side by side. VALUE is read as an integer, a float, true/false, or else a string; the
-policy's constructor validates names and values (`backend.policy.registry.make_policy`).
+policy side by side. VALUE is read as an integer, a float, true/false, null (None: an option
+that can be off, e.g. rt_stretch=null), or else a string; the policy's constructor validates
+names and values (`backend.policy.registry.make_policy`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def base_name(spec: str) -> str:
 
 
 def _value(text: str) -> Any:
+    if text == "null":
+        return None
     if text in ("true", "false"):
         return text == "true"
     for kind in (int, float):

@@ -30,9 +30,9 @@ What the policy is told (it does not know the layout), `SimConfig.bicache_report
 "placeable" (default) reports lower bounds, the smaller of the free slots a new RT and a new BE
 request could use (a BE request's unused block tail is usable by RT only, an RT request's by BE
 only) as `kv_free_tokens` and the dormant slots RT could take over as `kv_evictable_tokens`;
-"slots" reports every free and every dormant slot, as SGLang's `available_size()` would (then a
-BE prefill the layout cannot place fails the run). Either way a running request's
-`kv_shared_tokens` are its slots in shared blocks (evicting it does not hand those to anybody).
+"slots" reports every free and every dormant slot, as SGLang's `available_size()` would. Either
+way a running request's `kv_shared_tokens` are its slots in shared blocks (evicting it does not
+hand those to anybody).
 Slot counts cannot say everything: a block hosts one request per side, so ten RT requests whose
 last blocks are full need ten blocks with RT room, whatever the slot count says.
 
@@ -41,7 +41,9 @@ a decode does not fit (`retract_decode`) and what BROS's RT allocation does: it 
 BE request (lazily, so RT may take its slots), one that sits this iteration out first, else one
 whose decode it then drops from the batch; for RT under BROS's "extreme pressure", then another
 RT request (least progress first, recomputed later); last, the decode that does not fit itself.
-A started prefill is never retracted. Those engine evictions are counted (`retractions`) and
+A started prefill is never retracted; a BE prompt chunk the layout cannot hold is cut to what it
+can (SGLang's prefill adder cuts a chunk to the room there is), possibly to nothing: it waits,
+running, for a later iteration. Those engine evictions are counted (`retractions`) and
 the policy sees them as evictions.
 """
 
@@ -194,13 +196,18 @@ class BiKv:
         prefills: Sequence[tuple[ReqState, int]],
         running: Sequence[ReqState],
         retract: Callable[[ReqState], None],
-    ) -> set[str]:
+    ) -> tuple[set[str], dict[str, int]]:
         """Places an iteration's tokens (RT first), retracting BE requests where the layout
-        cannot place one (see the module docstring). Returns the rids whose decode was dropped.
-        Raises NoRoom when even that does not help."""
+        cannot place one (see the module docstring). Returns the rids whose decode was dropped,
+        and the BE prefill chunks cut short: rid → the tokens of its chunk left unplaced (SGLang's
+        prefill adder cuts a chunk to the room there is; the policy's free count is a bound for
+        one new request, and several BE requests growing at once each waste their last block's
+        tail). Raises NoRoom when an RT token or a decode finds no room even so."""
         in_batch = {s.rid for s in decodes}  # decodes only: a prefill is never retracted
         chunked = {s.rid for s, _ in prefills}
         dropped: set[str] = set()
+        cut: dict[str, int] = {}
+        be_chunks = {s.rid for s, _ in prefills if s.tier == "be"}
         steps = [(s, 1) for s in decodes if s.tier == "rt"]
         steps += [(s, n) for s, n in prefills if s.tier == "rt"]
         steps += [(s, 1) for s in decodes if s.tier == "be"]
@@ -217,12 +224,15 @@ class BiKv:
                     left -= cache.length(s.rid) - cache.host_tokens(s.rid) - before
                     victim = self._victim(s, running, in_batch, chunked | dropped)
                     if victim is None:
+                        if s.rid in be_chunks and s.rid not in in_batch:
+                            cut[s.rid] = left
+                            break
                         raise
                     retract(victim)
                     self.retractions += 1
                     if victim.rid in in_batch:
                         dropped.add(victim.rid)
-        return dropped
+        return dropped, cut
 
     def _victim(
         self, needy: ReqState, running: Sequence[ReqState], in_batch: set[str], exclude: set[str]

@@ -97,9 +97,8 @@ class SimConfig(msgspec.Struct, frozen=True):
     bicache_report: Literal["slots", "placeable"] = "placeable"
     """What the bicache layout reports as free/evictable KV: lower bounds on what a new request
     of either tier surely gets ("placeable"), or every slot ("slots", as SGLang's
-    available_size; a BE prefill the layout then cannot place fails the run, since a started
-    prefill is never retracted). The engine retracts decodes it cannot place either way
-    (backend/sim/bikv.py)."""
+    available_size). The engine retracts decodes it cannot place and cuts BE prompt chunks it
+    cannot hold either way (backend/sim/bikv.py)."""
     kv_bytes_per_token: int = 131072
     """KV bytes per token over every layer (checkpoint traffic); default Llama-3.1-8B in bf16
     (2 · 32 layers · 8 KV heads · 128 · 2 B)."""

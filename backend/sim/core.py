@@ -68,6 +68,8 @@ class EngineCore:
         )
         # Σ context² and Σ (prefix + chunk)² of the plan being applied (latency feature F_p)
         self._decode_context_sq = self._prefill_attn_full = 0.0
+        self._computed: dict[str, int] = {}
+        """This iteration's prefill chunks: rid → the tokens computed (not restored)."""
         self.tracks: dict[str, Track] = {}
         """Live requests (waiting or running) by rid."""
         self.arrived: list[Track] = []
@@ -182,7 +184,9 @@ class EngineCore:
         except KvExhausted as exc:  # pragma: no cover - guarded by the check above
             raise self._fail(str(exc)) from None
         if self.bikv is not None:
-            plan, decodes, context = self._place(self.bikv, plan, decodes, prefills, context)
+            plan, decodes, context, prefills, shape_pf = self._place(
+                self.bikv, plan, decodes, prefills, context, shape_pf
+            )
         # the two squared terms feed the F_p feature (backends that recompute prefix attention)
         shape = BatchShape(
             prefill_tokens=shape_pf[0],
@@ -202,9 +206,11 @@ class EngineCore:
         decodes: list[Track],
         prefills: list[tuple[Track, int]],
         context: int,
-    ) -> tuple[Plan, list[Track], int]:
+        shape_pf: tuple[int, float],
+    ) -> tuple[Plan, list[Track], int, list[tuple[Track, int]], tuple[int, float]]:
         """Puts the iteration's new tokens into the bidirectional layout; BE requests the
-        engine retracts there (bikv.py) leave the batch: (plan, decodes, Σ context) as run."""
+        engine retracts there (bikv.py) leave the batch, BE chunks it cuts short shrink: (plan,
+        decodes, Σ context, chunks, (prefill tokens, prefill attention work)) as run."""
         retracted: list[ReqState] = []
 
         def retract(s: ReqState) -> None:
@@ -212,7 +218,7 @@ class EngineCore:
             retracted.append(s)
 
         try:
-            dropped = bikv.place(
+            dropped, cut = bikv.place(
                 [t.state for t in decodes],
                 [(t.state, n) for t, n in prefills],
                 self.running,
@@ -231,7 +237,50 @@ class EngineCore:
             contexts = [t.state.prompt_len + t.state.generated for t in decodes]
             self._decode_context_sq = float(sum([c * c for c in contexts]))
             context = sum(contexts)
-        return plan, decodes, context
+        if cut:
+            prefills, shape_pf = self._cut_prefills(prefills, cut, shape_pf)
+            kept = {t.state.rid: n for t, n in prefills}
+            plan = msgspec.structs.replace(
+                plan,
+                prefills=[
+                    msgspec.structs.replace(c, tokens=kept[c.rid])
+                    for c in plan.prefills
+                    if c.rid in kept
+                ],
+            )
+        return plan, decodes, context, prefills, shape_pf
+
+    def _cut_prefills(
+        self, prefills: list[tuple[Track, int]], cut: dict[str, int], shape_pf: tuple[int, float]
+    ) -> tuple[list[tuple[Track, int]], tuple[int, float]]:
+        """Takes back the unplaced tail of each cut chunk (`_start_prefills` counted it): the
+        request's progress, its KV count and the work of the batch. Restored tokens come first
+        in a chunk, so the tail cut is computed work."""
+        tokens_total, attn = shape_pf
+        out: list[tuple[Track, int]] = []
+        for t, n in prefills:
+            c = cut.get(t.state.rid, 0)
+            if not c:
+                out.append((t, n))
+                continue
+            s = t.state
+            end = s.prefilled  # where the chunk as planned ends
+            computed = self._computed[s.rid]
+            kept_computed = max(0, computed - c)
+            tokens_total -= computed - kept_computed
+            attn -= computed * end - kept_computed * (end - c)
+            if computed:
+                self._prefill_attn_full -= end * end
+            if kept_computed:
+                self._prefill_attn_full += (end - c) * (end - c)
+            page = self.config.page_size
+            self.kv.release(round_up(t.private, page) - round_up(t.private - c, page))
+            s.prefilled -= c
+            s.kv_tokens -= c
+            t.private -= c
+            if n > c:
+                out.append((t, n - c))
+        return out, (tokens_total, attn)
 
     def _check_decodes(self, plan: Plan) -> tuple[list[Track], int, int]:
         """The decode tracks, their KV slots and Σ context (validated, nothing mutated).
@@ -264,6 +313,7 @@ class EngineCore:
         need = tokens_total = planned = 0
         attn = 0.0
         self._prefill_attn_full = 0.0
+        self._computed.clear()
         admitted = admitted_rt = 0
         for chunk in plan.prefills:
             t = self._live(chunk.rid, "prefill")
@@ -286,6 +336,7 @@ class EngineCore:
             planned += chunk.tokens
             # tokens restored from a checkpoint are copied, not computed
             computed = chunk.tokens - (self.bikv.restorable(s, chunk.tokens) if self.bikv else 0)
+            self._computed[s.rid] = computed
             tokens_total += computed
             attn += computed * (s.prefilled + chunk.tokens)
             if computed:

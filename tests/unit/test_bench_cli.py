@@ -198,10 +198,13 @@ def test_convert_azure_can_start_every_prompt_with_one_system_prompt(tmp_path: P
     assert [row["prefix_hashes"] for row in read_trace(out)] == [hashes[0][:1], (), hashes[0][:1]]
 
 
-def test_policy_spec_reads_numbers_booleans_and_strings() -> None:
+def test_policy_spec_reads_numbers_booleans_null_and_strings() -> None:
     from bench.policy_spec import base_name, parse_policy_spec
 
-    spec = "tandem:max_long_prefills=2:latency_budget_s=0.035:use_aimd=false:kv_layout=bicache"
+    spec = (
+        "tandem:max_long_prefills=2:latency_budget_s=0.035:use_aimd=false:kv_layout=bicache"
+        ":rt_stretch=null"
+    )
     assert parse_policy_spec(spec) == (
         "tandem",
         {
@@ -209,6 +212,7 @@ def test_policy_spec_reads_numbers_booleans_and_strings() -> None:
             "latency_budget_s": 0.035,
             "use_aimd": False,
             "kv_layout": "bicache",
+            "rt_stretch": None,
         },
     )
     assert parse_policy_spec("fcfs") == ("fcfs", {})

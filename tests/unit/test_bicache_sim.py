@@ -181,3 +181,24 @@ def test_slot_reporting_runs_tandem_and_tells_the_policy_every_free_slot() -> No
 def test_layout_config_is_validated(fields: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SimConfig(kv_capacity_tokens=1024, **fields)  # type: ignore[arg-type]
+
+
+def test_a_be_chunk_the_blocks_cannot_hold_is_cut_as_sglangs_prefill_adder_would() -> None:
+    """Three BE prompts of 20 tokens: 60 of 64 slots, but each needs two blocks of its own and
+    the pool has four. The third chunk is cut (to nothing here), not a failed run; its prompt
+    runs once the others have finished, and every request gets its full output."""
+    plans = [Plan(prefills=[PrefillChunk(rid, 20) for rid in "xyz"])]
+    reqs = [make_request(rid=rid, tier="be", prompt_len=20, output_len=2) for rid in "xyz"]
+    res = simulate(ListSource(reqs), _Scripted(plans), LATENCY, _bicache(kv_capacity_tokens=64))
+    it = res.iterations
+    assert it.prefill_tokens[0] == 40 and it.num_prefill[0] == 2
+    assert it.duration_s[0] == pytest.approx(
+        LATENCY.predict(
+            BatchShape(
+                prefill_tokens=40, num_prefill=2, prefill_attn=800.0, prefill_attn_full=800.0
+            )
+        )
+    )
+    assert all(r.finish_s is not None and r.generated == r.output_len_target for r in res.requests)
+    z = next(r for r in res.requests if r.rid == "z")
+    assert z.first_token_s is not None and z.first_token_s > it.duration_s[0]

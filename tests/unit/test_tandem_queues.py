@@ -130,3 +130,23 @@ def test_a_hopeless_request_goes_first_where_the_feasible_ones_can_spare_the_tim
     queue.take(tight)
     order = [r.rid for r in queue.candidates(NOW, pace)]
     assert order == ["late-old", "relaxed", "late-new"]
+
+
+def test_a_request_far_past_its_deadline_goes_first_even_when_no_one_can_spare_the_time() -> None:
+    queue = RtQueue(lambda r: (r.ttft_due_s or 0.0) - r.prompt_len / 1000)
+    pace = PromptPace(chunk_tokens=100, iteration_s=0.1, headroom=0.65)
+    # each of these is past 0.65 of its 0.5 s target already: none can spare a moment
+    tight = [make_request(f"t{i}", arrival_s=NOW - 0.3, prompt_len=10) for i in range(3)]
+    little_late = make_request("little-late", arrival_s=NOW - 0.6)  # 0.1 s past its deadline
+    overdue = make_request("overdue", arrival_s=NOW - 1.2)  # 0.7 s past it: > 1 × 0.5 s
+    very_overdue = make_request("very-overdue", arrival_s=NOW - 1.5)
+    queue.sync([*tight, little_late, overdue, very_overdue])
+    # one a plan, the one latest past its deadline; the others wait behind the feasible ones
+    order = [r.rid for r in queue.candidates(NOW, pace, late_bound_frac=1.0)]
+    assert order == ["very-overdue", "t0", "t1", "t2", "overdue", "little-late"]
+    queue.restore()
+    assert [r.rid for r in queue.candidates(NOW, pace)][:3] == ["t0", "t1", "t2"]
+    queue.restore()
+    queue.take(very_overdue)
+    order = [r.rid for r in queue.candidates(NOW, None, late_bound_frac=1.0)]
+    assert order == ["overdue", "t0", "t1", "t2", "little-late"]

@@ -146,12 +146,17 @@ def test_at_most_one_long_prompt_mid_prefill_per_tier() -> None:
 
 
 def test_a_hopeless_prompt_waits_behind_a_feasible_one_that_cannot_spare_the_time() -> None:
-    hopeless = make_request("late", prompt_len=1000, arrival_s=NOW - 2.0)  # due 1.5 s ago
+    hopeless = make_request("late", prompt_len=1000, arrival_s=NOW - 0.6)  # due 0.1 s ago
     # due in 0.2 s, past 0.65 of its target already: no time of it is the late one's
-    feasible = make_request("fresh", prompt_len=1000, arrival_s=NOW - 0.3)
-    plan = make_policy(latency_budget_s=0.035).plan(snapshot(waiting=[hopeless, feasible]))
+    tight = make_request("fresh", prompt_len=1000, arrival_s=NOW - 0.3)
+    plan = make_policy(latency_budget_s=0.035).plan(snapshot(waiting=[hopeless, tight]))
     assert chunks(plan) == {"fresh": 1000, "late": 250}
     assert plan.prefills[0].rid == "fresh"
+    # one more than its whole target past its deadline goes first all the same
+    # (rt_late_bound_frac): a request let in is served, however busy the queue
+    overdue = make_request("late", prompt_len=1000, arrival_s=NOW - 1.2)
+    plan = make_policy(latency_budget_s=0.035).plan(snapshot(waiting=[overdue, tight]))
+    assert chunks(plan) == {"late": 1000, "fresh": 250}
     # one that just came has the time: the late one goes first, and it still comes within
     # 0.65 of its target
     feasible = make_request("fresh", prompt_len=1000, arrival_s=NOW - 0.05)

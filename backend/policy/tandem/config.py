@@ -147,6 +147,13 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
     what the headroom keeps for the model's error stays kept. A request late by a little is then
     not left waiting for a whole burst to drain (real W6: 2.8–3.9 s in the queue behind it).
     Off: hopeless prompts wait behind every feasible one (EDF's order under overload)."""
+    rt_late_bound_frac: float | None = 1.0
+    """A hopeless RT prompt more than this fraction of its TTFT target past its deadline (1:
+    its wait has reached twice the target) goes before every other waiting RT prompt, one a
+    plan (the one latest past its deadline): a request the admission let in is served even
+    while the feasible ones never have a moment to spare. Without it, W1 at 3 λ* in the
+    simulator kept about 50 requests admitted in its first second waiting 120 s, until the
+    arrivals stopped. None: no bound."""
     use_fair_share: bool = True
     """Weighted fair share among the tenants of a tier (backend.policy.fair_share): waiting
     requests are offered tenant by tenant, the least served (weighted tokens) first; off: one
@@ -223,6 +230,10 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
         if not (self.least_chunk_stretch >= 0.0 and math.isfinite(self.least_chunk_stretch)):
             raise ValueError(
                 f"least_chunk_stretch must be a finite number ≥ 0, got {self.least_chunk_stretch}"
+            )
+        if self.rt_late_bound_frac is not None and not self.rt_late_bound_frac >= 0:
+            raise ValueError(
+                f"rt_late_bound_frac must be ≥ 0 (or null), got {self.rt_late_bound_frac}"
             )
         if self.rt_stretch is not None and self.rt_stretch < 0:
             raise ValueError(f"rt_stretch must be ≥ 0 (or null), got {self.rt_stretch}")

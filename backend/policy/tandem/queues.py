@@ -27,12 +27,12 @@ With one tenant the lane is the whole queue and the order is exactly the single-
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
 import random
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 
 from backend.policy.fair_share import FairShare, interleave
 from backend.policy.tandem import slack
@@ -202,7 +202,7 @@ slack is checked one by one, every plan); past that the engine is overloaded and
 slack to spare anyway."""
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class PromptPace:
     """How fast the RT phase works through waiting prompts, to tell how much slack the feasible
     ones can spare for a hopeless one (`RtQueue.candidates`). Prompts are taken at
@@ -254,6 +254,19 @@ class PromptPace:
             out.append(r)
         out.extend(before[-1])
         return out
+
+
+def _overdue(late: list[ReqState], now_s: float, bound_frac: float) -> ReqState | None:
+    """The request of `late` latest past its TTFT deadline, if it is more than `bound_frac` of
+    its TTFT target past it."""
+    worst, worst_over = None, 0.0
+    for r in late:
+        if r.ttft_due_s is None or r.first_token_s is not None:
+            continue
+        over = (now_s - r.ttft_due_s) / max(r.ttft_due_s - r.arrival_s, 1e-9)
+        if over > bound_frac and over > worst_over:
+            worst, worst_over = r, over
+    return worst
 
 
 def _unique(reqs: Iterable[ReqState]) -> Iterator[ReqState]:
@@ -315,12 +328,21 @@ class RtQueue:
         self.known.add(r)
         self._push(r)
 
-    def candidates(self, now_s: float, pace: PromptPace | None = None) -> Iterator[ReqState]:
+    def candidates(
+        self,
+        now_s: float,
+        pace: PromptPace | None = None,
+        *,
+        late_bound_frac: float | None = None,
+    ) -> Iterator[ReqState]:
         """Waiting RT requests in service order (popping; `restore` afterwards): the feasible
         ones of every tenant, interleaved by fair share, each lane by latest start time (moving
         the ones found hopeless to its hopeless heap); then the hopeless ones, likewise — each
         moved forward into the slack the feasible ones can spare at `pace` (None: none moves).
-        """
+        With `late_bound_frac`, the hopeless one latest past its deadline goes first once its
+        wait past it exceeds that fraction of its TTFT target: one each plan, so a request the
+        admission let in is served even while the feasible ones never spare a moment (an
+        overload that keeps the queue at the admission's limit)."""
         lanes = self._backlogged()
         offered: dict[str, float] = {}
         feasible = interleave(
@@ -336,14 +358,25 @@ class RtQueue:
             prompt_cost,
             offered,
         )
-        if pace is not None and any(lane.has_hopeless(now_s) for lane in lanes.values()):
-            ahead = list(itertools.islice(feasible, MAX_STEAL_SCAN + 1))
-            if len(ahead) <= MAX_STEAL_SCAN:  # the whole feasible queue: its slack is known
-                first_late = list(itertools.islice(late, MAX_STEAL_SCAN))
-                yield from _unique(itertools.chain(pace.merge(ahead, first_late, now_s), late))
-                return
-            feasible = itertools.chain(ahead, feasible)  # too long to check: none moves
-        yield from _unique(itertools.chain(feasible, late))
+        moves = pace is not None or late_bound_frac is not None
+        if not moves or not any(lane.has_hopeless(now_s) for lane in lanes.values()):
+            yield from _unique(itertools.chain(feasible, late))
+            return
+        ahead = list(itertools.islice(feasible, MAX_STEAL_SCAN + 1))
+        first_late = list(itertools.islice(late, MAX_STEAL_SCAN))
+        overdue = None if late_bound_frac is None else _overdue(first_late, now_s, late_bound_frac)
+        if overdue is not None:
+            first_late.remove(overdue)
+        order: Iterable[ReqState]
+        if pace is not None and len(ahead) <= MAX_STEAL_SCAN:  # the whole feasible queue
+            if overdue is not None:
+                ahead_tokens = pace.ahead_tokens + overdue.prefill_len - overdue.prefilled
+                pace = dataclasses.replace(pace, ahead_tokens=ahead_tokens)
+            order = pace.merge(ahead, first_late, now_s)
+        else:  # too long to check (none moves into the slack), or stealing off
+            order = itertools.chain(ahead, feasible, first_late)
+        lead = [] if overdue is None else [overdue]
+        yield from _unique(itertools.chain(lead, order, late))
 
     def _backlogged(self) -> dict[str, _RtLane]:
         per_tenant = self.known.per_tenant

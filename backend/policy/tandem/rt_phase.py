@@ -186,7 +186,8 @@ def _slack(ctx: PlanContext, r: ReqState) -> float:
 
 def _candidates(ctx: PlanContext, chunk_at_budget: int) -> Iterator[ReqState]:
     """Running partial RT prompts (earliest deadline first), then the waiting queue (hopeless
-    ones moved into the slack the rest can spare, at `chunk_at_budget` tokens an iteration)."""
+    ones moved into the slack the rest can spare, at `chunk_at_budget` tokens an iteration; one
+    far past its deadline first: `rt_late_bound_frac`)."""
     partial = sorted(ctx.view.rt_partial, key=slack.rt_deadline)
     yield from partial
     config, pace = ctx.config, None
@@ -197,7 +198,7 @@ def _candidates(ctx: PlanContext, chunk_at_budget: int) -> Iterator[ReqState]:
             ahead_tokens=sum(r.prefill_len - r.prefilled for r in partial),
             headroom=config.slo_headroom,
         )
-    yield from ctx.rt_queue.candidates(ctx.now_s, pace)
+    yield from ctx.rt_queue.candidates(ctx.now_s, pace, late_bound_frac=config.rt_late_bound_frac)
 
 
 def _prefill(
