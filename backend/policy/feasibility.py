@@ -801,10 +801,12 @@ def load_of(
 
     A waiting RT request already past its TTFT deadline counts in `num_rt_waiting` (and its
     tenant's `num_waiting`) but not in the prompt tokens waiting: tandem serves such a request
-    after every one that can still meet its own (`RtQueue`: no domino of misses), so its prompt
-    is not ahead of a new request. Counted as ahead, a tenant's few overdue requests made the
-    forecast shed every new request of that tenant while another tenant burst (W6 at 2 λ*: the
-    steady tenant got 14 of 404 requests in during a burst, the burster 516 of 1,893).
+    after every one that can still meet its own (`RtQueue`: no domino of misses), before them
+    only in time they can spare within the headroom, or, one an iteration, once it is more than
+    its target past its deadline; so its prompt is not ahead of a new request's forecast.
+    Counted as ahead, a tenant's few overdue requests made the forecast shed every new request
+    of that tenant while another tenant burst (W6 at 2 λ*: the steady tenant got 14 of 404
+    requests in during a burst, the burster 516 of 1,893).
 
     *rt_outputs* tells how long the running RT decodes and a new RT request will run (the
     report's `rt_decode_steps_left` and `rt_new_decode_steps`); None: not reported."""
