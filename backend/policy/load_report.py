@@ -35,3 +35,10 @@ def policy_rt_fair_counters(policy: Any) -> Mapping[str, float]:
     """The policy's RT fair-share counters by tenant (`FairShare.counters`, live: read, not
     kept), or none for a policy without weighted fair share (the baselines)."""
     return getattr(getattr(policy, "rt_fair", None), "counters", None) or {}
+
+
+def policy_rt_late_bound_frac(policy: Any) -> float | None:
+    """How far past its TTFT deadline a waiting RT prompt is served first (a fraction of its
+    target: `TandemConfig.rt_late_bound_frac`), or None for a policy without that bound."""
+    value = getattr(getattr(policy, "config", None), "rt_late_bound_frac", None)
+    return None if value is None else float(value)

@@ -41,6 +41,7 @@ from backend.policy.load_report import (
     policy_calibration_samples,
     policy_factors,
     policy_rt_fair_counters,
+    policy_rt_late_bound_frac,
 )
 from backend.policy.tandem import slack
 from backend.policy.tandem.victims import victim_order
@@ -481,6 +482,7 @@ class EngineDriver:
                 pace_ratio_p90=self._pace.upper(),
                 calibration_samples=policy_calibration_samples(self.policy),
                 rt_fair_counters=policy_rt_fair_counters(self.policy),
+                rt_late_bound_frac=policy_rt_late_bound_frac(self.policy),
                 rt_outputs=self._rt_outputs,
             ),
             self._last_mix,

@@ -30,7 +30,11 @@ from backend.policy.feasibility import (
     TtftFeedback,
     load_of,
 )
-from backend.policy.load_report import policy_calibration_samples, policy_rt_fair_counters
+from backend.policy.load_report import (
+    policy_calibration_samples,
+    policy_rt_fair_counters,
+    policy_rt_late_bound_frac,
+)
 from backend.policy.types import Policy, Snapshot
 from backend.sim.config import SloUnattainable
 from backend.sim.records import Admission, RequestRecord
@@ -48,6 +52,7 @@ class FrontDoor:
         calibration_samples: Callable[[], int] = lambda: 0,
         rt_fair_counters: Callable[[], Mapping[str, float]] = dict,
         feedback: TtftFeedback | None = None,
+        rt_late_bound_frac: float | None = None,
     ) -> None:
         self.forecaster = forecaster
         self.feedback = feedback
@@ -62,6 +67,8 @@ class FrontDoor:
         """Iterations the policy's calibration has learned from, read at every forecast."""
         self.rt_fair_counters = rt_fair_counters
         """The policy's RT fair-share counters by tenant, read at every forecast."""
+        self.rt_late_bound_frac = rt_late_bound_frac
+        """How far past its deadline the policy serves a waiting RT prompt first (`load_of`)."""
         self.on_unattainable: SloUnattainable = on_unattainable
         self.outcomes: dict[str, Admission] = {}
         """rid → how it was admitted, for the requests that were not simply admitted."""
@@ -90,6 +97,7 @@ class FrontDoor:
             calibration_samples=self.calibration_samples(),
             rt_fair_counters=self.rt_fair_counters(),
             rt_outputs=self.rt_outputs,
+            rt_late_bound_frac=self.rt_late_bound_frac,
         )
         ask = slo_ask(req, now_s)
         extra_s = self.feedback.extra_s(now_s) if self.feedback is not None else 0.0
@@ -156,6 +164,7 @@ def front_door_for(
         lambda: policy_calibration_samples(policy),
         lambda: policy_rt_fair_counters(policy),
         TtftFeedback() if ttft_feedback else None,
+        policy_rt_late_bound_frac(policy),
     )
 
 

@@ -36,7 +36,11 @@ import numpy as np
 from backend.policy.calibration import PaceSpread
 from backend.policy.feasibility import Backlog, RtOutputs, SloForecaster, load_of
 from backend.policy.latency import LatencyModel
-from backend.policy.load_report import policy_calibration_samples, policy_rt_fair_counters
+from backend.policy.load_report import (
+    policy_calibration_samples,
+    policy_rt_fair_counters,
+    policy_rt_late_bound_frac,
+)
 from backend.policy.placement import PlaceAsk, Replica, Router, prefix_keys
 from backend.policy.types import Policy, Snapshot
 from backend.sim.config import SimConfig
@@ -93,6 +97,7 @@ class _Member:
             pace_ratio_p90=self.pace.upper(),
             calibration_samples=policy_calibration_samples(policy),
             rt_fair_counters=policy_rt_fair_counters(policy),
+            rt_late_bound_frac=policy_rt_late_bound_frac(policy),
             rt_outputs=self.rt_outputs,
         )
         self.view = Replica(name=self.name, load=load)

@@ -22,6 +22,7 @@ from backend.policy.load_report import (
     policy_calibration_samples,
     policy_factors,
     policy_rt_fair_counters,
+    policy_rt_late_bound_frac,
 )
 from backend.policy.types import FinishedRequest, IterationResult, Policy
 from backend.sim.config import SimConfig
@@ -175,6 +176,7 @@ class RealtimeEngine:
             pace_ratio_p90=self._pace.upper(),
             calibration_samples=policy_calibration_samples(self.policy),
             rt_fair_counters=policy_rt_fair_counters(self.policy),
+            rt_late_bound_frac=policy_rt_late_bound_frac(self.policy),
             rt_outputs=self._rt_outputs,
         )
         published, self._load_published = self._load_published, asyncio.Event()

@@ -471,6 +471,21 @@ def test_load_of_leaves_an_overdue_prompt_out_of_the_work_ahead() -> None:
     assert load.rt_by_tenant == (waiting(overdue.tenant_id, 300, count=2),)
 
 
+def test_load_of_counts_a_prompt_ahead_once_tandem_serves_it_first() -> None:
+    # more than rt_late_bound_frac of its target past its deadline, tandem serves it first
+    # (one a plan): ahead of every new request again
+    far, near = make_req("far", prompt_len=5000), make_req("near", prompt_len=700)
+    far.arrival_s, far.ttft_due_s = 0.0, 0.5  # 2 s past a 0.5 s target
+    near.arrival_s, near.ttft_due_s = 1.0, 2.3  # 0.2 s past a 1.3 s target
+    fresh = make_req("new", prompt_len=300)
+    fresh.ttft_due_s = 4.0
+    snap = make_snapshot(waiting=[far, near, fresh], kv_capacity=100_000, now_s=2.5)
+    bound = load_of(snap, iteration=1, at_unix_s=0.0, iteration_s=0.0, rt_late_bound_frac=1.0)
+    assert (bound.num_rt_waiting, bound.rt_waiting_prompt_tokens) == (3, 5300)
+    unbound = load_of(snap, iteration=1, at_unix_s=0.0, iteration_s=0.0)
+    assert (unbound.num_rt_waiting, unbound.rt_waiting_prompt_tokens) == (3, 300)
+
+
 def test_the_front_door_forecasts_for_the_arrivals_tenant() -> None:
     queued = [make_req(f"b{i}", prompt_len=2000) for i in range(10)]
     for r in queued:
