@@ -153,10 +153,11 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
     plan (the one latest past its deadline): a request the admission let in is served even
     while the feasible ones never have a moment to spare. Without it, W1 at 3 λ* in the
     simulator kept about 50 requests admitted in its first second waiting 120 s, until the
-    arrivals stopped (2.2 s with it). Each jump can make a request still on time late: 0.5
-    gave the same attainment on the simulator's W1 and W6 runs, but W6 at 1.5 λ* with the
-    engine 1.8× slower in every burst lost 0.8–1.3 points of it (1.0: 0.1–0.5). None: no
-    bound."""
+    arrivals stopped (1.3 s with it; the engine's load report counts such a prompt as ahead,
+    `feasibility.load_of`, so the admission sees it). Each jump can make a request still on
+    time late: 0.5 gave the same attainment on the simulator's W1 and W6 runs, but W6 at
+    1.5 λ* with the engine 1.8× slower in every burst lost 0.8–1.3 points of it (1.0: 0.1–0.5).
+    None: no bound."""
     use_fair_share: bool = True
     """Weighted fair share among the tenants of a tier (backend.policy.fair_share): waiting
     requests are offered tenant by tenant, the least served (weighted tokens) first; off: one
