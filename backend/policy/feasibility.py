@@ -56,10 +56,8 @@ the same latency model the engine's policy plans with, corrected by that pace:
           it after every request that can still meet its own (`load_of`), or earlier only in
           the time they can spare within the headroom of their targets, which an admitted
           forecast stays within anyway (`tandem.queues.PromptPace`). One far past it (more
-          than its target: `rt_late_bound_frac`) does go first, one an iteration; they are
-          rare (the admitted ones that went wrong), and in the simulator's runs — W1 to 3 λ*,
-          slowed 2× and 1→3×, W6 to 2 λ* — not counting them left the admitted attainment
-          where it was (±0.001).
+          than its target: `rt_late_bound_frac`) does go first, one an iteration, and counts
+          as ahead of every new request (`load_of`).
 
     slot  a prompt also needs one of the engine's request slots (`max_running_requests`). BE
           gives its slots up to RT, so only RT's count: while the slots RT does not hold cover
@@ -844,15 +842,8 @@ def load_of(
     for r in snapshot.waiting:
         if r.tier == "rt":
             rt_waiting += 1
-            if (
-                r.ttft_due_s is not None
-                and r.first_token_s is None
-                and r.ttft_due_s < now_s
-                and (
-                    rt_late_bound_frac is None
-                    or now_s - r.ttft_due_s <= rt_late_bound_frac * (r.ttft_due_s - r.arrival_s)
-                )
-            ):
+            lateness = r.ttft_lateness(now_s)
+            if lateness > 0 and (rt_late_bound_frac is None or lateness <= rt_late_bound_frac):
                 _tenant_entry(by_tenant, r)[1] += 1  # overdue: served last, ahead of nobody
                 continue
             rt_prompt += r.prefill_len - r.prefilled

@@ -108,6 +108,15 @@ class ReqState(msgspec.Struct, kw_only=True):
         """Tokens its next decode attends to (prompt + generated)."""
         return self.prompt_len + self.generated
 
+    def ttft_lateness(self, now_s: float) -> float:
+        """How far past its TTFT deadline it is at `now_s` while its first token has not come,
+        as a fraction of its TTFT target (> 0: late; 0 without a target or once the token
+        came)."""
+        due = self.ttft_due_s
+        if due is None or self.first_token_s is not None:
+            return 0.0
+        return (now_s - due) / max(due - self.arrival_s, 1e-9)
+
 
 class Snapshot(msgspec.Struct, kw_only=True):
     """The engine's state at the start of an iteration."""

@@ -259,12 +259,10 @@ class PromptPace:
 def _overdue(late: list[ReqState], now_s: float, bound_frac: float) -> ReqState | None:
     """The request of `late` latest past its TTFT deadline, if it is more than `bound_frac` of
     its TTFT target past it."""
-    worst, worst_over = None, 0.0
+    worst, worst_over = None, bound_frac
     for r in late:
-        if r.ttft_due_s is None or r.first_token_s is not None:
-            continue
-        over = (now_s - r.ttft_due_s) / max(r.ttft_due_s - r.arrival_s, 1e-9)
-        if over > bound_frac and over > worst_over:
+        over = r.ttft_lateness(now_s)
+        if over > worst_over:
             worst, worst_over = r, over
     return worst
 
