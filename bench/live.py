@@ -81,6 +81,7 @@ from bench.series import PolicySeries, compute_series
 from bench.workloads.base import RequestSpec, SpecSource, Workload
 from bench.workloads.sources import SimSource
 from common.config import DEFAULT_CONFIG_PATH
+from common.slowdown import Slowdown, factor_at, format_slowdown
 from common.sockets import free_port
 from common.wire import CONTROL_ITERATIONS_PATH, IterationRecord, RecentIterations
 
@@ -102,6 +103,9 @@ every policy alike: with torch's default of one per core, the engine's iteration
 core of this small host, and the gateway, SGLang's tokenizer and detokenizer and the bench's
 own client wait for them (a TTFT tail that is not the scheduler's)."""
 MAX_RUNNING = 64
+SLOWDOWN_START_FILE = "slowdown-start"
+"""In a policy's run folder, with `--engine-slowdown`: written as its replay starts, second 0 of
+the engine's slowdown (`engine.slowdown_start_file`)."""
 READY_TIMEOUT_S = 420.0
 CAPACITY_PROBE_S = 20.0
 """Arrival window of one λ* probe on the real engine, seconds."""
@@ -173,6 +177,9 @@ class LiveRun:
     profile at `sim_regime_pace`."""
     sim_engine_iterations: int = 0
     """Iterations `sim_engine` was fitted to."""
+    slowdown_start_unix_s: dict[str, float] = field(default_factory=dict)
+    """Per policy, with `--engine-slowdown`: the Unix time its replay started, second 0 of the
+    schedule the engine was slowed to (`engine.slowdown_start_file`)."""
     sim_engine_error: dict[str, float] = field(default_factory=dict)
     """How well the twin's engine predicts the real one's iterations: median and p90 of
     |predicted ÷ measured − 1| over them, for `sim_engine` ("fitted") and for the profile at
@@ -249,8 +256,15 @@ def run_live(config: BenchConfig) -> LiveRun:
                 geometric_mean(run.sim_regime_pace) if run.sim_regime_pace else learned_pace(stats)
             )
         if iterations:
-            samples = engine_samples(iterations)
             _save_iterations(run.config.out_dir / "live" / name / "iterations.json", iterations)
+            if name in run.slowdown_start_unix_s:
+                # the twin runs the engine's own pace with the schedule on top, as the real one
+                iterations = unslowed(
+                    iterations, config.engine_slowdown, run.slowdown_start_unix_s[name]
+                )
+                if pace := iteration_regime_pace(iterations, latency):
+                    run.sim_regime_pace, run.sim_pace = pace, geometric_mean(pace)
+            samples = engine_samples(iterations)
             if len(samples) >= MIN_ENGINE_SAMPLES:
                 run.sim_engine = fit_engine(samples, paced_samples(profile, run.sim_regime_pace))
                 run.sim_engine_iterations = len(samples)
@@ -288,6 +302,10 @@ def engine_section(
     }
     if CPU_THREADS is not None:
         section["cpu_threads"] = CPU_THREADS
+    if run.config.engine_slowdown:
+        # every policy's engine alike, from its replay's start (`_replay_all` writes the file)
+        section["slowdown"] = format_slowdown(run.config.engine_slowdown)
+        section["slowdown_start_file"] = str(log_file.with_name(SLOWDOWN_START_FILE))
     if name == "tandem":
         section.update(
             patch=True,
@@ -308,7 +326,7 @@ def run_real(
     workdir = run.config.out_dir / "live" / name
     with _stack(name, run, profile, profile_path, workdir) as (base_url, token, engine):
         records, end_s, overhead_s, iterations = asyncio.run(
-            _replay_all(base_url, token, run, engine, follow=name == "tandem")
+            _replay_all(base_url, token, run, engine, name=name, follow=name == "tandem")
         )
         if overhead_s is not None:
             run.serving_overhead_s[name] = overhead_s
@@ -333,6 +351,7 @@ def _stack(
     own /v1/loads)."""
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "tandem.db").unlink(missing_ok=True)  # a rerun into the same folder
+    (workdir / SLOWDOWN_START_FILE).unlink(missing_ok=True)
     engine_port, gateway_port = free_port(), free_port()
     engine = engine_section(name, run, profile, profile_path, engine_port, workdir / "engine.log")
     cfg = {
@@ -554,11 +573,18 @@ def _wait_idle(
 
 
 async def _replay_all(
-    base_url: str, admin_token: str, run: LiveRun, engine: dict[str, Any], *, follow: bool
+    base_url: str,
+    admin_token: str,
+    run: LiveRun,
+    engine: dict[str, Any],
+    *,
+    name: str,
+    follow: bool,
 ) -> tuple[list[RequestRecord], float, float | None, list[IterationRecord]]:
-    """The workload through the gateway at *base_url*: its records and end, the serving
-    overhead measured on the idle engine just before (None where it could not be), and, with
-    *follow*, the engine's record of every iteration of the replay (`follow_iterations`)."""
+    """The workload through the gateway at *base_url* (policy *name*'s): its records and end,
+    the serving overhead measured on the idle engine just before (None where it could not be),
+    and, with *follow*, the engine's record of every iteration of the replay
+    (`follow_iterations`). With a slowdown, the engine is slowed from the replay's start on."""
     timeout = aiohttp.ClientTimeout(total=None, sock_read=DRAIN_TIMEOUT_S)
     async with aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0), timeout=timeout
@@ -583,6 +609,10 @@ async def _replay_all(
             if follow
             else None
         )
+        start_file = engine.get("slowdown_start_file")
+        if start_file:
+            run.slowdown_start_unix_s[name] = time.time()
+            Path(start_file).write_text(f"{run.slowdown_start_unix_s[name]:.6f}\n")
         try:
             records, end_s = await replay(
                 session, base_url, keys, source, run.workload.window_s or 0.0
@@ -651,13 +681,17 @@ def run_sim(name: str, run: LiveRun, latency: LatencyModel, base: Any) -> SimRes
     # outcomes, as the gateway's does (without it the twin admitted, and missed, the requests
     # the gateway had shed: at 9 req/s, shed 0 against the real 4-17 %)
     engine = latency
-    base = struct_replace(base, max_running=MAX_RUNNING, ttft_feedback=True)
+    schedule = run.config.engine_slowdown  # `--engine-slowdown`: as the real engine was slowed
+    base = struct_replace(
+        base, max_running=MAX_RUNNING, ttft_feedback=True, engine_slowdown=schedule
+    )
     if run.sim_engine is not None:
         sim, engine = base, run.sim_engine
     elif run.sim_regime_pace:
         sim = struct_replace(base, regime_slowdowns=run.sim_regime_pace)
     else:
-        sim = struct_replace(base, engine_slowdown=((0.0, run.sim_pace),))
+        paced = tuple((t_s, k * run.sim_pace) for t_s, k in schedule or ((0.0, 1.0),))
+        sim = struct_replace(base, engine_slowdown=paced)
     return shifted(simulate(source, policy, engine, sim), run.serving_overhead_s.get(name, 0.0))
 
 
@@ -790,6 +824,48 @@ def _save_iterations(path: Path, iterations: Sequence[IterationRecord]) -> None:
     the run's engine log."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(msgspec.json.encode(list(iterations)))
+
+
+def unslowed(
+    iterations: Sequence[IterationRecord], schedule: Slowdown, start_unix_s: float
+) -> list[IterationRecord]:
+    """*iterations* of an engine slowed to *schedule* from *start_unix_s* on
+    (`engine.slowdown`), each at the time it would have taken at the engine's own pace: its
+    measured time ÷ the factor in effect when it started (the engine sleeps (K − 1) × its
+    forward pass; the scheduler's own work between passes, which is not stretched, is divided
+    too — a small part of an iteration on this engine)."""
+    return [
+        msgspec.structs.replace(
+            r,
+            iteration_s=r.iteration_s
+            / factor_at(schedule, r.at_unix_s - r.iteration_s - start_unix_s),
+        )
+        for r in iterations
+    ]
+
+
+def iteration_regime_pace(
+    iterations: Sequence[IterationRecord], latency: LatencyModel
+) -> tuple[float, ...]:
+    """The engine's pace per batch regime (decode, prefill, mixed) from its iterations of known
+    token mix: Σ measured ÷ Σ the profile's prediction, as `learned_regime_pace` reads it from
+    tandem's statistics (which count a slowed engine's pace, where this takes the iterations
+    `unslowed`). A regime without iterations takes the mean of the others'; () when none."""
+    measured = [0.0, 0.0, 0.0]
+    predicted = [0.0, 0.0, 0.0]
+    for r in iterations:
+        if r.mix is None or r.iteration_s <= 0.0 or not (r.mix.num_prefill or r.mix.num_decode):
+            continue
+        regime = regime_of(r.mix.num_prefill, r.mix.num_decode)
+        measured[regime] += r.iteration_s
+        predicted[regime] += latency.predict(BatchShape(**msgspec.structs.asdict(r.mix)))
+    known = [m / p for m, p in zip(measured, predicted, strict=True) if m > 0 and p > 0]
+    if not known:
+        return ()
+    fill = geometric_mean(known)
+    return tuple(
+        m / p if m > 0 and p > 0 else fill for m, p in zip(measured, predicted, strict=True)
+    )
 
 
 def learned_regime_pace(stats: dict[str, Any]) -> tuple[float, ...]:

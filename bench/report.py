@@ -12,11 +12,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from backend.sim.config import format_slowdown
 from bench.capacity import TARGET_ATTAINMENT
 from bench.metrics import WALL_CLOCK_KEYS, rounded
 from bench.plots import write_plots
 from bench.runner import BenchRun, PolicyRun
+from common.slowdown import format_slowdown
 
 # (metric key, column header, format): "pct" percent, "s" seconds, "r" rate, "x" ratio
 COLUMNS: tuple[tuple[str, str, str], ...] = (

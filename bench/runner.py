@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from backend.policy.latency import LatencyModel, Profile, load_profile
 from backend.policy.profiles import resolve_profile
-from backend.sim.config import SimConfig, Slowdown
+from backend.sim.config import SimConfig
 from backend.sim.core import InfeasiblePlanError
 from backend.sim.engine import StalledPolicyError, simulate
 from backend.sim.source import SimRequest
@@ -36,6 +36,7 @@ from bench.trace import DEFAULT_TPOT_S, DEFAULT_TTFT_S, build_trace_workload
 from bench.workloads import build_workload
 from bench.workloads.base import BuildContext, Workload, WorkloadParams
 from bench.workloads.sources import SimSource
+from common.slowdown import Slowdown
 
 RT_ONLY = "rt-only"
 ORACLE = "oracle"

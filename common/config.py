@@ -34,6 +34,8 @@ import msgspec
 import msgspec.inspect
 import yaml
 
+from common.slowdown import Slowdown, check_slowdown, parse_slowdown
+
 ENV_PREFIX = "TANDEM_"
 ADMIN_TOKEN_ENV = "TANDEM_ADMIN_TOKEN"
 ENGINE_SETTINGS_ENV = "TANDEM_ENGINE_SETTINGS"
@@ -287,6 +289,19 @@ class EngineConfig(_Section, frozen=True):
     8K cached tokens costs as much as 8K² of attention, and so does each decode that rides in
     an iteration with a prompt. Other attention backends (every GPU one) compute new rows
     only already and are not touched."""
+    slowdown: str | None = None
+    """Stretch every forward pass of each launched SGLang engine to K times its own time: "K"
+    from the start, or a schedule "K1@T1,K2@T2,…" (K× from second T on; every factor ≥ 1). For
+    benchmarks and drills: an engine slower than the profile its policy plans with, as on a
+    busier host or a slower GPU, reproducibly and for every scheduling policy alike (its own
+    SGLang plugin, ``backend/sglang_ext/pace.py``, loaded with `patch` on or off; the engine
+    sleeps after each forward pass, so it takes no CPU from anything else). None: the engine's
+    own pace."""
+    slowdown_start_file: str | None = None
+    """With `slowdown`: second 0 of its schedule is the moment this file appears (until then the
+    engine runs at its own pace; `tandem bench --engine sglang --engine-slowdown` writes it as
+    its replay starts, so λ* and the serving overhead are measured at the engine's own pace);
+    None: the engine's start."""
     extra_args: list[str] = msgspec.field(default_factory=list)
     """Further command-line flags for each `sglang.launch_server` (e.g. ``["--tp-size", "2"]``
     or ``["--dp-size", "2"]``: SGLang's own tensor and data parallelism, passed through as
@@ -362,6 +377,11 @@ class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     kv_layout: Literal["token", "bicache"] = "token"
     """KV slot layout, a name: "token" (SGLang's own free list) or "bicache" (see
     `EngineConfig.kv_layout`; the launcher also turns the radix cache off for it)."""
+    slowdown: Slowdown = ()
+    """How many times its own time each forward pass takes, from which second on (`EngineConfig
+    .slowdown` parsed); () = the engine's own pace. Read by ``backend.sglang_ext.pace``."""
+    slowdown_start_file: str | None = None
+    """`EngineConfig.slowdown_start_file`: second 0 of `slowdown` is when it appears."""
     scheduler_trace: str | None = None
     """Debug trace file path: the scheduler appends one JSON line per request it creates (the
     metadata as it arrived); None: no trace. Tests set it; `engine.*` has no key for it."""
@@ -377,6 +397,11 @@ class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
                 raise ValueError(f"policy {self.policy!r} needs profile_path (a latency profile)")
         if self.control_socket is not None and self.policy is None:
             raise ValueError("control_socket needs a policy (the endpoint serves the policy's)")
+        check_slowdown(self.slowdown)
+        if any(factor < 1.0 for _, factor in self.slowdown):
+            raise ValueError(f"slowdown {self.slowdown}: every factor must be ≥ 1")
+        if self.slowdown_start_file is not None and not self.slowdown:
+            raise ValueError("slowdown_start_file needs a slowdown")
 
 
 class UsageConfig(_Section, frozen=True):
@@ -536,6 +561,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                 "engine.kv_layout bicache (blocks of 16 slots)"
             )
         _check_pool(self.engine)
+        _check_slowdown(self.engine)
         if not self.database.url.split(":", 1)[0].startswith(("sqlite", "postgresql")):
             raise ConfigError(
                 f"database.url: unsupported database {self.database.url.split(':', 1)[0]!r} "
@@ -587,6 +613,37 @@ def _dp_size_of(args: Sequence[str]) -> int:
             f"engine.extra_args: the data-parallel size must be a positive integer, got {size!r}"
         )
     return dp
+
+
+def _check_slowdown(engine: EngineConfig) -> None:
+    """`engine.slowdown` and `engine.slowdown_start_file` (see their docstrings)."""
+    if engine.slowdown is None:
+        if engine.slowdown_start_file is not None:
+            raise ConfigError("engine.slowdown_start_file needs engine.slowdown")
+        return
+    if engine.kind != "sglang" or not engine.launch:
+        raise ConfigError(
+            "engine.slowdown stretches the forward passes of SGLang engines tandem serve "
+            "launches (engine.kind sglang, engine.launch true); the simulator has "
+            "tandem bench --engine-slowdown"
+        )
+    schedule = engine_slowdown_schedule(engine)
+    slow = [factor for _, factor in schedule if factor < 1.0]
+    if slow:
+        raise ConfigError(
+            f"engine.slowdown {engine.slowdown!r}: factor {slow[0]:g} < 1 (a real engine can be "
+            "made slower, not faster)"
+        )
+
+
+def engine_slowdown_schedule(engine: EngineConfig) -> Slowdown:
+    """`engine.slowdown` as a schedule (() without one); ConfigError naming the key."""
+    if engine.slowdown is None:
+        return ()
+    try:
+        return parse_slowdown(engine.slowdown)
+    except ValueError as exc:
+        raise ConfigError(f"engine.slowdown {engine.slowdown!r}: {exc}") from None
 
 
 def _check_pool(engine: EngineConfig) -> None:

@@ -16,7 +16,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from backend.sim.config import Slowdown, format_slowdown, parse_slowdown
 from bench.defaults import (
     DEFAULT_DATA_DIR,
     DEFAULT_PROFILE,
@@ -24,6 +23,7 @@ from bench.defaults import (
     RESULTS_DIR,
     WORKLOAD_NAMES,
 )
+from common.slowdown import Slowdown, format_slowdown, parse_slowdown
 
 if TYPE_CHECKING:
     from bench.runner import BenchConfig
@@ -114,8 +114,10 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--engine-slowdown",
         metavar="K|K1@T1,K2@T2,…",
-        help="sim only: the engine's iterations take K × what the policies' latency model "
-        "predicts (K > 0); a schedule changes K at simulated second T (first T = 0)",
+        help="the engine runs K × slower than the policies' latency model predicts (K > 0); "
+        "a schedule changes K at second T of the run (first T = 0). --engine sglang: every "
+        "policy's real engine sleeps (K − 1) × each forward pass from its replay's start "
+        "(K ≥ 1; engine.slowdown), and the twin runs the engine's own pace with the schedule",
     )
     p.add_argument(
         "--replica-slowdowns",
@@ -255,12 +257,19 @@ def _engine_slowdown(args: argparse.Namespace) -> Slowdown:
     """The --engine-slowdown schedule (() when not given)."""
     if args.engine_slowdown is None:
         return ()
-    if args.engine != "sim":
-        raise ValueError(f"--engine-slowdown: only for --engine sim, not {args.engine}")
     try:
-        return parse_slowdown(args.engine_slowdown)
+        schedule = parse_slowdown(args.engine_slowdown)
     except ValueError as exc:
         raise ValueError(f"--engine-slowdown {args.engine_slowdown!r}: {exc}") from None
+    if args.engine != "sim":
+        # the real engine sleeps after each forward pass (engine.slowdown): slower, never faster
+        fast = [k for _, k in schedule if k < 1.0]
+        if fast:
+            raise ValueError(
+                f"--engine-slowdown {args.engine_slowdown!r}: factor {fast[0]:g} < 1; the "
+                f"real engine ({args.engine}) can be made slower, not faster"
+            )
+    return schedule
 
 
 def _replica_slowdowns(args: argparse.Namespace, replicas: int) -> tuple[float, ...]:

@@ -37,11 +37,18 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from common.config import ENGINE_SETTINGS_ENV, EngineConfig, EngineSettings
+from common.config import (
+    ENGINE_SETTINGS_ENV,
+    EngineConfig,
+    EngineSettings,
+    engine_slowdown_schedule,
+)
 
 PLUGIN_NAME = "tandem"  # the entry-point name in pyproject.toml (= backend.sglang_ext.plugin)
 CPU_ATTENTION_PLUGIN_NAME = "tandem_cpu_attention"
 """The entry point of ``backend.sglang_ext.cpu_attention`` (engine.torch_native_extend)."""
+PACE_PLUGIN_NAME = "tandem_pace"
+"""The entry point of ``backend.sglang_ext.pace`` (engine.slowdown)."""
 NO_PLUGINS = "none"  # an SGLANG_PLUGINS value naming no installed plugin: load nothing
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
@@ -195,8 +202,14 @@ def engine_settings(
     knows no measured one). *engine_key*: the engine's profile key, for its statistics.
     Raises ValueError for an unknown policy or profile, before any process starts."""
     trace = None if scheduler_trace is None else str(scheduler_trace)
+    slowdown = engine_slowdown_schedule(engine_cfg)
     if not engine_cfg.policy_in_charge:
-        return EngineSettings(kv_layout=engine_cfg.kv_layout, scheduler_trace=trace)
+        return EngineSettings(
+            kv_layout=engine_cfg.kv_layout,
+            scheduler_trace=trace,
+            slowdown=slowdown,
+            slowdown_start_file=engine_cfg.slowdown_start_file,
+        )
     from backend.policy.profiles import AUTO, bundled_profile_for, resolve_profile
     from backend.policy.registry import POLICY_NAMES
 
@@ -220,6 +233,8 @@ def engine_settings(
         engine_key=engine_key,
         kv_layout=engine_cfg.kv_layout,
         scheduler_trace=trace,
+        slowdown=slowdown,
+        slowdown_start_file=engine_cfg.slowdown_start_file,
     )
 
 
@@ -276,7 +291,8 @@ def engine_env(
     * ``SGLANG_PLUGINS``: SGLang loads *every* installed plugin when the variable is empty, so
       "patch off" must name a list without tandem (``none`` when nothing else is left) for the
       engine to be stock SGLang; "patch on" adds ``tandem`` to whatever list is given, and
-      ``engine.torch_native_extend: new-rows`` adds ``tandem_cpu_attention``, patch on or off.
+      ``engine.torch_native_extend: new-rows`` adds ``tandem_cpu_attention`` and
+      ``engine.slowdown`` adds ``tandem_pace``, patch on or off.
     * ``TANDEM_ENGINE_SETTINGS``: :func:`engine_settings` as JSON (*scheduler_trace*,
       *profile_path* and *engine_key* as there), all the plugin reads (decoded by
       ``common.config.engine_settings_from_env`` in the scheduler process).
@@ -290,11 +306,14 @@ def engine_env(
         if ranks > 1 and not env.get(CPU_THREADS_BIND_ENV):
             env[CPU_THREADS_BIND_ENV] = cpu_threads_bind(ranks, sorted(os.sched_getaffinity(0)))
     plugins = [p.strip() for p in env.get("SGLANG_PLUGINS", "").split(",") if p.strip()]
-    plugins = [p for p in plugins if p not in (PLUGIN_NAME, CPU_ATTENTION_PLUGIN_NAME, NO_PLUGINS)]
+    ours = (PLUGIN_NAME, CPU_ATTENTION_PLUGIN_NAME, PACE_PLUGIN_NAME, NO_PLUGINS)
+    plugins = [p for p in plugins if p not in ours]
     if engine_cfg.patch:
         plugins.append(PLUGIN_NAME)
     if engine_cfg.torch_native_extend == "new-rows":
         plugins.append(CPU_ATTENTION_PLUGIN_NAME)
+    if engine_cfg.slowdown is not None:
+        plugins.append(PACE_PLUGIN_NAME)
     env["SGLANG_PLUGINS"] = ",".join(plugins) or NO_PLUGINS
     settings = engine_settings(
         engine_cfg,

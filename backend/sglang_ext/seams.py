@@ -69,6 +69,10 @@ KV_LAYOUT_SEAMS: tuple[str, ...] = (
 """What the bicache KV layout (``backend.sglang_ext.kv_layout_engine``) hooks or relies on."""
 SEAMS = SEAMS + KV_LAYOUT_SEAMS
 
+RUN_BATCH_SEAM = f"{SCHED}.run_batch"
+"""Wrapped by ``backend.sglang_ext.pace`` (``engine.slowdown``): each forward pass stretched."""
+SEAMS = (*SEAMS, RUN_BATCH_SEAM)
+
 TORCH_NATIVE_EXTEND_SEAM = (
     "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
     "._run_sdpa_forward_extend"

@@ -156,15 +156,21 @@ def test_torchvision_imports_next_to_cpu_torch(sglang: ModuleType) -> None:
     assert hasattr(torch.ops.torchvision, "nms")
 
 
+OUR_PLUGINS = {"tandem", "tandem_cpu_attention", "tandem_pace"}
+
+
 @pytest.mark.parametrize(
-    ("patch", "extend", "inherited", "expected"),
+    ("patch", "extend", "slowdown", "inherited", "expected"),
     [
-        (True, "stock", None, {"tandem"}),
-        (False, "stock", None, set()),
-        (False, "stock", "tandem,tandem_cpu_attention", set()),
+        (True, "stock", None, None, {"tandem"}),
+        (False, "stock", None, None, set()),
+        (False, "stock", None, "tandem,tandem_cpu_attention,tandem_pace", set()),
         # tandem's prompt attention is part of the engine, scheduling patched or not
-        (True, "new-rows", None, {"tandem", "tandem_cpu_attention"}),
-        (False, "new-rows", "tandem", {"tandem_cpu_attention"}),
+        (True, "new-rows", None, None, {"tandem", "tandem_cpu_attention"}),
+        (False, "new-rows", None, "tandem", {"tandem_cpu_attention"}),
+        # so is a slowed pace: every policy's engine alike
+        (False, "stock", "2", None, {"tandem_pace"}),
+        (True, "new-rows", "1@0,3@60", None, OUR_PLUGINS),
     ],
 )
 def test_sglang_loads_our_plugins_exactly_as_configured(
@@ -172,16 +178,18 @@ def test_sglang_loads_our_plugins_exactly_as_configured(
     monkeypatch: pytest.MonkeyPatch,
     patch: bool,
     extend: str,
+    slowdown: str | None,
     inherited: str | None,
     expected: set[str],
 ) -> None:
     base = {} if inherited is None else {"SGLANG_PLUGINS": inherited}
-    env = engine_env(EngineConfig(patch=patch, torch_native_extend=extend), base=base)
+    engine = EngineConfig(patch=patch, torch_native_extend=extend, slowdown=slowdown)
+    env = engine_env(engine, base=base)
     monkeypatch.setenv("SGLANG_PLUGINS", env["SGLANG_PLUGINS"])
     # SGLang's own discovery, which runs in each of its processes; the plugins' register() is
     # only loaded here, not called.
     loaded = sglang.srt.plugins.load_plugins_by_group(sglang.srt.plugins.GENERAL_PLUGINS_GROUP)
-    assert set(loaded) & {"tandem", "tandem_cpu_attention"} == expected
+    assert set(loaded) & OUR_PLUGINS == expected
 
 
 def test_sglang_accepts_every_launch_flag(sglang: ModuleType, tmp_path: Path) -> None:

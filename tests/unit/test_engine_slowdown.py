@@ -13,13 +13,14 @@ import pytest
 
 from backend.policy.registry import make_policy
 from backend.policy.types import IterationResult, Plan, Policy, Snapshot
-from backend.sim.config import SimConfig, format_slowdown, parse_slowdown
+from backend.sim.config import SimConfig
 from backend.sim.engine import simulate
 from backend.sim.records import IterationLog, SimResult
 from backend.sim.source import ListSource, SimRequest
 from bench.metrics import iteration_metrics
 from bench.runner import BenchConfig
 from bench.workloads.sources import drain
+from common.slowdown import format_slowdown, parse_slowdown
 from tandem.bench import add_bench_parser, config_from_args
 from tests.unit.sim_factories import LATENCY, make_request
 from tests.unit.test_bench_cli import one_line_error
@@ -209,9 +210,14 @@ def test_bad_engine_slowdown_is_one_line(
     assert needle in one_line_error(capsys, argv)
 
 
-def test_engine_slowdown_is_sim_only(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["bench", "W1", "--engine", "sglang", "--engine-slowdown", "2"]
-    assert "only for --engine sim" in one_line_error(capsys, argv)
+def test_the_real_engine_can_be_slowed_but_not_sped_up(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "W1", "--engine", "sglang", "--engine-slowdown", "1@0,0.5@30"]
+    assert "factor 0.5 < 1; the real engine (sglang) can be made slower" in one_line_error(
+        capsys, argv
+    )
+    cfg = _config(["bench", "W1", "--engine", "sglang", "--engine-slowdown", "1@0,2@30"])
+    assert cfg.engine_slowdown == ((0.0, 1.0), (30.0, 2.0))
+    assert "--engine sglang" in cfg.command and "--engine-slowdown 1@0,2@30" in cfg.command
 
 
 def _config(argv: list[str]) -> BenchConfig:
