@@ -64,6 +64,13 @@ from backend.policy.registry import make_policy
 from backend.sim.engine import simulate
 from backend.sim.records import IterationLog, RequestRecord, SimResult
 from backend.sim.source import SimRequest
+from bench.calibration_recovery import (
+    ERROR_BAND,
+    ERROR_WINDOW_S,
+    error_timeline,
+    ratio_timeline,
+    recovery_s,
+)
 from bench.capacity import search_capacity
 from bench.live_client import DRAIN_TIMEOUT_S, TenantKeys, replay, replay_source, send
 from bench.metrics import (
@@ -180,6 +187,10 @@ class LiveRun:
     slowdown_start_unix_s: dict[str, float] = field(default_factory=dict)
     """Per policy, with `--engine-slowdown`: the Unix time its replay started, second 0 of the
     schedule the engine was slowed to (`engine.slowdown_start_file`)."""
+    calibration_recovery: dict[str, list[dict[str, float | None]]] = field(default_factory=dict)
+    """Per policy that predicts its iterations (tandem), with `--engine-slowdown`: for each
+    change of the schedule's factor, how many seconds its calibrated model's prediction error
+    took to come back within `ERROR_BAND` (`slowdown_recovery`)."""
     sim_engine_error: dict[str, float] = field(default_factory=dict)
     """How well the twin's engine predicts the real one's iterations: median and p90 of
     |predicted ÷ measured − 1| over them, for `sim_engine` ("fitted") and for the profile at
@@ -258,6 +269,9 @@ def run_live(config: BenchConfig) -> LiveRun:
         if iterations:
             _save_iterations(run.config.out_dir / "live" / name / "iterations.json", iterations)
             if name in run.slowdown_start_unix_s:
+                run.calibration_recovery[name] = slowdown_recovery(
+                    iterations, config.engine_slowdown, run.slowdown_start_unix_s[name]
+                )
                 # the twin runs the engine's own pace with the schedule on top, as the real one
                 iterations = unslowed(
                     iterations, config.engine_slowdown, run.slowdown_start_unix_s[name]
@@ -824,6 +838,47 @@ def _save_iterations(path: Path, iterations: Sequence[IterationRecord]) -> None:
     the run's engine log."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(msgspec.json.encode(list(iterations)))
+
+
+def slowdown_recovery(
+    iterations: Sequence[IterationRecord], schedule: Slowdown, start_unix_s: float
+) -> list[dict[str, float | None]]:
+    """For each change of *schedule*'s factor (the first against the engine's own pace, 1),
+    from *start_unix_s* on: when (`at_s`, the schedule's second), from which factor to which,
+    and how many seconds the prediction error of the iterations that had a prediction took to
+    come back within `ERROR_BAND` — the median |predicted ÷ measured − 1| over a trailing
+    `ERROR_WINDOW_S` (`error_back_within_band_s`) and |p50 of predicted ÷ measured − 1| over
+    it, the issue's "ratio p50 over a window" (`ratio_p50_back_within_band_s`); 0 when it
+    never left the band, None when it never came back (`bench.calibration_recovery`). Empty
+    for a policy without predictions (stock SGLang)."""
+    samples = [
+        {
+            "at_unix_s": r.at_unix_s,
+            "measured_s": r.iteration_s,
+            "predicted_s": r.predicted_iteration_s,
+        }
+        for r in iterations
+    ]
+    if not any(r.predicted_iteration_s > 0 for r in iterations):
+        return []
+    errors = error_timeline(samples, ERROR_WINDOW_S)
+    ratios = ratio_timeline(samples, ERROR_WINDOW_S)
+    changes: list[dict[str, float | None]] = []
+    previous = 1.0
+    for at_s, factor in schedule:
+        if factor != previous:
+            changed_unix_s = start_unix_s + at_s
+            changes.append(
+                {
+                    "at_s": at_s,
+                    "from_factor": previous,
+                    "factor": factor,
+                    "error_back_within_band_s": recovery_s(errors, changed_unix_s, ERROR_BAND),
+                    "ratio_p50_back_within_band_s": recovery_s(ratios, changed_unix_s, ERROR_BAND),
+                }
+            )
+        previous = factor
+    return changes
 
 
 def unslowed(

@@ -7,10 +7,13 @@ from pathlib import Path
 from typing import Any
 
 from backend.policy.calibration import REGIMES
+from bench.calibration_recovery import ERROR_BAND, ERROR_WINDOW_S
 from bench.live import RATIO_KEYS, SERVING_PROBES, LiveRun, sim_real_ratios
 from bench.metrics import rounded
 from bench.plots import write_plots
 from bench.report import _fmt, tenant_table
+from bench.runner import BenchConfig
+from common.slowdown import format_slowdown
 
 LIVE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("rt_ttft_attainment", "RT TTFT att.", "pct"),
@@ -56,6 +59,7 @@ def results_dict(run: LiveRun) -> dict[str, Any]:
         "seed": cfg.seed,
         "load": cfg.load if cfg.rt_rate_req_s is None else None,
         "variant": cfg.variant,
+        **_slowdown_fields(cfg),
         "rt_capacity_req_s": run.rt_capacity_req_s,
         "rt_rate_req_s": run.rt_rate_req_s,
         "kv_capacity_tokens": run.kv_capacity_tokens,
@@ -79,8 +83,38 @@ def results_dict(run: LiveRun) -> dict[str, Any]:
         "sim": {name: _row(m, run.sim_tenants.get(name)) for name, m in run.sim.items()},
         "sim_over_real": sim_real_ratios(run),
         "engine_stats": run.engine_stats,
+        **({"calibration_recovery": run.calibration_recovery} if run.calibration_recovery else {}),
         "failed": run.failed,
         "wall_s": {k: round(v, 1) for k, v in run.wall_s.items()},
+    }
+
+
+def _recovery_lines(run: LiveRun) -> list[str]:
+    """One line per policy and change of the slowdown: how fast its calibration followed."""
+
+    def seconds(value: float | None) -> str:
+        return "never" if value is None else f"{value:.1f} s"
+
+    return [
+        f"* {name}: at second {c['at_s']:g} the engine went from {c['from_factor']:g}× to "
+        f"{c['factor']:g}×; the calibrated model's error was back within {ERROR_BAND:.0%} "
+        f"after {seconds(c['error_back_within_band_s'])} (median per iteration over "
+        f"{ERROR_WINDOW_S:g} s windows; p50 of predicted ÷ measured: "
+        f"{seconds(c['ratio_p50_back_within_band_s'])})"
+        for name, changes in run.calibration_recovery.items()
+        for c in changes
+    ]
+
+
+def _slowdown_fields(cfg: BenchConfig) -> dict[str, Any]:
+    """`engine_slowdown` and its schedule, as the simulator's results give them; {} without."""
+    if not cfg.engine_slowdown:
+        return {}
+    return {
+        "engine_slowdown": format_slowdown(cfg.engine_slowdown),
+        "engine_slowdown_schedule": [
+            {"start_s": start_s, "factor": factor} for start_s, factor in cfg.engine_slowdown
+        ],
     }
 
 
@@ -164,6 +198,16 @@ def report_markdown(run: LiveRun, plots: list[str]) -> str:
         f"* KV pool {run.kv_capacity_tokens} tokens; arrival window "
         f"{run.workload.window_s} s; seed {cfg.seed}; exact output lengths (ignore_eos)",
         f"* tandem's options: `{json.dumps(run.policy_options)}`",
+        *(
+            [
+                f"* engine slowdown {format_slowdown(cfg.engine_slowdown)}: every policy's "
+                f"engine sleeps (K − 1) × each forward pass from its replay's start "
+                f"(`engine.slowdown`); λ* and the serving overhead were measured at its own pace"
+            ]
+            if cfg.engine_slowdown
+            else []
+        ),
+        *_recovery_lines(run),
         _twin_pace(run),
         _twin_overhead(run),
         "",

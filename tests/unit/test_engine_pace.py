@@ -25,8 +25,10 @@ from bench.live import (
     iteration_regime_pace,
     live_config,
     run_sim,
+    slowdown_recovery,
     unslowed,
 )
+from bench.live_report import report_markdown, results_dict
 from bench.metrics import compute_metrics
 from bench.runner import BenchConfig, build, sim_config
 from common.config import (
@@ -223,3 +225,40 @@ def test_the_twin_runs_the_same_schedule_as_the_real_engine(tmp_path: Path) -> N
         metrics = compute_metrics(run_sim("fcfs", run, latency, base), run.workload.window_s)
         tpot[label] = float(metrics["rt_tpot_mean_s"] or 0.0)
     assert tpot["slowed"] == pytest.approx(2.0 * tpot["steady"], rel=0.1)
+
+
+def test_a_slowed_live_run_says_so_in_its_results_and_report(tmp_path: Path) -> None:
+    slowed = _live(tmp_path, ((0.0, 1.0), (30.0, 2.0)))
+    results = results_dict(slowed)
+    assert results["engine_slowdown"] == "1@0,2@30"
+    assert results["engine_slowdown_schedule"] == [
+        {"start_s": 0.0, "factor": 1.0},
+        {"start_s": 30.0, "factor": 2.0},
+    ]
+    assert "engine slowdown 1@0,2@30: every policy's engine sleeps" in report_markdown(
+        slowed, plots=[]
+    )
+    plain = _live(tmp_path, ())
+    assert "engine_slowdown" not in results_dict(plain)
+    assert "engine slowdown" not in report_markdown(plain, plots=[])
+
+
+def test_the_calibrations_recovery_is_timed_from_each_change_of_the_schedule() -> None:
+    """The engine runs as predicted, goes 3× slower at second 20 of a replay started at Unix
+    time 100; the model's prediction catches up 4 s later (iterations every 0.1 s), and the
+    median over the trailing 1 s window half a second after that."""
+    records = []
+    for i in range(400):
+        at = 100.0 + 0.1 * i
+        measured = 0.03 if at < 120.0 else 0.09
+        predicted = 0.03 if at < 124.0 else 0.088
+        records.append(IterationRecord(i, at, measured, predicted, None))
+    (change,) = slowdown_recovery(records, ((0.0, 1.0), (20.0, 3.0)), 100.0)
+    assert (change["at_s"], change["from_factor"], change["factor"]) == (20.0, 1.0, 3.0)
+    assert change["error_back_within_band_s"] == pytest.approx(4.5, abs=0.15)
+    assert change["ratio_p50_back_within_band_s"] == pytest.approx(4.5, abs=0.15)
+    # a slowdown from the start is a change too (from the engine's own pace); stock SGLang
+    # predicts nothing, so it has no recovery to time
+    assert len(slowdown_recovery(records, ((0.0, 2.0),), 100.0)) == 1
+    stock = [msgspec.structs.replace(r, predicted_iteration_s=0.0) for r in records[:5]]
+    assert slowdown_recovery(stock, ((0.0, 2.0),), 100.0) == []

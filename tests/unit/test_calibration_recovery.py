@@ -1,7 +1,7 @@
-"""The new-user study's recovery measure: how long the calibrated model's error takes to come
-back within the band after the CPU burner starts, and the later spells it reports apart."""
+"""How long the calibrated model's error takes to come back within the band after a change of
+pace (the new user's CPU burner, a scheduled slowdown), and the later spells reported apart."""
 
-from bench.studies.new_user import excursions, recovery_s
+from bench.calibration_recovery import excursions, recovery_s
 
 BAND = 0.2
 START = 1_000.0
