@@ -158,19 +158,19 @@ def test_a_slower_engine_turns_a_feasible_request_away() -> None:
 def test_recent_iterations_slower_than_the_calibrated_model_scale_the_forecast() -> None:
     ask = SloAsk(prompt_tokens=2000, ttft_target_s=0.5, tpot_target_s=0.05)
     steady = FORECASTER.forecast(idle_load(num_rt_running=2, rt_context_tokens=2000), ask)
-    # the calibration has not caught up yet: 1 iteration in 10 ran 5× over its prediction,
-    # half of them 4×
+    # the calibration has not caught up yet: 1 iteration in 10 ran 4× over its prediction,
+    # half of them 3×
     swinging = idle_load(
-        num_rt_running=2, rt_context_tokens=2000, pace_ratio_p90=5.0, pace_ratio_p50=4.0
+        num_rt_running=2, rt_context_tokens=2000, pace_ratio_p90=4.0, pace_ratio_p50=3.0
     )
     late = FORECASTER.forecast(swinging, ask)
-    assert steady.feasible and late.ttft_s == pytest.approx(5 * steady.ttft_s)
+    assert steady.feasible and late.ttft_s == pytest.approx(4 * steady.ttft_s)
     # a TPOT is a mean over many iterations: the median pace, not the tail
-    assert late.tpot_s == pytest.approx(4 * (steady.tpot_s or 0.0))
+    assert late.tpot_s == pytest.approx(3 * (steady.tpot_s or 0.0))
     shortfall = late.shortfall
-    # 4 × 14 ms over √0.8 × 50 ms: a mean over many iterations gets the headroom's root
-    assert shortfall is not None and shortfall.target == "tpot"
-    assert shortfall.budget_s == pytest.approx(math.sqrt(0.8) * 0.05)
+    assert shortfall is not None and shortfall.target == "tpot"  # 3 × 14 ms over 0.8 × 50 ms
+    # the whole headroom: what the decodes leave of the target is the prompts' time
+    assert shortfall.budget_s == pytest.approx(0.8 * 0.05)
     # faster than predicted never makes a forecast more optimistic than the calibrated model
     quick = FORECASTER.forecast(
         idle_load(num_rt_running=2, rt_context_tokens=2000, pace_ratio_p90=0.5), ask
@@ -870,18 +870,3 @@ def test_accept_runs_everything_as_rt() -> None:
     assert all(r.finish_s is not None for r in records)
     # without shedding, the late ones are late
     assert sum(_met(r) for r in accepted) < len(accepted)
-
-
-def test_a_tpot_is_held_to_the_square_root_of_the_headroom() -> None:
-    """A TPOT is a mean over the request's decode: a forecast within √headroom of its target
-    is admitted, one past it refused (the TTFT keeps the whole headroom)."""
-    ask = SloAsk(prompt_tokens=100, ttft_target_s=5.0, tpot_target_s=1.0)
-    tpot_s = FORECASTER.forecast(idle_load(num_rt_running=2, rt_context_tokens=2000), ask).tpot_s
-    assert tpot_s is not None
-    # targets that put the forecast between 0.8 and √0.8 ≈ 0.894 of them, and past √0.8
-    within = dataclasses.replace(ask, tpot_target_s=tpot_s / 0.85)
-    past = dataclasses.replace(ask, tpot_target_s=tpot_s / 0.9)
-    loaded = idle_load(num_rt_running=2, rt_context_tokens=2000)
-    assert FORECASTER.forecast(loaded, within).feasible
-    shortfall = FORECASTER.forecast(loaded, past).shortfall
-    assert shortfall is not None and shortfall.target == "tpot"

@@ -187,7 +187,7 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
     slo_headroom: float = 0.65
     """The SLO admission's forecast may use this fraction of the time a request has left (the
     forecast is a mean, the contract a bound); a wait for a request slot, a sum of many decode
-    steps, and a TPOT, a mean over many, may use its square root (`backend.policy.feasibility`)."""
+    steps, may use its square root (`backend.policy.feasibility`)."""
 
     def __post_init__(self) -> None:
         for name in (
