@@ -252,12 +252,7 @@ class EngineLoad(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """p90 of measured ÷ predicted over the engine's last 32 iterations (`PaceSpread` in
     backend/policy/calibration.py; 1.0 from an engine that predicts nothing): how much slower
     than its calibrated model the engine has recently run at worst, but for one iteration in
-    ten. The SLO admission scales its TTFT forecasts by it when it is above 1."""
-    pace_ratio_p50: float = 1.0
-    """The median of the same ratios: how much slower than its calibrated model the engine
-    runs now, typically (1.0 from an engine that predicts nothing). The SLO admission scales
-    its TPOT forecasts by it when it is above 1: a TPOT is a mean over the request's decode,
-    many iterations, where the iterations' noise averages out and only the pace stays."""
+    ten. The SLO admission scales its forecasts by it when it is above 1."""
     num_rt_waiting: int = 0
     """RT requests whose prompt is not fully computed yet (queued or partly prefilled)."""
     rt_waiting_prompt_tokens: int = 0

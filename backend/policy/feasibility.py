@@ -7,20 +7,17 @@ the same latency model the engine's policy plans with, corrected by that pace:
 
     TPOT  one decode iteration of every RT request that will be decoding beside it — the running
           ones, the waiting ones and those admitted but not yet seen by the engine, and it:
-              p50 × f_decode × predict(decodes only)
+              f_decode × predict(decodes only)
           tandem gives BE only the time RT leaves under its deadlines, so BE does not count;
-          a TPOT the RT decodes alone cannot keep, no schedule keeps. p50 is the median of
-          measured ÷ predicted over the engine's recent iterations (`pace_ratio_p50`, ≥ 1):
-          a TPOT is a mean over the request's decode, so the pace counts, not the noise of
-          single iterations, where a TTFT — a few iterations — takes their p90 (the spread).
-          The TPOT keeps the whole headroom all the same: what the decodes leave of their
-          target is the time RT prompts get beside them. The real engine made 3× slower
-          mid-run (bench/results/slo/README.md, the engine slowed on purpose) shows both. With
-          the p90 it refused nearly every request on its TPOT for the 30 s it had left. With
-          the median it admitted 13 there, 11 in SLO (admitted attainment 0.944 → 0.949, RT
-          goodput +7 %). Held to √headroom instead (as a slot wait), it admitted 21, and 18
-          of them missed: they waited 10–20 s in the engine's queue while decodes that
-          already took 70–85 % of the target got every iteration.
+          a TPOT the RT decodes alone cannot keep, no schedule keeps. It is stretched by the
+          engine's recent worst pace and held to the headroom, as a TTFT is, though a TPOT is
+          a mean over many iterations: what the decodes leave of their target is the time RT
+          prompts get beside them, which the TTFT forecast assumes. Tried on the real engine
+          slowed on purpose (bench/results/slo/README.md, session 48): the median pace for
+          the TPOT served 11 % more RT requests in SLO at 2×, and 5 admitted ones waited
+          1.7–3 s for their first token (admitted attainment 1.000 → 0.982); the whole
+          headroom's square root besides admitted 21 requests after a 3× step, 18 of which
+          waited 10–20 s in the engine's queue behind decodes that took every iteration.
 
     TTFT  what is left of the iteration in flight, then the RT prompt tokens W ahead of it
           (below) and its own prompt, computed in chunks beside those decodes:
@@ -295,9 +292,9 @@ class SloForecaster:
         # The calibrated factors are means; the engine's recent worst pace (but one iteration
         # in ten) bounds them from above while the pace changes or swings (`PaceSpread`). The
         # engine's policy sizes its chunks with the factors; the spread stretches their time.
-        spread = _above_one(load.pace_ratio_p90)
+        spread = max(1.0, load.pace_ratio_p90) if math.isfinite(load.pace_ratio_p90) else 1.0
         ttft_s, tpot_s, slot_wait_s = self._predict(
-            load, ask, backlog, load.latency_factors, spread, _above_one(load.pace_ratio_p50)
+            load, ask, backlog, load.latency_factors, spread
         )
         ttft_s += ask.waited_s + ttft_extra_s
         budget_s = self._ttft_budget_s(ask, slot_wait_s)
@@ -310,7 +307,7 @@ class SloForecaster:
                 at_pace = (ask.waited_s + ttft_extra_s, None)  # the model is the profile's word
             else:
                 factors = tuple(min(1.0, f) for f in load.latency_factors)
-                ttft_at, tpot_at, _ = self._predict(load, ask, backlog, factors, 1.0, 1.0)
+                ttft_at, tpot_at, _ = self._predict(load, ask, backlog, factors, 1.0)
                 at_pace = (ttft_at + ask.waited_s + ttft_extra_s, tpot_at)
             if self._shortfall(ask, *at_pace, self._ttft_budget_s(ask, 0.0)) is None:
                 shortfall = None
@@ -323,11 +320,10 @@ class SloForecaster:
         backlog: Backlog,
         factors: tuple[float, ...],
         spread: float,
-        tpot_pace: float,
     ) -> tuple[float, float | None, float]:
         """(TTFT from now, before what was waited and taught; TPOT or None; the part of the TTFT
         spent waiting for a request slot) at the engine's pace *factors* (decode, prefill,
-        mixed), the TTFT stretched by *spread*, the TPOT by *tpot_pace*."""
+        mixed), stretched by *spread*."""
         f_decode, f_prefill, f_mixed = factors[DECODE], factors[PREFILL], factors[MIXED]
         running = _decodes(load.num_rt_running, load.rt_context_tokens)
         # Everyone ahead decodes beside it once prefilled: contexts of about their prompts.
@@ -335,9 +331,7 @@ class SloForecaster:
         later = load.num_rt_waiting + backlog.num_requests + 1
         later_tokens = load.rt_waiting_prompt_tokens + backlog.prompt_tokens + ask.prompt_tokens
         decoding = _decodes(load.num_rt_running + later, load.rt_context_tokens + later_tokens)
-        tpot_s = (
-            tpot_pace * f_decode * self.latency.predict(decoding) if ask.tpot_target_s else None
-        )
+        tpot_s = spread * f_decode * self.latency.predict(decoding) if ask.tpot_target_s else None
 
         budget_s = self.iteration_budget_s * budget_pace(factors, self.budget_pace_max)
         if ask.tpot_target_s is not None:
@@ -771,12 +765,6 @@ def _decodes(count: int, context_tokens: int) -> BatchShape:
     )
 
 
-def _above_one(ratio: float) -> float:
-    """A measured ÷ predicted ratio as a forecast's stretch: never below 1 (an engine faster
-    than its calibrated model makes no forecast more optimistic), 1 when not finite."""
-    return max(1.0, ratio) if math.isfinite(ratio) else 1.0
-
-
 def inflight_left_s(load: EngineLoad, at_s: float | None, spread: float = 1.0) -> float:
     """What is left at *at_s* of the iteration the engine started when it took *load*: its
     predicted time, stretched by the pace *spread*, less the time since the report (none with
@@ -805,7 +793,6 @@ def load_of(
     inflight_predicted_s: float | None = None,
     latency_factors: tuple[float, float, float] = (1.0, 1.0, 1.0),
     pace_ratio_p90: float = 1.0,
-    pace_ratio_p50: float = 1.0,
     calibration_samples: int = 0,
     rt_fair_counters: Mapping[str, float] | None = None,
     rt_outputs: RtOutputs | None = None,
@@ -887,7 +874,6 @@ def load_of(
         predicted_iteration_s=predicted_iteration_s,
         inflight_predicted_s=inflight_predicted_s,
         pace_ratio_p90=pace_ratio_p90,
-        pace_ratio_p50=pace_ratio_p50,
         num_rt_waiting=rt_waiting,
         rt_waiting_prompt_tokens=rt_prompt,
         num_rt_running=rt_running,

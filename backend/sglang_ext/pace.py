@@ -120,7 +120,8 @@ def register() -> None:
     _stretch = Stretch(settings.slowdown, settings.slowdown_start_file)
     HookRegistry.register(RUN_BATCH_SEAM, around_run_batch, HookType.AROUND)
     logger.warning(
-        "tandem: every forward pass slowed %s× (engine.slowdown; from %s) in pid %d",
+        "tandem: engine.slowdown %s: every forward pass stretched to K× its time, from %s "
+        "(a drill or a benchmark; pid %d)",
         format_slowdown(settings.slowdown),
         settings.slowdown_start_file or "the engine's start",
         os.getpid(),

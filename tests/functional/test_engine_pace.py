@@ -77,4 +77,4 @@ def test_the_engine_slows_down_once_the_start_file_appears(slowed_engine: Engine
     factor_after = _decode_factor(engine)
     assert factor_after >= 2.0 * factor_before, (factor_before, factor_after)
     log = engine.log_path.read_text(errors="replace")
-    assert "every forward pass slowed 4×" in log
+    assert "engine.slowdown 4: every forward pass stretched" in log

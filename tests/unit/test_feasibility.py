@@ -158,36 +158,18 @@ def test_a_slower_engine_turns_a_feasible_request_away() -> None:
 def test_recent_iterations_slower_than_the_calibrated_model_scale_the_forecast() -> None:
     ask = SloAsk(prompt_tokens=2000, ttft_target_s=0.5, tpot_target_s=0.05)
     steady = FORECASTER.forecast(idle_load(num_rt_running=2, rt_context_tokens=2000), ask)
-    # the calibration has not caught up yet: 1 iteration in 10 ran 4× over its prediction,
-    # half of them 3×
-    swinging = idle_load(
-        num_rt_running=2, rt_context_tokens=2000, pace_ratio_p90=4.0, pace_ratio_p50=3.0
-    )
+    # the calibration has not caught up yet: 1 iteration in 10 ran 4× over its prediction
+    swinging = idle_load(num_rt_running=2, rt_context_tokens=2000, pace_ratio_p90=4.0)
     late = FORECASTER.forecast(swinging, ask)
     assert steady.feasible and late.ttft_s == pytest.approx(4 * steady.ttft_s)
-    # a TPOT is a mean over many iterations: the median pace, not the tail
-    assert late.tpot_s == pytest.approx(3 * (steady.tpot_s or 0.0))
+    assert late.tpot_s == pytest.approx(4 * (steady.tpot_s or 0.0))
     shortfall = late.shortfall
-    assert shortfall is not None and shortfall.target == "tpot"  # 3 × 14 ms over 0.8 × 50 ms
-    # the whole headroom: what the decodes leave of the target is the prompts' time
-    assert shortfall.budget_s == pytest.approx(0.8 * 0.05)
+    assert shortfall is not None and shortfall.target == "tpot"  # 4 × 14 ms over 0.8 × 50 ms
     # faster than predicted never makes a forecast more optimistic than the calibrated model
     quick = FORECASTER.forecast(
         idle_load(num_rt_running=2, rt_context_tokens=2000, pace_ratio_p90=0.5), ask
     )
     assert quick.ttft_s == pytest.approx(steady.ttft_s)
-
-
-def test_noisy_iterations_stretch_the_ttft_forecast_and_leave_the_tpot_at_the_pace() -> None:
-    """One iteration in ten 1.5× over the calibrated model, the typical one on it: a first
-    token waits for a few iterations (their p90 counts), a TPOT averages a whole decode."""
-    ask = SloAsk(prompt_tokens=2000, ttft_target_s=0.5, tpot_target_s=0.05)
-    steady = FORECASTER.forecast(idle_load(num_rt_running=2, rt_context_tokens=2000), ask)
-    noisy = FORECASTER.forecast(
-        idle_load(num_rt_running=2, rt_context_tokens=2000, pace_ratio_p90=1.5), ask
-    )
-    assert noisy.ttft_s == pytest.approx(1.5 * steady.ttft_s)
-    assert noisy.tpot_s == pytest.approx(steady.tpot_s)
 
 
 def test_pace_spread_is_the_recent_upper_ratio_and_forgets_old_iterations() -> None:
@@ -198,10 +180,6 @@ def test_pace_spread_is_the_recent_upper_ratio_and_forgets_old_iterations() -> N
     assert spread.upper() == pytest.approx(1.1)
     spread.observe(0.01, 0.4)  # the neighbour starts: the very next forecast knows
     assert spread.upper() == pytest.approx(40.0)
-    assert spread.median() == pytest.approx(1.1)  # the typical iteration is not slower yet
-    for _ in range(5):
-        spread.observe(0.01, 0.03)
-    assert spread.median() == pytest.approx(3.0)  # half of them are: that is the pace now
     for _ in range(10):
         spread.observe(0.01, 0.01)
     assert spread.upper() == pytest.approx(1.0)  # ten iterations later it is gone
