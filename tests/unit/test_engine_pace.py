@@ -6,7 +6,6 @@ iterations before it puts the schedule on top."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -23,14 +22,13 @@ from bench.live import (
     LiveRun,
     engine_section,
     iteration_regime_pace,
-    live_config,
     run_sim,
     slowdown_recovery,
     unslowed,
 )
 from bench.live_report import report_markdown, results_dict
 from bench.metrics import compute_metrics
-from bench.runner import BenchConfig, build, sim_config
+from bench.runner import sim_config
 from common.config import (
     ENGINE_SETTINGS_ENV,
     ConfigError,
@@ -39,6 +37,7 @@ from common.config import (
     load_config,
 )
 from common.wire import IterationMix, IterationRecord
+from tests.unit.live_factories import rt_only_live_run
 
 
 def write(tmp_path: Path, engine: dict[str, object]) -> Path:
@@ -153,30 +152,7 @@ def test_a_start_file_without_a_time_counts_from_when_it_was_written(tmp_path: P
 
 
 def _live(tmp_path: Path, slowdown: tuple[tuple[float, float], ...]) -> LiveRun:
-    config = live_config(
-        BenchConfig(
-            workload="W1",
-            out_dir=tmp_path,
-            engine="sglang",
-            duration_s=5.0,
-            engine_slowdown=slowdown,
-        )
-    )
-    profile = load_profile(resolve_profile(config.profile))
-    latency = LatencyModel.fit(profile.samples)
-    workload, kv = build(config, latency, profile)
-    rt_only = dataclasses.replace(
-        workload, make_source=lambda rate, _be: workload.make_source(rate, False)
-    )
-    return LiveRun(
-        config=config,
-        workload=rt_only,
-        profile_name="cpu-tiny",
-        kv_capacity_tokens=kv,
-        rt_capacity_req_s=None,
-        rt_rate_req_s=2.0,
-        policy_options={},
-    )
+    return rt_only_live_run(tmp_path, slowdown)
 
 
 def test_every_policys_engine_is_slowed_from_its_own_replays_start(tmp_path: Path) -> None:

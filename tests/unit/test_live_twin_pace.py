@@ -6,7 +6,6 @@ path's own time (bench.live.shifted)."""
 
 from __future__ import annotations
 
-import dataclasses
 from array import array
 from pathlib import Path
 
@@ -18,20 +17,19 @@ from backend.policy.profiles import resolve_profile
 from backend.policy.time_share import shape_of
 from backend.sim.records import IterationLog, RequestRecord, SimResult
 from bench.live import (
-    LiveRun,
     engine_iteration_metrics,
     engine_samples,
     fit_engine,
     learned_pace,
     learned_regime_pace,
-    live_config,
     paced_samples,
     run_sim,
     shifted,
 )
 from bench.metrics import compute_metrics
-from bench.runner import BenchConfig, build, sim_config
+from bench.runner import sim_config
 from common.wire import IterationMix, IterationRecord
+from tests.unit.live_factories import rt_only_live_run
 
 
 def test_the_twin_runs_at_the_geometric_mean_of_the_learned_factors() -> None:
@@ -173,28 +171,13 @@ def test_the_twins_engine_is_fitted_to_the_real_engines_iterations() -> None:
 def test_the_twin_runs_its_batches_at_the_fitted_engines_times() -> None:
     """Every policy plans with the profile; the twin's iterations take what the engine fitted
     to the real run's iterations says: an engine twice as slow doubles the token times."""
-    config = live_config(
-        BenchConfig(workload="W1", out_dir=Path("unused"), engine="sglang", duration_s=5.0)
-    )
-    profile = load_profile(resolve_profile(config.profile))
-    latency = LatencyModel.fit(profile.samples)
-    workload, kv = build(config, latency, profile)
-    # RT alone, at a rate that hardly queues: with W1's BE batches beside it the token times
-    # also follow how the queue's dynamics change with the pace (fcfs: TPOT ×1.56, TTFT ×0.5
-    # with the bundled profile), not only the iterations' times
-    rt_only = dataclasses.replace(
-        workload, make_source=lambda rate, _be: workload.make_source(rate, False)
-    )
-    run = LiveRun(
-        config=config,
-        workload=rt_only,
-        profile_name="cpu-tiny",
-        kv_capacity_tokens=kv,
-        rt_capacity_req_s=None,
-        rt_rate_req_s=2.0,
-        policy_options={},
+    run = rt_only_live_run(
+        Path("unused"),
         sim_regime_pace=(3.0, 3.0, 3.0),  # not what the twin runs at once an engine is fitted
     )
+    profile = load_profile(resolve_profile(run.config.profile))
+    latency = LatencyModel.fit(profile.samples)
+    kv, workload = run.kv_capacity_tokens, run.workload
     base = sim_config(profile, kv, workload)
     tpot: dict[str, float] = {}
     for name, weights in (("as profiled", 1.0), ("twice as slow", 2.0)):
