@@ -70,7 +70,7 @@ class Stretch:
             self.start_unix_s = _start_of(self.start_file)
             if self.start_unix_s is None:
                 return 1.0
-            logger.info(
+            logger.warning(  # when a drill starts is worth the operator's eye
                 "tandem: slowdown %s counts from %.3f (%s)",
                 format_slowdown(self.schedule),
                 self.start_unix_s,

@@ -17,6 +17,7 @@ import pytest
 
 from tests.functional.engine_fixtures import EngineServer, control, post_json, running_engine
 from tests.functional.test_engine_colocation import prompt_ids
+from tests.waiting import wait_until_sync
 
 pytestmark = pytest.mark.slow
 
@@ -35,8 +36,8 @@ def slowed_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineSe
         yield engine
 
 
-def _timed_request(engine: EngineServer, seed: int) -> float:
-    started = time.perf_counter()
+def _generate(engine: EngineServer, seed: int, max_new_tokens: int = DECODE_TOKENS) -> bool:
+    """A greedy request of exactly *max_new_tokens* tokens straight to the engine."""
     status, body = post_json(
         engine.base_url,
         "/generate",
@@ -44,14 +45,24 @@ def _timed_request(engine: EngineServer, seed: int) -> float:
             "input_ids": prompt_ids(seed, 64),
             "sampling_params": {
                 "temperature": 0,
-                "max_new_tokens": DECODE_TOKENS,
+                "max_new_tokens": max_new_tokens,
                 "ignore_eos": True,
             },
         },
     )
     assert status == 200, body
-    assert len(body["output_ids"]) == DECODE_TOKENS
+    assert len(body["output_ids"]) == max_new_tokens
+    return True
+
+
+def _timed_request(engine: EngineServer, seed: int) -> float:
+    started = time.perf_counter()
+    _generate(engine, seed)
     return time.perf_counter() - started
+
+
+def _started(engine: EngineServer) -> bool:
+    return "counts from" in engine.log_path.read_text(errors="replace")
 
 
 def _decode_factor(engine: EngineServer) -> float:
@@ -68,7 +79,13 @@ def test_the_engine_slows_down_once_the_start_file_appears(slowed_engine: Engine
     factor_before = _decode_factor(engine)
 
     Path(engine.config.slowdown_start_file).write_text(f"{time.time():.6f}\n")
-    time.sleep(0.5)  # the plugin looks for the file every 0.25 s
+    # the plugin looks for the file after a forward pass (at most every 0.25 s) and logs when
+    # it finds it: short requests until it has
+    wait_until_sync(
+        lambda: _started(engine) or (_generate(engine, 99, max_new_tokens=1) and _started(engine)),
+        timeout_s=60.0,
+        what="the engine's log line that the slowdown counts from the start file",
+    )
     slowed = [_timed_request(engine, seed) for seed in (4, 5, 6)]
     # about 4× (the scheduler's own work between passes is not stretched); 2× leaves room
     # for a busy machine, whose load moves both sides of the ratio alike
