@@ -851,6 +851,8 @@ def slowdown_recovery(
     it, the issue's "ratio p50 over a window" (`ratio_p50_back_within_band_s`); 0 when it
     never left the band, None when it never came back (`bench.calibration_recovery`). Empty
     for a policy without predictions (stock SGLang)."""
+    if not any(r.predicted_iteration_s > 0 for r in iterations):
+        return []
     samples = [
         {
             "at_unix_s": r.at_unix_s,
@@ -859,8 +861,6 @@ def slowdown_recovery(
         }
         for r in iterations
     ]
-    if not any(r.predicted_iteration_s > 0 for r in iterations):
-        return []
     errors = error_timeline(samples, ERROR_WINDOW_S)
     ratios = ratio_timeline(samples, ERROR_WINDOW_S)
     changes: list[dict[str, float | None]] = []
@@ -914,12 +914,8 @@ def iteration_regime_pace(
         regime = regime_of(r.mix.num_prefill, r.mix.num_decode)
         measured[regime] += r.iteration_s
         predicted[regime] += latency.predict(BatchShape(**msgspec.structs.asdict(r.mix)))
-    known = [m / p for m, p in zip(measured, predicted, strict=True) if m > 0 and p > 0]
-    if not known:
-        return ()
-    fill = geometric_mean(known)
-    return tuple(
-        m / p if m > 0 and p > 0 else fill for m, p in zip(measured, predicted, strict=True)
+    return _filled(
+        [m / p if m > 0 and p > 0 else None for m, p in zip(measured, predicted, strict=True)]
     )
 
 
@@ -929,13 +925,19 @@ def learned_regime_pace(stats: dict[str, Any]) -> tuple[float, ...]:
     factors, which follow the last seconds (a run ends with BE draining alone). A regime the
     run never had takes the mean of the others'; () when none is there."""
     values = [stats.get(key) for key in _MEAN_PACE_KEYS]
-    known = [float(v) for v in values if isinstance(v, int | float) and 0 < v < math.inf]
+    return _filled(
+        [float(v) if isinstance(v, int | float) and 0 < v < math.inf else None for v in values]
+    )
+
+
+def _filled(paces: Sequence[float | None]) -> tuple[float, ...]:
+    """Per-regime paces with each missing one (None) at the geometric mean of the others; ()
+    when none is known."""
+    known = [p for p in paces if p is not None]
     if not known:
         return ()
     fill = geometric_mean(known)
-    return tuple(
-        float(v) if isinstance(v, int | float) and 0 < v < math.inf else fill for v in values
-    )
+    return tuple(fill if p is None else p for p in paces)
 
 
 def sim_real_ratios(run: LiveRun) -> dict[str, dict[str, float | None]]:

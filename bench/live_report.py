@@ -11,8 +11,7 @@ from bench.calibration_recovery import ERROR_BAND, ERROR_WINDOW_S
 from bench.live import RATIO_KEYS, SERVING_PROBES, LiveRun, sim_real_ratios
 from bench.metrics import rounded
 from bench.plots import write_plots
-from bench.report import _fmt, tenant_table
-from bench.runner import BenchConfig
+from bench.report import _fmt, slowdown_fields, tenant_table
 from common.slowdown import format_slowdown
 
 LIVE_COLUMNS: tuple[tuple[str, str, str], ...] = (
@@ -59,7 +58,7 @@ def results_dict(run: LiveRun) -> dict[str, Any]:
         "seed": cfg.seed,
         "load": cfg.load if cfg.rt_rate_req_s is None else None,
         "variant": cfg.variant,
-        **_slowdown_fields(cfg),
+        **slowdown_fields(cfg),
         "rt_capacity_req_s": run.rt_capacity_req_s,
         "rt_rate_req_s": run.rt_rate_req_s,
         "kv_capacity_tokens": run.kv_capacity_tokens,
@@ -104,18 +103,6 @@ def _recovery_lines(run: LiveRun) -> list[str]:
         for name, changes in run.calibration_recovery.items()
         for c in changes
     ]
-
-
-def _slowdown_fields(cfg: BenchConfig) -> dict[str, Any]:
-    """`engine_slowdown` and its schedule, as the simulator's results give them; {} without."""
-    if not cfg.engine_slowdown:
-        return {}
-    return {
-        "engine_slowdown": format_slowdown(cfg.engine_slowdown),
-        "engine_slowdown_schedule": [
-            {"start_s": start_s, "factor": factor} for start_s, factor in cfg.engine_slowdown
-        ],
-    }
 
 
 def _row(metrics: Any, tenants: dict[str, dict[str, Any]] | None) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import Any
 from bench.capacity import TARGET_ATTAINMENT
 from bench.metrics import WALL_CLOCK_KEYS, rounded
 from bench.plots import write_plots
-from bench.runner import BenchRun, PolicyRun
+from bench.runner import BenchConfig, BenchRun, PolicyRun
 from common.slowdown import format_slowdown
 
 # (metric key, column header, format): "pct" percent, "s" seconds, "r" rate, "x" ratio
@@ -102,12 +102,21 @@ def results_dict(run: BenchRun) -> dict[str, Any]:
         out["engine_policy"] = run.engine_policy
     if cfg.replica_slowdowns:  # only when set
         out["replica_slowdowns"] = list(cfg.replica_slowdowns)
-    if cfg.engine_slowdown:  # only when set: a run without it is unchanged
-        out["engine_slowdown"] = format_slowdown(cfg.engine_slowdown)
-        out["engine_slowdown_schedule"] = [
-            {"start_s": start, "factor": factor} for start, factor in cfg.engine_slowdown
-        ]
+    out.update(slowdown_fields(cfg))
     return out
+
+
+def slowdown_fields(cfg: BenchConfig) -> dict[str, Any]:
+    """`engine_slowdown` (the flag's text) and `engine_slowdown_schedule` for results.json, the
+    simulator's and the live bench's; {} without a slowdown (a run without it is unchanged)."""
+    if not cfg.engine_slowdown:
+        return {}
+    return {
+        "engine_slowdown": format_slowdown(cfg.engine_slowdown),
+        "engine_slowdown_schedule": [
+            {"start_s": start_s, "factor": factor} for start_s, factor in cfg.engine_slowdown
+        ],
+    }
 
 
 def _table(run: BenchRun) -> list[str]:
