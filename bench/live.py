@@ -187,6 +187,9 @@ class LiveRun:
     slowdown_start_unix_s: dict[str, float] = field(default_factory=dict)
     """Per policy, with `--engine-slowdown`: the Unix time its replay started, second 0 of the
     schedule the engine was slowed to (`engine.slowdown_start_file`)."""
+    replay_start_unix_s: dict[str, float] = field(default_factory=dict)
+    """Per policy: when its replay's second 0 was, Unix time (`requests.json` and the engine's
+    `iterations.json` meet on it)."""
     calibration_recovery: dict[str, list[dict[str, float | None]]] = field(default_factory=dict)
     """Per policy that predicts its iterations (tandem), with `--engine-slowdown`: for each
     change of the schedule's factor, how many seconds its calibrated model's prediction error
@@ -345,6 +348,7 @@ def run_real(
         if overhead_s is not None:
             run.serving_overhead_s[name] = overhead_s
         stats = _engine_stats(engine) if name == "tandem" else {}
+    save_requests(workdir / "requests.json", records, run.replay_start_unix_s.get(name))
     result = SimResult(
         policy_name=name,
         requests=records,
@@ -624,8 +628,9 @@ async def _replay_all(
             else None
         )
         start_file = engine.get("slowdown_start_file")
+        run.replay_start_unix_s[name] = time.time()
         if start_file:
-            run.slowdown_start_unix_s[name] = time.time()
+            run.slowdown_start_unix_s[name] = run.replay_start_unix_s[name]
             Path(start_file).write_text(f"{run.slowdown_start_unix_s[name]:.6f}\n")
         try:
             records, end_s = await replay(
@@ -831,6 +836,23 @@ def _spread(
         f"{name}_p50": round(float(np.percentile(errors, 50)), 4),
         f"{name}_p90": round(float(np.percentile(errors, 90)), 4),
     }
+
+
+def save_requests(
+    path: Path, records: Sequence[RequestRecord], replay_start_unix_s: float | None
+) -> None:
+    """Every request of a policy's run as the bench's client saw it (times in seconds from the
+    replay's start, *replay_start_unix_s*; each token's time to the 0.1 ms), kept beside its
+    gateway's and engine's logs: what a miss in the report is looked up by — with the gateway
+    log's line for each admitted request that missed, and tandem's `iterations.json`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for r in records:
+        row = msgspec.structs.asdict(r)
+        row["token_times"] = [round(t, 4) for t in r.token_times]
+        rows.append(row)
+    body = {"replay_start_unix_s": replay_start_unix_s, "requests": rows}
+    path.write_bytes(msgspec.json.encode(body))
 
 
 def _save_iterations(path: Path, iterations: Sequence[IterationRecord]) -> None:

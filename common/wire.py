@@ -298,6 +298,14 @@ class EngineLoad(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """Iterations the calibration has learned from (0: none yet, or a policy that does not
     calibrate): a forecast no measured iteration has checked yet is the profile's word alone,
     and a profile measured on a busy machine can be many times too slow."""
+    rt_tpot_target_min_s: float | None = None
+    """The tightest TPOT target among the RT requests decoding, seconds (None: none decoding,
+    or none with a target). Their next tokens bound every iteration — and, where prompts run in
+    an iteration of their own, the prompts' iteration and the decodes' together: what RT
+    prompts get beside the decodes (the SLO admission's TTFT forecast)."""
+    rt_decode_margin: float = 0.0
+    """The share of that target the engine's policy keeps as its safety margin (tandem's ε:
+    an iteration may take (1 − ε) of the time to the next RT token due)."""
     rt_by_tenant: tuple[TenantLoad, ...] = ()
     """`num_rt_waiting`, `rt_waiting_prompt_tokens` and `num_rt_running` split by tenant, in
     the order the tenants were first seen (empty from an engine that does not report it: the

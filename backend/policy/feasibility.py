@@ -23,8 +23,16 @@ the same latency model the engine's policy plans with, corrected by that pace:
           (below) and its own prompt, computed in chunks beside those decodes:
               left + ⌈W / c⌉ × f_mixed × predict(decodes + chunk c)
           where c is the largest chunk whose iteration stays within the per-iteration budget
-          (`iteration_budget_s`, the policy's τ; the request's own TPOT target when smaller),
-          capped by the engine's max prefill; left is the in-flight iteration's predicted time
+          (`iteration_budget_s`, the policy's τ; the request's own TPOT target when smaller,
+          and (1 − ε) of the running decodes' tightest TPOT target, `rt_tpot_target_min_s`:
+          the policy's hard cap), capped by the engine's max prefill. Where the engine runs
+          prompts in an iteration of their own (`split_min_gain`), a cycle is that iteration
+          and the decodes' own, both within that cap: the prompts get what the decodes leave
+          of it (tandem's `split_pays`), however large the budget. Sized to the budget alone,
+          the forecast had the prompts computing several times what the engine gave them
+          once the decodes took most of their TPOT (the real engine 3× slower than planned,
+          bench/results/slo/README.md, session 49).
+          left is the in-flight iteration's predicted time
           (`EngineLoad.inflight_predicted_s`) less what has run since the report
           (`inflight_left_s`; the last measured iteration from an engine that does not report
           it). RT prompts are served before any BE prompt, so BE's queue does not count
@@ -336,13 +344,19 @@ class SloForecaster:
         budget_s = self.iteration_budget_s * budget_pace(factors, self.budget_pace_max)
         if ask.tpot_target_s is not None:
             budget_s = min(budget_s, ask.tpot_target_s)
+        # the running decodes' next tokens bound every iteration beside them (the policy's hard
+        # cap: (1 − ε) of the time to the next one due, a TPOT after the last)
+        decode_bound_s = math.inf
+        if running.num_decode and load.rt_tpot_target_min_s is not None:
+            decode_bound_s = (1.0 - load.rt_decode_margin) * load.rt_tpot_target_min_s
+        budget_s = min(budget_s, decode_bound_s)
         f_chunk = f_mixed if running.num_decode else f_prefill
         chunk = self._chunk(running, budget_s, f_chunk, load)
 
         # with `split_mixed` the engine may run the prompts alone, the decodes after them
         split_decode_s: float | None = None
         if self.split_min_gain is not None and running.num_decode:
-            split = self._split(running, budget_s, factors, load)
+            split = self._split(running, budget_s, factors, load, decode_bound_s)
             if split is not None:
                 chunk, split_decode_s = split
 
@@ -416,26 +430,42 @@ class SloForecaster:
         return rounds * turnover + steps[within]
 
     def _split(
-        self, running: BatchShape, budget_s: float, factors: tuple[float, ...], load: EngineLoad
+        self,
+        running: BatchShape,
+        budget_s: float,
+        factors: tuple[float, ...],
+        load: EngineLoad,
+        decode_bound_s: float = math.inf,
     ) -> tuple[int, float] | None:
         """(the prompts' chunk alone, the decodes' iteration after it, seconds) when the model
         says prompts and decodes run clearly faster apart (`split_min_gain`), else None.
-        Memoised like the chunk: it depends on the state and the budget, not on the ask."""
+
+        The two iterations together stay within *decode_bound_s* (the running decodes' next
+        tokens: tandem's `split_pays` sizes the prompts' iteration to what the decodes' own
+        leaves of it). Sized to the budget alone, the forecast had the prompts computing four
+        times what the engine gave them once the decodes took most of their TPOT (W1 on the
+        real engine 3× slower than planned: admitted first tokens 2-4 s late). No chunk left:
+        no split (the prompts run beside the decodes, or wait). Memoised like the chunk: it
+        depends on the state and the budget, not on the ask."""
         assert self.split_min_gain is not None
         f_decode, f_prefill, f_mixed = factors[DECODE], factors[PREFILL], factors[MIXED]
         cap = max(1, load.max_prefill_tokens)
-        key = (running.num_decode, running.decode_context, budget_s, *factors, cap)
+        key = (running.num_decode, running.decode_context, budget_s, decode_bound_s, *factors, cap)
         if key in self._splits:
             return self._splits[key]
-        alone = self._chunk(BatchShape(), budget_s, f_prefill, load)
         decode_s = f_decode * self.latency.predict(running)
-        apart_s = f_prefill * self.latency.predict(BatchShape().with_prefill(alone))
-        mixed_s = f_mixed * self.latency.predict(running.with_prefill(alone))
-        split = (
-            (alone, decode_s)
-            if apart_s + decode_s <= (1.0 - self.split_min_gain) * mixed_s
-            else None
+        room_s = min(budget_s, decode_bound_s - decode_s)
+        alone = (
+            largest_chunk(self.latency, BatchShape(), room_s / f_prefill, cap, None)
+            if room_s > 0.0
+            else 0
         )
+        split: tuple[int, float] | None = None
+        if alone >= 1:
+            apart_s = f_prefill * self.latency.predict(BatchShape().with_prefill(alone))
+            mixed_s = f_mixed * self.latency.predict(running.with_prefill(alone))
+            if apart_s + decode_s <= (1.0 - self.split_min_gain) * mixed_s:
+                split = (alone, decode_s)
         if len(self._splits) >= _MAX_MEMO:
             self._splits.clear()
         self._splits[key] = split
@@ -797,6 +827,7 @@ def load_of(
     rt_fair_counters: Mapping[str, float] | None = None,
     rt_outputs: RtOutputs | None = None,
     rt_late_bound_frac: float | None = None,
+    rt_decode_margin: float = 0.0,
 ) -> EngineLoad:
     """The `EngineLoad` an engine reports from the snapshot its policy planned from (the
     SGLang driver and the simulator build it the same way). One pass over the requests.
@@ -819,11 +850,14 @@ def load_of(
     the engine slower in every burst lost no admitted attainment to the bound.
 
     *rt_outputs* tells how long the running RT decodes and a new RT request will run (the
-    report's `rt_decode_steps_left` and `rt_new_decode_steps`); None: not reported."""
+    report's `rt_decode_steps_left` and `rt_new_decode_steps`); None: not reported.
+    *rt_decode_margin*: the policy's safety margin on the RT decodes' next tokens
+    (`load_report.policy_rt_decode_margin`)."""
     rt_waiting = rt_prompt = rt_running = rt_context = rt_prefilling = 0
     be_waiting = be_prompt = be_running = be_context = be_kv = 0
     # tenant → [weight, requests waiting, prompt tokens left, requests decoding]
     by_tenant: dict[str, list[Any]] = {}
+    tpot_min = math.inf
     for r in snapshot.running:
         if r.tier == "rt":
             if r.prefilled < r.prefill_len:
@@ -833,6 +867,8 @@ def load_of(
                 _count_waiting(by_tenant, r)
             else:
                 rt_running += 1
+                if r.tpot_target_s is not None and r.tpot_target_s < tpot_min:
+                    tpot_min = r.tpot_target_s
                 entry = by_tenant.get(r.tenant_id)  # `_tenant_entry`, inlined: the hot case
                 if entry is None:
                     entry = by_tenant[r.tenant_id] = [r.tenant_weight, 0, 0, 0]
@@ -892,6 +928,8 @@ def load_of(
         max_prefill_tokens=snapshot.max_prefill_tokens,
         latency_factors=latency_factors,
         calibration_samples=calibration_samples,
+        rt_tpot_target_min_s=tpot_min if math.isfinite(tpot_min) else None,
+        rt_decode_margin=rt_decode_margin,
         rt_by_tenant=tuple(
             TenantLoad(
                 tenant_id=tenant_id,

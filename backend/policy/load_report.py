@@ -42,3 +42,9 @@ def policy_rt_late_bound_frac(policy: Any) -> float | None:
     target: `TandemConfig.rt_late_bound_frac`), or None for a policy without that bound."""
     value = getattr(getattr(policy, "config", None), "rt_late_bound_frac", None)
     return None if value is None else float(value)
+
+
+def policy_rt_decode_margin(policy: Any) -> float:
+    """The policy's safety margin on the RT decodes' next tokens (tandem's AIMD ε: an iteration
+    may take (1 − ε) of the time to the next RT token due), or 0 for a policy without one."""
+    return float(getattr(getattr(policy, "feedback", None), "eps", 0.0))

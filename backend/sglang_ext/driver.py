@@ -40,6 +40,7 @@ from backend.policy.feasibility import RtOutputs, load_of
 from backend.policy.load_report import (
     policy_calibration_samples,
     policy_factors,
+    policy_rt_decode_margin,
     policy_rt_fair_counters,
     policy_rt_late_bound_frac,
 )
@@ -483,6 +484,7 @@ class EngineDriver:
                 calibration_samples=policy_calibration_samples(self.policy),
                 rt_fair_counters=policy_rt_fair_counters(self.policy),
                 rt_late_bound_frac=policy_rt_late_bound_frac(self.policy),
+                rt_decode_margin=policy_rt_decode_margin(self.policy),
                 rt_outputs=self._rt_outputs,
             ),
             self._last_mix,

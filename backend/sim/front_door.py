@@ -32,6 +32,7 @@ from backend.policy.feasibility import (
 )
 from backend.policy.load_report import (
     policy_calibration_samples,
+    policy_rt_decode_margin,
     policy_rt_fair_counters,
     policy_rt_late_bound_frac,
 )
@@ -53,6 +54,7 @@ class FrontDoor:
         rt_fair_counters: Callable[[], Mapping[str, float]] = dict,
         feedback: TtftFeedback | None = None,
         rt_late_bound_frac: float | None = None,
+        rt_decode_margin: Callable[[], float] = lambda: 0.0,
     ) -> None:
         self.forecaster = forecaster
         self.feedback = feedback
@@ -69,6 +71,8 @@ class FrontDoor:
         """The policy's RT fair-share counters by tenant, read at every forecast."""
         self.rt_late_bound_frac = rt_late_bound_frac
         """How far past its deadline the policy serves a waiting RT prompt first (`load_of`)."""
+        self.rt_decode_margin = rt_decode_margin
+        """The policy's safety margin on the RT decodes' next tokens, read at every forecast."""
         self.on_unattainable: SloUnattainable = on_unattainable
         self.outcomes: dict[str, Admission] = {}
         """rid → how it was admitted, for the requests that were not simply admitted."""
@@ -98,6 +102,7 @@ class FrontDoor:
             rt_fair_counters=self.rt_fair_counters(),
             rt_outputs=self.rt_outputs,
             rt_late_bound_frac=self.rt_late_bound_frac,
+            rt_decode_margin=self.rt_decode_margin(),
         )
         ask = slo_ask(req, now_s)
         extra_s = self.feedback.extra_s(now_s) if self.feedback is not None else 0.0
@@ -165,6 +170,7 @@ def front_door_for(
         lambda: policy_rt_fair_counters(policy),
         TtftFeedback() if ttft_feedback else None,
         policy_rt_late_bound_frac(policy),
+        lambda: policy_rt_decode_margin(policy),
     )
 
 

@@ -38,6 +38,7 @@ from backend.policy.feasibility import Backlog, RtOutputs, SloForecaster, load_o
 from backend.policy.latency import LatencyModel
 from backend.policy.load_report import (
     policy_calibration_samples,
+    policy_rt_decode_margin,
     policy_rt_fair_counters,
     policy_rt_late_bound_frac,
 )
@@ -98,6 +99,7 @@ class _Member:
             calibration_samples=policy_calibration_samples(policy),
             rt_fair_counters=policy_rt_fair_counters(policy),
             rt_late_bound_frac=policy_rt_late_bound_frac(policy),
+            rt_decode_margin=policy_rt_decode_margin(policy),
             rt_outputs=self.rt_outputs,
         )
         self.view = Replica(name=self.name, load=load)

@@ -21,6 +21,7 @@ from backend.policy.latency import LatencyModel
 from backend.policy.load_report import (
     policy_calibration_samples,
     policy_factors,
+    policy_rt_decode_margin,
     policy_rt_fair_counters,
     policy_rt_late_bound_frac,
 )
@@ -177,6 +178,7 @@ class RealtimeEngine:
             calibration_samples=policy_calibration_samples(self.policy),
             rt_fair_counters=policy_rt_fair_counters(self.policy),
             rt_late_bound_frac=policy_rt_late_bound_frac(self.policy),
+            rt_decode_margin=policy_rt_decode_margin(self.policy),
             rt_outputs=self._rt_outputs,
         )
         published, self._load_published = self._load_published, asyncio.Event()

@@ -250,6 +250,14 @@ class SloDecision:
     engine: str | None = None
     """The engine it was judged on (its name); its first token teaches that engine's
     `TtftFeedback`. None: judged on none."""
+    forecast_tpot_s: float | None = None
+    """The TPOT the forecast predicted, seconds; None: nothing was forecast (or no TPOT
+    target)."""
+    ttft_extra_s: float = 0.0
+    """What outcomes had taught the TTFT forecast to add (`TtftFeedback.extra_s`), seconds."""
+    load: EngineLoad | None = None
+    """The engine state the forecast was made on (None: unchecked): an admitted request that
+    then misses its contract is logged with it (`stages.record`)."""
 
     @property
     def target(self) -> str:
@@ -286,7 +294,16 @@ def decide_slo(
         forecast = forecaster.forecast(load, ask, backlog, ttft_extra_s)
     to_come_s = forecast.ttft_s - ask.waited_s - ttft_extra_s  # the model's own forecast
     outcome = "admitted" if forecast.shortfall is None else _ON_MISS[contract.on_unattainable]
-    return SloDecision(outcome, forecast.shortfall, to_come_s, ask.waited_s, engine)
+    return SloDecision(
+        outcome,
+        forecast.shortfall,
+        to_come_s,
+        ask.waited_s,
+        engine,
+        forecast_tpot_s=forecast.tpot_s,
+        ttft_extra_s=ttft_extra_s,
+        load=load,
+    )
 
 
 def slo_ask(request: EngineRequest, now_unix_s: float) -> SloAsk | None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass, field
@@ -89,6 +90,8 @@ from gateway.state import (
     spawn,
 )
 from gateway.store.types import AdmissionOutcome, UsageRecord
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -384,6 +387,8 @@ def record(app: web.Application, flight: Flight, *, cancelled: bool) -> None:
     cache_claim_held = _teach_prefix_memory(app, flight)
     if cache_claim_held:
         _teach_forecast(app, flight, usage)
+    if usage.slo_met is False:
+        _log_admitted_miss(flight, usage)
     meta = flight.request.meta if flight.request is not None else None
     length_key = meta.length_key if meta is not None and flight.failure is None else None
     app[METRICS].request_finished(usage, started=flight.admitted is not None)
@@ -425,6 +430,54 @@ def _teach_forecast(app: web.Application, flight: Flight, usage: UsageRecord) ->
         return  # it ran elsewhere (its engine failed): the forecast was for another engine
     observed_s = usage.ttft_ms / 1000.0 - slo.waited_s  # from admission, as forecast
     feedback.of(slo.engine).observe(slo.forecast_ttft_s, observed_s, time.time())
+
+
+def _log_admitted_miss(flight: Flight, usage: UsageRecord) -> None:
+    """An RT request the SLO admission admitted on a forecast, and that then missed its
+    contract: one INFO line with the forecast, what came, and the engine state the forecast was
+    made on — what an operator (or a developer of the forecast) needs to tell a slower engine
+    from a forecast that does not see a case. Admitted misses are the rare ones (the admission
+    sheds what it forecasts to miss), so this is no per-request log."""
+    admitted = flight.admitted
+    slo = admitted.slo if admitted is not None else None
+    if slo is None or slo.outcome != "admitted" or slo.forecast_ttft_s is None:
+        return
+    meta = flight.request.meta if flight.request is not None else None
+    if meta is None:
+        return
+    load = slo.load
+    state = ""
+    if load is not None:
+        f_decode, f_prefill, f_mixed = load.latency_factors
+        state = (
+            f"; engine {slo.engine} then: {load.num_rt_running} RT decoding "
+            f"({load.rt_context_tokens} context tokens), {load.num_rt_waiting} RT prompts "
+            f"waiting ({load.rt_waiting_prompt_tokens} tokens), {load.num_be_running} BE "
+            f"running, pace ×{f_decode:.2f} decode ×{f_prefill:.2f} prefill ×{f_mixed:.2f} "
+            f"mixed, p90 ×{load.pace_ratio_p90:.2f}, last iteration "
+            f"{load.iteration_s * 1000:.0f} ms"
+        )
+    tpot = ""
+    if meta.tpot_target_ms is not None:
+        forecast_tpot = (
+            f"{slo.forecast_tpot_s * 1000:.0f} ms" if slo.forecast_tpot_s is not None else "none"
+        )
+        got_tpot = f"{usage.tpot_ms:.0f} ms" if usage.tpot_ms is not None else "none"
+        tpot = f"; TPOT {got_tpot} (target {meta.tpot_target_ms:.0f} ms, forecast {forecast_tpot})"
+    got_ttft = f"{usage.ttft_ms:.0f} ms" if usage.ttft_ms is not None else "none"
+    log.info(
+        "admitted RT request %s of tenant %s missed its contract: first token after %s "
+        "(target %.0f ms; forecast %.0f ms to come after %.0f ms waited, +%.0f ms taught)%s%s",
+        usage.request_id,
+        usage.tenant_id,
+        got_ttft,
+        meta.ttft_target_ms or 0.0,
+        slo.forecast_ttft_s * 1000,
+        slo.waited_s * 1000,
+        slo.ttft_extra_s * 1000,
+        tpot,
+        state,
+    )
 
 
 # ---------------------------------------------------------------------------------- drivers

@@ -575,6 +575,40 @@ def test_the_forecast_follows_an_engine_that_runs_prompts_and_decodes_apart() ->
     assert split.ttft_s == plain.ttft_s
 
 
+def test_the_prompts_iteration_gets_what_the_decodes_leave_of_their_tpot() -> None:
+    """With the split, the prompts' iteration and the decodes' one come before the decodes'
+    next token, as tandem's `split_pays` sizes them: on an engine whose decodes take most of
+    their TPOT, the prompts get a small chunk a cycle — forecast so, not a chunk as large as
+    the iteration budget (the real engine 3× slower than planned: first tokens 2-4 s late)."""
+    penalty = LatencyModel([0.010, 0.020, 0.001, 0.0, 0.0, 0.0, 0.0, 0.0, 0.005])
+    forecaster = SloForecaster(penalty, iteration_budget_s=0.05, headroom=0.8, split_min_gain=0.1)
+    ask = SloAsk(prompt_tokens=1000, ttft_target_s=0.5)
+    loose = idle_load(num_rt_running=20, rt_context_tokens=20_000, rt_tpot_target_min_s=1.0)
+    # the decodes (30 ms alone) leave 0.9 × 60 − 30 = 24 ms a cycle for the prompts' iteration
+    tight = msgspec_replace(loose, rt_tpot_target_min_s=0.06, rt_decode_margin=0.1)
+    free = forecaster.forecast(loose, ask)
+    bound = forecaster.forecast(tight, ask)
+    assert free.ttft_s == pytest.approx(0.065, rel=0.02)  # one cycle: the whole prompt alone
+    # chunks of what fits 24 ms (10 ms fixed, 20 ms per 1K): two cycles of at most 54 ms
+    assert 0.065 < bound.ttft_s <= 2 * 0.054
+    # decodes that leave nothing (a 30 ms TPOT bound by 27 ms): no split — the mixed forecast
+    none_left = msgspec_replace(loose, rt_tpot_target_min_s=0.03, rt_decode_margin=0.1)
+    assert not forecaster.forecast(none_left, ask).feasible
+
+
+def test_load_of_reports_the_tightest_tpot_of_the_rt_decodes_and_the_policys_margin() -> None:
+    decoding = [make_req(f"d{i}", prompt_len=100, generated=5, running=True) for i in range(3)]
+    for r, tpot_s in zip(decoding, (0.2, 0.05, None), strict=True):
+        r.tpot_target_s = tpot_s
+    prompt = make_req("p", prompt_len=100, running=True, prefilled=10)
+    prompt.tpot_target_s = 0.01  # still prefilling: no token of it is due yet
+    snap = make_snapshot(running=[*decoding, prompt])
+    load = load_of(snap, iteration=1, at_unix_s=0.0, iteration_s=0.01, rt_decode_margin=0.1)
+    assert (load.rt_tpot_target_min_s, load.rt_decode_margin) == (0.05, 0.1)
+    quiet = load_of(make_snapshot(running=[prompt]), iteration=1, at_unix_s=0.0, iteration_s=0.01)
+    assert quiet.rt_tpot_target_min_s is None
+
+
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="headroom"):
         SloForecaster(LATENCY, headroom=1.5)

@@ -485,3 +485,39 @@ def test_a_cache_claim_the_engine_did_not_hold_shrinks_the_prefix_memory_not_the
     turn(engine_cached_tokens=2000)  # held: the lateness is the engine's, and it teaches
     assert router.cache_share == pytest.approx(CACHE_SHARE_CUT + CACHE_SHARE_STEP)
     assert feedback.samples == 1
+
+
+def test_an_admitted_request_that_misses_is_logged_with_its_forecast_and_the_engine_state(
+    forecaster: SloForecaster, caplog: pytest.LogCaptureFixture
+) -> None:
+    # an operator asking why an admitted request missed reads one line: what the forecast said,
+    # what came, and the engine's state it was made on
+    busy = msgspec.structs.replace(IDLE, num_rt_running=3, rt_context_tokens=900)
+    app = staged_app(forecaster, busy)
+    flight = make_flight(make_principal(rt_tenant()))
+    prepare(app, flight, chat_body(), make_prompt())
+    assert isinstance(admit(app, flight), Admitted)
+    flight.timer.start_s -= 1.0  # its first token comes a second after it arrived
+    flight.timer.on_tokens(1)
+    with caplog.at_level("INFO", logger="gateway.pipeline.stages"):
+        record(app, flight, cancelled=False)
+    (usage,) = usage_of(app).records
+    assert usage.slo_met is False
+    (line,) = [r.getMessage() for r in caplog.records if "missed its contract" in r.getMessage()]
+    assert usage.request_id in line
+    assert "target 300 ms" in line and "forecast" in line
+    assert "3 RT decoding (900 context tokens)" in line
+
+
+def test_an_admitted_request_that_meets_its_contract_is_not_logged(
+    forecaster: SloForecaster, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = staged_app(forecaster, IDLE)
+    flight = make_flight(make_principal(rt_tenant()))
+    prepare(app, flight, chat_body(), make_prompt())
+    assert isinstance(admit(app, flight), Admitted)
+    flight.timer.on_tokens(1)
+    with caplog.at_level("INFO", logger="gateway.pipeline.stages"):
+        record(app, flight, cancelled=False)
+    assert usage_of(app).records[0].slo_met is True
+    assert not [r for r in caplog.records if "missed its contract" in r.getMessage()]

@@ -5,7 +5,7 @@ within their TPOT deadlines, and the decodes in the next one, with no prompt."""
 
 from __future__ import annotations
 
-from backend.policy.latency import LatencyModel
+from backend.policy.latency import BatchShape, LatencyModel
 from backend.policy.tandem.config import TandemConfig
 from backend.policy.tandem.policy import TandemPolicy
 from backend.policy.types import Plan
@@ -65,11 +65,43 @@ def test_no_split_where_the_model_gives_it_nothing() -> None:
     assert kinds(plan) == (20, 1)
 
 
-def test_no_split_that_would_make_a_decode_late() -> None:
-    # tokens due in 45 ms: the prompt's iteration and then the decodes' (14 + 30 ms) would miss
+def test_a_split_keeps_the_decodes_on_time_with_a_smaller_chunk() -> None:
+    # tokens due in 45 ms: the whole prompt's iteration and then the decodes' (14 + 30 ms)
+    # would miss, so the prompt's iteration gets what the decodes leave (about 10 ms: its fixed
+    # cost and a few dozen tokens) — not none: beside the decodes a chunk costs 100 ms more,
+    # and an RT prompt would wait for as long as the decodes run
     running = decoding(tpot_s=0.06, last_token_s=NOW - 0.015)
+    split = policy()
+    plan = split.plan(snapshot(waiting=[make_request("p", prompt_len=200)], running=running))
+    assert kinds(plan) == (0, 1) and 0 < chunks(plan)["p"] < 200
+    assert plan.predicted_s is not None
+    decodes = BatchShape(num_decode=20, decode_context=20_000, decode_context_sq=20 * 1000.0**2)
+    assert plan.predicted_s + MIXED_COST.predict(decodes) <= 0.045
+
+
+def test_no_split_where_the_decodes_leave_no_room() -> None:
+    # tokens due in 32 ms, the decodes alone take 30: no prompt iteration fits before them
+    running = decoding(tpot_s=0.06, last_token_s=NOW - 0.028)
     plan = policy().plan(snapshot(waiting=[make_request("p", prompt_len=200)], running=running))
     assert len(plan.decodes) == 20
+
+
+def test_an_overdue_prompt_runs_even_where_the_decodes_leave_no_room() -> None:
+    # tokens due in 32 ms, the decodes alone take 30 (as above), but this prompt has waited
+    # four TTFT targets past its deadline (`rt_late_bound_frac` 1): it gets an iteration of its
+    # own, of up to one TPOT (60 ms) — the decodes' next token comes that much later, once
+    running = decoding(tpot_s=0.06, last_token_s=NOW - 0.028)
+    overdue = make_request("p", prompt_len=200, ttft_target_s=0.2, arrival_s=NOW - 1.0)
+    split = policy()
+    plan = split.plan(snapshot(waiting=[overdue], running=running))
+    assert kinds(plan) == (0, 1) and chunks(plan)["p"] == 200
+    assert plan.predicted_s is not None and plan.predicted_s <= 0.06
+    # the decodes' turn comes next
+    after = split.plan(snapshot(waiting=[], running=running, now_s=NOW + 0.02))
+    assert kinds(after) == (20, 0)
+    # without the bound, it waits for the decodes to leave room, as before
+    patient = policy(rt_late_bound_frac=None)
+    assert kinds(patient.plan(snapshot(waiting=[overdue], running=running))) == (20, 0)
 
 
 def test_be_prompts_ride_in_the_rt_prompts_iteration_but_get_none_of_their_own() -> None:

@@ -93,6 +93,10 @@ class PlanContext:
     decodes)."""
     prefills_allowed: bool = True
     """False in the decodes' half of a split iteration: no prompt chunk, RT or BE."""
+    overdue_room_s: float = 0.0
+    """In the prompts' half of a split iteration run for an overdue RT prompt
+    (`rt_phase.split_pays`): the hard cap it gets at least, seconds, however soon the decodes'
+    next token is due (0: none)."""
     rt_backlog: bool = False
     """RT prompt work is left after the RT phase (a prompt waiting, or one mid-prefill with
     more left than this plan's chunk): RT is what the engine lacks time for, so BE gets only

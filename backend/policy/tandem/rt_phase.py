@@ -55,13 +55,72 @@ def split_pays(ctx: PlanContext) -> bool:
     timer, alone = ctx.timer, BatchTotals()
     decodes = _decode_totals(itertools.chain(view.rt_decode, view.be_decode))
     decode_s = timer.predict(decodes)
-    cap = min(rt_left, ctx.max_prefill)
-    chunk = max(1, timer.max_chunk(alone, ctx.budget_s, prefix=0, cap=cap))
-    apart_s = timer.with_chunk(alone, chunk, 0) + decode_s
-    if apart_s > (1.0 - ctx.config.split_min_gain) * timer.with_chunk(decodes, chunk, 0):
-        return False
     deadline = slack.decode_deadline(view.rt_decode, ctx.now_s, decode_s)
-    return apart_s <= (1 - ctx.eps) * (deadline - ctx.now_s)
+    # the prompts' iteration gets what the decodes' deadline leaves after their own iteration
+    # (`defer_rt_decodes` caps it so), up to the budget: sized to the budget alone, a split on
+    # an engine whose decodes take most of their TPOT never fit, and beside the decodes (CPU
+    # attention recomputes them with a chunk) no chunk fit either — RT prompts waited 20 s
+    # while 22-33 RT decodes ran alone (W1 on the real engine 3× slower than planned)
+    cap = min(rt_left, ctx.max_prefill)
+    room_s = min(ctx.budget_s, (1 - ctx.eps) * (deadline - ctx.now_s) - decode_s)
+    chunk = timer.max_chunk(alone, room_s, prefix=0, cap=cap) if room_s > 0.0 else 0
+    if chunk < 1:
+        # the decodes leave the prompts nothing; an overdue prompt runs all the same, in an
+        # iteration of up to one TPOT of the decodes (`overdue_room_s`)
+        overdue_room_s = _overdue_room_s(ctx)
+        if overdue_room_s <= 0.0:
+            return False
+        chunk = max(1, timer.max_chunk(alone, (1 - ctx.eps) * overdue_room_s, prefix=0, cap=cap))
+        ctx.overdue_room_s = overdue_room_s
+    apart_s = timer.with_chunk(alone, chunk, 0) + decode_s
+    if apart_s <= (1.0 - ctx.config.split_min_gain) * timer.with_chunk(decodes, chunk, 0):
+        return True
+    ctx.overdue_room_s = 0.0
+    return False
+
+
+def _overdue(ctx: PlanContext, r: ReqState) -> bool:
+    """`r` waits for its first token more than `rt_late_bound_frac` of its TTFT target past its
+    deadline (the queue's late bound: it goes first)."""
+    bound = ctx.config.rt_late_bound_frac
+    return bound is not None and not r.is_probe and r.ttft_lateness(ctx.now_s) > bound
+
+
+def _decodes_tpot_s(ctx: PlanContext) -> float:
+    """The tightest TPOT target of the running RT decodes (inf: none has one)."""
+    return min(
+        (r.tpot_target_s for r in ctx.view.rt_decode if r.tpot_target_s is not None),
+        default=math.inf,
+    )
+
+
+def _overdue_room_s(ctx: PlanContext) -> float:
+    """The hard cap an overdue RT prompt's iteration of its own gets, whatever the decodes'
+    deadlines say: the tightest TPOT target of the running RT decodes when an overdue prompt
+    (`_overdue`) waits; else 0. The overdue prompt's own rule, `_overdue_chunk`, explains."""
+    waiting = itertools.chain(ctx.view.rt_partial, ctx.rt_queue.known.reqs.values())
+    if not any(_overdue(ctx, r) for r in waiting):
+        return 0.0
+    tpot_s = _decodes_tpot_s(ctx)
+    return tpot_s if math.isfinite(tpot_s) else 0.0
+
+
+def _overdue_chunk(ctx: PlanContext, r: ReqState) -> int:
+    """The chunk an overdue RT prompt (`_overdue`) gets beside the running decodes where their
+    deadlines leave it none: the hard cap moves one TPOT (their tightest target) later, so the
+    decodes' next token may come that much late, once per plan and such prompt; at least its
+    least chunk. A mean TPOT barely moves, and the prompt's wait is bounded: without it, RT
+    prompts the admission let in just before the engine slowed waited 14-27 s while the
+    decodes took every iteration (W1 on the real engine and its simulator twin, 3× slower
+    from second 30: the decodes at 110-190 ms of their 250 ms TPOT, and ε at 0.3 after the
+    step's overruns leaving them (1 − ε) × 250 = 175 ms)."""
+    tpot_s = _decodes_tpot_s(ctx)
+    if not math.isfinite(tpot_s):
+        return 0
+    b = ctx.batch
+    ctx.hard_s += tpot_s
+    ctx.tau_s = max(ctx.tau_s, min(ctx.budget_s, (1 - ctx.eps) * ctx.hard_s))
+    return max(b.chunk_for(r, ctx.tau_s), b.least_chunk(r))
 
 
 def defer_rt_decodes(ctx: PlanContext) -> None:
@@ -71,7 +130,7 @@ def defer_rt_decodes(ctx: PlanContext) -> None:
     decode_s = ctx.timer.predict(_decode_totals(itertools.chain(view.rt_decode, view.be_decode)))
     deadline = slack.decode_deadline(view.rt_decode, ctx.now_s, decode_s)
     ctx.deferred_rt_decode_s = ctx.timer.predict(_decode_totals(view.rt_decode))
-    ctx.hard_s = deadline - ctx.now_s - decode_s
+    ctx.hard_s = max(deadline - ctx.now_s - decode_s, ctx.overdue_room_s)
     ctx.tau_s = ctx.budget_s
     ctx.cap_tau()
 
@@ -121,6 +180,12 @@ def run_rt_prefills(ctx: PlanContext) -> None:
         for r in itertools.chain([pending] if pending is not None else [], candidates):
             pending = None
             deadline = slack.rt_deadline(r)
+            if not b.prefills and _overdue(ctx, r):
+                # first in the queue's order (its late bound), and no used-up τ keeps it out
+                if _prefill(ctx, r, deadline, urgent=False) == STOP:
+                    stop = True
+                    break
+                continue
             n = slack.iterations_left(r.prefill_len - r.prefilled, chunk_at_budget)
             s = slack.slack_s(deadline, ctx.now_s, n, ctx.budget_s)
             if ctx.config.use_slack and slack.is_urgent(s, ctx.budget_s):
@@ -224,6 +289,8 @@ def _prefill(
         # waited for every BE request to drain (a conversation's turn after a 2,400-token
         # history: 18 s beside a batch on the CPU engine, its chunk 0.2 s).
         chunk = b.least_chunk(r)
+    elif chunk <= 0 and not b.prefills and _overdue(ctx, r):
+        chunk = _overdue_chunk(ctx, r)
     chunk = _make_room(ctx, r, chunk, urgent)
     if chunk <= 0:
         return STOP
