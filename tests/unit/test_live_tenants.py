@@ -62,3 +62,25 @@ def test_a_live_run_without_named_tenants_has_no_tenant_rows() -> None:
     run, _ = fcfs_run("W1", 5.0, 2.0)
     assert "tenants" not in results_dict(run)["policies"]["fcfs"]
     assert "Per tenant" not in report_markdown(run, plots=[])
+
+
+def test_a_live_run_keeps_every_request_as_the_client_saw_it(tmp_path: Path) -> None:
+    # a miss in the report is looked up in live/<policy>/requests.json: every request, its
+    # admission and token times, on the replay's clock, whose Unix start it gives
+    from bench.live import save_requests
+
+    _, result = fcfs_run("W1", 5.0, 4.0)
+    path = tmp_path / "live" / "fcfs" / "requests.json"
+    save_requests(path, result.requests, 1_800_000_000.5)
+    saved = json.loads(path.read_text())
+    assert saved["replay_start_unix_s"] == 1_800_000_000.5
+    rows = {row["rid"]: row for row in saved["requests"]}
+    assert len(rows) == len(result.requests)
+    for r in result.requests:
+        row = rows[r.rid]
+        assert (row["tier"], row["admission"], row["generated"]) == (
+            r.tier,
+            r.admission,
+            r.generated,
+        )
+        assert row["token_times"] == [round(t, 4) for t in r.token_times]
