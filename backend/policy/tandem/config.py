@@ -158,14 +158,6 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
     time late: 0.5 gave the same attainment on the simulator's W1 and W6 runs, but W6 at
     1.5 λ* with the engine 1.8× slower in every burst lost 0.8–1.3 points of it (1.0: 0.1–0.5).
     None: no bound."""
-    use_decode_triage: bool = True
-    """When the engine can no longer run every RT decode at the pace their TPOT targets need
-    (an engine suddenly slower than the one they were admitted on), park the streams that need
-    the fastest pace — the hardest to save — until the rest keep theirs (`rt_phase._triage`).
-    A TPOT contract is a mean over the request's tokens: each stream's need is the pace its
-    remaining tokens must keep for the mean to hold, with what it banked running ahead. A parked
-    stream has missed anyway; it resumes as soon as it fits. Off: every RT decode runs every
-    iteration, and after a 3× step all of them miss."""
     use_fair_share: bool = True
     """Weighted fair share among the tenants of a tier (backend.policy.fair_share): waiting
     requests are offered tenant by tenant, the least served (weighted tokens) first; off: one

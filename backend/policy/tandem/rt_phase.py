@@ -219,7 +219,7 @@ def _decode_rt(ctx: PlanContext) -> None:
     first), then non-urgent RT (largest slack first), and only as a last resort — the pool is
     overcommitted and nothing else frees a slot — the RT decode with the latest deadline."""
     b, view = ctx.batch, ctx.view
-    decodes = _triage(ctx, view.rt_decode)
+    decodes = list(view.rt_decode)
     if b.add_decodes(decodes):
         return
     order = victim_order(
@@ -242,81 +242,6 @@ def _decode_rt(ctx: PlanContext) -> None:
     if not b.add_decodes(decodes):
         for r in sorted(decodes, key=slack.rt_deadline):
             b.add_decode(r)
-
-
-def _triage(ctx: PlanContext, decodes: list[ReqState]) -> list[ReqState]:
-    """The RT decodes to run (`use_decode_triage`): all of them while their iteration keeps the
-    pace each needs (`_pace_needed_s`, within (1 − ε)). Else the streams that no iteration can
-    save any more (they need a pace faster than their own decode alone) wait while the others
-    cannot keep theirs with them, and of the others those that need the fastest pace wait,
-    hardest first, until the rest keep it. The rest are parked this iteration; with no stream
-    left to save, all run.
-
-    An engine that turns 3× slower under 64 streams admitted at its old pace cannot keep any of
-    them at 250 ms a token (W1 on the real engine: 60-64 RT decodes of 110 ms became 330 ms,
-    and the 28 admitted requests that missed were most of those running then). Parking the
-    hardest lets the others — those whose tokens so far ran ahead of their target — keep their
-    mean. The parked ones rejoin as soon as they fit; the SLO admission counts them as running,
-    so it admits no new stream that would keep them out."""
-    if not ctx.config.use_decode_triage or len(decodes) < 2:
-        return list(decodes)
-    now_s, limit, timer = ctx.now_s, 1.0 - ctx.eps, ctx.timer
-    needs = [_pace_needed_s(r, now_s) for r in decodes]
-    totals = _decode_totals(decodes)
-    if timer.predict(totals) <= limit * min(needs):
-        return list(decodes)  # every stream keeps its pace: the usual case
-    saveable = sorted(
-        (
-            i
-            for i, r in enumerate(decodes)
-            if limit * needs[i] >= timer.predict(_decode_totals([r]))
-        ),
-        key=needs.__getitem__,
-    )
-    if not saveable:
-        return list(decodes)
-    kept_totals = _decode_totals(decodes[i] for i in saveable)
-    first = 0
-    while first < len(saveable) - 1 and timer.predict(kept_totals) > limit * needs[saveable[first]]:
-        _drop(kept_totals, decodes[saveable[first]])
-        first += 1
-    kept = set(saveable[first:])
-    bound_s = limit * needs[saveable[first]]
-    for i, r in enumerate(decodes):  # the unsaveable ones ride where the saved keep their pace
-        if i in kept or i in saveable:
-            continue
-        _add(kept_totals, r)
-        if timer.predict(kept_totals) > bound_s:
-            _drop(kept_totals, r)
-            continue
-        kept.add(i)
-    return [r for i, r in enumerate(decodes) if i in kept]
-
-
-def _drop(totals: BatchTotals, r: ReqState) -> None:
-    """*totals* without decode *r*."""
-    context = r.prompt_len + r.generated
-    totals.num_decode -= 1
-    totals.decode_context -= context
-    totals.decode_context_sq -= context * context
-
-
-def _add(totals: BatchTotals, r: ReqState) -> None:
-    """*totals* with decode *r*."""
-    context = r.prompt_len + r.generated
-    totals.num_decode += 1
-    totals.decode_context += context
-    totals.decode_context_sq += context * context
-
-
-def _pace_needed_s(r: ReqState, now_s: float) -> float:
-    """The time per token the rest of RT stream `r` may take for its mean TPOT to meet its
-    target, counting its remaining tokens up to its max_new_tokens (inf without a target)."""
-    if r.tpot_target_s is None or r.first_token_s is None:
-        return math.inf
-    total = max(r.max_new_tokens, r.generated + 1)
-    due_s = r.first_token_s + r.tpot_target_s * (total - 1)
-    return (due_s - now_s) / (total - r.generated)
 
 
 def _slack(ctx: PlanContext, r: ReqState) -> float:
