@@ -253,10 +253,6 @@ class EngineLoad(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     backend/policy/calibration.py; 1.0 from an engine that predicts nothing): how much slower
     than its calibrated model the engine has recently run at worst, but for one iteration in
     ten. The SLO admission scales its forecasts by it when it is above 1."""
-    pace_ratio_p50: float = 1.0
-    """The median of the same ratios: the engine's recent typical pace against its calibrated
-    model. A TPOT is a mean over many iterations, and the SLO admission scales its TPOT
-    forecast by this one."""
     num_rt_waiting: int = 0
     """RT requests whose prompt is not fully computed yet (queued or partly prefilled)."""
     rt_waiting_prompt_tokens: int = 0

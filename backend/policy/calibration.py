@@ -311,15 +311,7 @@ class PaceSpread:
     def upper(self) -> float:
         """The quantile of measured ÷ predicted over the window (nearest rank; 1.0 before any
         sample)."""
-        return self._at(self.quantile)
-
-    def median(self) -> float:
-        """The median of measured ÷ predicted over the window (1.0 before any sample): the
-        pace a mean over many iterations (a TPOT) sees."""
-        return self._at(0.5)
-
-    def _at(self, quantile: float) -> float:
         if not self._ratios:
             return 1.0
         values = sorted(self._ratios)
-        return values[min(len(values) - 1, int(quantile * len(values)))]
+        return values[min(len(values) - 1, int(self.quantile * len(values)))]

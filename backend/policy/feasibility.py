@@ -300,11 +300,9 @@ class SloForecaster:
         # The calibrated factors are means; the engine's recent worst pace (but one iteration
         # in ten) bounds them from above while the pace changes or swings (`PaceSpread`). The
         # engine's policy sizes its chunks with the factors; the spread stretches their time.
-        # A TPOT is a mean over many iterations: the recent median pace stretches it.
         spread = max(1.0, load.pace_ratio_p90) if math.isfinite(load.pace_ratio_p90) else 1.0
-        tpot_spread = max(1.0, load.pace_ratio_p50) if math.isfinite(load.pace_ratio_p50) else 1.0
         ttft_s, tpot_s, slot_wait_s = self._predict(
-            load, ask, backlog, load.latency_factors, spread, tpot_spread
+            load, ask, backlog, load.latency_factors, spread
         )
         ttft_s += ask.waited_s + ttft_extra_s
         budget_s = self._ttft_budget_s(ask, slot_wait_s)
@@ -317,7 +315,7 @@ class SloForecaster:
                 at_pace = (ask.waited_s + ttft_extra_s, None)  # the model is the profile's word
             else:
                 factors = tuple(min(1.0, f) for f in load.latency_factors)
-                ttft_at, tpot_at, _ = self._predict(load, ask, backlog, factors, 1.0, 1.0)
+                ttft_at, tpot_at, _ = self._predict(load, ask, backlog, factors, 1.0)
                 at_pace = (ttft_at + ask.waited_s + ttft_extra_s, tpot_at)
             if self._shortfall(ask, *at_pace, self._ttft_budget_s(ask, 0.0)) is None:
                 shortfall = None
@@ -330,11 +328,10 @@ class SloForecaster:
         backlog: Backlog,
         factors: tuple[float, ...],
         spread: float,
-        tpot_spread: float,
     ) -> tuple[float, float | None, float]:
         """(TTFT from now, before what was waited and taught; TPOT or None; the part of the TTFT
         spent waiting for a request slot) at the engine's pace *factors* (decode, prefill,
-        mixed), the TTFT stretched by *spread*, the TPOT by *tpot_spread*."""
+        mixed), stretched by *spread*."""
         f_decode, f_prefill, f_mixed = factors[DECODE], factors[PREFILL], factors[MIXED]
         running = _decodes(load.num_rt_running, load.rt_context_tokens)
         # Everyone ahead decodes beside it once prefilled: contexts of about their prompts.
@@ -342,9 +339,7 @@ class SloForecaster:
         later = load.num_rt_waiting + backlog.num_requests + 1
         later_tokens = load.rt_waiting_prompt_tokens + backlog.prompt_tokens + ask.prompt_tokens
         decoding = _decodes(load.num_rt_running + later, load.rt_context_tokens + later_tokens)
-        tpot_s = (
-            tpot_spread * f_decode * self.latency.predict(decoding) if ask.tpot_target_s else None
-        )
+        tpot_s = spread * f_decode * self.latency.predict(decoding) if ask.tpot_target_s else None
 
         budget_s = self.iteration_budget_s * budget_pace(factors, self.budget_pace_max)
         if ask.tpot_target_s is not None:
@@ -828,7 +823,6 @@ def load_of(
     inflight_predicted_s: float | None = None,
     latency_factors: tuple[float, float, float] = (1.0, 1.0, 1.0),
     pace_ratio_p90: float = 1.0,
-    pace_ratio_p50: float = 1.0,
     calibration_samples: int = 0,
     rt_fair_counters: Mapping[str, float] | None = None,
     rt_outputs: RtOutputs | None = None,
@@ -916,7 +910,6 @@ def load_of(
         predicted_iteration_s=predicted_iteration_s,
         inflight_predicted_s=inflight_predicted_s,
         pace_ratio_p90=pace_ratio_p90,
-        pace_ratio_p50=pace_ratio_p50,
         num_rt_waiting=rt_waiting,
         rt_waiting_prompt_tokens=rt_prompt,
         num_rt_running=rt_running,

@@ -481,7 +481,6 @@ class EngineDriver:
                 inflight_predicted_s=_inflight_predicted_s(plan, snap),
                 latency_factors=policy_factors(self.policy),
                 pace_ratio_p90=self._pace.upper(),
-                pace_ratio_p50=self._pace.median(),
                 calibration_samples=policy_calibration_samples(self.policy),
                 rt_fair_counters=policy_rt_fair_counters(self.policy),
                 rt_late_bound_frac=policy_rt_late_bound_frac(self.policy),

@@ -98,7 +98,6 @@ class FrontDoor:
             iteration_s=0.0,
             latency_factors=self.latency_factors(),
             pace_ratio_p90=self.pace.upper(),
-            pace_ratio_p50=self.pace.median(),
             calibration_samples=self.calibration_samples(),
             rt_fair_counters=self.rt_fair_counters(),
             rt_outputs=self.rt_outputs,

@@ -96,7 +96,6 @@ class _Member:
             iteration_s=self.core.last_iteration_s or 0.0,
             latency_factors=factors() if factors is not None else (1.0, 1.0, 1.0),
             pace_ratio_p90=self.pace.upper(),
-            pace_ratio_p50=self.pace.median(),
             calibration_samples=policy_calibration_samples(policy),
             rt_fair_counters=policy_rt_fair_counters(policy),
             rt_late_bound_frac=policy_rt_late_bound_frac(policy),
