@@ -17,7 +17,9 @@ the same latency model the engine's policy plans with, corrected by that pace:
           the TPOT served 11 % more RT requests in SLO at 2×, and 5 admitted ones waited
           1.7–3 s for their first token (admitted attainment 1.000 → 0.982); the whole
           headroom's square root besides admitted 21 requests after a 3× step, 18 of which
-          waited 10–20 s in the engine's queue behind decodes that took every iteration.
+          waited 10–20 s in the engine's queue behind decodes that took every iteration. Tried
+          again once the prompts no longer starved there (session 49): at 2× four admitted
+          requests then missed their TPOT (forecast 160 ms, got 370–460 ms); not kept.
 
     TTFT  what is left of the iteration in flight, then the RT prompt tokens W ahead of it
           (below) and its own prompt, computed in chunks beside those decodes:
