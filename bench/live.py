@@ -184,12 +184,10 @@ class LiveRun:
     profile at `sim_regime_pace`."""
     sim_engine_iterations: int = 0
     """Iterations `sim_engine` was fitted to."""
-    slowdown_start_unix_s: dict[str, float] = field(default_factory=dict)
-    """Per policy, with `--engine-slowdown`: the Unix time its replay started, second 0 of the
-    schedule the engine was slowed to (`engine.slowdown_start_file`)."""
     replay_start_unix_s: dict[str, float] = field(default_factory=dict)
     """Per policy: when its replay's second 0 was, Unix time (`requests.json` and the engine's
-    `iterations.json` meet on it)."""
+    `iterations.json` meet on it); with `--engine-slowdown`, also second 0 of the schedule the
+    engine was slowed to (`engine.slowdown_start_file`)."""
     calibration_recovery: dict[str, list[dict[str, float | None]]] = field(default_factory=dict)
     """Per policy that predicts its iterations (tandem), with `--engine-slowdown`: for each
     change of the schedule's factor, how many seconds its calibrated model's prediction error
@@ -271,14 +269,13 @@ def run_live(config: BenchConfig) -> LiveRun:
             )
         if iterations:
             _save_iterations(run.config.out_dir / "live" / name / "iterations.json", iterations)
-            if name in run.slowdown_start_unix_s:
+            if config.engine_slowdown and name in run.replay_start_unix_s:
+                start_unix_s = run.replay_start_unix_s[name]
                 run.calibration_recovery[name] = slowdown_recovery(
-                    iterations, config.engine_slowdown, run.slowdown_start_unix_s[name]
+                    iterations, config.engine_slowdown, start_unix_s
                 )
                 # the twin runs the engine's own pace with the schedule on top, as the real one
-                iterations = unslowed(
-                    iterations, config.engine_slowdown, run.slowdown_start_unix_s[name]
-                )
+                iterations = unslowed(iterations, config.engine_slowdown, start_unix_s)
                 if pace := iteration_regime_pace(iterations, latency):
                     run.sim_regime_pace, run.sim_pace = pace, geometric_mean(pace)
             samples = engine_samples(iterations)
@@ -630,8 +627,7 @@ async def _replay_all(
         start_file = engine.get("slowdown_start_file")
         run.replay_start_unix_s[name] = time.time()
         if start_file:
-            run.slowdown_start_unix_s[name] = run.replay_start_unix_s[name]
-            Path(start_file).write_text(f"{run.slowdown_start_unix_s[name]:.6f}\n")
+            Path(start_file).write_text(f"{run.replay_start_unix_s[name]:.6f}\n")
         try:
             records, end_s = await replay(
                 session, base_url, keys, source, run.workload.window_s or 0.0

@@ -444,7 +444,7 @@ class SloForecaster:
 
         The two iterations together stay within *decode_bound_s* (the running decodes' next
         tokens: tandem's `split_pays` sizes the prompts' iteration to what the decodes' own
-        leaves of it). Sized to the budget alone, the forecast had the prompts computing four
+        leaves of it). Sized to the budget alone, the forecast had the prompts computing several
         times what the engine gave them once the decodes took most of their TPOT (W1 on the
         real engine 3× slower than planned: admitted first tokens 2-4 s late). No chunk left:
         no split (the prompts run beside the decodes, or wait). Memoised like the chunk: it
