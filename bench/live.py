@@ -46,7 +46,7 @@ import urllib.error
 import urllib.request
 from array import array
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -497,13 +497,20 @@ def engine_control_get(port: int, path: str, timeout_s: float) -> tuple[int, Any
         conn.close()
 
 
-async def follow_iterations(port: int, records: list[IterationRecord], stop: asyncio.Event) -> None:
+async def follow_iterations(
+    port: int, records: list[IterationRecord], stop: asyncio.Event, every_s: float = 0.0
+) -> None:
     """Long-polls the `/iterations` log of the engine serving on *port* until *stop* is set,
     appending every iteration's record to *records*, oldest first (a `/load` poll sees only the
     newest: a follower starved of CPU would keep the long iterations and miss the short ones in
-    between). An engine without a control endpoint (stock SGLang) adds none."""
+    between). An engine without a control endpoint (stock SGLang) adds none. *every_s*: at
+    least this long between polls (the engine keeps the last `ITERATION_LOG_SIZE`), so that on
+    a small host the follower does not compete with what it measures at every iteration."""
     after = 0
     while not stop.is_set():
+        if after and every_s > 0.0:
+            with suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), every_s)
         status, body = await asyncio.to_thread(
             engine_control_get, port, f"{CONTROL_ITERATIONS_PATH}?after={after}&wait_s=1", 5.0
         )

@@ -120,6 +120,8 @@ class Phase:
 
     name: str
     chats: list[Chat] = field(default_factory=list)
+    started_unix_s: float | None = None
+    """When its first chat was sent (wall clock): the chats' `started_s` count from here."""
 
     def summary(self, contract: dict[str, float]) -> dict[str, Any]:
         served_rt = [c for c in self.chats if c.status == 200 and c.downgraded is None]
@@ -213,6 +215,8 @@ async def chats_in_a_row(
     while *while_* holds (checked before each chat: the batch still runs). After a 429 the next
     chat waits for its `Retry-After`, as the OpenAI client libraries do."""
     t0 = time.perf_counter()
+    if phase.started_unix_s is None:
+        phase.started_unix_s = time.time()
     while True:
         if count is not None and len(phase.chats) >= count:
             return phase
@@ -400,6 +404,8 @@ def run_policy(policy: str, out_dir: Path, options: Options) -> dict[str, Any]:
         print(f"[{policy}] serving after {ready_s:.0f} s", file=sys.stderr)
         result = asyncio.run(_scenario(policy, base_url, token, engine_port, options))
     result["ready_s"] = round(ready_s, 1)
+    # kept beside the result, not in it: thousands of rows
+    (workdir / "iterations.json").write_text(json.dumps(result.pop("iterations")))
     (workdir / "result.json").write_text(json.dumps(result, indent=2))
     return result
 
@@ -418,6 +424,13 @@ async def _scenario(
             print(f"[{policy}] {line}", file=sys.stderr)
 
         n, mt = options.chats, options.chat_max_tokens
+        # the engine's iterations while the chats run alone and beside the batch: where a
+        # chat's first token went is looked up in them (`iterations.json`)
+        records: list[IterationRecord] = []
+        stop_following = asyncio.Event()
+        follower = asyncio.create_task(
+            follow_iterations(engine_port, records, stop_following, every_s=1.0)
+        )
         await chats_in_a_row(session, base_url, chat_key, Phase("warm-up"), count=2, max_tokens=mt)
         alone = await chats_in_a_row(
             session, base_url, chat_key, Phase("alone"), count=n, max_tokens=mt
@@ -456,6 +469,8 @@ async def _scenario(
             while_=batch_runs,
         )
         after = await gw.batch(docs_key, batch_id)
+        stop_following.set()
+        await follower
         say(f"beside the batch: {beside.summary(contract)}")
 
         burn: dict[str, Any] | None = None
@@ -499,6 +514,13 @@ async def _scenario(
         "chats": {
             "alone": [asdict(c) for c in alone.chats],
             "beside_batch": [asdict(c) for c in beside.chats],
+        },
+        "iterations": {
+            "phase_started_unix_s": {
+                "alone": alone.started_unix_s,
+                "beside_batch": beside.started_unix_s,
+            },
+            "records": msgspec.to_builtins(records),
         },
     }
 
