@@ -181,6 +181,11 @@ class Plan(msgspec.Struct, kw_only=True):
     predicted_s: float | None = None
     """The policy's prediction of this iteration's duration (for latency-model error and
     overrun statistics); None if the policy does not predict."""
+    hold_until_s: float | None = None
+    """An empty plan that waits by choice: the engine runs nothing (every decode row sits out,
+    no prompt runs) and asks again, until this engine time at the latest or until a request
+    arrives (tandem's anticipation of a closed-loop RT client's next request). None: a plan
+    that runs nothing has nothing it could run."""
 
     @property
     def is_empty(self) -> bool:

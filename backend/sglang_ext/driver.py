@@ -338,10 +338,12 @@ class EngineDriver:
         self._plan = plan
         self._note_plan_ms(plan_ms)
         self._publish_load(snap, plan)
+        held = plan.hold_until_s is not None and plan.is_empty and not plan.evictions
         if (
             not (plan.prefills or plan.decodes or plan.evictions)
             and snap.waiting
             and not snap.running
+            and not held
         ):
             # A policy that plans nothing for an idle engine with queued work would leave it
             # idle for good (nothing else changes its state): SGLang admits this time.
@@ -357,8 +359,15 @@ class EngineDriver:
         self._plan_mix = IterationMix(**msgspec.structs.asdict(plan_shape(plan, states)))
         evicted = set(evict)
         kept = [req for req in running if str(req.rid) not in evicted]
-        park = self._park(plan, kept, keep_one=self._stalled_full_park)
-        self._parked_every_row = bool(park) and len(park) == len(kept)
+        if held:
+            # the policy waits for an RT request on its way (anticipation): nothing runs, and
+            # SGLang asks again at once (its loop takes in arrivals first)
+            park = tuple(str(req.rid) for req in kept)
+            self.stats.held_plans += 1
+        else:
+            park = self._park(plan, kept, keep_one=self._stalled_full_park)
+        # (a hold is no stall: the next plan may hold again, with every row sitting out)
+        self._parked_every_row = bool(park) and len(park) == len(kept) and not held
         prefill_tokens = {c.rid: c.tokens for c in plan.prefills}
         self.stats.planned_prefills += len(plan.prefills)
         prefill_first = _prefill_first(prefill_tokens, states)

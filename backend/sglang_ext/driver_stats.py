@@ -59,6 +59,9 @@ class DriverStats(msgspec.Struct, kw_only=True):
     """Length-history pushes applied from the control endpoint."""
     history_lengths: int = 0
     """Output lengths received through those pushes."""
+    held_plans: int = 0
+    """Plans that ran nothing by choice: the policy held BE back for an RT request it expected
+    any moment (tandem's `rt_anticipation_s`)."""
     stall_fallbacks: int = 0
     """Iterations where the policy planned nothing for an idle engine with requests waiting, so
     SGLang's own admission ran instead (an engine must never sit idle on queued work)."""

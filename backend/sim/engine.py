@@ -78,6 +78,10 @@ def simulate(
         step = start_iteration(
             core, policy, latency, clock.now_s, slowdown, regime_slowdowns=config.regime_slowdowns
         )
+        if isinstance(step, Held):  # idle by choice: until the hold ends or a request arrives
+            nxt = source.next_arrival_s()
+            clock.now_s = step.until_s if nxt is None else max(clock.now_s, min(step.until_s, nxt))
+            continue
         if step is None:  # nothing to run until something arrives
             if not _jump_to_arrival(source, clock):
                 if clock.now_s >= clock.horizon_s:
@@ -158,6 +162,16 @@ class Step:
         return self.batch.start_s + self.duration_s
 
 
+class Held:
+    """A plan that runs nothing by choice (`Plan.hold_until_s`): the engine idles until
+    `until_s` or the next arrival, whichever comes first, then plans again."""
+
+    __slots__ = ("until_s",)
+
+    def __init__(self, until_s: float) -> None:
+        self.until_s = until_s
+
+
 def start_iteration(
     core: EngineCore,
     policy: Policy,
@@ -167,9 +181,10 @@ def start_iteration(
     snap: Snapshot | None = None,
     *,
     regime_slowdowns: tuple[float, ...] = (),
-) -> Step | None:
-    """Plans an iteration at `now_s` and starts it (`core.apply`); None when the plan was
-    empty. *snap*: the snapshot to plan from, when the caller already took it at `now_s`.
+) -> Step | Held | None:
+    """Plans an iteration at `now_s` and starts it (`core.apply`); a `Held` when the policy
+    waits by choice, None when the plan was empty. *snap*: the snapshot to plan from, when the
+    caller already took it at `now_s`.
     The batch's compute takes `slowdown` × its regime's factor of *regime_slowdowns*
     (`SimConfig.regime_slowdowns`; () = 1) × the model's prediction."""
     num_running, num_waiting = len(core.running), len(core.waiting)
@@ -179,6 +194,8 @@ def start_iteration(
     plan = policy.plan(snap)
     plan_ms = (time.perf_counter() - t0) * 1000.0
     if not (plan.decodes or plan.prefills or plan.evictions):
+        if plan.hold_until_s is not None and plan.hold_until_s > now_s:
+            return Held(plan.hold_until_s)
         return None
     batch = core.apply(plan, now_s)
     kv_used = core.kv.used

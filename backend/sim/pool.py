@@ -46,7 +46,7 @@ from backend.policy.placement import PlaceAsk, Replica, Router, prefix_keys
 from backend.policy.types import Policy, Snapshot
 from backend.sim.config import SimConfig
 from backend.sim.core import EngineCore
-from backend.sim.engine import StalledPolicyError, Step, end_iteration, start_iteration
+from backend.sim.engine import Held, StalledPolicyError, Step, end_iteration, start_iteration
 from backend.sim.engine import _record as engine_record
 from backend.sim.engine import _records as engine_records
 from backend.sim.front_door import FrontDoor, front_door_for, slo_ask
@@ -196,6 +196,7 @@ def simulate_pool(
     block = config.prefix_block_tokens
     horizon = math.inf if config.horizon_s is None else config.horizon_s
     ends: list[tuple[float, int]] = []  # (iteration end, replica) of the iterations in flight
+    wakes: list[tuple[float, int]] = []  # (hold end, replica) of replicas idle by choice
     stalled: set[int] = set()  # idle replicas with work their policy would not run
     decisions: list[float] = []
     placed = [0] * len(members)
@@ -209,7 +210,7 @@ def simulate_pool(
 
     def start(m: _Member, at_s: float, snap: Snapshot | None = None) -> None:
         slowdown = config.slowdown_at(at_s) * config.replica_slowdown(m.index)
-        m.step = start_iteration(
+        step = start_iteration(
             m.core,
             m.policy,
             latency,
@@ -218,6 +219,12 @@ def simulate_pool(
             snap,
             regime_slowdowns=config.regime_slowdowns,
         )
+        if isinstance(step, Held):  # idle by choice until then (or an arrival starts it)
+            m.step = None
+            stalled.discard(m.index)
+            heapq.heappush(wakes, (step.until_s, m.index))
+            return
+        m.step = step
         if m.step is None:
             if m.has_work:
                 stalled.add(m.index)
@@ -267,6 +274,16 @@ def simulate_pool(
     while not stopped:
         next_arrival = source.next_arrival_s()
         next_end = ends[0][0] if ends else None
+        if wakes and all(
+            wakes[0][0] < t for t in (next_arrival, next_end) if t is not None
+        ):  # a hold ends first: that replica plans again (an arrival may have started it)
+            wake_s, index = heapq.heappop(wakes)
+            now = max(now, wake_s)
+            if now >= horizon:
+                break
+            if members[index].step is None:
+                start(members[index], now)
+            continue
         if next_arrival is None and next_end is None:
             if stalled:
                 m = members[min(stalled)]

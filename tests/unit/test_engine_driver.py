@@ -275,6 +275,26 @@ def test_a_prompt_not_admitted_after_a_full_park_leaves_a_row_decoding_next_time
     assert batch.reqs == []
 
 
+def test_a_hold_runs_nothing_and_may_hold_again() -> None:
+    # the policy waits for an RT request on its way (anticipation): every row sits out, no
+    # prompt runs, SGLang's own admission does not step in, and the next plan may hold again
+    a, b = req("a", "be", out=2), req("b", "be", out=7)
+    waiting = req("w", "be")
+    drv = EngineDriver(ScriptedPolicy(Plan(hold_until_s=1.0)))  # type: ignore[arg-type]
+    for _ in range(2):
+        batch = FakeBatch([a, b])
+        drv.begin_iteration()
+        hooks, skip_prefill = plan_and_carry_out(drv, sched([waiting]), batch)
+        assert skip_prefill and batch.reqs == []
+        assert [r.rid for r in hooks.parked_reqs()] == ["a", "b"]
+        drv.batch_started(False, 0.0)
+    assert drv.stats.held_plans == 2
+    # nothing running, only waiting work: still a hold, not a stall
+    hooks, skip_prefill = plan_and_carry_out(drv, sched([waiting]), FakeBatch([]))
+    assert skip_prefill and not hooks._directive.own_admission
+    assert drv.stats.stall_fallbacks == 0
+
+
 def test_a_batch_with_penalizers_decodes_whole() -> None:
     a, b = req("a", "be", out=2), req("b", "rt", out=7)
     drv = EngineDriver(ScriptedPolicy(Plan(decodes=["b"])))  # type: ignore[arg-type]

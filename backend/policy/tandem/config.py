@@ -107,6 +107,13 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
     share nor the stretch applies while RT prompt work is left over after the RT part of the
     plan (RT lacks time: BE is paused down to `be_min_share` before an RT request waits for
     it)."""
+    rt_anticipation_s: float = 0.0
+    """Anticipatory scheduling (`backend.policy.tandem.anticipation`): when the last RT request
+    around ends, BE waits up to this long for the next RT arrival, while recent RT arrivals
+    mostly came that soon after the previous RT request ended (closed-loop clients: an agent's
+    next call, a chat's next message sent at once; such a request is in transit through the
+    gateway while a BE iteration would start, and would then wait for all of it). Seconds;
+    0: never wait."""
     be_max_wait_s: float = 60.0
     """A waiting BE request older than this is admitted before the caller's order (aging)."""
     be_order_prob: float = 0.8
@@ -234,6 +241,10 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
         if not (self.least_chunk_stretch >= 0.0 and math.isfinite(self.least_chunk_stretch)):
             raise ValueError(
                 f"least_chunk_stretch must be a finite number ≥ 0, got {self.least_chunk_stretch}"
+            )
+        if not (self.rt_anticipation_s >= 0.0 and math.isfinite(self.rt_anticipation_s)):
+            raise ValueError(
+                f"rt_anticipation_s must be a finite number ≥ 0, got {self.rt_anticipation_s}"
             )
         if self.rt_late_bound_frac is not None and not self.rt_late_bound_frac >= 0:
             raise ValueError(

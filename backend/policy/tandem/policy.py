@@ -33,6 +33,7 @@ from backend.policy.feasibility import SloForecaster
 from backend.policy.latency import LatencyModel
 from backend.policy.tandem import slack
 from backend.policy.tandem.admission import AdmissionRound, LengthModel, RtHeadroom
+from backend.policy.tandem.anticipation import Anticipation
 from backend.policy.tandem.batch import TandemBatch
 from backend.policy.tandem.be_phase import cap_for_be_deadlines, run_be_phase
 from backend.policy.tandem.config import TandemConfig
@@ -104,6 +105,10 @@ class TandemPolicy(PolicyBase):
         self._rt_prompt_tokens = 0.0  # moving mean of RT prompt lengths, tokens
         self._be_time_s = 0.0  # BE's predicted time in recent iterations where it had work
         self._be_window_s = 0.0  # all predicted time of those iterations (decayed alike)
+        self.anticipation = (
+            Anticipation(cfg.rt_anticipation_s) if cfg.rt_anticipation_s > 0.0 else None
+        )
+        """Waits for closed-loop RT clients' next requests (`rt_anticipation_s`; None: off)."""
 
     def slo_forecaster(self) -> SloForecaster | None:
         """The SLO admission for this policy's engine: chunked to its latency budget L, within
@@ -130,14 +135,15 @@ class TandemPolicy(PolicyBase):
         cfg = self.config
         self._max_prefill = snapshot.max_prefill_tokens
         view = split_running(snapshot.running, cfg.long_prompt_tokens)
-        for r in self.rt_queue.sync(waiting_in(snapshot, "rt")):
-            if r.is_probe:
-                continue  # a health probe's 1-token prompt is no typical RT prompt
+        arrivals = [r for r in self.rt_queue.sync(waiting_in(snapshot, "rt")) if not r.is_probe]
+        for r in arrivals:  # a health probe's 1-token prompt is no typical RT prompt
             if self._rt_prompt_tokens == 0.0:
                 self._rt_prompt_tokens = float(r.prompt_len)
             self._rt_prompt_tokens += RT_PROMPT_EWMA * (r.prompt_len - self._rt_prompt_tokens)
         self.be_queue.sync(waiting_in(snapshot, "be"))
         self.headroom.update(snapshot.now_s, view.rt_kv_tokens)
+        if self.anticipation is not None and (hold := self._hold(snapshot, view, arrivals)):
+            return hold
         ctx = self._context(snapshot, view)
         if self._decodes_owed:  # the prompts ran alone last time: now the decodes, alone
             ctx.prefills_allowed = not (view.rt_decode or view.be_decode)
@@ -170,6 +176,24 @@ class TandemPolicy(PolicyBase):
         self._charge_served()
         plan = ctx.batch.plan()
         self._last_plan, self._last_scale = plan, self.timer.scale
+        return plan
+
+    def _hold(self, snap: Snapshot, view: RunningView, arrivals: list[ReqState]) -> Plan | None:
+        """The anticipation's wait (`rt_anticipation_s`): an empty plan that holds BE back for
+        an RT request expected any moment, or None."""
+        anticipation = self.anticipation
+        assert anticipation is not None
+        rt_around = any(not r.is_probe for r in view.rt_running) or any(
+            not r.is_probe for r in self.rt_queue.known.reqs.values()
+        )
+        anticipation.note(snap.now_s, arrivals, rt_around)
+        if rt_around or not (view.be_running or len(self.be_queue)):
+            return None
+        until_s = anticipation.hold_until_s(snap.now_s)
+        if until_s is None:
+            return None
+        plan = Plan(hold_until_s=until_s)
+        self._last_plan = plan
         return plan
 
     def observe(self, result: IterationResult) -> None:
