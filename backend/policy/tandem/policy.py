@@ -4,6 +4,9 @@ plan(snapshot):
     view     = running split by tier/phase             (context.split_running)
     queues   ← new waiting requests (O(new))            (queues.RtQueue / BeQueue: one lane
                                                          per tenant, offered by fair share)
+    hold     : no RT around, the last one just ended,   (anticipation, rt_anticipation_s)
+               closed-loop clients → an empty plan that
+               waits for the next RT arrival (≤ window)
     RT phase : all RT decodes; τ from deadlines, ≤ L;   (rt_phase)
                τ ≤ allowance of BE deadlines            (be_phase.cap_for_be_deadlines)
                urgent prompts (τ raised as they need), window by best fit, ERA, admission
