@@ -145,6 +145,7 @@ class EngineDriver:
         self._calib_warned = False  # this episode's warning was logged
         self._parked_every_row = False  # this iteration's directive parks every decode row
         self._stalled_full_park = False  # the last one did, and its prompt was not admitted
+        self._holding = False  # the last plan held BE back (anticipation)
 
     # --- iteration boundaries ------------------------------------------------------------
 
@@ -339,6 +340,10 @@ class EngineDriver:
         self._note_plan_ms(plan_ms)
         self._publish_load(snap, plan)
         held = plan.hold_until_s is not None and plan.is_empty and not plan.evictions
+        if held:
+            self.stats.held_plans += 1
+            self.stats.holds += not self._holding
+        self._holding = held
         if (
             not (plan.prefills or plan.decodes or plan.evictions)
             and snap.waiting
@@ -363,7 +368,6 @@ class EngineDriver:
             # the policy waits for an RT request on its way (anticipation): nothing runs, and
             # SGLang asks again at once (its loop takes in arrivals first)
             park = tuple(str(req.rid) for req in kept)
-            self.stats.held_plans += 1
         else:
             park = self._park(plan, kept, keep_one=self._stalled_full_park)
         # (a hold is no stall: the next plan may hold again, with every row sitting out)

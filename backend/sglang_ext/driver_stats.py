@@ -59,9 +59,11 @@ class DriverStats(msgspec.Struct, kw_only=True):
     """Length-history pushes applied from the control endpoint."""
     history_lengths: int = 0
     """Output lengths received through those pushes."""
+    holds: int = 0
+    """Times the policy held BE back for an RT request it expected any moment (tandem's
+    `rt_anticipation_s`): one per wait, however often SGLang's loop asked during it."""
     held_plans: int = 0
-    """Plans that ran nothing by choice: the policy held BE back for an RT request it expected
-    any moment (tandem's `rt_anticipation_s`)."""
+    """Plans during those waits (SGLang's loop asks again at once while nothing runs)."""
     stall_fallbacks: int = 0
     """Iterations where the policy planned nothing for an idle engine with requests waiting, so
     SGLang's own admission ran instead (an engine must never sit idle on queued work)."""
