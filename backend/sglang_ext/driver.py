@@ -227,8 +227,10 @@ class EngineDriver:
         self._iter_overhead_s += seconds
 
     def note_parked(self, rows: int) -> None:
-        """The hooks split *rows* decode rows off the running batch for this iteration."""
-        self.stats.parked_decodes += rows
+        """The hooks split *rows* decode rows off the running batch for this iteration (not
+        counted during a hold: no iteration runs, and SGLang's loop asks again at once)."""
+        if not self._holding:
+            self.stats.parked_decodes += rows
 
     def note_chunk_parked(self) -> None:
         """SGLang's in-progress chunked prompt sat this prefill pass out (the plan left it out)."""

@@ -289,6 +289,7 @@ def test_a_hold_runs_nothing_and_may_hold_again() -> None:
         assert [r.rid for r in hooks.parked_reqs()] == ["a", "b"]
         drv.batch_started(False, 0.0)
     assert drv.stats.held_plans == 2 and drv.stats.holds == 1  # one wait, asked twice
+    assert drv.stats.parked_decodes == 0  # no iteration ran: no row sat one out
     # nothing running, only waiting work: still a hold, not a stall
     hooks, skip_prefill = plan_and_carry_out(drv, sched([waiting]), FakeBatch([]))
     assert skip_prefill and not hooks._directive.own_admission
