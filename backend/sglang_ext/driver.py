@@ -519,6 +519,9 @@ class EngineDriver:
         if calib is None:
             return
         stats = self.stats
+        riders = getattr(self.policy, "riders", None)
+        if riders is not None:
+            stats.rider_cost_factor = riders.factor
         factors = tuple(calib.factors)
         stats.latency_factor_decode, stats.latency_factor_prefill, stats.latency_factor_mixed = (
             factors

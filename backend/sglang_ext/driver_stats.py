@@ -94,6 +94,10 @@ class DriverStats(msgspec.Struct, kw_only=True):
     one per calibrated iteration (the last PLAN_MS_KEPT)."""
     latency_corrected_error: list[float] = msgspec.field(default_factory=list)
     """The same for the calibrated prediction the plan was made with."""
+    rider_cost_factor: float = 1.0
+    """How many times its predicted cost BE work riding in RT iterations really took, recently
+    (tandem with `rt_stretch`: `feedback.RiderCost`, which divides BE's allowance there by it;
+    1.0 otherwise)."""
     latency_warnings: int = 0
     """Episodes in which a factor stayed outside the tolerated band long enough to warn (the
     profile does not describe this engine)."""

@@ -8,7 +8,9 @@ import pytest
 
 from backend.policy.latency import LatencyModel
 from backend.policy.tandem.config import TandemConfig
+from backend.policy.tandem.context import split_running
 from backend.policy.tandem.policy import TandemPolicy
+from backend.policy.tandem.rt_phase import run_rt_decodes
 from tests.unit.tandem_factories import NOW, chunks, make_policy, make_request, snapshot
 
 WIDE_OPEN = {"latency_budget_s": 0.04, "be_frac_init": 1.0, "be_min_share": 0.0}
@@ -188,3 +190,59 @@ def test_be_is_paused_to_its_floor_while_rt_prompts_wait_for_time() -> None:
     be = make_request("be", tier="be", prompt_len=5000)
     got = chunks(policy.plan(snapshot(waiting=[rt, be])))
     assert got["rt"] == 500 and got["be"] == pytest.approx(333, abs=2)  # 20 / 0.75 − 20 ms
+
+
+def test_the_rider_cost_learns_what_be_riders_really_take_and_ignores_tiny_ones() -> None:
+    from backend.policy.tandem.feedback import RIDER_FACTOR_RANGE, RiderCost
+
+    riders = RiderCost()
+    for _ in range(200):  # RT part 8 ms, BE riders predicted 1.5 ms, the iteration took 11.5
+        riders.observe(0.008, 0.0095, 0.0115)
+    assert riders.factor == pytest.approx(3.5 / 1.5, rel=0.02)
+    for _ in range(200):  # back to what the model says
+        riders.observe(0.008, 0.0095, 0.0095)
+    assert riders.factor == pytest.approx(1.0, rel=0.02)
+    samples = riders.samples
+    riders.observe(0.008, 0.00801, 0.02)  # a rider of 0.1 %: noise, not measured
+    assert riders.samples == samples
+    for _ in range(500):  # an iteration faster than its RT part alone: bounded, never 0
+        riders.observe(0.008, 0.0095, 0.004)
+    assert riders.factor == pytest.approx(RIDER_FACTOR_RANGE[0], rel=0.02)
+
+
+def test_be_riders_costlier_than_predicted_get_less_of_an_rt_iteration() -> None:
+    from backend.policy.tandem.be_phase import be_time_limit
+
+    def limit(rider_cost: float) -> float:
+        policy = make_policy(rt_stretch=0.3, be_min_time_share=0.0)
+        rt = make_request("rt", running=True, generated=3, tpot_target_s=0.5)
+        be = make_request("be", tier="be", running=True, generated=3)
+        snap = snapshot(running=[rt, be])
+        view = split_running(snap.running, 4096)
+        ctx = policy._context(snap, view)
+        ctx.rider_cost = rider_cost
+        run_rt_decodes(ctx)
+        return be_time_limit(ctx) - ctx.batch.time_s()
+
+    assert limit(2.0) == pytest.approx(limit(1.0) / 2.0)
+
+
+def test_an_rt_iteration_with_be_riders_is_measured_and_shrinks_their_allowance() -> None:
+    from backend.policy.types import IterationResult
+
+    policy = make_policy(rt_stretch=0.3)
+    rt = make_request("rt", running=True, generated=3, tpot_target_s=0.5)
+    be = make_request("be", tier="be", running=True, generated=3, prompt_len=3000)
+    plan = policy.plan(snapshot(running=[rt, be]))
+    assert plan.decodes == ["rt", "be"] and plan.predicted_s is not None
+    rt_alone_s = make_policy(rt_stretch=0.3).plan(snapshot(running=[rt])).predicted_s
+    assert rt_alone_s is not None
+    rider_s = plan.predicted_s - rt_alone_s
+    # the iteration took the RT part and three times what the model gave the BE decode
+    policy.observe(IterationResult(start_s=NOW, duration_s=rt_alone_s + 3 * rider_s, plan=plan))
+    assert policy.riders.samples == 1 and policy.riders.factor > 1.0
+    # off without rt_stretch: the simulator's default runs are unchanged
+    policy = make_policy()
+    plan = policy.plan(snapshot(running=[rt, be]))
+    policy.observe(IterationResult(start_s=NOW, duration_s=1.0, plan=plan))
+    assert policy.riders.samples == 0

@@ -4,7 +4,9 @@ the KV left after the RT headroom.
     limit = T(RT part) + BE share × (τ − T(RT part))        the share is AIMD-controlled
                                                             (1 when no RT is around)
           ≤ T(RT part) × (1 + rt_stretch)  when the batch carries RT work and rt_stretch is
-                                           set (RT tokens barely notice BE; × the first-token
+                                           set (BE's part divided by what riders really
+                                           cost against the model: feedback.RiderCost;
+                                           RT tokens barely notice BE; × the first-token
                                            share when it emits RT first tokens; 0 while RT
                                            prompt work is left over: `rt_backlog`)
           ≥ T(RT part) + be_min_share × τ  when BE has work   (BE never starves; with
@@ -81,14 +83,17 @@ def be_time_limit(ctx: PlanContext) -> float:
             # RT request waits for it (without this, at the RT load the engine can just carry,
             # BE's stretch and time share took the capacity the SLO admission then shed RT for)
             stretch = 0.0
-        limit = min(limit, t_rt + stretch * rt_work_s)
+        # BE's part in the model's terms: what it may really take, divided by what riders
+        # really cost against the model's prediction for them
+        rider = ctx.rider_cost
+        limit = min(limit, t_rt + stretch * rt_work_s / rider)
         # the floor in the stretch's terms: a share of the RT work's own time, not of τ (on an
         # engine whose τ is 10× its RT iterations, 5 % of τ would double them)
-        floor = t_rt + cfg.be_min_share * rt_work_s
+        floor = t_rt + cfg.be_min_share * rt_work_s / rider
         if ctx.be_time_share < cfg.be_min_time_share and not ctx.rt_backlog:
             # BE fell behind its share
             kept = cfg.be_min_time_share / (1.0 - cfg.be_min_time_share)
-            floor = max(floor, t_rt + kept * rt_work_s)
+            floor = max(floor, t_rt + kept * rt_work_s / rider)
     return min(max(limit, floor), ctx.hard_s)
 
 

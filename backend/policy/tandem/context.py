@@ -83,6 +83,9 @@ class PlanContext:
     """No RT token in the batch may be emitted later than now + this (its allowance)."""
     be_time_share: float = 1.0
     """BE's recent share of the engine's predicted time while it had work (1: not behind)."""
+    rider_cost: float = 1.0
+    """Measured ÷ predicted cost of BE work riding in iterations with RT work, recently
+    (`feedback.RiderCost`; 1 without `rt_stretch`): BE's allowance there is divided by it."""
     decodes_allowed: bool = True
     """False in the prompts' half of a split iteration (`rt_phase.split_pays`): every decode
     sits it out."""

@@ -66,3 +66,46 @@ class Feedback:
         else:
             self.eps = max(cfg.eps_min, self.eps - cfg.eps_step)
             self.be_frac = min(1.0, self.be_frac + cfg.be_frac_step)
+
+
+RIDER_WEIGHT = 0.05
+"""EWMA weight (in log space) of each iteration's measured ÷ predicted cost of its BE riders."""
+RIDER_MIN_PREDICTED_FRAC = 0.05
+"""Riders predicted below this fraction of the RT work they ride with are not measured: the
+difference of two near-equal times is mostly the model's noise."""
+RIDER_FACTOR_RANGE = (0.5, 4.0)
+"""The correction's bounds (a run of unlucky measurements never stops or floods BE)."""
+
+
+class RiderCost:
+    """What BE work riding in an iteration with RT work really costs against what the model
+    predicts for it: the stretch (`rt_stretch`) and BE's time floors are the RT work's time
+    multiplied by a fraction, and that fraction is what RT really waits only if BE's part
+    costs what the model says.
+
+    On the CPU engine it did not: a chat's decode beside one BE decode took 10–11 ms against
+    7 ms alone, where the model said 9–10 ms (the profile's marginal decode row, 0.4 ms, is
+    measured without the serving stack that streams every row's tokens on the same two cores),
+    so a 30 % stretch made the chat's tokens ×1.45 slower. The calibration's one factor per
+    regime scales whole iterations and cannot fix a marginal cost. Each iteration that carried
+    both is one sample: (measured − predicted RT part) ÷ predicted BE part, and the factor is
+    their moving geometric mean; BE's allowance in RT iterations is divided by it."""
+
+    def __init__(self) -> None:
+        self.factor = 1.0
+        """Measured ÷ predicted cost of BE riders, recently (1: as predicted)."""
+        self.samples = 0
+        """Iterations measured."""
+        self._log = 0.0
+
+    def observe(self, rt_predicted_s: float, total_predicted_s: float, measured_s: float) -> None:
+        """One iteration with RT work predicted at *rt_predicted_s* and BE riders that brought
+        it to *total_predicted_s*, measured at *measured_s*."""
+        rider_s = total_predicted_s - rt_predicted_s
+        if rt_predicted_s <= 0.0 or rider_s < RIDER_MIN_PREDICTED_FRAC * rt_predicted_s:
+            return
+        lo, hi = RIDER_FACTOR_RANGE
+        ratio = min(hi, max(lo, (measured_s - rt_predicted_s) / rider_s))
+        self._log += RIDER_WEIGHT * (math.log(ratio) - self._log)
+        self.factor = math.exp(self._log)
+        self.samples += 1

@@ -41,7 +41,7 @@ from backend.policy.tandem.batch import TandemBatch
 from backend.policy.tandem.be_phase import cap_for_be_deadlines, run_be_phase
 from backend.policy.tandem.config import TandemConfig
 from backend.policy.tandem.context import PlanContext, RunningView, split_running
-from backend.policy.tandem.feedback import Feedback
+from backend.policy.tandem.feedback import Feedback, RiderCost
 from backend.policy.tandem.progress import ensure_progress
 from backend.policy.tandem.queues import BeQueue, RtQueue
 from backend.policy.tandem.rt_phase import (
@@ -108,6 +108,9 @@ class TandemPolicy(PolicyBase):
         self._rt_prompt_tokens = 0.0  # moving mean of RT prompt lengths, tokens
         self._be_time_s = 0.0  # BE's predicted time in recent iterations where it had work
         self._be_window_s = 0.0  # all predicted time of those iterations (decayed alike)
+        self.riders = RiderCost()
+        """What BE riding in RT iterations really costs against the model (with `rt_stretch`)."""
+        self._riding: tuple[float, float] | None = None  # the last plan's (RT part, all) predicted
         self.anticipation = (
             Anticipation(cfg.rt_anticipation_s) if cfg.rt_anticipation_s > 0.0 else None
         )
@@ -164,16 +167,26 @@ class TandemPolicy(PolicyBase):
         rt_s = ctx.batch.time_s() if (ctx.batch.decodes or ctx.batch.prefills) else 0.0
         be_has_work = bool(view.be_decode or view.be_partial or len(self.be_queue))
         run_be_phase(ctx)  # BE decodes, partial prompts, admissions in what is left
+        rt_known = True  # rt_s is this plan's RT part
         if not (ctx.decodes_allowed or ctx.batch.prefills):
             # the prompts' half found no prompt it could run (KV, slots): the decodes run now
             ctx.decodes_allowed, ctx.prefills_allowed = True, False
             ctx.deferred_rt_decode_s = 0.0
             run_rt_decodes(ctx)
             run_be_phase(ctx)
+            rt_known = False
         if not (ctx.batch.decodes or ctx.batch.prefills):
             ensure_progress(ctx)  # never an empty plan while there is work it could run
-        if be_has_work:
-            self._note_be_time(rt_s, ctx.batch.time_s())
+            rt_known = False
+        total_s = ctx.batch.time_s()
+        if be_has_work:  # BE's part at what riders really cost (`RiderCost`)
+            be_s = (total_s - rt_s) * (ctx.rider_cost if rt_s > 0.0 else 1.0)
+            self._note_be_time(rt_s, rt_s + be_s)
+        self._riding = (
+            (rt_s, total_s)
+            if cfg.rt_stretch is not None and rt_known and 0.0 < rt_s < total_s
+            else None
+        )
         self._decodes_owed = not ctx.decodes_allowed and bool(ctx.batch.prefills)
         self.feedback.expect(ctx.batch.rt_deadline_s, ctx.batch.rt_allowance_s)
         self._charge_served()
@@ -203,6 +216,8 @@ class TandemPolicy(PolicyBase):
         """Calibration and AIMD feedback; finished output lengths feed the admission's
         history."""
         self._calibrate(result)
+        if self._riding is not None and result.plan is self._last_plan:
+            self.riders.observe(*self._riding, result.duration_s)
         self.feedback.observe(result)
         for done in result.finished:
             self.lengths.observe(done.rid, done.length_key, done.output_len)
@@ -263,6 +278,7 @@ class TandemPolicy(PolicyBase):
             max_prefill=snap.max_prefill_tokens,
             has_rt=has_rt,
             be_time_share=self._be_time_share(),
+            rider_cost=self.riders.factor if cfg.rt_stretch is not None else 1.0,
             budget_s=self._rt_budget_s() if has_rt else self._be_alone_budget_s(snap.now_s),
         )
 
