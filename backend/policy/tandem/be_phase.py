@@ -83,17 +83,17 @@ def be_time_limit(ctx: PlanContext) -> float:
             # RT request waits for it (without this, at the RT load the engine can just carry,
             # BE's stretch and time share took the capacity the SLO admission then shed RT for)
             stretch = 0.0
-        # BE's part in the model's terms: what it may really take, divided by what riders
-        # really cost against the model's prediction for them
-        rider = ctx.rider_cost
-        limit = min(limit, t_rt + stretch * rt_work_s / rider)
+        # BE's shares below are of the RT work's time; in the model's terms BE's part is what
+        # it may really take divided by what riders really cost against their prediction
+        rt_ref_s = rt_work_s / ctx.rider_cost
+        limit = min(limit, t_rt + stretch * rt_ref_s)
         # the floor in the stretch's terms: a share of the RT work's own time, not of τ (on an
         # engine whose τ is 10× its RT iterations, 5 % of τ would double them)
-        floor = t_rt + cfg.be_min_share * rt_work_s / rider
+        floor = t_rt + cfg.be_min_share * rt_ref_s
         if ctx.be_time_share < cfg.be_min_time_share and not ctx.rt_backlog:
             # BE fell behind its share
             kept = cfg.be_min_time_share / (1.0 - cfg.be_min_time_share)
-            floor = max(floor, t_rt + kept * rt_work_s / rider)
+            floor = max(floor, t_rt + kept * rt_ref_s)
     return min(max(limit, floor), ctx.hard_s)
 
 

@@ -9,6 +9,9 @@ the latency safety margin ε and on the BE time share.
 
 A near miss is a token emitted within `near_miss_frac` of its allowance before its deadline:
 backing off before the first miss is what keeps attainment above 99 % rather than at it.
+
+`RiderCost` learns, from the same iterations, what BE work riding beside RT work really costs
+against the model's prediction for it (the stretch's allowance is divided by it).
 """
 
 from __future__ import annotations
