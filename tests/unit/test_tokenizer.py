@@ -58,10 +58,12 @@ def test_without_a_config_vocab_size_the_tokenizers_size_counts(
 # -- the length bound: a text too long for the context is refused before it is tokenized -------
 
 # Unicode text of every kind, long runs of one character included (the tokenizer merges those
-# into its longest tokens).
+# into its longest tokens). Lone surrogates excluded, as from `st.text`: no JSON body the
+# gateway accepts carries one (msgspec refuses `"\ud800"`), and the Rust tokenizer takes only
+# valid Unicode (it raises TypeError on one).
 _TEXTS = st.one_of(
     st.text(max_size=400),
-    st.builds(lambda c, n: c * n, st.characters(), st.integers(1, 400)),
+    st.builds(lambda c, n: c * n, st.characters(codec="utf-8"), st.integers(1, 400)),
     st.lists(st.sampled_from(["=", " ", "\n", "<|endoftext|>", "ab", "é", "😀"]), max_size=200).map(
         "".join
     ),
