@@ -87,7 +87,7 @@ from bench.runner import BenchConfig, build, measure_rate, sim_config
 from bench.series import PolicySeries, compute_series
 from bench.workloads.base import RequestSpec, SpecSource, Workload
 from bench.workloads.sources import SimSource
-from common.config import DEFAULT_CONFIG_PATH
+from common.config import DEFAULT_CONFIG_PATH, GatewayConfig
 from common.slowdown import Slowdown, factor_at, format_slowdown
 from common.sockets import free_port
 from common.wire import CONTROL_ITERATIONS_PATH, IterationRecord, RecentIterations
@@ -705,7 +705,13 @@ def run_sim(name: str, run: LiveRun, latency: LatencyModel, base: Any) -> SimRes
     engine = latency
     schedule = run.config.engine_slowdown  # `--engine-slowdown`: as the real engine was slowed
     base = struct_replace(
-        base, max_running=MAX_RUNNING, ttft_feedback=True, engine_slowdown=schedule
+        base,
+        max_running=MAX_RUNNING,
+        ttft_feedback=True,
+        engine_slowdown=schedule,
+        # the served gateway's (its default): a request refused only for a request slot is
+        # judged again on the engine's next reports
+        slo_recheck_frac=GatewayConfig().slo_recheck_frac,
     )
     if run.sim_engine is not None:
         sim, engine = base, run.sim_engine

@@ -88,6 +88,14 @@ class GatewayConfig(_Section, frozen=True):
     (429 `tier_queue_full` beyond it). Batch-API lines are bounded by batch.max_inflight
     instead. The default is the bundled engine's request slots: a full set queued behind the
     running ones."""
+    slo_recheck_frac: float = 0.25
+    """How long an RT request the SLO admission would refuse (or downgrade) only because every
+    request slot is held by RT requests may wait at the gateway for the engine's next reports,
+    as a share of its TTFT target counted from its arrival: it is judged again on each report
+    (the slots free one at a time, at instants the forecast can only average), and admitted as
+    soon as its forecast meets the contract; the contract's answer applies when the time is
+    up. A forecast over its target for the prompt work queued ahead is answered at once. 0:
+    judged once, on arrival. Below 1."""
 
     # -- the gateway's own protection (gateway/overload.py, gateway/server.py) ----------------
     max_requests_in_flight: int = 512
@@ -513,6 +521,9 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
             "loop_watch_interval_s",
         ):
             _check_positive(f"gateway.{key}", getattr(self.gateway, key))
+        if not 0.0 <= self.gateway.slo_recheck_frac < 1.0:
+            frac = self.gateway.slo_recheck_frac
+            raise ConfigError(f"gateway.slo_recheck_frac must be in [0, 1), got {frac}")
         if self.gateway.loop_stall_ms < 0:
             stall_ms = self.gateway.loop_stall_ms
             raise ConfigError(f"gateway.loop_stall_ms must be 0 or more, got {stall_ms}")

@@ -132,6 +132,14 @@ class GatewayMetrics:
             ["tenant", "limit"],
             registry=r,
         )
+        self.slo_rechecks = Counter(
+            "tandem_slo_rechecks",
+            "RT requests the SLO admission judged again on the engine's next reports (every "
+            "request slot held by RT requests when they arrived) before its verdict, by that "
+            "verdict (admitted, downgraded, shed; refused: by a later check).",
+            ["tenant", "outcome"],
+            registry=r,
+        )
         self.slo_admissions = Counter(
             "tandem_slo_admissions",
             "RT requests judged by the SLO admission, by outcome (admitted, unchecked: no engine "
@@ -177,6 +185,11 @@ class GatewayMetrics:
             if record.admission in ("admitted", "unchecked", "accepted"):
                 result = "met" if record.slo_met else "missed"
                 self.slo_admitted.labels(record.tenant_id, record.admission, result).inc()
+
+    def slo_rechecked(self, tenant_id: str, outcome: str) -> None:
+        """Counts one RT request that waited at the gateway for the engine's reports before the
+        SLO admission's verdict (*outcome*: that verdict, or "refused" by a later check)."""
+        self.slo_rechecks.labels(tenant_id, outcome).inc()
 
     def slo_admission(self, tenant_id: str, outcome: str, target: str) -> None:
         """Counts one SLO admission verdict (*target*: "ttft", "tpot", or "" when none missed)."""

@@ -80,6 +80,13 @@ class SimConfig(msgspec.Struct, frozen=True):
     default: the simulator's forecast reads the engine's exact state at each arrival, and the
     sim benches' results stay comparable run to run; the live bench's twin, which replays a run
     through the gateway, turns it on. One engine only (`simulate`)."""
+    slo_recheck_frac: float = 0.0
+    """The gateway's `slo_recheck_frac`: an RT request the front door would shed or downgrade
+    only for a request slot (every one held by RT) is judged again at each iteration boundary
+    until this share of its TTFT target has passed since its arrival (backend/sim/front_door.py).
+    0 (default): judged once — the sim benches' engines have request slots to spare
+    (`max_running`); the live bench's twin, with the real engine's 64, sets the gateway's. One
+    engine only (`simulate`)."""
 
     def slowdown_at(self, t_s: float) -> float:
         """The slowdown factor in effect at simulated time `t_s` (1.0 without a schedule)."""
@@ -95,6 +102,8 @@ class SimConfig(msgspec.Struct, frozen=True):
             raise ValueError(f"kv_capacity_tokens must be ≥ 1, got {self.kv_capacity_tokens}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be ≥ 1, got {self.page_size}")
+        if not 0.0 <= self.slo_recheck_frac < 1.0:
+            raise ValueError(f"slo_recheck_frac must be in [0, 1), got {self.slo_recheck_frac}")
         if self.max_running < 1 or self.max_prefill_tokens < 1:
             raise ValueError("max_running and max_prefill_tokens must be ≥ 1")
         if self.prefix_block_tokens < 1 or self.prefix_block_tokens % self.page_size:

@@ -20,9 +20,9 @@ from backend.policy.time_share import shape_of
 from backend.policy.types import FinishedRequest, IterationResult, Policy, Snapshot
 from backend.sim.config import SimConfig
 from backend.sim.core import EngineCore
-from backend.sim.front_door import FrontDoor, front_door_for
+from backend.sim.front_door import PENDING, FrontDoor, front_door_for
 from backend.sim.records import IterationLog, RequestRecord, SimResult
-from backend.sim.source import ArrivalSource
+from backend.sim.source import ArrivalSource, SimRequest
 from backend.sim.track import Batch, Track
 
 _MAX_IDLE_PLANS = 1000  # consecutive plans that advance no time before the run is declared stuck
@@ -56,21 +56,26 @@ def simulate(
     and StalledPolicyError when the policy stops making progress.
     """
     core = EngineCore(config, policy.name)
-    door = front_door_for(policy, config.slo_unattainable, ttft_feedback=config.ttft_feedback)
+    door = front_door_for(
+        policy,
+        config.slo_unattainable,
+        ttft_feedback=config.ttft_feedback,
+        recheck_frac=config.slo_recheck_frac,
+    )
     log = IterationLog(config.kv_capacity_tokens)
     clock = _Clock(config.horizon_s)
     next_progress = 0.0
     idle_plans = 0
     while clock.now_s < clock.horizon_s:
+        if door is not None:  # the ones kept to judge again first: they came first
+            for req in door.take_pending():
+                _through(door, core, source, req, clock.now_s)
         for req in source.pop_due(clock.now_s):
             if door is not None:
-                admitted = door.admit(req, core.snapshot(clock.now_s), clock.now_s)
-                if admitted is None:
-                    source.on_finish(req.rid, clock.now_s)  # a closed loop hears the refusal
-                    continue
-                req = admitted
-            core.add(req)
-        if not core.running and not core.waiting:
+                _through(door, core, source, req, clock.now_s)
+            else:
+                core.add(req)
+        if not core.running and not core.waiting and not (door is not None and door.pending):
             if not _jump_to_arrival(source, clock):
                 break
             continue
@@ -112,6 +117,17 @@ def simulate(
     if progress is not None:
         progress(min(clock.now_s, clock.horizon_s))
     return _result(core, log, policy.name, config.horizon_s, clock.now_s, door)
+
+
+def _through(
+    door: FrontDoor, core: EngineCore, source: ArrivalSource, req: SimRequest, now_s: float
+) -> None:
+    """*req* through the front door: into the engine, refused, or kept to judge again."""
+    verdict = door.admit(req, core.snapshot(now_s), now_s)
+    if verdict is None:
+        source.on_finish(req.rid, now_s)  # a closed loop hears the refusal
+    elif verdict is not PENDING:
+        core.add(verdict)
 
 
 def _jump_to_arrival(source: ArrivalSource, clock: _Clock) -> bool:

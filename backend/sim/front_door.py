@@ -12,12 +12,16 @@ tenant's queue and the others' weighted share of it, as the engine's fair share 
 
 What happens to a request whose contract cannot be met is the contract's `SloUnattainable`:
 "reject" sheds it (it never reaches the engine), "downgrade" runs it as BE, "accept" runs it as
-RT anyway.
+RT anyway. With `recheck_frac` (the gateway's `slo_recheck_frac`), a request that would be shed
+or downgraded only for a request slot's wait (every slot held by RT) is `PENDING` instead: it
+is judged again at each iteration boundary, as the gateway judges it again on each of the
+engine's reports, until that share of its TTFT target has passed since its arrival.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Final, Literal
 
 import msgspec
 
@@ -42,6 +46,10 @@ from backend.sim.records import Admission, RequestRecord
 from backend.sim.source import SimRequest
 
 
+PENDING: Final = "pending"
+"""`FrontDoor.admit`'s answer for a request it keeps to judge again (`FrontDoor.pending`)."""
+
+
 class FrontDoor:
     """Forecasts every RT arrival against the engine's state; sheds, downgrades or admits it."""
 
@@ -55,8 +63,14 @@ class FrontDoor:
         feedback: TtftFeedback | None = None,
         rt_late_bound_frac: float | None = None,
         rt_decode_margin: Callable[[], float] = lambda: 0.0,
+        recheck_frac: float = 0.0,
     ) -> None:
         self.forecaster = forecaster
+        self.recheck_frac = recheck_frac
+        """Share of its TTFT target, from its arrival, for which a request refused only for a
+        request slot is judged again at each iteration boundary (0: judged once)."""
+        self.pending: list[SimRequest] = []
+        """The requests kept to judge again, in arrival order (`take_pending`)."""
         self.feedback = feedback
         """What admitted requests' first tokens taught the forecast (the gateway's
         `TtftFeedback`); None: forecasts are the model's alone."""
@@ -85,9 +99,17 @@ class FrontDoor:
         """The engine's recent measured ÷ predicted iteration times (the simulator's loop feeds
         it), as the real engine reports them in `EngineLoad.pace_ratio_p90`."""
 
-    def admit(self, req: SimRequest, snapshot: Snapshot, now_s: float) -> SimRequest | None:
-        """The request to hand to the engine (*req*, or *req* as BE), or None when it is shed.
-        *snapshot* is the engine's state with every earlier arrival already in it."""
+    def take_pending(self) -> list[SimRequest]:
+        """The requests kept to judge again (the door forgets them: `admit` them again)."""
+        pending, self.pending = self.pending, []
+        return pending
+
+    def admit(
+        self, req: SimRequest, snapshot: Snapshot, now_s: float
+    ) -> SimRequest | None | Literal["pending"]:
+        """The request to hand to the engine (*req*, or *req* as BE), None when it is shed, or
+        `PENDING` when the door keeps it to judge again (see the module doc). *snapshot* is the
+        engine's state with every earlier arrival already in it."""
         if req.tier != "rt" or req.ttft_target_s is None:
             return req
         self.rt_outputs.observe(snapshot)
@@ -107,6 +129,16 @@ class FrontDoor:
         ask = slo_ask(req, now_s)
         extra_s = self.feedback.extra_s(now_s) if self.feedback is not None else 0.0
         forecast = self.forecaster.forecast(load, ask, ttft_extra_s=extra_s)
+        shortfall = forecast.shortfall
+        if (
+            shortfall is not None
+            and self.on_unattainable != "accept"
+            and shortfall.target == "ttft"
+            and shortfall.slot_wait_s > 0.0
+            and ask.waited_s < self.recheck_frac * ask.ttft_target_s
+        ):
+            self.pending.append(req)
+            return PENDING
         if forecast.feasible and self.feedback is not None:
             # the model's own forecast from now, as the gateway keeps it (admission.py)
             self._forecasts[req.rid] = (forecast.ttft_s - ask.waited_s - extra_s, now_s)
@@ -153,10 +185,15 @@ def slo_ask(req: SimRequest, now_s: float) -> SloAsk:
 
 
 def front_door_for(
-    policy: Policy, on_unattainable: SloUnattainable, *, ttft_feedback: bool = False
+    policy: Policy,
+    on_unattainable: SloUnattainable,
+    *,
+    ttft_feedback: bool = False,
+    recheck_frac: float = 0.0,
 ) -> FrontDoor | None:
     """The front door a policy asks for (`PolicyBase.slo_forecaster`); None: admit everything.
-    *ttft_feedback*: it learns from outcomes (`SimConfig.ttft_feedback`)."""
+    *ttft_feedback*: it learns from outcomes (`SimConfig.ttft_feedback`); *recheck_frac*:
+    `SimConfig.slo_recheck_frac`."""
     if not isinstance(policy, PolicyBase):
         return None
     forecaster = policy.slo_forecaster()
@@ -171,6 +208,7 @@ def front_door_for(
         TtftFeedback() if ttft_feedback else None,
         policy_rt_late_bound_frac(policy),
         lambda: policy_rt_decode_margin(policy),
+        recheck_frac,
     )
 
 

@@ -26,7 +26,7 @@ from gateway.pipeline.stages import (
     Completion,
     Flight,
     Progress,
-    admit,
+    admit_rechecking,
     complete,
     is_cancellation,
     parse,
@@ -128,7 +128,7 @@ async def _stream(
     """The answer as server-sent events. A failure before the first chunk is an HTTP error; once
     the headers are out, it is reported in-band, as OpenAI does."""
     app = request.app
-    admission = admit(app, flight)
+    admission = await admit_rechecking(app, flight)
     if isinstance(admission, Refused):
         raise admission.api_error()
     place(app, flight)

@@ -96,6 +96,26 @@ class LoadWatcher:
         self.outages = 0
         """Times the engine's endpoint stopped answering (or the engine restarted)."""
         self._sent: collections.deque[_Sent] = collections.deque()
+        self._next_report: asyncio.Future[None] | None = None
+        """Resolved by the next report of a new iteration (or the engine's loss): what
+        `next_report` waits on; None while no one waits."""
+
+    async def next_report(self, timeout_s: float) -> None:
+        """Returns when the engine reports its next iteration (or is lost), or after *timeout_s*
+        seconds, whichever comes first: the SLO admission re-judges a request it would refuse
+        for a transient state on the state that follows it (gateway/pipeline/admission.py)."""
+        if timeout_s <= 0.0:
+            return
+        waiting = self._next_report
+        if waiting is None or waiting.done():
+            waiting = self._next_report = asyncio.get_running_loop().create_future()
+        # asyncio.wait leaves the shared future alone on a timeout (other requests wait on it)
+        await asyncio.wait((waiting,), timeout=timeout_s)
+
+    def _wake(self) -> None:
+        waiting, self._next_report = self._next_report, None
+        if waiting is not None and not waiting.done():
+            waiting.set_result(None)
 
     def sent(
         self,
@@ -159,6 +179,7 @@ class LoadWatcher:
         self.received_unix_s = time.time()
         self.reports += 1
         self._trim(self.received_unix_s)
+        self._wake()
 
     def lost(self) -> None:
         """The engine's endpoint does not answer: nothing is known about it (its in-flight
@@ -166,6 +187,7 @@ class LoadWatcher:
         self.latest = None
         self.received_unix_s = None
         self._sent.clear()
+        self._wake()
 
     def _trim(self, now_unix_s: float) -> None:
         latest = self.latest

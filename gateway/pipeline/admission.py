@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
@@ -123,17 +123,33 @@ class Admitted:
         return replace(self, holds=(*self.holds, hold))
 
 
-AdmissionCheck = Callable[[Admitted], Admitted | Refused]
+@dataclass(frozen=True)
+class Pending:
+    """No verdict yet: the SLO check would refuse (or downgrade) the request for a wait the
+    engine's next report may well shorten — one for a request slot, every one held by RT
+    requests (`SloCheck.recheck`). The admit stage waits for that report and asks again
+    (gateway/pipeline/stages.py, `admit_rechecking`)."""
+
+    next_report: Callable[[float], Awaitable[None]]
+    """Waits for the judged engine's next report, at most the given seconds."""
+    shortfall: Shortfall
+    """What the forecast missed this time."""
+
+
+AdmissionCheck = Callable[[Admitted], Admitted | Refused | Pending]
 """One admission check: the request as admitted so far → admitted (perhaps on changed terms,
-perhaps holding more) or refused."""
+perhaps holding more), refused, or pending (the SLO check only, when asked to recheck)."""
 
 
-def admit_through(checks: Sequence[AdmissionCheck], candidate: Admitted) -> Admitted | Refused:
-    """Runs *checks* in order; the first refusal wins and releases what earlier checks hold."""
+def admit_through(
+    checks: Sequence[AdmissionCheck], candidate: Admitted
+) -> Admitted | Refused | Pending:
+    """Runs *checks* in order; the first refusal (or pending verdict) wins and releases what
+    earlier checks hold."""
     admitted = candidate
     for check in checks:
         outcome = check(admitted)
-        if isinstance(outcome, Refused):
+        if isinstance(outcome, Refused | Pending):
             release_holds(admitted.holds, used_tokens=0)
             return outcome
         admitted = outcome
@@ -146,8 +162,10 @@ def release_holds(holds: Sequence[Hold], used_tokens: int) -> None:
         hold.release(used_tokens)
 
 
-def admission_checks(app: web.Application) -> tuple[AdmissionCheck, ...]:
-    """The checks every request passes, in order (the cheapest and most final first)."""
+def admission_checks(app: web.Application, *, recheck: bool = False) -> tuple[AdmissionCheck, ...]:
+    """The checks every request passes, in order (the cheapest and most final first).
+    *recheck*: the SLO check answers `Pending` where the engine's next report may change its
+    verdict (`SloCheck.recheck`)."""
     metrics = app[METRICS]
     checks: tuple[AdmissionCheck, ...] = (
         QuotaCheck(app[QUOTAS], metrics),
@@ -156,6 +174,7 @@ def admission_checks(app: web.Application) -> tuple[AdmissionCheck, ...]:
             functools.partial(place_request, app),
             metrics,
             feedback=app.get(TTFT_FEEDBACK),
+            recheck=recheck,
         ),
     )
     queues = app.get(TIER_QUEUES)
@@ -363,8 +382,16 @@ class SloCheck:
     feedback: TtftFeedbackByEngine | None = None
     """What admitted requests' real TTFT taught about each engine's forecast (None: nothing
     learned)."""
+    recheck: bool = False
+    """Answer `Pending` instead of refusing or downgrading a request whose TTFT forecast
+    waits for a request slot (every one held by RT requests): that wait is forecast from how
+    many steps the running requests have left on average, while they finish one at a time, at
+    instants the engine's next reports show. Nothing is counted for a pending verdict; the
+    admit stage asks again on the next report, and without `recheck` once the request's
+    recheck time (`GatewayConfig.slo_recheck_frac`) is up. A forecast over its target for the
+    work queued ahead stays refused at once: waiting would spend the same time it forecasts."""
 
-    def __call__(self, admitted: Admitted) -> Admitted | Refused:
+    def __call__(self, admitted: Admitted) -> Admitted | Refused | Pending:
         now_unix_s = self.clock()
         ask = slo_ask(admitted.request, now_unix_s)
         if ask is None:
@@ -393,6 +420,15 @@ class SloCheck:
             forecast=forecast,
             engine=engine.name if engine is not None else None,
         )
+        if (
+            self.recheck
+            and watcher is not None
+            and decision.outcome in ("shed", "downgraded")
+            and decision.shortfall is not None
+            and decision.shortfall.target == "ttft"
+            and decision.shortfall.slot_wait_s > 0.0
+        ):
+            return Pending(watcher.next_report, decision.shortfall)
         self.metrics.slo_admission(admitted.tenant.id, decision.outcome, decision.target)
         if decision.outcome == "shed":
             assert decision.shortfall is not None

@@ -49,6 +49,7 @@ from gateway.errors import ApiError
 from gateway.pipeline.admission import (
     Admitted,
     Origin,
+    Pending,
     admission_checks,
     admit_through,
     release_holds,
@@ -138,6 +139,9 @@ class Flight:
     admitted: Admitted | None = None
     admission: AdmissionOutcome | None = None
     """The SLO admission's verdict (None: it did not judge the request)."""
+    slo_rechecks: int = 0
+    """Reports of the engine the request waited for at the gateway before the SLO admission's
+    verdict (`admit_rechecking`); 0: judged on arrival."""
     placement: Placement | None = None
     progress: Progress = field(default_factory=Progress)
     failure: Failure | None = None
@@ -209,14 +213,53 @@ def _has_tools(body: OpenAIRequest) -> bool:
     return isinstance(body, ChatCompletionRequest) and bool(body.tools)
 
 
+async def admit_rechecking(app: web.Application, flight: Flight) -> Admitted | Refused:
+    """admit, where an RT request the SLO admission would refuse (or downgrade) only for a
+    request slot's wait waits at the gateway for the engine's next reports, judged again on
+    each, for at most `gateway.slo_recheck_frac` of its TTFT target from its arrival
+    (`SloCheck.recheck`); then `admit`'s verdict is final."""
+    assert flight.request is not None, "prepare runs before admit"
+    config = app.get(CONFIG)
+    meta = flight.request.meta
+    frac = config.gateway.slo_recheck_frac if config is not None else 0.0
+    if frac > 0.0 and meta.tier == "rt" and meta.ttft_target_ms is not None:
+        until_unix_s = meta.arrival_unix_s + frac * meta.ttft_target_ms / 1000.0
+        while (left_s := until_unix_s - time.time()) > 0.0:
+            verdict = _admit_once(app, flight, recheck=True)
+            if not isinstance(verdict, Pending):
+                return _rechecked(app, flight, verdict)
+            flight.slo_rechecks += 1
+            await verdict.next_report(left_s)
+    return _rechecked(app, flight, admit(app, flight))
+
+
+def _rechecked(
+    app: web.Application, flight: Flight, verdict: Admitted | Refused
+) -> Admitted | Refused:
+    if flight.slo_rechecks:
+        outcome = flight.admission or ("admitted" if isinstance(verdict, Admitted) else "refused")
+        app[METRICS].slo_rechecked(flight.principal.tenant.id, outcome)
+    return verdict
+
+
 def admit(app: web.Application, flight: Flight) -> Admitted | Refused:
-    """admit: runs the admission checks on the prepared request."""
+    """admit: runs the admission checks on the prepared request (the verdict is final)."""
+    verdict = _admit_once(app, flight, recheck=False)
+    assert not isinstance(verdict, Pending), "only a rechecking SLO check answers Pending"
+    return verdict
+
+
+def _admit_once(
+    app: web.Application, flight: Flight, *, recheck: bool
+) -> Admitted | Refused | Pending:
     assert flight.request is not None, "prepare runs before admit"
     flight.progress.prompt_tokens = len(flight.request.input_ids)
     candidate = Admitted(
         tenant=flight.principal.tenant, origin=flight.origin, request=flight.request
     )
-    outcome = admit_through(admission_checks(app), candidate)
+    outcome = admit_through(admission_checks(app, recheck=recheck), candidate)
+    if isinstance(outcome, Pending):
+        return outcome
     if isinstance(outcome, Refused):
         if outcome.kind == "slo_unattainable":
             flight.admission = "shed"
@@ -504,7 +547,7 @@ def recording(app: web.Application, flight: Flight) -> Iterator[Flight]:
 async def complete(app: web.Application, flight: Flight) -> Completion | Failure:
     """admit → place → run for a prepared request, collected into the whole answer (a
     non-streamed response, a batch line); or the failure that ended it."""
-    admission = admit(app, flight)
+    admission = await admit_rechecking(app, flight)
     if isinstance(admission, Refused):
         return admission
     placed = place(app, flight)

@@ -844,6 +844,21 @@ def test_the_admitted_keep_their_ttft_when_request_slots_run_out() -> None:
     assert all(r.admission != "shed" and _met(r) for r in _slot_bound(1024))  # slots to spare
 
 
+def test_judged_again_as_slots_free_more_are_admitted_and_they_keep_their_ttft() -> None:
+    """The gateway's recheck (`slo_recheck_frac`), in the simulator's front door: a request
+    refused only for a request slot is judged again at each iteration boundary. In the
+    slot-bound stream (the slots, not the forecast, bound how many get in) as many get in as
+    when judged once, none is lost or left pending, and the admitted keep their TTFT though
+    some waited at the door."""
+    once = _slot_bound(8)
+    rechecked = _rt_stream(200, 0.05, 50, 150, max_running=8, slo_recheck_frac=0.5)
+    assert len(rechecked) == len(once) == 200  # each one admitted or shed, none left pending
+    admitted = [r for r in rechecked if r.admission != "shed"]
+    assert len(admitted) >= sum(r.admission != "shed" for r in once)
+    assert all(_met(r) for r in admitted)
+    assert {r.rid for r in admitted} != {r.rid for r in once if r.admission != "shed"}
+
+
 def _overload(slo_unattainable: SloUnattainable) -> list[RequestRecord]:
     """8 s of 2000-token RT prompts at about twice what the engine can prefill in time."""
     return _rt_stream(400, 0.02, 2000, 4, slo_unattainable=slo_unattainable)

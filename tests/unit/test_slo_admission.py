@@ -6,6 +6,8 @@ written to the usage record, and a downgrade is announced in a response header."
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -23,11 +25,13 @@ from backend.policy.feasibility import (
 from backend.policy.latency import LatencyModel, load_profile
 from backend.policy.placement import CACHE_SHARE_CUT, CACHE_SHARE_STEP, SloAware, make_router
 from backend.policy.profiles import resolve_profile
+from common.config import Config, GatewayConfig
 from common.wire import PRIORITY_RT, EngineLoad, TenantLoad, meta_from_custom_params
 from gateway.engine.load import LoadWatcher
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline.admission import (
     Admitted,
+    Pending,
     Placer,
     SloCheck,
     decide_slo,
@@ -38,12 +42,13 @@ from gateway.pipeline.placement import EngineHandle, Placement, decide, place_re
 from gateway.pipeline.stages import (
     DOWNGRADED_HEADER,
     admit,
+    admit_rechecking,
     place,
     prepare,
     record,
     response_headers,
 )
-from gateway.state import LOADS, METRICS, ROUTER, SLO_FORECASTER, TTFT_FEEDBACK
+from gateway.state import CONFIG, LOADS, METRICS, ROUTER, SLO_FORECASTER, TTFT_FEEDBACK
 from tests.unit.pipeline_factories import (
     FakeEngine,
     chat_body,
@@ -521,3 +526,118 @@ def test_an_admitted_request_that_meets_its_contract_is_not_logged(
         record(app, flight, cancelled=False)
     assert usage_of(app).records[0].slo_met is True
     assert not [r for r in caplog.records if "missed its contract" in r.getMessage()]
+
+
+# ---------------------------------------------------------------------------------- rechecks
+
+
+def slot_bound(now_unix_s: float, steps_to_first_free: int, iteration: int = 10) -> EngineLoad:
+    """64 request slots, every one held by an RT decode; the first to finish has
+    *steps_to_first_free* decode steps left (the others one step more each)."""
+    return EngineLoad(
+        iteration=iteration,
+        at_unix_s=now_unix_s,
+        iteration_s=0.01,
+        max_running_requests=64,
+        num_rt_running=64,
+        rt_context_tokens=64 * 300,
+        rt_decode_steps_left=tuple(steps_to_first_free + i for i in range(64)),
+    )
+
+
+def freed(now_unix_s: float, iteration: int = 11) -> EngineLoad:
+    """The engine a step later: one of the 64 RT decodes finished, its slot is free."""
+    return msgspec.structs.replace(
+        slot_bound(now_unix_s, 1, iteration),
+        num_rt_running=63,
+        rt_decode_steps_left=tuple(range(1, 64)),
+    )
+
+
+def rechecking_app(forecaster: SloForecaster, load: EngineLoad, frac: float) -> web.Application:
+    app = staged_app(forecaster, load)
+    app[CONFIG] = Config(gateway=GatewayConfig(slo_recheck_frac=frac))
+    return app
+
+
+def rechecks(metrics: GatewayMetrics, outcome: str) -> float:
+    value = metrics.registry.get_sample_value(
+        "tandem_slo_rechecks_total", {"tenant": "ten_rt", "outcome": outcome}
+    )
+    return value or 0.0
+
+
+def test_a_miss_only_for_a_request_slot_is_pending_when_rechecking(
+    forecaster: SloForecaster,
+) -> None:
+    """Every slot RT's, the first to free 400 steps away: over a 2 s TTFT. Judged once it is
+    refused; rechecking it is pending (nothing counted) — the slots free one at a time, and
+    the next report may show one free."""
+    load = slot_bound(NOW_S, 400)
+    metrics = GatewayMetrics()
+    tenant = rt_tenant(ttft_target_ms=2000, tpot_target_ms=200)
+    once = SloCheck(forecaster, on_engine(watched(load)), metrics, clock=lambda: NOW_S)
+    refused = once(candidate(tenant))
+    assert isinstance(refused, Refused) and "request slots" in refused.message
+    pending = replace(once, recheck=True)(candidate(tenant))
+    assert isinstance(pending, Pending) and pending.shortfall.slot_wait_s > 0.0
+    assert counted(metrics, "shed", "ttft") == 1.0  # the final verdict only
+    # a miss for the prompt work queued ahead (slots to spare) is answered at once
+    swamped = SloCheck(forecaster, on_engine(watched(SWAMPED)), metrics, clock=lambda: NOW_S)
+    assert isinstance(replace(swamped, recheck=True)(candidate(rt_tenant())), Refused)
+
+
+async def test_a_pending_request_is_admitted_once_a_report_shows_a_free_slot(
+    forecaster: SloForecaster,
+) -> None:
+    now = time.time()
+    app = rechecking_app(forecaster, slot_bound(now, 400), frac=0.9)
+    flight = make_flight(make_principal(rt_tenant(ttft_target_ms=2000, tpot_target_ms=200)))
+    prepare(app, flight, chat_body(), make_prompt())
+    admitting = asyncio.create_task(admit_rechecking(app, flight))
+    while flight.slo_rechecks == 0:  # it waits for the engine's next report
+        assert not admitting.done(), admitting.result()
+        await asyncio.sleep(0.001)
+    app[LOADS][FakeEngine.base_url].update(freed(time.time()))
+    admitted = await admitting
+    assert isinstance(admitted, Admitted) and flight.admission == "admitted"
+    metrics = app[METRICS]
+    assert rechecks(metrics, "admitted") == 1.0
+    assert counted(metrics, "admitted", "") == 1.0 and counted(metrics, "shed", "ttft") == 0.0
+
+
+async def test_a_pending_request_gets_its_contracts_answer_when_its_recheck_time_is_up(
+    forecaster: SloForecaster,
+) -> None:
+    now = time.time()
+    app = rechecking_app(forecaster, slot_bound(now, 400), frac=0.05)  # 100 ms of 2 s
+    flight = make_flight(make_principal(rt_tenant(ttft_target_ms=2000, tpot_target_ms=200)))
+    prepare(app, flight, chat_body(), make_prompt())
+    refused = await admit_rechecking(app, flight)  # no report comes
+    assert isinstance(refused, Refused) and refused.code == "slo_unattainable"
+    assert flight.slo_rechecks >= 1 and flight.admission == "shed"
+    metrics = app[METRICS]
+    assert rechecks(metrics, "shed") == 1.0 and counted(metrics, "shed", "ttft") == 1.0
+
+
+async def test_a_miss_for_the_work_queued_ahead_is_answered_without_waiting(
+    forecaster: SloForecaster,
+) -> None:
+    app = rechecking_app(forecaster, SWAMPED, frac=0.9)
+    flight = make_flight(make_principal(rt_tenant()))
+    prepare(app, flight, chat_body(), make_prompt())
+    refused = await admit_rechecking(app, flight)
+    assert isinstance(refused, Refused) and flight.slo_rechecks == 0
+    assert rechecks(app[METRICS], "shed") == 0.0
+
+
+async def test_the_watcher_wakes_its_waiters_on_the_next_report_or_at_their_timeout() -> None:
+    watcher = watched(IDLE)
+    waiting = [asyncio.create_task(watcher.next_report(30.0)) for _ in range(2)]
+    await asyncio.sleep(0)
+    watcher.update(msgspec.structs.replace(IDLE, iteration=IDLE.iteration))  # nothing new
+    await asyncio.sleep(0.01)
+    assert not any(task.done() for task in waiting)
+    watcher.update(msgspec.structs.replace(IDLE, iteration=IDLE.iteration + 1))
+    await asyncio.wait_for(asyncio.gather(*waiting), timeout=30.0)
+    await watcher.next_report(0.001)  # no report: back after its timeout
