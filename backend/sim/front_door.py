@@ -45,7 +45,6 @@ from backend.sim.config import SloUnattainable
 from backend.sim.records import Admission, RequestRecord
 from backend.sim.source import SimRequest
 
-
 PENDING: Final = "pending"
 """`FrontDoor.admit`'s answer for a request it keeps to judge again (`FrontDoor.pending`)."""
 
@@ -106,7 +105,7 @@ class FrontDoor:
 
     def admit(
         self, req: SimRequest, snapshot: Snapshot, now_s: float
-    ) -> SimRequest | None | Literal["pending"]:
+    ) -> SimRequest | Literal["pending"] | None:
         """The request to hand to the engine (*req*, or *req* as BE), None when it is shed, or
         `PENDING` when the door keeps it to judge again (see the module doc). *snapshot* is the
         engine's state with every earlier arrival already in it."""
