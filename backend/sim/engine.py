@@ -20,7 +20,7 @@ from backend.policy.time_share import shape_of
 from backend.policy.types import FinishedRequest, IterationResult, Policy, Snapshot
 from backend.sim.config import SimConfig
 from backend.sim.core import EngineCore
-from backend.sim.front_door import PENDING, FrontDoor, front_door_for
+from backend.sim.front_door import FrontDoor, front_door_for
 from backend.sim.records import IterationLog, RequestRecord, SimResult
 from backend.sim.source import ArrivalSource, SimRequest
 from backend.sim.track import Batch, Track
@@ -126,7 +126,7 @@ def _through(
     verdict = door.admit(req, core.snapshot(now_s), now_s)
     if verdict is None:
         source.on_finish(req.rid, now_s)  # a closed loop hears the refusal
-    elif verdict is not PENDING:
+    elif not isinstance(verdict, str):  # else "pending": the door keeps it
         core.add(verdict)
 
 
