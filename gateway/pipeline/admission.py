@@ -134,6 +134,12 @@ class Pending:
     """Waits for the judged engine's next report, at most the given seconds."""
     shortfall: Shortfall
     """What the forecast missed this time."""
+    admitted: Admitted | None = None
+    """The request as the checks before the pending one admitted it, with what they hold —
+    kept, not given back: asked again, admission resumes from the pending check with it
+    (`admit_through` sets it)."""
+    resume_at: int = 0
+    """The pending check's place in the checks `admit_through` ran (it sets it)."""
 
 
 AdmissionCheck = Callable[[Admitted], Admitted | Refused | Pending]
@@ -144,12 +150,16 @@ perhaps holding more), refused, or pending (the SLO check only, when asked to re
 def admit_through(
     checks: Sequence[AdmissionCheck], candidate: Admitted
 ) -> Admitted | Refused | Pending:
-    """Runs *checks* in order; the first refusal (or pending verdict) wins and releases what
-    earlier checks hold."""
+    """Runs *checks* in order; the first refusal wins and releases what earlier checks hold. A
+    pending verdict stops them too, and keeps what the earlier checks hold on its `admitted`
+    (the caller resumes from it, or gives the holds back): asking a quota again for the same
+    request would take it twice."""
     admitted = candidate
-    for check in checks:
+    for index, check in enumerate(checks):
         outcome = check(admitted)
-        if isinstance(outcome, Refused | Pending):
+        if isinstance(outcome, Pending):
+            return replace(outcome, admitted=admitted, resume_at=index)
+        if isinstance(outcome, Refused):
             release_holds(admitted.holds, used_tokens=0)
             return outcome
         admitted = outcome

@@ -217,49 +217,55 @@ async def admit_rechecking(app: web.Application, flight: Flight) -> Admitted | R
     """admit, where an RT request the SLO admission would refuse (or downgrade) only for a
     request slot's wait waits at the gateway for the engine's next reports, judged again on
     each, for at most `gateway.slo_recheck_frac` of its TTFT target from its arrival
-    (`SloCheck.recheck`); then `admit`'s verdict is final."""
+    (`SloCheck.recheck`); then the verdict is final. The checks before the SLO check (the
+    quota) run once: what they hold is kept while it waits, and given back if it is
+    cancelled."""
     assert flight.request is not None, "prepare runs before admit"
     config = app.get(CONFIG)
     meta = flight.request.meta
     frac = config.gateway.slo_recheck_frac if config is not None else 0.0
-    if frac > 0.0 and meta.tier == "rt" and meta.ttft_target_ms is not None:
-        until_unix_s = meta.arrival_unix_s + frac * meta.ttft_target_ms / 1000.0
-        while (left_s := until_unix_s - time.time()) > 0.0:
-            verdict = _admit_once(app, flight, recheck=True)
-            if not isinstance(verdict, Pending):
-                return _rechecked(app, flight, verdict)
-            flight.slo_rechecks += 1
+    if frac <= 0.0 or meta.tier != "rt" or meta.ttft_target_ms is None:
+        return admit(app, flight)
+    until_unix_s = meta.arrival_unix_s + frac * meta.ttft_target_ms / 1000.0
+    candidate, first = _candidate(flight), 0
+    while True:
+        left_s = until_unix_s - time.time()
+        checks = admission_checks(app, recheck=left_s > 0.0)
+        verdict = admit_through(checks[first:], candidate)
+        if not isinstance(verdict, Pending):
+            break
+        assert verdict.admitted is not None
+        candidate, first = verdict.admitted, first + verdict.resume_at
+        flight.slo_rechecks += 1
+        try:
             await verdict.next_report(left_s)
-    return _rechecked(app, flight, admit(app, flight))
-
-
-def _rechecked(
-    app: web.Application, flight: Flight, verdict: Admitted | Refused
-) -> Admitted | Refused:
+        except BaseException:
+            release_holds(candidate.holds, used_tokens=0)
+            raise
+    outcome = _settled(app, flight, verdict)
     if flight.slo_rechecks:
-        outcome = flight.admission or ("admitted" if isinstance(verdict, Admitted) else "refused")
-        app[METRICS].slo_rechecked(flight.principal.tenant.id, outcome)
-    return verdict
+        label = flight.admission or ("admitted" if isinstance(outcome, Admitted) else "refused")
+        app[METRICS].slo_rechecked(flight.principal.tenant.id, label)
+    return outcome
 
 
 def admit(app: web.Application, flight: Flight) -> Admitted | Refused:
     """admit: runs the admission checks on the prepared request (the verdict is final)."""
-    verdict = _admit_once(app, flight, recheck=False)
+    verdict = admit_through(admission_checks(app), _candidate(flight))
     assert not isinstance(verdict, Pending), "only a rechecking SLO check answers Pending"
-    return verdict
+    return _settled(app, flight, verdict)
 
 
-def _admit_once(
-    app: web.Application, flight: Flight, *, recheck: bool
-) -> Admitted | Refused | Pending:
+def _candidate(flight: Flight) -> Admitted:
     assert flight.request is not None, "prepare runs before admit"
     flight.progress.prompt_tokens = len(flight.request.input_ids)
-    candidate = Admitted(
-        tenant=flight.principal.tenant, origin=flight.origin, request=flight.request
-    )
-    outcome = admit_through(admission_checks(app, recheck=recheck), candidate)
-    if isinstance(outcome, Pending):
-        return outcome
+    return Admitted(tenant=flight.principal.tenant, origin=flight.origin, request=flight.request)
+
+
+def _settled(
+    app: web.Application, flight: Flight, outcome: Admitted | Refused
+) -> Admitted | Refused:
+    """The flight takes the admission's final verdict."""
     if isinstance(outcome, Refused):
         if outcome.kind == "slo_unattainable":
             flight.admission = "shed"

@@ -48,7 +48,16 @@ from gateway.pipeline.stages import (
     record,
     response_headers,
 )
-from gateway.state import CONFIG, LOADS, METRICS, ROUTER, SLO_FORECASTER, TTFT_FEEDBACK
+from gateway.state import (
+    CONFIG,
+    LOADS,
+    METRICS,
+    QUOTAS,
+    ROUTER,
+    SLO_FORECASTER,
+    TTFT_FEEDBACK,
+)
+from gateway.store.types import Quota
 from tests.unit.pipeline_factories import (
     FakeEngine,
     chat_body,
@@ -587,23 +596,56 @@ def test_a_miss_only_for_a_request_slot_is_pending_when_rechecking(
     assert isinstance(replace(swamped, recheck=True)(candidate(rt_tenant())), Refused)
 
 
+def one_request_a_minute() -> Any:
+    """An RT tenant (2 s TTFT) whose quota admits one request a minute, one at a time."""
+    quota = Quota(requests_per_min=1, max_concurrent=1)
+    return make_tenant("rt", quota=quota, ttft_target_ms=2000, tpot_target_ms=200)
+
+
+async def pending(app: web.Application, flight: Any) -> asyncio.Task[Any]:
+    """admit_rechecking under way, once it waits for the engine's next report."""
+    admitting = asyncio.create_task(admit_rechecking(app, flight))
+    while flight.slo_rechecks == 0:
+        assert not admitting.done(), admitting.result()
+        await asyncio.sleep(0.001)
+    return admitting
+
+
 async def test_a_pending_request_is_admitted_once_a_report_shows_a_free_slot(
     forecaster: SloForecaster,
 ) -> None:
+    """...and its quota is taken once, however many times the SLO check judges it (the tenant
+    may send one request a minute: taken twice, the second judgement would be a 429)."""
     now = time.time()
     app = rechecking_app(forecaster, slot_bound(now, 400), frac=0.9)
-    flight = make_flight(make_principal(rt_tenant(ttft_target_ms=2000, tpot_target_ms=200)))
+    flight = make_flight(make_principal(one_request_a_minute()))
     prepare(app, flight, chat_body(), make_prompt())
-    admitting = asyncio.create_task(admit_rechecking(app, flight))
-    while flight.slo_rechecks == 0:  # it waits for the engine's next report
-        assert not admitting.done(), admitting.result()
+    admitting = await pending(app, flight)
+    watcher = app[LOADS][FakeEngine.base_url]
+    watcher.update(slot_bound(time.time(), 390, iteration=11))  # still every slot RT's
+    while flight.slo_rechecks < 2:
         await asyncio.sleep(0.001)
-    app[LOADS][FakeEngine.base_url].update(freed(time.time()))
+    watcher.update(freed(time.time(), iteration=12))
     admitted = await admitting
     assert isinstance(admitted, Admitted) and flight.admission == "admitted"
+    assert len(admitted.holds) == 1 and app[QUOTAS].in_flight() == {"ten_rt": 1}
     metrics = app[METRICS]
     assert rechecks(metrics, "admitted") == 1.0
     assert counted(metrics, "admitted", "") == 1.0 and counted(metrics, "shed", "ttft") == 0.0
+
+
+async def test_a_pending_request_cancelled_gives_its_quota_back(
+    forecaster: SloForecaster,
+) -> None:
+    app = rechecking_app(forecaster, slot_bound(time.time(), 400), frac=0.9)
+    flight = make_flight(make_principal(one_request_a_minute()))
+    prepare(app, flight, chat_body(), make_prompt())
+    admitting = await pending(app, flight)
+    assert app[QUOTAS].in_flight() == {"ten_rt": 1}  # held while it waits
+    admitting.cancel()  # the client went away
+    with pytest.raises(asyncio.CancelledError):
+        await admitting
+    assert app[QUOTAS].in_flight() == {}
 
 
 async def test_a_pending_request_gets_its_contracts_answer_when_its_recheck_time_is_up(
