@@ -345,6 +345,8 @@ def run_real(
         if overhead_s is not None:
             run.serving_overhead_s[name] = overhead_s
         stats = _engine_stats(engine) if name == "tandem" else {}
+        if stats:
+            stats["gateway_slo_rechecks"] = gateway_slo_rechecks(base_url, token)
     save_requests(workdir / "requests.json", records, run.replay_start_unix_s.get(name))
     result = SimResult(
         policy_name=name,
@@ -467,6 +469,33 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
     except ProcessLookupError:
         pass
+
+
+def gateway_slo_rechecks(base_url: str, token: str) -> dict[str, float] | str:
+    """The RT requests the gateway's SLO admission judged again as request slots freed, by
+    their verdict (`tandem_slo_rechecks_total` on its /metrics, summed over tenants); the
+    error's text when /metrics cannot be read."""
+    request = urllib.request.Request(
+        f"{base_url}/metrics", headers={"Authorization": f"Bearer {token}"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10.0) as resp:
+            text = resp.read().decode()
+    except (OSError, urllib.error.URLError) as exc:
+        return str(exc)
+    return rechecks_of(text)
+
+
+def rechecks_of(metrics_text: str) -> dict[str, float]:
+    """`tandem_slo_rechecks_total` in a Prometheus text body, summed by outcome."""
+    counts: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        if not line.startswith("tandem_slo_rechecks_total{"):
+            continue
+        labels, _, value = line.rpartition(" ")
+        outcome = labels.split('outcome="', 1)[1].split('"', 1)[0]
+        counts[outcome] = counts.get(outcome, 0.0) + float(value)
+    return counts
 
 
 def _engine_stats(engine: dict[str, Any]) -> dict[str, Any]:

@@ -47,6 +47,18 @@ STAT_KEYS = (
 )
 
 
+def rechecks_line(name: str, stats: dict[str, Any]) -> str:
+    """One line: the RT requests the gateway judged again as request slots freed."""
+    counts = stats.get("gateway_slo_rechecks")
+    if not isinstance(counts, dict):
+        return f"* {name}: the gateway's rechecks were not read ({counts or 'not recorded'})"
+    total = sum(counts.values())
+    verdicts = ", ".join(f"{outcome} {n:.0f}" for outcome, n in sorted(counts.items()))
+    return f"* {name}: the gateway judged {total:.0f} RT requests again as request slots freed" + (
+        f" ({verdicts})" if verdicts else ""
+    )
+
+
 def results_dict(run: LiveRun) -> dict[str, Any]:
     """API.md's results.json (real-engine metrics under "policies"), plus the simulator twin's
     metrics, the sim/real ratios and tandem's in-engine counters."""
@@ -228,6 +240,7 @@ def report_markdown(run: LiveRun, plots: list[str]) -> str:
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines.append("")
         lines += [_model_error(name, run.real.get(name, {})) for name in run.engine_stats]
+        lines += [rechecks_line(name, stats) for name, stats in run.engine_stats.items()]
     if run.failed:
         lines += ["", "## Failed", ""] + [f"* {k}: {v}" for k, v in run.failed.items()]
     lines += ["", *[f"![{p}]({p})" for p in plots], ""]
