@@ -28,6 +28,11 @@ The checks, in order:
                  follow the admitted request; the response says so in `X-Tandem-Downgraded`)
       accept     the Admitted it was given, run as RT (best effort)
 
+  A request refused or downgraded only because it would wait for a request slot (every one
+  held by RT requests) is `Pending` instead when the admit stage asks for it (`recheck`): it
+  waits for the engine's next report and is judged again, for `gateway.slo_recheck_frac` of
+  its TTFT target; the checks before this one keep what they hold meanwhile.
+
   Each outcome is on the `Admitted` (`slo`), in the usage record (`admission`) and counted on
   /metrics. The decision itself is `decide_slo`, a pure function of the contract, the ask, the
   engine's state and the backlog; without state (no watcher, nothing reported yet) it admits.

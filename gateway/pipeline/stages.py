@@ -6,7 +6,9 @@
 parse    the body's bytes → the endpoint's request Struct, type- and range-checked
 prepare  the Struct → an `EngineRequest`: prompt tokens, output cap, tier, scheduler metadata
 admit    the admission checks → `Admitted` (with what they hold) or `Refused` (status, code,
-         retryable, retry_after_s) — gateway/pipeline/admission.py
+         retryable, retry_after_s) — gateway/pipeline/admission.py; an RT request refused only
+         for a request slot waits for the engine's next reports, judged again on each
+         (`admit_rechecking`)
 place    the engine that runs it → `Placement` — gateway/pipeline/placement.py
 run      drives the engine's stream; an engine failure ends it with a typed `Failure`
          (gateway/pipeline/outcome.py) on the flight, not an exception
