@@ -85,8 +85,9 @@ class SimConfig(msgspec.Struct, frozen=True):
     only for a request slot (every one held by RT) is judged again at each iteration boundary
     until this share of its TTFT target has passed since its arrival (backend/sim/front_door.py).
     0 (default): judged once — the sim benches' engines have request slots to spare
-    (`max_running`); the live bench's twin, with the real engine's 64, sets the gateway's. One
-    engine only (`simulate`)."""
+    (`max_running`); the live bench's twin, with the real engine's 64, sets the gateway's. In a
+    pool (`simulate_pool`) the request is placed again after each iteration end of any replica,
+    as the gateway's router places it again on each report."""
 
     def slowdown_at(self, t_s: float) -> float:
         """The slowdown factor in effect at simulated time `t_s` (1.0 without a schedule)."""

@@ -114,6 +114,9 @@ def simulate(
         if progress is not None and clock.now_s >= next_progress:
             progress(min(clock.now_s, clock.horizon_s))
             next_progress = math.floor(clock.now_s) + 1.0
+    if door is not None:  # the run ended before their verdict: their contract's answer
+        for req in door.settle_pending():
+            core.add(req)
     if progress is not None:
         progress(min(clock.now_s, clock.horizon_s))
     return _result(core, log, policy.name, config.horizon_s, clock.now_s, door)

@@ -29,6 +29,7 @@ from backend.policy.calibration import PaceSpread
 from backend.policy.common import PolicyBase
 from backend.policy.feasibility import (
     RtOutputs,
+    Shortfall,
     SloAsk,
     SloForecaster,
     TtftFeedback,
@@ -98,6 +99,24 @@ class FrontDoor:
         """The engine's recent measured ÷ predicted iteration times (the simulator's loop feeds
         it), as the real engine reports them in `EngineLoad.pace_ratio_p90`."""
 
+    def keeps(self, shortfall: Shortfall | None, ask: SloAsk) -> bool:
+        """Whether a forecast missing by *shortfall* keeps the request to judge again (the
+        module doc): shed or downgraded only for a request slot's wait, within its recheck
+        time (`recheck_frac` of its TTFT target from its arrival)."""
+        return (
+            shortfall is not None
+            and self.on_unattainable != "accept"
+            and shortfall.target == "ttft"
+            and shortfall.slot_wait_s > 0.0
+            and ask.waited_s < self.recheck_frac * ask.ttft_target_s
+        )
+
+    def settle_pending(self) -> list[SimRequest]:
+        """The run ended with requests kept to judge again: each gets its contract's answer
+        (shed, or the request as BE to hand to the engine: returned)."""
+        settled = (self.outcome(req, feasible=False) for req in self.take_pending())
+        return [req for req in settled if req is not None]
+
     def take_pending(self) -> list[SimRequest]:
         """The requests kept to judge again (the door forgets them: `admit` them again)."""
         pending, self.pending = self.pending, []
@@ -128,14 +147,7 @@ class FrontDoor:
         ask = slo_ask(req, now_s)
         extra_s = self.feedback.extra_s(now_s) if self.feedback is not None else 0.0
         forecast = self.forecaster.forecast(load, ask, ttft_extra_s=extra_s)
-        shortfall = forecast.shortfall
-        if (
-            shortfall is not None
-            and self.on_unattainable != "accept"
-            and shortfall.target == "ttft"
-            and shortfall.slot_wait_s > 0.0
-            and ask.waited_s < self.recheck_frac * ask.ttft_target_s
-        ):
+        if self.keeps(forecast.shortfall, ask):
             self.pending.append(req)
             return PENDING
         if forecast.feasible and self.feedback is not None:

@@ -191,7 +191,9 @@ def simulate_pool(
     if config.ttft_feedback:
         raise ValueError("ttft_feedback is modelled for one engine (simulate), not for a pool")
     members = [_Member(i, p, config) for i, p in enumerate(policies)]
-    door = front_door_for(policies[0], config.slo_unattainable)
+    door = front_door_for(
+        policies[0], config.slo_unattainable, recheck_frac=config.slo_recheck_frac
+    )
     forecaster = forecaster or (door.forecaster if door is not None else None)
     block = config.prefix_block_tokens
     horizon = math.inf if config.horizon_s is None else config.horizon_s
@@ -255,6 +257,9 @@ def simulate_pool(
                 load = m.view.load
                 assert load is not None
                 forecast = forecaster.forecast(load, ask.slo, m.view.backlog)
+            if door.keeps(forecast.shortfall, ask.slo):
+                door.pending.append(req)  # placed again after the next iteration ends
+                return True
             admitted = door.outcome(req, forecast.feasible)
             if admitted is None:
                 source.on_finish(req.rid, at_s)  # a closed loop hears the refusal
@@ -326,10 +331,20 @@ def simulate_pool(
                 m.core.add(req)
             m.inbox.clear()
             start(m, now, m.report(now))
+            if door is not None and door.pending:  # a slot may be free now: judged again
+                again = door.take_pending()
+                for i, req in enumerate(again):
+                    if not place(req, now):
+                        stopped = True
+                        door.pending[:0] = again[i + 1 :]  # kept for the run's end
+                        break
         if progress is not None and now >= next_progress:
             progress(min(now, horizon))
             next_progress = math.floor(now) + 1.0
     end_s = min(now, horizon)
+    if door is not None:  # the run ended before their verdict: their contract's answer
+        for req in door.settle_pending():
+            members[0].core.add(req)  # as BE, never run: recorded unfinished
     if progress is not None:
         progress(end_s)
     return PoolResult(

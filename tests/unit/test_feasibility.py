@@ -859,6 +859,63 @@ def test_judged_again_as_slots_free_more_are_admitted_and_they_keep_their_ttft()
     assert {r.rid for r in admitted} != {r.rid for r in once if r.admission != "shed"}
 
 
+@pytest.mark.parametrize("slo_unattainable", ["reject", "downgrade"])
+def test_requests_still_judged_again_when_the_run_ends_get_their_contracts_answer(
+    slo_unattainable: SloUnattainable,
+) -> None:
+    """Arrivals stop at the horizon while requests wait at the door for a slot: each still
+    gets a record with its contract's answer (shed, or BE), none is lost."""
+    records = _rt_stream(
+        200,
+        0.05,
+        50,
+        150,
+        max_running=8,
+        slo_recheck_frac=0.5,
+        horizon_s=5.0,
+        slo_unattainable=slo_unattainable,
+    )
+    arrived = sum(1 for i in range(200) if i * 0.05 < 5.0)
+    assert len(records) == arrived
+    assert {r.admission for r in records} == {
+        "admitted",
+        {"reject": "shed"}.get(slo_unattainable, "downgraded"),
+    }
+
+
+def test_a_pool_places_a_request_waiting_for_a_slot_again_as_iterations_end() -> None:
+    """Two replicas of 8 slots each in the slot-bound stream, judged again as in the gateway's
+    pool: every request gets a verdict, more or as many get in as when judged once, and the
+    admitted keep their TTFT."""
+    from backend.policy.placement import make_router
+    from backend.sim.pool import simulate_pool
+
+    rt = [
+        make_request(
+            tier="rt",
+            prompt_len=50,
+            output_len=150,
+            arrival_s=i * 0.025,
+            ttft_target_s=0.5,
+            tpot_target_s=0.2,
+        )
+        for i in range(300)
+    ]
+
+    def run(frac: float) -> list[RequestRecord]:
+        config = SimConfig(kv_capacity_tokens=400_000, max_running=8, slo_recheck_frac=frac)
+        policies = [make_policy(latency_budget_s=0.05) for _ in range(2)]
+        pool = simulate_pool(ListSource(rt), policies, LATENCY, config, make_router("round-robin"))
+        return pool.result.requests
+
+    once, rechecked = run(0.0), run(0.5)
+    assert len(rechecked) == len(once) == 300
+    admitted = [r for r in rechecked if r.admission != "shed"]
+    assert len(admitted) >= sum(r.admission != "shed" for r in once)
+    assert all(_met(r) for r in admitted)
+    assert {r.rid for r in admitted} != {r.rid for r in once if r.admission != "shed"}
+
+
 def _overload(slo_unattainable: SloUnattainable) -> list[RequestRecord]:
     """8 s of 2000-token RT prompts at about twice what the engine can prefill in time."""
     return _rt_stream(400, 0.02, 2000, 4, slo_unattainable=slo_unattainable)
