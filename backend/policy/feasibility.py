@@ -195,6 +195,13 @@ class Shortfall:
     requests: the module doc's slot wait), seconds; 0: no such wait."""
 
     @property
+    def waits_for_slot(self) -> bool:
+        """A TTFT miss with a wait for a request slot in it: a wait the engine's next state may
+        shorten (its slots free one at a time, where the forecast averages), so the SLO
+        admission may judge the request again before answering (`slo_recheck_frac`)."""
+        return self.target == "ttft" and self.slot_wait_s > 0.0
+
+    @property
     def over_s(self) -> float:
         """How far the forecast is over what it had to stay within, seconds (> 0)."""
         return self.predicted_s - (self.target_s if self.budget_s is None else self.budget_s)

@@ -106,8 +106,7 @@ class FrontDoor:
         return (
             shortfall is not None
             and self.on_unattainable != "accept"
-            and shortfall.target == "ttft"
-            and shortfall.slot_wait_s > 0.0
+            and shortfall.waits_for_slot
             and ask.waited_s < self.recheck_frac * ask.ttft_target_s
         )
 

@@ -440,8 +440,7 @@ class SloCheck:
             and watcher is not None
             and decision.outcome in ("shed", "downgraded")
             and decision.shortfall is not None
-            and decision.shortfall.target == "ttft"
-            and decision.shortfall.slot_wait_s > 0.0
+            and decision.shortfall.waits_for_slot
         ):
             return Pending(watcher.next_report, decision.shortfall)
         self.metrics.slo_admission(admitted.tenant.id, decision.outcome, decision.target)

@@ -28,7 +28,7 @@ from backend.sim.config import SimConfig, SloUnattainable
 from backend.sim.engine import simulate
 from backend.sim.front_door import FrontDoor
 from backend.sim.records import RequestRecord
-from backend.sim.source import ListSource
+from backend.sim.source import ListSource, SimRequest
 from common.wire import EngineLoad, TenantLoad
 from tests.unit.sim_factories import LATENCY, make_req, make_request, make_snapshot
 from tests.unit.tandem_factories import make_policy
@@ -807,12 +807,9 @@ def test_rt_outputs_learn_how_long_rt_requests_run_from_the_finished_ones() -> N
         RtOutputs(history=0)
 
 
-def _rt_stream(
-    count: int, gap_s: float, prompt_len: int, output_len: int, **sim: Any
-) -> list[RequestRecord]:
-    """*count* RT requests (TTFT 0.5 s, TPOT 0.2 s) one every *gap_s*, through tandem with its
-    SLO admission; *sim*: the SimConfig's other fields."""
-    rt = [
+def _rt_requests(count: int, gap_s: float, prompt_len: int, output_len: int) -> list[SimRequest]:
+    """*count* RT requests (TTFT 0.5 s, TPOT 0.2 s), one every *gap_s*."""
+    return [
         make_request(
             tier="rt",
             prompt_len=prompt_len,
@@ -823,6 +820,14 @@ def _rt_stream(
         )
         for i in range(count)
     ]
+
+
+def _rt_stream(
+    count: int, gap_s: float, prompt_len: int, output_len: int, **sim: Any
+) -> list[RequestRecord]:
+    """*count* RT requests (`_rt_requests`) through tandem with its SLO admission; *sim*: the
+    SimConfig's other fields."""
+    rt = _rt_requests(count, gap_s, prompt_len, output_len)
     config = SimConfig(kv_capacity_tokens=400_000, **sim)
     return simulate(ListSource(rt), make_policy(latency_budget_s=0.05), LATENCY, config).requests
 
@@ -890,17 +895,7 @@ def test_a_pool_places_a_request_waiting_for_a_slot_again_as_iterations_end() ->
     from backend.policy.placement import make_router
     from backend.sim.pool import simulate_pool
 
-    rt = [
-        make_request(
-            tier="rt",
-            prompt_len=50,
-            output_len=150,
-            arrival_s=i * 0.025,
-            ttft_target_s=0.5,
-            tpot_target_s=0.2,
-        )
-        for i in range(300)
-    ]
+    rt = _rt_requests(300, 0.025, 50, 150)
 
     def run(frac: float) -> list[RequestRecord]:
         config = SimConfig(kv_capacity_tokens=400_000, max_running=8, slo_recheck_frac=frac)

@@ -607,7 +607,7 @@ async def pending(app: web.Application, flight: Any) -> asyncio.Task[Any]:
     admitting = asyncio.create_task(admit_rechecking(app, flight))
     while flight.slo_rechecks == 0:
         assert not admitting.done(), admitting.result()
-        await asyncio.sleep(0.001)
+        await asyncio.sleep(0)  # yield: the task runs to its wait
     return admitting
 
 
@@ -624,7 +624,7 @@ async def test_a_pending_request_is_admitted_once_a_report_shows_a_free_slot(
     watcher = app[LOADS][FakeEngine.base_url]
     watcher.update(slot_bound(time.time(), 390, iteration=11))  # still every slot RT's
     while flight.slo_rechecks < 2:
-        await asyncio.sleep(0.001)
+        await asyncio.sleep(0)  # yield: the task runs to its wait
     watcher.update(freed(time.time(), iteration=12))
     admitted = await admitting
     assert isinstance(admitted, Admitted) and flight.admission == "admitted"
@@ -676,10 +676,17 @@ async def test_a_miss_for_the_work_queued_ahead_is_answered_without_waiting(
 async def test_the_watcher_wakes_its_waiters_on_the_next_report_or_at_their_timeout() -> None:
     watcher = watched(IDLE)
     waiting = [asyncio.create_task(watcher.next_report(30.0)) for _ in range(2)]
-    await asyncio.sleep(0)
+    await _loop_turns()  # both wait now
     watcher.update(msgspec.structs.replace(IDLE, iteration=IDLE.iteration))  # nothing new
-    await asyncio.sleep(0.01)
+    await _loop_turns()  # a wake-up would have finished them by now
     assert not any(task.done() for task in waiting)
     watcher.update(msgspec.structs.replace(IDLE, iteration=IDLE.iteration + 1))
     await asyncio.wait_for(asyncio.gather(*waiting), timeout=30.0)
     await watcher.next_report(0.001)  # no report: back after its timeout
+
+
+async def _loop_turns(turns: int = 5) -> None:
+    """Lets the event loop run what is ready, *turns* times over (no wall-clock wait): a task
+    woken by a resolved future finishes within two."""
+    for _ in range(turns):
+        await asyncio.sleep(0)
