@@ -294,24 +294,37 @@ class PaceSpread:
     the engine is erratic (a host whose iterations swing between 40 and 600 ms). The gateway
     multiplies its forecasts by it (backend/policy/feasibility.py), so neither the
     calibration's lag nor its averaging admits a request the engine's recent iterations say
-    will be late. Pure; the caller feeds it."""
+    will be late.
+
+    Each sample is kept against the profile (its prediction less the factor it was planned
+    with) and measured against the factors *as they are now* (`upper(factors)`), because the
+    gateway's forecast is the profile × the reported factors × this spread. Measured against
+    the prediction of its own time, an iteration from before the factors learned a slower pace
+    counts that pace twice once they have: seen on a fresh CPU engine whose first iterations
+    ran ×9–20 its profile — the decode factor learned ×9, the p90 stayed ×20 for the window's
+    32 iterations, and a TPOT forecast of 1 s (the iterations took 135 ms) refused every chat.
+    An engine with nothing admitted runs no iteration, so the window never moved on. Pure; the
+    caller feeds it."""
 
     def __init__(self, window: int = 32, quantile: float = 0.9) -> None:
         if window < 1 or not 0.0 < quantile <= 1.0:
             raise ValueError("need window ≥ 1 and 0 < quantile ≤ 1")
         self.quantile = quantile
-        self._ratios: deque[float] = deque(maxlen=window)
+        self._ratios: deque[tuple[float, int]] = deque(maxlen=window)
 
-    def observe(self, predicted_s: float, measured_s: float) -> None:
-        """One iteration's calibrated prediction and measured time; ignored unless both are
-        positive and finite."""
-        if 0 < predicted_s < math.inf and 0 < measured_s < math.inf:
-            self._ratios.append(measured_s / predicted_s)
+    def observe(
+        self, predicted_s: float, measured_s: float, regime: int = DECODE, plan_factor: float = 1.0
+    ) -> None:
+        """One iteration's prediction and measured time, its batch regime (`regime_of`) and
+        the calibration factor its prediction was scaled with (1.0: none, the profile's own
+        word); ignored unless the times and the factor are positive and finite."""
+        if 0 < predicted_s < math.inf and 0 < measured_s < math.inf and 0 < plan_factor < math.inf:
+            self._ratios.append((measured_s * plan_factor / predicted_s, regime))
 
-    def upper(self) -> float:
-        """The quantile of measured ÷ predicted over the window (nearest rank; 1.0 before any
-        sample)."""
+    def upper(self, factors: tuple[float, ...] = (1.0, 1.0, 1.0)) -> float:
+        """The quantile of measured ÷ predicted at *factors* (the calibration's now, by regime)
+        over the window (nearest rank; 1.0 before any sample)."""
         if not self._ratios:
             return 1.0
-        values = sorted(self._ratios)
+        values = sorted(ratio / factors[regime] for ratio, regime in self._ratios)
         return values[min(len(values) - 1, int(self.quantile * len(values)))]

@@ -11,6 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from backend.policy.calibration import PaceSpread, regime_of
+from backend.policy.types import Plan
+
 NO_CALIBRATION = (1.0, 1.0, 1.0)
 """Latency factors of a policy that does not calibrate: the profile is taken as right."""
 
@@ -23,6 +26,22 @@ def policy_factors(policy: Any) -> tuple[float, float, float]:
         return NO_CALIBRATION
     d, p, m = calib.factors
     return (float(d), float(p), float(m))
+
+
+def policy_plan_factor(policy: Any, plan: Any) -> float:
+    """The calibration factor the policy scaled *plan*'s predicted time with (1.0 for a
+    policy that does not calibrate: its prediction is the profile's)."""
+    plan_factor = getattr(policy, "plan_factor", None)
+    return 1.0 if plan_factor is None else float(plan_factor(plan))
+
+
+def observe_pace(spread: PaceSpread, policy: Any, plan: Plan, measured_s: float) -> None:
+    """Feeds one iteration that ran *plan* in *measured_s* to the engine's *spread* (what its
+    report's `pace_ratio_p90` is), against the profile: with the plan's batch regime and the
+    factor the policy predicted it with. Call it before the policy plans again."""
+    if plan.predicted_s is not None:
+        regime = regime_of(len(plan.prefills), len(plan.decodes))
+        spread.observe(plan.predicted_s, measured_s, regime, policy_plan_factor(policy, plan))
 
 
 def policy_calibration_samples(policy: Any) -> int:

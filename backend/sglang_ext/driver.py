@@ -38,6 +38,7 @@ import msgspec
 from backend.policy.calibration import DECODE, MIXED, PREFILL, PaceSpread
 from backend.policy.feasibility import RtOutputs, load_of
 from backend.policy.load_report import (
+    observe_pace,
     policy_calibration_samples,
     policy_factors,
     policy_rt_decode_margin,
@@ -157,7 +158,7 @@ class EngineDriver:
             self._last_iteration_s = duration
             self._last_predicted_s = self._iter_plan.predicted_s or 0.0
             self._last_mix = self._iter_mix
-            self._pace.observe(self._last_predicted_s, duration)
+            observe_pace(self._pace, self.policy, self._iter_plan, duration)
             self.iterations += 1
             self.stats.iterations += 1
             self.stats.busy_s += duration
@@ -495,7 +496,7 @@ class EngineDriver:
                 predicted_iteration_s=self._last_predicted_s,
                 inflight_predicted_s=_inflight_predicted_s(plan, snap),
                 latency_factors=policy_factors(self.policy),
-                pace_ratio_p90=self._pace.upper(),
+                pace_ratio_p90=self._pace.upper(policy_factors(self.policy)),
                 calibration_samples=policy_calibration_samples(self.policy),
                 rt_fair_counters=policy_rt_fair_counters(self.policy),
                 rt_late_bound_frac=policy_rt_late_bound_frac(self.policy),

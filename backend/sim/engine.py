@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from backend.policy.calibration import regime_of
 from backend.policy.latency import BatchShape, LatencyModel
+from backend.policy.load_report import observe_pace
 from backend.policy.time_share import shape_of
 from backend.policy.types import FinishedRequest, IterationResult, Policy, Snapshot
 from backend.sim.config import SimConfig
@@ -104,7 +105,7 @@ def simulate(
                 door.learn(t.state.rid, t.state.first_token_s, clock.now_s + duration)
         clock.now_s += duration
         if door is not None and duration > 0.0:  # the engine's recent pace, as /load reports it
-            door.pace.observe(log.predicted_s[-1], duration)
+            observe_pace(door.pace, policy, step.batch.plan, duration)
         idle_plans = idle_plans + 1 if duration <= 0.0 else 0
         if idle_plans > _MAX_IDLE_PLANS:
             raise StalledPolicyError(

@@ -130,13 +130,14 @@ class FrontDoor:
         if req.tier != "rt" or req.ttft_target_s is None:
             return req
         self.rt_outputs.observe(snapshot)
+        latency_factors = self.latency_factors()
         load = load_of(
             snapshot,
             iteration=0,
             at_unix_s=now_s,
             iteration_s=0.0,
-            latency_factors=self.latency_factors(),
-            pace_ratio_p90=self.pace.upper(),
+            latency_factors=latency_factors,
+            pace_ratio_p90=self.pace.upper(latency_factors),
             calibration_samples=self.calibration_samples(),
             rt_fair_counters=self.rt_fair_counters(),
             rt_outputs=self.rt_outputs,

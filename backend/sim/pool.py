@@ -37,6 +37,7 @@ from backend.policy.calibration import PaceSpread
 from backend.policy.feasibility import Backlog, RtOutputs, SloForecaster, load_of
 from backend.policy.latency import LatencyModel
 from backend.policy.load_report import (
+    observe_pace,
     policy_calibration_samples,
     policy_rt_decode_margin,
     policy_rt_fair_counters,
@@ -87,6 +88,7 @@ class _Member:
         one the next plan uses: the policy plans from it, not from a second one)."""
         policy = self.policy
         factors = getattr(policy, "latency_factors", None)
+        latency_factors = factors() if factors is not None else (1.0, 1.0, 1.0)
         snap = self.core.snapshot(now_s)
         self.rt_outputs.observe(snap)
         load = load_of(
@@ -94,8 +96,8 @@ class _Member:
             iteration=self.iterations,
             at_unix_s=now_s,
             iteration_s=self.core.last_iteration_s or 0.0,
-            latency_factors=factors() if factors is not None else (1.0, 1.0, 1.0),
-            pace_ratio_p90=self.pace.upper(),
+            latency_factors=latency_factors,
+            pace_ratio_p90=self.pace.upper(latency_factors),
             calibration_samples=policy_calibration_samples(policy),
             rt_fair_counters=policy_rt_fair_counters(policy),
             rt_late_bound_frac=policy_rt_late_bound_frac(policy),
@@ -325,7 +327,7 @@ def simulate_pool(
             if stop is not None and finished and _stop_on_finished(finished, door, stop):
                 stopped = True
             if step.duration_s > 0.0:  # the engine's recent pace, as /load reports it
-                m.pace.observe(m.log.predicted_s[-1], step.duration_s)
+                observe_pace(m.pace, m.policy, step.batch.plan, step.duration_s)
             m.iterations += 1
             for req in m.inbox:
                 m.core.add(req)

@@ -19,6 +19,7 @@ from backend.policy.calibration import PaceSpread
 from backend.policy.feasibility import RtOutputs, load_of
 from backend.policy.latency import LatencyModel
 from backend.policy.load_report import (
+    observe_pace,
     policy_calibration_samples,
     policy_factors,
     policy_rt_decode_margin,
@@ -159,7 +160,7 @@ class RealtimeEngine:
             )
         )
         self.iterations += 1
-        self._pace.observe(plan.predicted_s or 0.0, end - start)
+        observe_pace(self._pace, self.policy, plan, end - start)
         self._publish_load(end)
         return True
 
@@ -174,7 +175,7 @@ class RealtimeEngine:
             at_unix_s=time.time(),
             iteration_s=self.core.last_iteration_s or 0.0,
             latency_factors=policy_factors(self.policy),
-            pace_ratio_p90=self._pace.upper(),
+            pace_ratio_p90=self._pace.upper(policy_factors(self.policy)),
             calibration_samples=policy_calibration_samples(self.policy),
             rt_fair_counters=policy_rt_fair_counters(self.policy),
             rt_late_bound_frac=policy_rt_late_bound_frac(self.policy),

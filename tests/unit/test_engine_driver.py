@@ -468,7 +468,9 @@ def test_each_completed_iteration_publishes_the_load_it_plans_from() -> None:
     assert load.iteration == 1
     assert load.iteration_s == pytest.approx(0.05)
     assert load.predicted_iteration_s == pytest.approx(0.02)
-    assert load.pace_ratio_p90 == pytest.approx(2.5)  # the one iteration: 50 ms for 20 predicted
+    # the one iteration, 50 ms for 20 predicted (the profile's: the scripted policy scales
+    # nothing), against the calibrated pace the report carries (decode ×1.5)
+    assert load.pace_ratio_p90 == pytest.approx(0.05 / (0.02 * 1.5))
     assert (load.num_rt_running, load.rt_context_tokens) == (1, 103)
     assert (load.num_rt_waiting, load.rt_waiting_prompt_tokens) == (1, 40)
     assert load.latency_factors == (1.5, 1.0, 2.0)

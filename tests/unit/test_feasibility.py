@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from msgspec.structs import replace as msgspec_replace
 
-from backend.policy.calibration import PaceSpread
+from backend.policy.calibration import DECODE, PREFILL, PaceSpread
 from backend.policy.feasibility import (
     MIN_VERIFIED_ITERATIONS,
     Backlog,
@@ -24,6 +24,8 @@ from backend.policy.feasibility import (
     work_ahead,
 )
 from backend.policy.latency import LatencyModel
+from backend.policy.load_report import observe_pace, policy_factors
+from backend.policy.types import IterationResult
 from backend.sim.config import SimConfig, SloUnattainable
 from backend.sim.engine import simulate
 from backend.sim.front_door import FrontDoor
@@ -187,6 +189,47 @@ def test_pace_spread_is_the_recent_upper_ratio_and_forgets_old_iterations() -> N
         spread.observe(bad, 0.01)
         spread.observe(0.01, bad)
     assert spread.upper() == pytest.approx(1.0)
+
+
+def test_a_slower_pace_the_factors_have_learned_is_not_counted_twice() -> None:
+    spread = PaceSpread(window=10, quantile=0.9)
+    for _ in range(10):  # a fresh engine runs 9× its profile before the factor knows it
+        spread.observe(0.01, 0.09, DECODE, plan_factor=1.0)
+    assert spread.upper() == pytest.approx(9.0)  # the forecast knows at once
+    # once the decode factor has learned 9×, those iterations were as the model now says
+    assert spread.upper((9.0, 1.0, 1.0)) == pytest.approx(1.0)
+    # iterations planned at the learned factor count against the factors of the moment too
+    spread.observe(0.18, 0.27, DECODE, plan_factor=9.0)  # 1.5× the learned pace
+    assert spread.upper((9.0, 1.0, 1.0)) == pytest.approx(1.5)
+    # a regime is measured against its own factor
+    spread.observe(0.01, 0.04, PREFILL, plan_factor=1.0)
+    assert spread.upper((9.0, 2.0, 1.0)) == pytest.approx(2.0)
+
+
+def test_a_fresh_engine_that_ran_slow_is_forecast_at_its_learned_pace_only() -> None:
+    """What refused every chat of a fresh CPU engine (see `PaceSpread`): the policy's plans,
+    each 9× slower than predicted, teach the decode factor 9× while the spread keeps them; the
+    TPOT forecast from the report is the profile × 9, not × 81."""
+    policy = make_policy()
+    spread = PaceSpread()
+    running = [make_req(f"r{i}", running=True, generated=1) for i in range(4)]
+    for step in range(40):
+        snap = make_snapshot(running=running, now_s=1.0 + step)
+        plan = policy.plan(snap)
+        assert plan.predicted_s is not None and plan.decodes
+        measured_s = 9.0 * plan.predicted_s / policy.plan_factor(plan)
+        observe_pace(spread, policy, plan, measured_s)
+        policy.observe(IterationResult(start_s=1.0 + step, duration_s=measured_s, plan=plan))
+    factors = policy_factors(policy)
+    assert factors[DECODE] == pytest.approx(9.0, rel=0.05)
+    assert spread.upper() > 8.0  # against the prediction of its time: 9× counted again
+    assert spread.upper(factors) == pytest.approx(1.0, rel=0.05)
+    ask = SloAsk(prompt_tokens=10, ttft_target_s=5.0, tpot_target_s=1.0)
+    load = idle_load(num_rt_running=4, rt_context_tokens=4 * 101, latency_factors=factors)
+    learned = FORECASTER.forecast(msgspec_replace(load, pace_ratio_p90=spread.upper(factors)), ask)
+    at_profile = FORECASTER.forecast(idle_load(num_rt_running=4, rt_context_tokens=404), ask)
+    assert learned.tpot_s is not None and at_profile.tpot_s is not None
+    assert learned.tpot_s == pytest.approx(9.0 * at_profile.tpot_s, rel=0.1)
 
 
 def test_work_sent_but_not_yet_reported_counts_like_the_queue() -> None:

@@ -230,10 +230,17 @@ class TandemPolicy(PolicyBase):
         if plan.predicted_s is None:
             return
         regime = regime_of(len(plan.prefills), len(plan.decodes))
-        scale = self._last_scale if plan is self._last_plan else self.timer.scale
-        self.calibration.observe(plan.predicted_s / scale[regime], result.duration_s, regime)
+        self.calibration.observe(
+            plan.predicted_s / self.plan_factor(plan), result.duration_s, regime
+        )
         if self.config.use_calibration:
             self.timer.scale = self.calibration.factors
+
+    def plan_factor(self, plan: Plan) -> float:
+        """The calibration factor *plan*'s `predicted_s` was scaled with (its batch regime's,
+        as the factors were when it was planned): the prediction ÷ it is the profile's own."""
+        scale = self._last_scale if plan is self._last_plan else self.timer.scale
+        return scale[regime_of(len(plan.prefills), len(plan.decodes))]
 
     def _context(self, snap: Snapshot, view: RunningView) -> PlanContext:
         cfg = self.config
