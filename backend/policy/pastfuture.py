@@ -42,6 +42,7 @@ class LengthHistory:
         self._values: collections.deque[int] = collections.deque(maxlen=window)
         self._values.extend(int(v) for v in prior)
         self._sorted: np.ndarray | None = None
+        self._bracketed: np.ndarray | None = None  # see `sample_total`
 
     def __len__(self) -> int:
         return len(self._values)
@@ -49,11 +50,14 @@ class LengthHistory:
     def add(self, output_len: int) -> None:
         """Records a finished request's output length (the oldest falls out of the window)."""
         self._values.append(int(output_len))
-        self._sorted = None
+        self._forget_sorted()
 
     def extend(self, output_lens: Iterable[int]) -> None:
         self._values.extend(int(v) for v in output_lens)
-        self._sorted = None
+        self._forget_sorted()
+
+    def _forget_sorted(self) -> None:
+        self._sorted = self._bracketed = None
 
     def sorted_values(self) -> np.ndarray:
         if self._sorted is None:
@@ -72,44 +76,48 @@ class LengthHistory:
         recorded length is predicted uniformly up to `max_len`. `generated = 0` gives the
         unconditional sample of a new request. Callers clamp to each request's own output cap.
         """
+        # Written for few numpy calls: a scheduler calls this for a few hundred draws or for one
+        # candidate's handful, where each call costs more than its arithmetic.
         gen = np.asarray(generated, dtype=np.int64)
         hist = self.sorted_values()
-        top = np.broadcast_to(np.asarray(max_len, dtype=np.int64), gen.shape)
+        # A plain int cap broadcasts by itself; only an array cap is checked against the shape.
+        top: np.ndarray | int = (
+            int(max_len)
+            if isinstance(max_len, int | np.integer)
+            else np.broadcast_to(np.asarray(max_len, dtype=np.int64), gen.shape)
+        )
         if hist.size == 0:  # no history yet: assume the longest
             return np.maximum(gen, top)
-        top = np.maximum(top, hist[-1])
-        pos = np.searchsorted(hist, gen, side="right")
-        n_points = hist.size - pos + 2  # [gen] + hist[pos:] + [top]
-        u = rng.random(gen.shape) * (n_points - 1)
-        lo = np.minimum(np.floor(u).astype(np.int64), n_points - 2)
+        if self._bracketed is None:
+            # [-∞] + hist + [0]: indexing it at pos + lo gives hist[pos + lo − 1] (or −∞, or
+            # the value just below `gen`, both ≤ gen) and at pos + lo + 1 gives hist[pos + lo]
+            # (the 0 stands for `top`, put in by `where`).
+            self._bracketed = np.concatenate(([np.iinfo(np.int64).min], hist, [0]))
+        largest = int(hist[-1])
+        top = max(top, largest) if isinstance(top, int) else np.maximum(top, largest)
+        pos = hist.searchsorted(gen, side="right")
+        last = hist.size - pos  # [gen] + hist[pos:] + [top]: last + 2 points, last + 1 segments
+        u = rng.random(gen.shape) * (last + 1)
+        lo = np.minimum(u.astype(np.int64), last)  # u ≥ 0: truncation is the floor
         frac = u - lo
-        left = _point(hist, gen, top, pos, n_points, lo)
-        right = _point(hist, gen, top, pos, n_points, lo + 1)
+        # Segment lo runs from point lo (gen for lo = 0, else hist[pos + lo − 1] > gen) to point
+        # lo + 1 (top for lo = last, else hist[pos + lo]); see `_bracketed`.
+        idx = pos + lo
+        left = np.maximum(self._bracketed[idx], gen)
+        right = np.where(idx == hist.size, top, self._bracketed[idx + 1])
         total = np.rint(left + (right - left) * frac).astype(np.int64)
-        clipped: np.ndarray = np.clip(total, gen, np.maximum(top, gen))
+        # np.clip(total, gen, max(top, gen)), without np.clip's slower Python wrapper
+        clipped: np.ndarray = np.minimum(np.maximum(total, gen), np.maximum(top, gen))
         return clipped
-
-
-def _point(
-    hist: np.ndarray,
-    gen: np.ndarray,
-    top: np.ndarray,
-    pos: np.ndarray,
-    n_points: np.ndarray,
-    j: np.ndarray,
-) -> np.ndarray:
-    """The j-th point of each request's range [gen] + hist[pos:] + [top]."""
-    inner = hist[np.clip(pos + j - 1, 0, hist.size - 1)]
-    return np.where(j == 0, gen, np.where(j == n_points - 1, top, inner))
 
 
 def future_peak(current: np.ndarray, remaining: np.ndarray) -> int:
     """M*: the largest KV occupancy before the batch drains, in tokens (Eqs. 2–4)."""
     if current.size == 0:
         return 0
-    order = np.argsort(-remaining, kind="stable")
+    order = (-remaining).argsort(kind="stable")
     rem = remaining[order]
-    grown = np.cumsum(current[order]) + rem * np.arange(1, rem.size + 1)
+    grown = current[order].cumsum() + rem * np.arange(1, rem.size + 1)
     return int(grown.max())
 
 
@@ -182,8 +190,13 @@ class PeakAdmission:
 
     Built once per scheduling round from the running requests' current tokens and their
     predicted remaining tokens (one row per sample list); `try_admit` tests a candidate
-    against every list (one `PeakTracker` each, O(log k) per test) and keeps it only if all
-    peaks fit.
+    against every list and keeps it only if all peaks fit.
+
+    Each test is `future_peak` of the set with the candidate appended, for all lists at once
+    (one row per list): O(L·k log k) in a dozen numpy calls. A round tests a candidate or two
+    (usually the queue's head, refused), so that is cheaper than building a `PeakTracker`
+    per list for O(log k) tests; for token counts (≥ 0) both give exactly `future_peak`'s
+    integers.
     """
 
     def __init__(
@@ -191,24 +204,53 @@ class PeakAdmission:
     ) -> None:
         self.limit_tokens = limit_tokens
         cur = np.asarray(current, dtype=np.int64)
-        lists = np.atleast_2d(np.asarray(remaining_lists, dtype=np.int64))
-        self._trackers = [PeakTracker.from_arrays(cur, rem) for rem in lists]
+        rem = np.atleast_2d(np.asarray(remaining_lists, dtype=np.int64))
+        self._lists, self._size = rem.shape
+        # The set plus one spare slot (the last column) where a candidate is written to be
+        # tested, so a test allocates nothing for the set itself.
+        self._current = np.zeros(self._size + 1, dtype=np.int64)
+        self._current[: self._size] = cur
+        self._remaining = np.zeros((self._lists, self._size + 1), dtype=np.int64)
+        self._remaining[:, : self._size] = rem
+        self._list_index = np.arange(self._lists)[:, None]
+        self._rank = np.arange(1, self._size + 2, dtype=np.int64)
+
+    def _peak_of(self, size: int) -> int:
+        """The largest `future_peak` over the lists of the first `size` columns."""
+        if size == 0:
+            return 0
+        cur, rem = self._current[:size], self._remaining[:, :size]
+        order = (-rem).argsort(axis=1, kind="stable")  # as `future_peak` sorts
+        grown = cur[order].cumsum(axis=1) + rem[self._list_index, order] * self._rank[:size]
+        return int(grown.max())
+
+    def _per_list(self, remaining: np.ndarray | int) -> np.ndarray:
+        rem = np.asarray(remaining, dtype=np.int64)
+        if rem.shape != (self._lists,):
+            rem = np.broadcast_to(rem, (self._lists,))
+        return rem
 
     @property
     def peak(self) -> int:
         """The current future peak (the largest over the sample lists)."""
-        return max(t.peak for t in self._trackers)
+        if self._lists == 0:  # as the largest of no peaks
+            raise ValueError("no sample lists")
+        return self._peak_of(self._size)
 
     def peak_with(self, current: int, remaining: np.ndarray) -> int:
         """The peak if a request with `current` tokens and `remaining[l]` (per list) joined."""
-        rem = np.broadcast_to(np.asarray(remaining, dtype=np.int64), (len(self._trackers),))
-        return max(t.peak_with((int(current), int(rem[i]))) for i, t in enumerate(self._trackers))
+        self._current[self._size] = int(current)
+        self._remaining[:, self._size] = self._per_list(remaining)
+        return self._peak_of(self._size + 1)
 
     def try_admit(self, current: int, remaining: np.ndarray | int) -> bool:
         """Admits (and remembers) the candidate if the peak stays within the limit."""
-        rem = np.broadcast_to(np.asarray(remaining, dtype=np.int64), (len(self._trackers),))
-        if self.peak_with(current, rem) > self.limit_tokens:
+        if self.peak_with(current, self._per_list(remaining)) > self.limit_tokens:
             return False
-        for i, tracker in enumerate(self._trackers):
-            tracker.add((int(current), int(rem[i])))
+        # The candidate already sits in the spare slot: keep it, and open a new spare (a round
+        # admits a few requests at most, so growing by one column each time costs little).
+        self._size += 1
+        self._current = np.append(self._current, 0)
+        self._remaining = np.hstack([self._remaining, np.zeros((self._lists, 1), np.int64)])
+        self._rank = np.arange(1, self._size + 2, dtype=np.int64)
         return True

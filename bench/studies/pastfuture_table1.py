@@ -18,6 +18,7 @@ peak / capacity (after every admission round); evictions / requests.
 from __future__ import annotations
 
 import argparse
+import collections
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -51,16 +52,18 @@ class Table1Row:
 
 
 class _State:
-    """Running and queued requests as parallel arrays (admission order = array order)."""
+    """Running and queued requests as parallel arrays: `running` holds request ids in admission
+    order (the last is the first evicted), `queue` the waiting ids, head first."""
 
     def __init__(self, prompts: np.ndarray, outputs: np.ndarray) -> None:
         self.prompt = prompts
         self.output = outputs
         self.generated = np.zeros_like(outputs)
-        self.queue: list[int] = list(range(prompts.size))
-        self.running: list[int] = []
+        self.queue: collections.deque[int] = collections.deque(range(prompts.size))
+        self.running = np.empty(0, dtype=np.int64)
 
-    def current(self, ids: list[int] | np.ndarray) -> np.ndarray:
+    def current(self, ids: np.ndarray) -> np.ndarray:
+        """Tokens held in KV by each of `ids` (prompt plus generated)."""
         return self.prompt[ids] + self.generated[ids]
 
 
@@ -71,12 +74,12 @@ def pastfuture_admit(reserve: float, oracle: bool = False) -> Admit:
     """Past-Future admission; `oracle` uses the true lengths (the theoretical optimum)."""
 
     def admit(state: _State, rng: np.random.Generator, history: LengthHistory) -> int:
-        run = np.array(state.running, dtype=np.int64)
+        run = state.running
         lists = 1 if oracle else num_sample_lists(run.size)
         if oracle:
             remaining = (state.output[run] - state.generated[run])[None, :]
         else:
-            gen = np.broadcast_to(state.generated[run], (lists, run.size))
+            gen = state.generated[run][None, :].repeat(lists, axis=0)
             remaining = history.sample_total(rng, gen, MAX_OUTPUT) - gen
         check = PeakAdmission(state.current(run), remaining, MEM * (1 - reserve))
         return _admit_while(
@@ -95,12 +98,12 @@ def _candidate_fits(
     lists: int,
     oracle: bool,
 ) -> bool:
-    gen = state.generated[i]
+    gen = int(state.generated[i])
     if oracle:
-        rem = np.array([state.output[i] - gen])
+        rem = np.array([int(state.output[i]) - gen])
     else:
         rem = history.sample_total(rng, np.full(lists, gen), MAX_OUTPUT) - gen
-    return check.try_admit(int(state.prompt[i] + gen), rem)
+    return check.try_admit(int(state.prompt[i]) + gen, rem)
 
 
 def aggressive_admit(watermark: float) -> Admit:
@@ -125,7 +128,7 @@ def conservative_admit(overcommit: float = 1.0) -> Admit:
     """Admit while every admitted request's prompt plus the full max output fits."""
 
     def admit(state: _State, rng: np.random.Generator, history: LengthHistory) -> int:
-        reserved = [len(state.running) * MAX_OUTPUT + int(state.prompt[state.running].sum())]
+        reserved = [state.running.size * MAX_OUTPUT + int(state.prompt[state.running].sum())]
 
         def fits(i: int) -> bool:
             need = int(state.prompt[i]) + MAX_OUTPUT
@@ -140,18 +143,21 @@ def conservative_admit(overcommit: float = 1.0) -> Admit:
 
 
 def _admit_while(state: _State, fits: Callable[[int], bool]) -> int:
-    """FCFS admission under the per-round prompt budget; stops at the first refusal."""
+    """FCFS admission under the per-round prompt budget; stops at the first refusal. The
+    admitted ids join the end of `state.running` (`fits` keeps its own tally meanwhile)."""
     budget = PREFILL_TOKENS_PER_ROUND
-    admitted = 0
-    while state.queue:
-        i = state.queue[0]
+    admitted: list[int] = []
+    queue = state.queue
+    while queue:
+        i = queue[0]
         need = int(state.prompt[i] + state.generated[i])
         if need > budget or not fits(i):
             break
         budget -= need
-        state.running.append(state.queue.pop(0))
-        admitted += 1
-    return admitted
+        admitted.append(queue.popleft())
+    if admitted:
+        state.running = np.append(state.running, admitted)
+    return len(admitted)
 
 
 def simulate(dist: str, admit: Admit, seed: int = 0, num_requests: int = NUM_REQUESTS) -> Table1Row:
@@ -166,33 +172,58 @@ def simulate(dist: str, admit: Admit, seed: int = 0, num_requests: int = NUM_REQ
     mem_sum, future_sum, rounds = 0.0, 0.0, 0
     while finished < num_requests:
         admit(state, rng, history)
-        run = np.array(state.running, dtype=np.int64)
-        future_sum += future_peak(state.current(run), state.output[run] - state.generated[run])
+        # The round's decode steps on Python ints: with each running request's tokens at the
+        # round's start (`current`) and still to generate (`remaining`), after `step` steps it
+        # holds current + step and finishes at step = remaining, so memory in use grows by the
+        # number running; the arrays change only when a request finishes or is evicted (about
+        # one step in a hundred), and `generated` is written back when a request leaves.
+        run = state.running
+        current = state.current(run)
+        remaining = state.output[run] - state.generated[run]
+        future_sum += future_peak(current, remaining)
         rounds += 1
-        for _ in range(DECODE_STEPS_PER_ROUND):
-            if not state.running:
+        used = int(current.sum())
+        next_finish = _first_finish(remaining)
+        stepped = 0
+        for step in range(1, DECODE_STEPS_PER_ROUND + 1):
+            if not run.size:
                 break
-            run = np.array(state.running, dtype=np.int64)
-            state.generated[run] += 1
-            done = state.generated[run] >= state.output[run]
-            if done.any():
+            stepped = step
+            used += run.size
+            if step >= next_finish:
+                done = remaining <= step
+                n_done = int(done.sum())
                 history.extend(state.output[run[done]].tolist())
-                finished += int(done.sum())
-                state.running = run[~done].tolist()
+                finished += n_done
+                used -= int(current[done].sum()) + step * n_done
+                state.generated[run[done]] = state.output[run[done]]
+                run, current, remaining = run[~done], current[~done], remaining[~done]
+                next_finish = _first_finish(remaining)
             steps += 1
-            used = int(state.current(state.running).sum())
-            while used > MEM and state.running:
-                victim = state.running.pop()  # the most recently admitted
-                used -= int(state.prompt[victim] + state.generated[victim])
-                state.queue.insert(0, victim)
-                evictions += 1
+            if used > MEM:
+                while used > MEM and run.size:
+                    victim = int(run[-1])  # the most recently admitted
+                    used -= int(current[-1]) + step
+                    state.generated[victim] += step
+                    state.queue.appendleft(victim)
+                    evictions += 1
+                    run, current, remaining = run[:-1], current[:-1], remaining[:-1]
+                next_finish = _first_finish(remaining)
             mem_sum += used / MEM
+        state.generated[run] += stepped
+        state.running = run
     return Table1Row(
         steps=steps,
         current_memory=mem_sum / max(steps, 1),
         future_memory=future_sum / max(rounds, 1) / MEM,
         evicted=evictions / num_requests,
     )
+
+
+def _first_finish(remaining: np.ndarray) -> int:
+    """The step of the round (from 1) at which the first running request finishes; past the
+    round's last step when none is running."""
+    return int(remaining.min()) if remaining.size else DECODE_STEPS_PER_ROUND + 1
 
 
 SCHEDULERS: dict[str, Admit] = {

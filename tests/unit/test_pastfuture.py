@@ -7,6 +7,7 @@ import numpy as np
 from backend.policy.pastfuture import (
     LengthHistory,
     PeakAdmission,
+    PeakTracker,
     future_peak,
     num_sample_lists,
 )
@@ -75,6 +76,34 @@ def test_admission_uses_the_worst_sample_list() -> None:
     assert check.peak == 40
     # list 1 alone would allow it (peak 20); list 2 peaks at 10+10 + 20·2 = 60 > 45
     assert not check.try_admit(10, np.array([0, 20]))
+
+
+def test_admission_peaks_are_future_peak_of_the_set_with_the_candidate() -> None:
+    """`PeakAdmission` answers every list at once; each answer must be `future_peak`'s (and
+    `PeakTracker`'s) exactly, ties and admitted candidates included: the Table-1 simulator's
+    results depend on every comparison with the limit."""
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        size, lists = int(rng.integers(0, 12)), int(rng.integers(1, 6))
+        cur = rng.integers(0, 50, size)
+        rem = rng.integers(0, int(rng.integers(1, 30)), (lists, size))  # small ranges: ties
+        check = PeakAdmission(cur, rem, limit_tokens=float(rng.integers(0, 600)))
+        trackers = [PeakTracker.from_arrays(cur, row) for row in rem]
+        for _ in range(int(rng.integers(1, 8))):
+            assert check.peak == max(future_peak(cur, row) for row in rem)
+            c, r = int(rng.integers(0, 50)), rng.integers(0, 30, lists)
+            expected = max(t.peak_with((c, int(r[i]))) for i, t in enumerate(trackers))
+            assert expected == max(
+                future_peak(np.append(cur, c), np.append(row, r[i])) for i, row in enumerate(rem)
+            )
+            assert check.peak_with(c, r) == expected
+            if check.try_admit(c, r):
+                assert expected <= check.limit_tokens
+                cur, rem = np.append(cur, c), np.hstack([rem, r[:, None]])
+                for i, t in enumerate(trackers):
+                    t.add((c, int(r[i])))
+            else:
+                assert expected > check.limit_tokens
 
 
 def test_few_draws_take_the_scalar_path_and_give_the_numpy_paths_numbers() -> None:

@@ -27,7 +27,7 @@ TABLE1 = {
 @pytest.fixture(scope="module")
 def simulated() -> dict[tuple[str, str], Table1Row]:
     """Every row of the table, simulated two at a time in child processes: six pure-Python
-    runs of 15–40 s each, which the suite would otherwise run one after the other on a machine
+    runs of 3–10 s each, which the suite would otherwise run one after the other on a machine
     with two cores (spawned, not forked: the test process may hold threads)."""
     keys = sorted(TABLE1)
     context = multiprocessing.get_context("spawn")
