@@ -16,15 +16,23 @@ install-test:
 serve: install
 	TANDEM_ADMIN_TOKEN=$${TANDEM_ADMIN_TOKEN:-dev-admin-token} $(VENV)/bin/tandem serve
 
-# The whole suite: unit tests, store tests on SQLite and PostgreSQL, functional tests against
-# the real SGLang engine on CPU.
-test: install-test
-	$(PY) -m pytest -q -ra --durations=30
+# Workers for the tests that start no engine: one per core, at most 4.
+PARALLEL := --numprocesses=auto --maxprocesses=4
 
-# Unit tests and the gateway tier (well under a minute): no engine process, no SGLang, no torch.
+# The whole suite: unit tests, store tests on SQLite and PostgreSQL, functional tests against
+# the real SGLang engine on CPU. Two runs: the tests that start no engine on every core, then
+# the `slow` ones (the real engine, timing compared within a run) one at a time, alone on the
+# machine. Both always run; the status is the first failure's.
+test: install-test
+	@status=0; \
+	$(PY) -m pytest -q -ra -m "not slow" $(PARALLEL) --durations=15 || status=$$?; \
+	$(PY) -m pytest -q -ra -m slow --durations=30 || status=$$?; \
+	exit $$status
+
+# Unit tests and the gateway tier (a few minutes): no engine process, no SGLang, no torch.
 # tests/gateway serves the real gateway app in front of the simulator, both in process.
 test-fast: install-test
-	$(PY) -m pytest -q tests/unit tests/gateway -m "not slow"
+	$(PY) -m pytest -q tests/unit tests/gateway -m "not slow" $(PARALLEL)
 
 check: install-test
 	scripts/check
