@@ -19,7 +19,9 @@ report was taken after the send (`at_unix_s`: the engine's wall clock, on the sa
 gateway, so the two clocks agree) *and* at least two iterations after the one seen then (the
 engine may have been one ahead; the next full iteration started after the send, with the request
 queued unless dispatch took longer than an iteration). Until then it is counted twice at worst —
-a conservative forecast for an iteration or two, never a blind one.
+a conservative forecast for an iteration or two, never a blind one. Or once a report shows one
+iteration that started after the send and left the engine with nothing to run or queued: an idle
+engine runs no second iteration to show it by (`_shows`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import aiohttp
 import msgspec
 from prometheus_client.core import GaugeMetricFamily
 
-from backend.policy.feasibility import Backlog
+from backend.policy.feasibility import Backlog, idle
 from common.config import EngineConfig
 from common.wire import CONTROL_LOAD_PATH, EngineLoad, TenantLoad
 
@@ -52,6 +54,7 @@ SENT_KEPT_S = 60.0
 """A sent request no report accounted for within this long is forgotten (a safety bound: an
 engine that never reports again must not inflate the backlog forever)."""
 _DECODER = msgspec.json.Decoder(EngineLoad)
+
 _NO_BACKLOG = Backlog()
 
 
@@ -62,6 +65,25 @@ class _Sent:
     prompt_tokens: int
     tenant_id: str
     weight: float
+
+
+def _shows(load: EngineLoad, sent: _Sent) -> bool:
+    """Whether the report *load* accounts for the request *sent* (the module doc): taken after
+    the send, two iterations after the one seen then; or one, where that iteration started
+    after the send and left the engine with nothing to run — the request ran in it and
+    finished (a one-token answer on an idle engine runs one iteration; kept until a second,
+    which an idle engine never runs, it made the next requests' forecasts see the engine
+    busy for SENT_KEPT_S, and refuse them on a pace no iteration could re-check)."""
+    if load.at_unix_s <= sent.at_unix_s:
+        return False
+    if load.iteration >= sent.seen_iteration + 2:
+        return True
+    return (
+        load.iteration >= sent.seen_iteration + 1
+        and load.iteration_s > 0.0
+        and load.at_unix_s - load.iteration_s > sent.at_unix_s
+        and idle(load)
+    )
 
 
 class LoadWatcher:
@@ -194,11 +216,7 @@ class LoadWatcher:
         sent = self._sent
         while sent and (
             sent[0].at_unix_s < now_unix_s - SENT_KEPT_S
-            or (
-                latest is not None
-                and latest.at_unix_s > sent[0].at_unix_s
-                and latest.iteration >= sent[0].seen_iteration + 2
-            )
+            or (latest is not None and _shows(latest, sent[0]))
         ):
             sent.popleft()
 

@@ -7,10 +7,12 @@ same against the real engine's reported state.)"""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest_asyncio
 
 from common.wire import EngineLoad
@@ -125,6 +127,39 @@ async def test_a_request_the_engine_can_serve_in_time_is_admitted_as_rt(
     assert reply.status == 200 and "X-Tandem-Downgraded" not in reply.headers, reply
     (record,) = await gw.records(tenant_id)
     assert (record["tier"], record["admission"]) == ("rt", "admitted")
+
+
+async def test_after_a_one_iteration_answer_the_idle_engine_judges_the_next_at_its_profile(
+    watched: tuple[Gateway, LoadWatcher],
+) -> None:
+    """An engine that learned a slow pace (a busy host's: every forecast 40× the profile's)
+    and is idle now: a chat is judged at the profile's pace, the only one an idle engine's
+    iterations can check. Its one-token answer runs one iteration and leaves the engine idle;
+    the next chat is judged as the first was, not as though the first still ran ahead."""
+    gw, watcher = watched
+    slow = EngineLoad(
+        iteration=10,
+        at_unix_s=time.time(),
+        iteration_s=0.05,
+        latency_factors=(40.0, 40.0, 40.0),
+        calibration_samples=100,
+    )
+    watcher.latest = slow
+    tenant_id, key = await tenant(gw, "reject")
+    assert (await gw.chat(key, max_tokens=1)).status == 200
+    # the engine's report of the iteration that ran it (it started after the send)
+    watcher.update(
+        msgspec.structs.replace(slow, iteration=11, at_unix_s=time.time(), iteration_s=1e-4)
+    )
+    second = await gw.chat(key, max_tokens=1)
+    assert second.status == 200, second
+
+    async def both_recorded() -> bool:
+        return len(await gw.records(tenant_id)) == 2
+
+    await wait_until(both_recorded, what="both chats' usage records")
+    records = await gw.records(tenant_id)
+    assert [(r["tier"], r["admission"]) for r in records] == [("rt", "admitted")] * 2
 
 
 async def test_without_engine_state_rt_is_admitted_unchecked(

@@ -194,6 +194,32 @@ def test_backlog_counts_sends_until_a_later_report_two_iterations_on() -> None:
     assert watcher.missed_iterations == 1  # iteration 8 never reported
 
 
+def test_a_request_that_ran_and_finished_on_an_idle_engine_leaves_the_backlog() -> None:
+    """A one-token chat on an idle engine runs one iteration; the engine then runs none, so
+    two iterations on never come (it stayed in the backlog for SENT_KEPT_S, and the idle
+    engine's forecasts saw a request ahead)."""
+    now = time.time()
+    watcher = LoadWatcher("e")
+    watcher.update(load(10, now - 5.0))
+    watcher.sent(20, now - 1.0)  # seen: iteration 10
+    ran = EngineLoad(iteration=11, at_unix_s=now - 0.9, iteration_s=0.05)  # started after it
+    watcher.update(ran)  # and left the engine idle: it ran in it and finished
+    assert totals(watcher.backlog()) == (0, 0)
+
+    watcher.sent(20, now - 0.5)  # seen: 11
+    # one iteration on, idle, but started before the send: it may not have been queued yet
+    watcher.update(EngineLoad(iteration=12, at_unix_s=now - 0.45, iteration_s=0.1))
+    assert totals(watcher.backlog()) == (1, 20)
+    # one iteration on and started after the send, but the engine is not idle: it may be the
+    # one waiting, or not queued yet — two iterations on tell
+    watcher.sent(30, now - 0.4)  # seen: 12
+    busy = EngineLoad(iteration=13, at_unix_s=now - 0.3, iteration_s=0.05, num_rt_waiting=1)
+    watcher.update(busy)
+    assert totals(watcher.backlog()) == (1, 30)  # the first is two iterations on: shown
+    watcher.update(EngineLoad(iteration=14, at_unix_s=now - 0.2, iteration_s=0.05))
+    assert totals(watcher.backlog()) == (0, 0)
+
+
 def test_restart_and_outage_forget_the_backlog_and_old_sends_expire() -> None:
     now = time.time()
     watcher = LoadWatcher("e")
