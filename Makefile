@@ -21,12 +21,12 @@ PARALLEL := --numprocesses=auto --maxprocesses=4
 
 # The whole suite: unit tests, store tests on SQLite and PostgreSQL, functional tests against
 # the real SGLang engine on CPU. Two runs: the tests that start no engine on every core, then
-# the `slow` ones (the real engine, timing compared within a run) one at a time, alone on the
-# machine. Both always run; the status is the first failure's.
+# the `serial` ones (the slow functional tests: the real engine, timings compared within a run)
+# one at a time, alone on the machine. Both always run; the status is the first failure's.
 test: install-test
 	@status=0; \
-	$(PY) -m pytest -q -ra -m "not slow" $(PARALLEL) --durations=15 || status=$$?; \
-	$(PY) -m pytest -q -ra -m slow --durations=30 || status=$$?; \
+	$(PY) -m pytest -q -ra -m "not serial" $(PARALLEL) --durations=15 || status=$$?; \
+	$(PY) -m pytest -q -ra -m serial --durations=30 || status=$$?; \
 	exit $$status
 
 # Unit tests and the gateway tier (a few minutes): no engine process, no SGLang, no torch.

@@ -24,6 +24,18 @@ _exit_status: int | None = None
 """pytest's exit status, once the session has finished."""
 
 
+_FUNCTIONAL = os.path.join(os.path.dirname(__file__), "functional")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marks `serial` the functional tests marked `slow`: they start the real engine or
+    gateway processes, and some compare timings within a run, so `make test` runs them one at
+    a time with the machine to themselves, after everything else has run on every core."""
+    for item in items:
+        if item.get_closest_marker("slow") is not None and str(item.path).startswith(_FUNCTIONAL):
+            item.add_marker(pytest.mark.serial)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     global _exit_status
     _exit_status = int(exitstatus)

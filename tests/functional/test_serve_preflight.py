@@ -132,6 +132,7 @@ def test_a_stale_control_socket_is_removed_a_live_one_kept(tmp_path: Path) -> No
         assert not remove_stale_socket(live_path) and live_path.exists()
 
 
+@pytest.mark.slow
 def test_an_engine_never_takes_over_a_live_control_socket(tmp_path: Path) -> None:
     """An engine started some other way (a test, a study) with the socket of a running one:
     it does not start (before: it replaced the socket, or, failing, ran on without one)."""
