@@ -166,23 +166,38 @@ async def test_tokens_reserved_but_not_generated_are_given_back(gateway: Gateway
     await wait_until(admitted, timeout_s=5, what="the unused reservation given back")
 
 
-async def test_over_max_concurrent_is_429_until_a_request_finishes(gateway: GatewayHandle) -> None:
+async def test_over_max_concurrent_is_429_until_the_request_in_flight_ends(
+    gateway: GatewayHandle,
+) -> None:
     tenant_id, key = await tenant_with_quota(gateway, "conc-tenant", max_concurrent=1)
-    # long enough (seconds on the CPU engine) that it still holds the slot when the probe
-    # arrives, on an idle machine too; 150 tokens could end between the two
-    long = asyncio.create_task(chat(gateway, key, max_tokens=1500))
+    # a stream long enough (seconds on the CPU engine) that it still holds the slot when the
+    # probe arrives, on an idle machine too; it ends when its client hangs up (the slot must
+    # come back then: waiting for its 1,500 tokens took 20–35 s of the suite)
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    async with gateway.session.post(
+        f"{gateway.base_url}/v1/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {key}"},
+    ) as long:
+        assert long.status == 200
+        await long.content.readline()  # admitted and streaming: it holds the slot
+        assert await in_flight(gateway, tenant_id) >= 1
+        status, headers, reply = await chat(gateway, key)
+        assert_rate_limited(status, headers, reply, "max_concurrent")
+        assert not long.content.at_eof(), "the long request ended before the limit was seen"
 
-    async def long_holds_the_slot() -> bool:  # admitted requests are counted in flight
-        assert not long.done(), "the long request ended before the limit was seen"
-        return await in_flight(gateway, tenant_id) >= 1
+    async def slot_back() -> bool:  # once the gateway saw the hang-up and ended the request
+        return await in_flight(gateway, tenant_id) == 0
 
-    await wait_until(long_holds_the_slot, timeout_s=10, what="the long request admitted")
-    status, headers, body = await chat(gateway, key)
-    assert_rate_limited(status, headers, body, "max_concurrent")
-    status, _, _ = await long
-    assert status == 200
-    status, _, body = await chat(gateway, key)
-    assert status == 200, body
+    await wait_until(slot_back, timeout_s=10, what="the hung-up request's slot given back")
+    status, _, reply = await chat(gateway, key)
+    assert status == 200, reply
 
 
 async def test_limit_changes_through_the_admin_api_apply_without_restart(
