@@ -46,6 +46,21 @@ async def chat(
         return resp.status, dict(resp.headers), payload
 
 
+def streamed_chat(gw: GatewayHandle, key: str, max_tokens: int) -> Any:
+    """A streamed chat of *max_tokens* tokens (ignore_eos), as an open response: leaving its
+    `async with` block hangs up."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    return gw.session.post(
+        f"{gw.base_url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+    )
+
+
 async def in_flight(gw: GatewayHandle, tenant_id: str) -> float:
     """The tenant's requests in flight, as /metrics says (all tiers)."""
     async with gw.session.get(f"{gw.base_url}/metrics") as resp:
@@ -141,18 +156,7 @@ async def test_tokens_are_corrected_when_a_request_ends_early(gateway: GatewayHa
 async def test_tokens_reserved_but_not_generated_are_given_back(gateway: GatewayHandle) -> None:
     _, key = await tenant_with_quota(gateway, "tpm-refund", tokens_per_min=1000)
     # reserve prompt + 900, read one chunk, hang up: the engine stops and the rest comes back
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": 900,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    async with gateway.session.post(
-        f"{gateway.base_url}/v1/chat/completions",
-        json=body,
-        headers={"Authorization": f"Bearer {key}"},
-    ) as resp:
+    async with streamed_chat(gateway, key, max_tokens=900) as resp:
         assert resp.status == 200
         await resp.content.readline()
 
@@ -173,18 +177,7 @@ async def test_over_max_concurrent_is_429_until_the_request_in_flight_ends(
     # a stream long enough (seconds on the CPU engine) that it still holds the slot when the
     # probe arrives, on an idle machine too; it ends when its client hangs up (the slot must
     # come back then: waiting for its 1,500 tokens took 20–35 s of the suite)
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": 1500,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    async with gateway.session.post(
-        f"{gateway.base_url}/v1/chat/completions",
-        json=body,
-        headers={"Authorization": f"Bearer {key}"},
-    ) as long:
+    async with streamed_chat(gateway, key, max_tokens=1500) as long:
         assert long.status == 200
         await long.content.readline()  # admitted and streaming: it holds the slot
         assert await in_flight(gateway, tenant_id) >= 1

@@ -624,6 +624,7 @@ async def test_a_pending_request_is_admitted_once_a_report_shows_a_free_slot(
     watcher = app[LOADS][FakeEngine.base_url]
     watcher.update(slot_bound(time.time(), 390, iteration=11))  # still every slot RT's
     while flight.slo_rechecks < 2:
+        assert not admitting.done(), admitting.result()
         await asyncio.sleep(0)  # yield: the task runs to its wait
     watcher.update(freed(time.time(), iteration=12))
     admitted = await admitting
