@@ -5,10 +5,11 @@ that used to crash it) and checks what a client and an operator see:
 
 * the engine SIGKILLed while a stream and a non-streaming request run on it: the stream ends
   with an error event and ``[DONE]`` within seconds, the other request gets 503 with
-  ``Retry-After``, and both usage records say ``engine_unavailable``/503;
-* the engine SIGKILLed: ``/readyz`` says 503 while it is down or restarting and 200 once the
-  supervisor's restart serves again, a chat succeeds, the old process is reaped (no zombie) and
-  ``tandem_engine_restarts_total`` counts the restart;
+  ``Retry-After``, and both usage records say ``engine_unavailable``/503; ``/readyz`` says 503
+  while the engine is down or restarting and 200 once the supervisor's restart serves again, a
+  chat succeeds on the new process, the old one is reaped (no zombie), the log names its death
+  and ``tandem_engine_restarts_total`` counts the restart (one kill for all of it: each engine
+  restart costs 15-45 s of the suite);
 * the inputs that used to crash the engine (``top_k`` = 2³¹, a token id beyond the vocabulary)
   are a 400, and the engine stays up: same process, no restart.
 
@@ -200,8 +201,11 @@ def test_crashing_inputs_are_refused_and_the_engine_stays_up(served: Served) -> 
     assert served.engine_pid() == pid and served.restarts() == 0 and served.readyz() == 200
 
 
-def test_clients_in_flight_hear_of_the_engine_death_at_once(served: Served) -> None:
+def test_a_killed_engine_ends_the_clients_in_flight_at_once_and_is_restarted(
+    served: Served,
+) -> None:
     known = len(served.records())
+    restarts = served.restarts()
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": "tell me everything"}],
@@ -267,29 +271,17 @@ def test_clients_in_flight_hear_of_the_engine_death_at_once(served: Served) -> N
         assert (record["status"], record["http_status"]) == ("engine_unavailable", 503), record
         assert record["completion_tokens"] >= 1 or not record["stream"]
 
-    recovered_s = wait_ready_again(served, killed_at)
-    print(f"engine SIGKILL -> /readyz 200 again after {recovered_s:.1f} s")
-    assert is_reaped(pid)
-    assert served.chat(max_tokens=3).status_code == 200
-
-
-def test_a_killed_engine_is_reaped_and_restarted_and_readyz_says_so(served: Served) -> None:
-    wait_ready_again(served, time.monotonic())
-    restarts = served.restarts()
-    pid = served.engine_pid()
-    killed_at = time.monotonic()
-    os.kill(pid, signal.SIGKILL)
+    # The restart takes seconds (the engine loads its model again): /readyz says so meanwhile.
     wait_until_sync(lambda: served.readyz() == 503, 30, what="/readyz 503 while the engine is down")
     body = httpx.get(f"{served.base_url}/readyz", timeout=5).json()
     assert body["checks"]["engine"] == "unavailable", body
     wait_until_sync(lambda: is_reaped(pid), 30, what="the dead engine reaped (no zombie)")
 
     recovered_s = wait_ready_again(served, killed_at)
-    print(f"\nengine SIGKILL -> /readyz 200 again after {recovered_s:.1f} s")
+    print(f"engine SIGKILL -> /readyz 200 again after {recovered_s:.1f} s")
     reply = served.chat(max_tokens=3)
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] >= 1
     assert served.engine_pid() != pid
     assert served.restarts() == restarts + 1
-    log = served.log_path.read_text()
-    assert f"engine pid {pid} exited: killed by SIGKILL (status -9)" in log
+    assert f"engine pid {pid} exited: killed by SIGKILL (status -9)" in served.log_path.read_text()
