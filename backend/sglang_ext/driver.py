@@ -529,6 +529,7 @@ class EngineDriver:
         )
         if calib.samples != self._calib_samples and calib.last_error is not None:
             self._calib_samples = calib.samples
+            stats.latency_calibrated_at_unix_s = self.wall_clock()
             (
                 stats.latency_mean_pace_decode,
                 stats.latency_mean_pace_prefill,

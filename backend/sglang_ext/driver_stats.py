@@ -98,6 +98,11 @@ class DriverStats(msgspec.Struct, kw_only=True):
     """How many times its predicted cost BE work riding in RT iterations really took, recently
     (tandem with `rt_stretch`: `feedback.RiderCost`, which divides BE's allowance there by it;
     1.0 otherwise)."""
+    latency_calibrated_at_unix_s: float | None = None
+    """When the calibration last learned from an iteration (Unix seconds, the engine host's
+    clock): the factors and errors above are as of then. An idle engine learns nothing, so they
+    grow stale while it idles (the gateway's SLO admission judges an idle engine at its
+    profile's pace for that reason); None before the first calibrated iteration."""
     latency_warnings: int = 0
     """Episodes in which a factor stayed outside the tolerated band long enough to warn (the
     profile does not describe this engine)."""

@@ -10,6 +10,7 @@ changes (a restarted engine — its counters went down — starts a new interval
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -75,11 +76,21 @@ class EngineStatsWindow:
             return 0.0
         return min(1.0, max(0.0, (_num(self.latest, key) - _num(before, key)) / busy))
 
+    def calibration_age_s(self, now_unix_s: float | None = None) -> float | None:
+        """Seconds since the engine's calibration last learned from an iteration (its factors
+        and errors are as of then: an idle engine's grow stale); None before the first one or
+        without a calibrating policy. Never negative (the engine's host clock may run ahead)."""
+        at = (self.latest or {}).get("latency_calibrated_at_unix_s")
+        if not isinstance(at, int | float):
+            return None
+        return max(0.0, (time.time() if now_unix_s is None else now_unix_s) - float(at))
+
     def latency_errors(self) -> dict[str, float | None]:
         """The latest reading's prediction errors: error_p50/p99 (the profile's) and
-        corrected_error_p50/p99 (the calibrated prediction's), ratios; None where unknown."""
+        corrected_error_p50/p99 (the calibrated prediction's), ratios; None where unknown; and
+        calibrated_age_s, how old they are (`calibration_age_s`)."""
         latest = self.latest or {}
-        out: dict[str, float | None] = {}
+        out: dict[str, float | None] = {"calibrated_age_s": self.calibration_age_s()}
         for name, key in (
             ("error", "latency_error"),
             ("corrected_error", "latency_corrected_error"),
@@ -116,6 +127,14 @@ class EngineStatsWindow:
                 factors.add_metric([regime], float(value))
         if factors.samples:
             yield factors
+        age_s = self.calibration_age_s()
+        if age_s is not None:
+            yield GaugeMetricFamily(
+                "tandem_engine_latency_calibration_age_seconds",
+                "Seconds since the engine's latency calibration last learned from an iteration: "
+                "the factors and errors above are as of then (an idle engine's grow stale).",
+                value=age_s,
+            )
 
 
 def _num(stats: dict[str, Any], key: str) -> float:

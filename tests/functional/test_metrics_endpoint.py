@@ -167,3 +167,11 @@ async def test_the_latency_profiles_error_on_the_real_engine_is_a_gauge(
         # 4× slower than cpu-tiny), a positive factor within the calibration's bounds
         factor = value(samples, "tandem_engine_latency_factor", regime=regime)
         assert factor is not None and 1 / 256 <= factor <= 256, (regime, factor)
+
+    # the chats just ran: once the gateway has read the engine's stats after them, the
+    # calibration learned from their iterations seconds ago (engine and gateway share a clock)
+    async def fresh_age() -> float | None:
+        age_s = value(await scrape(gateway), "tandem_engine_latency_calibration_age_seconds")
+        return age_s if age_s is not None and 0.0 <= age_s < 120.0 else None
+
+    await wait_until(fresh_age, timeout_s=30, what="a fresh calibration age on /metrics")

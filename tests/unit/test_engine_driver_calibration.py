@@ -79,3 +79,17 @@ def test_a_policy_without_calibration_reports_neutral_values() -> None:
     assert summary["latency_factor_decode"] == 1.0 and summary["latency_factor_mixed"] == 1.0
     assert summary["latency_error_p50"] is None and summary["latency_warnings"] == 0
     assert summary["latency_mean_pace_decode"] is None
+
+
+def test_stats_say_when_the_calibration_last_learned_so_an_idle_engine_shows_its_age() -> None:
+    now, wall = [100.0], [1_700_000_000.0]
+    policy = CalibratedPolicy()
+    drv = EngineDriver(policy, clock=lambda: now[0], wall_clock=lambda: wall[0])  # type: ignore[arg-type]
+    assert drv.stats.summary()["latency_calibrated_at_unix_s"] is None  # nothing learned yet
+    run(drv, now, 2.0, 1.0)
+    assert drv.stats.summary()["latency_calibrated_at_unix_s"] == wall[0]
+    learned_at = wall[0]
+    wall[0] += 600.0  # ten idle minutes: no iteration, nothing learned, the time stays
+    assert drv.stats.summary()["latency_calibrated_at_unix_s"] == learned_at
+    run(drv, now, 2.0, 0.2)  # traffic again: learned now
+    assert drv.stats.summary()["latency_calibrated_at_unix_s"] == wall[0]

@@ -86,6 +86,21 @@ def test_the_latency_model_error_and_the_pace_factors_are_gauges() -> None:
     assert samples[("tandem_engine_latency_factor", (("regime", "mixed"),))] == 1.0
 
 
+def test_the_calibration_age_says_how_stale_an_idle_engine_s_factors_are() -> None:
+    window = EngineStatsWindow()
+    window.add({**reading(10.0, 5.0), "latency_calibrated_at_unix_s": 1_000.0})
+    assert window.calibration_age_s(now_unix_s=1_600.0) == 600.0
+    assert window.calibration_age_s(now_unix_s=990.0) == 0.0  # the engine's clock runs ahead
+    ages = [
+        s.value
+        for m in window.collect()
+        if m.name == "tandem_engine_latency_calibration_age_seconds"
+        for s in m.samples
+    ]
+    assert len(ages) == 1 and ages[0] > 600.0  # now is long after 1970's 1,000th second
+    assert window.latency_errors()["calibrated_age_s"] == pytest.approx(ages[0], abs=60.0)
+
+
 def test_an_engine_without_a_policy_has_no_latency_gauges() -> None:
     window = EngineStatsWindow()
     window.add(reading(10.0, 5.0))
