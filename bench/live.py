@@ -61,6 +61,7 @@ from backend.policy.calibration import regime_of
 from backend.policy.latency import BatchShape, LatencyModel, Profile, ProfileSample, load_profile
 from backend.policy.profiles import resolve_profile
 from backend.policy.registry import make_policy
+from backend.policy.tandem.config import TandemConfig
 from backend.sim.engine import simulate
 from backend.sim.records import IterationLog, RequestRecord, SimResult
 from backend.sim.source import SimRequest
@@ -82,6 +83,7 @@ from bench.metrics import (
     rt_metrics,
     tenant_metrics,
 )
+from bench.policy_spec import base_name, parse_policy_spec
 from bench.profiler.probe import engine_prefill_busy_s
 from bench.runner import BenchConfig, build, measure_rate, sim_config
 from bench.series import PolicySeries, compute_series
@@ -93,7 +95,9 @@ from common.sockets import free_port
 from common.wire import CONTROL_ITERATIONS_PATH, IterationRecord, RecentIterations
 
 LIVE_POLICIES = ("tandem", "fcfs", "priority")
-"""What `--engine sglang` can run, in run order."""
+"""What `--engine sglang` can run, in run order. tandem may carry options on top of the shipped
+ones (`tandem:rt_stretch=0.6`, `bench/policy_spec.py`), so one run compares settings on the
+real engine; stock SGLang's fcfs and priority take none."""
 LIVE_WORKLOADS = ("W1", "W5", "W6")
 """The workloads `--engine sglang` replays: open-loop RT next to BE (W6: several tenants of each
 tier, each a tenant of the gateway with its weight)."""
@@ -142,6 +146,8 @@ class LiveRun:
     rt_capacity_req_s: float | None
     rt_rate_req_s: float | None
     policy_options: dict[str, Any]
+    """tandem's options as config.yaml ships them; a row `tandem:K=V…` runs these with its own
+    on top (`options_of`)."""
     sim_capacity_req_s: float | None = None
     """λ* of the same workload in the simulator (for comparison; the run uses the real one)."""
     capacity_probes: list[tuple[float, float]] = field(default_factory=list)
@@ -197,6 +203,12 @@ class LiveRun:
     |predicted ÷ measured − 1| over them, for `sim_engine` ("fitted") and for the profile at
     `sim_regime_pace` ("regime_pace")."""
 
+    def options_of(self, name: str) -> dict[str, Any]:
+        """The policy options row *name* runs with: tandem's shipped ones with the row's own on
+        top; none for stock SGLang's policies."""
+        policy, options = parse_policy_spec(name)
+        return {**self.policy_options, **options} if policy == "tandem" else {}
+
 
 def live_config(config: BenchConfig) -> BenchConfig:
     """The config as the live run uses it: the CPU profile and workload variant unless given,
@@ -204,11 +216,23 @@ def live_config(config: BenchConfig) -> BenchConfig:
     profile = config.profile if config.profile != "h100-llama8b-analytic" else DEFAULT_PROFILE
     variant = config.variant or DEFAULT_VARIANT.get(config.workload)
     policies = config.policies or LIVE_POLICIES
-    unknown = [p for p in policies if p not in LIVE_POLICIES]
+    unknown = [p for p in policies if base_name(p) not in LIVE_POLICIES]
     if unknown:
         raise ValueError(
             f"--engine sglang runs {', '.join(LIVE_POLICIES)}; not {', '.join(unknown)}"
         )
+    for spec in policies:
+        policy, options = parse_policy_spec(spec)
+        if options and policy != "tandem":
+            raise ValueError(
+                f"policy spec {spec!r}: stock SGLang's {policy} takes no options on the real "
+                "engine (only tandem's do)"
+            )
+        if options:
+            try:  # a bad option fails here, before any engine starts
+                TandemConfig(**{**CPU_POLICY_OPTIONS, **options})
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"policy spec {spec!r}: {exc}") from None
     if config.workload not in LIVE_WORKLOADS:
         raise ValueError(
             f"--engine sglang runs W1, W5 and W6 (open-loop RT next to BE); not {config.workload}"
@@ -320,12 +344,12 @@ def engine_section(
         # every policy's engine alike, from its replay's start (`_replay_all` writes the file)
         section["slowdown"] = format_slowdown(run.config.engine_slowdown)
         section["slowdown_start_file"] = str(log_file.with_name(SLOWDOWN_START_FILE))
-    if name == "tandem":
+    if base_name(name) == "tandem":
         section.update(
             patch=True,
             policy="tandem",
             profile=str(profile_path),
-            policy_options=run.policy_options,
+            policy_options=run.options_of(name),
         )
     else:
         section.update(patch=False, enable_priority_scheduling=name == "priority")
@@ -340,11 +364,11 @@ def run_real(
     workdir = run.config.out_dir / "live" / name
     with _stack(name, run, profile, profile_path, workdir) as (base_url, token, engine):
         records, end_s, overhead_s, iterations = asyncio.run(
-            _replay_all(base_url, token, run, engine, name=name, follow=name == "tandem")
+            _replay_all(base_url, token, run, engine, name=name, follow=base_name(name) == "tandem")
         )
         if overhead_s is not None:
             run.serving_overhead_s[name] = overhead_s
-        stats = _engine_stats(engine) if name == "tandem" else {}
+        stats = _engine_stats(engine) if base_name(name) == "tandem" else {}
         if stats:
             stats["gateway_slo_rechecks"] = gateway_slo_rechecks(base_url, token)
     save_requests(workdir / "requests.json", records, run.replay_start_unix_s.get(name))
@@ -723,9 +747,9 @@ SIM_POLICY = {"tandem": "tandem", "fcfs": "fcfs", "priority": "priority"}
 
 
 def run_sim(name: str, run: LiveRun, latency: LatencyModel, base: Any) -> SimResult:
-    """The identical workload in the simulator (tandem with the engine's policy options)."""
-    options = run.policy_options if name == "tandem" else {}
-    policy = make_policy(SIM_POLICY[name], latency, **options)
+    """The identical workload in the simulator (tandem with the row's policy options, as its
+    engine ran them)."""
+    policy = make_policy(SIM_POLICY[base_name(name)], latency, **run.options_of(name))
     source = SimSource(run.workload.source(run.rt_rate_req_s, True), SimRequest)
     # the engine's request cap, and its speed, as the real engine has them: fitted to its
     # iterations, else the profile at its pace per batch regime; the SLO admission learns from

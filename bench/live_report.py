@@ -77,6 +77,7 @@ def results_dict(run: LiveRun) -> dict[str, Any]:
         "sim_rt_capacity_req_s": run.sim_capacity_req_s,
         "capacity_probes": [list(p) for p in run.capacity_probes],
         "policy_options": run.policy_options,
+        "row_options": {name: run.options_of(name) for name in run.real if ":" in name},
         "sim_pace": run.sim_pace,
         "serving_overhead_ms": {k: round(v * 1000, 2) for k, v in run.serving_overhead_s.items()},
         "sim_regime_pace": dict(zip(REGIMES, run.sim_regime_pace, strict=True))
@@ -196,7 +197,8 @@ def report_markdown(run: LiveRun, plots: list[str]) -> str:
         f"workload is {_num(run.sim_capacity_req_s)} req/s",
         f"* KV pool {run.kv_capacity_tokens} tokens; arrival window "
         f"{run.workload.window_s} s; seed {cfg.seed}; exact output lengths (ignore_eos)",
-        f"* tandem's options: `{json.dumps(run.policy_options)}`",
+        f"* tandem's options: `{json.dumps(run.policy_options)}` (config.yaml's; a row "
+        f"`tandem:KEY=VALUE…` runs them with its own on top)",
         *(
             [
                 f"* engine slowdown {format_slowdown(cfg.engine_slowdown)}: every policy's "
