@@ -223,16 +223,17 @@ def live_config(config: BenchConfig) -> BenchConfig:
         )
     for spec in policies:
         policy, options = parse_policy_spec(spec)
-        if options and policy != "tandem":
+        if not options:
+            continue
+        if policy != "tandem":
             raise ValueError(
                 f"policy spec {spec!r}: stock SGLang's {policy} takes no options on the real "
                 "engine (only tandem's do)"
             )
-        if options:
-            try:  # a bad option fails here, before any engine starts
-                TandemConfig(**{**CPU_POLICY_OPTIONS, **options})
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"policy spec {spec!r}: {exc}") from None
+        try:  # a bad option fails here, before any engine starts
+            TandemConfig(**{**CPU_POLICY_OPTIONS, **options})
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"policy spec {spec!r}: {exc}") from None
     if config.workload not in LIVE_WORKLOADS:
         raise ValueError(
             f"--engine sglang runs W1, W5 and W6 (open-loop RT next to BE); not {config.workload}"

@@ -11,6 +11,7 @@ from bench.calibration_recovery import ERROR_BAND, ERROR_WINDOW_S
 from bench.live import RATIO_KEYS, SERVING_PROBES, LiveRun, sim_real_ratios
 from bench.metrics import rounded
 from bench.plots import write_plots
+from bench.policy_spec import base_name
 from bench.report import _fmt, slowdown_fields, tenant_table
 from common.slowdown import format_slowdown
 
@@ -77,7 +78,7 @@ def results_dict(run: LiveRun) -> dict[str, Any]:
         "sim_rt_capacity_req_s": run.sim_capacity_req_s,
         "capacity_probes": [list(p) for p in run.capacity_probes],
         "policy_options": run.policy_options,
-        "row_options": {name: run.options_of(name) for name in run.real if ":" in name},
+        "row_options": {name: run.options_of(name) for name in run.real if base_name(name) != name},
         "sim_pace": run.sim_pace,
         "serving_overhead_ms": {k: round(v * 1000, 2) for k, v in run.serving_overhead_s.items()},
         "sim_regime_pace": dict(zip(REGIMES, run.sim_regime_pace, strict=True))
