@@ -1,5 +1,7 @@
 """`tandem serve` as the README runs it: migrations, the engine, the gateway; Ctrl-C stops both
-and leaves no engine process behind."""
+and leaves no engine process behind. It runs with --skip-profile (measuring is
+test_serve_profile.py's subject), so it also checks what that flag does with no stored profile:
+the bundled profile, a warning, and the engine saying the profile does not match."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -50,10 +53,11 @@ def assert_engine_needs_its_key(engine_port: int, gateway_url: str) -> None:
 
 
 def run_serve_and_chat(
-    tmp_path: Path, *, check_engine_key: bool = False, **env_overrides: str
-) -> None:
+    tmp_path: Path, *, check_engine: bool = False, **env_overrides: str
+) -> tuple[str, dict[str, Any]]:
     """Starts `tandem serve`, chats through it, stops it with SIGINT; asserts a clean exit.
-    *check_engine_key*: also that the engine refuses requests that bypass the gateway."""
+    Returns its output and, with *check_engine*, the engine's /stats read while it served;
+    *check_engine* also checks that the engine refuses requests that bypass the gateway."""
     gw_port = free_port()
     env = dict(
         os.environ,
@@ -67,17 +71,20 @@ def run_serve_and_chat(
         TANDEM_ENGINE__SKIP_PROFILE="true",
     )
     env.update(env_overrides)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "serve"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:  # a file, not a pipe: nothing blocks on a full pipe
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "serve"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
     base = f"http://127.0.0.1:{gw_port}"
+    stats: dict[str, Any] = {}
 
     def ready() -> bool:
-        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        assert proc.poll() is None, log_path.read_text()
         try:
             return httpx.get(f"{base}/readyz", timeout=2).status_code == 200
         except httpx.HTTPError:
@@ -96,8 +103,13 @@ def run_serve_and_chat(
             model="tandem-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4
         )
         assert reply.usage is not None and reply.usage.completion_tokens >= 1
-        if check_engine_key:
-            assert_engine_needs_its_key(int(env["TANDEM_ENGINE__PORT"]), base)
+        if check_engine:
+            engine_port = int(env["TANDEM_ENGINE__PORT"])
+            assert_engine_needs_its_key(engine_port, base)
+            socket_path = EngineConfig(port=engine_port).control_socket_path
+            transport = httpx.HTTPTransport(uds=str(socket_path))
+            with httpx.Client(transport=transport, timeout=10) as control:
+                stats = control.get("http://engine/stats").json()
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -105,15 +117,23 @@ def run_serve_and_chat(
         except subprocess.TimeoutExpired:
             proc.kill()
             raise
-    assert proc.returncode == 0
+    output = log_path.read_text()
+    assert proc.returncode == 0, output
+    return output, stats
 
 
 def test_serve_answers_then_stops_everything(tmp_path: Path) -> None:
     port = free_port()
-    run_serve_and_chat(tmp_path, check_engine_key=True, TANDEM_ENGINE__PORT=str(port))
+    output, stats = run_serve_and_chat(tmp_path, check_engine=True, TANDEM_ENGINE__PORT=str(port))
     wait_until_sync(lambda: engine_pids(port) == [], 30, what="every engine process gone")
     # nor its control socket (its scheduler is killed, so `tandem serve` removes the file)
     assert not Path(EngineConfig(port=port).control_socket_path).exists()
+    # --skip-profile with nothing stored: never measures, says which profile it plans with
+    # instead, and the engine says that profile is not its own
+    assert "measuring one" not in output, output
+    assert "using the bundled cpu-tiny" in output, output
+    assert "latency profile 'cpu-tiny' does not match the served engine" in output, output
+    assert stats["profile"] == "cpu-tiny" and stats["profile_matches"] is False, stats
 
 
 def test_serve_fronts_the_simulator(tmp_path: Path) -> None:

@@ -1,7 +1,9 @@
 """`tandem serve` and the engine's latency profile (engine.profile auto) on the real CPU engine:
 the first start with an empty cache measures a profile and stores it under the engine's key,
-the next start reuses it without measuring, and --skip-profile never measures (the bundled
-profile, with a warning; the engine's /stats says it does not match)."""
+the next start reuses it without measuring, also with --skip-profile. --skip-profile with no
+stored profile (the bundled one, with a warning; the engine's /stats says it does not match) is
+checked on test_serve.py's start, which runs that way: each start of the real engine costs
+about 25 s of the suite."""
 
 from __future__ import annotations
 
@@ -87,20 +89,10 @@ def test_serve_measures_a_profile_once_then_reuses_it(tmp_path: Path) -> None:
     assert stats["profile"] == f"auto-{key}" and stats["profile_matches"] is True
     written = stored[0].read_bytes()
 
-    output, stats = serve_once(tmp_path, cache)
+    # --skip-profile never measures; a stored profile of this engine is still the one used
+    output, stats = serve_once(tmp_path, cache, "--skip-profile")
     assert MEASURING not in output and STORED in output and key in output, output
+    assert "bundled" not in output, output
     assert [p.name for p in cache.glob("*.json")] == [f"{key}.json"]
     assert stored[0].read_bytes() == written
     assert stats["profile"] == f"auto-{key}" and stats["profile_matches"] is True
-
-
-def test_skip_profile_never_measures_and_says_the_profile_does_not_match(
-    tmp_path: Path,
-) -> None:
-    cache = tmp_path / "profiles"
-    output, stats = serve_once(tmp_path, cache, "--skip-profile")
-    assert MEASURING not in output, output
-    assert not cache.exists() or not list(cache.glob("*.json"))
-    assert "using the bundled cpu-tiny" in output
-    assert "latency profile 'cpu-tiny' does not match the served engine" in output
-    assert stats["profile"] == "cpu-tiny" and stats["profile_matches"] is False
