@@ -23,6 +23,7 @@ are never written back into the config.
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 from collections.abc import Mapping, Sequence
@@ -123,6 +124,14 @@ class GatewayConfig(_Section, frozen=True):
     """How long a client connection may go without a request, seconds: from its opening until
     a request's head has fully arrived, and between two requests of a keep-alive connection.
     Then it is closed (a half-open or trickling connection holds nothing for long)."""
+    shutdown_timeout_s: float = 60.0
+    """How long a stopping gateway (SIGINT or SIGTERM) lets the requests in flight finish,
+    seconds. It stops listening at once and refuses new requests on open connections (503
+    `gateway_shutting_down`; /readyz 503); what is still in flight after this time, or at a
+    second signal, is ended: a stream with an error event and `[DONE]`, any other request with
+    the 503, its engine request aborted (gateway/shutdown.py). Keep it under what your process
+    manager waits before it kills (systemd's TimeoutStopSec: 90 s by default; Kubernetes'
+    terminationGracePeriodSeconds: 30 s). 0: end them at once."""
     body_read_timeout_s: float = 120.0
     """How long a request's body may take to arrive in full, seconds from the start of its
     handling; a slower one is answered 408 `request_timeout` and its connection closed."""
@@ -524,6 +533,9 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
         if not 0.0 <= self.gateway.slo_recheck_frac < 1.0:
             frac = self.gateway.slo_recheck_frac
             raise ConfigError(f"gateway.slo_recheck_frac must be in [0, 1), got {frac}")
+        if not 0 <= self.gateway.shutdown_timeout_s < math.inf:
+            timeout_s = self.gateway.shutdown_timeout_s
+            raise ConfigError(f"gateway.shutdown_timeout_s must be 0 or more, got {timeout_s}")
         if self.gateway.loop_stall_ms < 0:
             stall_ms = self.gateway.loop_stall_ms
             raise ConfigError(f"gateway.loop_stall_ms must be 0 or more, got {stall_ms}")

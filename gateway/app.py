@@ -37,12 +37,14 @@ from gateway.overload import OVERLOAD, OverloadGuard
 from gateway.pipeline.admission import build_forecaster
 from gateway.pipeline.tier_queue import TierQueues, tier_bounds
 from gateway.request_id import add_request_id
+from gateway.shutdown import Drain
 from gateway.state import (
     ADMIN_TOKEN,
     AUTH,
     BACKGROUND,
     CONFIG,
     DB_ENGINE,
+    DRAIN,
     ENGINE,
     LOADS,
     METRICS,
@@ -76,11 +78,14 @@ a 503 "engine lost" (ServerDisconnectedError, ClientOSError): twice in one live 
 def create_app(config: Config, admin_token: str, model_dir: Path) -> web.Application:
     """The gateway for *config*, serving the model in *model_dir* (its tokenizer is loaded now)."""
     guard = OverloadGuard(config.gateway)  # first: a flood is shed before any other work
+    drain = Drain()  # inside the error middleware, which answers its refusals
     app = web.Application(
-        middlewares=[guard.middleware, error_middleware, body_guard],
+        middlewares=[guard.middleware, error_middleware, drain.middleware, body_guard],
         client_max_size=config.gateway.max_body_bytes,
     )
     app[OVERLOAD] = guard
+    app[DRAIN] = drain
+    app.on_shutdown.append(_drain)  # listening has stopped; the handlers are not yet waited for
     app.on_response_prepare.append(add_request_id)  # x-request-id on every response
     app[CONFIG] = config
     app[ADMIN_TOKEN] = admin_token
@@ -163,6 +168,14 @@ async def _engine_client(app: web.Application) -> AsyncIterator[None]:
     yield
     await pool.close()
     await session.close()
+
+
+async def _drain(app: web.Application) -> None:
+    """The requests in flight finish, or are ended, before the gateway stops
+    (gateway/shutdown.py)."""
+    ended = await app[DRAIN].drain(app[CONFIG].gateway.shutdown_timeout_s)
+    if ended:
+        log.warning("shutting down: ended %d requests in flight", ended)
 
 
 async def _engine_health(app: web.Application) -> AsyncIterator[None]:

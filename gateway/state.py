@@ -20,6 +20,7 @@ from gateway.engine.stats import EngineStatsWindow
 from gateway.metrics import METRICS_KEY
 from gateway.pipeline.tier_queue import TierQueues
 from gateway.quotas.limiter import QuotaLimiter
+from gateway.shutdown import Drain
 from gateway.store.repo import Store
 from gateway.tokenizer import ModelTokenizer
 from gateway.usage import UsageRecorder
@@ -54,6 +55,9 @@ TTFT_FEEDBACK = web.AppKey("ttft_feedback", TtftFeedbackByEngine)
 TIER_QUEUES = web.AppKey("tier_queues", TierQueues)
 """Interactive requests in flight per tier, against the tiers' bounds (the pool's: each
 engine's bound times the engines)."""
+DRAIN = web.AppKey("drain", Drain)
+"""The requests inside the gateway, and the drain that ends them when it stops
+(`gateway.shutdown`)."""
 BACKGROUND: web.AppKey[set[asyncio.Task[None]]] = web.AppKey("background_tasks")
 """Fire-and-forget tasks (engine aborts after a disconnect) kept referenced until done."""
 

@@ -46,7 +46,8 @@ from common.config import (
 from common.sockets import control_socket_error, port_error, remove_stale_socket
 from gateway.app import create_app
 from gateway.server import GuardedSite, runner_options
-from gateway.state import POOL
+from gateway.shutdown import CUT_GRACE_S
+from gateway.state import DRAIN, POOL
 from tandem.database import migrate_database
 from tandem.engine_profile import ChosenProfile, choose_profile, needs_profile
 from tandem.errors import CliError
@@ -247,7 +248,15 @@ async def run_gateway(app: web.Application, host: str, port: int) -> None:
     """Serves *app* until SIGINT or SIGTERM."""
     # handler_cancellation: a client that disconnects cancels its handler, which aborts the
     # engine request so its KV is freed at once
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, **runner_options(app))
+    # the requests in flight are drained by the app's on_shutdown (gateway/shutdown.py);
+    # aiohttp's own wait after it only lets the ended ones write their last bytes
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=CUT_GRACE_S,
+        **runner_options(app),
+    )
     await runner.setup()
     try:
         site = GuardedSite(runner, host, port)  # with the connection cap (gateway/server.py)
@@ -264,9 +273,15 @@ async def run_gateway(app: web.Application, host: str, port: int) -> None:
         log.info("gateway listening on http://%s:%d", host, port)
         print(f"tandem: serving on http://{host}:{port}", file=sys.stderr, flush=True)
         stop = asyncio.Event()
+
+        def on_signal() -> None:
+            if stop.is_set():  # a second one: what is still in flight ends now
+                app[DRAIN].end_now()
+            stop.set()
+
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         await stop.wait()
         log.info("shutting down")
     finally:

@@ -277,16 +277,19 @@ async def _stream(
     )
     await resp.prepare(request)
     sent = 0
-    while True:
-        await _next_change(stream)
-        if stream.completion_tokens > sent or stream.finish_reason is not None:
-            sent = stream.completion_tokens
-            data = msgspec.json.encode(_payload(engine, stream))
-            await resp.write(b"data: " + data + b"\n\n")
-        if stream.finish_reason is not None:
-            break
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
+    try:
+        while True:
+            await _next_change(stream)
+            if stream.completion_tokens > sent or stream.finish_reason is not None:
+                sent = stream.completion_tokens
+                data = msgspec.json.encode(_payload(engine, stream))
+                await resp.write(b"data: " + data + b"\n\n")
+            if stream.finish_reason is not None:
+                break
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+    except ConnectionResetError:  # the client hung up mid-stream: its request is aborted
+        pass
     return resp
 
 

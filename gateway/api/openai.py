@@ -8,6 +8,7 @@ body or a stream of server-sent events, rendered by gateway/api/render.py.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from typing import Any
@@ -20,7 +21,7 @@ from gateway.api.schemas import Endpoint, StreamOptions
 from gateway.auth import Principal, bearer_token
 from gateway.engine.client import EngineChunk
 from gateway.overload import arrival_of
-from gateway.pipeline.outcome import Refused, internal_error
+from gateway.pipeline.outcome import Refused, gateway_shut_down, internal_error
 from gateway.pipeline.prepare import check_model, prepare_prompt_off_loop
 from gateway.pipeline.stages import (
     Completion,
@@ -38,7 +39,7 @@ from gateway.pipeline.stages import (
 )
 from gateway.request_id import request_id_of
 from gateway.slo import RequestTimer
-from gateway.state import AUTH, CONFIG, TOKENIZER
+from gateway.state import AUTH, CONFIG, DRAIN, TOKENIZER
 
 log = logging.getLogger(__name__)
 routes = web.RouteTableDef()
@@ -100,16 +101,36 @@ async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
         arrival_unix_s=arrival.unix_s,
     )
     with recording(app, flight):
-        body = parse(app, flight, await request.read())
-        # a long prompt is tokenized off the event loop (gateway/pipeline/prepare.py)
-        gateway_config = app[CONFIG].gateway
-        prompt = await prepare_prompt_off_loop(
-            body, app[TOKENIZER], gateway_config.default_max_tokens
-        )
-        prepare(app, flight, body, prompt)
-        if body.stream:
-            return await _stream(request, flight, body.stream_options or StreamOptions())
-        return await _respond(app, flight)
+        try:
+            body = parse(app, flight, await request.read())
+            # a long prompt is tokenized off the event loop (gateway/pipeline/prepare.py)
+            gateway_config = app[CONFIG].gateway
+            prompt = await prepare_prompt_off_loop(
+                body, app[TOKENIZER], gateway_config.default_max_tokens
+            )
+            prepare(app, flight, body, prompt)
+            if body.stream:
+                return await _stream(request, flight, body.stream_options or StreamOptions())
+            return await _respond(app, flight)
+        except asyncio.CancelledError:
+            if not _ended_by_the_drain(app, flight):
+                raise  # the client went away
+            # before any answer went out: a 503 to retry, recorded as such
+            assert flight.failure is not None
+            raise flight.failure.api_error() from None
+
+
+def _ended_by_the_drain(app: web.Application, flight: Flight) -> bool:
+    """For a handler getting a cancellation: whether the stopping gateway's drain ended the
+    request (gateway/shutdown.py) rather than its client going away. If so, the cancellation is
+    taken back and the request failed with `gateway_shut_down`, for the handler to answer."""
+    if not app[DRAIN].was_cut():
+        return False
+    task = asyncio.current_task()
+    assert task is not None
+    task.uncancel()
+    flight.fail(gateway_shut_down(ended=True))
+    return True
 
 
 async def _respond(app: web.Application, flight: Flight) -> web.Response:
@@ -151,6 +172,10 @@ async def _stream(
             await _send_chunk(resp, render, first, flight.progress, options)
             async for chunk in chunks:
                 await _send_chunk(resp, render, chunk, flight.progress, options)
+        except asyncio.CancelledError:
+            if not _ended_by_the_drain(app, flight):
+                raise  # the client went away: nobody to tell
+            # the error event below tells the client
         except Exception as exc:
             if is_cancellation(exc):  # the client went away: nobody to tell
                 raise

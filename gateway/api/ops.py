@@ -7,7 +7,7 @@ import time
 from aiohttp import web
 
 from gateway.engine.pool import EngineReplica
-from gateway.state import POOL
+from gateway.state import DRAIN, POOL
 from gateway.store.readiness import DATABASE_READINESS
 
 routes = web.RouteTableDef()
@@ -22,8 +22,9 @@ async def healthz(request: web.Request) -> web.Response:
 
 @routes.get("/readyz")
 async def readyz(request: web.Request) -> web.Response:
-    """Readiness: 200 only when at least one engine serves and the database is at the newest
-    migration.
+    """Readiness: 200 only when at least one engine serves, the database is at the newest
+    migration, and the gateway is not shutting down (`checks.gateway`: "shutting_down" while
+    it drains the requests in flight: gateway/shutdown.py).
 
     Answered from memory, without I/O: the engines' side is their health as last seen
     (`gateway.engine.pool`: their supervisors' view, or the gateway's own probes), the
@@ -39,7 +40,10 @@ async def readyz(request: web.Request) -> web.Response:
         "engine": "ok" if engine_ok else "unavailable",
         "database": database.describe(),
     }
-    ready = engine_ok and database_ok
+    draining = request.app[DRAIN].is_draining
+    if draining:  # stopping: a load balancer should send its clients elsewhere
+        checks["gateway"] = "shutting_down"
+    ready = engine_ok and database_ok and not draining
     body: dict[str, object] = {"status": "ready" if ready else "not_ready", "checks": checks}
     if not engine_ok:
         body["engine"] = _replica_state(pool.replicas[0])

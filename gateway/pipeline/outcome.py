@@ -20,17 +20,23 @@ FailureKind = Literal[
     "aborted",
     "client_disconnected",
     "interrupted",
+    "gateway_shutdown",
     "internal_error",
 ]
 """The usage record's `status` of a request that failed (a completed one is "ok"); reports count
 "rate_limited" as quota 429s, "slo_unattainable" as requests the SLO admission shed (also 429s),
 "client_disconnected" as cancels (the client stopped it: its own outcome, neither an error nor
 judged against the SLO), leave "interrupted" out (batch work a gateway shutdown cut off: the line
-runs again, and that run is the one billed), and count anything else as an error."""
+runs again, and that run is the one billed), and count anything else as an error —
+"gateway_shutdown" too (a client's request a stopping gateway ended: gateway/shutdown.py; not
+judged against the SLO)."""
 
-UNJUDGED: frozenset[FailureKind] = frozenset({"client_disconnected", "interrupted"})
-"""Outcomes that say nothing about the service the request got: no SLO verdict (`slo_met` is
-None), and not errors in the reports."""
+UNJUDGED: frozenset[FailureKind] = frozenset(
+    {"client_disconnected", "interrupted", "gateway_shutdown"}
+)
+"""Outcomes that say nothing about the latency the request got: no SLO verdict (`slo_met` is
+None). The reports count neither a cancel nor an interrupted batch line as an error; a request
+a stopping gateway ended is one (its client got the 503), but a deploy is no SLO miss."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,6 +176,29 @@ def interrupted() -> Failure:
         message="interrupted by a gateway shutdown; the line runs again after the restart",
         code="interrupted",
         retryable=True,
+    )
+
+
+SHUTTING_DOWN_CODE = "gateway_shutting_down"
+"""The OpenAI error `code` of a request a stopping gateway refused or ended."""
+
+
+def gateway_shut_down(*, ended: bool) -> Failure:
+    """A client's request the gateway's shutdown refused (*ended* False: it came while the
+    gateway drained) or ended (its drain time ran out, or a second signal came): 503, to retry
+    on another gateway process or after the restart (gateway/shutdown.py)."""
+    message = (
+        "the gateway is shutting down and ended the request before it finished; retry"
+        if ended
+        else "the gateway is shutting down; retry"
+    )
+    return Failure(
+        kind="gateway_shutdown",
+        http_status=503,
+        message=message,
+        code=SHUTTING_DOWN_CODE,
+        retryable=True,
+        retry_after_s=1,
     )
 
 

@@ -79,7 +79,14 @@ class Gateway:
     """The simulator's base URL (``/v1/loads`` shows what runs on the engine)."""
     session: aiohttp.ClientSession
     database_url: str
+    _server: TestServer | None = None
     _names: dict[str, int] = field(default_factory=dict)
+
+    async def stop(self) -> None:
+        """Stops the gateway as SIGTERM does (it drains the requests in flight first:
+        gateway/shutdown.py); returns once it has stopped."""
+        assert self._server is not None
+        await self._server.close()
 
     # -- plain HTTP -------------------------------------------------------------------------
 
@@ -288,4 +295,5 @@ async def running_gateway(
             engine_url=f"http://127.0.0.1:{engine_port}",
             session=session,
             database_url=db_url,
+            _server=server,
         )

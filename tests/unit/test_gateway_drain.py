@@ -1,0 +1,99 @@
+"""The drain of a stopping gateway (gateway/shutdown.py) on hand-made requests: it waits for the
+requests inside and returns as soon as the last one ends; it ends the rest when its time is up
+or at once on `end_now` (a second signal); a request arriving while it drains is refused with a
+503 that closes its connection; the health probes are answered as before."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
+
+from gateway.errors import ApiError
+from gateway.shutdown import Drain
+
+
+async def slow_handler(request: web.Request) -> web.StreamResponse:
+    await asyncio.sleep(3600)
+    return web.Response(text="late")
+
+
+async def ok_handler(request: web.Request) -> web.StreamResponse:
+    return web.Response(text="ok")
+
+
+async def inside(drain: Drain, count: int) -> None:
+    while drain.inside < count:
+        await asyncio.sleep(0)
+
+
+async def test_a_request_ended_by_the_drain_gets_a_503_and_the_drain_counts_it() -> None:
+    drain = Drain()
+    request = asyncio.create_task(
+        drain.middleware(make_mocked_request("POST", "/v1/x"), slow_handler)
+    )
+    await inside(drain, 1)
+    assert await drain.drain(0.0) == 1
+    with pytest.raises(ApiError) as refused:
+        await request
+    assert refused.value.status == 503 and refused.value.code == "gateway_shutting_down"
+    assert refused.value.headers["Connection"] == "close"
+    assert "ended the request" in refused.value.message
+    assert drain.inside == 0
+
+
+async def test_the_drain_returns_when_the_last_request_ends() -> None:
+    drain = Drain()
+    release = asyncio.Event()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        await release.wait()
+        return web.Response(text="done")
+
+    request = asyncio.create_task(drain.middleware(make_mocked_request("POST", "/v1/x"), handler))
+    await inside(drain, 1)
+    draining = asyncio.create_task(drain.drain(3600.0))
+    await asyncio.sleep(0)
+    assert drain.is_draining and not draining.done()
+    release.set()
+    assert await draining == 0  # nothing ended: it finished
+    assert (await request).status == 200
+
+
+async def test_end_now_ends_what_is_inside_at_once() -> None:
+    drain = Drain()
+    request = asyncio.create_task(
+        drain.middleware(make_mocked_request("POST", "/v1/x"), slow_handler)
+    )
+    await inside(drain, 1)
+    draining = asyncio.create_task(drain.drain(3600.0))
+    await asyncio.sleep(0)
+    drain.end_now()
+    assert await draining == 1
+    with pytest.raises(ApiError):
+        await request
+
+
+async def test_while_draining_new_requests_are_refused_and_probes_answered() -> None:
+    drain = Drain()
+    assert await drain.drain(0.0) == 0
+    with pytest.raises(ApiError) as refused:
+        await drain.middleware(make_mocked_request("POST", "/v1/chat/completions"), ok_handler)
+    assert refused.value.status == 503 and refused.value.code == "gateway_shutting_down"
+    assert refused.value.headers["Retry-After"] == "1"
+    for probe in ("/readyz", "/healthz", "/metrics"):
+        assert (await drain.middleware(make_mocked_request("GET", probe), ok_handler)).status == 200
+
+
+async def test_a_client_that_goes_away_is_not_taken_for_the_drain() -> None:
+    drain = Drain()
+    request = asyncio.create_task(
+        drain.middleware(make_mocked_request("POST", "/v1/x"), slow_handler)
+    )
+    await inside(drain, 1)
+    request.cancel()  # what aiohttp does when the client disconnects
+    with pytest.raises(asyncio.CancelledError):
+        await request
+    assert drain.inside == 0
