@@ -6,9 +6,7 @@ the bundled profile, a warning, and the engine saying the profile does not match
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +16,7 @@ import pytest
 
 from common.config import EngineConfig
 from common.sockets import free_port
+from tests.functional.serve_process import new_rt_key, serving
 from tests.waiting import wait_until_sync
 
 pytestmark = pytest.mark.slow
@@ -71,35 +70,11 @@ def run_serve_and_chat(
         TANDEM_ENGINE__SKIP_PROFILE="true",
     )
     env.update(env_overrides)
-    log_path = tmp_path / "serve.log"
-    with open(log_path, "w") as log:  # a file, not a pipe: nothing blocks on a full pipe
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "serve"],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-    base = f"http://127.0.0.1:{gw_port}"
     stats: dict[str, Any] = {}
-
-    def ready() -> bool:
-        assert proc.poll() is None, log_path.read_text()
-        try:
-            return httpx.get(f"{base}/readyz", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        wait_until_sync(ready, 240, what="the gateway ready", max_interval_s=1.0)
-        admin = {"Authorization": f"Bearer {ADMIN}"}
-        tenant = httpx.post(
-            f"{base}/admin/v1/tenants",
-            headers=admin,
-            json={"name": "smoke", "tier": "rt", "slo": {"ttft_ms": 5000, "tpot_ms": 1000}},
-        ).json()
-        key = httpx.post(f"{base}/admin/v1/tenants/{tenant['id']}/keys", headers=admin).json()
-        reply = openai.OpenAI(base_url=f"{base}/v1", api_key=key["key"]).chat.completions.create(
+    with serving(env, tmp_path / "serve.log") as served:
+        base = served.base_url
+        key = new_rt_key(base, ADMIN, "smoke")
+        reply = openai.OpenAI(base_url=f"{base}/v1", api_key=key).chat.completions.create(
             model="tandem-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4
         )
         assert reply.usage is not None and reply.usage.completion_tokens >= 1
@@ -110,15 +85,8 @@ def run_serve_and_chat(
             transport = httpx.HTTPTransport(uds=str(socket_path))
             with httpx.Client(transport=transport, timeout=10) as control:
                 stats = control.get("http://engine/stats").json()
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
-    output = log_path.read_text()
-    assert proc.returncode == 0, output
+    output = served.output()
+    assert served.proc.returncode == 0, output
     return output, stats
 
 

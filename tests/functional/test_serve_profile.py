@@ -8,9 +8,6 @@ about 25 s of the suite."""
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +15,7 @@ import httpx
 import pytest
 
 from common.sockets import free_port
-from tests.waiting import wait_until_sync
+from tests.functional.serve_process import serving
 
 pytestmark = pytest.mark.slow
 ADMIN = "serve-profile-test-admin-token"
@@ -42,39 +39,12 @@ def serve_once(tmp_path: Path, cache_dir: Path, *args: str) -> tuple[str, dict[s
         TANDEM_ENGINE__PROFILE_CACHE_DIR=str(cache_dir),
         TANDEM_ENGINE__LOG_FILE=str(tmp_path / "engine.log"),
     )
-    log_path = tmp_path / f"serve-{gw_port}.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "serve", *args],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-    base = f"http://127.0.0.1:{gw_port}"
-
-    def ready() -> bool:
-        assert proc.poll() is None, log_path.read_text()
-        try:
-            return httpx.get(f"{base}/readyz", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        wait_until_sync(ready, 300, what="the gateway ready", max_interval_s=1.0)
+    with serving(env, tmp_path / f"serve-{gw_port}.log", *args, ready_timeout_s=300) as served:
         transport = httpx.HTTPTransport(uds=str(socket_path))
         with httpx.Client(transport=transport, timeout=10) as control:
             stats: dict[str, Any] = control.get("http://engine/stats").json()
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            raise
-    assert proc.returncode == 0, log_path.read_text()
-    return log_path.read_text(), stats
+    assert served.proc.returncode == 0, served.output()
+    return served.output(), stats
 
 
 def test_serve_measures_a_profile_once_then_reuses_it(tmp_path: Path) -> None:

@@ -8,14 +8,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import httpx
 
 from common.sockets import free_port
+from tests.functional.serve_process import new_rt_key, serving
 from tests.waiting import wait_until_sync
 
 ADMIN = "serve-shutdown-test-admin-token"
@@ -34,23 +33,10 @@ def test_sigterm_lets_a_stream_go_on_and_a_second_one_ends_it_with_an_error_even
         TANDEM_DATABASE__URL=f"sqlite:///{tmp_path / 'serve.db'}",
         TANDEM_MODEL__CACHE_DIR=str(tmp_path / "cache"),
     )
-    log_path = tmp_path / "serve.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "serve"], env=env, stdout=log, stderr=log
-        )
-    base = f"http://127.0.0.1:{gw_port}"
     events: list[str] = []
     stream_error: list[BaseException] = []
 
-    def ready() -> bool:
-        assert proc.poll() is None, log_path.read_text()
-        try:
-            return httpx.get(f"{base}/readyz", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def stream(key: str) -> None:
+    def stream(base: str, key: str) -> None:
         body = {
             "model": "tandem-tiny",
             "messages": [{"role": "user", "content": "tell me everything"}],
@@ -72,16 +58,10 @@ def test_sigterm_lets_a_stream_go_on_and_a_second_one_ends_it_with_an_error_even
         except BaseException as exc:  # the test's assertions below say what went wrong
             stream_error.append(exc)
 
-    try:
-        wait_until_sync(ready, 120, what="the gateway ready", max_interval_s=0.5)
-        admin = {"Authorization": f"Bearer {ADMIN}"}
-        tenant = httpx.post(
-            f"{base}/admin/v1/tenants",
-            headers=admin,
-            json={"name": "streamer", "tier": "rt", "slo": {"ttft_ms": 5000, "tpot_ms": 1000}},
-        ).json()
-        key = httpx.post(f"{base}/admin/v1/tenants/{tenant['id']}/keys", headers=admin).json()
-        client = threading.Thread(target=stream, args=(key["key"],))
+    with serving(env, tmp_path / "serve.log", ready_timeout_s=120) as served:
+        proc, base, log_path = served.proc, served.base_url, served.log_path
+        key = new_rt_key(base, ADMIN, "streamer")
+        client = threading.Thread(target=stream, args=(base, key))
         client.start()
         wait_until_sync(lambda: len(events) >= 5, 60, what="the stream under way")
 
@@ -102,10 +82,6 @@ def test_sigterm_lets_a_stream_go_on_and_a_second_one_ends_it_with_an_error_even
         client.join(timeout=30)
         assert not client.is_alive() and not stream_error, stream_error
         proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     output = log_path.read_text()
     assert proc.returncode == 0, output
     assert events[-1] == "[DONE]", events[-3:]

@@ -13,10 +13,11 @@ from aiohttp.test_utils import make_mocked_request
 
 from gateway.errors import ApiError
 from gateway.shutdown import Drain
+from tests.waiting import wait_until
 
 
 async def slow_handler(request: web.Request) -> web.StreamResponse:
-    await asyncio.sleep(3600)
+    await asyncio.Event().wait()  # never set: runs until it is ended
     return web.Response(text="late")
 
 
@@ -25,8 +26,7 @@ async def ok_handler(request: web.Request) -> web.StreamResponse:
 
 
 async def inside(drain: Drain, count: int) -> None:
-    while drain.inside < count:
-        await asyncio.sleep(0)
+    await wait_until(lambda: drain.inside >= count, 10, what=f"{count} requests inside")
 
 
 async def test_a_request_ended_by_the_drain_gets_a_503_and_the_drain_counts_it() -> None:
@@ -55,8 +55,8 @@ async def test_the_drain_returns_when_the_last_request_ends() -> None:
     request = asyncio.create_task(drain.middleware(make_mocked_request("POST", "/v1/x"), handler))
     await inside(drain, 1)
     draining = asyncio.create_task(drain.drain(3600.0))
-    await asyncio.sleep(0)
-    assert drain.is_draining and not draining.done()
+    await wait_until(lambda: drain.is_draining, 10, what="the drain begun")
+    assert not draining.done()
     release.set()
     assert await draining == 0  # nothing ended: it finished
     assert (await request).status == 200
@@ -69,7 +69,7 @@ async def test_end_now_ends_what_is_inside_at_once() -> None:
     )
     await inside(drain, 1)
     draining = asyncio.create_task(drain.drain(3600.0))
-    await asyncio.sleep(0)
+    await wait_until(lambda: drain.is_draining, 10, what="the drain begun")
     drain.end_now()
     assert await draining == 1
     with pytest.raises(ApiError):
