@@ -125,12 +125,13 @@ class GatewayConfig(_Section, frozen=True):
     a request's head has fully arrived, and between two requests of a keep-alive connection.
     Then it is closed (a half-open or trickling connection holds nothing for long)."""
     shutdown_timeout_s: float = 60.0
-    """How long a stopping gateway (SIGINT or SIGTERM) lets the requests in flight finish,
-    seconds. It stops listening at once and refuses new requests on open connections (503
-    `gateway_shutting_down`; /readyz 503); what is still in flight after this time, or at a
-    second signal, is ended: a stream with an error event and `[DONE]`, any other request with
-    the 503, its engine request aborted (gateway/shutdown.py). Keep it under what your process
-    manager waits before it kills (systemd's TimeoutStopSec: 90 s by default; Kubernetes'
+    """How long a stopping gateway (SIGINT or SIGTERM) lets the requests and batch lines in
+    flight finish, seconds. It stops listening at once, refuses new requests on open connections
+    (503 `gateway_shutting_down`; /readyz 503) and starts no batch line; what is still in flight
+    after this time, or at a second signal, is ended: a stream with an error event and
+    `[DONE]`, any other request with the 503, its engine request aborted; a batch line runs
+    again after the restart (gateway/shutdown.py). Keep it under what your process manager
+    waits before it kills (systemd's TimeoutStopSec: 90 s by default; Kubernetes'
     terminationGracePeriodSeconds: 30 s). 0: end them at once."""
     body_read_timeout_s: float = 120.0
     """How long a request's body may take to arrive in full, seconds from the start of its

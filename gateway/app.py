@@ -25,7 +25,7 @@ from gateway.api import admin, batches, files, openai, ops
 from gateway.api.body import body_guard
 from gateway.auth import AuthCache
 from gateway.auth_sync import auth_sync
-from gateway.batch.app import batch_context
+from gateway.batch.app import BATCH_LEADER, batch_context
 from gateway.engine.client import EngineClient
 from gateway.engine.control import length_sync
 from gateway.engine.load import LoadWatcher, watch
@@ -171,9 +171,11 @@ async def _engine_client(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _drain(app: web.Application) -> None:
-    """The requests in flight finish, or are ended, before the gateway stops
-    (gateway/shutdown.py)."""
-    ended = await app[DRAIN].drain(app[CONFIG].gateway.shutdown_timeout_s)
+    """The requests and batch lines in flight finish, or are ended, before the gateway stops
+    (gateway/shutdown.py); no batch line starts meanwhile."""
+    leadership = app.get(BATCH_LEADER)
+    lines = leadership.stop_starting() if leadership is not None else None
+    ended = await app[DRAIN].drain(app[CONFIG].gateway.shutdown_timeout_s, lines)
     if ended:
         log.warning("shutting down: ended %d requests in flight", ended)
 

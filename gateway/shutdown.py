@@ -14,8 +14,10 @@ request still inside ends now, and its client is told so:
 Its engine request is aborted, which frees its KV at once. Its usage record says
 `gateway_shutdown`: an error in the usage reports (its client got one), billed for the tokens
 that ran, and not judged against the SLO (a deploy says nothing about the latency it got).
-Batch lines are not requests of a client: the batch runner stops with the app and runs its
-lines in flight again after the restart.
+Batch lines get the same time: from the drain's start the batch runner starts no line (nor a
+retry), and the drain also waits for the lines in flight to finish and write their results, so
+the engine work they have done is kept. A line still running when the time is up is stopped
+with the runner and runs again after the restart (its usage record says `interrupted`).
 
 Before this, aiohttp waited a fixed 60 s and then closed the connections under the streams.
 Their clients read a broken response, and the usage records said the clients had gone away.
@@ -32,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -46,6 +48,20 @@ CUT_GRACE_S = 5.0
 503) before aiohttp closes their connections, seconds."""
 PROBE_PATHS = frozenset({"/healthz", "/health", "/readyz", "/metrics"})
 """Routes a draining gateway still answers as before (/readyz says it is shutting down)."""
+
+
+class LineDrain(Protocol):
+    """The gateway's own work the drain also lets finish: the batch runner's lines in flight
+    (gateway/batch/runner.py), told to start no more before the drain waits for them."""
+
+    @property
+    def in_flight(self) -> int:
+        """Lines running now."""
+        ...
+
+    async def lines_done(self) -> None:
+        """Returns once no line is in flight."""
+        ...
 
 
 def refusal(*, ended: bool) -> ApiError:
@@ -105,25 +121,38 @@ class Drain:
             if not self._inside and self._emptied is not None:
                 self._emptied.set()
 
-    async def drain(self, timeout_s: float) -> int:
+    async def drain(self, timeout_s: float, lines: LineDrain | None = None) -> int:
         """Stops taking requests, waits up to *timeout_s* (or until `end_now`) for those inside
-        to finish, then ends the rest and gives them `CUT_GRACE_S` to tell their clients.
-        Returns how many it ended."""
+        to finish, and for the batch *lines* in flight (which start no more: the caller told
+        them), then ends the requests still inside and gives them `CUT_GRACE_S` to tell their
+        clients (lines still running are stopped by their runner's close). Returns how many
+        requests it ended."""
         self.is_draining = True
         self._emptied, self._end_now = asyncio.Event(), asyncio.Event()
-        if self._inside:
+        line_count = 0 if lines is None else lines.in_flight
+        if self._inside or line_count:
             log.info(
-                "shutting down: %d requests in flight, waiting up to %g s for them to finish "
+                "shutting down: %d requests%s in flight, waiting up to %g s for them to finish "
                 "(a second signal ends them now)",
                 len(self._inside),
+                f" and {line_count} batch lines" if line_count else "",
                 timeout_s,
             )
-            waits = [asyncio.ensure_future(e.wait()) for e in (self._emptied, self._end_now)]
+            waits = [
+                asyncio.ensure_future(self._all_done(lines)),
+                asyncio.ensure_future(self._end_now.wait()),
+            ]
             try:
                 await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 for wait in waits:
                     wait.cancel()
+        if lines is not None and lines.in_flight:
+            log.warning(
+                "shutting down: %d batch lines still running are stopped; they run again after "
+                "the restart",
+                lines.in_flight,
+            )
         left = [task for task in self._inside if not task.done()]
         if not left:
             return 0
@@ -135,3 +164,12 @@ class Drain:
             async with asyncio.timeout(CUT_GRACE_S):
                 await asyncio.gather(*left, return_exceptions=True)
         return len(left)
+
+    async def _all_done(self, lines: LineDrain | None) -> None:
+        """Returns once no request is inside and no batch line in flight (none start: the drain
+        refuses requests, the runner starts no line)."""
+        if self._inside:
+            assert self._emptied is not None
+            await self._emptied.wait()
+        if lines is not None:
+            await lines.lines_done()

@@ -66,6 +66,8 @@ class BatchLeadership:
         """This process's runner while it leads; None otherwise."""
         self._task: asyncio.Task[None] | None = None
         self._led = asyncio.Event()
+        self._draining = False
+        """Set by `stop_starting`: the gateway stops, and leading now would start lines."""
 
     @property
     def is_leader(self) -> bool:
@@ -97,7 +99,19 @@ class BatchLeadership:
         if self.runner is not None:
             self.runner.wake()
 
+    def stop_starting(self) -> BatchRunner | None:
+        """The gateway drains before it stops: the runner, if this process leads, starts no
+        more lines (`BatchRunner.stop_starting`), and a process that does not lead no longer
+        takes the lead. Returns that runner (None where this process does not lead), whose
+        lines in flight the drain waits for."""
+        self._draining = True
+        if self.runner is not None:
+            self.runner.stop_starting()
+        return self.runner
+
     async def _lead(self) -> None:
+        if self._draining:
+            return  # stopping: the batches wait for a leader that stays
         runner = BatchRunner(self._app, self._store)
         await runner.start()
         self.runner = runner
@@ -119,7 +133,8 @@ class BatchLeadership:
                     server_settings={"application_name": APPLICATION_NAME},
                 )
                 retry_s = TRY_INTERVAL_S
-                while not await conn.fetchval(
+                # (a draining process no longer tries: it would hold the lock while it stops)
+                while self._draining or not await conn.fetchval(
                     "SELECT pg_try_advisory_lock($1)", LOCK_KEY, timeout=_QUERY_TIMEOUT_S
                 ):
                     self._led.set()  # the first try is over: another process leads

@@ -6,7 +6,9 @@ committed one by one, and the output file is built only at the end from the rows
 one line per row (unique per custom_id), so a crash at any point loses at most the lines that
 were running (they go back to pending at start-up and run again, their interrupted attempt
 counted: a line in flight at every crash ends in the error file after `batch.max_attempts`) and
-can never duplicate one.
+can never duplicate one. A gateway stopped by a signal loses fewer: its drain starts no line and
+lets those in flight finish, up to `gateway.shutdown_timeout_s` (`stop_starting`,
+gateway/shutdown.py); only the lines still running then are stopped (`close`) and run again.
 Running one line and committing its result (or its retry) is gateway/batch/execute.py.
 
 Backpressure: at most `batch.max_inflight` lines per serving engine are running at once (all
@@ -153,6 +155,11 @@ class BatchRunner:
         """Whether the last dispatch held the lines back for RT (`be_dispatch_paused`)."""
         self._closing = False
         """Set by `close`: the loop ends after its tick, and no line starts."""
+        self._draining = False
+        """Set by `stop_starting` (the gateway drains): no line starts, those in flight run on."""
+        self._no_lines = asyncio.Event()
+        """Set while no line is in flight."""
+        self._no_lines.set()
         self._replans: dict[str, asyncio.Task[None]] = {}
         """Re-plans running in a worker thread, by batch id."""
         self._outage = app.get(DATABASE_OUTAGE) or DatabaseOutage()
@@ -194,6 +201,22 @@ class BatchRunner:
     def wake(self) -> None:
         """Something changed (a new or cancelled batch): look now, not at the next poll."""
         self._wake.set()
+
+    @property
+    def in_flight(self) -> int:
+        """Lines running now (sent to the engine, or about to be)."""
+        return self._inflight
+
+    def stop_starting(self) -> None:
+        """The gateway drains before it stops (gateway/shutdown.py): from now on no line starts,
+        not even a retry, while those in flight run on and write their outcome. The loop goes on
+        ticking, so a batch whose last lines finish now completes. What is still running at
+        `close` is stopped there and runs again after the restart."""
+        self._draining = True
+
+    async def lines_done(self) -> None:
+        """Returns once no line is in flight."""
+        await self._no_lines.wait()
 
     async def _loop(self) -> None:
         interval = self._config.batch.poll_interval_s
@@ -345,7 +368,7 @@ class BatchRunner:
     def _dispatch(self) -> None:
         """Starts lines while the global bound allows: tenants by fair share, a tenant's
         batches most urgent first; none while RT waits on the engine (module docstring)."""
-        if self._closing:
+        if self._closing or self._draining:
             return
         paused = pool_dispatch_paused(self._app)
         if paused != self._paused:
@@ -371,6 +394,7 @@ class BatchRunner:
                 active.info.tenant_id, prompt_tokens, self._weight_of(active.tenant)
             )
             self._inflight += 1
+            self._no_lines.clear()
             active.tasks[line_no] = asyncio.create_task(self._run_line(active, line_no))
 
     def _next_line(self, active: ActiveBatch) -> int | None:
@@ -396,6 +420,8 @@ class BatchRunner:
                 )
         finally:
             self._inflight -= 1
+            if self._inflight == 0:
+                self._no_lines.set()
             active.tasks.pop(line_no, None)
             if output_len:
                 self._shares.charge(

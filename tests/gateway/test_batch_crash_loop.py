@@ -59,7 +59,12 @@ async def test_a_line_that_kills_the_engine_fails_after_the_bound_across_restart
         port = engine_server.port
         assert port is not None
         async with running_gateway(
-            tmp_path, tiny_model_dir, port, template_db=template_db, **env
+            tmp_path,
+            tiny_model_dir,
+            port,
+            template_db=template_db,
+            TANDEM_GATEWAY__SHUTDOWN_TIMEOUT_S="0",  # the hung poison line: no drain to wait out
+            **env,
         ) as first:
             _, key = await first.new_tenant("poisoned", "be")
             file_id = (await upload(first, key, jsonl(lines))).body["id"]

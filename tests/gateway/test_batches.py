@@ -55,7 +55,11 @@ async def create_batch(gw: Gateway, key: str, file_id: str, **fields: Any) -> Re
 
 
 async def wait_for(
-    gw: Gateway, key: str, batch_id: str, statuses: tuple[str, ...] = DONE
+    gw: Gateway,
+    key: str,
+    batch_id: str,
+    statuses: tuple[str, ...] = DONE,
+    timeout_s: float = 30.0,
 ) -> dict[str, Any]:
     last: dict[str, Any] = {}
 
@@ -66,7 +70,7 @@ async def wait_for(
         return reply.body if reply.body["status"] in statuses else None
 
     return await wait_until(
-        reached, timeout_s=30, what=lambda: f"batch {'/'.join(statuses)} (now: {last})"
+        reached, timeout_s=timeout_s, what=lambda: f"batch {'/'.join(statuses)} (now: {last})"
     )
 
 

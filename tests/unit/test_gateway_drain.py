@@ -1,7 +1,8 @@
 """The drain of a stopping gateway (gateway/shutdown.py) on hand-made requests: it waits for the
 requests inside and returns as soon as the last one ends; it ends the rest when its time is up
 or at once on `end_now` (a second signal); a request arriving while it drains is refused with a
-503 that closes its connection; the health probes are answered as before."""
+503 that closes its connection; the health probes are answered as before. It waits for the
+batch lines in flight the same way (tests/gateway/test_shutdown_drain.py runs the real runner)."""
 
 from __future__ import annotations
 
@@ -97,3 +98,50 @@ async def test_a_client_that_goes_away_is_not_taken_for_the_drain() -> None:
     with pytest.raises(asyncio.CancelledError):
         await request
     assert drain.inside == 0
+
+
+class Lines:
+    """Batch lines in flight, as the drain sees a runner's: done when released."""
+
+    def __init__(self, count: int) -> None:
+        self.in_flight = count
+        self.released = asyncio.Event()
+
+    async def lines_done(self) -> None:
+        await self.released.wait()
+        self.in_flight = 0
+
+
+async def test_the_drain_waits_for_the_batch_lines_in_flight_after_the_requests() -> None:
+    drain = Drain()
+    lines = Lines(3)
+    release = asyncio.Event()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        await release.wait()
+        return web.Response(text="done")
+
+    request = asyncio.create_task(drain.middleware(make_mocked_request("POST", "/v1/x"), handler))
+    await inside(drain, 1)
+    draining = asyncio.create_task(drain.drain(3600.0, lines))
+    await wait_until(lambda: drain.is_draining, 10, what="the drain begun")
+    release.set()
+    assert (await request).status == 200
+    assert drain.inside == 0 and not draining.done()  # the request is out, the lines still run
+    lines.released.set()
+    assert await draining == 0
+
+
+async def test_lines_still_running_when_the_time_is_up_are_left_to_their_runner() -> None:
+    drain = Drain()
+    lines = Lines(2)
+    assert await drain.drain(0.0, lines) == 0  # no request ended; the lines stay in flight
+    assert lines.in_flight == 2
+
+
+async def test_end_now_ends_the_wait_for_batch_lines() -> None:
+    drain = Drain()
+    draining = asyncio.create_task(drain.drain(3600.0, Lines(1)))
+    await wait_until(lambda: drain.is_draining, 10, what="the drain begun")
+    drain.end_now()
+    assert await draining == 0
