@@ -16,6 +16,9 @@ ends, for whatever reason):
   database noticing the closed socket: another process takes over at its next try, within
   `TRY_INTERVAL_S` or so, and every line ends exactly once (results are committed per line, the
   output file is built from the rows);
+* a leader stopped by a signal first drains: it starts no line, lets those in flight finish
+  (gateway/shutdown.py), then stops its runner and releases the lock; a process that is
+  stopping never takes the lock;
 * a leader whose lock connection fails (checked every `CHECK_INTERVAL_S`) can no longer be sure
   it leads: it stops its runner (its lines' engine requests are aborted and stay `running` for
   the next leader) and tries again.
