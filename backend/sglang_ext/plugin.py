@@ -20,6 +20,9 @@ exists in the pinned SGLang):
 * AROUND ``TokenizerManager.sigterm_watchdog``, in the HTTP server's main process only: SIGTERM
   is noticed within 0.1 s rather than 5 s (:func:`register_prompt_shutdown`).
 
+The main process also refuses to start an engine whose control socket another running engine
+serves (:func:`refuse_taken_socket`), before SGLang starts a scheduler.
+
 With ``settings.policy`` (a ``backend.policy.registry`` name; the launcher sets it unless
 ``engine.policy`` is ``none``) the plugin also puts that policy in charge of the scheduler: it
 builds an :class:`~backend.sglang_ext.driver.EngineDriver` around the policy (latency model
@@ -55,6 +58,7 @@ from typing import Any
 from backend.sglang_ext.request_meta import REQ_ATTR, get_meta, meta_of, trace_fields
 from backend.sglang_ext.seams import CREATE_REQ_SEAM, SEAMS, SIGTERM_WATCHDOG_SEAM
 from common.config import EngineSettings, engine_settings_from_env
+from common.sockets import control_socket_error
 from common.wire import RequestMeta
 
 logger = logging.getLogger(__name__)
@@ -77,7 +81,9 @@ def register() -> None:
         # Not a process that runs the scheduler (the scheduler process always has the module:
         # load_plugins() is called from inside it); nothing to schedule, and nothing to import.
         if DETOKENIZER_MODULE not in sys.modules:
-            register_prompt_shutdown()  # the HTTP server's main process: it loads plugins first
+            # the HTTP server's main process: it loads plugins first, before any scheduler
+            register_prompt_shutdown()
+            refuse_taken_socket(engine_settings_from_env())
         logger.debug("tandem plugin: no scheduler in pid %d, no scheduler hooks", os.getpid())
         return
     if in_dp_controller():
@@ -155,6 +161,20 @@ def _install(settings: EngineSettings) -> None:
             control.start(driver, socket_path)
     if bicache:
         kv_layout_engine.install()
+
+
+def refuse_taken_socket(settings: EngineSettings) -> None:
+    """Stops the engine at once, in its main process, when the control socket its scheduler
+    would serve is another running engine's (raises SystemExit with the reason). The scheduler
+    checks it again when it serves the socket (`control.start`) — the only check for DP ranks
+    past 0 and for a socket taken meanwhile —, but only after SGLang has started it and loaded
+    the model, some 20 s in on a CPU; here the engine fails within its start-up's first
+    seconds."""
+    path = settings.control_socket  # DP rank 0's, where the gateway reads the engine
+    problem = None if path is None else control_socket_error(path)
+    if problem is not None:
+        logger.error("tandem plugin: cannot start: %s", problem)
+        raise SystemExit(f"tandem plugin: cannot start: {problem}")
 
 
 def register_prompt_shutdown() -> None:
