@@ -1,13 +1,18 @@
 """`tandem batch …`: a BE tenant's command line for the Batch API (talks HTTP to a gateway).
 
     tandem batch create FILE.jsonl [--endpoint /v1/chat/completions] [--window 24h] [--watch]
-    tandem batch watch ID          progress bar with ETA until the batch ends
+    tandem batch watch ID [--max-outage-s 600]   progress bar with ETA until the batch ends
     tandem batch get ID | list | cancel ID
     tandem batch results ID [--output FILE] [--errors FILE]
 
 The gateway is `--url` (default: $TANDEM_URL, else this config's gateway address); the tenant
 key is `--api-key` (default: $TANDEM_API_KEY). Every failure is one line, `tandem: error: …`
 (exit 2 for bad input, 1 when the gateway refuses or cannot be reached).
+
+A watch outlives a gateway restart: while the gateway cannot be reached or answers 429, 502,
+503 or 504 (a deploy, a database outage, an overload), the progress line says so and the watch
+asks again, backing off to `RETRY_MAX_S`; it gives up after `--max-outage-s` without an answer.
+The batch itself never depends on the watch: it runs on in the gateway either way.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -28,14 +34,23 @@ URL_ENV = "TANDEM_URL"
 """The gateway's base URL when `--url` is not given (as for `tandem admin`)."""
 FINAL = ("completed", "failed", "expired", "cancelled")
 _BAR_WIDTH = 30
+MAX_OUTAGE_S = 600.0
+"""How long a watch goes on asking a gateway that does not answer, by default, seconds: long
+enough for a restart that drains for a minute and starts an engine."""
+RETRY_MAX_S = 10.0
+"""Longest pause between two questions of a watch to a gateway that does not answer, seconds."""
+TRANSIENT_STATUSES = frozenset({429, 502, 503, 504})
+"""HTTP statuses a watch waits out: the gateway (or a proxy before it) asks to come back."""
 
 
 class BatchCliError(Exception):
-    """A one-line failure; `status` is the exit status."""
+    """A one-line failure; `status` is the exit status; `transient`: the gateway could not be
+    reached or asked to come back later (a watch asks again)."""
 
-    def __init__(self, message: str, status: int = 1) -> None:
+    def __init__(self, message: str, status: int = 1, *, transient: bool = False) -> None:
         super().__init__(message)
         self.status = status
+        self.transient = transient
 
 
 def add_batch_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -61,6 +76,7 @@ def add_batch_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
         help="completion window: 24h, or shorter (e.g. 1h) to make it a deadline",
     )
     create.add_argument("--watch", action="store_true", help="then show progress until done")
+    _add_outage_argument(create)
     create.set_defaults(func=_entry, batch_action=_create)
     for name, helptext, func in (
         ("get", "show a batch", _get),
@@ -69,6 +85,8 @@ def add_batch_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
     ):
         p = actions.add_parser(name, parents=[conn], help=helptext)
         p.add_argument("batch_id", metavar="ID")
+        if name == "watch":
+            _add_outage_argument(p)
         p.set_defaults(func=_entry, batch_action=func)
     listing = actions.add_parser("list", parents=[conn], help="your batches, newest first")
     listing.add_argument("--limit", type=int, default=20)
@@ -78,6 +96,26 @@ def add_batch_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
     results.add_argument("--output", type=Path, help="write the output file here (default: stdout)")
     results.add_argument("--errors", type=Path, help="write the error file here")
     results.set_defaults(func=_entry, batch_action=_results)
+
+
+def _add_outage_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-outage-s",
+        type=_outage_s,
+        default=None,
+        help="how long the watch waits for a gateway that does not answer (a restart) before "
+        f"it gives up, seconds (default {MAX_OUTAGE_S:g})",
+    )
+
+
+def _outage_s(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {text}")
+    return value
 
 
 def _entry(args: argparse.Namespace) -> int:
@@ -120,9 +158,11 @@ class _Client:
             with urllib.request.urlopen(req, timeout=120) as resp:
                 return bytes(resp.read())
         except urllib.error.HTTPError as exc:
-            raise BatchCliError(_error_message(exc)) from None
+            transient = exc.code in TRANSIENT_STATUSES
+            raise BatchCliError(_error_message(exc), transient=transient) from None
         except OSError as exc:
-            raise BatchCliError(f"cannot reach the gateway at {self.base}: {exc}") from None
+            message = f"cannot reach the gateway at {self.base}: {exc}"
+            raise BatchCliError(message, transient=True) from None
         except ValueError as exc:  # a URL urllib cannot use (http.client.InvalidURL)
             raise BatchCliError(f"bad gateway URL {self.base}: {exc}", 2) from None
 
@@ -170,6 +210,8 @@ def _print(payload: Any) -> None:
 
 
 def _create(client: _Client, args: argparse.Namespace) -> int:
+    if args.max_outage_s is not None and not args.watch:
+        raise BatchCliError("--max-outage-s applies to --watch only", 2)
     uploaded = client.upload(args.file)
     batch = client.json(
         "POST",
@@ -187,7 +229,11 @@ def _create(client: _Client, args: argparse.Namespace) -> int:
         f"batch {batch['id']} ({uploaded['bytes']} bytes uploaded as {uploaded['id']})",
         file=sys.stderr,
     )
-    return _watch(client, batch["id"])
+    return _watch(client, batch["id"], max_outage_s=_max_outage_s(args))
+
+
+def _max_outage_s(args: argparse.Namespace) -> float:
+    return MAX_OUTAGE_S if args.max_outage_s is None else float(args.max_outage_s)
 
 
 def _get(client: _Client, args: argparse.Namespace) -> int:
@@ -245,37 +291,86 @@ def _write(path: Path, data: bytes) -> None:
 
 
 def _watch_cmd(client: _Client, args: argparse.Namespace) -> int:
-    return _watch(client, args.batch_id)
+    return _watch(client, args.batch_id, max_outage_s=_max_outage_s(args))
 
 
 def _watch(
-    client: _Client, batch_id: str, interval_s: float = 1.0, out: TextIO = sys.stderr
+    client: _Client,
+    batch_id: str,
+    interval_s: float = 1.0,
+    out: TextIO = sys.stderr,
+    *,
+    max_outage_s: float = MAX_OUTAGE_S,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
 ) -> int:
-    """Redraws one progress line until the batch ends; 0 when it completed."""
-    started = time.monotonic()
+    """Redraws one progress line until the batch ends; 0 when it completed. Waits out a gateway
+    that does not answer for up to *max_outage_s* (module doc)."""
+    started = clock()
     first_done: int | None = None
+    line = _Line(out)
+    outage_since: float | None = None
+    pause_s = interval_s
     while True:
-        batch = client.json("GET", f"/v1/batches/{batch_id}")
+        try:
+            batch = client.json("GET", f"/v1/batches/{batch_id}")
+        except BatchCliError as exc:
+            if not exc.transient:
+                line.end()
+                raise
+            now = clock()
+            outage_since = now if outage_since is None else outage_since
+            waited_s = now - outage_since
+            if waited_s >= max_outage_s:
+                line.end()
+                raise BatchCliError(
+                    f"gave up watching batch {batch_id} after {waited_s:.0f} s without an "
+                    f"answer ({exc}); the batch runs on in the gateway: "
+                    f"tandem batch watch {batch_id}"
+                ) from None
+            line.show(f"waiting for the gateway for {_clock(waited_s)}: {exc}")
+            sleep(pause_s)
+            pause_s = min(pause_s * 2, RETRY_MAX_S)
+            continue
+        outage_since, pause_s = None, interval_s
         counts = batch["request_counts"]
         done = counts["completed"] + counts["failed"]
         first_done = done if first_done is None else first_done
-        out.write(
-            "\r"
-            + progress_line(
+        line.show(
+            progress_line(
                 batch["status"],
                 done,
                 counts["failed"],
                 counts["total"],
                 done - first_done,
-                time.monotonic() - started,
+                clock() - started,
             )
         )
-        out.flush()
         if batch["status"] in FINAL:
-            out.write("\n")
+            line.end()
             _print(batch)
             return 0 if batch["status"] == "completed" else 1
-        time.sleep(interval_s)
+        sleep(interval_s)
+
+
+class _Line:
+    """One status line redrawn in place (a carriage return, then blanks over what the last
+    one left)."""
+
+    def __init__(self, out: TextIO) -> None:
+        self._out = out
+        self._width = 0
+
+    def show(self, text: str) -> None:
+        self._out.write("\r" + text.ljust(self._width))
+        self._out.flush()
+        self._width = len(text)
+
+    def end(self) -> None:
+        if self._width:
+            self._out.write("\n")
+            self._out.flush()
+            self._width = 0
 
 
 def progress_line(
