@@ -2,7 +2,8 @@
 when it dies another takes over and finishes them, every line exactly once.
 
 * two gateways in this process: one leads (holds the advisory lock), the other does not; the
-  leader stops, and the other leads within seconds;
+  leader stops, and the other leads within seconds; stopped mid-batch (gracefully, as SIGTERM
+  does), the leader finishes its lines in flight first, and no line runs twice;
 * two `tandem serve` processes attached to the session's engine through `engine.endpoints`
   (they launch none): the batch leader is SIGKILLed in the middle of a batch created through the
   other one, which takes over and completes it, every custom_id once.
@@ -24,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import asyncpg
 import httpx
 import openai
@@ -85,6 +87,100 @@ async def test_one_gateway_leads_and_another_takes_over_when_it_stops(
         for server, handle in started:
             await handle.session.close()
             await server.close()
+
+
+async def item_states(url: str, batch_id: str) -> list[tuple[str, int]]:
+    """(status, attempts) of each line of the batch, as committed in SQL, in file order."""
+    conn = await asyncpg.connect(url)
+    try:
+        rows = await conn.fetch(
+            "SELECT status, attempts FROM batch_items WHERE batch_id = $1 ORDER BY line_no",
+            batch_id,
+        )
+    finally:
+        await conn.close()
+    return [(row["status"], int(row["attempts"])) for row in rows]
+
+
+async def test_a_leader_stopped_gracefully_finishes_its_lines_and_none_runs_twice(
+    engine_server: EngineServer, pg_server: PgServer
+) -> None:
+    """A rolling restart of gateway replicas: the leader, stopped as SIGTERM stops it, starts
+    no line, lets the lines in flight finish, then gives the lock up; the other gateway leads
+    and runs the rest. No line runs twice (every attempt count is 1)."""
+    url = await pg_server.new_database()
+    env = {"TANDEM_BATCH__MAX_INFLIGHT": "2", "TANDEM_BATCH__POLL_INTERVAL_S": "0.1"}
+    started = [
+        await start_gateway(url, engine_server.port, engine_server.model_path, **env)
+        for _ in range(2)
+    ]
+    try:
+        (first_server, first), (_, second) = started
+        _, key = await first.new_tenant("rolling-be", "be")
+        ids = [f"line-{i:02d}" for i in range(8)]
+        content = "".join(
+            json.dumps(
+                {
+                    "custom_id": custom_id,
+                    "method": "POST",
+                    "url": "/v1/chat/completions",
+                    "body": {
+                        "model": "tandem-tiny",
+                        "max_tokens": 24,
+                        "ignore_eos": True,
+                        "messages": [{"role": "user", "content": f"story {custom_id}"}],
+                    },
+                }
+            )
+            + "\n"
+            for custom_id in ids
+        )
+        batch_id = await create_batch(first, key, content)
+
+        async def lines_running() -> bool:
+            return any(status == "running" for status, _ in await item_states(url, batch_id))
+
+        await wait_until(lines_running, 120, what="lines running on the leader")
+        started.pop(0)
+        await first.session.close()
+        await first_server.close()  # the drain: the lines in flight finish first
+        stopped = await item_states(url, batch_id)
+        assert all(status in ("succeeded", "pending") for status, _ in stopped), stopped
+        assert any(status == "succeeded" for status, _ in stopped), stopped
+
+        other = second.app[BATCH_LEADER]
+        assert other is not None
+        await wait_until(lambda: other.is_leader, TAKEOVER_TIMEOUT_S, what="the other leads")
+
+        async def all_done() -> list[tuple[str, int]] | None:
+            states = await item_states(url, batch_id)
+            return states if all(status == "succeeded" for status, _ in states) else None
+
+        done = await wait_until(all_done, 300, what="every line done on the other gateway")
+        assert [attempts for _, attempts in done] == [1] * len(ids)  # none ran twice
+    finally:
+        for server, handle in started:
+            await handle.session.close()
+            await server.close()
+
+
+async def create_batch(gw: Any, key: str, content: str) -> str:
+    """Uploads *content* (JSONL) and creates a chat batch through *gw*; the batch id."""
+    headers = {"Authorization": f"Bearer {key}"}
+    form = aiohttp.FormData()
+    form.add_field("purpose", "batch")
+    form.add_field("file", content.encode(), filename="in.jsonl", content_type="application/jsonl")
+    async with gw.session.post(f"{gw.base_url}/v1/files", data=form, headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+        file_id = (await resp.json())["id"]
+    body = {
+        "input_file_id": file_id,
+        "endpoint": "/v1/chat/completions",
+        "completion_window": "24h",
+    }
+    async with gw.session.post(f"{gw.base_url}/v1/batches", json=body, headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+        return str((await resp.json())["id"])
 
 
 class GatewayProcess:
