@@ -21,7 +21,9 @@ exists in the pinned SGLang):
   is noticed within 0.1 s rather than 5 s (:func:`register_prompt_shutdown`).
 
 The main process also refuses to start an engine whose control socket another running engine
-serves (:func:`refuse_taken_socket`), before SGLang starts a scheduler.
+serves (:func:`refuse_taken_socket`), and, with the bicache layout, AFTER
+``ServerArgs.resolve_once`` one whose arguments the layout cannot take
+(:func:`refuse_unfit_layout`): both before SGLang starts a scheduler.
 
 With ``settings.policy`` (a ``backend.policy.registry`` name; the launcher sets it unless
 ``engine.policy`` is ``none``) the plugin also puts that policy in charge of the scheduler: it
@@ -55,8 +57,14 @@ import sys
 import time
 from typing import Any
 
+from backend.policy.bicache.records import DEFAULT_BLOCK_SLOTS
 from backend.sglang_ext.request_meta import REQ_ATTR, get_meta, meta_of, trace_fields
-from backend.sglang_ext.seams import CREATE_REQ_SEAM, SEAMS, SIGTERM_WATCHDOG_SEAM
+from backend.sglang_ext.seams import (
+    CREATE_REQ_SEAM,
+    SEAMS,
+    SERVER_ARGS_SEAM,
+    SIGTERM_WATCHDOG_SEAM,
+)
 from common.config import EngineSettings, engine_settings_from_env
 from common.sockets import control_socket_error
 from common.wire import RequestMeta
@@ -83,7 +91,12 @@ def register() -> None:
         if DETOKENIZER_MODULE not in sys.modules:
             # the HTTP server's main process: it loads plugins first, before any scheduler
             register_prompt_shutdown()
-            refuse_taken_socket(engine_settings_from_env())
+            settings = engine_settings_from_env()
+            refuse_taken_socket(settings)
+            if settings.kv_layout == "bicache":
+                from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+                HookRegistry.register(SERVER_ARGS_SEAM, after_server_args, HookType.AFTER)
         logger.debug("tandem plugin: no scheduler in pid %d, no scheduler hooks", os.getpid())
         return
     if in_dp_controller():
@@ -172,6 +185,39 @@ def refuse_taken_socket(settings: EngineSettings) -> None:
     seconds."""
     path = settings.control_socket  # DP rank 0's, where the gateway reads the engine
     problem = None if path is None else control_socket_error(path)
+    if problem is not None:
+        logger.error("tandem plugin: cannot start: %s", problem)
+        raise SystemExit(f"tandem plugin: cannot start: {problem}")
+
+
+def after_server_args(result: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER hook on ``ServerArgs.resolve_once`` (main process, bicache layout only): once
+    SGLang has resolved the engine's arguments, stops the engine before it starts a scheduler
+    when they cannot carry the layout (:func:`refuse_unfit_layout`). Returns None: SGLang keeps
+    its own result."""
+    refuse_unfit_layout(server_args)
+
+
+def refuse_unfit_layout(server_args: Any) -> None:
+    """Raises SystemExit naming the argument when the engine's *server_args* cannot carry the
+    bicache KV layout: a KV pool off its block size, a page size other than 1, the radix cache
+    on. The scheduler checks the same on the pool it builds (``kv_layout_engine.install``),
+    but only after SGLang has started it and loaded the model, some 20 s in on a CPU."""
+    problem = None
+    tokens = getattr(server_args, "max_total_tokens", None)
+    page_size = getattr(server_args, "page_size", None)
+    if tokens is not None and int(tokens) % DEFAULT_BLOCK_SLOTS:
+        problem = (
+            f"kv_layout=bicache needs a KV pool of a multiple of {DEFAULT_BLOCK_SLOTS} "
+            f"tokens, got {tokens} (engine.max_total_tokens)"
+        )
+    elif page_size is not None and int(page_size) != 1:
+        problem = f"kv_layout=bicache needs page size 1, not {page_size}"
+    elif not getattr(server_args, "disable_radix_cache", False):
+        problem = (
+            "kv_layout=bicache needs --disable-radix-cache (the layout frees whole requests; "
+            "the radix tree keeps slots past them)"
+        )
     if problem is not None:
         logger.error("tandem plugin: cannot start: %s", problem)
         raise SystemExit(f"tandem plugin: cannot start: {problem}")

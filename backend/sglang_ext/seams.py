@@ -22,10 +22,14 @@ ADD_TO_QUEUE = f"{SCHED}._add_request_to_queue"
 CREATE_REQ_SEAM = f"{SCHED}._create_generation_req"
 SIGTERM_WATCHDOG_SEAM = "sglang.srt.managers.tokenizer_manager.TokenizerManager.sigterm_watchdog"
 """In the HTTP server's process (``backend.sglang_ext.plugin.register_prompt_shutdown``)."""
+SERVER_ARGS_SEAM = "sglang.srt.server_args.ServerArgs.resolve_once"
+"""In the HTTP server's process: the engine's arguments checked against the KV layout before
+any scheduler starts (``backend.sglang_ext.plugin.refuse_unfit_layout``)."""
 
 SEAMS: tuple[str, ...] = (
     CREATE_REQ_SEAM,
     SIGTERM_WATCHDOG_SEAM,
+    SERVER_ARGS_SEAM,
     NEXT_BATCH_SEAM,
     DEFER_PREFILL_SEAM,
     ADDER_CLASS_SEAM,
