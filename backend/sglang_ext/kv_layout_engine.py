@@ -48,6 +48,7 @@ import torch
 
 from backend.policy.bicache.records import DEFAULT_BLOCK_SLOTS, BiCacheError
 from backend.sglang_ext.kv_layout import BiCacheKvLayout
+from backend.sglang_ext.plugin import unfit_layout
 from backend.sglang_ext.request_meta import get_meta
 from backend.sglang_ext.seams import (
     KV_DECODE_SEAM,
@@ -119,23 +120,17 @@ def after_init_running_status(result: Any, sched: Any, *args: Any, **kwargs: Any
     """The pool exists: build the layout on its buffers and route the allocator to it."""
     global _layout
     allocator = sched.token_to_kv_pool_allocator
-    if type(allocator).__name__ != "TokenToKVPoolAllocator" or allocator.page_size != 1:
+    if type(allocator).__name__ != "TokenToKVPoolAllocator":
         raise RuntimeError(
-            f"tandem: kv_layout=bicache needs the plain token pool with page "
-            f"size 1, not {type(allocator).__name__} "
-            f"(page size {allocator.page_size})"
+            f"tandem: kv_layout=bicache needs the plain token pool, not {type(allocator).__name__}"
         )
-    if not getattr(sched, "disable_radix_cache", False):
-        raise RuntimeError(
-            "tandem: kv_layout=bicache needs --disable-radix-cache (the layout "
-            "frees whole requests; the radix tree keeps slots past them)"
-        )
-    if allocator.size % DEFAULT_BLOCK_SLOTS:
-        raise RuntimeError(
-            f"tandem: kv_layout=bicache needs a KV pool of a multiple of "
-            f"{DEFAULT_BLOCK_SLOTS} tokens, got {allocator.size} "
-            f"(engine.max_total_tokens)"
-        )
+    problem = unfit_layout(
+        allocator.size,
+        allocator.page_size,
+        radix_cache_on=not getattr(sched, "disable_radix_cache", False),
+    )
+    if problem is not None:
+        raise RuntimeError(f"tandem: {problem}")
     kvcache = allocator.get_kvcache()
     lay = BiCacheKvLayout(list(kvcache.k_buffer) + list(kvcache.v_buffer))
     lay.req_to_token = sched.req_to_token_pool.req_to_token

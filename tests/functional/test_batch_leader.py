@@ -39,6 +39,7 @@ from tests.functional.engine_fixtures import EngineServer
 from tests.functional.gateway_fixtures import start_gateway
 from tests.functional.mid_batch import freeze_with_lines_running
 from tests.functional.store_fixtures import PgServer
+from tests.gateway.test_batches import chat_line, jsonl
 from tests.waiting import wait_until, wait_until_sync
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
@@ -49,19 +50,24 @@ TAKEOVER_TIMEOUT_S = 60.0
 busy machine does not fail the test."""
 
 
-async def lock_holders(url: str) -> int:
-    """Sessions holding the batch runner's advisory lock, as PostgreSQL sees them."""
+async def fetch(url: str, query: str, *args: Any) -> list[asyncpg.Record]:
+    """The rows of *query* on the database at *url*, on a connection of its own."""
     conn = await asyncpg.connect(url)
     try:
-        return int(
-            await conn.fetchval(
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted "
-                "AND ((classid::bigint << 32) | objid::bigint) = $1",
-                LOCK_KEY,
-            )
-        )
+        return list(await conn.fetch(query, *args))
     finally:
         await conn.close()
+
+
+async def lock_holders(url: str) -> int:
+    """Sessions holding the batch runner's advisory lock, as PostgreSQL sees them."""
+    rows = await fetch(
+        url,
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted "
+        "AND ((classid::bigint << 32) | objid::bigint) = $1",
+        LOCK_KEY,
+    )
+    return int(rows[0][0])
 
 
 async def test_one_gateway_leads_and_another_takes_over_when_it_stops(
@@ -91,14 +97,11 @@ async def test_one_gateway_leads_and_another_takes_over_when_it_stops(
 
 async def item_states(url: str, batch_id: str) -> list[tuple[str, int]]:
     """(status, attempts) of each line of the batch, as committed in SQL, in file order."""
-    conn = await asyncpg.connect(url)
-    try:
-        rows = await conn.fetch(
-            "SELECT status, attempts FROM batch_items WHERE batch_id = $1 ORDER BY line_no",
-            batch_id,
-        )
-    finally:
-        await conn.close()
+    rows = await fetch(
+        url,
+        "SELECT status, attempts FROM batch_items WHERE batch_id = $1 ORDER BY line_no",
+        batch_id,
+    )
     return [(row["status"], int(row["attempts"])) for row in rows]
 
 
@@ -118,24 +121,8 @@ async def test_a_leader_stopped_gracefully_finishes_its_lines_and_none_runs_twic
         (first_server, first), (_, second) = started
         _, key = await first.new_tenant("rolling-be", "be")
         ids = [f"line-{i:02d}" for i in range(8)]
-        content = "".join(
-            json.dumps(
-                {
-                    "custom_id": custom_id,
-                    "method": "POST",
-                    "url": "/v1/chat/completions",
-                    "body": {
-                        "model": "tandem-tiny",
-                        "max_tokens": 24,
-                        "ignore_eos": True,
-                        "messages": [{"role": "user", "content": f"story {custom_id}"}],
-                    },
-                }
-            )
-            + "\n"
-            for custom_id in ids
-        )
-        batch_id = await create_batch(first, key, content)
+        lines = [chat_line(i, f"story {i}", max_tokens=24, ignore_eos=True) for i in ids]
+        batch_id = await create_batch(first, key, jsonl(lines))
 
         async def lines_running() -> bool:
             return any(status == "running" for status, _ in await item_states(url, batch_id))
@@ -164,12 +151,12 @@ async def test_a_leader_stopped_gracefully_finishes_its_lines_and_none_runs_twic
             await server.close()
 
 
-async def create_batch(gw: Any, key: str, content: str) -> str:
+async def create_batch(gw: Any, key: str, content: bytes) -> str:
     """Uploads *content* (JSONL) and creates a chat batch through *gw*; the batch id."""
     headers = {"Authorization": f"Bearer {key}"}
     form = aiohttp.FormData()
     form.add_field("purpose", "batch")
-    form.add_field("file", content.encode(), filename="in.jsonl", content_type="application/jsonl")
+    form.add_field("file", content, filename="in.jsonl", content_type="application/jsonl")
     async with gw.session.post(f"{gw.base_url}/v1/files", data=form, headers=headers) as resp:
         assert resp.status == 200, await resp.text()
         file_id = (await resp.json())["id"]
@@ -299,14 +286,11 @@ def test_a_killed_batch_leader_hands_its_batch_over_every_line_once(
 
     async def line_counts() -> tuple[int, int]:
         """(lines succeeded, lines running) as committed in SQL."""
-        conn = await asyncpg.connect(url)
-        try:
-            rows = await conn.fetch(
-                "SELECT status, count(*) AS n FROM batch_items WHERE batch_id = $1 GROUP BY status",
-                batch_id,
-            )
-        finally:
-            await conn.close()
+        rows = await fetch(
+            url,
+            "SELECT status, count(*) AS n FROM batch_items WHERE batch_id = $1 GROUP BY status",
+            batch_id,
+        )
         counts = {row["status"]: int(row["n"]) for row in rows}
         return counts.get("succeeded", 0), counts.get("running", 0)
 
@@ -339,11 +323,8 @@ def test_a_killed_batch_leader_hands_its_batch_over_every_line_once(
     assert all(line["response"]["body"]["usage"]["completion_tokens"] == 48 for line in out)
 
     async def rerun_lines() -> int:
-        conn = await asyncpg.connect(url)
-        try:
-            return int(await conn.fetchval("SELECT count(*) FROM batch_items WHERE attempts > 1"))
-        finally:
-            await conn.close()
+        rows = await fetch(url, "SELECT count(*) FROM batch_items WHERE attempts > 1")
+        return int(rows[0][0])
 
     # the lines the dead leader had in flight ran once more, and no other line did
     assert asyncio.run(rerun_lines()) == in_flight

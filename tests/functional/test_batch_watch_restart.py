@@ -16,6 +16,7 @@ import httpx
 
 from common.sockets import free_port
 from tests.functional.serve_process import serving
+from tests.gateway.test_batches import chat_line, jsonl
 from tests.waiting import wait_until_sync
 
 ADMIN = "batch-watch-restart-admin-token"
@@ -35,20 +36,10 @@ def test_a_watch_waits_out_a_gateway_restart_and_sees_the_batch_complete(tmp_pat
     )
     source = tmp_path / "lines.jsonl"
     lines = [
-        {
-            "custom_id": f"line-{i:02d}",
-            "method": "POST",
-            "url": "/v1/chat/completions",
-            "body": {
-                "model": "tandem-tiny",
-                "messages": [{"role": "user", "content": f"story {i}"}],
-                "max_tokens": 300,
-                "ignore_eos": True,
-            },
-        }
+        chat_line(f"line-{i:02d}", f"story {i}", max_tokens=300, ignore_eos=True)
         for i in range(LINES)
     ]
-    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    source.write_bytes(jsonl(lines))
     watch_log = tmp_path / "watch.log"
     watch: subprocess.Popen[str] | None = None
     try:

@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
-from gateway.errors import ApiError
+from gateway.errors import ApiError, Handler
 from gateway.shutdown import Drain
 from tests.waiting import wait_until
 
@@ -24,6 +24,16 @@ async def slow_handler(request: web.Request) -> web.StreamResponse:
 
 async def ok_handler(request: web.Request) -> web.StreamResponse:
     return web.Response(text="ok")
+
+
+def handler_until(release: asyncio.Event) -> Handler:
+    """A handler that answers 200 once *release* is set."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        await release.wait()
+        return web.Response(text="done")
+
+    return handler
 
 
 async def inside(drain: Drain, count: int) -> None:
@@ -49,11 +59,9 @@ async def test_the_drain_returns_when_the_last_request_ends() -> None:
     drain = Drain()
     release = asyncio.Event()
 
-    async def handler(request: web.Request) -> web.StreamResponse:
-        await release.wait()
-        return web.Response(text="done")
-
-    request = asyncio.create_task(drain.middleware(make_mocked_request("POST", "/v1/x"), handler))
+    request = asyncio.create_task(
+        drain.middleware(make_mocked_request("POST", "/v1/x"), handler_until(release))
+    )
     await inside(drain, 1)
     draining = asyncio.create_task(drain.drain(3600.0))
     await wait_until(lambda: drain.is_draining, 10, what="the drain begun")
@@ -117,11 +125,9 @@ async def test_the_drain_waits_for_the_batch_lines_in_flight_after_the_requests(
     lines = Lines(3)
     release = asyncio.Event()
 
-    async def handler(request: web.Request) -> web.StreamResponse:
-        await release.wait()
-        return web.Response(text="done")
-
-    request = asyncio.create_task(drain.middleware(make_mocked_request("POST", "/v1/x"), handler))
+    request = asyncio.create_task(
+        drain.middleware(make_mocked_request("POST", "/v1/x"), handler_until(release))
+    )
     await inside(drain, 1)
     draining = asyncio.create_task(drain.drain(3600.0, lines))
     await wait_until(lambda: drain.is_draining, 10, what="the drain begun")
