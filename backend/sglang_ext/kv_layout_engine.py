@@ -46,9 +46,8 @@ from typing import Any
 
 import torch
 
-from backend.policy.bicache.records import DEFAULT_BLOCK_SLOTS, BiCacheError
+from backend.policy.bicache.records import DEFAULT_BLOCK_SLOTS, BiCacheError, unfit_layout
 from backend.sglang_ext.kv_layout import BiCacheKvLayout
-from backend.sglang_ext.plugin import unfit_layout
 from backend.sglang_ext.request_meta import get_meta
 from backend.sglang_ext.seams import (
     KV_DECODE_SEAM,

@@ -57,7 +57,7 @@ import sys
 import time
 from typing import Any
 
-from backend.policy.bicache.records import DEFAULT_BLOCK_SLOTS
+from backend.policy.bicache.records import unfit_layout
 from backend.sglang_ext.request_meta import REQ_ATTR, get_meta, meta_of, trace_fields
 from backend.sglang_ext.seams import (
     CREATE_REQ_SEAM,
@@ -200,7 +200,7 @@ def after_server_args(result: Any, server_args: Any, *args: Any, **kwargs: Any) 
 
 def refuse_unfit_layout(server_args: Any) -> None:
     """Raises SystemExit naming the argument when the engine's *server_args* cannot carry the
-    bicache KV layout (:func:`unfit_layout`; a pool SGLang sizes itself is left to the
+    bicache KV layout (``records.unfit_layout``; a pool SGLang sizes itself is left to the
     scheduler). The scheduler checks the pool it builds the same way
     (``kv_layout_engine.after_init_running_status``), but only after SGLang has started it and
     loaded the model, some 20 s in on a CPU."""
@@ -212,26 +212,6 @@ def refuse_unfit_layout(server_args: Any) -> None:
     if problem is not None:
         logger.error("tandem plugin: cannot start: %s", problem)
         raise SystemExit(f"tandem plugin: cannot start: {problem}")
-
-
-def unfit_layout(
-    pool_tokens: int | None, page_size: int | None, *, radix_cache_on: bool
-) -> str | None:
-    """Why an engine cannot carry the bicache KV layout, in one line, or None: a KV pool off
-    its block size, a page size other than 1, the radix cache on (None for a size not known)."""
-    if pool_tokens is not None and int(pool_tokens) % DEFAULT_BLOCK_SLOTS:
-        return (
-            f"kv_layout=bicache needs a KV pool of a multiple of {DEFAULT_BLOCK_SLOTS} "
-            f"tokens, got {pool_tokens} (engine.max_total_tokens)"
-        )
-    if page_size is not None and int(page_size) != 1:
-        return f"kv_layout=bicache needs page size 1, not {page_size}"
-    if radix_cache_on:
-        return (
-            "kv_layout=bicache needs --disable-radix-cache (the layout frees whole requests; "
-            "the radix tree keeps slots past them)"
-        )
-    return None
 
 
 def register_prompt_shutdown() -> None:

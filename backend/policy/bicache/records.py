@@ -1,4 +1,5 @@
-"""The bicache layout's constants, errors and records (the package docstring has the picture)."""
+"""The bicache layout's constants, errors and records, and what it needs of an engine (the
+package docstring has the picture)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,27 @@ HOST = -1
 """Block id of a segment whose tokens are checkpointed on the host."""
 DEFAULT_BLOCK_SLOTS = 16
 """BROS's block size, slots."""
+
+
+def unfit_layout(
+    pool_tokens: int | None, page_size: int | None, *, radix_cache_on: bool
+) -> str | None:
+    """Why an engine cannot carry the bicache KV layout, in one line, or None: a KV pool off
+    its block size, a page size other than 1, the radix cache on (None for a size not known)."""
+    if pool_tokens is not None and int(pool_tokens) % DEFAULT_BLOCK_SLOTS:
+        return (
+            f"kv_layout=bicache needs a KV pool of a multiple of {DEFAULT_BLOCK_SLOTS} "
+            f"tokens, got {pool_tokens} (engine.max_total_tokens)"
+        )
+    if page_size is not None and int(page_size) != 1:
+        return f"kv_layout=bicache needs page size 1, not {page_size}"
+    if radix_cache_on:
+        return (
+            "kv_layout=bicache needs --disable-radix-cache (the layout frees whole requests; "
+            "the radix tree keeps slots past them)"
+        )
+    return None
+
 
 Step = tuple[int, int, int, bool]
 """One step of an allocation plan: (block, free slots taken, dormant slots overwritten, take over
