@@ -892,18 +892,20 @@ def load_of(
                 be_running += 1
                 be_context += r.prompt_len + r.generated
     now_s = snapshot.now_s
-    for r in snapshot.waiting:
-        if r.tier == "rt":
-            rt_waiting += 1
-            lateness = r.ttft_lateness(now_s)
-            if lateness > 0 and (rt_late_bound_frac is None or lateness <= rt_late_bound_frac):
-                _tenant_entry(by_tenant, r)[1] += 1  # overdue: served last, ahead of nobody
-                continue
-            rt_prompt += r.prefill_len - r.prefilled
-            _count_waiting(by_tenant, r)
-        else:
-            be_waiting += 1
-            be_prompt += r.prefill_len - r.prefilled
+    waiting_rt, waiting_be = snapshot.waiting_rt, snapshot.waiting_be
+    if waiting_rt is None or waiting_be is None:  # the engine keeps no split: made here
+        waiting_rt = [r for r in snapshot.waiting if r.tier == "rt"]
+        waiting_be = [r for r in snapshot.waiting if r.tier != "rt"]
+    for r in waiting_rt:
+        rt_waiting += 1
+        lateness = r.ttft_lateness(now_s)
+        if lateness > 0 and (rt_late_bound_frac is None or lateness <= rt_late_bound_frac):
+            _tenant_entry(by_tenant, r)[1] += 1  # overdue: served last, ahead of nobody
+            continue
+        rt_prompt += r.prefill_len - r.prefilled
+        _count_waiting(by_tenant, r)
+    be_waiting += len(waiting_be)
+    be_prompt += sum([r.prefill_len - r.prefilled for r in waiting_be])
     counters = rt_fair_counters or {}
     steps_left: tuple[int, ...] = ()
     new_steps = 0

@@ -258,7 +258,7 @@ class EngineDriver:
         now = self.clock()
         mirror = self.mirror
         self._match_prefixes(sched, now)
-        waiting = [mirror.waiting(req, now) for req in sched.waiting_queue]
+        waiting, waiting_rt, waiting_be = mirror.waiting_states(sched.waiting_queue, now)
         running = [mirror.running(req, now) for req in running_reqs]
         chunked = sched.chunked_req
         if chunked is not None:
@@ -278,8 +278,8 @@ class EngineDriver:
             now_s=now,
             waiting=waiting,
             running=running,
-            waiting_rt=[r for r in waiting if r.tier == "rt"],
-            waiting_be=[r for r in waiting if r.tier == "be"],
+            waiting_rt=waiting_rt,
+            waiting_be=waiting_be,
             kv_capacity_tokens=int(sched.max_total_num_tokens),
             kv_free_tokens=int(allocator.available_size()),
             kv_evictable_tokens=int(tree_cache.evictable_size()),
@@ -361,8 +361,7 @@ class EngineDriver:
         rids = {str(req.rid) for req in running}
         evict = tuple(rid for rid in plan.evictions if rid in rids)
         self.stats.evictions += len(evict)
-        states = {r.rid: r for r in snap.running}
-        states.update((r.rid, r) for r in snap.waiting)
+        states = self.mirror.states  # every request of the snapshot, and only the plan's are read
         self._iter_rt_frac = self._rt_frac(plan, states)
         self._plan_mix = IterationMix(**msgspec.structs.asdict(plan_shape(plan, states)))
         evicted = set(evict)

@@ -709,3 +709,48 @@ def test_prefix_matches_are_renewed_a_few_at_a_time_and_never_without_a_prefix_c
     clock[0] += 10 * driver.PREFIX_RECHECK_S
     drv.plan_iteration(s, FakeBatch([]))  # type: ignore[arg-type]
     assert matched == []
+
+
+def test_a_waiting_requests_state_follows_every_change_while_it_waits() -> None:
+    # The mirror refreshes a waiting request only when something its state is made of changed:
+    # each change below must still reach the plan.
+    a, b, c = req("a", "rt", prompt=100), req("b", "be", prompt=200), req("c", "be", prompt=300)
+    s = sched([a, b, c])
+    held = {"a": 0, "b": 0, "c": 0}
+    policy = ScriptedPolicy(Plan())
+    drv = EngineDriver(policy, cached_prefix=lambda sched, r: held[r.rid])  # type: ignore[arg-type]
+    drv.plan_iteration(s, FakeBatch([]))  # type: ignore[arg-type]
+    first = policy.snapshots[-1]
+    assert [r.rid for r in first.waiting_rt or ()] == ["a"]
+    assert [r.rid for r in first.waiting_be or ()] == ["b", "c"]
+
+    # a is admitted and decodes; b ran, was retracted with 7 tokens out and waits again; c's
+    # prompt went back to the queue with 128 tokens of KV cached
+    s.waiting_queue = [b, c]
+    a.output_ids = [2] * 3
+    b.output_ids, b.retraction_count = [2] * 7, 1
+    drv.note_chunk_released("c", 128)
+    drv.plan_iteration(s, FakeBatch([a]))  # type: ignore[arg-type]
+    snap = policy.snapshots[-1]
+    waiting = {r.rid: r for r in snap.waiting}
+    assert set(waiting) == {"b", "c"} and [r.rid for r in snap.waiting_be or ()] == ["b", "c"]
+    assert snap.waiting_rt == []
+    assert (waiting["b"].prefill_len, waiting["b"].generated, waiting["b"].num_evictions) == (
+        207,
+        7,
+        1,
+    )
+    assert (waiting["c"].prefilled, waiting["c"].prompt_left) == (128, 172)
+    assert [(r.rid, r.is_running, r.generated) for r in snap.running] == [("a", True, 3)]
+
+    # a is retracted (its outputs kept, to recompute) and waits behind the others
+    s.waiting_queue = [b, c, a]
+    a.retraction_count = 1
+    drv.plan_iteration(s, FakeBatch([]))  # type: ignore[arg-type]
+    again = {r.rid: r for r in policy.snapshots[-1].waiting}
+    assert (again["a"].is_running, again["a"].prefill_len, again["a"].num_evictions) == (
+        False,
+        103,
+        1,
+    )
+    assert again["b"] is waiting["b"]  # unchanged, not rebuilt

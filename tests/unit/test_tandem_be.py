@@ -52,6 +52,28 @@ def test_be_decodes_that_do_not_fit_sit_out_and_keep_their_kv() -> None:
     assert plan.evictions == []
 
 
+def test_a_short_be_decode_rides_behind_longer_ones_that_do_not_fit() -> None:
+    # RT decodes take 10 + 20 ms of τ = 45 ms; the two most advanced BE rows attend to 20K
+    # tokens each (20 ms more: neither fits), the last one to 2K (2 ms: it fits)
+    rt = [make_request(f"rt{i}", prompt_len=1999, running=True, generated=1) for i in range(10)]
+    be = [
+        make_request(
+            f"long{i}", tier="be", prompt_len=19995, running=True, generated=5, deadline_due_s=None
+        )
+        for i in range(2)
+    ]
+    be.append(
+        make_request(
+            "short", tier="be", prompt_len=1999, running=True, generated=1, deadline_due_s=None
+        )
+    )
+    plan = make_policy(latency_budget_s=0.045, be_frac_init=1.0, be_min_share=0.0).plan(
+        snapshot(running=rt + be)
+    )
+    assert [d for d in plan.decodes if not d.startswith("rt")] == ["short"]
+    assert plan.evictions == []
+
+
 def test_be_with_a_deadline_goes_first() -> None:
     plain = make_request("plain", tier="be", prompt_len=800, order_key=0, arrival_s=1.0)
     due = make_request(

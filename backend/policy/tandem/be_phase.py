@@ -27,6 +27,7 @@ the KV left after the RT headroom.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 from backend.policy.common import decode_cost
@@ -168,8 +169,15 @@ def _decode_be(ctx: PlanContext, limit: float) -> None:
             ctx.on_evict(victim)
         decodes = [r for r in decodes if r.rid not in b.evictions]
     timer = ctx.timer
-    for r in decodes:
-        if timer.with_decodes(b, 1, r.prompt_len + r.generated) > limit:
+    contexts = [r.prompt_len + r.generated for r in decodes]
+    # the shortest context still to come: a row's predicted cost grows with its context and
+    # the batch only grows, so once even that one does not fit, none of the rest does (one
+    # prediction instead of one per BE row when RT leaves no time, the common case)
+    shortest_left = list(itertools.accumulate(reversed(contexts), min))[::-1]
+    for i, r in enumerate(decodes):
+        if timer.with_decodes(b, 1, shortest_left[i]) > limit:
+            break
+        if shortest_left[i] != contexts[i] and timer.with_decodes(b, 1, contexts[i]) > limit:
             continue  # skipped this iteration; keeps its KV
         b.add_decode(r)
 
