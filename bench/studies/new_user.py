@@ -16,7 +16,12 @@ chats. This study does exactly that, through the OpenAI API, once per policy, on
    `--burn-s` seconds while the study follows the engine's per-iteration state (`/load`: the
    measured iteration time, and what the calibrated model predicted for it) to see how fast
    the prediction error comes back within 20 %;
-4. the batch is waited for to the end and its output file checked line by line.
+4. the batch is waited for to the end and its output file checked line by line;
+5. **alone again** — the same chats once more, nothing else running: the host's own pace can
+   move in the minutes between the first phase and the batch's end (another tenant of the
+   machine, thermal limits), so the chats beside the batch are compared with both phases
+   alone, before and after (`*_ratio_bracketed`: beside ÷ the mean of the two alone p50s), as
+   well as with the first (`*_ratio`: the issue's measure).
 
 Chats stream with `continuous_usage_stats`, and the client stamps every token when the event
 that counts it arrives (not when text arrives: a token ending mid-character has no text until
@@ -26,10 +31,10 @@ between the first and the last token. Every chat asks
 otherwise stop at random), and so do the batch lines.
 
 Reported per policy (``results.json`` and ``README.md`` under ``--out``): TTFT and TPOT p50 of
-each phase and their ratio to the alone phase, the chats that met the contract, the chats the
-gateway refused (429 `slo_unattainable`) or downgraded, the batch's outcome and duration, the
-engine's latency calibration; for the burner, the prediction error's timeline and the seconds it
-took to come back within 20 %.
+each phase and the ratios of the phase beside the batch to the phases alone, the chats that met
+the contract, the chats the gateway refused (429 `slo_unattainable`) or downgraded, the batch's
+outcome and duration, the engine's latency calibration; for the burner, the prediction error's
+timeline and the seconds it took to come back within 20 %.
 
     python -m bench.studies.new_user                       # tandem and stock SGLang (fcfs)
     python -m bench.studies.new_user --policies tandem --burn-s 40
@@ -484,6 +489,10 @@ async def _scenario(
         final = await wait_for(batch_done, BATCH_TIMEOUT_S, "the batch to end", every_s=2.0)
         batch_s = time.monotonic() - batch_started
         lines = await gw.output_lines(docs_key, final.get("output_file_id"))
+        alone_after = await chats_in_a_row(
+            session, base_url, chat_key, Phase("alone_after"), count=n, max_tokens=mt
+        )
+        say(f"alone again: {alone_after.summary(contract)}")
         full = sum(
             1
             for line in lines
@@ -491,15 +500,22 @@ async def _scenario(
             and line["response"]["body"]["usage"]["completion_tokens"] == options.batch_max_tokens
         )
         _, stats = await asyncio.to_thread(engine_control_get, engine_port, CONTROL_STATS_PATH, 10)
-    a, b = alone.summary(contract), beside.summary(contract)
+    a, b, c = alone.summary(contract), beside.summary(contract), alone_after.summary(contract)
     return {
         "policy": policy,
         "contract": contract,
         "options": asdict(options),
         "alone": a,
         "beside_batch": b,
+        "alone_after": c,
         "ttft_p50_ratio": _ratio(b["ttft_p50_s"], a["ttft_p50_s"]),
         "tpot_p50_ratio": _ratio(b["tpot_p50_s"], a["tpot_p50_s"]),
+        "ttft_p50_ratio_bracketed": _ratio(
+            b["ttft_p50_s"], _mean(a["ttft_p50_s"], c["ttft_p50_s"])
+        ),
+        "tpot_p50_ratio_bracketed": _ratio(
+            b["tpot_p50_s"], _mean(a["tpot_p50_s"], c["tpot_p50_s"])
+        ),
         "batch_completed_during_chats": after["request_counts"]["completed"]
         - before["request_counts"]["completed"],
         "batch_ended_during_chats": len(beside.chats) < n,
@@ -514,6 +530,7 @@ async def _scenario(
         "chats": {
             "alone": [asdict(c) for c in alone.chats],
             "beside_batch": [asdict(c) for c in beside.chats],
+            "alone_after": [asdict(c) for c in alone_after.chats],
         },
         "iterations": {
             "phase_started_unix_s": {
@@ -616,31 +633,42 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else round(a / b, 3)
 
 
+def _mean(a: float | None, b: float | None) -> float | None:
+    """The mean of two phases' p50s (one alone when the other has none)."""
+    kept = [v for v in (a, b) if v is not None]
+    return sum(kept) / len(kept) if kept else None
+
+
 # --- report ----------------------------------------------------------------------------------
 
 
 def report(results: list[dict[str, Any]], command: str) -> str:
     """The README of a run: one table row per policy, then the burner."""
 
-    def ms(v: float | None) -> str:
-        return "–" if v is None else f"{v * 1000:.0f}"
+    def ms(v: float | None) -> str:  # a CPU chat's token takes a few ms: one decimal there
+        if v is None:
+            return "–"
+        return f"{v * 1000:.1f}" if v < 0.1 else f"{v * 1000:.0f}"
 
     lines = [
         "# The new user's scenario on the real engine",
         "",
         f"`{command}`",
         "",
-        "| policy | TTFT p50 alone / beside batch (ms) | ratio | TPOT p50 alone / beside (ms) "
-        "| ratio | met alone | met beside | refused | batch | batch s |",
+        "| policy | TTFT p50 alone / beside batch / alone again (ms) | ratio (bracketed) "
+        "| TPOT p50 alone / beside / alone again (ms) | ratio (bracketed) | met alone "
+        "| met beside | refused | batch | batch s |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        a, b = r["alone"], r["beside_batch"]
+        a, b, c = r["alone"], r["beside_batch"], r["alone_after"]
         counts = r["batch"]["request_counts"]
         lines.append(
-            f"| {r['policy']} | {ms(a['ttft_p50_s'])} / {ms(b['ttft_p50_s'])} "
-            f"| {r['ttft_p50_ratio']} | {ms(a['tpot_p50_s'])} / {ms(b['tpot_p50_s'])} "
-            f"| {r['tpot_p50_ratio']} | {a['met']}/{a['chats']} | {b['met']}/{b['chats']} "
+            f"| {r['policy']} | {ms(a['ttft_p50_s'])} / {ms(b['ttft_p50_s'])} / "
+            f"{ms(c['ttft_p50_s'])} | {r['ttft_p50_ratio']} ({r['ttft_p50_ratio_bracketed']}) "
+            f"| {ms(a['tpot_p50_s'])} / {ms(b['tpot_p50_s'])} / {ms(c['tpot_p50_s'])} "
+            f"| {r['tpot_p50_ratio']} ({r['tpot_p50_ratio_bracketed']}) "
+            f"| {a['met']}/{a['chats']} | {b['met']}/{b['chats']} "
             f"| {b['refused']} | {counts['completed']}/{counts['total']} "
             f"({r['batch']['lines_with_full_output']} full) | {r['batch']['seconds']} |"
         )

@@ -48,6 +48,7 @@ def test_chats_beside_a_batch_come_about_as_fast_as_alone_and_the_batch_complete
     assert alone["served_rt"] == CHATS, alone
     assert beside["served_rt"] == CHATS, beside  # none refused or downgraded for the batch
     assert beside["failed"] == 0
+    assert result["alone_after"]["served_rt"] == CHATS, result["alone_after"]
     assert result["ttft_p50_ratio"] <= 3.0, result  # was ×12–23
     assert result["tpot_p50_ratio"] <= 1.6, result  # was ×7–8
     batch = result["batch"]
