@@ -5,16 +5,19 @@ objects, at the sizes an engine meets.
 `plan_overhead` times the policy's `plan()` alone on the simulator's snapshots; on the real
 engine the driver also mirrors every waiting and running request into the policy's view each
 iteration, and that part grows with the queue. Here the stand-ins churn as an engine does:
-every running request emits a token each iteration, a finished one leaves (its slot goes to the
-oldest waiting request) and new requests top the queue back up, so the mirror meets new,
-admitted and finished requests every iteration, not one frozen state.
+every row the plan decodes emits a token, a finished request leaves (its slot goes to the
+request the plan admits) and as many new requests arrive, so the mirror and the policy meet
+new, admitted, parked and finished requests every iteration, not one frozen state.
 
     python -m bench.studies.driver_overhead                    # the three shapes below
     python -m bench.studies.driver_overhead --shape 256x2000 --iterations 500
 
-Shapes (running × waiting): `new-user` is the new user's chat beside a 50-line batch (one RT
-decode, 35 BE decodes, 15 BE lines waiting); `64x64` a busy small engine; `256x2000` issue 4's
-planning scale (a long BE queue behind a full engine).
+Shapes (running × waiting, as offered): `new-user` is the new user's chat beside a 50-line
+batch (one RT chat, 35 BE lines running and 15 waiting to start with); `64x64` a busy small
+engine; `256x2000` issue 4's planning scale (a long BE queue behind a full engine). The running
+cap is the shape's running count; how many run from there on is the policy's choice (it parks
+BE rows and admits BE prompts within its time budget), so the bench prints the mean running
+and waiting counts it measured at.
 """
 
 from __future__ import annotations
@@ -119,48 +122,61 @@ def measure(shape: str, *, iterations: int, warmup: int, seed: int = 0) -> dict[
         chunked_prefill_size=2048,
         max_prefill_tokens=16384,
         is_mixed_chunk=False,
-        max_running_requests=4096,
+        max_running_requests=rt_running + be_running,  # holds the running set at its size
         page_size=1,
     )
     total_us: list[float] = []
+    sizes: list[tuple[int, int]] = []  # (running, waiting) at each measured plan
     for i in range(warmup + iterations):
         driver.begin_iteration()
         started = time.perf_counter()
-        driver.plan_iteration(sched, batch)  # type: ignore[arg-type]
+        directive = driver.plan_iteration(sched, batch)  # type: ignore[arg-type]
         elapsed = time.perf_counter() - started
         if i >= warmup:
             total_us.append(elapsed * 1e6)
+            sizes.append((len(batch.reqs), len(sched.waiting_queue)))
         driver.batch_started(True, driver.clock())
-        # the iteration "ran": every running request emits a token, finished ones leave and
-        # the oldest waiting ones of the same tier take their slots, new ones arrive
+        # the iteration "ran" as planned: evicted rows wait again, the planned prompts are
+        # admitted (whole: the prompts are short), the rows not parked emit a token, finished
+        # requests leave and as many new ones of their tier arrive
+        evicted = set(directive.evict)
+        parked = set(directive.park) | evicted
+        for req in batch.reqs:
+            if req.rid in evicted:
+                req.retraction_count += 1
+                sched.waiting_queue.append(req)
+        batch.reqs = [req for req in batch.reqs if req.rid not in evicted]
         finished: list[_Req] = []
         for req in batch.reqs:
+            if req.rid in parked:
+                continue
             req.output_ids.append(2)
             req.kv.kv_allocated_len += 1
             if len(req.output_ids) >= req.output_len:
                 req.finished_reason = "length"
                 finished.append(req)
+        admitted = [req for req in sched.waiting_queue if req.rid in directive.prefill_tokens]
+        if admitted:
+            chosen = {req.rid for req in admitted}
+            sched.waiting_queue = [req for req in sched.waiting_queue if req.rid not in chosen]
+            for req in admitted:
+                req.output_ids.append(2)  # the prompt's pass emits the first token
+                req.kv.kv_allocated_len = len(req.origin_input_ids) + len(req.output_ids)
+            batch.reqs += admitted
         driver.note_finished(finished)
         batch.reqs = [req for req in batch.reqs if req.finished_reason is None]
         for req in finished:
-            if req.rid.startswith("rt"):
-                batch.reqs.append(_admitted(_request(rng, next(serial), "rt")))
-            else:
-                if sched.waiting_queue:
-                    batch.reqs.append(_admitted(sched.waiting_queue.pop(0)))
-                sched.waiting_queue.append(_request(rng, next(serial), "be"))
+            tier = "rt" if req.rid.startswith("rt") else "be"
+            sched.waiting_queue.append(_request(rng, next(serial), tier))
     plan_us = [ms * 1000.0 for ms in driver.stats.plan_ms[-iterations:]]
     total_us.sort()
     return {
         "plan_iteration_us_p50": statistics.median(total_us),
         "plan_iteration_us_p90": total_us[int(0.9 * len(total_us))],
         "policy_plan_us_p50": statistics.median(plan_us),
+        "running_mean": statistics.fmean(r for r, _ in sizes),
+        "waiting_mean": statistics.fmean(w for _, w in sizes),
     }
-
-
-def _admitted(req: _Req) -> _Req:
-    req.output_ids.append(2)
-    return req
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{shape:>9}: plan_iteration p50 {out['plan_iteration_us_p50']:7.0f} µs "
             f"(p90 {out['plan_iteration_us_p90']:7.0f}), of it the policy's plan() "
-            f"{out['policy_plan_us_p50']:6.0f} µs"
+            f"{out['policy_plan_us_p50']:6.0f} µs; {out['running_mean']:.0f} running and "
+            f"{out['waiting_mean']:.0f} waiting on average"
         )
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
