@@ -38,7 +38,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "bench": frozenset(
         {"common", "backend.policy", "backend.sim", "backend.kernels", "backend.launch"}
     ),
-    # the lab: one-off studies may time any layer below the console script, the gateway's too
+    # the lab: one-off studies may time any layer below the console script, the gateway's and
+    # the engine driver's too (on stand-ins: its modules import no SGLang)
     "bench.studies": frozenset(
         {
             "common",
@@ -46,6 +47,7 @@ ALLOWED: dict[str, frozenset[str]] = {
             "backend.sim",
             "backend.kernels",
             "backend.launch",
+            "backend.sglang_ext",
             "gateway",
             "bench",
         }
