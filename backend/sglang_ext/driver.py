@@ -444,11 +444,18 @@ class EngineDriver:
     @staticmethod
     def _park(plan: Plan, rows: Sequence[ReqView], keep_one: bool = False) -> tuple[str, ...]:
         """The decode *rows* (the running batch after the evictions) the plan leaves out;
-        never every row when *keep_one* (the last time every row sat out, nothing ran)."""
+        never every row when *keep_one* (the last time every row sat out, nothing ran), and
+        never a row being aborted: its next decode ends it and frees its KV and its slot (a
+        client gone, a batch cancelled), which a parked row would hold for as long as the plan
+        leaves it out."""
         if not plan.decodes and not plan.prefills:
             return ()  # an empty plan: let SGLang decode as it would
         decodes = set(plan.decodes)
-        park = [i for i, req in enumerate(rows) if str(req.rid) not in decodes]
+        park = [
+            i
+            for i, req in enumerate(rows)
+            if str(req.rid) not in decodes and getattr(req, "to_finish", None) is None
+        ]
         if park and len(park) == len(rows) and (keep_one or not plan.prefills):
             # With no prompt to run, SGLang goes on to decode the running batch, and its batch
             # code assumes that one is not empty: keep the row with the most progress (its KV

@@ -99,6 +99,12 @@ class ReqView(Protocol):
         ...
 
     @property
+    def to_finish(self) -> object:
+        """An abort waiting for the request's next decode (SGLang ends a running request that
+        way: the decode's result finishes it and frees its KV), None otherwise."""
+        ...
+
+    @property
     def priority(self) -> int | None:
         """SGLang's priority (the launcher's tier mirror; see ``common.wire``)."""
         ...

@@ -173,6 +173,18 @@ def test_decodes_left_out_of_the_plan_sit_out_and_come_back() -> None:
     assert not hooks.parked_reqs() and hooks.after_is_fully_idle(True, s)  # type: ignore[arg-type]
 
 
+def test_a_row_being_aborted_is_never_parked() -> None:
+    # its client went away (or its batch was cancelled): SGLang ends it at its next decode,
+    # which frees its KV and its slot; parked, it would hold them while RT keeps BE out
+    rt, gone, be = req("rt", "rt", out=3), req("gone", "be", out=5), req("be", "be", out=9)
+    gone.to_finish = FINISH_ABORT()
+    drv = EngineDriver(ScriptedPolicy(Plan(decodes=["rt"])))  # type: ignore[arg-type]
+    batch = FakeBatch([rt, gone, be])
+    hooks, _ = plan_and_carry_out(drv, sched([]), batch)
+    assert [r.rid for r in batch.reqs] == ["rt", "gone"]
+    assert [r.rid for r in hooks.parked_reqs()] == ["be"]
+
+
 def test_the_kv_layout_is_told_which_rows_are_parked() -> None:
     rt, be = req("rt", "rt", out=3), req("be", "be", out=5)
     told: list[list[str]] = []
