@@ -133,7 +133,7 @@ class ReqMirror:
         state.prefill_len = fill
         prefilled = min(int(getattr(req, "prefix_len", 0) or 0), fill) if chunked else fill
         state.prefilled = prefilled
-        state.generated = generated = len(req.output_ids)
+        state.generated = len(req.output_ids)
         kv = getattr(req, "kv", None)
         kv_tokens = int(getattr(kv, "kv_allocated_len", 0) or 0)
         state.kv_tokens = kv_tokens
@@ -141,11 +141,7 @@ class ReqMirror:
         state.cached_len = min(int(getattr(req, "cached_tokens", 0) or 0), prefilled)
         state.num_evictions = int(getattr(req, "retraction_count", 0))
         state.is_running = True
-        if generated > 0 and self._seen.get(rid, 0) != generated:  # `_note_tokens`, inlined
-            self._seen[rid] = generated
-            if state.first_token_s is None:
-                state.first_token_s = now_s
-            state.last_token_s = now_s
+        self._note_tokens(state, now_s)
         return state
 
     def note_cached(self, rid: str, tokens: int) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from backend.policy.types import Plan, ReqState
 from backend.sim.config import SimConfig
 from backend.sim.engine import simulate
 from backend.sim.source import ListSource
@@ -35,18 +36,35 @@ def test_be_alone_gets_the_idle_budget() -> None:
     assert abs(chunks(plan)["be"] - 2500) <= 1  # 10 + 20·c/1000 ≤ 60 ms
 
 
+def _rt_decodes() -> list[ReqState]:
+    """Ten running RT decodes at 2K context: 10 + 20 ms of an iteration."""
+    return [make_request(f"rt{i}", prompt_len=1999, running=True, generated=1) for i in range(10)]
+
+
+def _be_decode(rid: str, *, context: int, generated: int = 1) -> ReqState:
+    """A running BE decode without a deadline attending to *context* tokens."""
+    return make_request(
+        rid,
+        tier="be",
+        prompt_len=context - generated,
+        running=True,
+        generated=generated,
+        deadline_due_s=None,
+    )
+
+
+def _plan_at_45_ms(running: list[ReqState]) -> Plan:
+    """BE may use all of a 45 ms iteration's time RT leaves, with no floor."""
+    return make_policy(latency_budget_s=0.045, be_frac_init=1.0, be_min_share=0.0).plan(
+        snapshot(running=running)
+    )
+
+
 def test_be_decodes_that_do_not_fit_sit_out_and_keep_their_kv() -> None:
     # RT decodes take 10 + 20 ms; each BE decode at 10K context adds 10 ms; τ = 45 ms
-    rt = [make_request(f"rt{i}", prompt_len=1999, running=True, generated=1) for i in range(10)]
-    be = [
-        make_request(
-            f"be{i}", tier="be", prompt_len=9999, running=True, generated=1, deadline_due_s=None
-        )
-        for i in range(3)
-    ]
-    plan = make_policy(latency_budget_s=0.045, be_frac_init=1.0, be_min_share=0.0).plan(
-        snapshot(running=rt + be)
-    )
+    rt = _rt_decodes()
+    be = [_be_decode(f"be{i}", context=10_000) for i in range(3)]
+    plan = _plan_at_45_ms(rt + be)
     assert set(plan.decodes) >= {r.rid for r in rt}
     assert len([d for d in plan.decodes if d.startswith("be")]) == 1
     assert plan.evictions == []
@@ -55,21 +73,9 @@ def test_be_decodes_that_do_not_fit_sit_out_and_keep_their_kv() -> None:
 def test_a_short_be_decode_rides_behind_longer_ones_that_do_not_fit() -> None:
     # RT decodes take 10 + 20 ms of τ = 45 ms; the two most advanced BE rows attend to 20K
     # tokens each (20 ms more: neither fits), the last one to 2K (2 ms: it fits)
-    rt = [make_request(f"rt{i}", prompt_len=1999, running=True, generated=1) for i in range(10)]
-    be = [
-        make_request(
-            f"long{i}", tier="be", prompt_len=19995, running=True, generated=5, deadline_due_s=None
-        )
-        for i in range(2)
-    ]
-    be.append(
-        make_request(
-            "short", tier="be", prompt_len=1999, running=True, generated=1, deadline_due_s=None
-        )
-    )
-    plan = make_policy(latency_budget_s=0.045, be_frac_init=1.0, be_min_share=0.0).plan(
-        snapshot(running=rt + be)
-    )
+    be = [_be_decode(f"long{i}", context=20_000, generated=5) for i in range(2)]
+    be.append(_be_decode("short", context=2_000))
+    plan = _plan_at_45_ms(_rt_decodes() + be)
     assert [d for d in plan.decodes if not d.startswith("rt")] == ["short"]
     assert plan.evictions == []
 
