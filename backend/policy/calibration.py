@@ -89,6 +89,8 @@ def budget_pace(factors: tuple[float, ...], pace_max: float) -> float:
     (one per regime): their geometric mean, within [1, pace_max]. A budget given in the
     profile's seconds buys the same work on a slower engine; a faster engine keeps the budget
     in wall seconds (its iterations get shorter anyway)."""
+    if pace_max <= 1.0:  # wall seconds whatever the pace (every forecast asks: skip the logs)
+        return 1.0
     finite = [f for f in factors if math.isfinite(f) and f > 0.0]
     if not finite:
         return 1.0

@@ -48,13 +48,13 @@ import heapq
 import itertools
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
 from typing import Protocol
 
 import msgspec
 
 from backend.policy.feasibility import (
     MIN_VERIFIED_ITERATIONS,
+    NO_BACKLOG,
     Backlog,
     Forecast,
     SloAsk,
@@ -64,6 +64,7 @@ from backend.policy.feasibility import (
 from common.wire import EngineLoad, Tier
 
 ROUTERS = ("slo", "round-robin", "least-load", "prefix")
+"""Router names (`--routers`, the gateway's `gateway.router`)."""
 CLAIM_HELD_FRAC = 0.9
 """A prefix-memory claim holds when the engine found at least this share of it cached (its
 count ends on its own page and block boundaries)."""
@@ -76,13 +77,9 @@ CACHE_SHARE_STEP when a claim held, never below CACHE_SHARE_MIN."""
 TRACKER_BOUND_EVERY = 256
 """The slo router sums its replicas' KV sizes (its prefix memory's bound) at least this often,
 in decisions."""
-"""Router names (`--routers`, the gateway's `gateway.router`)."""
-
-_NO_BACKLOG = Backlog()
 
 
-@dataclass(frozen=True, slots=True)
-class Replica:
+class Replica(msgspec.Struct, frozen=True):
     """What a router sees of one replica."""
 
     name: str
@@ -90,7 +87,7 @@ class Replica:
     load: EngineLoad | None
     """Its last live-state report; None: none yet, or a stock engine that reports none (it
     counts as empty but for what was sent to it)."""
-    backlog: Backlog = _NO_BACKLOG
+    backlog: Backlog = NO_BACKLOG
     """RT work sent to it that `load` does not show yet (the gateway's `LoadWatcher.backlog`)."""
     ttft_extra_s: float = 0.0
     """What admitted requests' first tokens on it taught its TTFT forecast (the gateway's
@@ -98,8 +95,7 @@ class Replica:
     server and tokenizer, its host's CPU taken by a neighbour — seconds."""
 
 
-@dataclass(frozen=True, slots=True)
-class PlaceAsk:
+class PlaceAsk(msgspec.Struct, frozen=True):
     """One request, as placement sees it."""
 
     tier: Tier
@@ -113,8 +109,7 @@ class PlaceAsk:
     """RT with a TTFT target: its contract (the slo router forecasts it); None otherwise."""
 
 
-@dataclass(frozen=True, slots=True)
-class PlaceDecision:
+class PlaceDecision(msgspec.Struct, frozen=True):
     """Where a request goes, and what the forecast said there."""
 
     index: int
@@ -549,7 +544,9 @@ class SloAware:
             )
         if cached:  # computed after the prefix its cache holds
             prompt = max(1, slo.prompt_tokens - cached)
-            ask = replace(slo, prompt_tokens=prompt, cached_tokens=slo.prompt_tokens - prompt)
+            ask = msgspec.structs.replace(
+                slo, prompt_tokens=prompt, cached_tokens=slo.prompt_tokens - prompt
+            )
         else:
             ask = slo
         return self.forecaster.forecast(load, ask, r.backlog, r.ttft_extra_s)

@@ -32,14 +32,13 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import msgspec
 from prometheus_client.core import GaugeMetricFamily
 
-from backend.policy.feasibility import Backlog, idle
+from backend.policy.feasibility import NO_BACKLOG, Backlog, idle
 from common.config import EngineConfig
 from common.wire import CONTROL_LOAD_PATH, EngineLoad, TenantLoad
 
@@ -55,11 +54,8 @@ SENT_KEPT_S = 60.0
 engine that never reports again must not inflate the backlog forever)."""
 _DECODER = msgspec.json.Decoder(EngineLoad)
 
-_NO_BACKLOG = Backlog()
 
-
-@dataclass(frozen=True)
-class _Sent:
+class _Sent(msgspec.Struct, frozen=True):
     at_unix_s: float
     seen_iteration: int
     prompt_tokens: int
@@ -158,7 +154,7 @@ class LoadWatcher:
         the caller's clock."""
         self._trim(time.time() if now_unix_s is None else now_unix_s)
         if not self._sent:
-            return _NO_BACKLOG
+            return NO_BACKLOG
         # tenant → [weight, requests, prompt tokens]; a handful of sends (an iteration's worth)
         by_tenant: dict[str, list[Any]] = {}
         total = 0

@@ -51,13 +51,14 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import msgspec
 from aiohttp import web
 
 from backend.policy.feasibility import (
+    NO_BACKLOG,
     Backlog,
     Forecast,
     Shortfall,
@@ -105,8 +106,7 @@ class Hold(Protocol):
         ran) is what the request really cost. Called exactly once."""
 
 
-@dataclass(frozen=True)
-class Admitted:
+class Admitted(msgspec.Struct, frozen=True):
     """A request that passed the admission checks run so far, with what they hold for it."""
 
     tenant: Tenant
@@ -125,11 +125,10 @@ class Admitted:
 
     def holding(self, hold: Hold) -> Admitted:
         """This admission with one more hold."""
-        return replace(self, holds=(*self.holds, hold))
+        return msgspec.structs.replace(self, holds=(*self.holds, hold))
 
 
-@dataclass(frozen=True)
-class Pending:
+class Pending(msgspec.Struct, frozen=True):
     """No verdict yet: the SLO check would refuse (or downgrade) the request for a wait the
     engine's next report may well shorten — one for a request slot, every one held by RT
     requests (`SloCheck.recheck`). The admit stage waits for that report and asks again
@@ -163,7 +162,7 @@ def admit_through(
     for index, check in enumerate(checks):
         outcome = check(admitted)
         if isinstance(outcome, Pending):
-            return replace(outcome, admitted=admitted, resume_at=index)
+            return msgspec.structs.replace(outcome, admitted=admitted, resume_at=index)
         if isinstance(outcome, Refused):
             release_holds(admitted.holds, used_tokens=0)
             return outcome
@@ -202,8 +201,7 @@ def admission_checks(app: web.Application, *, recheck: bool = False) -> tuple[Ad
 # ---------------------------------------------------------------------------------- quotas
 
 
-@dataclass(frozen=True)
-class QuotaHold:
+class QuotaHold(msgspec.Struct, frozen=True):
     """A request's hold on its tenant's quota (a `Ticket` of the limiter)."""
 
     limiter: QuotaLimiter
@@ -268,8 +266,7 @@ class QuotaCheck:
 # ---------------------------------------------------------------------------------- SLO feasibility
 
 
-@dataclass(frozen=True)
-class SloDecision:
+class SloDecision(msgspec.Struct, frozen=True):
     """The SLO admission's verdict on one RT request."""
 
     outcome: AdmissionOutcome
@@ -419,7 +416,7 @@ class SloCheck:
         backlog = (  # the router's forecast counted it already
             watcher.backlog(now_unix_s)
             if forecast is None and watcher is not None and load is not None
-            else Backlog()
+            else NO_BACKLOG
         )
         extra_s = 0.0
         if engine is not None and self.feedback is not None:
@@ -450,10 +447,10 @@ class SloCheck:
         if decision.outcome == "downgraded":
             # placed again as what it now is (BE goes where capacity is left over)
             request = in_tier(admitted.request, admitted.tenant, "be")
-            return replace(admitted, request=request, slo=decision)
+            return msgspec.structs.replace(admitted, request=request, slo=decision)
         if watcher is not None:
             watcher.sent(ask.prompt_tokens, now_unix_s, ask.tenant_id, ask.weight)
-        return replace(admitted, slo=decision, placement=placement)
+        return msgspec.structs.replace(admitted, slo=decision, placement=placement)
 
 
 def queue_key(app: web.Application) -> str:

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
+import msgspec
 from aiohttp import web
 
 from backend.policy.feasibility import Forecast, SloAsk, TtftFeedbackByEngine
@@ -34,8 +34,7 @@ PREFIX_BLOCK_TOKENS = 64
 token by token; a block this size is what a shared system prompt or earlier turn spans)."""
 
 
-@dataclass(frozen=True)
-class EngineHandle:
+class EngineHandle(msgspec.Struct, frozen=True):
     """One engine the gateway may send requests to."""
 
     name: str
@@ -46,8 +45,7 @@ class EngineHandle:
     engine does not report it (stock SGLang)."""
 
 
-@dataclass(frozen=True)
-class Placement:
+class Placement(msgspec.Struct, frozen=True):
     """Where one request runs."""
 
     engine: EngineHandle

@@ -3,7 +3,6 @@ the simulator's front door that applies it (each contract outcome)."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -65,7 +64,7 @@ def test_an_idle_engine_whose_model_is_unchecked_admits_what_it_forecasts_late()
     # what is measured still counts: the wait so far, what outcomes taught
     waited = SloAsk(prompt_tokens=10_000, ttft_target_s=0.1, waited_s=0.09)
     assert not FORECASTER.forecast(idle_load(), waited, ttft_extra_s=0.02).feasible
-    assert not FORECASTER.forecast(idle_load(), dataclasses.replace(waited, waited_s=0.11)).feasible
+    assert not FORECASTER.forecast(idle_load(), msgspec_replace(waited, waited_s=0.11)).feasible
     assert not FORECASTER.forecast(idle_load(), long_ask, ttft_extra_s=0.09).feasible
     assert idle(idle_load()) and not idle(idle_load(num_rt_waiting=1))
 
@@ -247,7 +246,7 @@ def test_time_already_waited_counts_against_the_ttft_target() -> None:
     # 30 ms predicted of the 50 ms left, within the headroom of those (40 ms)
     assert forecast.feasible and forecast.ttft_budget_s == pytest.approx(0.45 + 0.8 * 0.05)
     verified = idle_load(calibration_samples=MIN_VERIFIED_ITERATIONS)
-    later = FORECASTER.forecast(verified, dataclasses.replace(ask, waited_s=0.47))
+    later = FORECASTER.forecast(verified, msgspec_replace(ask, waited_s=0.47))
     assert later.ttft_s == pytest.approx(0.50) and not later.feasible
 
 
@@ -776,11 +775,11 @@ def test_with_every_slot_held_by_rt_a_prompt_waits_for_rt_requests_to_finish() -
             TenantLoad(tenant_id="burst", num_waiting=8, waiting_prompt_tokens=800, num_running=8),
         ),
     )
-    turned = FORECASTER.forecast(burst, dataclasses.replace(ask, ttft_target_s=1.5))
+    turned = FORECASTER.forecast(burst, msgspec_replace(ask, ttft_target_s=1.5))
     assert turned.shortfall is not None
     assert turned.shortfall.slot_wait_s == pytest.approx((150 + 2) * step_8_s, rel=0.01)
     unknown = FORECASTER.forecast(
-        msgspec_replace(burst, rt_new_decode_steps=0), dataclasses.replace(ask, ttft_target_s=1.5)
+        msgspec_replace(burst, rt_new_decode_steps=0), msgspec_replace(ask, ttft_target_s=1.5)
     )
     assert unknown.ttft_s < turned.ttft_s  # without it: the longest running one's 16 steps
 

@@ -4,8 +4,6 @@ SLO-feasibility downgrade will use)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import msgspec
 import pytest
 
@@ -61,7 +59,7 @@ def test_the_first_refusal_wins_and_releases_the_earlier_holds() -> None:
 
 def test_a_check_may_change_the_terms() -> None:
     def downgrade(a: Admitted) -> Admitted:
-        return replace(a, request=make_request(make_principal(a.tenant), tier="be"))
+        return msgspec.structs.replace(a, request=make_request(make_principal(a.tenant), tier="be"))
 
     outcome = admit_through([downgrade], candidate())
     assert isinstance(outcome, Admitted) and outcome.request.meta.tier == "be"

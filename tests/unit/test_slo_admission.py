@@ -485,7 +485,7 @@ def test_a_cache_claim_the_engine_did_not_hold_shrinks_the_prefix_memory_not_the
         assert not isinstance(admit(app, flight), Refused)
         placement = place(app, flight)
         assert placement is not None
-        flight.placement = replace(placement, cached_tokens=2000)
+        flight.placement = msgspec.structs.replace(placement, cached_tokens=2000)
         flight.timer.start_s -= 1.0  # a second late
         flight.timer.on_tokens(1)
         flight.progress.completion_tokens = 1
