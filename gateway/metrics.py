@@ -147,6 +147,9 @@ class GatewayMetrics:
             ["tenant", "outcome", "target"],
             registry=r,
         )
+        # every RT request counts one verdict on the admission's path: its labelled child is
+        # looked up once (`labels` validates and locks each time); no tenant's series is removed
+        self._slo_admission_children: dict[tuple[str, str, str], Counter] = {}
         self.slo_admitted = Counter(
             "tandem_slo_admitted_results",
             "RT requests the SLO admission let run as RT, by its outcome (admitted, unchecked, "
@@ -193,7 +196,11 @@ class GatewayMetrics:
 
     def slo_admission(self, tenant_id: str, outcome: str, target: str) -> None:
         """Counts one SLO admission verdict (*target*: "ttft", "tpot", or "" when none missed)."""
-        self.slo_admissions.labels(tenant_id, outcome, target).inc()
+        key = (tenant_id, outcome, target)
+        child = self._slo_admission_children.get(key)
+        if child is None:
+            child = self._slo_admission_children[key] = self.slo_admissions.labels(*key)
+        child.inc()
 
     def quota_rejected(self, tenant_id: str, limit: str) -> None:
         self.quota_rejections.labels(tenant_id, limit).inc()
