@@ -102,6 +102,8 @@ def results_dict(run: BenchRun) -> dict[str, Any]:
         out["engine_policy"] = run.engine_policy
     if cfg.replica_slowdowns:  # only when set
         out["replica_slowdowns"] = list(cfg.replica_slowdowns)
+    if cfg.engine_noise:  # only when set
+        out["engine_noise"] = cfg.engine_noise
     out.update(slowdown_fields(cfg))
     return out
 
@@ -209,6 +211,12 @@ def _parameters(run: BenchRun) -> list[str]:
             f"* engine slowdown: {format_slowdown(cfg.engine_slowdown)} (iterations take K × "
             "the latency model's prediction, K from simulated second T for K@T; the policies "
             "are not told)"
+        )
+    if cfg.engine_noise:
+        lines.append(
+            f"* engine noise: σ {cfg.engine_noise:g} (each iteration takes a further log-normal "
+            "factor of mean 1 of its time, drawn per iteration from the run's seed; the "
+            "policies are not told)"
         )
     lines += [f"* skipped `{name}`: {why}" for name, why in run.skipped.items()]
     lines += [f"* **failed** `{name}`: {why}" for name, why in run.failed.items()]

@@ -93,6 +93,10 @@ class BenchConfig:
     replica_slowdowns: tuple[float, ...] = ()
     """In a pool: replica i runs this many times slower again (`SimConfig.replica_slowdowns`;
     past the tuple: 1); () = equal replicas. λ* and the RT rate are those of equal replicas."""
+    engine_noise: float = 0.0
+    """The simulated engine's iteration-to-iteration jitter, the σ of each iteration's
+    log-normal factor of mean 1 (`SimConfig.engine_noise`, drawn from the run's seed); 0 =
+    none. λ* is measured without it."""
     replicas: int = 1
     """Engine replicas behind the router (> 1, or routers given: the simulator's pool,
     backend/sim/pool.py; the RT rate scales with it: load × N × one replica's λ*)."""
@@ -288,7 +292,11 @@ def run_policy(name: str, run: BenchRun, latency: LatencyModel, base: SimConfig)
             latency,
             _layout(
                 struct_replace(
-                    base, reveal_lengths=reveal, engine_slowdown=run.config.engine_slowdown
+                    base,
+                    reveal_lengths=reveal,
+                    engine_slowdown=run.config.engine_slowdown,
+                    engine_noise=run.config.engine_noise,
+                    engine_noise_seed=run.config.seed,
                 ),
                 policy,
                 run.profile,
@@ -355,6 +363,8 @@ def run_router(name: str, run: BenchRun, latency: LatencyModel, base: SimConfig)
             base,
             engine_slowdown=run.config.engine_slowdown,
             replica_slowdowns=run.config.replica_slowdowns,
+            engine_noise=run.config.engine_noise,
+            engine_noise_seed=run.config.seed,
         ),
         first,
         run.profile,

@@ -120,6 +120,14 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         "(K ≥ 1; engine.slowdown), and the twin runs the engine's own pace with the schedule",
     )
     p.add_argument(
+        "--engine-noise",
+        type=float,
+        metavar="SIGMA",
+        help="sim only: the engine's pace jitters per iteration, each taking a further "
+        "log-normal factor of mean 1 (SIGMA: the σ of its log, 0–2; 0.3 puts one iteration in "
+        "twenty at 1.6× the mean pace or more), drawn from --seed; the policies are not told",
+    )
+    p.add_argument(
         "--replica-slowdowns",
         metavar="K0,K1,…",
         help="sim pool only: replica i runs K_i times slower again than the others (K_i > 0; "
@@ -250,6 +258,8 @@ def _command(cfg: BenchConfig) -> str:
         words += ["--replicas", str(cfg.replicas), "--routers", ",".join(cfg.routers)]
     if cfg.replica_slowdowns:
         words += ["--replica-slowdowns", ",".join(f"{k:g}" for k in cfg.replica_slowdowns)]
+    if cfg.engine_noise:
+        words += ["--engine-noise", f"{cfg.engine_noise:g}"]
     return shlex.join([*words, "--out", str(cfg.out_dir)])
 
 
@@ -270,6 +280,23 @@ def _engine_slowdown(args: argparse.Namespace) -> Slowdown:
                 f"real engine ({args.engine}) can be made slower, not faster"
             )
     return schedule
+
+
+def _engine_noise(args: argparse.Namespace) -> float:
+    """The --engine-noise σ (0 when not given)."""
+    from backend.sim.config import MAX_ENGINE_NOISE
+
+    sigma = getattr(args, "engine_noise", None)
+    if sigma is None:
+        return 0.0
+    if args.engine != "sim":
+        raise ValueError(
+            f"--engine-noise: only for the simulated engine (--engine sim); the real engine "
+            f"({args.engine}) jitters on its own, and --engine-slowdown stretches it"
+        )
+    if not 0.0 <= sigma <= MAX_ENGINE_NOISE:
+        raise ValueError(f"--engine-noise must be in [0, {MAX_ENGINE_NOISE:g}], got {sigma:g}")
+    return float(sigma)
 
 
 def _replica_slowdowns(args: argparse.Namespace, replicas: int) -> tuple[float, ...]:
@@ -341,6 +368,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         capacity_run_s=args.capacity_run_s,
         engine_slowdown=_engine_slowdown(args),
         replica_slowdowns=_replica_slowdowns(args, replicas),
+        engine_noise=_engine_noise(args),
         replicas=replicas,
         routers=routers,
         progress=not args.no_progress,

@@ -16,6 +16,11 @@ SloUnattainable = Literal["reject", "downgrade", "accept"]
 as BE, or run it as RT anyway."""
 
 
+MAX_ENGINE_NOISE = 2.0
+"""Largest `SimConfig.engine_noise`: at σ 2 one iteration in twenty already takes 3.6× the
+engine's mean pace or more, and one in a hundred 14×."""
+
+
 class SimConfig(msgspec.Struct, frozen=True):
     """The simulated engine: memory, caps, prefix cache and run length."""
 
@@ -69,6 +74,17 @@ class SimConfig(msgspec.Struct, frozen=True):
     """In a pool (backend/sim/pool.py): replica i runs a further `replica_slowdowns[i]` times
     slower than the model (on top of `engine_slowdown`; replicas past the tuple: 1) — a pool of
     unequal engines: a slower GPU, a noisy neighbour, a degraded node. () = all equal."""
+    engine_noise: float = 0.0
+    """The engine's pace jitters from one iteration to the next: each iteration takes a further
+    exp(σ·Z − σ²/2) × its time (σ this value, Z standard normal drawn per iteration: a
+    log-normal factor of mean 1, so the engine is as fast on average and only less
+    predictable), on top of the slowdowns — a GPU shared with other jobs, kernels whose time
+    varies with the batch's layout, a CPU engine beside other processes. The policy is not
+    told. 0 = none. A change of pace that lasts (a neighbour taking the GPU for minutes) is
+    `engine_slowdown`'s schedule."""
+    engine_noise_seed: int = 0
+    """Seed of the jitter's draws (`engine_noise`); in a pool each replica draws its own from
+    it."""
 
     slo_unattainable: SloUnattainable = "reject"
     """The RT contract's answer when the SLO admission predicts a miss (backend/sim/front_door.py;
@@ -135,5 +151,10 @@ class SimConfig(msgspec.Struct, frozen=True):
             )
         if not all(f > 0 for f in self.replica_slowdowns):
             raise ValueError(f"replica_slowdowns must all be > 0, got {self.replica_slowdowns}")
+        if not 0.0 <= self.engine_noise <= MAX_ENGINE_NOISE:
+            raise ValueError(
+                f"engine_noise must be in [0, {MAX_ENGINE_NOISE:g}] (the σ of the log of each "
+                f"iteration's factor), got {self.engine_noise}"
+            )
         if self.horizon_s is not None and self.horizon_s <= 0:
             raise ValueError(f"horizon_s must be > 0 or None, got {self.horizon_s}")

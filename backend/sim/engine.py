@@ -2,15 +2,16 @@
 
 Each iteration: pop the arrivals due, snapshot, `policy.plan`, execute (core.apply), advance the
 clock by `latency.predict(shape of the executed batch)` (× `SimConfig.engine_slowdown`'s factor
-at the iteration's start and `regime_slowdowns`' factor of the batch's regime: the engine's truth
-may diverge from the model the policy plans with),
-emit tokens (core.finish), tell the source
-about finished requests, `policy.observe`. An idle engine jumps to the next arrival.
+at the iteration's start, `regime_slowdowns`' factor of the batch's regime and `engine_noise`'s
+jitter: the engine's truth may diverge from the model the policy plans with), emit tokens
+(core.finish), tell the source about finished requests, `policy.observe`. An idle engine jumps
+to the next arrival.
 """
 
 from __future__ import annotations
 
 import math
+import random
 import time
 from collections.abc import Callable
 
@@ -65,6 +66,7 @@ def simulate(
     )
     log = IterationLog(config.kv_capacity_tokens)
     clock = _Clock(config.horizon_s)
+    noise = PaceNoise(config.engine_noise, config.engine_noise_seed)
     next_progress = 0.0
     idle_plans = 0
     while clock.now_s < clock.horizon_s:
@@ -80,7 +82,7 @@ def simulate(
             if not _jump_to_arrival(source, clock):
                 break
             continue
-        slowdown = config.slowdown_at(clock.now_s)
+        slowdown = config.slowdown_at(clock.now_s) * noise.factor()
         step = start_iteration(
             core, policy, latency, clock.now_s, slowdown, regime_slowdowns=config.regime_slowdowns
         )
@@ -190,6 +192,25 @@ class Held:
 
     def __init__(self, until_s: float) -> None:
         self.until_s = until_s
+
+
+class PaceNoise:
+    """The simulated engine's iteration-to-iteration jitter (`SimConfig.engine_noise`): one
+    log-normal factor of mean 1 for each iteration the engine plans, from its own seeded stream
+    (so the requests' and the policies' own randomness do not move it)."""
+
+    __slots__ = ("_rng", "_shift", "_sigma")
+
+    def __init__(self, sigma: float, seed: int | str) -> None:
+        self._sigma = sigma
+        self._shift = -0.5 * sigma * sigma  # E[exp(σZ − σ²/2)] = 1
+        self._rng = random.Random(seed) if sigma > 0.0 else None
+
+    def factor(self) -> float:
+        """The next iteration's factor (exactly 1 without jitter: no draw is made)."""
+        if self._rng is None:
+            return 1.0
+        return math.exp(self._sigma * self._rng.gauss(0.0, 1.0) + self._shift)
 
 
 def start_iteration(

@@ -47,7 +47,14 @@ from backend.policy.placement import PlaceAsk, Replica, Router, prefix_keys
 from backend.policy.types import Policy, Snapshot
 from backend.sim.config import SimConfig
 from backend.sim.core import EngineCore
-from backend.sim.engine import Held, StalledPolicyError, Step, end_iteration, start_iteration
+from backend.sim.engine import (
+    Held,
+    PaceNoise,
+    StalledPolicyError,
+    Step,
+    end_iteration,
+    start_iteration,
+)
 from backend.sim.engine import _record as engine_record
 from backend.sim.engine import _records as engine_records
 from backend.sim.front_door import FrontDoor, front_door_for, slo_ask
@@ -67,6 +74,8 @@ class _Member:
         self.core = EngineCore(config, policy.name)
         self.log = IterationLog(config.kv_capacity_tokens)
         self.pace = PaceSpread()
+        self.noise = PaceNoise(config.engine_noise, f"{config.engine_noise_seed}:{index}")
+        """Its own jitter (`SimConfig.engine_noise`): replicas do not stall together."""
         self.rt_outputs = RtOutputs()
         """How long its RT requests run, for its slots' turnover as the real engine reports it."""
         self.step: Step | None = None
@@ -213,7 +222,7 @@ def simulate_pool(
         m.report(0.0)
 
     def start(m: _Member, at_s: float, snap: Snapshot | None = None) -> None:
-        slowdown = config.slowdown_at(at_s) * config.replica_slowdown(m.index)
+        slowdown = config.slowdown_at(at_s) * config.replica_slowdown(m.index) * m.noise.factor()
         step = start_iteration(
             m.core,
             m.policy,

@@ -1,6 +1,7 @@
 """`--engine-slowdown`: the schedule parser, the simulated engine running K× slower than the
 model the policy plans with (the policy is not told), the CLI's errors, overload loads
-(`--load` > 1) and the latency-model error metrics."""
+(`--load` > 1) and the latency-model error metrics; `--engine-noise`: the simulated engine's
+pace jittering from one iteration to the next."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 from backend.policy.registry import make_policy
 from backend.policy.types import IterationResult, Plan, Policy, Snapshot
 from backend.sim.config import SimConfig
-from backend.sim.engine import simulate
+from backend.sim.engine import PaceNoise, simulate
 from backend.sim.records import IterationLog, SimResult
 from backend.sim.source import ListSource, SimRequest
 from bench.metrics import iteration_metrics
@@ -183,6 +184,57 @@ def test_each_batch_regime_runs_at_its_own_pace() -> None:
     assert (rt_part <= dur * (1 + 1e-12)).all()
 
 
+def test_noise_draws_log_normal_factors_of_mean_one_from_its_own_seed() -> None:
+    draws = [PaceNoise(0.3, 7).factor() for _ in range(3)]
+    assert len(set(draws)) == 1  # a fresh stream per call: the same first draw
+    noise = PaceNoise(0.3, 7)
+    factors = np.array([noise.factor() for _ in range(20_000)])
+    assert factors.mean() == pytest.approx(1.0, abs=0.01)  # as fast on average
+    assert np.log(factors).std() == pytest.approx(0.3, rel=0.02)
+    again = PaceNoise(0.3, 7)
+    assert [again.factor() for _ in range(5)] == list(factors[:5])
+    other = PaceNoise(0.3, "7:1")  # a pool's replica 1
+    assert [other.factor() for _ in range(5)] != list(factors[:5])
+    quiet = PaceNoise(0.0, 7)
+    assert [quiet.factor() for _ in range(3)] == [1.0, 1.0, 1.0]
+
+
+def _simulate_noisy(sigma: float, seed: int) -> tuple[SimResult, _Recorder]:
+    policy = _Recorder()
+    cfg = SimConfig(
+        kv_capacity_tokens=8000,
+        max_prefill_tokens=1024,
+        engine_noise=sigma,
+        engine_noise_seed=seed,
+    )
+    return simulate(ListSource(_requests()), policy, LATENCY, cfg), policy
+
+
+def test_a_noisy_engine_jitters_each_iteration_and_the_policy_sees_only_the_times() -> None:
+    base, _ = _simulate(())
+    noisy, policy = _simulate_noisy(0.3, seed=1)
+    dur, pred = _col(noisy.iterations, "duration_s"), _col(noisy.iterations, "predicted_s")
+    # fcfs plans the same batches on the model, whatever their pace
+    np.testing.assert_allclose(pred, _col(base.iterations, "predicted_s"), rtol=1e-12)
+    ratio = dur / pred
+    assert len(ratio) > 20 and len(set(ratio.round(9))) == len(ratio)  # each its own factor
+    assert 0.1 < np.log(ratio).std() < 0.5 and 0.7 < ratio.mean() < 1.3
+    assert [r.duration_s for r in policy.observed] == list(dur)
+    # the same seed gives the same run; another seed another; σ 0 the engine as modelled
+    again, _ = _simulate_noisy(0.3, seed=1)
+    assert list(_col(again.iterations, "duration_s")) == list(dur)
+    other, _ = _simulate_noisy(0.3, seed=2)
+    assert list(_col(other.iterations, "duration_s")) != list(dur)
+    quiet, _ = _simulate_noisy(0.0, seed=1)
+    assert list(_col(quiet.iterations, "duration_s")) == list(_col(base.iterations, "duration_s"))
+
+
+@pytest.mark.parametrize("sigma", [-0.1, 2.5, math.nan])
+def test_engine_noise_must_be_a_sigma_within_bounds(sigma: float) -> None:
+    with pytest.raises(ValueError, match=r"engine_noise must be in \[0, 2\]"):
+        SimConfig(kv_capacity_tokens=10, engine_noise=sigma)
+
+
 @pytest.mark.parametrize("factors", [(1.0, 2.0), (1.0, 0.0, 2.0), (1.0, math.inf, 1.0)])
 def test_regime_slowdowns_must_be_three_positive_factors(factors: tuple[float, ...]) -> None:
     with pytest.raises(ValueError, match="regime_slowdowns must be"):
@@ -232,6 +284,19 @@ def test_engine_slowdown_reaches_the_config_and_the_command() -> None:
     assert "--engine-slowdown 1@0,3@60" in cfg.command
     plain = _config(["bench", "W1", "--out", "/tmp/x"])
     assert plain.engine_slowdown == () and "slowdown" not in plain.command
+
+
+def test_engine_noise_reaches_the_config_and_the_command_for_the_simulator_only(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    cfg = _config(["bench", "W1", "--engine-noise", "0.3", "--out", "/tmp/x"])
+    assert cfg.engine_noise == 0.3 and "--engine-noise 0.3" in cfg.command
+    plain = _config(["bench", "W1", "--out", "/tmp/x"])
+    assert plain.engine_noise == 0.0 and "noise" not in plain.command
+    live = ["bench", "W1", "--engine", "sglang", "--engine-noise", "0.3"]
+    assert "--engine-noise: only for the simulated engine" in one_line_error(capsys, live)
+    wild = ["bench", "W1", "--engine-noise", "3", "--duration-s", "1"]
+    assert "--engine-noise must be in [0, 2], got 3" in one_line_error(capsys, wild)
 
 
 def test_overload_is_accepted_and_scales_the_rt_rate(
