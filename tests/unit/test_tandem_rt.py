@@ -7,7 +7,7 @@ import pytest
 
 from backend.policy.latency import BatchShape
 from backend.policy.tandem.policy import TandemPolicy
-from backend.policy.types import ReqState
+from backend.policy.types import IterationResult, ReqState
 from tests.unit.tandem_factories import LATENCY, NOW, chunks, make_policy, make_request, snapshot
 
 
@@ -118,6 +118,42 @@ def test_an_urgent_prompt_raises_tau_as_far_as_it_needs() -> None:
     relaxed = make_request("u", prompt_len=3000, arrival_s=NOW - 0.39)
     plan = make_policy(latency_budget_s=0.03, eps_init=0.1).plan(snapshot(waiting=[relaxed]))
     assert chunks(plan) == {"u": 1000}
+
+
+def _noisy(policy: TandemPolicy, low: float, high: float) -> TandemPolicy:
+    """The policy once its recent iterations ran *low* and *high* × their prediction in turn
+    (a noisy engine as fast as the model on average: the calibration's factors stay 1)."""
+    for i in range(32):
+        policy.pace_spread.observe(0.03, 0.03 * (low if i % 2 else high))
+    return policy
+
+
+def test_on_a_noisy_engine_an_urgent_prompt_is_sized_to_its_deadline_at_the_upper_pace() -> None:
+    # 3000 tokens due in 110 ms: three iterations of 1000 at L = 30 ms make it at the model's
+    # pace (90 ms), but not when they run 1.3× as long (117 ms); one of 70 ms does (91 ms)
+    relaxed = make_request("u", prompt_len=3000, arrival_s=NOW - 0.39)
+    steady = make_policy(latency_budget_s=0.03, eps_init=0.1)
+    assert chunks(steady.plan(snapshot(waiting=[relaxed]))) == {"u": 1000}
+    noisy = _noisy(make_policy(latency_budget_s=0.03, eps_init=0.1), 0.7, 1.3)
+    plan = noisy.plan(snapshot(waiting=[relaxed]))
+    assert chunks(plan) == {"u": 3000}
+    assert plan.predicted_s == pytest.approx(0.07)
+    # the option off: the mean pace, as on the steady engine
+    off = _noisy(make_policy(latency_budget_s=0.03, eps_init=0.1, deadline_spread=False), 0.7, 1.3)
+    assert chunks(off.plan(snapshot(waiting=[relaxed]))) == {"u": 1000}
+
+
+def test_the_policy_learns_its_pace_spread_from_the_iterations_it_ran() -> None:
+    policy = make_policy(latency_budget_s=0.03)
+    snap = snapshot(waiting=[make_request("u", prompt_len=3000, ttft_target_s=60.0)])
+    plan = policy.plan(snap)
+    assert plan.predicted_s is not None
+    policy.observe(IterationResult(start_s=NOW, duration_s=plan.predicted_s, plan=plan))
+    assert policy.pace_spread.upper(policy.timer.scale) == pytest.approx(1.0)  # as predicted
+    plan = policy.plan(snap)
+    assert plan.predicted_s is not None
+    policy.observe(IterationResult(start_s=NOW, duration_s=2 * plan.predicted_s, plan=plan))
+    assert policy.pace_spread.upper(policy.timer.scale) > 1.2  # one ran long: the upper pace
 
 
 def test_at_most_one_long_prompt_mid_prefill_per_tier() -> None:

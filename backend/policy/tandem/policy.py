@@ -29,7 +29,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from backend.policy.calibration import LatencyCalibration, budget_pace, regime_of
+from backend.policy.calibration import LatencyCalibration, PaceSpread, budget_pace, regime_of
 from backend.policy.common import PolicyBase, waiting_in
 from backend.policy.fair_share import FairShare
 from backend.policy.feasibility import SloForecaster
@@ -97,6 +97,9 @@ class TandemPolicy(PolicyBase):
         )
         self.feedback = Feedback(cfg)
         self.calibration = LatencyCalibration()
+        self.pace_spread = PaceSpread()
+        """Measured ÷ predicted of the recent iterations: RT prompts' deadlines are planned at
+        its upper quantile (`TandemConfig.deadline_spread`)."""
         """The engine's pace relative to the profile, per batch regime, and the model's error
         (`calibration.summary()` is what the engine driver reports)."""
         self._max_prefill = 8192
@@ -230,9 +233,9 @@ class TandemPolicy(PolicyBase):
         if plan.predicted_s is None:
             return
         regime = regime_of(len(plan.prefills), len(plan.decodes))
-        self.calibration.observe(
-            plan.predicted_s / self.plan_factor(plan), result.duration_s, regime
-        )
+        factor = self.plan_factor(plan)
+        self.calibration.observe(plan.predicted_s / factor, result.duration_s, regime)
+        self.pace_spread.observe(plan.predicted_s, result.duration_s, regime, factor)
         if self.config.use_calibration:
             self.timer.scale = self.calibration.factors
 
@@ -287,7 +290,15 @@ class TandemPolicy(PolicyBase):
             be_time_share=self._be_time_share(),
             rider_cost=self.riders.factor if cfg.rt_stretch is not None else 1.0,
             budget_s=self._rt_budget_s() if has_rt else self._be_alone_budget_s(snap.now_s),
+            deadline_spread=self._deadline_spread() if cfg.deadline_spread else 1.0,
         )
+
+    def _deadline_spread(self) -> float:
+        """`PlanContext.deadline_spread`: the recent iterations' p90 of measured ÷ predicted,
+        ≥ 1, and exactly 1 within the calibration's tolerance (two evaluations of the same
+        model may differ in the last bit: an engine that runs as predicted plans as before)."""
+        spread = self.pace_spread.upper(self.timer.scale)
+        return spread if spread > 1.0 + self.calibration.exact_tol else 1.0
 
     def _rt_left(self, ctx: PlanContext, snapshot: Snapshot) -> bool:
         """Some RT prompt work is left after the RT phase: a tenant's request (health probes

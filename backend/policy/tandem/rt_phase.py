@@ -187,11 +187,13 @@ def run_rt_prefills(ctx: PlanContext) -> None:
                     break
                 continue
             n = slack.iterations_left(r.prefill_len - r.prefilled, chunk_at_budget)
-            s = slack.slack_s(deadline, ctx.now_s, n, ctx.budget_s)
-            if ctx.config.use_slack and slack.is_urgent(s, ctx.budget_s):
-                need = slack.needed_budget(
-                    ctx.timer, b, r, (1 - ctx.eps) * (deadline - ctx.now_s), ctx.max_prefill
-                )
+            # at the engine's recent upper pace: a prompt served just in time at its mean pace
+            # misses whenever its iterations run long (`TandemConfig.deadline_spread`)
+            iteration_s = ctx.budget_s * ctx.deadline_spread
+            s = slack.slack_s(deadline, ctx.now_s, n, iteration_s)
+            if ctx.config.use_slack and slack.is_urgent(s, iteration_s):
+                window_s = (1 - ctx.eps) * (deadline - ctx.now_s) / ctx.deadline_spread
+                need = slack.needed_budget(ctx.timer, b, r, window_s, ctx.max_prefill)
                 if need is not None or r.first_token_s is not None:  # else hopeless
                     if _prefill(ctx, r, deadline, urgent=True, need_s=need) == STOP:
                         stop = True
