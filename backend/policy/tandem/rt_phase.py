@@ -173,6 +173,9 @@ def run_rt_prefills(ctx: PlanContext) -> None:
     b = ctx.batch
     chunk_at_budget = max(1, ctx.timer.max_chunk(b, ctx.budget_s, prefix=0, cap=ctx.max_prefill))
     candidates = _candidates(ctx, chunk_at_budget)
+    # prompts' deadlines at the engine's recent upper pace: a prompt served just in time at its
+    # mean pace misses whenever its iterations run long (`TandemConfig.deadline_spread`)
+    iteration_s = ctx.budget_s * ctx.deadline_spread
     pending: ReqState | None = None
     while True:
         window: list[tuple[ReqState, float, float]] = []
@@ -187,9 +190,6 @@ def run_rt_prefills(ctx: PlanContext) -> None:
                     break
                 continue
             n = slack.iterations_left(r.prefill_len - r.prefilled, chunk_at_budget)
-            # at the engine's recent upper pace: a prompt served just in time at its mean pace
-            # misses whenever its iterations run long (`TandemConfig.deadline_spread`)
-            iteration_s = ctx.budget_s * ctx.deadline_spread
             s = slack.slack_s(deadline, ctx.now_s, n, iteration_s)
             if ctx.config.use_slack and slack.is_urgent(s, iteration_s):
                 window_s = (1 - ctx.eps) * (deadline - ctx.now_s) / ctx.deadline_spread
