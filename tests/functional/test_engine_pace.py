@@ -90,8 +90,22 @@ def test_the_engine_slows_down_once_the_start_file_appears(slowed_engine: Engine
     # about 4× (the scheduler's own work between passes is not stretched); 2× leaves room
     # for a busy machine, whose load moves both sides of the ratio alike
     assert statistics.median(slowed) >= 2.0 * statistics.median(own_pace), (own_pace, slowed)
-    # tandem's calibration has learned the slower engine from the iterations it measured
-    factor_after = _decode_factor(engine)
-    assert factor_after >= 2.0 * factor_before, (factor_before, factor_after)
+    # tandem's calibration learns the slower engine from the iterations it measures: a few
+    # more requests, as many as it takes (its fast mean weighs engine time at the pace it
+    # believed, so on a host where the profile is slow for the engine three requests were not
+    # always enough: 0.74 → 1.39 once)
+    seeds = iter(range(7, 1000))
+
+    def learned() -> bool:
+        if _decode_factor(engine) >= 2.0 * factor_before:
+            return True
+        _timed_request(engine, next(seeds))  # one more request's iterations to learn from
+        return False
+
+    wait_until_sync(
+        learned,
+        timeout_s=120.0,
+        what=f"tandem's decode factor to double from {factor_before:.2f} on the slowed engine",
+    )
     log = engine.log_path.read_text(errors="replace")
     assert "engine.slowdown 4: every forward pass stretched" in log
