@@ -177,8 +177,11 @@ def deep_chunk_engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
     tandem's default kernel computes a chunk's own rows, and there a 3,500-token prompt's
     chunks are short enough to ride beside an RT prompt; the park-and-release path below is for
     a backend (or a context) where they are not."""
+    # Slowed 3x (`engine.slowdown`: a sleep after each pass, no CPU taken) so that the gateway's
+    # round trip between one RT prompt and the next is short next to the BE prompt's chunks:
+    # on a fast host the BE prompt was all computed before the second RT prompt came.
     with running_engine(
-        tmp_path_factory.mktemp("deep-chunk-engine"), torch_native_extend="stock"
+        tmp_path_factory.mktemp("deep-chunk-engine"), torch_native_extend="stock", slowdown="3"
     ) as engine:
         yield engine
 
@@ -209,6 +212,16 @@ async def _mid_prefill(engine: EngineServer) -> None:
     await wait_until(
         partly_computed, timeout_s=60, what="the long BE prompt half computed", max_interval_s=0.02
     )
+
+
+MAX_RT_PROMPTS_BESIDE = 12
+"""At most this many RT prompts are sent, one after the other, beside the long BE prompt."""
+
+
+def _be_prompt_computing(engine: EngineServer) -> bool:
+    status, load = control(engine, "GET", CONTROL_LOAD_PATH)
+    assert status == 200, load
+    return bool(load["be_waiting_prompt_tokens"] > 0)
 
 
 async def _long_be_prompt_alone(
@@ -242,8 +255,11 @@ async def test_an_rt_prompt_does_not_wait_for_a_chunk_of_a_long_be_prompt(
 
     be = asyncio.create_task(complete(gateway, be_key, long_prompt, 8))
     await _mid_prefill(engine_server)
-    for i in range(3):  # short RT prompts, one after the other, while the BE prompt is computed
+    # short RT prompts, one after the other, for as long as the BE prompt is being computed
+    for i in range(MAX_RT_PROMPTS_BESIDE):
         await complete(gateway, rt_key, prompt_ids(700 + i, 48), 4)
+        if not _be_prompt_computing(engine_server):
+            break
     beside = await be
     counters = stats(engine_server)
 
