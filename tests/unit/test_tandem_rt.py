@@ -128,19 +128,27 @@ def _noisy(policy: TandemPolicy, low: float, high: float) -> TandemPolicy:
     return policy
 
 
-def test_on_a_noisy_engine_an_urgent_prompt_is_sized_to_its_deadline_at_the_upper_pace() -> None:
-    # 3000 tokens due in 110 ms: three iterations of 1000 at L = 30 ms make it at the model's
-    # pace (90 ms), but not when they run 1.3× as long (117 ms); one of 70 ms does (91 ms)
-    relaxed = make_request("u", prompt_len=3000, arrival_s=NOW - 0.39)
-    steady = make_policy(latency_budget_s=0.03, eps_init=0.1)
-    assert chunks(steady.plan(snapshot(waiting=[relaxed]))) == {"u": 1000}
-    noisy = _noisy(make_policy(latency_budget_s=0.03, eps_init=0.1), 0.7, 1.3)
-    plan = noisy.plan(snapshot(waiting=[relaxed]))
-    assert chunks(plan) == {"u": 3000}
-    assert plan.predicted_s == pytest.approx(0.07)
+def test_on_a_noisy_engine_a_prompt_turns_urgent_at_the_upper_pace() -> None:
+    # A second long prompt waits while one is mid-prefill (ERA), unless it is urgent. Due in
+    # 460 ms, with one iteration of L = 200 ms to go: at the model's pace it can wait one more
+    # (slack 260 ms > L), but not when iterations run 1.3x as long (slack 200 ms <= 260 ms).
+    partial = make_request(
+        "rt-long-a",
+        prompt_len=5000,
+        running=True,
+        prefilled=2000,
+        arrival_s=NOW - 1.0,
+        ttft_target_s=5.0,
+    )
+    due = make_request("rt-long-u", prompt_len=5000, arrival_s=NOW - 0.14, ttft_target_s=0.6)
+    snap = snapshot(waiting=[due], running=[partial])
+    steady = make_policy(latency_budget_s=0.2)
+    assert "rt-long-u" not in chunks(steady.plan(snap))
+    noisy = _noisy(make_policy(latency_budget_s=0.2), 0.7, 1.3)
+    assert "rt-long-u" in chunks(noisy.plan(snap))
     # the option off: the mean pace, as on the steady engine
-    off = _noisy(make_policy(latency_budget_s=0.03, eps_init=0.1, deadline_spread=False), 0.7, 1.3)
-    assert chunks(off.plan(snapshot(waiting=[relaxed]))) == {"u": 1000}
+    off = _noisy(make_policy(latency_budget_s=0.2, deadline_spread=False), 0.7, 1.3)
+    assert "rt-long-u" not in chunks(off.plan(snap))
 
 
 def test_the_policy_learns_its_pace_spread_from_the_iterations_it_ran() -> None:

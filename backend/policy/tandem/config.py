@@ -187,15 +187,15 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
     learned per-regime factor of the engine's pace; off: the profile as measured (the error
     statistics are kept either way, and the SLO admission uses the learned pace regardless)."""
     deadline_spread: bool = True
-    """Plan RT prompts' deadlines at the engine's recent upper pace, not its mean: the slack
-    that makes a waiting prompt urgent, and the time an urgent prompt's iterations are sized to
-    fill, are taken with each iteration lasting `PaceSpread`'s p90 of measured ÷ predicted over
-    the last 32 iterations (≥ 1; exactly 1 on an engine that runs as the calibrated model
-    says, so nothing changes there). Slack order serves a prompt just in time: on a noisy
-    engine one sized to finish at its deadline at the mean pace misses whenever its
-    iterations run long (the simulator's W1 with `--engine-noise 0.3`: admitted RT
-    attainment at 1.5 λ* 0.9905 without, 0.998 with; bench/results/slo/README.md). The SLO
-    admission forecasts with the same spread. Off: the mean pace."""
+    """Take a waiting RT prompt's slack at the engine's recent upper pace, not its mean: the
+    slack that makes it urgent counts each iteration it still needs as lasting `PaceSpread`'s
+    p90 of measured ÷ predicted over the last 32 iterations (≥ 1; exactly 1 on an engine that
+    runs as the calibrated model says, so nothing changes there), so it turns urgent sooner.
+    Slack order starts a prompt just in time: on a noisy engine one started at the mean pace
+    misses whenever its iterations run long (the simulator's W1 with `--engine-noise 0.3`:
+    admitted RT attainment at slowdown 2 0.977 without, 0.994 with;
+    bench/results/slo/README.md). An urgent prompt's iterations are still sized to its deadline
+    at the mean pace. The SLO admission forecasts with the same spread. Off: the mean pace."""
     slo_admission: bool = True
     """Admission against the contract (`backend.policy.feasibility`): an RT request whose TTFT
     or TPOT the engine's current load cannot meet is refused (or downgraded, per the contract)

@@ -80,8 +80,8 @@ class PlanContext:
     tau_s: float = 0.0
     """τ: the iteration-time target."""
     deadline_spread: float = 1.0
-    """How many times its calibrated prediction an iteration is taken to last where an RT
-    prompt's deadline is planned (`TandemConfig.deadline_spread`): the engine's recent p90 of
+    """How many times its calibrated prediction an iteration is taken to last in an RT
+    prompt's slack (`TandemConfig.deadline_spread`): the engine's recent p90 of
     measured ÷ predicted, ≥ 1; 1 when off, or on an engine that runs as predicted."""
     hard_s: float = math.inf
     """No RT token in the batch may be emitted later than now + this (its allowance)."""

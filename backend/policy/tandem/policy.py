@@ -100,8 +100,8 @@ class TandemPolicy(PolicyBase):
         """The engine's pace relative to the profile, per batch regime, and the model's error
         (`calibration.summary()` is what the engine driver reports)."""
         self.pace_spread = PaceSpread()
-        """Measured ÷ predicted of the recent iterations: RT prompts' deadlines are planned at
-        its upper quantile (`TandemConfig.deadline_spread`)."""
+        """Measured ÷ predicted of the recent iterations: RT prompts' slack is taken at its
+        upper quantile (`TandemConfig.deadline_spread`)."""
         self._max_prefill = 8192
         self._served: dict[tuple[Tier, str], float] = {}  # (tier, tenant) → weighted tokens
         self._last_plan: Plan | None = None

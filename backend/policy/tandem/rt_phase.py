@@ -173,8 +173,10 @@ def run_rt_prefills(ctx: PlanContext) -> None:
     b = ctx.batch
     chunk_at_budget = max(1, ctx.timer.max_chunk(b, ctx.budget_s, prefix=0, cap=ctx.max_prefill))
     candidates = _candidates(ctx, chunk_at_budget)
-    # prompts' deadlines at the engine's recent upper pace: a prompt served just in time at its
-    # mean pace misses whenever its iterations run long (`TandemConfig.deadline_spread`)
+    # a prompt's slack at the engine's recent upper pace: one that starts just in time at its
+    # mean pace misses whenever its iterations run long (`TandemConfig.deadline_spread`); an
+    # urgent one's window stays at the mean pace (sized to the upper pace as well, its
+    # iterations grew and other prompts missed: bench/results/slo/README.md, session 58)
     iteration_s = ctx.budget_s * ctx.deadline_spread
     pending: ReqState | None = None
     while True:
@@ -192,7 +194,7 @@ def run_rt_prefills(ctx: PlanContext) -> None:
             n = slack.iterations_left(r.prefill_len - r.prefilled, chunk_at_budget)
             s = slack.slack_s(deadline, ctx.now_s, n, iteration_s)
             if ctx.config.use_slack and slack.is_urgent(s, iteration_s):
-                window_s = (1 - ctx.eps) * (deadline - ctx.now_s) / ctx.deadline_spread
+                window_s = (1 - ctx.eps) * (deadline - ctx.now_s)
                 need = slack.needed_budget(ctx.timer, b, r, window_s, ctx.max_prefill)
                 if need is not None or r.first_token_s is not None:  # else hopeless
                     if _prefill(ctx, r, deadline, urgent=True, need_s=need) == STOP:

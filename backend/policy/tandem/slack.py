@@ -17,10 +17,9 @@ An RT prompt whose deadline cannot be met even alone on the engine is *hopeless*
 lost); it is served after the feasible ones, or where they can spare the time
 (queues.RtQueue), without raising τ.
 
-For a prompt, the RT phase takes L (in the slack and the urgency test) and each iteration of
-an urgent prompt's window at the engine's recent upper pace (`TandemConfig.deadline_spread`):
-slack order serves prompts just in time, and on a noisy engine one planned at its mean pace
-misses whenever its iterations run long.
+For a prompt, the RT phase takes L in the slack and the urgency test at the engine's recent
+upper pace (`TandemConfig.deadline_spread`): slack order starts prompts just in time, and on a
+noisy engine one started at its mean pace misses whenever its iterations run long.
 """
 
 from __future__ import annotations
