@@ -128,11 +128,9 @@ def _noisy(policy: TandemPolicy, low: float, high: float) -> TandemPolicy:
     return policy
 
 
-def test_on_a_noisy_engine_a_prompt_turns_urgent_at_the_upper_pace() -> None:
-    # A second long prompt waits while one is mid-prefill (ERA), unless it is urgent. Due in
-    # 460 ms, with one iteration of L = 200 ms to go: at the model's pace it can wait one more
-    # (slack 260 ms > L), but not when iterations run 1.3x as long (slack 200 ms <= 260 ms).
-    partial = make_request(
+def _long_rt_mid_prefill() -> ReqState:
+    """A long RT prompt (ERA's sense) mid-prefill, with time to spare."""
+    return make_request(
         "rt-long-a",
         prompt_len=5000,
         running=True,
@@ -140,6 +138,13 @@ def test_on_a_noisy_engine_a_prompt_turns_urgent_at_the_upper_pace() -> None:
         arrival_s=NOW - 1.0,
         ttft_target_s=5.0,
     )
+
+
+def test_on_a_noisy_engine_a_prompt_turns_urgent_at_the_upper_pace() -> None:
+    # A second long prompt waits while one is mid-prefill (ERA), unless it is urgent. Due in
+    # 460 ms, with one iteration of L = 200 ms to go: at the model's pace it can wait one more
+    # (slack 260 ms > L), but not when iterations run 1.3x as long (slack 200 ms <= 260 ms).
+    partial = _long_rt_mid_prefill()
     due = make_request("rt-long-u", prompt_len=5000, arrival_s=NOW - 0.14, ttft_target_s=0.6)
     snap = snapshot(waiting=[due], running=[partial])
     steady = make_policy(latency_budget_s=0.2)
@@ -165,14 +170,7 @@ def test_the_policy_learns_its_pace_spread_from_the_iterations_it_ran() -> None:
 
 
 def test_at_most_one_long_prompt_mid_prefill_per_tier() -> None:
-    partial = make_request(
-        "rt-long-a",
-        prompt_len=5000,
-        running=True,
-        prefilled=2000,
-        arrival_s=NOW - 1.0,
-        ttft_target_s=5.0,
-    )
+    partial = _long_rt_mid_prefill()
     second = make_request("rt-long-b", prompt_len=6000, arrival_s=NOW - 0.5, ttft_target_s=5.0)
     short = make_request("rt-short", prompt_len=100, arrival_s=NOW - 0.1, ttft_target_s=5.0)
     be_partial = make_request("be-long-a", tier="be", prompt_len=8000, running=True, prefilled=1000)
