@@ -83,8 +83,17 @@ def simulate(
                 break
             continue
         slowdown = config.slowdown_at(clock.now_s) * noise.factor()
+        snap = core.snapshot(clock.now_s)
+        if door is not None:  # every iteration's state, as the engine reports each one
+            door.rt_outputs.observe(snap)
         step = start_iteration(
-            core, policy, latency, clock.now_s, slowdown, regime_slowdowns=config.regime_slowdowns
+            core,
+            policy,
+            latency,
+            clock.now_s,
+            slowdown,
+            snap,
+            regime_slowdowns=config.regime_slowdowns,
         )
         if isinstance(step, Held):  # idle by choice: until the hold ends or a request arrives
             nxt = source.next_arrival_s()

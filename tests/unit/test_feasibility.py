@@ -27,7 +27,7 @@ from backend.policy.load_report import observe_pace, policy_factors
 from backend.policy.types import IterationResult
 from backend.sim.config import SimConfig, SloUnattainable
 from backend.sim.engine import simulate
-from backend.sim.front_door import FrontDoor
+from backend.sim.front_door import FrontDoor, front_door_for
 from backend.sim.records import RequestRecord
 from backend.sim.source import ListSource, SimRequest
 from common.wire import EngineLoad, TenantLoad
@@ -904,6 +904,44 @@ def test_judged_again_as_slots_free_more_are_admitted_and_they_keep_their_ttft()
     assert len(admitted) >= sum(r.admission != "shed" for r in once)
     assert all(_met(r) for r in admitted)
     assert {r.rid for r in admitted} != {r.rid for r in once if r.admission != "shed"}
+
+
+def test_the_simulator_learns_how_long_rt_requests_run_from_every_iteration(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The front door's slot forecast learns the RT output lengths from the engine's state
+    after every iteration, as the real engine's reports carry them, not only from the states
+    it sees when a request arrives: a request that finished between two arrivals was counted
+    as long as it was when last seen, so every running request's steps left, and the slot
+    wait, were forecast short (slot-bound bursts: admitted attainment 0.93, 0.97 with it).
+    Every output here is 150 tokens; the cap (1,000) tells nothing."""
+    doors: list[FrontDoor] = []
+
+    def keep_door(*args: Any, **kwargs: Any) -> FrontDoor | None:
+        door = front_door_for(*args, **kwargs)
+        if door is not None:
+            doors.append(door)
+        return door
+
+    monkeypatch.setattr("backend.sim.engine.front_door_for", keep_door)
+    rt = [
+        make_request(
+            tier="rt",
+            prompt_len=50,
+            output_len=150,
+            max_new_tokens=1000,
+            arrival_s=i * 0.4,  # 40 decode steps or so between two arrivals
+            ttft_target_s=1.5,
+            tpot_target_s=0.2,
+        )
+        for i in range(40)
+    ]
+    config = SimConfig(kv_capacity_tokens=400_000, max_running=8)
+    simulate(ListSource(rt), make_policy(latency_budget_s=0.05), LATENCY, config)
+    (door,) = doors
+    assert door.rt_outputs.new_request_steps() == 150
+    running = make_req("r", running=True, generated=100, max_new_tokens=1000)
+    assert door.rt_outputs.steps_left(running) == 50
 
 
 @pytest.mark.parametrize("slo_unattainable", ["reject", "downgrade"])
