@@ -30,6 +30,31 @@ def test_priority_preempts_be_for_an_rt_prompt_that_does_not_fit() -> None:
     assert plan.evictions == [] and plan.prefills == [] and plan.decodes == ["be"]
 
 
+def test_priority_preempts_the_newest_be_request_for_a_request_slot() -> None:
+    # every request slot taken, KV to spare: SGLang 0.5.23 preempts for a full batch too
+    old_be = make_req("old-be", tier="be", running=True, generated=3, arrival_s=0.0)
+    new_be = make_req("new-be", tier="be", running=True, generated=3, arrival_s=0.5)
+    rt_running = make_req("rt-running", running=True, generated=3, arrival_s=0.2)
+    rt = make_req("rt", tier="rt", prompt_len=100, arrival_s=1.0)
+    be = make_req("be", tier="be", prompt_len=100, arrival_s=0.9)
+    snap = make_snapshot(waiting=[rt, be], running=[old_be, rt_running, new_be], max_running=3)
+    plan = make_policy("priority", LATENCY).plan(snap)
+    assert plan.evictions == ["new-be"] and [c.rid for c in plan.prefills] == ["rt"]
+    # a BE request does not preempt for a slot, nor does RT where only RT holds them
+    plan = make_policy("priority", LATENCY).plan(
+        make_snapshot(waiting=[be], running=[old_be, rt_running, new_be], max_running=3)
+    )
+    assert plan.evictions == [] and plan.prefills == []
+    only_rt = [make_req(f"rt{i}", running=True, generated=3) for i in range(3)]
+    plan = make_policy("priority", LATENCY).plan(
+        make_snapshot(waiting=[rt], running=only_rt, max_running=3)
+    )
+    assert plan.evictions == [] and plan.prefills == []
+    # without priority preemption (aggressive) the RT request waits for a slot
+    plan = make_policy("aggressive", LATENCY).plan(snap)
+    assert plan.evictions == [] and plan.prefills == []
+
+
 def test_rt_is_queued_before_be_and_prefill_batches_stall_decodes() -> None:
     be = make_req("be", tier="be", prompt_len=500, arrival_s=0.0)
     rt = make_req("rt", tier="rt", prompt_len=500, arrival_s=1.0)

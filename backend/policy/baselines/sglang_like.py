@@ -12,7 +12,9 @@ reservation stays under
                                              + rest of an in-flight prompt + a page]
 
 and its chunk fits now. An RT request that does not fit preempts running BE requests, most
-recently arrived first (SGLang's priority preemption). A decode batch that does not fit retracts
+recently arrived first (SGLang's priority preemption); so does one that finds every request
+slot taken (`max_running_requests`: SGLang preempts for a full batch as for memory, one BE
+request per RT request admitted). A decode batch that does not fit retracts
 requests (lower tier first, then fewest generated tokens, then longest prompt) and resets
 the ratio to SGLang's estimate; every decode batch otherwise decays it.
 
@@ -114,6 +116,13 @@ class SglangLikePolicy(PolicyBase):
         for w in waiting_tier_first(snap):
             left = w.prefill_len - w.prefilled
             total = prefill_cost(w, left, page) + self._own(w, page)
+            if b.running_slots < 1:  # every request slot taken (`max_running_requests`)
+                if not (self.priority_preemption and w.tier == "rt"):
+                    break
+                released = self._preempt_for_slot(snap, b)
+                if released is None:
+                    break
+                reserved -= released
             if total >= b.kv_avail - reserved:
                 if not (self.priority_preemption and w.tier == "rt"):
                     break
@@ -152,6 +161,19 @@ class SglangLikePolicy(PolicyBase):
         for v in chosen:
             b.evict(v)
         return released
+
+    def _preempt_for_slot(self, snap: Snapshot, b: BatchBuilder) -> float | None:
+        """Evicts the newest running BE request not in this plan, for its request slot (SGLang
+        preempts for a full batch as for memory: the first lower-priority request, newest first,
+        whose priority is lower by more than the threshold); returns its reservation released
+        (its KV is back in b.kv_avail), or None when no BE request runs."""
+        busy = b.scheduled | set(b.evictions)
+        victims = [r for r in snap.running if r.tier == "be" and r.rid not in busy]
+        if not victims:
+            return None
+        victim = max(victims, key=lambda r: r.arrival_s)
+        b.evict(victim)
+        return self._held(victim, b.page)
 
     def _decode_batch(self, snap: Snapshot, b: BatchBuilder) -> None:
         page = b.page
