@@ -72,7 +72,7 @@ from bench.calibration_recovery import (
     ratio_timeline,
     recovery_s,
 )
-from bench.capacity import search_capacity
+from bench.capacity import RUN_S, search_capacity_sustained
 from bench.live_client import DRAIN_TIMEOUT_S, TenantKeys, replay, replay_source, send
 from bench.metrics import (
     Metrics,
@@ -119,7 +119,15 @@ SLOWDOWN_START_FILE = "slowdown-start"
 the engine's slowdown (`engine.slowdown_start_file`)."""
 READY_TIMEOUT_S = 420.0
 CAPACITY_PROBE_S = 20.0
-"""Arrival window of one λ* probe on the real engine, seconds."""
+"""Arrival window of a short λ* probe on the real engine, seconds: the short probes only find
+where attainment first fails (`search_capacity_sustained`)."""
+CAPACITY_SUSTAINED_S = RUN_S
+"""Arrival window of a long λ* probe, seconds: the simulator's probe length (`bench.capacity`),
+so the real λ* is what the engine sustains, as the simulator's is. Short probes passed rates the
+engine could not keep: the issue's W1 command on 2026-12-03 measured λ* 16 req/s with 20-s
+probes, and tandem's run at 0.75 of it kept the engine busy the whole time, at every one of its
+64 request slots (the simulator, on an engine as slow: 14.5 req/s with 20-s probes, 11.5 with
+60-s ones)."""
 CAPACITY_DRAIN_S = 30.0
 """A probe's requests still running this long after its window count as misses."""
 CAPACITY_TOLERANCE = 0.15
@@ -150,8 +158,9 @@ class LiveRun:
     on top (`options_of`)."""
     sim_capacity_req_s: float | None = None
     """λ* of the same workload in the simulator (for comparison; the run uses the real one)."""
-    capacity_probes: list[tuple[float, float]] = field(default_factory=list)
-    """(RT rate, joint attainment) of each probe of the real λ* search."""
+    capacity_probes: list[tuple[float, float, float]] = field(default_factory=list)
+    """(RT rate, joint attainment, arrival window in seconds) of each probe of the real λ*
+    search, in order."""
     real: dict[str, Metrics] = field(default_factory=dict)
     sim: dict[str, Metrics] = field(default_factory=dict)
     series: dict[str, PolicySeries] = field(default_factory=dict)
@@ -594,22 +603,25 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
 def measure_live_capacity(run: LiveRun, profile: Profile, profile_path: Path) -> float:
     """λ* on the real engine: the largest RT-only Poisson rate at which stock SGLang FCFS,
     behind the gateway, keeps joint TTFT+TPOT attainment ≥ 90 % (bench/capacity.py's
-    definition; short probes on one engine, bracket to CAPACITY_TOLERANCE)."""
+    definition): short probes bracket it, probes as long as the simulator's decide it
+    (`search_capacity_sustained`), to CAPACITY_TOLERANCE; one engine for all of them."""
     workdir = run.config.out_dir / "live" / "capacity"
     rt_poisson = run.workload.rt_poisson
     assert rt_poisson is not None
 
-    def attainment(session_url: str, token: str) -> Any:
+    def attainment(session_url: str, token: str, window_s: float) -> Callable[[float], float]:
         def probe(rate: float) -> float:
-            source = rt_poisson(rate, CAPACITY_PROBE_S)
+            source = rt_poisson(rate, window_s)
             records, end_s = asyncio.run(
-                replay_source(session_url, token, source, CAPACITY_PROBE_S, CAPACITY_DRAIN_S)
+                replay_source(session_url, token, source, window_s, CAPACITY_DRAIN_S)
             )
-            value = float(
-                rt_metrics(records, end_s, CAPACITY_PROBE_S)["rt_joint_attainment"] or 0.0
+            value = float(rt_metrics(records, end_s, window_s)["rt_joint_attainment"] or 0.0)
+            run.capacity_probes.append((rate, value, window_s))
+            _say(
+                run.config,
+                f"real λ* search: {rate:.3f} req/s for {window_s:g} s → joint attainment "
+                f"{value:.3f}",
             )
-            run.capacity_probes.append((rate, value))
-            _say(run.config, f"real λ* search: {rate:.3f} req/s → joint attainment {value:.3f}")
             _wait_idle(engine_url, engine_headers(engine))  # the next probe starts empty
             return value
 
@@ -617,7 +629,11 @@ def measure_live_capacity(run: LiveRun, profile: Profile, profile_path: Path) ->
 
     with _stack("fcfs", run, profile, profile_path, workdir) as (base_url, token, engine):
         engine_url = f"http://127.0.0.1:{engine['port']}"
-        return search_capacity(attainment(base_url, token), rel_tolerance=CAPACITY_TOLERANCE)
+        return search_capacity_sustained(
+            attainment(base_url, token, CAPACITY_PROBE_S),
+            attainment(base_url, token, CAPACITY_SUSTAINED_S),
+            rel_tolerance=CAPACITY_TOLERANCE,
+        )
 
 
 def _wait_idle(

@@ -190,7 +190,8 @@ def report_markdown(run: LiveRun, plots: list[str]) -> str:
         "",
         f"* RT rate {run.rt_rate_req_s:.3g} req/s = load {cfg.load:g} × the rate share × "
         f"λ* {run.rt_capacity_req_s:.3g} req/s, measured on the real engine (stock FCFS "
-        f"behind the gateway, RT alone, joint attainment ≥ 90 %; probes "
+        f"behind the gateway, RT alone, joint attainment ≥ 90 % in a probe as long as the "
+        f"simulator's, short probes bracketing it; probes, rate → attainment (window): "
         f"{_probes(run)}); the simulator's λ* for the same workload and profile is "
         f"{_num(run.sim_capacity_req_s)} req/s"
         if run.rt_capacity_req_s
@@ -267,7 +268,10 @@ def _num(value: float | None) -> str:
 
 
 def _probes(run: LiveRun) -> str:
-    return ", ".join(f"{rate:.2f} → {value:.2f}" for rate, value in run.capacity_probes)
+    return ", ".join(
+        f"{rate:.2f} → {value:.2f} ({window_s:g} s)"
+        for rate, value, window_s in run.capacity_probes
+    )
 
 
 def write_live_outputs(run: LiveRun, out_dir: Path) -> list[Path]:

@@ -9,7 +9,12 @@ import numpy as np
 import pytest
 
 from backend.sim.records import IterationLog, RequestRecord, SimResult
-from bench.capacity import CODE_PACKAGES, code_digest, search_capacity
+from bench.capacity import (
+    CODE_PACKAGES,
+    code_digest,
+    search_capacity,
+    search_capacity_sustained,
+)
 from bench.metrics import compute_metrics, interference, rounded, time_share_metrics
 
 WINDOW_S = 10.0
@@ -201,6 +206,29 @@ def test_capacity_search_finds_the_knee(knee: float) -> None:
     )
     assert found <= knee and found == pytest.approx(knee, rel=0.02)
     assert len(probes) < 25
+
+
+@pytest.mark.parametrize(("short_knee", "long_knee"), [(16.5, 11.7), (37.3, 37.3), (0.9, 0.3)])
+def test_the_sustained_capacity_is_the_long_probes_and_costs_few_of_them(
+    short_knee: float, long_knee: float
+) -> None:
+    # a short probe passes rates up to short_knee, a long one only up to long_knee (an
+    # overloaded engine's queue needs time to grow past the TTFT target)
+    probes: list[tuple[float, bool]] = []
+    found = search_capacity_sustained(
+        lambda r: 1.0 if r <= short_knee else 0.5,
+        lambda r: 1.0 if r <= long_knee else 0.5,
+        rel_tolerance=0.15,
+        on_probe=lambda r, _, is_long: probes.append((r, is_long)),
+    )
+    assert found <= long_knee and found > long_knee * (1 - 0.15)
+    long_rates = [r for r, is_long in probes if is_long]
+    # the long probes start where the short ones last passed: none at the low rates
+    assert min(long_rates) >= long_knee / 2 and len(long_rates) <= 6
+    # the short ones only bracket (doubling from 1 req/s), the long ones decide
+    assert [r for r, is_long in probes if not is_long] == sorted(
+        r for r, is_long in probes if not is_long
+    )
 
 
 def test_code_digest_changes_with_the_code(tmp_path: Path) -> None:
