@@ -45,12 +45,16 @@ class CapacityKey:
     kv_capacity_tokens: int
     run_s: float
     code_digest: str = ""
+    max_running: int = 1024
+    """The engine's request slots (`SimConfig.max_running`): the live bench's twin has the real
+    engine's 64, and with them a lower λ*."""
 
     def __str__(self) -> str:
+        slots = "" if self.max_running == 1024 else f"|slots={self.max_running}"
         return (
             f"{self.workload}/{self.variant}|{self.profile}@{self.profile_digest[:12]}|"
             f"seed={self.seed}|kv={self.kv_capacity_tokens}|run={self.run_s:g}s|"
-            f"code@{self.code_digest[:12]}"
+            f"code@{self.code_digest[:12]}{slots}"
         )
 
 

@@ -259,7 +259,8 @@ def run_live(config: BenchConfig) -> LiveRun:
     profile = load_profile(profile_path)
     latency = LatencyModel.fit(profile.samples)
     workload, kv = build(config, latency, profile)
-    base = sim_config(profile, kv, workload)
+    # the real engine's request slots, for the simulator's λ* as for the twin
+    base = struct_replace(sim_config(profile, kv, workload), max_running=MAX_RUNNING)
     sim_capacity, _, _ = measure_rate(
         replace(config, rt_rate_req_s=None), workload, latency, profile_path, base
     )

@@ -192,8 +192,8 @@ def report_markdown(run: LiveRun, plots: list[str]) -> str:
         f"λ* {run.rt_capacity_req_s:.3g} req/s, measured on the real engine (stock FCFS "
         f"behind the gateway, RT alone, joint attainment ≥ 90 % in a probe as long as the "
         f"simulator's, short probes bracketing it; probes, rate → attainment (window): "
-        f"{_probes(run)}); the simulator's λ* for the same workload and profile is "
-        f"{_num(run.sim_capacity_req_s)} req/s"
+        f"{_probes(run)}); the simulator's λ* for the same workload, profile and request "
+        f"slots, at the profile's pace, is {_num(run.sim_capacity_req_s)} req/s"
         if run.rt_capacity_req_s
         else f"* RT rate {run.rt_rate_req_s} req/s (--rt-rate); the simulator's λ* for this "
         f"workload is {_num(run.sim_capacity_req_s)} req/s",

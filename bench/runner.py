@@ -250,6 +250,7 @@ def measure_rate(
         kv_capacity_tokens=base.kv_capacity_tokens,
         run_s=config.capacity_run_s,
         code_digest=cap.code_digest(),
+        max_running=base.max_running,
     )
     cache = cap.CapacityCache(config.cache_dir)
     if config.rt_rate_req_s is not None:

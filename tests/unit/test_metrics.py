@@ -11,6 +11,7 @@ import pytest
 from backend.sim.records import IterationLog, RequestRecord, SimResult
 from bench.capacity import (
     CODE_PACKAGES,
+    CapacityKey,
     code_digest,
     search_capacity,
     search_capacity_sustained,
@@ -229,6 +230,13 @@ def test_the_sustained_capacity_is_the_long_probes_and_costs_few_of_them(
     assert [r for r, is_long in probes if not is_long] == sorted(
         r for r, is_long in probes if not is_long
     )
+
+
+def test_a_capacity_measured_with_fewer_request_slots_is_cached_apart() -> None:
+    def key(max_running: int) -> str:
+        return str(CapacityKey("W1", "cpu", "p", "d" * 64, 0, 16384, 60.0, max_running=max_running))
+
+    assert key(1024) != key(64)
 
 
 def test_code_digest_changes_with_the_code(tmp_path: Path) -> None:
