@@ -50,11 +50,10 @@ class CapacityKey:
     engine's 64, and with them a lower λ*."""
 
     def __str__(self) -> str:
-        slots = "" if self.max_running == 1024 else f"|slots={self.max_running}"
         return (
             f"{self.workload}/{self.variant}|{self.profile}@{self.profile_digest[:12]}|"
-            f"seed={self.seed}|kv={self.kv_capacity_tokens}|run={self.run_s:g}s|"
-            f"code@{self.code_digest[:12]}{slots}"
+            f"seed={self.seed}|kv={self.kv_capacity_tokens}|slots={self.max_running}|"
+            f"run={self.run_s:g}s|code@{self.code_digest[:12]}"
         )
 
 
@@ -169,13 +168,7 @@ def search_capacity(
                 lo = hi / 2
             else:
                 hi /= 2
-    while (hi - lo) / hi > rel_tolerance:
-        mid = (lo + hi) / 2
-        if probe(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return _bisect(probe, lo, hi, rel_tolerance)
 
 
 def rt_capacity(
@@ -250,9 +243,15 @@ def search_capacity_sustained(
             lo = candidate
         else:
             hi, candidate = candidate, candidate / 2
+    return _bisect(lambda rate: passes(rate, True), lo, hi, rel_tolerance)
+
+
+def _bisect(passes: Callable[[float], bool], lo: float, hi: float, rel_tolerance: float) -> float:
+    """The largest rate found to pass, bisecting from *lo* (passes) and *hi* (fails) until the
+    bracket is within *rel_tolerance* of *hi*."""
     while (hi - lo) / hi > rel_tolerance:
         mid = (lo + hi) / 2
-        if passes(mid, True):
+        if passes(mid):
             lo = mid
         else:
             hi = mid

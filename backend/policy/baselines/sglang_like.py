@@ -119,7 +119,8 @@ class SglangLikePolicy(PolicyBase):
             if b.running_slots < 1:  # every request slot taken (`max_running_requests`)
                 if not (self.priority_preemption and w.tier == "rt"):
                     break
-                released = self._preempt_for_slot(snap, b)
+                # one request's KV at least: the newest running BE request, for its slot
+                released = self._preempt_for(snap, b, 1)
                 if released is None:
                     break
                 reserved -= released
@@ -161,19 +162,6 @@ class SglangLikePolicy(PolicyBase):
         for v in chosen:
             b.evict(v)
         return released
-
-    def _preempt_for_slot(self, snap: Snapshot, b: BatchBuilder) -> float | None:
-        """Evicts the newest running BE request not in this plan, for its request slot (SGLang
-        preempts for a full batch as for memory: the first lower-priority request, newest first,
-        whose priority is lower by more than the threshold); returns its reservation released
-        (its KV is back in b.kv_avail), or None when no BE request runs."""
-        busy = b.scheduled | set(b.evictions)
-        victims = [r for r in snap.running if r.tier == "be" and r.rid not in busy]
-        if not victims:
-            return None
-        victim = max(victims, key=lambda r: r.arrival_s)
-        b.evict(victim)
-        return self._held(victim, b.page)
 
     def _decode_batch(self, snap: Snapshot, b: BatchBuilder) -> None:
         page = b.page
