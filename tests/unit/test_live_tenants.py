@@ -84,3 +84,23 @@ def test_a_live_run_keeps_every_request_as_the_client_saw_it(tmp_path: Path) -> 
             r.generated,
         )
         assert row["token_times"] == [round(t, 4) for t in r.token_times]
+
+
+def test_the_twin_is_compared_on_the_admitted_tail_where_shed_requests_censor_the_offered_one() -> (
+    None
+):
+    # a shed request's TTFT is censored at the run's end: past 1 % shed, the offered p99 is the
+    # run's length, so the report says so and compares the admitted requests' tail as well
+    run, _ = fcfs_run("W1", 5.0, 2.0)
+    real, twin = dict(run.real["fcfs"]), dict(run.sim["fcfs"])
+    real.update(rt_shed_rate=0.037, rt_ttft_p99_s=116.0, rt_admitted_ttft_p99_s=1.1)
+    twin.update(rt_shed_rate=0.005, rt_ttft_p99_s=23.0, rt_admitted_ttft_p99_s=1.2)
+    run.real["fcfs"], run.sim["fcfs"] = real, twin
+    ratios = results_dict(run)["sim_over_real"]["fcfs"]
+    assert abs(ratios["rt_admitted_ttft_p99_s"] - 1.2 / 1.1) < 1e-9
+    assert abs(ratios["rt_ttft_p99_s"] - 23.0 / 116.0) < 1e-9
+    report = report_markdown(run, plots=[])
+    assert "adm. TTFT p99 s" in report
+    assert "more than 1 % of the RT requests offered were shed (real fcfs)" in report
+    run.real["fcfs"] = {**real, "rt_shed_rate": 0.0}
+    assert "censored" not in report_markdown(run, plots=[])
