@@ -231,7 +231,7 @@ class EngineConfig(_Section, frozen=True):
     profile_cache_dir: str | None = None
     """Where measured profiles are stored, one <key>.json per engine (a directory); None:
     `profiles/` under `model.cache_dir`."""
-    policy_options: dict[str, float | int | bool | str] = msgspec.field(default_factory=dict)
+    policy_options: dict[str, float | int | bool | str | None] = msgspec.field(default_factory=dict)
     """Options for the policy's constructor (e.g. latency_budget_s for tandem)."""
     control_socket: str | None = None
     """Unix socket of the patched engine's control endpoint (length-history pushes,
@@ -382,7 +382,7 @@ class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     profile_path: str | None = None
     """Latency profile the policy's latency model is fitted from, a JSON file path (the launcher
     resolves `engine.profile` to it); required with `policy`."""
-    policy_options: dict[str, float | int | bool | str] = msgspec.field(default_factory=dict)
+    policy_options: dict[str, float | int | bool | str | None] = msgspec.field(default_factory=dict)
     """Keyword options for the policy's constructor, each in the unit its name says (e.g.
     `latency_budget_s`, seconds)."""
     control_socket: str | None = None

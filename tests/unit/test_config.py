@@ -100,6 +100,15 @@ def test_env_override_of_a_text_field_is_taken_as_written(tmp_path: Path) -> Non
     assert config.model.path == "/models/a#1"
 
 
+def test_a_policy_option_that_can_be_off_is_null_in_the_yaml(tmp_path: Path) -> None:
+    # tandem's rt_stretch is None to bound BE by the contracts alone (TandemConfig): an operator
+    # turns the shipped 0.3 off by writing null, as the bench's `tandem:rt_stretch=null` does
+    config = load_config(
+        write(tmp_path, "engine:\n  policy_options:\n    rt_stretch: null\n"), environ={}
+    )
+    assert config.engine.policy_options == {"rt_stretch": None}
+
+
 def test_wrong_type_names_the_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"gateway\.port"):
         load_config(write(tmp_path, "gateway:\n  port: eighty\n"), environ={})
@@ -147,7 +156,7 @@ def test_engine_settings_travel_as_one_json_variable() -> None:
     settings = EngineSettings(
         policy="tandem",
         profile_path="/p.json",
-        policy_options={"latency_budget_s": 0.2, "n": 3, "on": True, "mode": "x"},
+        policy_options={"latency_budget_s": 0.2, "n": 3, "on": True, "mode": "x", "off": None},
         control_socket="/tmp/c.sock",
         kv_layout="bicache",
         scheduler_trace="/tmp/trace.jsonl",
@@ -155,7 +164,13 @@ def test_engine_settings_travel_as_one_json_variable() -> None:
     env = {ENGINE_SETTINGS_ENV: msgspec.json.encode(settings).decode()}
     decoded = engine_settings_from_env(env)
     assert decoded == settings
-    assert [type(v) for v in decoded.policy_options.values()] == [float, int, bool, str]
+    assert [type(v) for v in decoded.policy_options.values()] == [
+        float,
+        int,
+        bool,
+        str,
+        type(None),
+    ]
     # unset or empty: an engine started by hand, metadata only
     assert (
         engine_settings_from_env({})
