@@ -65,6 +65,26 @@ def test_rt_is_queued_before_be_and_prefill_batches_stall_decodes() -> None:
     assert plan.decodes == []  # SGLang runs a prefill batch or a decode batch, not both
 
 
+def test_with_mixed_chunks_decodes_ride_along_with_the_prefill_batch() -> None:
+    # SGLang's --enable-mixed-chunk (tandem's launcher passes it to every engine): the running
+    # decodes join the prefill batch, whose chunk budget loses one token per running request
+    be = make_req("be", tier="be", prompt_len=500, arrival_s=0.0)
+    rt = make_req("rt", tier="rt", prompt_len=500, arrival_s=1.0)
+    running = [make_req(f"r{i}", running=True, generated=3) for i in range(2)]
+    policy = SglangLikePolicy(LATENCY, chunk_tokens=600, mixed_chunk=True)
+    plan = policy.plan(make_snapshot(waiting=[be, rt], running=running))
+    assert [(c.rid, c.tokens) for c in plan.prefills] == [("rt", 500), ("be", 98)]
+    assert plan.decodes == ["r0", "r1"]
+    # decodes whose KV does not fit after the prefill sit the iteration out: no retraction
+    # (no output reservation here, so the prompt is admitted with one KV slot to spare)
+    tight = SglangLikePolicy(LATENCY, reserve="none", chunk_tokens=600, mixed_chunk=True)
+    plan = tight.plan(make_snapshot(waiting=[rt], running=running, kv_free=501))
+    assert [c.rid for c in plan.prefills] == ["rt"] and plan.decodes == [] and not plan.evictions
+    # no prefill to run: a plain decode batch, as without mixed chunks
+    plan = policy.plan(make_snapshot(running=running))
+    assert plan.prefills == [] and plan.decodes == ["r0", "r1"]
+
+
 def test_new_token_ratio_decays_per_decode_batch_and_jumps_on_retraction() -> None:
     policy = SglangLikePolicy(LATENCY)
     r = make_req("r", running=True, generated=3)

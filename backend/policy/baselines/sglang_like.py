@@ -1,9 +1,14 @@
 """`priority`, `aggressive`, `conservative` — SGLang-style scheduling (pinned SGLang 0.5.23).
 
 Stands for SGLang's scheduler with `--enable-priority-scheduling`: RT is queued before BE.
-Iterations are either a prefill batch or a decode batch (no mixed chunks): whenever a chunked
-prompt is in flight or a waiting request can be admitted, the iteration prefills (up to
-`chunk_tokens`, one chunked prompt per batch) and running decodes wait.
+Iterations are either a prefill batch or a decode batch (SGLang's default): whenever a
+chunked prompt is in flight or a waiting request can be admitted, the iteration prefills (up to
+`chunk_tokens`, one chunked prompt per batch) and running decodes wait. With `mixed_chunk`
+(SGLang's `--enable-mixed-chunk`, which tandem's launcher passes to every engine it starts, the
+stock baselines' of the live bench included) the running decodes ride along with the prefill
+batch instead: its chunk budget is `chunk_tokens` less one token per running request, and the
+decodes sit the iteration out only when their KV does not fit after the prefill (a mixed
+iteration retracts no one).
 
 Admission (SGLang's PrefillAdder): a request is admitted when its prompt plus its own output
 reservation stays under
@@ -66,6 +71,7 @@ class SglangLikePolicy(PolicyBase):
         ratio_min_factor: float = 0.14,
         decay_steps: int = 600,
         priority_preemption: bool = True,
+        mixed_chunk: bool = False,
     ) -> None:
         super().__init__(latency)
         if reserve not in ("ratio", "none", "full"):
@@ -77,6 +83,8 @@ class SglangLikePolicy(PolicyBase):
         self.ratio_min = ratio_init * ratio_min_factor
         self.ratio_decay = (self.ratio_init - self.ratio_min) / decay_steps
         self.priority_preemption = priority_preemption
+        self.mixed_chunk = mixed_chunk
+        """Decodes ride along with prefill batches (SGLang's `--enable-mixed-chunk`)."""
         self.ratio = {"ratio": ratio_init, "none": 0.0, "full": 1.0}[reserve]
         """Share of the remaining max_new_tokens reserved per running request."""
         self._next_ratio = self.ratio
@@ -99,6 +107,8 @@ class SglangLikePolicy(PolicyBase):
         self._prefill_batch(snapshot, b)
         if not b.prefills:
             self._decode_batch(snapshot, b)
+        elif self.mixed_chunk:
+            self._mixed_decodes(snapshot, b)
         return b.plan(self.latency)
 
     def _initial_ratio(self) -> float:
@@ -108,7 +118,8 @@ class SglangLikePolicy(PolicyBase):
         page = b.page
         reserved = sum(self._held(r, page) for r in snap.running)  # rem_total = avail − this
         partial = [r for r in snap.running if r.prefilled < r.prefill_len]
-        chunk_left = self.chunk_tokens
+        # SGLang's PrefillAdder takes one token a running request off a mixed batch's chunk
+        chunk_left = max(self.chunk_tokens - (len(snap.running) if self.mixed_chunk else 0), 0)
         if partial:  # the chunked prompt in flight may retract others if KV ran out
             victims = LazyOrder(lambda: sorted(snap.running, key=_keep_key))
             chunk_left = prefill_queue(b, partial, chunk_left, victims)
@@ -162,6 +173,16 @@ class SglangLikePolicy(PolicyBase):
         for v in chosen:
             b.evict(v)
         return released
+
+    def _mixed_decodes(self, snap: Snapshot, b: BatchBuilder) -> None:
+        """The running decodes of a mixed prefill batch: all of them when their KV fits after
+        the prefill, else none (they decode in the next decode batch; no retraction here)."""
+        busy = b.chunked | set(b.evictions)
+        decoding = [r for r in snap.running if r.prefilled >= r.prefill_len and r.rid not in busy]
+        if sum(decode_cost(r, b.page) for r in decoding) > b.kv_avail:
+            return
+        for r in decoding:
+            b.add_decode(r)
 
     def _decode_batch(self, snap: Snapshot, b: BatchBuilder) -> None:
         page = b.page
