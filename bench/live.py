@@ -765,13 +765,13 @@ async def measure_serving_overhead(
 
 
 SIM_POLICY = {"tandem": "tandem", "fcfs": "fcfs", "priority": "priority"}
+"""The simulator's model of each engine policy (registry names)."""
 SIM_STOCK_OPTIONS: dict[str, dict[str, Any]] = {"priority": {"mixed_chunk": True}}
 """The twin's options for a stock row: the engines the live bench starts run SGLang's
 `--enable-mixed-chunk` (`backend.launch.sglang`), so stock priority's decodes ride along with
 its prefill batches. Without it the twin's priority paused every decode for each arrival's
 prefill: at 13.5 req/s (W1 cpu, session 61) its BE was 0.33× the real one's and its TPOT
 1.24×; with it, 0.55× and 1.15×, on the same fitted engine."""
-"""The simulator's model of each engine policy (registry names)."""
 
 
 def run_sim(name: str, run: LiveRun, latency: LatencyModel, base: Any) -> SimResult:
