@@ -778,7 +778,9 @@ def run_sim(name: str, run: LiveRun, latency: LatencyModel, base: Any) -> SimRes
     """The identical workload in the simulator (tandem with the row's policy options, as its
     engine ran them)."""
     base_policy = base_name(name)
-    options = run.options_of(name) or SIM_STOCK_OPTIONS.get(base_policy, {})
+    options = (
+        run.options_of(name) if base_policy == "tandem" else SIM_STOCK_OPTIONS.get(base_policy, {})
+    )
     policy = make_policy(SIM_POLICY[base_policy], latency, **options)
     source = SimSource(run.workload.source(run.rt_rate_req_s, True), SimRequest)
     # the engine's request cap, and its speed, as the real engine has them: fitted to its

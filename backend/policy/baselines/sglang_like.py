@@ -177,8 +177,7 @@ class SglangLikePolicy(PolicyBase):
     def _mixed_decodes(self, snap: Snapshot, b: BatchBuilder) -> None:
         """The running decodes of a mixed prefill batch: all of them when their KV fits after
         the prefill, else none (they decode in the next decode batch; no retraction here)."""
-        busy = b.chunked | set(b.evictions)
-        decoding = [r for r in snap.running if r.prefilled >= r.prefill_len and r.rid not in busy]
+        decoding = _decodable(snap, b)
         if sum(decode_cost(r, b.page) for r in decoding) > b.kv_avail:
             return
         for r in decoding:
@@ -186,8 +185,7 @@ class SglangLikePolicy(PolicyBase):
 
     def _decode_batch(self, snap: Snapshot, b: BatchBuilder) -> None:
         page = b.page
-        gone = set(b.evictions)  # BE preempted for an RT prompt that still did not fit
-        decoding = [r for r in snap.running if r.prefilled >= r.prefill_len and r.rid not in gone]
+        decoding = _decodable(snap, b)
         need = sum(decode_cost(r, page) for r in decoding)
         if need > b.kv_avail and len(decoding) > 1:
             # keep-order: higher tier, more generated, shorter prompt; retract from the end
@@ -210,6 +208,13 @@ class SglangLikePolicy(PolicyBase):
     def observe(self, result: IterationResult) -> None:
         """Applies the ratio change the last plan decided (decay, retraction estimate, reset)."""
         self.ratio = self._next_ratio
+
+
+def _decodable(snap: Snapshot, b: BatchBuilder) -> list[ReqState]:
+    """The running, fully prefilled requests this plan has not evicted (BE preempted for an RT
+    prompt that still did not fit, or for its slot)."""
+    gone = set(b.evictions)
+    return [r for r in snap.running if r.prefilled >= r.prefill_len and r.rid not in gone]
 
 
 def _keep_key(r: ReqState) -> tuple[bool, int, int]:
