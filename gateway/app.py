@@ -35,6 +35,7 @@ from gateway.loop_watch import LoopWatch
 from gateway.operator import install as install_operator_tools
 from gateway.overload import OVERLOAD, OverloadGuard
 from gateway.pipeline.admission import build_forecaster
+from gateway.pipeline.admission_log import RefusalLog
 from gateway.pipeline.tier_queue import TierQueues, tier_bounds
 from gateway.request_id import add_request_id
 from gateway.shutdown import Drain
@@ -49,6 +50,7 @@ from gateway.state import (
     LOADS,
     METRICS,
     POOL,
+    REFUSAL_LOG,
     ROUTER,
     SLO_FORECASTER,
     STORE,
@@ -96,6 +98,7 @@ def create_app(config: Config, admin_token: str, model_dir: Path) -> web.Applica
     app[SLO_FORECASTER] = build_forecaster(config)
     app[ROUTER] = make_router(config.gateway.router, app[SLO_FORECASTER])
     app[TTFT_FEEDBACK] = TtftFeedbackByEngine()
+    app[REFUSAL_LOG] = RefusalLog()
     # the bounds are per engine: the pool's queues hold as many as its engines together
     app[TIER_QUEUES] = TierQueues(tier_bounds(config.gateway, engines=len(app[POOL])))
     app.cleanup_ctx.append(_loop_watch)

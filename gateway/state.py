@@ -18,6 +18,7 @@ from gateway.engine.load import LoadWatcher
 from gateway.engine.pool import EnginePool
 from gateway.engine.stats import EngineStatsWindow
 from gateway.metrics import METRICS_KEY
+from gateway.pipeline.admission_log import RefusalLog
 from gateway.pipeline.tier_queue import TierQueues
 from gateway.quotas.limiter import QuotaLimiter
 from gateway.shutdown import Drain
@@ -52,6 +53,8 @@ ROUTER: web.AppKey[Router] = web.AppKey("router")
 """The place stage's router (`gateway.router`) and its memory of what it placed where."""
 TTFT_FEEDBACK = web.AppKey("ttft_feedback", TtftFeedbackByEngine)
 """What admitted RT requests' real TTFT taught the SLO admission about each engine's forecast."""
+REFUSAL_LOG = web.AppKey("refusal_log", RefusalLog)
+"""The SLO admission's refusals, logged at most once a second per engine."""
 TIER_QUEUES = web.AppKey("tier_queues", TierQueues)
 """Interactive requests in flight per tier, against the tiers' bounds (the pool's: each
 engine's bound times the engines)."""

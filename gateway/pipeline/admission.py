@@ -72,6 +72,7 @@ from backend.policy.tandem.config import TandemConfig
 from common.config import Config
 from common.wire import EngineLoad
 from gateway.metrics import GatewayMetrics
+from gateway.pipeline.admission_log import RefusalLog
 from gateway.pipeline.outcome import Refused
 from gateway.pipeline.placement import Placement, engine_candidates, place_request
 from gateway.pipeline.prepare import EngineRequest, in_tier
@@ -87,6 +88,7 @@ from gateway.state import (
     METRICS,
     POOL,
     QUOTAS,
+    REFUSAL_LOG,
     SLO_FORECASTER,
     TIER_QUEUES,
     TTFT_FEEDBACK,
@@ -189,6 +191,7 @@ def admission_checks(app: web.Application, *, recheck: bool = False) -> tuple[Ad
             metrics,
             feedback=app.get(TTFT_FEEDBACK),
             recheck=recheck,
+            refusals=app.get(REFUSAL_LOG),
         ),
     )
     queues = app.get(TIER_QUEUES)
@@ -402,6 +405,9 @@ class SloCheck:
     admit stage asks again on the next report, and without `recheck` once the request's
     recheck time (`GatewayConfig.slo_recheck_frac`) is up. A forecast over its target for the
     work queued ahead stays refused at once: waiting would spend the same time it forecasts."""
+    refusals: RefusalLog | None = None
+    """Where final refusals and downgrades are logged (throttled per engine); None: not
+    logged (a pending verdict is never logged: it is no verdict yet)."""
 
     def __call__(self, admitted: Admitted) -> Admitted | Refused | Pending:
         now_unix_s = self.clock()
@@ -441,6 +447,21 @@ class SloCheck:
         ):
             return Pending(watcher.next_report, decision.shortfall)
         self.metrics.slo_admission(admitted.tenant.id, decision.outcome, decision.target)
+        if (
+            self.refusals is not None
+            and decision.outcome in ("shed", "downgraded")
+            and decision.shortfall is not None
+        ):
+            self.refusals.note(
+                decision.outcome,
+                admitted.request.rid,
+                admitted.tenant.id,
+                decision.shortfall,
+                decision.engine,
+                decision.load,
+                waited_s=decision.waited_s,
+                ttft_extra_s=decision.ttft_extra_s,
+            )
         if decision.outcome == "shed":
             assert decision.shortfall is not None
             return slo_unattainable(decision.shortfall)

@@ -57,6 +57,7 @@ from gateway.pipeline.admission import (
     release_holds,
     slo_ask,
 )
+from gateway.pipeline.admission_log import engine_state
 from gateway.pipeline.outcome import (
     UNJUDGED,
     Failure,
@@ -496,18 +497,9 @@ def _log_admitted_miss(flight: Flight, usage: UsageRecord) -> None:
     meta = flight.request.meta if flight.request is not None else None
     if meta is None:
         return
-    load = slo.load
     state = ""
-    if load is not None:
-        f_decode, f_prefill, f_mixed = load.latency_factors
-        state = (
-            f"; engine {slo.engine} then: {load.num_rt_running} RT decoding "
-            f"({load.rt_context_tokens} context tokens), {load.num_rt_waiting} RT prompts "
-            f"waiting ({load.rt_waiting_prompt_tokens} tokens), {load.num_be_running} BE "
-            f"running, pace ×{f_decode:.2f} decode ×{f_prefill:.2f} prefill ×{f_mixed:.2f} "
-            f"mixed, p90 ×{load.pace_ratio_p90:.2f}, last iteration "
-            f"{load.iteration_s * 1000:.0f} ms"
-        )
+    if slo.load is not None:
+        state = f"; {engine_state(slo.engine or '', slo.load)}"
     tpot = ""
     if meta.tpot_target_ms is not None:
         forecast_tpot = (

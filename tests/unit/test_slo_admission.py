@@ -17,6 +17,7 @@ from aiohttp import web
 
 from backend.policy.feasibility import (
     Backlog,
+    Shortfall,
     SloAsk,
     SloForecaster,
     TtftFeedback,
@@ -37,6 +38,7 @@ from gateway.pipeline.admission import (
     decide_slo,
     slo_ask,
 )
+from gateway.pipeline.admission_log import RefusalLog
 from gateway.pipeline.outcome import Refused
 from gateway.pipeline.placement import EngineHandle, Placement, decide, place_request
 from gateway.pipeline.stages import (
@@ -691,3 +693,85 @@ async def _loop_turns(turns: int = 5) -> None:
     woken by a resolved future finishes within two."""
     for _ in range(turns):
         await asyncio.sleep(0)
+
+
+# ---------------------------------------------------------------------------------- refusal log
+
+
+class Clock:
+    """A monotonic clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now_s = 100.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def test_a_refusal_is_logged_with_its_forecast_and_the_slots_it_waited_for(
+    forecaster: SloForecaster, caplog: pytest.LogCaptureFixture
+) -> None:
+    # an operator asking why a request was refused reads what the forecast said, the slot
+    # wait in it, and the engine state it was judged on: slots, the decodes' fewest steps left
+    load = slot_bound(NOW_S, 400)
+    refusals = RefusalLog(interval_s=1.0, clock=Clock())
+    metrics = GatewayMetrics()
+    slo_check = SloCheck(
+        forecaster, on_engine(watched(load)), metrics, clock=lambda: NOW_S, refusals=refusals
+    )
+    given = candidate(rt_tenant(ttft_target_ms=2000, tpot_target_ms=200))
+    with caplog.at_level("INFO", logger="gateway.pipeline.admission_log"):
+        assert isinstance(slo_check(given), Refused)
+    (line,) = [r.getMessage() for r in caplog.records if "SLO admission refused" in r.getMessage()]
+    assert given.request.rid in line and "ten_rt" in line
+    assert "time to first token target of 2000 ms" in line and "request slots" in line
+    assert "64 RT decoding" in line and "64 request slots" in line
+    assert "fewest decode steps left [400, 401, 402, 403, 404, 405, 406, 407]" in line
+    assert "(1 on this engine since the last such line)" in line
+
+
+def test_refusals_are_logged_once_a_second_per_engine_with_the_count_between(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = Clock()
+    refusals = RefusalLog(interval_s=1.0, clock=clock)
+    miss = Shortfall("ttft", 0.3, 0.9, 1.0)
+
+    def note(rid: str, engine: str) -> bool:
+        return refusals.note(
+            "shed", rid, "ten_rt", miss, engine, SWAMPED, waited_s=0.0, ttft_extra_s=0.0
+        )
+
+    with caplog.at_level("INFO", logger="gateway.pipeline.admission_log"):
+        assert note("r1", "a")  # the first after a quiet second: at once
+        clock.now_s += 0.3
+        assert not note("r2", "a") and not note("r3", "a")
+        assert note("r4", "b")  # another engine has its own second
+        clock.now_s += 0.8
+        assert note("r5", "a")
+    lines = [r.getMessage() for r in caplog.records if "SLO admission" in r.getMessage()]
+    assert len(lines) == 3
+    assert "r5" in lines[2] and "(3 on this engine since the last such line)" in lines[2]
+    assert "r4" in lines[1] and "engine b then" in lines[1]
+    downgrades = RefusalLog(clock=clock)
+    with caplog.at_level("INFO", logger="gateway.pipeline.admission_log"):
+        assert downgrades.note(
+            "downgraded", "r6", "ten_rt", miss, "a", None, waited_s=0.0, ttft_extra_s=0.0
+        )
+    assert "SLO admission downgraded RT request r6" in caplog.records[-1].getMessage()
+
+
+def test_an_admitted_request_is_not_logged_as_a_refusal(
+    forecaster: SloForecaster, caplog: pytest.LogCaptureFixture
+) -> None:
+    refusals = RefusalLog(clock=Clock())
+    slo_check = SloCheck(
+        forecaster,
+        on_engine(watched(IDLE)),
+        GatewayMetrics(),
+        clock=lambda: NOW_S,
+        refusals=refusals,
+    )
+    with caplog.at_level("INFO", logger="gateway.pipeline.admission_log"):
+        assert isinstance(slo_check(candidate(rt_tenant())), Admitted)
+    assert not [r for r in caplog.records if "SLO admission" in r.getMessage()]
