@@ -447,8 +447,21 @@ class SloCheck:
         ):
             return Pending(watcher.next_report, decision.shortfall)
         self.metrics.slo_admission(admitted.tenant.id, decision.outcome, decision.target)
-        if self.refusals is not None and decision.outcome in ("shed", "downgraded"):
-            self.refusals.note(decision, admitted.request.rid, admitted.tenant.id)
+        if (
+            self.refusals is not None
+            and decision.outcome in ("shed", "downgraded")
+            and decision.shortfall is not None
+        ):
+            self.refusals.note(
+                decision.outcome,
+                admitted.request.rid,
+                admitted.tenant.id,
+                decision.shortfall,
+                decision.engine,
+                decision.load,
+                waited_s=decision.waited_s,
+                ttft_extra_s=decision.ttft_extra_s,
+            )
         if decision.outcome == "shed":
             assert decision.shortfall is not None
             return slo_unattainable(decision.shortfall)

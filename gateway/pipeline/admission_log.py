@@ -7,7 +7,7 @@ tell a refusal the engine's load called for from one a pessimistic forecast made
   refused or downgraded: the latest one's forecast and the state it was judged on, with how
   many there were since the previous line. Under overload a gateway refuses hundreds a second;
   one line a second keeps the log readable, and /metrics counts every one
-  (`tandem_slo_admissions_total`).
+  (`tandem_slo_admission_total`).
 
 Pure of the app: the admission check calls `RefusalLog.note` with its decision.
 """
@@ -17,12 +17,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
+from backend.policy.feasibility import Shortfall
 from common.wire import EngineLoad
-
-if TYPE_CHECKING:  # admission.py builds the decisions and imports this module
-    from gateway.pipeline.admission import SloDecision
 
 log = logging.getLogger(__name__)
 
@@ -71,11 +68,22 @@ class RefusalLog:
         self._since: dict[str, int] = {}
         """engine → refusals noted since its last line (those not written)."""
 
-    def note(self, decision: SloDecision, request_id: str, tenant_id: str) -> bool:
-        """RT request *request_id* of *tenant_id* refused ("shed") or downgraded by
-        *decision* (one with a shortfall). Returns whether a line was written."""
-        assert decision.shortfall is not None, "only a missed forecast refuses"
-        key = decision.engine or ""
+    def note(
+        self,
+        outcome: str,
+        request_id: str,
+        tenant_id: str,
+        shortfall: Shortfall,
+        engine: str | None,
+        load: EngineLoad | None,
+        *,
+        waited_s: float,
+        ttft_extra_s: float,
+    ) -> bool:
+        """One RT request refused ("shed") or downgraded on a forecast missing by
+        *shortfall*, judged on *engine* in state *load* after *waited_s* at the gateway, with
+        *ttft_extra_s* taught by outcomes. Returns whether a line was written."""
+        key = engine or ""
         now_s = self._clock()
         last_s = self._last_s.get(key)
         count = self._since.get(key, 0) + 1
@@ -84,17 +92,16 @@ class RefusalLog:
             return False
         self._last_s[key] = now_s
         self._since[key] = 0
-        load = decision.load
         state = f"; {engine_state(key, load)}" if load is not None else ""
         log.info(
             "SLO admission %s RT request %s of tenant %s: %s; waited %.0f ms at the gateway, "
             "+%.0f ms taught by first tokens%s (%d on this engine since the last such line)",
-            "refused" if decision.outcome == "shed" else decision.outcome,
+            "refused" if outcome == "shed" else outcome,
             request_id,
             tenant_id,
-            decision.shortfall.describe(),
-            decision.waited_s * 1000,
-            decision.ttft_extra_s * 1000,
+            shortfall.describe(),
+            waited_s * 1000,
+            ttft_extra_s * 1000,
             state,
             count,
         )

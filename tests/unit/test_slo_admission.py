@@ -35,7 +35,6 @@ from gateway.pipeline.admission import (
     Pending,
     Placer,
     SloCheck,
-    SloDecision,
     decide_slo,
     slo_ask,
 )
@@ -739,8 +738,9 @@ def test_refusals_are_logged_once_a_second_per_engine_with_the_count_between(
     miss = Shortfall("ttft", 0.3, 0.9, 1.0)
 
     def note(rid: str, engine: str) -> bool:
-        refused = SloDecision("shed", miss, engine=engine, load=SWAMPED)
-        return refusals.note(refused, rid, "ten_rt")
+        return refusals.note(
+            "shed", rid, "ten_rt", miss, engine, SWAMPED, waited_s=0.0, ttft_extra_s=0.0
+        )
 
     with caplog.at_level("INFO", logger="gateway.pipeline.admission_log"):
         assert note("r1", "a")  # the first after a quiet second: at once
@@ -755,7 +755,9 @@ def test_refusals_are_logged_once_a_second_per_engine_with_the_count_between(
     assert "r4" in lines[1] and "engine b then" in lines[1]
     downgrades = RefusalLog(clock=clock)
     with caplog.at_level("INFO", logger="gateway.pipeline.admission_log"):
-        assert downgrades.note(SloDecision("downgraded", miss, engine="a"), "r6", "ten_rt")
+        assert downgrades.note(
+            "downgraded", "r6", "ten_rt", miss, "a", None, waited_s=0.0, ttft_extra_s=0.0
+        )
     assert "SLO admission downgraded RT request r6" in caplog.records[-1].getMessage()
 
 
