@@ -7,7 +7,7 @@ tell a refusal the engine's load called for from one a pessimistic forecast made
   refused or downgraded: the latest one's forecast and the state it was judged on, with how
   many there were since the previous line. Under overload a gateway refuses hundreds a second;
   one line a second keeps the log readable, and /metrics counts every one
-  (`tandem_slo_admission_total`).
+  (`tandem_slo_admissions_total`).
 
 Pure of the app: the admission check calls `RefusalLog.note` with its decision.
 """
