@@ -63,6 +63,7 @@ calibrated prediction is), with p50/p99 on demand.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 
@@ -308,10 +309,14 @@ class PaceSpread:
     An engine with nothing admitted runs no iteration, so the window never moved on. Pure; the
     caller feeds it."""
 
-    def __init__(self, window: int = 32, quantile: float = 0.9) -> None:
-        if window < 1 or not 0.0 < quantile <= 1.0:
-            raise ValueError("need window ≥ 1 and 0 < quantile ≤ 1")
+    def __init__(self, window: int = 32, quantile: float = 0.9, recent: int = 8) -> None:
+        if window < 1 or not 0.0 < quantile <= 1.0 or not 1 <= recent <= window:
+            raise ValueError("need window ≥ 1, 0 < quantile ≤ 1 and 1 ≤ recent ≤ window")
         self.quantile = quantile
+        """The upper quantile `upper` reports."""
+        self.recent = recent
+        """The latest iterations `recent_median` is taken over: few enough that a change of
+        pace moves it within a few iterations, as it moves `upper`."""
         self._ratios: deque[tuple[float, int]] = deque(maxlen=window)
 
     def observe(
@@ -330,3 +335,16 @@ class PaceSpread:
             return 1.0
         values = sorted(ratio / factors[regime] for ratio, regime in self._ratios)
         return values[min(len(values) - 1, int(self.quantile * len(values)))]
+
+    def recent_median(self, factors: tuple[float, ...] = (1.0, 1.0, 1.0)) -> float:
+        """The median of measured ÷ predicted at *factors* over the latest `recent` iterations
+        (the upper middle one of an even count; 1.0 before any sample): the pace the engine
+        runs at now, where `upper` is its worst but one iteration in ten. The SLO admission
+        stretches a wait of many iterations by this plus a part of the gap to `upper` that
+        shrinks with their number (`feasibility.pace_stretch`): one iteration's noise, not a
+        change of pace, averages out over many."""
+        if not self._ratios:
+            return 1.0
+        latest = itertools.islice(reversed(self._ratios), self.recent)
+        values = sorted(ratio / factors[regime] for ratio, regime in latest)
+        return values[len(values) // 2]

@@ -94,9 +94,10 @@ A forecast is compared with the time the request has left (its target less the t
 waited) times `headroom` (< 1: the forecast is a mean, the SLO a bound): over it, the request
 misses, and `Shortfall` says which target, the predicted time and by how much. The headroom is
 for what the forecast guesses. The time already waited is spent: it is taken whole. A slot wait
-is a count of decode steps (each running request's left, at most its max_new_tokens), each at
-the engine's recent worst pace (the spread above): a sum of many iterations, it strays less from
-its forecast than a prompt's few, and it gets the square root of the headroom. The rest must
+is a count of decode steps (each running request's left, at most its max_new_tokens), at the
+engine's pace now and a part of its recent worst that shrinks with their number (`pace_stretch`):
+a sum of many iterations, it strays less from its forecast than a prompt's few, and it gets the
+square root of the headroom. The rest must
 stay within the headroom of what those leave:
     waited + slot ÷ √headroom + rest ÷ headroom ≤ target
 In the simulator's slot-bound stream (8 slots, 20 arrivals a second,
@@ -261,6 +262,7 @@ class SloForecaster:
         headroom: float = 0.85,
         min_chunk_tokens: int = 64,
         split_min_gain: float | None = None,
+        pace_averaging: bool = True,
     ) -> None:
         if not 0.0 < headroom <= 1.0:
             raise ValueError(f"headroom must be in (0, 1], got {headroom}")
@@ -280,6 +282,9 @@ class SloForecaster:
         self.split_min_gain = split_min_gain
         """The engine's policy runs prompts and decodes in iterations of their own where the
         model says that is this fraction faster (tandem's `split_mixed`); None: never."""
+        self.pace_averaging = pace_averaging
+        """A wait of many iterations is stretched by `pace_stretch` (the pace now, and the
+        recent p90's noise over the square root of their number); False: by the p90 whole."""
         self._chunks: dict[tuple[int, int, float, float, int], int] = {}
         self._last_chunk: dict[tuple[float, float, int], int] = {}
         self._splits: dict[tuple[float, ...], tuple[int, float] | None] = {}
@@ -314,8 +319,11 @@ class SloForecaster:
         # in ten) bounds them from above while the pace changes or swings (`PaceSpread`). The
         # engine's policy sizes its chunks with the factors; the spread stretches their time.
         spread = max(1.0, load.pace_ratio_p90) if math.isfinite(load.pace_ratio_p90) else 1.0
+        pace_now = load.pace_ratio_recent_p50 if self.pace_averaging else None
+        if pace_now is not None and not math.isfinite(pace_now):
+            pace_now = None
         ttft_s, tpot_s, slot_wait_s = self._predict(
-            load, ask, backlog, load.latency_factors, spread
+            load, ask, backlog, load.latency_factors, spread, pace_now
         )
         ttft_s += ask.waited_s + ttft_extra_s
         budget_s = self._ttft_budget_s(ask, slot_wait_s)
@@ -341,10 +349,12 @@ class SloForecaster:
         backlog: Backlog,
         factors: tuple[float, ...],
         spread: float,
+        pace_now: float | None = None,
     ) -> tuple[float, float | None, float]:
         """(TTFT from now, before what was waited and taught; TPOT or None; the part of the TTFT
         spent waiting for a request slot) at the engine's pace *factors* (decode, prefill,
-        mixed), stretched by *spread*."""
+        mixed), stretched by *spread* (one iteration; the TPOT), or over the TTFT's many
+        iterations by `pace_stretch` of *spread* and *pace_now* (None: by *spread*)."""
         f_decode, f_prefill, f_mixed = factors[DECODE], factors[PREFILL], factors[MIXED]
         running = _decodes(load.num_rt_running, load.rt_context_tokens)
         # Everyone ahead decodes beside it once prefilled: contexts of about their prompts.
@@ -389,18 +399,21 @@ class SloForecaster:
         ahead_tokens = work
         if drift > 0.0:  # n iterations serve n × chunk prompt tokens, n × drift of them owed
             ahead_tokens = math.ceil(ahead_tokens * chunk / max(chunk - drift, chunk / MAX_DRIFT))
-        ttft_s = spread * prefill_s(ahead_tokens)
+        stretch = pace_stretch(spread, pace_now, math.ceil(ahead_tokens / chunk))
+        ttft_s = stretch * prefill_s(ahead_tokens)
         if ask.cached_tokens > 0:  # its own chunks attend to the cached prefix as well
             done = 0
             while done < ask.prompt_tokens:
                 c = min(chunk, ask.prompt_tokens - done)
-                ttft_s += spread * (cycle_s(c, ask.cached_tokens + done) - cycle_s(c))
+                ttft_s += stretch * (cycle_s(c, ask.cached_tokens + done) - cycle_s(c))
                 done += c
         slot_wait_s = 0.0
         slot_steps = self._slot_wait_steps(load, ask, backlog, work)
         if slot_steps:  # its prompt starts once a slot is its, whatever was computed by then
-            slot_wait_s = spread * slot_steps * f_decode * self.latency.predict(running)
-            after_slot_s = slot_wait_s + spread * prefill_s(ask.prompt_tokens)
+            iterations = slot_steps + math.ceil(ask.prompt_tokens / chunk)
+            stretch = pace_stretch(spread, pace_now, iterations)
+            slot_wait_s = stretch * slot_steps * f_decode * self.latency.predict(running)
+            after_slot_s = slot_wait_s + stretch * prefill_s(ask.prompt_tokens)
             if after_slot_s > ttft_s:
                 ttft_s = after_slot_s
             else:
@@ -808,6 +821,31 @@ def _decodes(count: int, context_tokens: int) -> BatchShape:
     )
 
 
+def pace_stretch(upper: float, now: float | None, iterations: int) -> float:
+    """How much slower than the calibrated model a run of *iterations* iterations is forecast
+    to take, from the engine's recent pace: *upper* its worst but one iteration in ten
+    (`EngineLoad.pace_ratio_p90`), *now* the median of its latest few (`pace_ratio_recent_p50`;
+    None: not reported — *upper*, whatever their number). At least 1: a pace faster than the
+    calibration's is left for the calibration to learn.
+
+        stretch = now + max(0, upper − now) ÷ √iterations
+
+    *now* carries a change of pace — every recent iteration slower — whole; the gap to *upper*
+    is one iteration's noise, and the sum of n iterations strays from n times their median by
+    about √n times one's spread, not n times. One iteration is stretched by *upper*, as
+    before. Stretched by *upper* whole, a slot wait of ten decode steps on the real engine at
+    its capacity was forecast 0.2–0.4 s above the first token of the worst admitted request
+    queued with it, and 2–4 % of the RT requests that would have met their contract were
+    refused (bench/results/slo/README.md, session 66). Noise that does not average out —
+    iterations slow together, a neighbour's burst — shows in *now* within a few iterations, and
+    in late first tokens that `TtftFeedback` adds back."""
+    floor = max(1.0, upper)
+    if now is None:
+        return floor
+    gap = max(0.0, upper - now)
+    return max(1.0, now + gap / math.sqrt(max(1, iterations)))
+
+
 def inflight_left_s(load: EngineLoad, at_s: float | None, spread: float = 1.0) -> float:
     """What is left at *at_s* of the iteration the engine started when it took *load*: its
     predicted time, stretched by the pace *spread*, less the time since the report (none with
@@ -836,6 +874,7 @@ def load_of(
     inflight_predicted_s: float | None = None,
     latency_factors: tuple[float, float, float] = (1.0, 1.0, 1.0),
     pace_ratio_p90: float = 1.0,
+    pace_ratio_recent_p50: float | None = None,
     calibration_samples: int = 0,
     rt_fair_counters: Mapping[str, float] | None = None,
     rt_outputs: RtOutputs | None = None,
@@ -925,6 +964,7 @@ def load_of(
         predicted_iteration_s=predicted_iteration_s,
         inflight_predicted_s=inflight_predicted_s,
         pace_ratio_p90=pace_ratio_p90,
+        pace_ratio_recent_p50=pace_ratio_recent_p50,
         num_rt_waiting=rt_waiting,
         rt_waiting_prompt_tokens=rt_prompt,
         num_rt_running=rt_running,

@@ -493,6 +493,7 @@ class EngineDriver:
         if self.iterations == self.loads.latest.iteration:
             return
         self._rt_outputs.observe(snap)
+        factors = policy_factors(self.policy)
         self.loads.publish(
             load_of(
                 snap,
@@ -501,8 +502,9 @@ class EngineDriver:
                 iteration_s=self._last_iteration_s or 0.0,
                 predicted_iteration_s=self._last_predicted_s,
                 inflight_predicted_s=_inflight_predicted_s(plan, snap),
-                latency_factors=policy_factors(self.policy),
-                pace_ratio_p90=self._pace.upper(policy_factors(self.policy)),
+                latency_factors=factors,
+                pace_ratio_p90=self._pace.upper(factors),
+                pace_ratio_recent_p50=self._pace.recent_median(factors),
                 calibration_samples=policy_calibration_samples(self.policy),
                 rt_fair_counters=policy_rt_fair_counters(self.policy),
                 rt_late_bound_frac=policy_rt_late_bound_frac(self.policy),

@@ -169,13 +169,15 @@ class RealtimeEngine:
         changes only by arrivals, which the next iteration reports)."""
         snapshot = self.core.snapshot(now_s)
         self._rt_outputs.observe(snapshot)
+        factors = policy_factors(self.policy)
         self.load = load_of(
             snapshot,
             iteration=self.iterations,
             at_unix_s=time.time(),
             iteration_s=self.core.last_iteration_s or 0.0,
-            latency_factors=policy_factors(self.policy),
-            pace_ratio_p90=self._pace.upper(policy_factors(self.policy)),
+            latency_factors=factors,
+            pace_ratio_p90=self._pace.upper(factors),
+            pace_ratio_recent_p50=self._pace.recent_median(factors),
             calibration_samples=policy_calibration_samples(self.policy),
             rt_fair_counters=policy_rt_fair_counters(self.policy),
             rt_late_bound_frac=policy_rt_late_bound_frac(self.policy),

@@ -514,4 +514,5 @@ def build_forecaster(config: Config) -> SloForecaster:
         headroom=options.slo_headroom,
         min_chunk_tokens=options.min_chunk_tokens,
         split_min_gain=options.split_min_gain if options.split_mixed else None,
+        pace_averaging=options.slo_pace_averaging,
     )

@@ -29,8 +29,8 @@ STEPS_LEFT_SHOWN = 8
 
 def engine_state(engine: str, load: EngineLoad) -> str:
     """The engine state *load* of engine *engine* as one clause: RT decoding and waiting, BE,
-    request slots and the decodes' fewest steps left, the calibrated pace and the last
-    iteration."""
+    request slots and the decodes' fewest steps left, the calibrated pace, the recent pace
+    (now, and at worst but one iteration in ten) and the last iteration."""
     f_decode, f_prefill, f_mixed = load.latency_factors
     slots = ""
     if load.max_running_requests > 0:
@@ -40,12 +40,15 @@ def engine_state(engine: str, load: EngineLoad) -> str:
             f"prefilling; fewest decode steps left [{shown}], a new request "
             f"{load.rt_new_decode_steps})"
         )
+    recent = ""
+    if load.pace_ratio_recent_p50 is not None:
+        recent = f"now ×{load.pace_ratio_recent_p50:.2f} "
     return (
         f"engine {engine} then: {load.num_rt_running} RT decoding "
         f"({load.rt_context_tokens} context tokens), {load.num_rt_waiting} RT prompts "
         f"waiting ({load.rt_waiting_prompt_tokens} tokens), {load.num_be_running} BE "
         f"running{slots}, pace ×{f_decode:.2f} decode ×{f_prefill:.2f} prefill "
-        f"×{f_mixed:.2f} mixed, p90 ×{load.pace_ratio_p90:.2f}, last iteration "
+        f"×{f_mixed:.2f} mixed, {recent}p90 ×{load.pace_ratio_p90:.2f}, last iteration "
         f"{load.iteration_s * 1000:.0f} ms"
     )
 

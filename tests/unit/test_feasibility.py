@@ -20,6 +20,7 @@ from backend.policy.feasibility import (
     TtftFeedback,
     idle,
     load_of,
+    pace_stretch,
     work_ahead,
 )
 from backend.policy.latency import LatencyModel
@@ -188,6 +189,34 @@ def test_pace_spread_is_the_recent_upper_ratio_and_forgets_old_iterations() -> N
         spread.observe(bad, 0.01)
         spread.observe(0.01, bad)
     assert spread.upper() == pytest.approx(1.0)
+
+
+def test_the_recent_median_is_the_pace_now_and_moves_within_a_few_iterations() -> None:
+    spread = PaceSpread(window=32, quantile=0.9, recent=8)
+    assert spread.recent_median() == 1.0  # nothing measured yet
+    for i in range(32):  # a noisy engine: one iteration in four 1.6× its prediction
+        spread.observe(0.01, 0.016 if i % 4 == 0 else 0.01)
+    assert spread.upper() == pytest.approx(1.6)
+    assert spread.recent_median() == pytest.approx(1.0)
+    for _ in range(5):  # a neighbour takes the CPU: five iterations at 3×
+        spread.observe(0.01, 0.03)
+    assert spread.recent_median() == pytest.approx(3.0)  # the pace now, after five
+    assert spread.upper() == pytest.approx(3.0)
+    # measured against the factors as they are now, like the p90
+    assert spread.recent_median((3.0, 1.0, 1.0)) == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        PaceSpread(window=8, recent=9)
+
+
+def test_a_wait_of_many_iterations_is_stretched_by_the_pace_now_and_part_of_the_noise() -> None:
+    assert pace_stretch(1.5, None, 100) == 1.5  # not reported: the p90 whole
+    assert pace_stretch(1.5, 1.0, 1) == pytest.approx(1.5)  # one iteration: the p90
+    assert pace_stretch(1.5, 1.0, 4) == pytest.approx(1.25)  # the noise over √4
+    assert pace_stretch(1.5, 1.0, 100) == pytest.approx(1.05)
+    assert pace_stretch(3.0, 3.0, 100) == pytest.approx(3.0)  # a change of pace counts whole
+    assert pace_stretch(2.0, 2.5, 100) == pytest.approx(2.5)  # a burst newer than the p90
+    assert pace_stretch(0.8, 0.5, 10) == 1.0  # never faster than the calibrated model
+    assert pace_stretch(1.5, 1.0, 0) == pytest.approx(1.5)  # no iteration counted: one
 
 
 def test_a_slower_pace_the_factors_have_learned_is_not_counted_twice() -> None:
@@ -811,6 +840,28 @@ def test_the_headroom_is_for_what_the_forecast_guesses_not_for_what_it_counts() 
     assert waited.feasible and waited.ttft_budget_s == pytest.approx(0.55 + 0.65 * 0.45)
     # and without a slot wait or a wait behind it, the budget is the headroom of the target
     assert fresh.ttft_budget_s == pytest.approx(0.65)
+
+
+def test_a_slot_wait_takes_the_noise_of_one_iteration_over_the_root_of_its_steps() -> None:
+    """W1 on the real engine at its capacity: slot waits of ~10 decode steps at the p90 pace
+    were forecast 0.2-0.4 s above the first token of the worst admitted request queued
+    beside them, and refused requests that would have met their contract."""
+    ask = SloAsk(prompt_tokens=100, ttft_target_s=1.8, tpot_target_s=0.1, tenant_id="t")
+    steady = FORECASTER.forecast(slots_full({"t": 4}), ask)  # the 5th to finish: 50 steps
+    noisy = msgspec_replace(slots_full({"t": 4}), pace_ratio_p90=1.5, pace_ratio_recent_p50=1.0)
+    averaged = FORECASTER.forecast(noisy, ask)
+    at_p90 = SloForecaster(LATENCY, iteration_budget_s=0.05, headroom=0.8, pace_averaging=False)
+    whole = at_p90.forecast(noisy, ask)
+    assert steady.shortfall is None and whole.shortfall is not None
+    assert whole.shortfall.slot_wait_s == pytest.approx(1.5 * 50 * STEP_S, rel=0.01)
+    # 50 steps and its prompt's one chunk: 1 + 0.5 ÷ √51 of the steady forecast
+    assert averaged.ttft_s == pytest.approx(steady.ttft_s * (1 + 0.5 / math.sqrt(51)), rel=0.01)
+    assert averaged.feasible
+    # the engine slowed down: the pace now is 1.5× as well, and the wait takes it whole
+    slowed = FORECASTER.forecast(msgspec_replace(noisy, pace_ratio_recent_p50=1.5), ask)
+    assert slowed.ttft_s == pytest.approx(whole.ttft_s) and not slowed.feasible
+    # a TPOT is forecast per iteration: the p90 whatever the wait
+    assert averaged.tpot_s == whole.tpot_s == pytest.approx(1.5 * (steady.tpot_s or 0.0))
 
 
 def test_a_slot_comes_sooner_to_the_tenant_fair_share_serves_first() -> None:

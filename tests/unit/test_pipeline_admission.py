@@ -97,14 +97,20 @@ def test_the_gateway_forecasts_with_the_engine_policys_options() -> None:
         kind="sglang",
         policy="tandem",
         profile="cpu-tiny",
-        policy_options={"latency_budget_s": 0.2, "slo_headroom": 0.5},
+        policy_options={
+            "latency_budget_s": 0.2,
+            "slo_headroom": 0.5,
+            "slo_pace_averaging": False,
+        },
     )
     forecaster = build_forecaster(Config(engine=engine))
     assert forecaster.iteration_budget_s == 0.2
     assert forecaster.headroom == 0.5
+    assert not forecaster.pace_averaging
     assert forecaster.budget_pace_max == 4.0  # tandem's default: L follows the engine's pace
     stock = build_forecaster(Config(engine=msgspec.structs.replace(engine, policy="fcfs")))
     assert stock.iteration_budget_s == 0.05  # the forecaster's own defaults for another policy
+    assert stock.pace_averaging
     bad = msgspec.structs.replace(engine, policy_options={"latency_budget_s": -1.0})
     with pytest.raises(ValueError, match=r"engine\.policy_options: latency_budget_s"):
         build_forecaster(Config(engine=bad))

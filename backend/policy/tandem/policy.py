@@ -132,6 +132,7 @@ class TandemPolicy(PolicyBase):
             headroom=cfg.slo_headroom,
             min_chunk_tokens=cfg.min_chunk_tokens,
             split_min_gain=cfg.split_min_gain if cfg.split_mixed else None,
+            pace_averaging=cfg.slo_pace_averaging,
         )
 
     def latency_factors(self) -> tuple[float, float, float]:
