@@ -109,8 +109,8 @@ def _seconds(value: float | None) -> str:
 def table(summaries: list[RefusalSummary], window_s: float) -> str:
     """The summaries as a Markdown table."""
     lines = [
-        f"| policy | RT offered | shed | admitted late | shed with every neighbour (±{window_s:g} s) "
-        "in time | neighbours' worst TTFT p50 s | max s |",
+        "| policy | RT offered | shed | admitted late | shed with every neighbour "
+        f"(±{window_s:g} s) in time | neighbours' worst TTFT p50 s | max s |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for s in summaries:
