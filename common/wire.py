@@ -253,9 +253,9 @@ class EngineLoad(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     backend/policy/calibration.py; 1.0 from an engine that predicts nothing): how much slower
     than its calibrated model the engine has recently run at worst, but for one iteration in
     ten. The SLO admission scales its forecasts by it when it is above 1."""
-    pace_ratio_recent_p50: float | None = None
-    """Median of measured ÷ predicted over the engine's last 8 iterations
-    (`PaceSpread.recent_median`): the pace it runs at now. A forecast of many iterations (a
+    pace_ratio_recent_mean: float | None = None
+    """Mean of measured ÷ predicted over the engine's last 8 iterations
+    (`PaceSpread.recent_mean`): the pace it runs at now. A forecast of many iterations (a
     request slot's wait of tens of decode steps) is stretched by this plus the gap to
     `pace_ratio_p90` over the square root of their number (`feasibility.pace_stretch`); None:
     not reported, every wait is stretched by `pace_ratio_p90`."""

@@ -540,7 +540,10 @@ class SloAware:
         load = r.load or EngineLoad(iteration=0, at_unix_s=0.0)
         if load.calibration_samples < MIN_VERIFIED_ITERATIONS and idle(load, r.backlog):
             load = msgspec.structs.replace(
-                load, latency_factors=(1.0, 1.0, 1.0), pace_ratio_p90=1.0, pace_ratio_recent_p50=1.0
+                load,
+                latency_factors=(1.0, 1.0, 1.0),
+                pace_ratio_p90=1.0,
+                pace_ratio_recent_mean=1.0,
             )
         if cached:  # computed after the prefix its cache holds
             prompt = max(1, slo.prompt_tokens - cached)

@@ -138,7 +138,7 @@ class FrontDoor:
             iteration_s=0.0,
             latency_factors=latency_factors,
             pace_ratio_p90=self.pace.upper(latency_factors),
-            pace_ratio_recent_p50=self.pace.recent_median(latency_factors),
+            pace_ratio_recent_mean=self.pace.recent_mean(latency_factors),
             calibration_samples=self.calibration_samples(),
             rt_fair_counters=self.rt_fair_counters(),
             rt_outputs=self.rt_outputs,

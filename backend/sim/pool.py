@@ -107,7 +107,7 @@ class _Member:
             iteration_s=self.core.last_iteration_s or 0.0,
             latency_factors=latency_factors,
             pace_ratio_p90=self.pace.upper(latency_factors),
-            pace_ratio_recent_p50=self.pace.recent_median(latency_factors),
+            pace_ratio_recent_mean=self.pace.recent_mean(latency_factors),
             calibration_samples=policy_calibration_samples(policy),
             rt_fair_counters=policy_rt_fair_counters(policy),
             rt_late_bound_frac=policy_rt_late_bound_frac(policy),

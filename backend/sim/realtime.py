@@ -177,7 +177,7 @@ class RealtimeEngine:
             iteration_s=self.core.last_iteration_s or 0.0,
             latency_factors=factors,
             pace_ratio_p90=self._pace.upper(factors),
-            pace_ratio_recent_p50=self._pace.recent_median(factors),
+            pace_ratio_recent_mean=self._pace.recent_mean(factors),
             calibration_samples=policy_calibration_samples(self.policy),
             rt_fair_counters=policy_rt_fair_counters(self.policy),
             rt_late_bound_frac=policy_rt_late_bound_frac(self.policy),

@@ -41,8 +41,8 @@ def engine_state(engine: str, load: EngineLoad) -> str:
             f"{load.rt_new_decode_steps})"
         )
     recent = ""
-    if load.pace_ratio_recent_p50 is not None:
-        recent = f"now ×{load.pace_ratio_recent_p50:.2f} "
+    if load.pace_ratio_recent_mean is not None:
+        recent = f"now ×{load.pace_ratio_recent_mean:.2f} "
     return (
         f"engine {engine} then: {load.num_rt_running} RT decoding "
         f"({load.rt_context_tokens} context tokens), {load.num_rt_waiting} RT prompts "

@@ -191,19 +191,22 @@ def test_pace_spread_is_the_recent_upper_ratio_and_forgets_old_iterations() -> N
     assert spread.upper() == pytest.approx(1.0)
 
 
-def test_the_recent_median_is_the_pace_now_and_moves_within_a_few_iterations() -> None:
+def test_the_recent_mean_is_the_pace_now_and_moves_within_a_few_iterations() -> None:
     spread = PaceSpread(window=32, quantile=0.9, recent=8)
-    assert spread.recent_median() == 1.0  # nothing measured yet
+    assert spread.recent_mean() == 1.0  # nothing measured yet
     for i in range(32):  # a noisy engine: one iteration in four 1.6× its prediction
         spread.observe(0.01, 0.016 if i % 4 == 0 else 0.01)
     assert spread.upper() == pytest.approx(1.6)
-    assert spread.recent_median() == pytest.approx(1.0)
-    for _ in range(5):  # a neighbour takes the CPU: five iterations at 3×
+    assert spread.recent_mean() == pytest.approx(1.15)  # the slow ones count in a sum
+    for _ in range(5):  # a neighbour takes the CPU: iterations at 3×
         spread.observe(0.01, 0.03)
-    assert spread.recent_median() == pytest.approx(3.0)  # the pace now, after five
+    assert spread.recent_mean() == pytest.approx((5 * 3.0 + 3 * 1.0) / 8)  # moving after five
     assert spread.upper() == pytest.approx(3.0)
+    for _ in range(3):
+        spread.observe(0.01, 0.03)
+    assert spread.recent_mean() == pytest.approx(3.0)  # the pace now, after eight
     # measured against the factors as they are now, like the p90
-    assert spread.recent_median((3.0, 1.0, 1.0)) == pytest.approx(1.0)
+    assert spread.recent_mean((3.0, 1.0, 1.0)) == pytest.approx(1.0)
     with pytest.raises(ValueError):
         PaceSpread(window=8, recent=9)
 
@@ -848,7 +851,7 @@ def test_a_slot_wait_takes_the_noise_of_one_iteration_over_the_root_of_its_steps
     beside them, and refused requests that would have met their contract."""
     ask = SloAsk(prompt_tokens=100, ttft_target_s=1.8, tpot_target_s=0.1, tenant_id="t")
     steady = FORECASTER.forecast(slots_full({"t": 4}), ask)  # the 5th to finish: 50 steps
-    noisy = msgspec_replace(slots_full({"t": 4}), pace_ratio_p90=1.5, pace_ratio_recent_p50=1.0)
+    noisy = msgspec_replace(slots_full({"t": 4}), pace_ratio_p90=1.5, pace_ratio_recent_mean=1.0)
     averaged = FORECASTER.forecast(noisy, ask)
     at_p90 = SloForecaster(LATENCY, iteration_budget_s=0.05, headroom=0.8, pace_averaging=False)
     whole = at_p90.forecast(noisy, ask)
@@ -858,7 +861,7 @@ def test_a_slot_wait_takes_the_noise_of_one_iteration_over_the_root_of_its_steps
     assert averaged.ttft_s == pytest.approx(steady.ttft_s * (1 + 0.5 / math.sqrt(51)), rel=0.01)
     assert averaged.feasible
     # the engine slowed down: the pace now is 1.5× as well, and the wait takes it whole
-    slowed = FORECASTER.forecast(msgspec_replace(noisy, pace_ratio_recent_p50=1.5), ask)
+    slowed = FORECASTER.forecast(msgspec_replace(noisy, pace_ratio_recent_mean=1.5), ask)
     assert slowed.ttft_s == pytest.approx(whole.ttft_s) and not slowed.feasible
     # a TPOT is forecast per iteration: the p90 whatever the wait
     assert averaged.tpot_s == whole.tpot_s == pytest.approx(1.5 * (steady.tpot_s or 0.0))

@@ -206,12 +206,11 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
     forecast is a mean, the contract a bound); a wait for a request slot, a sum of many decode
     steps, may use its square root (`backend.policy.feasibility`)."""
     slo_pace_averaging: bool = True
-    """The SLO admission stretches a wait of n iterations (a request slot's tens of decode
-    steps, a queue of prompt chunks) by the engine's pace now plus the gap to its recent p90
-    over √n (`feasibility.pace_stretch`): one iteration's noise averages out over many, a change
-    of pace does not. Off: every iteration of the wait at the p90 (the forecast of a long wait
-    then runs well above what the requests admitted beside it get, and refuses some that would
-    have met their contract)."""
+    """The SLO admission stretches a request slot's wait of n decode steps by the engine's pace
+    now plus the gap to its recent p90 over √n (`feasibility.pace_stretch`): one iteration's
+    noise averages out over many, a change of pace does not. Off: every step of the wait at the
+    p90 (the forecast of a long wait then runs well above what the requests admitted beside it
+    get, and refuses some that would have met their contract)."""
 
     def __post_init__(self) -> None:
         for name in (
