@@ -34,7 +34,7 @@ from gateway.errors import error_middleware
 from gateway.loop_watch import LoopWatch
 from gateway.operator import install as install_operator_tools
 from gateway.overload import OVERLOAD, OverloadGuard
-from gateway.pipeline.admission import build_forecaster
+from gateway.pipeline.admission import build_forecaster, build_slot_line
 from gateway.pipeline.admission_log import RefusalLog
 from gateway.pipeline.tier_queue import TierQueues, tier_bounds
 from gateway.request_id import add_request_id
@@ -53,6 +53,7 @@ from gateway.state import (
     REFUSAL_LOG,
     ROUTER,
     SLO_FORECASTER,
+    SLOT_LINE,
     STORE,
     TIER_QUEUES,
     TOKENIZER,
@@ -99,6 +100,8 @@ def create_app(config: Config, admin_token: str, model_dir: Path) -> web.Applica
     app[ROUTER] = make_router(config.gateway.router, app[SLO_FORECASTER])
     app[TTFT_FEEDBACK] = TtftFeedbackByEngine()
     app[REFUSAL_LOG] = RefusalLog()
+    if (line := build_slot_line(config)) is not None:
+        app[SLOT_LINE] = line
     # the bounds are per engine: the pool's queues hold as many as its engines together
     app[TIER_QUEUES] = TierQueues(tier_bounds(config.gateway, engines=len(app[POOL])))
     app.cleanup_ctx.append(_loop_watch)

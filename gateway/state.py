@@ -19,6 +19,7 @@ from gateway.engine.pool import EnginePool
 from gateway.engine.stats import EngineStatsWindow
 from gateway.metrics import METRICS_KEY
 from gateway.pipeline.admission_log import RefusalLog
+from gateway.pipeline.slot_line import SlotLine
 from gateway.pipeline.tier_queue import TierQueues
 from gateway.quotas.limiter import QuotaLimiter
 from gateway.shutdown import Drain
@@ -55,6 +56,9 @@ TTFT_FEEDBACK = web.AppKey("ttft_feedback", TtftFeedbackByEngine)
 """What admitted RT requests' real TTFT taught the SLO admission about each engine's forecast."""
 REFUSAL_LOG = web.AppKey("refusal_log", RefusalLog)
 """The SLO admission's refusals, logged at most once a second per engine."""
+SLOT_LINE = web.AppKey("slot_line", SlotLine)
+"""The RT requests kept at the gateway for a request slot, per engine, in arrival order; absent
+when the engine's policy turns the line off (`TandemConfig.slo_slot_line`)."""
 TIER_QUEUES = web.AppKey("tier_queues", TierQueues)
 """Interactive requests in flight per tier, against the tiers' bounds (the pool's: each
 engine's bound times the engines)."""

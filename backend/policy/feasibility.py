@@ -244,6 +244,9 @@ class Forecast(msgspec.Struct, frozen=True):
     ttft_budget_s: float
     """What `ttft_s` may reach for the TTFT target to hold, seconds (the time waited, and the
     headroom of the rest of the target: the module doc)."""
+    slot_wait_s: float = 0.0
+    """The part of `ttft_s` spent waiting for a request slot (every one held by RT requests),
+    seconds; 0: a slot is free for it, or the prompt work ahead takes longer."""
 
     @property
     def feasible(self) -> bool:
@@ -341,7 +344,13 @@ class SloForecaster:
                 at_pace = (ttft_at + ask.waited_s + ttft_extra_s, tpot_at)
             if self._shortfall(ask, *at_pace, self._ttft_budget_s(ask, 0.0)) is None:
                 shortfall = None
-        return Forecast(ttft_s=ttft_s, tpot_s=tpot_s, shortfall=shortfall, ttft_budget_s=budget_s)
+        return Forecast(
+            ttft_s=ttft_s,
+            tpot_s=tpot_s,
+            shortfall=shortfall,
+            ttft_budget_s=budget_s,
+            slot_wait_s=slot_wait_s,
+        )
 
     def _predict(
         self,

@@ -67,3 +67,10 @@ def policy_rt_decode_margin(policy: Any) -> float:
     """The policy's safety margin on the RT decodes' next tokens (tandem's AIMD ε: an iteration
     may take (1 − ε) of the time to the next RT token due), or 0 for a policy without one."""
     return float(getattr(getattr(policy, "feedback", None), "eps", 0.0))
+
+
+def policy_slo_slot_line(policy: Any) -> bool:
+    """Whether the SLO admission in front of the policy's engine keeps the requests it holds
+    for a request slot in a line (tandem's `slo_slot_line`; on for a policy without the
+    option, as the gateway's line is)."""
+    return bool(getattr(getattr(policy, "config", None), "slo_slot_line", True))

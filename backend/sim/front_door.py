@@ -15,7 +15,9 @@ What happens to a request whose contract cannot be met is the contract's `SloUna
 RT anyway. With `recheck_frac` (the gateway's `slo_recheck_frac`), a request that would be shed
 or downgraded only for a request slot's wait (every slot held by RT) is `PENDING` instead: it
 is judged again at each iteration boundary, as the gateway judges it again on each of the
-engine's reports, until that share of its TTFT target has passed since its arrival.
+engine's reports, until that share of its TTFT target has passed since its arrival. With
+`slot_line` (the gateway's `SlotLine`) a later request whose forecast meets its contract but
+would wait for a slot is kept too while earlier ones are kept: it would take their slot.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import msgspec
 from backend.policy.calibration import PaceSpread
 from backend.policy.common import PolicyBase
 from backend.policy.feasibility import (
+    Forecast,
     RtOutputs,
     Shortfall,
     SloAsk,
@@ -40,6 +43,7 @@ from backend.policy.load_report import (
     policy_rt_decode_margin,
     policy_rt_fair_counters,
     policy_rt_late_bound_frac,
+    policy_slo_slot_line,
 )
 from backend.policy.types import Policy, Snapshot
 from backend.sim.config import SloUnattainable
@@ -64,11 +68,15 @@ class FrontDoor:
         rt_late_bound_frac: float | None = None,
         rt_decode_margin: Callable[[], float] = lambda: 0.0,
         recheck_frac: float = 0.0,
+        slot_line: bool = False,
     ) -> None:
         self.forecaster = forecaster
         self.recheck_frac = recheck_frac
         """Share of its TTFT target, from its arrival, for which a request refused only for a
         request slot is judged again at each iteration boundary (0: judged once)."""
+        self.slot_line = slot_line
+        """The kept requests form a line: a later one that would wait for a slot waits behind
+        them (the module doc; `TandemConfig.slo_slot_line`)."""
         self.pending: list[SimRequest] = []
         """The requests kept to judge again, in arrival order (`take_pending`)."""
         self.feedback = feedback
@@ -110,6 +118,21 @@ class FrontDoor:
             and ask.waited_s < self.recheck_frac * ask.ttft_target_s
         )
 
+    def kept(self, forecast: Forecast, ask: SloAsk) -> bool:
+        """Whether a request forecast so is kept to judge again: `keeps` its shortfall, or its
+        forecast meets the contract but waits for a slot while requests that came before it are
+        kept (`slot_line`; `pending` holds them: the kept ones are judged again first, in
+        arrival order, and a later one after them). One line for every replica of a pool: a
+        replica's arrival waits for a slot only when that replica is full too."""
+        behind_line = (
+            self.slot_line
+            and bool(self.pending)
+            and forecast.feasible
+            and forecast.slot_wait_s > 0.0
+            and ask.waited_s < self.recheck_frac * ask.ttft_target_s
+        )
+        return behind_line or self.keeps(forecast.shortfall, ask)
+
     def settle_pending(self) -> list[SimRequest]:
         """The run ended with requests kept to judge again: each gets its contract's answer
         (shed, or the request as BE to hand to the engine: returned)."""
@@ -148,7 +171,7 @@ class FrontDoor:
         ask = slo_ask(req, now_s)
         extra_s = self.feedback.extra_s(now_s) if self.feedback is not None else 0.0
         forecast = self.forecaster.forecast(load, ask, ttft_extra_s=extra_s)
-        if self.keeps(forecast.shortfall, ask):
+        if self.kept(forecast, ask):
             self.pending.append(req)
             return PENDING
         if forecast.feasible and self.feedback is not None:
@@ -205,7 +228,8 @@ def front_door_for(
 ) -> FrontDoor | None:
     """The front door a policy asks for (`PolicyBase.slo_forecaster`); None: admit everything.
     *ttft_feedback*: it learns from outcomes (`SimConfig.ttft_feedback`); *recheck_frac*:
-    `SimConfig.slo_recheck_frac`."""
+    `SimConfig.slo_recheck_frac`; the kept requests form a line as the policy asks
+    (`policy_slo_slot_line`)."""
     if not isinstance(policy, PolicyBase):
         return None
     forecaster = policy.slo_forecaster()
@@ -221,6 +245,7 @@ def front_door_for(
         policy_rt_late_bound_frac(policy),
         lambda: policy_rt_decode_margin(policy),
         recheck_frac,
+        policy_slo_slot_line(policy),
     )
 
 

@@ -76,6 +76,7 @@ from gateway.pipeline.admission_log import RefusalLog
 from gateway.pipeline.outcome import Refused
 from gateway.pipeline.placement import Placement, engine_candidates, place_request
 from gateway.pipeline.prepare import EngineRequest, in_tier
+from gateway.pipeline.slot_line import SlotLine
 from gateway.pipeline.tier_queue import TierQueueCheck
 from gateway.quotas.limiter import (
     LimitIsZero,
@@ -90,6 +91,7 @@ from gateway.state import (
     QUOTAS,
     REFUSAL_LOG,
     SLO_FORECASTER,
+    SLOT_LINE,
     TIER_QUEUES,
     TTFT_FEEDBACK,
 )
@@ -138,8 +140,11 @@ class Pending(msgspec.Struct, frozen=True):
 
     next_report: Callable[[float], Awaitable[None]]
     """Waits for the judged engine's next report, at most the given seconds."""
-    shortfall: Shortfall
-    """What the forecast missed this time."""
+    shortfall: Shortfall | None
+    """What the forecast missed this time; None: it met the contract, but would wait for a
+    slot behind requests kept for one before it (`SlotLine`)."""
+    engine: str = ""
+    """The engine it was judged on (its name): it waits in that engine's `SlotLine`."""
     admitted: Admitted | None = None
     """The request as the checks before the pending one admitted it, with what they hold —
     kept, not given back: asked again, admission resumes from the pending check with it
@@ -192,6 +197,7 @@ def admission_checks(app: web.Application, *, recheck: bool = False) -> tuple[Ad
             feedback=app.get(TTFT_FEEDBACK),
             recheck=recheck,
             refusals=app.get(REFUSAL_LOG),
+            line=app.get(SLOT_LINE),
         ),
     )
     queues = app.get(TIER_QUEUES)
@@ -289,6 +295,8 @@ class SloDecision(msgspec.Struct, frozen=True):
     target)."""
     ttft_extra_s: float = 0.0
     """What outcomes had taught the TTFT forecast to add (`TtftFeedback.extra_s`), seconds."""
+    slot_wait_s: float = 0.0
+    """The part of `forecast_ttft_s` spent waiting for a request slot, seconds."""
     load: EngineLoad | None = None
     """The engine state the forecast was made on (None: unchecked): an admitted request that
     then misses its contract is logged with it (`stages.record`)."""
@@ -336,6 +344,7 @@ def decide_slo(
         engine,
         forecast_tpot_s=forecast.tpot_s,
         ttft_extra_s=ttft_extra_s,
+        slot_wait_s=forecast.slot_wait_s,
         load=load,
     )
 
@@ -408,6 +417,11 @@ class SloCheck:
     refusals: RefusalLog | None = None
     """Where final refusals and downgrades are logged (throttled per engine); None: not
     logged (a pending verdict is never logged: it is no verdict yet)."""
+    line: SlotLine | None = None
+    """The requests kept for a slot, per engine (with `recheck`): a request whose forecast
+    meets the contract but waits for a slot is `Pending` too while requests that arrived
+    before it wait in that engine's line — it would take the slot they wait for. None: each
+    request is judged on its own (`TandemConfig.slo_slot_line` off)."""
 
     def __call__(self, admitted: Admitted) -> Admitted | Refused | Pending:
         now_unix_s = self.clock()
@@ -438,14 +452,23 @@ class SloCheck:
             forecast=forecast,
             engine=engine.name if engine is not None else None,
         )
-        if (
-            self.recheck
-            and watcher is not None
-            and decision.outcome in ("shed", "downgraded")
-            and decision.shortfall is not None
-            and decision.shortfall.waits_for_slot
-        ):
-            return Pending(watcher.next_report, decision.shortfall)
+        if self.recheck and watcher is not None and engine is not None:
+            kept_for_slot = (
+                decision.outcome in ("shed", "downgraded")
+                and decision.shortfall is not None
+                and decision.shortfall.waits_for_slot
+            )
+            behind_line = (
+                self.line is not None
+                and decision.outcome == "admitted"
+                and decision.slot_wait_s > 0.0
+                and self.line.ahead(
+                    admitted.request.rid, engine.name, admitted.request.meta.arrival_unix_s
+                )
+                > 0
+            )
+            if kept_for_slot or behind_line:
+                return Pending(watcher.next_report, decision.shortfall, engine=engine.name)
         self.metrics.slo_admission(admitted.tenant.id, decision.outcome, decision.target)
         if (
             self.refusals is not None
@@ -500,13 +523,9 @@ def build_forecaster(config: Config) -> SloForecaster:
     profile when it cannot be read, or the option the policy would refuse."""
     profile = load_profile(resolve_profile(engine_profile(config)))
     latency = LatencyModel.fit(profile.samples)
-    sim = config.engine.kind == "sim"  # the simulator's server runs its policy's defaults
-    if (config.engine.sim_policy if sim else config.engine.policy) != "tandem":
+    options = tandem_options(config)
+    if options is None:
         return SloForecaster(latency)
-    try:
-        options = msgspec.convert({} if sim else config.engine.policy_options, TandemConfig)
-    except (msgspec.ValidationError, ValueError) as exc:
-        raise ValueError(f"engine.policy_options: {exc}") from None
     return SloForecaster(
         latency,
         iteration_budget_s=options.latency_budget_s,
@@ -516,3 +535,26 @@ def build_forecaster(config: Config) -> SloForecaster:
         split_min_gain=options.split_min_gain if options.split_mixed else None,
         pace_averaging=options.slo_pace_averaging,
     )
+
+
+def tandem_options(config: Config) -> TandemConfig | None:
+    """The SLO admission options of the engine's tandem policy, as the engine reads them (the
+    simulator's server runs its policy's defaults); None: the engine runs another policy.
+    Raises ValueError naming the option the policy would refuse."""
+    sim = config.engine.kind == "sim"
+    if (config.engine.sim_policy if sim else config.engine.policy) != "tandem":
+        return None
+    try:
+        return msgspec.convert({} if sim else config.engine.policy_options, TandemConfig)
+    except (msgspec.ValidationError, ValueError) as exc:
+        raise ValueError(f"engine.policy_options: {exc}") from None
+
+
+def build_slot_line(config: Config) -> SlotLine | None:
+    """The line of requests kept for a slot (`SlotLine`), or None when the engine's tandem
+    policy turns it off (`slo_slot_line`). Another policy's engine gets one: the line is the
+    gateway's, whatever the engine runs."""
+    options = tandem_options(config)
+    if options is not None and not options.slo_slot_line:
+        return None
+    return SlotLine()

@@ -88,6 +88,7 @@ from gateway.state import (
     POOL,
     QUOTAS,
     ROUTER,
+    SLOT_LINE,
     TOKENIZER,
     TTFT_FEEDBACK,
     USAGE,
@@ -231,20 +232,27 @@ async def admit_rechecking(app: web.Application, flight: Flight) -> Admitted | R
         return admit(app, flight)
     until_unix_s = meta.arrival_unix_s + frac * meta.ttft_target_ms / 1000.0
     candidate, first = _candidate(flight), 0
-    while True:
-        left_s = until_unix_s - time.time()
-        checks = admission_checks(app, recheck=left_s > 0.0)
-        verdict = admit_through(checks[first:], candidate)
-        if not isinstance(verdict, Pending):
-            break
-        assert verdict.admitted is not None
-        candidate, first = verdict.admitted, first + verdict.resume_at
-        flight.slo_rechecks += 1
-        try:
-            await verdict.next_report(left_s)
-        except BaseException:
-            release_holds(candidate.holds, used_tokens=0)
-            raise
+    line = app.get(SLOT_LINE)
+    try:
+        while True:
+            left_s = until_unix_s - time.time()
+            checks = admission_checks(app, recheck=left_s > 0.0)
+            verdict = admit_through(checks[first:], candidate)
+            if not isinstance(verdict, Pending):
+                break
+            assert verdict.admitted is not None
+            candidate, first = verdict.admitted, first + verdict.resume_at
+            flight.slo_rechecks += 1
+            if line is not None:  # later arrivals that would wait for a slot wait behind it
+                line.join(flight.request_id, verdict.engine, meta.arrival_unix_s)
+            try:
+                await verdict.next_report(left_s)
+            except BaseException:
+                release_holds(candidate.holds, used_tokens=0)
+                raise
+    finally:
+        if line is not None:
+            line.leave(flight.request_id)
     outcome = _settled(app, flight, verdict)
     if flight.slo_rechecks:
         label = flight.admission or ("admitted" if isinstance(outcome, Admitted) else "refused")

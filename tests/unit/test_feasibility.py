@@ -13,6 +13,7 @@ from backend.policy.calibration import DECODE, PREFILL, PaceSpread
 from backend.policy.feasibility import (
     MIN_VERIFIED_ITERATIONS,
     Backlog,
+    Forecast,
     RtOutputs,
     Shortfall,
     SloAsk,
@@ -1043,6 +1044,24 @@ def test_a_pool_places_a_request_waiting_for_a_slot_again_as_iterations_end() ->
     assert len(admitted) >= sum(r.admission != "shed" for r in once)
     assert all(_met(r) for r in admitted)
     assert {r.rid for r in admitted} != {r.rid for r in once if r.admission != "shed"}
+
+
+def test_the_front_door_keeps_a_later_arrival_behind_the_ones_kept_for_a_slot() -> None:
+    """The gateway's `SlotLine` in the simulator's front door: with requests kept for a slot
+    (`pending`: they came first), a later one whose forecast meets its contract but waits for
+    a slot is kept too — sent first, it would take their slot; one a free slot is there for,
+    or whose recheck time is up, is not; with the line off each is judged on its own."""
+    door = FrontDoor(SloForecaster(LATENCY), lambda: (1.0, 1.0, 1.0), "reject", recheck_frac=0.5)
+    door.slot_line = True
+    ask = SloAsk(prompt_tokens=50, ttft_target_s=1.0, tpot_target_s=0.2, waited_s=0.1)
+    waits = Forecast(ttft_s=0.6, tpot_s=0.05, shortfall=None, ttft_budget_s=0.8, slot_wait_s=0.4)
+    free = msgspec_replace(waits, slot_wait_s=0.0)
+    assert not door.kept(waits, ask)  # no one kept before it
+    door.pending.append(make_request(tier="rt", ttft_target_s=1.0))
+    assert door.kept(waits, ask) and not door.kept(free, ask)
+    assert not door.kept(waits, msgspec_replace(ask, waited_s=0.5))  # its recheck time is up
+    door.slot_line = False
+    assert not door.kept(waits, ask)
 
 
 def _overload(slo_unattainable: SloUnattainable) -> list[RequestRecord]:

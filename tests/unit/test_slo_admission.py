@@ -35,12 +35,14 @@ from gateway.pipeline.admission import (
     Pending,
     Placer,
     SloCheck,
+    admission_checks,
     decide_slo,
     slo_ask,
 )
 from gateway.pipeline.admission_log import RefusalLog
 from gateway.pipeline.outcome import Refused
 from gateway.pipeline.placement import EngineHandle, Placement, decide, place_request
+from gateway.pipeline.slot_line import SlotLine
 from gateway.pipeline.stages import (
     DOWNGRADED_HEADER,
     admit,
@@ -57,6 +59,7 @@ from gateway.state import (
     QUOTAS,
     ROUTER,
     SLO_FORECASTER,
+    SLOT_LINE,
     TTFT_FEEDBACK,
 )
 from gateway.store.types import Quota
@@ -674,6 +677,103 @@ async def test_a_miss_for_the_work_queued_ahead_is_answered_without_waiting(
     refused = await admit_rechecking(app, flight)
     assert isinstance(refused, Refused) and flight.slo_rechecks == 0
     assert rechecks(app[METRICS], "shed") == 0.0
+
+
+def lined_app(forecaster: SloForecaster, load: EngineLoad) -> web.Application:
+    """A rechecking app (90 % of a TTFT target) whose kept requests form a `SlotLine`."""
+    app = rechecking_app(forecaster, load, frac=0.9)
+    app[SLOT_LINE] = SlotLine()
+    return app
+
+
+def rt_flight(app: web.Application, ttft_target_ms: int) -> Any:
+    """An RT request prepared now, of a tenant with *ttft_target_ms* (TPOT 200 ms)."""
+    tenant = rt_tenant(ttft_target_ms=ttft_target_ms, tpot_target_ms=200)
+    flight = make_flight(make_principal(tenant))
+    prepare(app, flight, chat_body(), make_prompt())
+    return flight
+
+
+async def test_a_request_kept_for_a_slot_goes_before_a_later_arrival(
+    forecaster: SloForecaster,
+) -> None:
+    """Every slot RT's, the first to free 150 decode steps away (~1.3 s): a request with a 1 s
+    TTFT is kept for a slot; one arriving after it with a 2 s TTFT would meet its contract
+    after the same wait. Judged on its own it would be sent at once and take the slot the first
+    waits for (in a crunch the later arrivals got in and the earlier were refused); it waits
+    behind it instead, and when a slot frees the first gets it, the second the one after."""
+    app = lined_app(forecaster, slot_bound(time.time(), 150))
+    first = rt_flight(app, 1000)
+    first_admitting = await pending(app, first)
+    later = rt_flight(app, 2000)
+    later_admitting = await pending(app, later)
+    assert len(app[SLOT_LINE]) == 2
+    app[LOADS][FakeEngine.base_url].update(freed(time.time()))
+    admitted = await first_admitting, await later_admitting
+    assert all(isinstance(a, Admitted) for a in admitted)
+    assert (first.admission, later.admission) == ("admitted", "admitted")
+    first_slo, later_slo = (a.slo for a in admitted if isinstance(a, Admitted))
+    assert first_slo is not None and later_slo is not None
+    assert first_slo.slot_wait_s == 0.0  # the free slot is the first one's
+    assert later_slo.slot_wait_s > 0.0  # and the later one waits for the next
+    assert len(app[SLOT_LINE]) == 0
+
+
+async def test_without_the_line_a_later_arrival_takes_the_slot_an_earlier_waits_for(
+    forecaster: SloForecaster,
+) -> None:
+    """The same two requests with the line off (`TandemConfig.slo_slot_line`): the later one is
+    admitted at once, ahead of the one kept."""
+    app = rechecking_app(forecaster, slot_bound(time.time(), 150), frac=0.9)
+    first = rt_flight(app, 1000)
+    first_admitting = await pending(app, first)
+    later = rt_flight(app, 2000)
+    admitted = await admit_rechecking(app, later)
+    assert isinstance(admitted, Admitted) and later.slo_rechecks == 0
+    assert not first_admitting.done()
+    first_admitting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first_admitting
+
+
+async def test_the_line_holds_only_what_would_wait_for_a_slot_and_lets_go_of_the_gone(
+    forecaster: SloForecaster,
+) -> None:
+    """A later request that needs no slot (one is free for it) is not held by the line; a
+    request that leaves while kept (its client went away) leaves the line."""
+    app = lined_app(forecaster, slot_bound(time.time(), 150))
+    first = rt_flight(app, 1000)
+    first_admitting = await pending(app, first)
+    line = app[SLOT_LINE]
+    slo_check = admission_checks(app, recheck=True)[1]
+    assert isinstance(slo_check, SloCheck) and slo_check.line is line
+    flight = rt_flight(app, 2000)  # arrived after the first
+    assert flight.request is not None
+    later = Admitted(tenant=flight.principal.tenant, origin="api", request=flight.request)
+    assert isinstance(slo_check(later), Pending)
+    watcher = app[LOADS][FakeEngine.base_url]
+    watcher.latest = msgspec.structs.replace(freed(time.time()), num_rt_running=50)  # 14 free
+    assert isinstance(slo_check(later), Admitted)
+    first_admitting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first_admitting
+    assert len(line) == 0
+
+
+def test_the_slot_line_orders_by_arrival_per_engine() -> None:
+    line = SlotLine()
+    line.join("a", "e1", 10.0)
+    line.join("b", "e1", 11.0)
+    line.join("c", "e2", 9.0)
+    assert line.ahead("b", "e1", 11.0) == 1  # a; c waits for another engine
+    assert line.ahead("a", "e1", 10.0) == 0  # b came later
+    assert line.ahead("x", "e1", 12.0) == 2
+    assert line.ahead("x", "e1", 10.0) == 1  # equal arrivals: by rid ("a" < "x")
+    line.join("a", "e2", 10.0)  # judged on another engine this time: that engine's line
+    assert line.ahead("x", "e1", 12.0) == 1 and line.ahead("x", "e2", 12.0) == 2
+    line.leave("a")
+    line.leave("a")  # gone already: nothing to do
+    assert len(line) == 2 and line.ahead("x", "e2", 12.0) == 1
 
 
 async def test_the_watcher_wakes_its_waiters_on_the_next_report_or_at_their_timeout() -> None:

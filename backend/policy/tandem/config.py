@@ -211,6 +211,13 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
     noise averages out over many, a change of pace does not. Off: every step of the wait at the
     p90 (the forecast of a long wait then runs well above what the requests admitted beside it
     get, and refuses some that would have met their contract)."""
+    slo_slot_line: bool = True
+    """RT requests the SLO admission keeps for a request slot (the gateway's `slo_recheck_frac`)
+    form a line in arrival order: a later RT request whose forecast would also wait for a slot
+    waits behind them instead of being sent first (gateway/pipeline/slot_line.py; the
+    simulator's front door does the same). Off: each is judged on its own, and in a slot crunch
+    the later arrivals, with their whole target left, take the slots the earlier ones were
+    kept for."""
 
     def __post_init__(self) -> None:
         for name in (
