@@ -18,7 +18,6 @@ import aiohttp
 from aiohttp import web
 from prometheus_client.registry import Collector
 
-from backend.policy.feasibility import TtftFeedbackByEngine
 from backend.policy.placement import make_router
 from common.config import Config
 from gateway.api import admin, batches, files, openai, ops
@@ -34,7 +33,7 @@ from gateway.errors import error_middleware
 from gateway.loop_watch import LoopWatch
 from gateway.operator import install as install_operator_tools
 from gateway.overload import OVERLOAD, OverloadGuard
-from gateway.pipeline.admission import build_forecaster, build_slot_line
+from gateway.pipeline.admission import build_forecaster, build_slot_line, build_ttft_feedback
 from gateway.pipeline.admission_log import RefusalLog
 from gateway.pipeline.tier_queue import TierQueues, tier_bounds
 from gateway.request_id import add_request_id
@@ -98,7 +97,7 @@ def create_app(config: Config, admin_token: str, model_dir: Path) -> web.Applica
     app[POOL] = EnginePool(config.engine)
     app[SLO_FORECASTER] = build_forecaster(config)
     app[ROUTER] = make_router(config.gateway.router, app[SLO_FORECASTER])
-    app[TTFT_FEEDBACK] = TtftFeedbackByEngine()
+    app[TTFT_FEEDBACK] = build_ttft_feedback(config)
     app[REFUSAL_LOG] = RefusalLog()
     if (line := build_slot_line(config)) is not None:
         app[SLOT_LINE] = line

@@ -247,6 +247,9 @@ class Forecast(msgspec.Struct, frozen=True):
     slot_wait_s: float = 0.0
     """The part of `ttft_s` spent waiting for a request slot (every one held by RT requests),
     seconds; 0: a slot is free for it, or the prompt work ahead takes longer."""
+    slot_wait_scale: float = 1.0
+    """The scale outcomes had taught the slot wait (`TtftFeedback.slot_wait_scale`), already in
+    `slot_wait_s`."""
 
     @property
     def feasible(self) -> bool:
@@ -305,9 +308,12 @@ class SloForecaster:
         ask: SloAsk,
         backlog: Backlog = NO_BACKLOG,
         ttft_extra_s: float = 0.0,
+        slot_wait_scale: float = 1.0,
     ) -> Forecast:
         """The ask's predicted TTFT and TPOT on an engine in state *load*; *ttft_extra_s* is
-        added to the TTFT (`TtftFeedback.extra_s`: what the engine model does not see).
+        added to the TTFT (`TtftFeedback.extra_s`: what the engine model does not see), and a
+        request slot's wait is scaled by *slot_wait_scale* (`TtftFeedback.slot_wait_scale`: how
+        much shorter the slot waits forecast on this engine came out).
 
         On an idle engine (nothing running, waiting or in flight to it) a forecast that misses
         does not refuse on what no iteration can re-check there: an unverified model
@@ -327,7 +333,7 @@ class SloForecaster:
         if pace_now is not None and not math.isfinite(pace_now):
             pace_now = None
         ttft_s, tpot_s, slot_wait_s = self._predict(
-            load, ask, backlog, load.latency_factors, spread, pace_now
+            load, ask, backlog, load.latency_factors, spread, pace_now, slot_wait_scale
         )
         ttft_s += ask.waited_s + ttft_extra_s
         budget_s = self._ttft_budget_s(ask, slot_wait_s)
@@ -350,6 +356,7 @@ class SloForecaster:
             shortfall=shortfall,
             ttft_budget_s=budget_s,
             slot_wait_s=slot_wait_s,
+            slot_wait_scale=slot_wait_scale,
         )
 
     def _predict(
@@ -360,11 +367,13 @@ class SloForecaster:
         factors: tuple[float, ...],
         spread: float,
         pace_now: float | None = None,
+        slot_wait_scale: float = 1.0,
     ) -> tuple[float, float | None, float]:
         """(TTFT from now, before what was waited and taught; TPOT or None; the part of the TTFT
         spent waiting for a request slot) at the engine's pace *factors* (decode, prefill,
         mixed), stretched by *spread* (the recent p90), a request slot's wait of many decode
-        steps by `pace_stretch` of *spread* and *pace_now* (None: by *spread*)."""
+        steps by `pace_stretch` of *spread* and *pace_now* (None: by *spread*) and by
+        *slot_wait_scale*."""
         f_decode, f_prefill, f_mixed = factors[DECODE], factors[PREFILL], factors[MIXED]
         running = _decodes(load.num_rt_running, load.rt_context_tokens)
         # Everyone ahead decodes beside it once prefilled: contexts of about their prompts.
@@ -425,7 +434,8 @@ class SloForecaster:
         if slot_steps:  # its prompt starts once a slot is its, whatever was computed by then
             iterations = slot_steps + math.ceil(ask.prompt_tokens / chunk)
             stretch = pace_stretch(spread, pace_now, iterations)
-            slot_wait_s = stretch * slot_steps * f_decode * self.latency.predict(running)
+            step_s = f_decode * self.latency.predict(running)
+            slot_wait_s = slot_wait_scale * stretch * slot_steps * step_s
             after_slot_s = slot_wait_s + stretch * prefill_s(ask.prompt_tokens)
             if after_slot_s > ttft_s:
                 ttft_s = after_slot_s
@@ -553,6 +563,11 @@ class SloForecaster:
         return None
 
 
+SLOT_BOUND_FRAC = 0.5
+"""A TTFT forecast at least this much of which was a request slot's wait teaches the slot
+wait's scale (`TtftFeedback`): what came of it is mostly that wait's doing."""
+
+
 class TtftFeedback:
     """How much later admitted RT requests got their first token than the engine model
     forecast: a correction of the TTFT forecast learned from outcomes, for the time the model
@@ -580,7 +595,21 @@ class TtftFeedback:
     before do not come back whole with it.
 
     extra_s(now) = Q(x_i × exp(−(now − t_i) / decay_s) over the last `window` samples). Pure;
-    the caller gives the clock."""
+    the caller gives the clock.
+
+    It also learns the other way for one part of the forecast, the wait for a request slot
+    (`slot_wait`): that wait is a sum of many decode steps, each at a pace stretched toward the
+    engine's recent worst, until as many running requests finish as are ahead — forecast from
+    how many steps they have left on average. On the real CPU engine at its capacity it came
+    out 30–40 % shorter than forecast, and the admission refused requests kept for a slot that
+    the requests admitted beside them showed would have met (bench/results/slo/README.md,
+    session 66). Each admitted request whose forecast was mostly a slot wait gives the scale
+    that wait would have needed to forecast its first token exactly (what came, less the rest
+    of the forecast, over the slot wait before scaling), at most 1; the scale is a high
+    quantile (`slot_wait_quantile`) of the recent ones, each fading toward 1 (no correction)
+    with `decay_s`, not below `slot_wait_floor`, and 1 until `slot_wait_min_samples` came.
+    Only pessimism is corrected, and a quantile near the top reverts it as soon as a few
+    admitted requests come late: the TTFT extra (above) keeps correcting optimism."""
 
     def __init__(
         self,
@@ -589,6 +618,10 @@ class TtftFeedback:
         window: int = 16,
         decay_s: float = 20.0,
         max_extra_s: float = 60.0,
+        slot_wait: bool = True,
+        slot_wait_quantile: float = 0.9,
+        slot_wait_floor: float = 0.5,
+        slot_wait_min_samples: int = 4,
     ) -> None:
         if not 0.0 < quantile <= 1.0:
             raise ValueError(f"quantile must be in (0, 1], got {quantile}")
@@ -596,6 +629,14 @@ class TtftFeedback:
             raise ValueError(f"window must be ≥ 1, got {window}")
         if decay_s <= 0.0 or max_extra_s <= 0.0:
             raise ValueError("need decay_s > 0 and max_extra_s > 0")
+        if not 0.0 < slot_wait_quantile <= 1.0:
+            raise ValueError(f"slot_wait_quantile must be in (0, 1], got {slot_wait_quantile}")
+        if not 0.0 < slot_wait_floor <= 1.0:
+            raise ValueError(f"slot_wait_floor must be in (0, 1], got {slot_wait_floor}")
+        if not 1 <= slot_wait_min_samples <= window:
+            raise ValueError(
+                f"slot_wait_min_samples must be in [1, window], got {slot_wait_min_samples}"
+            )
         self.quantile = quantile
         """The share of recent samples the correction covers (nearest rank)."""
         self.window = window
@@ -610,6 +651,19 @@ class TtftFeedback:
         self._at_s = 0.0
         self.samples = 0
         """Samples taken."""
+        self.slot_wait = slot_wait
+        """Learn the slot wait's scale (the class doc); off: it stays 1."""
+        self.slot_wait_quantile = slot_wait_quantile
+        """The share of recent slot-wait samples the scale covers (nearest rank)."""
+        self.slot_wait_floor = slot_wait_floor
+        """The scale never goes below this."""
+        self.slot_wait_min_samples = slot_wait_min_samples
+        """Slot-wait samples in the window before the scale is believed."""
+        self._slot_recent: deque[tuple[float, float]] = deque(maxlen=window)
+        """(time, the scale the sample needed) of the last `window` slot-wait samples."""
+        self._slot_cut = 0.0
+        """1 − the scale at `_slot_at_s` (it fades toward 0 from there)."""
+        self._slot_at_s = 0.0
 
     def extra_s(self, now_s: float) -> float:
         """Seconds to add to a TTFT forecast at *now_s* (≥ 0)."""
@@ -617,11 +671,44 @@ class TtftFeedback:
             return 0.0
         return self._extra_s * math.exp(-max(0.0, now_s - self._at_s) / self.decay_s)
 
-    def observe(self, forecast_s: float, observed_s: float, now_s: float) -> None:
+    def slot_wait_scale(self, now_s: float) -> float:
+        """The scale of a request slot's wait forecast at *now_s* (in [`slot_wait_floor`, 1])."""
+        if self._slot_cut == 0.0:
+            return 1.0
+        return 1.0 - self._slot_cut * math.exp(-max(0.0, now_s - self._slot_at_s) / self.decay_s)
+
+    def observe(
+        self,
+        forecast_s: float,
+        observed_s: float,
+        now_s: float,
+        slot_wait_s: float = 0.0,
+        slot_wait_scale: float = 1.0,
+    ) -> None:
         """An admitted request forecast to get its first token *forecast_s* after its admission
-        got it *observed_s* after. Samples that are not finite are ignored."""
+        got it *observed_s* after; *slot_wait_s* of the forecast was a wait for a request slot,
+        forecast with *slot_wait_scale* (`Forecast.slot_wait_s`, `Forecast.slot_wait_scale`).
+        Samples that are not finite are ignored."""
         if not (math.isfinite(forecast_s) and math.isfinite(observed_s)):
             return
+        if (
+            self.slot_wait
+            and slot_wait_scale > 0.0
+            and SLOT_BOUND_FRAC * forecast_s <= slot_wait_s <= forecast_s
+        ):
+            unscaled_s = slot_wait_s / slot_wait_scale
+            needed = (observed_s - (forecast_s - slot_wait_s)) / unscaled_s
+            self._slot_recent.append((now_s, min(1.0, max(0.0, needed))))
+            self._slot_cut = 0.0
+            if len(self._slot_recent) >= self.slot_wait_min_samples:
+                cuts = sorted(
+                    (1.0 - x) * math.exp(-max(0.0, now_s - t) / self.decay_s)
+                    for t, x in self._slot_recent
+                )
+                # the scale's quantile is the cut's complement: a high scale is a small cut
+                rank = max(1, math.ceil((1.0 - self.slot_wait_quantile) * len(cuts)))
+                self._slot_cut = min(1.0 - self.slot_wait_floor, cuts[rank - 1])
+            self._slot_at_s = now_s
         self._recent.append((now_s, max(0.0, observed_s - forecast_s)))
         # every sample fades from its own time: an old late one does not come back whole with
         # the next sample (from here on they all fade alike, so the quantile does too)
@@ -655,6 +742,12 @@ class TtftFeedbackByEngine:
         """Seconds to add to a TTFT forecast on *engine* at *now_s* (0 before it taught any)."""
         feedback = self._by_engine.get(engine)
         return feedback.extra_s(now_s) if feedback is not None else 0.0
+
+    def slot_wait_scale(self, engine: str, now_s: float) -> float:
+        """The scale of a request slot's wait forecast on *engine* at *now_s* (1 before it
+        taught any)."""
+        feedback = self._by_engine.get(engine)
+        return feedback.slot_wait_scale(now_s) if feedback is not None else 1.0
 
 
 MIN_VERIFIED_ITERATIONS = 16

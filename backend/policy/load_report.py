@@ -74,3 +74,10 @@ def policy_slo_slot_line(policy: Any) -> bool:
     for a request slot in a line (tandem's `slo_slot_line`; on for a policy without the
     option, as the gateway's line is)."""
     return bool(getattr(getattr(policy, "config", None), "slo_slot_line", True))
+
+
+def policy_slo_slot_wait_feedback(policy: Any) -> bool:
+    """Whether the SLO admission in front of the policy's engine learns how much shorter its
+    request slots' waits come out than forecast (tandem's `slo_slot_wait_feedback`; on for a
+    policy without the option, as the gateway's feedback is)."""
+    return bool(getattr(getattr(policy, "config", None), "slo_slot_wait_feedback", True))

@@ -93,6 +93,9 @@ class Replica(msgspec.Struct, frozen=True):
     """What admitted requests' first tokens on it taught its TTFT forecast (the gateway's
     `TtftFeedback.extra_s` for this replica): time its engine model does not see — its HTTP
     server and tokenizer, its host's CPU taken by a neighbour — seconds."""
+    slot_wait_scale: float = 1.0
+    """How much shorter its request slots' waits came out than forecast (the gateway's
+    `TtftFeedback.slot_wait_scale` for this replica; 1: as forecast)."""
 
 
 class PlaceAsk(msgspec.Struct, frozen=True):
@@ -552,7 +555,7 @@ class SloAware:
             )
         else:
             ask = slo
-        return self.forecaster.forecast(load, ask, r.backlog, r.ttft_extra_s)
+        return self.forecaster.forecast(load, ask, r.backlog, r.ttft_extra_s, r.slot_wait_scale)
 
     def _place_be(
         self, ask: PlaceAsk, replicas: Sequence[Replica], hit: tuple[int, int] | None

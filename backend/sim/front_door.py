@@ -44,6 +44,7 @@ from backend.policy.load_report import (
     policy_rt_fair_counters,
     policy_rt_late_bound_frac,
     policy_slo_slot_line,
+    policy_slo_slot_wait_feedback,
 )
 from backend.policy.types import Policy, Snapshot
 from backend.sim.config import SloUnattainable
@@ -82,9 +83,9 @@ class FrontDoor:
         self.feedback = feedback
         """What admitted requests' first tokens taught the forecast (the gateway's
         `TtftFeedback`); None: forecasts are the model's alone."""
-        self._forecasts: dict[str, tuple[float, float]] = {}
-        """rid → (TTFT forecast from admission, admission time) of an admitted RT request, until
-        it finishes and teaches `feedback`."""
+        self._forecasts: dict[str, tuple[float, float, float, float]] = {}
+        """rid → (TTFT forecast from admission, admission time, its slot wait, that wait's
+        scale) of an admitted RT request, until it finishes and teaches `feedback`."""
         self.latency_factors = latency_factors
         """The engine's pace as the policy has learned it, read at every forecast."""
         self.calibration_samples = calibration_samples
@@ -170,13 +171,20 @@ class FrontDoor:
         )
         ask = slo_ask(req, now_s)
         extra_s = self.feedback.extra_s(now_s) if self.feedback is not None else 0.0
-        forecast = self.forecaster.forecast(load, ask, ttft_extra_s=extra_s)
+        scale = self.feedback.slot_wait_scale(now_s) if self.feedback is not None else 1.0
+        forecast = self.forecaster.forecast(load, ask, ttft_extra_s=extra_s, slot_wait_scale=scale)
         if self.kept(forecast, ask):
             self.pending.append(req)
             return PENDING
         if forecast.feasible and self.feedback is not None:
             # the model's own forecast from now, as the gateway keeps it (admission.py)
-            self._forecasts[req.rid] = (forecast.ttft_s - ask.waited_s - extra_s, now_s)
+            to_come_s = forecast.ttft_s - ask.waited_s - extra_s
+            self._forecasts[req.rid] = (
+                to_come_s,
+                now_s,
+                forecast.slot_wait_s,
+                forecast.slot_wait_scale,
+            )
         return self.outcome(req, forecast.feasible)
 
     def learn(self, rid: str, first_token_s: float | None, now_s: float) -> None:
@@ -185,8 +193,8 @@ class FrontDoor:
         kept = self._forecasts.pop(rid, None)
         if kept is None or self.feedback is None or first_token_s is None:
             return
-        forecast_s, admitted_s = kept
-        self.feedback.observe(forecast_s, first_token_s - admitted_s, now_s)
+        forecast_s, admitted_s, slot_wait_s, scale = kept
+        self.feedback.observe(forecast_s, first_token_s - admitted_s, now_s, slot_wait_s, scale)
 
     def outcome(self, req: SimRequest, feasible: bool) -> SimRequest | None:
         """What the contract makes of an RT request whose forecast is *feasible* or not: the
@@ -241,7 +249,7 @@ def front_door_for(
         on_unattainable,
         lambda: policy_calibration_samples(policy),
         lambda: policy_rt_fair_counters(policy),
-        TtftFeedback() if ttft_feedback else None,
+        TtftFeedback(slot_wait=policy_slo_slot_wait_feedback(policy)) if ttft_feedback else None,
         policy_rt_late_bound_frac(policy),
         lambda: policy_rt_decode_margin(policy),
         recheck_frac,

@@ -64,6 +64,7 @@ from backend.policy.feasibility import (
     Shortfall,
     SloAsk,
     SloForecaster,
+    TtftFeedback,
     TtftFeedbackByEngine,
 )
 from backend.policy.latency import LatencyModel, load_profile
@@ -297,6 +298,9 @@ class SloDecision(msgspec.Struct, frozen=True):
     """What outcomes had taught the TTFT forecast to add (`TtftFeedback.extra_s`), seconds."""
     slot_wait_s: float = 0.0
     """The part of `forecast_ttft_s` spent waiting for a request slot, seconds."""
+    slot_wait_scale: float = 1.0
+    """The scale outcomes had taught that wait (`TtftFeedback.slot_wait_scale`), already in
+    `slot_wait_s`."""
     load: EngineLoad | None = None
     """The engine state the forecast was made on (None: unchecked): an admitted request that
     then misses its contract is logged with it (`stages.record`)."""
@@ -324,16 +328,19 @@ def decide_slo(
     *,
     forecast: Forecast | None = None,
     engine: str | None = None,
+    slot_wait_scale: float = 1.0,
 ) -> SloDecision:
     """The verdict on an RT request asking *ask* of engine *engine* in state *load* with
     *backlog* sent since: admitted when its forecast (plus *ttft_extra_s*, what outcomes
     taught: `TtftFeedback`) meets the contract, else what the contract's `on_unattainable`
     says; unchecked when there is no state (or no model) to forecast from. *forecast*: the one
-    the router made for this engine on the same state (with the same extra), used as is. Pure."""
+    the router made for this engine on the same state (with the same extra), used as is;
+    *slot_wait_scale*: what outcomes taught a slot's wait (`TtftFeedback.slot_wait_scale`).
+    Pure."""
     if forecaster is None or load is None:
         return SloDecision("unchecked", engine=engine)
     if forecast is None:
-        forecast = forecaster.forecast(load, ask, backlog, ttft_extra_s)
+        forecast = forecaster.forecast(load, ask, backlog, ttft_extra_s, slot_wait_scale)
     to_come_s = forecast.ttft_s - ask.waited_s - ttft_extra_s  # the model's own forecast
     outcome = "admitted" if forecast.shortfall is None else _ON_MISS[contract.on_unattainable]
     return SloDecision(
@@ -345,6 +352,7 @@ def decide_slo(
         forecast_tpot_s=forecast.tpot_s,
         ttft_extra_s=ttft_extra_s,
         slot_wait_s=forecast.slot_wait_s,
+        slot_wait_scale=forecast.slot_wait_scale,
         load=load,
     )
 
@@ -438,9 +446,10 @@ class SloCheck:
             if forecast is None and watcher is not None and load is not None
             else NO_BACKLOG
         )
-        extra_s = 0.0
+        extra_s, scale = 0.0, 1.0
         if engine is not None and self.feedback is not None:
             extra_s = self.feedback.extra_s(engine.name, now_unix_s)
+            scale = self.feedback.slot_wait_scale(engine.name, now_unix_s)
             self.metrics.slo_ttft_feedback.labels(engine.name).set(extra_s)
         decision = decide_slo(
             self.forecaster,
@@ -451,6 +460,7 @@ class SloCheck:
             extra_s,
             forecast=forecast,
             engine=engine.name if engine is not None else None,
+            slot_wait_scale=scale,
         )
         if self.recheck and watcher is not None and engine is not None:
             kept_for_slot = (
@@ -558,3 +568,12 @@ def build_slot_line(config: Config) -> SlotLine | None:
     if options is not None and not options.slo_slot_line:
         return None
     return SlotLine()
+
+
+def build_ttft_feedback(config: Config) -> TtftFeedbackByEngine:
+    """What admitted requests' first tokens teach the SLO admission, per engine; the slot
+    wait's scale is learned unless the engine's tandem policy turns it off
+    (`slo_slot_wait_feedback`)."""
+    options = tandem_options(config)
+    slot_wait = options is None or options.slo_slot_wait_feedback
+    return TtftFeedbackByEngine(functools.partial(TtftFeedback, slot_wait=slot_wait))

@@ -158,11 +158,13 @@ def _replica(
     its outcomes taught its TTFT forecast."""
     watcher = handle.load
     extra_s = feedback.extra_s(handle.name, now_unix_s) if feedback is not None else 0.0
+    scale = feedback.slot_wait_scale(handle.name, now_unix_s) if feedback is not None else 1.0
     if watcher is None or watcher.latest is None:
-        return Replica(name=handle.name, load=None, ttft_extra_s=extra_s)
+        return Replica(name=handle.name, load=None, ttft_extra_s=extra_s, slot_wait_scale=scale)
     return Replica(
         name=handle.name,
         load=watcher.latest,
         backlog=watcher.backlog(now_unix_s),
         ttft_extra_s=extra_s,
+        slot_wait_scale=scale,
     )

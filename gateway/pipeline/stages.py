@@ -489,7 +489,9 @@ def _teach_forecast(app: web.Application, flight: Flight, usage: UsageRecord) ->
     if slo.engine is None or (placement is not None and placement.engine.name != slo.engine):
         return  # it ran elsewhere (its engine failed): the forecast was for another engine
     observed_s = usage.ttft_ms / 1000.0 - slo.waited_s  # from admission, as forecast
-    feedback.of(slo.engine).observe(slo.forecast_ttft_s, observed_s, time.time())
+    feedback.of(slo.engine).observe(
+        slo.forecast_ttft_s, observed_s, time.time(), slo.slot_wait_s, slo.slot_wait_scale
+    )
 
 
 def _log_admitted_miss(flight: Flight, usage: UsageRecord) -> None:

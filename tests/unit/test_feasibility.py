@@ -345,6 +345,67 @@ def test_feedback_ignores_nonsense_and_stays_bounded() -> None:
             TtftFeedback(**bad_option)
 
 
+def test_feedback_learns_how_much_shorter_slot_waits_come_out_and_reverts_on_late_ones() -> None:
+    """Forecasts of 1.0 s, 0.8 s of it a slot's wait, whose first tokens came after 0.68 s:
+    each needed the wait scaled by 0.6. Believed after `slot_wait_min_samples`; a forecast
+    made with the scale and met exactly teaches the same scale (not 0.6 × 0.6); two of sixteen
+    late put it back to 1; a forecast that is mostly not a slot wait teaches nothing; the
+    scale never goes below its floor, and fades back to 1 when nothing comes."""
+    feedback = TtftFeedback(decay_s=1e9)
+    for t in range(3):
+        feedback.observe(1.0, 0.68, float(t), slot_wait_s=0.8)
+        assert feedback.slot_wait_scale(float(t)) == 1.0  # not believed yet
+    feedback.observe(1.0, 0.68, 3.0, slot_wait_s=0.8)
+    assert feedback.slot_wait_scale(3.0) == pytest.approx(0.6)
+    assert feedback.extra_s(3.0) == 0.0  # early is not late
+    for t in range(4, 16):  # forecast with the scale (0.48 s of wait), met exactly
+        feedback.observe(0.68, 0.68, float(t), slot_wait_s=0.48, slot_wait_scale=0.6)
+    assert feedback.slot_wait_scale(16.0) == pytest.approx(0.6)
+    feedback.observe(0.68, 1.1, 16.0, slot_wait_s=0.48, slot_wait_scale=0.6)  # late
+    assert feedback.slot_wait_scale(16.0) == pytest.approx(0.6)  # one: a stall, perhaps
+    feedback.observe(0.68, 1.1, 17.0, slot_wait_s=0.48, slot_wait_scale=0.6)
+    assert feedback.slot_wait_scale(17.0) == 1.0  # two of sixteen: the forecast is right
+    for t in range(18, 40):
+        feedback.observe(1.0, 0.1, float(t), slot_wait_s=0.3)  # mostly prompt work: nothing
+    assert feedback.slot_wait_scale(40.0) == 1.0
+    floor = TtftFeedback(decay_s=10.0, slot_wait_floor=0.5)
+    for t in range(4):
+        floor.observe(1.0, 0.3, 0.0, slot_wait_s=0.9)  # needed 0.22: held at the floor
+    assert floor.slot_wait_scale(0.0) == pytest.approx(0.5)
+    assert floor.slot_wait_scale(10.0) == pytest.approx(1.0 - 0.5 * math.exp(-1.0))
+    off = TtftFeedback(slot_wait=False)
+    for t in range(8):
+        off.observe(1.0, 0.3, float(t), slot_wait_s=0.9)
+    assert off.slot_wait_scale(8.0) == 1.0
+    for bad_option in (
+        {"slot_wait_quantile": 0.0},
+        {"slot_wait_floor": 0.0},
+        {"slot_wait_min_samples": 0},
+        {"slot_wait_min_samples": 17},
+    ):
+        with pytest.raises(ValueError):
+            TtftFeedback(**bad_option)
+
+
+def test_the_forecast_scales_a_slot_wait_by_what_outcomes_taught() -> None:
+    load = EngineLoad(
+        iteration=10,
+        at_unix_s=0.0,
+        iteration_s=0.01,
+        max_running_requests=8,
+        num_rt_running=8,
+        rt_context_tokens=8 * 300,
+        rt_decode_steps_left=tuple(100 + i for i in range(8)),
+    )
+    ask = SloAsk(prompt_tokens=50, ttft_target_s=10.0, tpot_target_s=1.0)
+    plain = FORECASTER.forecast(load, ask)
+    taught = FORECASTER.forecast(load, ask, slot_wait_scale=0.5)
+    assert plain.slot_wait_s > 0.0 and plain.slot_wait_scale == 1.0
+    assert taught.slot_wait_s == pytest.approx(0.5 * plain.slot_wait_s)
+    assert taught.slot_wait_scale == 0.5
+    assert taught.ttft_s == pytest.approx(plain.ttft_s - 0.5 * plain.slot_wait_s)
+
+
 def test_too_many_rt_decodes_miss_the_tpot_target() -> None:
     # 300 decodes of 1000 context: 10 ms + 300 ms per iteration
     load = idle_load(num_rt_running=299, rt_context_tokens=299_000)

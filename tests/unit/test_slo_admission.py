@@ -473,6 +473,26 @@ def test_first_tokens_later_than_forecast_teach_the_admission_to_shed(
     assert gauge is not None and gauge > 0.4  # operators see the admission grow stricter
 
 
+def test_first_tokens_sooner_than_a_slot_wait_forecast_teach_its_scale(
+    forecaster: SloForecaster,
+) -> None:
+    """Admitted requests whose forecast was mostly a wait for a request slot (every slot RT's,
+    the first to free 100 steps away) got their first tokens at once: what they came to teaches
+    the engine's slot-wait scale, down to its floor."""
+    app = staged_app(forecaster, slot_bound(time.time(), 100))
+    app[TTFT_FEEDBACK] = feedbacks = TtftFeedbackByEngine(lambda: TtftFeedback(decay_s=1e9))
+    for _ in range(4):
+        flight = make_flight(make_principal(rt_tenant(ttft_target_ms=2000, tpot_target_ms=200)))
+        prepare(app, flight, chat_body(), make_prompt())
+        admitted = admit(app, flight)
+        assert isinstance(admitted, Admitted) and admitted.slo is not None
+        assert admitted.slo.slot_wait_s > 0.5 * (admitted.slo.forecast_ttft_s or 0.0)
+        flight.timer.on_tokens(1)
+        record(app, flight, cancelled=True)
+    feedback = feedbacks.of(FakeEngine.base_url)
+    assert feedback.slot_wait_scale(time.time()) == pytest.approx(feedback.slot_wait_floor)
+
+
 def test_a_cache_claim_the_engine_did_not_hold_shrinks_the_prefix_memory_not_the_forecast(
     forecaster: SloForecaster,
 ) -> None:
@@ -758,6 +778,29 @@ async def test_the_line_holds_only_what_would_wait_for_a_slot_and_lets_go_of_the
     with pytest.raises(asyncio.CancelledError):
         await first_admitting
     assert len(line) == 0
+
+
+def test_slot_waits_that_came_out_shorter_than_forecast_teach_the_admission(
+    forecaster: SloForecaster,
+) -> None:
+    """Four admitted requests on this engine whose slot waits came out at half the forecast:
+    a request whose 1 s TTFT the forecast missed for its slot wait alone is admitted, judged
+    on the wait scaled by what they taught; another engine learned nothing from them."""
+    feedback = TtftFeedbackByEngine()
+    for _ in range(4):
+        feedback.of("engine").observe(1.0, 0.55, NOW_S, slot_wait_s=0.9)
+    load = slot_bound(NOW_S, 150)
+    metrics = GatewayMetrics()
+    tenant = rt_tenant(ttft_target_ms=1000, tpot_target_ms=200)
+    taught = SloCheck(
+        forecaster, on_engine(watched(load)), metrics, clock=lambda: NOW_S, feedback=feedback
+    )
+    admitted = taught(candidate(tenant))
+    assert isinstance(admitted, Admitted) and admitted.slo is not None
+    assert admitted.slo.slot_wait_scale == pytest.approx(0.5)
+    assert feedback.slot_wait_scale("other", NOW_S) == 1.0
+    untaught = replace(taught, feedback=TtftFeedbackByEngine())
+    assert isinstance(untaught(candidate(tenant)), Refused)
 
 
 def test_the_slot_line_orders_by_arrival_per_engine() -> None:

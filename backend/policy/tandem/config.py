@@ -218,6 +218,13 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
     simulator's front door does the same). Off: each is judged on its own, and in a slot crunch
     the later arrivals, with their whole target left, take the slots the earlier ones were
     kept for."""
+    slo_slot_wait_feedback: bool = True
+    """The SLO admission learns, per engine, how much shorter the request slots' waits came out
+    than it forecast, from the admitted RT requests whose forecast was mostly such a wait, and
+    scales that wait by it (`feasibility.TtftFeedback`: a high quantile, at least 0.5, reverted
+    as soon as a few come late). Off: the slot wait as forecast (on the real CPU engine at its
+    capacity it came out 30–40 % shorter, and requests kept for a slot were refused that would
+    have met their contract)."""
 
     def __post_init__(self) -> None:
         for name in (
