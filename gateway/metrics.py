@@ -126,6 +126,14 @@ class GatewayMetrics:
             ["engine"],
             registry=r,
         )
+        self.slo_slot_wait_scale = Gauge(
+            "tandem_slo_slot_wait_scale",
+            "The scale the SLO admission applies to a request slot's forecast wait on each "
+            "engine, learned from admitted RT requests whose wait came out shorter than "
+            "forecast (1: as forecast; at least 0.5).",
+            ["engine"],
+            registry=r,
+        )
         self.quota_rejections = Counter(
             "tandem_quota_rejections",
             "Requests refused with 429, by the limit they hit.",

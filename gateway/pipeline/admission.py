@@ -451,6 +451,7 @@ class SloCheck:
             extra_s = self.feedback.extra_s(engine.name, now_unix_s)
             scale = self.feedback.slot_wait_scale(engine.name, now_unix_s)
             self.metrics.slo_ttft_feedback.labels(engine.name).set(extra_s)
+            self.metrics.slo_slot_wait_scale.labels(engine.name).set(scale)
         decision = decide_slo(
             self.forecaster,
             admitted.tenant.slo,
@@ -494,6 +495,7 @@ class SloCheck:
                 decision.load,
                 waited_s=decision.waited_s,
                 ttft_extra_s=decision.ttft_extra_s,
+                slot_wait_scale=decision.slot_wait_scale,
             )
         if decision.outcome == "shed":
             assert decision.shortfall is not None

@@ -82,10 +82,12 @@ class RefusalLog:
         *,
         waited_s: float,
         ttft_extra_s: float,
+        slot_wait_scale: float = 1.0,
     ) -> bool:
         """One RT request refused ("shed") or downgraded on a forecast missing by
         *shortfall*, judged on *engine* in state *load* after *waited_s* at the gateway, with
-        *ttft_extra_s* taught by outcomes. Returns whether a line was written."""
+        *ttft_extra_s* and a request slot's wait scaled by *slot_wait_scale* taught by
+        outcomes. Returns whether a line was written."""
         key = engine or ""
         now_s = self._clock()
         last_s = self._last_s.get(key)
@@ -98,13 +100,15 @@ class RefusalLog:
         state = f"; {engine_state(key, load)}" if load is not None else ""
         log.info(
             "SLO admission %s RT request %s of tenant %s: %s; waited %.0f ms at the gateway, "
-            "+%.0f ms taught by first tokens%s (%d on this engine since the last such line)",
+            "+%.0f ms and slot waits ×%.2f taught by first tokens%s (%d on this engine since "
+            "the last such line)",
             "refused" if outcome == "shed" else outcome,
             request_id,
             tenant_id,
             shortfall.describe(),
             waited_s * 1000,
             ttft_extra_s * 1000,
+            slot_wait_scale,
             state,
             count,
         )

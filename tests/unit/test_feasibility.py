@@ -369,7 +369,7 @@ def test_feedback_learns_how_much_shorter_slot_waits_come_out_and_reverts_on_lat
         feedback.observe(1.0, 0.1, float(t), slot_wait_s=0.3)  # mostly prompt work: nothing
     assert feedback.slot_wait_scale(40.0) == 1.0
     floor = TtftFeedback(decay_s=10.0, slot_wait_floor=0.5)
-    for t in range(4):
+    for _ in range(4):
         floor.observe(1.0, 0.3, 0.0, slot_wait_s=0.9)  # needed 0.22: held at the floor
     assert floor.slot_wait_scale(0.0) == pytest.approx(0.5)
     assert floor.slot_wait_scale(10.0) == pytest.approx(1.0 - 0.5 * math.exp(-1.0))

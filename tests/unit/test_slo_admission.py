@@ -798,6 +798,8 @@ def test_slot_waits_that_came_out_shorter_than_forecast_teach_the_admission(
     admitted = taught(candidate(tenant))
     assert isinstance(admitted, Admitted) and admitted.slo is not None
     assert admitted.slo.slot_wait_scale == pytest.approx(0.5)
+    gauge = metrics.registry.get_sample_value("tandem_slo_slot_wait_scale", {"engine": "engine"})
+    assert gauge == pytest.approx(0.5)  # operators see what the admission learned
     assert feedback.slot_wait_scale("other", NOW_S) == 1.0
     untaught = replace(taught, feedback=TtftFeedbackByEngine())
     assert isinstance(untaught(candidate(tenant)), Refused)
