@@ -195,6 +195,7 @@ def test_a_dead_dp_ranks_scheduler_restarts_the_engine(served: Served) -> None:
     with an error event, not a hang."""
     before = _scheduler_pid(1)
     events: list[list[str]] = [[], []]
+    ended: list[str | None] = [None, None]  # how a stream ended, once it has
 
     def stream(i: int) -> None:
         body = {
@@ -211,14 +212,24 @@ def test_a_dead_dp_ranks_scheduler_restarts_the_engine(served: Served) -> None:
             headers={"Authorization": f"Bearer {served.key}"},
             timeout=120,
         ) as response:
+            if response.status_code != 200:
+                ended[i] = f"HTTP {response.status_code}: {response.read()[:300]!r}"
+                return
             for line in response.iter_lines():
                 if line.startswith("data: "):
                     events[i].append(line[len("data: ") :])
+        ended[i] = f"ended after {len(events[i])} events: {events[i][-3:]}"
+
+    def both_flowing() -> bool:
+        for i in (0, 1):  # a stream that ended before it flowed says why, at once
+            if ended[i] is not None and len(events[i]) < 3:
+                raise AssertionError(f"stream {i} {ended[i]}")
+        return all(len(e) >= 3 for e in events)
 
     threads = [threading.Thread(target=stream, args=(i,)) for i in (0, 1)]  # one per rank
     for thread in threads:
         thread.start()
-    wait_until_sync(lambda: all(len(e) >= 3 for e in events), 60, what="both streams flowing")
+    wait_until_sync(both_flowing, 60, what=lambda: f"both streams flowing ({ended})")
     killed_at = time.monotonic()
     os.kill(before, signal.SIGKILL)
     for thread in threads:

@@ -1,6 +1,7 @@
 """The profiler's measurement loop against a fake engine that streams tokens at a fixed pace:
 a machine so busy that one mixed-prefill probe takes longer than the decode streams' slack
-(seen on CI: a 16-token prefill took 0.6 s) is measured again with more slack, not failed."""
+(seen on CI: a 16-token prefill took 0.6 s) is measured again with more slack, and a mixed
+probe around which the decodes' tokens came several to a chunk is probed again, not failed."""
 
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ class FakeEngine:
     machine stalled for longer than the decodes' slack, however fast this one runs)."""
 
     stalls: int = 1
+    coalesced: int = 0
+    """The first `coalesced` mixed probes have every decode stream send its tokens two to a
+    chunk while they run (a machine whose detokenizer or client fell behind)."""
+    coalescing: bool = False
     aborted: set[str] = field(default_factory=set)
     mixed_probes: int = 0
     streams: int = 0
@@ -72,6 +77,15 @@ class FakeEngine:
         prompt = len(body["input_ids"])
         if prompt == MIXED_TOKENS:
             self.mixed_probes += 1
+            if self.coalesced:
+                self.coalesced -= 1
+                self.coalescing = True
+                try:
+                    await asyncio.sleep(20 * TOKEN_GAP_S)  # the decodes' chunks come in pairs
+                    return await self._stream(request, resp, body)
+                finally:
+                    await asyncio.sleep(10 * TOKEN_GAP_S)
+                    self.coalescing = False
             if self.stalls:
                 self.stalls -= 1
                 start_s = time.monotonic()
@@ -94,9 +108,11 @@ class FakeEngine:
         for n in range(1, body["sampling_params"]["max_new_tokens"] + 1):
             if body["rid"] in self.aborted:
                 break
+            await asyncio.sleep(TOKEN_GAP_S)  # the decode pace
+            if self.coalescing and n % 2 and n < body["sampling_params"]["max_new_tokens"]:
+                continue  # sent with the next one
             chunk = {"text": "x", "meta_info": {"completion_tokens": n, "cached_tokens": 0}}
             await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-            await asyncio.sleep(TOKEN_GAP_S)  # the decode pace
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
@@ -131,3 +147,31 @@ async def test_decodes_that_run_out_during_a_stalled_mixed_probe_are_measured_ag
     assert len(profile.samples) == 3  # one prefill, one decode, one mixed point
     mixed = [s for s in profile.samples if s.shape.prefill_tokens and s.shape.num_decode]
     assert len(mixed) == 1 and mixed[0].seconds < engine.stalled_s  # re-measured, not the stall
+
+
+async def test_a_mixed_probe_whose_decode_gaps_cannot_be_read_is_probed_again() -> None:
+    """Around the first mixed probe the decodes' tokens come two to a chunk (a loaded 2-core
+    CI machine): no iteration's time can be read, and the profile failed as if the engine had
+    aborted the streams. The probe is sent again and the point measured."""
+    engine = FakeEngine(stalls=0, coalesced=1)
+    server = TestServer(engine.app(), host="127.0.0.1", port=0)
+    await server.start_server()
+    try:
+        profile = await profile_engine(
+            str(server.make_url("")),
+            grid=ProfileGrid(
+                decode_batches=(1,),
+                decode_contexts=(32,),
+                prefill_tokens=(16,),
+                prefill_prefixes=(0,),
+                mixed_prefill_tokens=(MIXED_TOKENS,),
+                repeats=1,
+                decode_steps=8,
+            ),
+            name="fake",
+        )
+    finally:
+        await server.close()
+    assert engine.mixed_probes == 2
+    mixed = [s for s in profile.samples if s.shape.prefill_tokens and s.shape.num_decode]
+    assert len(mixed) == 1
