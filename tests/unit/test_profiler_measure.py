@@ -21,6 +21,17 @@ TOKEN_GAP_S = 0.002
 MIXED_TOKENS = 96
 """The mixed-prefill probe's size in the grid below (no other prompt has this length)."""
 
+GRID = ProfileGrid(
+    decode_batches=(1,),
+    decode_contexts=(32,),
+    prefill_tokens=(16,),
+    prefill_prefixes=(0,),
+    mixed_prefill_tokens=(MIXED_TOKENS,),
+    repeats=1,
+    decode_steps=8,
+)
+"""One decode point (1 stream of 32 tokens of context) with one mixed probe, and a prefill."""
+
 
 @dataclass
 class FakeEngine:
@@ -125,15 +136,7 @@ async def test_decodes_that_run_out_during_a_stalled_mixed_probe_are_measured_ag
     try:
         profile = await profile_engine(
             str(server.make_url("")),
-            grid=ProfileGrid(
-                decode_batches=(1,),
-                decode_contexts=(32,),
-                prefill_tokens=(16,),
-                prefill_prefixes=(0,),
-                mixed_prefill_tokens=(MIXED_TOKENS,),
-                repeats=1,
-                decode_steps=8,
-            ),
+            grid=GRID,
             name="fake",
             progress=said.append,
         )
@@ -159,15 +162,7 @@ async def test_a_mixed_probe_whose_decode_gaps_cannot_be_read_is_probed_again() 
     try:
         profile = await profile_engine(
             str(server.make_url("")),
-            grid=ProfileGrid(
-                decode_batches=(1,),
-                decode_contexts=(32,),
-                prefill_tokens=(16,),
-                prefill_prefixes=(0,),
-                mixed_prefill_tokens=(MIXED_TOKENS,),
-                repeats=1,
-                decode_steps=8,
-            ),
+            grid=GRID,
             name="fake",
         )
     finally:
