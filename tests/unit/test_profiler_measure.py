@@ -41,9 +41,13 @@ class FakeEngine:
 
     stalls: int = 1
     coalesced: int = 0
-    """The first `coalesced` mixed probes have every decode stream send its tokens two to a
-    chunk while they run (a machine whose detokenizer or client fell behind)."""
+    """From each of the first `coalesced` mixed probes to the next probe, every decode stream
+    sends its tokens two to a chunk (a machine whose detokenizer or client fell behind); the
+    probe's own token comes once every decode stream has sent two such chunks."""
     coalescing: bool = False
+    decode_chunks: dict[str, int] = field(default_factory=dict)
+    """Chunks each open decode stream (by rid) has sent."""
+    chunk_sent: asyncio.Condition = field(default_factory=asyncio.Condition)
     aborted: set[str] = field(default_factory=set)
     mixed_probes: int = 0
     streams: int = 0
@@ -88,15 +92,16 @@ class FakeEngine:
         prompt = len(body["input_ids"])
         if prompt == MIXED_TOKENS:
             self.mixed_probes += 1
+            self.coalescing = False  # the previous probe's pairs end here
             if self.coalesced:
                 self.coalesced -= 1
                 self.coalescing = True
-                try:
-                    await asyncio.sleep(20 * TOKEN_GAP_S)  # the decodes' chunks come in pairs
-                    return await self._stream(request, resp, body)
-                finally:
-                    await asyncio.sleep(10 * TOKEN_GAP_S)
-                    self.coalescing = False
+                sent = dict(self.decode_chunks)
+                async with self.chunk_sent:  # pairs on every decode stream before its token
+                    await self.chunk_sent.wait_for(
+                        lambda: all(n - sent.get(r, 0) >= 2 for r, n in self.decode_chunks.items())
+                    )
+                return await self._stream(request, resp, body)
             if self.stalls:
                 self.stalls -= 1
                 start_s = time.monotonic()
@@ -105,10 +110,12 @@ class FakeEngine:
                 self.stalled_s += time.monotonic() - start_s
             return await self._stream(request, resp, body)
         self.streams += 1
+        self.decode_chunks[body["rid"]] = 0
         try:
             return await self._stream(request, resp, body)
         finally:
             self.streams -= 1
+            del self.decode_chunks[body["rid"]]
             async with self.stream_ended:
                 self.stream_ended.notify_all()
 
@@ -116,14 +123,19 @@ class FakeEngine:
         self, request: web.Request, resp: web.StreamResponse, body: dict[str, Any]
     ) -> web.StreamResponse:
         await asyncio.sleep(0.001 + len(body["input_ids"]) * 2e-6)  # the prefill's pace
-        for n in range(1, body["sampling_params"]["max_new_tokens"] + 1):
-            if body["rid"] in self.aborted:
+        rid, max_new, last = body["rid"], body["sampling_params"]["max_new_tokens"], 0
+        for n in range(1, max_new + 1):
+            if rid in self.aborted:
                 break
+            if not (self.coalescing and n - last < 2 and n < max_new):  # else: with the next
+                chunk = {"text": "x", "meta_info": {"completion_tokens": n, "cached_tokens": 0}}
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                last = n
+                if rid in self.decode_chunks:
+                    self.decode_chunks[rid] += 1
+                    async with self.chunk_sent:
+                        self.chunk_sent.notify_all()
             await asyncio.sleep(TOKEN_GAP_S)  # the decode pace
-            if self.coalescing and n % 2 and n < body["sampling_params"]["max_new_tokens"]:
-                continue  # sent with the next one
-            chunk = {"text": "x", "meta_info": {"completion_tokens": n, "cached_tokens": 0}}
-            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
