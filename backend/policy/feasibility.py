@@ -115,14 +115,17 @@ Pure: no I/O, no clock; the caller passes what it knows.
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 import itertools
 import math
+import statistics
 from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, NamedTuple
 
 import msgspec
+import numpy as np
 
 from backend.policy.calibration import DECODE, MIXED, PREFILL, budget_pace
 from backend.policy.latency import BatchShape, LatencyModel
@@ -1063,7 +1066,7 @@ def load_of(
     # only where the slots can run out: an estimate per running decode costs more than the rest
     # of the report (half the pool simulator's time at 1,000 running)
     if rt_outputs is not None and 2 * (rt_running + rt_waiting) >= snapshot.max_running:
-        steps_left = _fewest_steps_left(snapshot, rt_outputs.steps_left)
+        steps_left = rt_outputs.slots_free_steps(_decoding_rt(snapshot), STEPS_LEFT_REPORTED)
         new_steps = rt_outputs.new_request_steps()
     return EngineLoad(
         iteration=iteration,
@@ -1107,27 +1110,45 @@ def load_of(
     )
 
 
+SLOT_FREE_QUANTILE = 0.9
+"""The quantile at which `RtOutputs.slots_free_steps` tells when slots free up."""
+EXACT_SLOTS = 16
+"""Up to this many running decodes the count finished by a step is convolved exactly (16 of
+them: 0.15 ms of the report); past it, normal (its mean and variance, ±½: for the first slots
+5–20 % later than exact with 16–32 decodes); exact, 256 took several ms each iteration."""
+
+
 class RtOutputs:
     """How long RT requests on one engine run, learned from the snapshots its policy plans
-    from, to tell when a running one will free its request slot.
+    from, to tell when running ones will free their request slots.
 
     An RT request that held a slot in one snapshot and is neither running nor waiting in the
     next has finished (one back in the queue was evicted, and still needs a slot); its output
     length joins the last `history` ones. A running request that has generated g tokens then
-    has, expected, the mean of L − g over those finished lengths L > g left (the past outputs
-    of the engine's own RT traffic, Past-Future style), at most its `max_new_tokens` − g; with
-    none of them longer than g (or none finished yet), its `max_new_tokens` − g: a guess
-    shorter than that once let requests in that then waited seconds for a slot. Pure: the
-    caller passes each snapshot."""
+    finishes after L − g more steps, L drawn from those finished lengths L > g (the past
+    outputs of the engine's own RT traffic, Past-Future style), at most its `max_new_tokens`;
+    with none of them longer than g (or none finished yet), after its `max_new_tokens` − g: a
+    guess shorter than that once let requests in that then waited seconds for a slot.
 
-    def __init__(self, history: int = 256) -> None:
+    `slots_free_steps` says within how many steps k of the running decodes will have finished,
+    at the `quantile` of that count's distribution (each decode's length drawn on its own);
+    None: the k-th fewest of each decode's mean steps left (`steps_left`), as before. The mean
+    made the slot wait a coin toss: with outputs of 50–250 tokens the engine cannot know, 4.5 %
+    of the admitted requests of a slot-bound stream came late, up to 4× their TTFT target
+    (tests/unit/test_feasibility.py). Pure: the caller passes each snapshot."""
+
+    def __init__(self, history: int = 256, quantile: float | None = SLOT_FREE_QUANTILE) -> None:
         if history < 1:
             raise ValueError(f"history must be ≥ 1, got {history}")
+        if quantile is not None and not 0.0 < quantile < 1.0:
+            raise ValueError(f"quantile must be in (0, 1) or None, got {quantile}")
+        self.quantile = quantile
         self._recent: deque[int] = deque(maxlen=history)
         self._holding: dict[str, int] = {}
         """rid → tokens generated, of the RT requests running in the last snapshot."""
         self._sorted: list[int] | None = None
         self._suffix: list[int] = []
+        self._array = np.zeros(0, dtype=np.int64)
 
     def observe(self, snapshot: Snapshot) -> None:
         """Takes in *snapshot*: the RT requests gone from it since the last one finished."""
@@ -1151,7 +1172,8 @@ class RtOutputs:
         return math.ceil(suffix[0] / len(suffix))
 
     def steps_left(self, r: ReqState) -> int:
-        """Decode steps *r* (running, decoding) is expected to take before it finishes."""
+        """Decode steps *r* (running, decoding) is expected to take before it finishes (the
+        mean)."""
         bound = max(1, r.max_new_tokens - r.generated)
         lengths, suffix = self._sorted_lengths()
         longer = bisect.bisect_right(lengths, r.generated)
@@ -1160,24 +1182,111 @@ class RtOutputs:
             return bound  # longer than every one seen (or none seen yet): only its cap is known
         return max(1, min(bound, math.ceil(suffix[longer] / count - r.generated)))
 
+    def slots_free_steps(self, decoding: list[ReqState], limit: int) -> tuple[int, ...]:
+        """For k = 1, 2, … (at most *limit*): the decode steps within which k of *decoding*
+        (running RT decodes) will have finished and freed their slots, at `quantile`.
+
+        Each decode's steps left R has the distribution of L − g over the finished lengths
+        L > g, all of them at its cap (max_new_tokens − g) or beyond; then P(R ≤ t) is the
+        share of those L ≤ g + t (1 from its cap on). The number finished by step t is a sum
+        of such draws, exact by convolution up to `EXACT_SLOTS` of them and normal beyond
+        (with ±½); the k-th value is the first step t on a grid (every step to 32, then
+        5 % apart, and each decode's cap: rounded up) where P(≥ k finished) reaches the
+        quantile."""
+        if self.quantile is None:
+            steps = [self.steps_left(r) for r in decoding]
+            return tuple(heapq.nsmallest(limit, steps))
+        count = min(limit, len(decoding))
+        if count == 0:
+            return ()
+        generated = np.fromiter((r.generated for r in decoding), np.int64, len(decoding))
+        max_new = np.fromiter((r.max_new_tokens for r in decoding), np.int64, len(decoding))
+        cap = np.maximum(1, max_new - generated)
+        grid = np.union1d(_step_grid(int(cap.max())), cap)  # a cap is a step it may end at
+        survival = self._survival(generated)  # survival[x] = P(L > x), x to the longest seen
+        last = len(survival) - 1
+        alive = survival[np.minimum(generated, last)]  # > 0: each is in its own risk set
+        later = survival[np.minimum(generated[:, None] + grid[None, :], last)]
+        p = np.where(grid[None, :] >= cap[:, None], 1.0, 1.0 - later / alive[:, None])
+        # from every cap on all have finished: the last grid point reaches any quantile
+        return tuple(grid[_first_reaching(p, count, self.quantile)].tolist())
+
+    def _survival(self, generated: np.ndarray) -> np.ndarray:
+        """P(L > x) for RT output lengths L, x = 0 … the longest seen (constant past it),
+        Kaplan–Meier: the finished lengths, and the running decodes (*generated* each) as
+        lengths known only to pass that, and one phantom longer than any. Finished ones alone
+        are the short ones first: after an idle start or a change of traffic every running
+        request looked near its end (the stream's first late requests); and past the longest
+        seen a request need not end soon (it ended every request beyond it at once)."""
+        lengths = self._lengths_array()
+        if not len(lengths):
+            return np.ones(1)
+        ends, finished = np.unique(lengths, return_counts=True)
+        # at risk at x: finished at x or later, or running with g + 1 ≥ x (its next step ends
+        # it), or the phantom
+        at_risk = len(lengths) - np.searchsorted(lengths, ends, side="left")
+        at_risk += len(generated) - np.searchsorted(np.sort(generated + 1), ends, side="left")
+        at_risk += 1
+        dense = np.ones(int(ends[-1]) + 1)
+        dense[ends] = 1.0 - finished / at_risk
+        return np.cumprod(dense)
+
+    def _lengths_array(self) -> np.ndarray:
+        """The recent lengths sorted, as an array."""
+        self._sorted_lengths()
+        return self._array
+
     def _sorted_lengths(self) -> tuple[list[int], list[int]]:
         """The recent lengths sorted, and their suffix sums (sorted again only after a new
         one came)."""
         if self._sorted is None:
             self._sorted = sorted(self._recent)
             self._suffix = list(itertools.accumulate(reversed(self._sorted)))[::-1]
+            self._array = np.asarray(self._sorted, dtype=np.int64)
         return self._sorted, self._suffix
 
 
-def _fewest_steps_left(
-    snapshot: Snapshot, steps_left: Callable[[ReqState], int]
-) -> tuple[int, ...]:
-    """The decode steps before each running RT decode finishes (*steps_left*), fewest first,
-    at most `STEPS_LEFT_REPORTED` of them."""
-    steps = [
-        steps_left(r) for r in snapshot.running if r.tier == "rt" and r.prefilled >= r.prefill_len
-    ]
-    return tuple(heapq.nsmallest(STEPS_LEFT_REPORTED, steps))
+@functools.lru_cache(maxsize=64)
+def _step_grid(most: int) -> np.ndarray:
+    """The steps `slots_free_steps` tries: every one to 32, then 5 % apart, to *most*."""
+    grid = list(range(1, min(most, 32) + 1))
+    step = 32.0
+    while grid[-1] < most:
+        step *= 1.05
+        grid.append(min(most, max(grid[-1] + 1, math.ceil(step))))
+    return np.asarray(grid, dtype=np.int64)
+
+
+def _first_reaching(p: np.ndarray, count: int, quantile: float) -> np.ndarray:
+    """For k = 1 … *count*: the first column at which at least k of independent draws have
+    succeeded with probability ≥ *quantile* (the last column where none does); row i of *p*
+    is draw i's success probability at each column, non-decreasing along the row."""
+    draws, columns = p.shape
+    if draws <= EXACT_SLOTS:
+        exact = np.zeros((draws + 1, columns))
+        exact[0] = 1.0
+        for row in p:  # Poisson-binomial: add one draw at a time
+            exact[1:] = exact[1:] * (1.0 - row) + exact[:-1] * row
+            exact[0] *= 1.0 - row
+        at_least = np.cumsum(exact[::-1], axis=0)[::-1][1 : count + 1]  # P(≥ k), k = 1 …
+        reached = at_least >= quantile
+        return np.where(reached.any(axis=1), reached.argmax(axis=1), columns - 1)
+    # normal, ±½: P(≥ k) ≥ q where mean − z_q·σ + ½ ≥ k (first reached: its running maximum)
+    mean = p.sum(axis=0)
+    std = np.sqrt((p * (1.0 - p)).sum(axis=0))
+    level = np.maximum.accumulate(mean - _normal_quantile(quantile) * std + 0.5)
+    first = np.searchsorted(level, np.arange(1, count + 1), side="left")
+    return np.minimum(first, columns - 1)
+
+
+@functools.lru_cache(maxsize=8)
+def _normal_quantile(quantile: float) -> float:
+    return statistics.NormalDist().inv_cdf(quantile)
+
+
+def _decoding_rt(snapshot: Snapshot) -> list[ReqState]:
+    """The running RT requests past their prompt (decoding: each holds a slot until done)."""
+    return [r for r in snapshot.running if r.tier == "rt" and r.prefilled >= r.prefill_len]
 
 
 def _tenant_entry(by_tenant: dict[str, list[Any]], r: ReqState) -> list[Any]:

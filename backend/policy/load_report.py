@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from backend.policy.calibration import PaceSpread, regime_of
+from backend.policy.feasibility import SLOT_FREE_QUANTILE
 from backend.policy.types import Plan
 
 NO_CALIBRATION = (1.0, 1.0, 1.0)
@@ -67,6 +68,17 @@ def policy_rt_decode_margin(policy: Any) -> float:
     """The policy's safety margin on the RT decodes' next tokens (tandem's AIMD ε: an iteration
     may take (1 − ε) of the time to the next RT token due), or 0 for a policy without one."""
     return float(getattr(getattr(policy, "feedback", None), "eps", 0.0))
+
+
+def policy_slot_free_quantile(policy: Any) -> float | None:
+    """The quantile at which the policy's engine reports when its RT requests free their slots
+    (tandem's `slo_slot_free_quantile`; `feasibility.SLOT_FREE_QUANTILE` for a policy without
+    the option: the gateway forecasts slot waits for every policy's engine)."""
+    config = getattr(policy, "config", None)
+    if config is None or not hasattr(config, "slo_slot_free_quantile"):
+        return SLOT_FREE_QUANTILE
+    value = config.slo_slot_free_quantile
+    return None if value is None else float(value)
 
 
 def policy_slo_slot_line(policy: Any) -> bool:

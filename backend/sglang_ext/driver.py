@@ -44,6 +44,7 @@ from backend.policy.load_report import (
     policy_rt_decode_margin,
     policy_rt_fair_counters,
     policy_rt_late_bound_frac,
+    policy_slot_free_quantile,
 )
 from backend.policy.tandem import slack
 from backend.policy.tandem.victims import victim_order
@@ -140,7 +141,8 @@ class EngineDriver:
         self._last_predicted_s = 0.0  # what the plan of that iteration predicted (0: nothing)
         self._last_mix: IterationMix | None = None  # the token mix that iteration ran
         self._pace = PaceSpread()  # measured ÷ predicted of the recent iterations
-        self._rt_outputs = RtOutputs()  # how long RT requests run: when slots free up
+        # how long RT requests run: when slots free up
+        self._rt_outputs = RtOutputs(quantile=policy_slot_free_quantile(policy))
         self._calib_samples = 0  # calibration samples already copied into the stats
         self._calib_off_since: float | None = None  # a factor left the band at this instant
         self._calib_warned = False  # this episode's warning was logged

@@ -30,6 +30,7 @@ import msgspec
 from backend.policy.calibration import PaceSpread
 from backend.policy.common import PolicyBase
 from backend.policy.feasibility import (
+    SLOT_FREE_QUANTILE,
     Forecast,
     RtOutputs,
     Shortfall,
@@ -45,6 +46,7 @@ from backend.policy.load_report import (
     policy_rt_late_bound_frac,
     policy_slo_slot_line,
     policy_slo_slot_wait_feedback,
+    policy_slot_free_quantile,
 )
 from backend.policy.types import Policy, Snapshot
 from backend.sim.config import SloUnattainable
@@ -70,6 +72,7 @@ class FrontDoor:
         rt_decode_margin: Callable[[], float] = lambda: 0.0,
         recheck_frac: float = 0.0,
         slot_line: bool = False,
+        slot_free_quantile: float | None = SLOT_FREE_QUANTILE,
     ) -> None:
         self.forecaster = forecaster
         self.recheck_frac = recheck_frac
@@ -101,7 +104,7 @@ class FrontDoor:
         """rid → how it was admitted, for the requests that were not simply admitted."""
         self.shed: list[RequestRecord] = []
         """The requests it refused (they never reached the engine)."""
-        self.rt_outputs = RtOutputs()
+        self.rt_outputs = RtOutputs(quantile=slot_free_quantile)
         """How long the engine's RT requests run (seen in the snapshots it forecasts from), for
         `EngineLoad.rt_decode_steps_left` as the real engine reports it."""
         self.pace = PaceSpread()
@@ -254,6 +257,7 @@ def front_door_for(
         lambda: policy_rt_decode_margin(policy),
         recheck_frac,
         policy_slo_slot_line(policy),
+        policy_slot_free_quantile(policy),
     )
 
 

@@ -42,6 +42,7 @@ from backend.policy.load_report import (
     policy_rt_decode_margin,
     policy_rt_fair_counters,
     policy_rt_late_bound_frac,
+    policy_slot_free_quantile,
 )
 from backend.policy.placement import PlaceAsk, Replica, Router, prefix_keys
 from backend.policy.types import Policy, Snapshot
@@ -76,7 +77,7 @@ class _Member:
         self.pace = PaceSpread()
         self.noise = PaceNoise(config.engine_noise, f"{config.engine_noise_seed}:{index}")
         """Its own jitter (`SimConfig.engine_noise`): replicas do not stall together."""
-        self.rt_outputs = RtOutputs()
+        self.rt_outputs = RtOutputs(quantile=policy_slot_free_quantile(policy))
         """How long its RT requests run, for its slots' turnover as the real engine reports it."""
         self.step: Step | None = None
         """The iteration in flight (None: idle)."""

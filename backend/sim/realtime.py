@@ -25,6 +25,7 @@ from backend.policy.load_report import (
     policy_rt_decode_margin,
     policy_rt_fair_counters,
     policy_rt_late_bound_frac,
+    policy_slot_free_quantile,
 )
 from backend.policy.types import FinishedRequest, IterationResult, Policy
 from backend.sim.config import SimConfig
@@ -83,7 +84,8 @@ class RealtimeEngine:
         self.iterations = 0
         """Iterations run since start."""
         self._pace = PaceSpread()  # measured ÷ predicted of the recent iterations
-        self._rt_outputs = RtOutputs()  # how long RT requests run: when slots free up
+        # how long RT requests run: when slots free up
+        self._rt_outputs = RtOutputs(quantile=policy_slot_free_quantile(policy))
         self.load = EngineLoad(
             iteration=0,
             at_unix_s=time.time(),

@@ -132,6 +132,22 @@ def test_a_hopeless_request_goes_first_where_the_feasible_ones_can_spare_the_tim
     assert order == ["late-old", "relaxed", "late-new"]
 
 
+def test_a_hopeless_request_never_takes_the_request_slot_a_feasible_one_needs() -> None:
+    """The feasible one can spare the hopeless one's prompt time, but not its slot: with one
+    slot free the hopeless one waits behind it (taking the slot would cost it the wait for a
+    running request to finish); with two it goes first, as before."""
+    queue = RtQueue(lambda r: (r.ttft_due_s or 0.0) - r.prompt_len / 1000)
+    relaxed = make_request("relaxed", arrival_s=NOW, prompt_len=100, ttft_target_s=2.0)
+    late = make_request("late", arrival_s=NOW - 1.0, prompt_len=100)
+    queue.sync([late, relaxed])
+    for slots, order in ((1, ["relaxed", "late"]), (2, ["late", "relaxed"])):
+        pace = PromptPace(chunk_tokens=100, iteration_s=0.1, headroom=0.65, slots=slots)
+        assert [r.rid for r in queue.candidates(NOW, pace)] == order, slots
+        queue.restore()
+    unbounded = PromptPace(chunk_tokens=100, iteration_s=0.1, headroom=0.65)
+    assert [r.rid for r in queue.candidates(NOW, unbounded)] == ["late", "relaxed"]
+
+
 def test_a_request_far_past_its_deadline_goes_first_even_when_no_one_can_spare_the_time() -> None:
     queue = RtQueue(lambda r: (r.ttft_due_s or 0.0) - r.prompt_len / 1000)
     pace = PromptPace(chunk_tokens=100, iteration_s=0.1, headroom=0.65)

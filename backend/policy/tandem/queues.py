@@ -216,6 +216,13 @@ class PromptPace:
     headroom: float = 1.0
     """A feasible request's first token may be pushed to this fraction of its TTFT target at
     most (`TandemConfig.slo_headroom`: the rest is for the latency model's error)."""
+    slots: int | None = None
+    """Request slots the waiting RT prompts can take now (free, or held by BE, which gives
+    them up); None: no cap. A hopeless request goes before feasible ones only while a slot
+    is left for each of them: one taken from a feasible request costs it the wait for a
+    running one to finish, far more than a prompt's time (the simulator's slot-bound stream
+    with outputs the engine cannot know: an admitted request 10 ms from its deadline took
+    the one free slot from one admitted in time, which then came 0.55 s late of 0.5 s)."""
 
     def seconds(self, tokens: int) -> float:
         """The time the phase takes for `tokens` of prompt."""
@@ -235,15 +242,19 @@ class PromptPace:
             spare.append(deadline - now_s - self.seconds(done) - self.iteration_s)
         before: list[list[ReqState]] = [[] for _ in range(len(feasible) + 1)]
         start = 0
+        moved = 0
         for r in late:
             cost = self.seconds(r.prefill_len - r.prefilled)
             at = len(feasible)  # behind every feasible one: always safe
             least = math.inf
+            if self.slots is not None and len(feasible) + moved + 1 > self.slots:
+                start = len(feasible)  # no slot to spare: this and every later one go behind
             for i in range(len(feasible) - 1, start - 1, -1):  # the suffix minima of spare
                 least = min(least, spare[i])
                 if least < cost:
                     break
                 at = i
+            moved += at < len(feasible)
             before[at].append(r)
             for i in range(at, len(feasible)):
                 spare[i] -= cost

@@ -266,8 +266,17 @@ def _candidates(ctx: PlanContext, chunk_at_budget: int) -> Iterator[ReqState]:
             ctx.budget_s,
             ahead_tokens=sum(r.prefill_len - r.prefilled for r in partial),
             headroom=config.slo_headroom,
+            slots=_rt_slots(ctx),
         )
     yield from ctx.rt_queue.candidates(ctx.now_s, pace, late_bound_frac=config.rt_late_bound_frac)
+
+
+def _rt_slots(ctx: PlanContext) -> int:
+    """Request slots the waiting RT prompts can take: the free ones and those BE holds and can
+    give up (`_free_slot`)."""
+    b = ctx.batch
+    taken = b.scheduled | set(b.evictions)
+    return b.running_slots + sum(1 for r in ctx.view.be_running if r.rid not in taken)
 
 
 def _prefill(
