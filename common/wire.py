@@ -275,10 +275,11 @@ class EngineLoad(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     `max_running_requests`); 0: none reported. BE gives its slots up to RT, so only RT's count
     against an RT prompt: with every slot RT's, a new prompt waits for an RT request to finish."""
     rt_decode_steps_left: tuple[int, ...] = ()
-    """Decode steps each running RT decode is expected to take before it finishes and frees its
-    slot (`backend.policy.feasibility.RtOutputs`), fewest first, at most 128 of them; (): not
-    reported, or RT requests (running and waiting) fill less than half the slots: no slot wait
-    is forecast."""
+    """For k = 1, 2, … (at most 128): the decode steps within which k of the running RT decodes
+    will have finished and freed their slots, at the policy's quantile
+    (`backend.policy.feasibility.RtOutputs.slots_free_steps`; non-decreasing); (): not reported,
+    or RT requests (running and waiting) fill less than half the slots: no slot wait is
+    forecast."""
     rt_new_decode_steps: int = 0
     """Decode steps an RT request that starts now is expected to take (the mean over the RT
     requests the engine finished lately), reported with `rt_decode_steps_left`: when more slots

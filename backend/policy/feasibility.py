@@ -81,10 +81,10 @@ the same latency model the engine's policy plans with, corrected by that pace:
           gives its slots up to RT, so only RT's count: while the slots RT does not hold cover
           the RT prompts queued ahead of it (the queued requests in W's share of the queued
           prompt work) and it, there is no wait; else the excess k RT requests must finish
-          first. The engine reports how many decode steps each running RT decode has left
-          (`RtOutputs`: the mean of L − g over the lengths L > g of the RT requests it
-          finished lately, at most the request's max_new_tokens − g), fewest first, and the
-          k-th of them, at the decodes' step time, is the wait; the prompt starts after it:
+          first. The engine reports within how many decode steps k of its running RT decodes
+          will have finished, at a high quantile (`RtOutputs.slots_free_steps`: each one's
+          length drawn from the RT outputs it saw lately, L > g, at most its max_new_tokens),
+          and that, at the decodes' step time, is the wait; the prompt starts after it:
               TTFT ≥ left + steps_k × f_decode × predict(decodes) + its own prompt
           Without it, a bursting tenant's requests were admitted on the prompt work alone
           while every slot was RT's, and waited 2-4 s for one (W6 on the real engine, 64
@@ -94,7 +94,7 @@ A forecast is compared with the time the request has left (its target less the t
 waited) times `headroom` (< 1: the forecast is a mean, the SLO a bound): over it, the request
 misses, and `Shortfall` says which target, the predicted time and by how much. The headroom is
 for what the forecast guesses. The time already waited is spent: it is taken whole. A slot wait
-is a count of decode steps (each running request's left, at most its max_new_tokens), at the
+is a count of decode steps (when the running requests will have left the slot), at the
 engine's pace now and a part of its recent worst that shrinks with their number (`pace_stretch`):
 a sum of many iterations, it strays less from its forecast than a prompt's few, and it gets the
 square root of the headroom. The rest must

@@ -24,20 +24,21 @@ from common.wire import EngineLoad
 log = logging.getLogger(__name__)
 
 STEPS_LEFT_SHOWN = 8
-"""The running RT decodes' fewest steps left shown in a line (the slot wait is the k-th)."""
+"""How many of the engine's slot-free steps a line shows (k = 1 … this: within how many decode
+steps k of its running RT decodes finish; the slot wait is the k-th)."""
 
 
 def engine_state(engine: str, load: EngineLoad) -> str:
     """The engine state *load* of engine *engine* as one clause: RT decoding and waiting, BE,
-    request slots and the decodes' fewest steps left, the calibrated pace, the recent pace
-    (now, and at worst but one iteration in ten) and the last iteration."""
+    request slots and the steps within which the first of them free up, the calibrated pace,
+    the recent pace (now, and at worst but one iteration in ten) and the last iteration."""
     f_decode, f_prefill, f_mixed = load.latency_factors
     slots = ""
     if load.max_running_requests > 0:
         shown = ", ".join(str(s) for s in load.rt_decode_steps_left[:STEPS_LEFT_SHOWN])
         slots = (
             f", {load.max_running_requests} request slots ({load.num_rt_prefilling} RT "
-            f"prefilling; fewest decode steps left [{shown}], a new request "
+            f"prefilling; slots free within [{shown}] decode steps, a new request "
             f"{load.rt_new_decode_steps})"
         )
     recent = ""

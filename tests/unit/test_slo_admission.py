@@ -871,7 +871,7 @@ def test_a_refusal_is_logged_with_its_forecast_and_the_slots_it_waited_for(
     assert given.request.rid in line and "ten_rt" in line
     assert "time to first token target of 2000 ms" in line and "request slots" in line
     assert "64 RT decoding" in line and "64 request slots" in line
-    assert "fewest decode steps left [400, 401, 402, 403, 404, 405, 406, 407]" in line
+    assert "slots free within [400, 401, 402, 403, 404, 405, 406, 407] decode steps" in line
     assert "(1 on this engine since the last such line)" in line
 
 
