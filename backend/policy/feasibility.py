@@ -1270,13 +1270,13 @@ def _first_reaching(p: np.ndarray, count: int, quantile: float) -> np.ndarray:
             exact[0] *= 1.0 - row
         at_least = np.cumsum(exact[::-1], axis=0)[::-1][1 : count + 1]  # P(≥ k), k = 1 …
         reached = at_least >= quantile
-        return np.where(reached.any(axis=1), reached.argmax(axis=1), columns - 1)
+        return np.asarray(np.where(reached.any(axis=1), reached.argmax(axis=1), columns - 1))
     # normal, ±½: P(≥ k) ≥ q where mean − z_q·σ + ½ ≥ k (first reached: its running maximum)
     mean = p.sum(axis=0)
     std = np.sqrt((p * (1.0 - p)).sum(axis=0))
     level = np.maximum.accumulate(mean - _normal_quantile(quantile) * std + 0.5)
     first = np.searchsorted(level, np.arange(1, count + 1), side="left")
-    return np.minimum(first, columns - 1)
+    return np.asarray(np.minimum(first, columns - 1))
 
 
 @functools.lru_cache(maxsize=8)
