@@ -1144,22 +1144,32 @@ class RtOutputs:
             raise ValueError(f"quantile must be in (0, 1) or None, got {quantile}")
         self.quantile = quantile
         self._recent: deque[int] = deque(maxlen=history)
-        self._holding: dict[str, int] = {}
-        """rid → tokens generated, of the RT requests running in the last snapshot."""
+        self._at_cap: deque[bool] = deque(maxlen=history)
+        """Whether each of `_recent` ended at its max_new_tokens (not at its own end)."""
+        self._holding: dict[str, tuple[int, int]] = {}
+        """rid → (tokens generated, max_new_tokens), of the RT requests running in the last
+        snapshot."""
         self._sorted: list[int] | None = None
         self._suffix: list[int] = []
-        self._array = np.zeros(0, dtype=np.int64)
+        self._own_ends = np.zeros(0, dtype=np.int64)
+        """The lengths of `_recent` that ended on their own (sorted)."""
+        self._cut = np.zeros(0, dtype=np.int64)
+        """The lengths of `_recent` cut at their max_new_tokens (sorted)."""
 
     def observe(self, snapshot: Snapshot) -> None:
         """Takes in *snapshot*: the RT requests gone from it since the last one finished."""
-        holding = {r.rid: r.generated for r in snapshot.running if r.tier == "rt"}
+        holding = {
+            r.rid: (r.generated, r.max_new_tokens) for r in snapshot.running if r.tier == "rt"
+        }
         gone = self._holding.keys() - holding.keys()
         if gone:
             waiting = snapshot.waiting_rt if snapshot.waiting_rt is not None else snapshot.waiting
             gone -= {r.rid for r in waiting if r.tier == "rt"}
             for rid in gone:
+                generated, max_new_tokens = self._holding[rid]
                 # the last count seen; the final token's step is not seen: one more
-                self._recent.append(self._holding[rid] + 1)
+                self._recent.append(generated + 1)
+                self._at_cap.append(generated + 1 >= max_new_tokens)
                 self._sorted = None
         self._holding = holding
 
@@ -1186,9 +1196,9 @@ class RtOutputs:
         """For k = 1, 2, … (at most *limit*): the decode steps within which k of *decoding*
         (running RT decodes) will have finished and freed their slots, at `quantile`.
 
-        Each decode's steps left R has the distribution of L − g over the finished lengths
-        L > g, all of them at its cap (max_new_tokens − g) or beyond; then P(R ≤ t) is the
-        share of those L ≤ g + t (1 from its cap on). The number finished by step t is a sum
+        Each decode's steps left R is L − g, L the length at which its output ends on its
+        own, given L > g (`_survival`), or its cap (max_new_tokens − g) if sooner: P(R ≤ t) =
+        1 − P(L > g + t) ÷ P(L > g), and 1 from its cap on. The number finished by step t is a sum
         of such draws, exact by convolution up to `EXACT_SLOTS` of them and normal beyond
         (with ±½); the k-th value is the first step t on a grid (every step to 32, then
         5 % apart, and each decode's cap: rounded up) where P(≥ k finished) reaches the
@@ -1212,29 +1222,29 @@ class RtOutputs:
         return tuple(grid[_first_reaching(p, count, self.quantile)].tolist())
 
     def _survival(self, generated: np.ndarray) -> np.ndarray:
-        """P(L > x) for RT output lengths L, x = 0 … the longest seen (constant past it),
-        Kaplan–Meier: the finished lengths, and the running decodes (*generated* each) as
-        lengths known only to pass that, and one phantom longer than any. Finished ones alone
-        are the short ones first: after an idle start or a change of traffic every running
-        request looked near its end (the stream's first late requests); and past the longest
-        seen a request need not end soon (it ended every request beyond it at once)."""
-        lengths = self._lengths_array()
-        if not len(lengths):
+        """P(L > x) for the length L at which an RT output ends on its own, x = 0 … the longest
+        seen (constant past it), Kaplan–Meier: the lengths that ended so are its events; the
+        ones cut at their max_new_tokens, the running decodes (*generated* each) and one
+        phantom longer than any are lengths known only to pass where they stand. Finished ones
+        alone are the short ones first: after an idle start or a change of traffic every
+        running request looked near its end (the stream's first late requests); past the
+        longest seen a request need not end soon (it ended every request beyond it at once);
+        and where every request runs to its cap (a client that sets max_tokens to what it
+        wants, a bench's exact lengths), no output ends before its cap: the caps are exact."""
+        self._sorted_lengths()
+        own, cut = self._own_ends, self._cut
+        if not len(own):
             return np.ones(1)
-        ends, finished = np.unique(lengths, return_counts=True)
-        # at risk at x: finished at x or later, or running with g + 1 ≥ x (its next step ends
-        # it), or the phantom
-        at_risk = len(lengths) - np.searchsorted(lengths, ends, side="left")
+        ends, finished = np.unique(own, return_counts=True)
+        # at risk at x: ended at x or later, cut at x or later, running with g + 1 ≥ x (its next
+        # step may end it), or the phantom
+        at_risk = len(own) - np.searchsorted(own, ends, side="left")
+        at_risk += len(cut) - np.searchsorted(cut, ends, side="left")
         at_risk += len(generated) - np.searchsorted(np.sort(generated + 1), ends, side="left")
         at_risk += 1
         dense = np.ones(int(ends[-1]) + 1)
         dense[ends] = 1.0 - finished / at_risk
         return np.cumprod(dense)
-
-    def _lengths_array(self) -> np.ndarray:
-        """The recent lengths sorted, as an array."""
-        self._sorted_lengths()
-        return self._array
 
     def _sorted_lengths(self) -> tuple[list[int], list[int]]:
         """The recent lengths sorted, and their suffix sums (sorted again only after a new
@@ -1242,7 +1252,10 @@ class RtOutputs:
         if self._sorted is None:
             self._sorted = sorted(self._recent)
             self._suffix = list(itertools.accumulate(reversed(self._sorted)))[::-1]
-            self._array = np.asarray(self._sorted, dtype=np.int64)
+            lengths = np.asarray(self._recent, dtype=np.int64)
+            at_cap = np.asarray(self._at_cap, dtype=bool)
+            self._own_ends = np.sort(lengths[~at_cap])
+            self._cut = np.sort(lengths[at_cap])
         return self._sorted, self._suffix
 
 

@@ -1024,6 +1024,28 @@ def test_equal_lengths_free_the_slots_exactly_when_they_end() -> None:
     assert _finished([150] * 20).slots_free_steps(_decoding(120, 100, 140), 8)[2] > 50
 
 
+def test_where_every_request_runs_to_its_cap_the_slots_free_at_the_caps() -> None:
+    """A client that sets max_tokens to what it wants (a bench's exact lengths): every output
+    ran to its cap, none ended on its own, so none is expected to end before its cap — drawn
+    from the lengths alone, many decodes together looked sure to free a slot within a few
+    steps (the real engine's W1 at 15 req/s, 64 slots: 1.3 % of the admitted came late)."""
+    outputs = RtOutputs(quantile=0.95)
+    capped = [
+        make_req(f"c{i}", running=True, generated=n - 1, max_new_tokens=n)
+        for i, n in enumerate(range(20, 300, 7))
+    ]
+    outputs.observe(make_snapshot(running=capped))
+    outputs.observe(make_snapshot())
+    decoding = [
+        make_req(f"d{i}", running=True, generated=g, max_new_tokens=g + left)
+        for i, (g, left) in enumerate(zip(range(10, 330, 10), range(200, 40, -5), strict=True))
+    ]
+    lefts = sorted(r.max_new_tokens - r.generated for r in decoding)
+    assert outputs.slots_free_steps(decoding, 128) == tuple(lefts)
+    # the same lengths ended on their own: a slot is likely to free before the first cap
+    assert _finished(list(range(20, 300, 7)), 0.95).slots_free_steps(decoding, 128)[0] < lefts[0]
+
+
 def test_requests_still_running_and_past_the_longest_seen_keep_the_slot_wait_honest() -> None:
     """The finished lengths alone are the short ones first, and end every request at the
     longest seen: the mean forecast (quantile None) frees a slot when one that ran to 60
