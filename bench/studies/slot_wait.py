@@ -110,40 +110,31 @@ def _snapshot(running: list[ReqState]) -> Snapshot:
     )
 
 
+def _decoding(rid: str, generated: int) -> ReqState:
+    """A running RT request past its 50-token prompt, *generated* tokens out of at most 4,096."""
+    return ReqState(
+        rid=rid,
+        tier="rt",
+        arrival_s=0.0,
+        prompt_len=50,
+        max_new_tokens=4096,
+        prefill_len=50,
+        prefilled=50,
+        generated=generated,
+        is_running=True,
+    )
+
+
 def report_cost(decodes: int, quantile: float | None, repeats: int = 200) -> float:
     """µs per `slots_free_steps` call with *decodes* running RT decodes (p50)."""
     rng = random.Random(decodes)
     outputs = RtOutputs(quantile=quantile)
     finished = [
-        ReqState(
-            rid=f"f{i}",
-            tier="rt",
-            arrival_s=0.0,
-            prompt_len=50,
-            max_new_tokens=4096,
-            prefill_len=50,
-            prefilled=50,
-            generated=max(4, int(rng.lognormvariate(5.0, 0.8))) - 1,
-            is_running=True,
-        )
-        for i in range(256)
+        _decoding(f"f{i}", max(4, int(rng.lognormvariate(5.0, 0.8))) - 1) for i in range(256)
     ]
     outputs.observe(_snapshot(finished))
     outputs.observe(_snapshot([]))
-    decoding = [
-        ReqState(
-            rid=f"d{i}",
-            tier="rt",
-            arrival_s=0.0,
-            prompt_len=50,
-            max_new_tokens=4096,
-            prefill_len=50,
-            prefilled=50,
-            generated=rng.randint(0, 300),
-            is_running=True,
-        )
-        for i in range(decodes)
-    ]
+    decoding = [_decoding(f"d{i}", rng.randint(0, 300)) for i in range(decodes)]
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
