@@ -1110,8 +1110,9 @@ def load_of(
     )
 
 
-SLOT_FREE_QUANTILE = 0.9
-"""The quantile at which `RtOutputs.slots_free_steps` tells when slots free up."""
+SLOT_FREE_QUANTILE = 0.95
+"""The quantile at which `RtOutputs.slots_free_steps` tells when slots free up (tandem's
+`slo_slot_free_quantile` defaults to it)."""
 EXACT_SLOTS = 16
 """Up to this many running decodes the count finished by a step is convolved exactly (16 of
 them: 0.15 ms of the report); past it, normal (its mean and variance, ±½: for the first slots
@@ -1125,10 +1126,10 @@ class RtOutputs:
     An RT request that held a slot in one snapshot and is neither running nor waiting in the
     next has finished (one back in the queue was evicted, and still needs a slot); its output
     length joins the last `history` ones. A running request that has generated g tokens then
-    finishes after L − g more steps, L drawn from those finished lengths L > g (the past
-    outputs of the engine's own RT traffic, Past-Future style), at most its `max_new_tokens`;
-    with none of them longer than g (or none finished yet), after its `max_new_tokens` − g: a
-    guess shorter than that once let requests in that then waited seconds for a slot.
+    finishes after L − g more steps, L > g drawn from the past outputs of the engine's own RT
+    traffic (Past-Future style; `_survival`), at most its `max_new_tokens`; with none of them
+    longer than g (or none finished yet), after its `max_new_tokens` − g: a guess shorter than
+    that once let requests in that then waited seconds for a slot.
 
     `slots_free_steps` says within how many steps k of the running decodes will have finished,
     at the `quantile` of that count's distribution (each decode's length drawn on its own);

@@ -10,6 +10,8 @@ import math
 
 import msgspec
 
+from backend.policy.feasibility import SLOT_FREE_QUANTILE
+
 
 class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Parameters of the tandem scheduling loop."""
@@ -226,7 +228,7 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
     capacity it came out 30–40 % shorter, and requests kept for a slot were refused that would
     have met their contract)."""
 
-    slo_slot_free_quantile: float | None = 0.95
+    slo_slot_free_quantile: float | None = SLOT_FREE_QUANTILE
     """The engine reports when its running RT requests will free their request slots at this
     quantile (`feasibility.RtOutputs.slots_free_steps`: the k-th slot is free within that many
     decode steps with this probability, each request's length drawn from the engine's recent
