@@ -9,15 +9,17 @@ every row the plan decodes emits a token, a finished request leaves (its slot go
 request the plan admits) and as many new requests arrive, so the mirror and the policy meet
 new, admitted, parked and finished requests every iteration, not one frozen state.
 
-    python -m bench.studies.driver_overhead                    # the three shapes below
+    python -m bench.studies.driver_overhead                    # the four shapes below
     python -m bench.studies.driver_overhead --shape 256x2000 --iterations 500
 
-Shapes (running × waiting, as offered): `new-user` is the new user's chat beside a 50-line
-batch (one RT chat, 35 BE lines running and 15 waiting to start with); `64x64` a busy small
-engine; `256x2000` issue 4's planning scale (a long BE queue behind a full engine). The running
-cap is the shape's running count; how many run from there on is the policy's choice (it parks
-BE rows and admits BE prompts within its time budget), so the bench prints the mean running
-and waiting counts it measured at.
+Shapes (running × waiting, as offered): `new-user` is the new user's chat beside a 50-line batch
+(one RT chat, 35 BE lines running and 15 waiting to start with); `64x64` a busy small engine;
+`256x2000` issue 4's planning scale (a long BE queue behind a full engine); `rt-256` all 256
+slots RT chats, each finished one replaced by a new chat (the engine's load report then also
+says when slots free up, for the gateway's SLO admission). The running cap is the shape's
+running count; how many run from there on is the policy's choice (it parks BE rows and admits BE
+prompts within its time budget), so the bench prints the mean running and waiting counts it
+measured at.
 """
 
 from __future__ import annotations
@@ -46,8 +48,12 @@ SHAPES: dict[str, tuple[int, int, int]] = {
     "new-user": (1, 35, 15),
     "64x64": (8, 56, 64),
     "256x2000": (64, 192, 2000),
+    "rt-256": (256, 0, 0),
 }
 """Shape name → (RT running, BE running, BE waiting)."""
+SHAPE_PROFILES = {"rt-256": "h100-llama8b-analytic"}
+"""Shapes planned with another profile than `PROFILE`: 256 RT decodes keep their TPOT on a
+GPU's pace, not on the CPU engine's (where the policy runs a few dozen and queues the rest)."""
 
 
 @dataclass(eq=False)
@@ -103,7 +109,8 @@ def _request(rng: random.Random, serial: int, tier: str) -> _Req:
 def measure(shape: str, *, iterations: int, warmup: int, seed: int = 0) -> dict[str, float]:
     """Per-iteration times (µs) of `plan_iteration` and of the policy's `plan()` in it."""
     rt_running, be_running, be_waiting = SHAPES[shape]
-    latency = LatencyModel.fit(load_profile(PROFILES_DIR / f"{PROFILE}.json").samples)
+    profile = SHAPE_PROFILES.get(shape, PROFILE)
+    latency = LatencyModel.fit(load_profile(PROFILES_DIR / f"{profile}.json").samples)
     driver = EngineDriver(make_policy("tandem", latency))
     rng = random.Random(seed)
     serial = itertools.count()

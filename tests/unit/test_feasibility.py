@@ -1024,6 +1024,21 @@ def test_equal_lengths_free_the_slots_exactly_when_they_end() -> None:
     assert _finished([150] * 20).slots_free_steps(_decoding(120, 100, 140), 8)[2] > 50
 
 
+def test_with_hundreds_decoding_the_first_slots_do_not_depend_on_how_many_are_asked() -> None:
+    """Past `EXACT_SLOTS` the steps are searched a block of the grid at a time and the search
+    stops at the last slot asked for: asking for 8 slots or for 128 gives the same first 8,
+    each later slot no sooner, and the last one is never past the last cap."""
+    rng = random.Random(11)
+    history = [max(4, int(rng.lognormvariate(math.log(120), 0.8))) for _ in range(256)]
+    outputs = _finished(history, 0.95)
+    decoding = _decoding(*(rng.randint(0, 300) for _ in range(256)), max_new_tokens=4096)
+    every = outputs.slots_free_steps(decoding, 256)
+    assert outputs.slots_free_steps(decoding, 8) == every[:8]
+    assert outputs.slots_free_steps(decoding, 128) == every[:128]
+    assert list(every) == sorted(every) and every[-1] <= 4096 - min(r.generated for r in decoding)
+    assert every[0] < every[127] < every[-1]
+
+
 def test_where_every_request_runs_to_its_cap_the_slots_free_at_the_caps() -> None:
     """A client that sets max_tokens to what it wants (a bench's exact lengths): every output
     ran to its cap, none ended on its own, so none is expected to end before its cap — drawn
