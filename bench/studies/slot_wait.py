@@ -7,7 +7,10 @@ lognormal with median 120 and σ 0.8, capped at 1,000) while every request's max
 1,000, TTFT 0.5 s, TPOT 0.2 s, judged again at the door for half the TTFT target as the gateway
 does (`slo_recheck_frac`). Each row runs tandem with `slo_slot_free_quantile` set to one value
 (None: each running decode's mean steps left, the k-th fewest) over the same streams; it counts
-the admitted requests and those of them that came late, and the worst lateness.
+the admitted requests and those of them that came late, and the worst lateness. Rows marked
+feedback also learn from outcomes as the gateway does (`TtftFeedback`: each admitted request's
+first token against its forecast; a slot wait is scaled by a high quantile of what came, at
+most 1), the gateway's shipped setting with `slo_slot_wait_feedback`.
 
 It also times what the engine's report pays for it (`RtOutputs.slots_free_steps`) at 8, 64 and
 256 running RT decodes, against the mean's.
@@ -42,6 +45,8 @@ LATENCY = LatencyModel([0.010, 0.020, 0.001, 0.0, 0.0, 0.0, 0.0, 0.0])
 """10 ms per iteration + 20 ms per 1K prefill tokens + 1 ms per 1K decode context."""
 TTFT_TARGET_S = 0.5
 QUANTILES: tuple[float | None, ...] = (None, 0.9, 0.95)
+FEEDBACK_QUANTILES: tuple[float | None, ...] = (None, 0.95)
+"""The quantiles run again with the outcome feedback on."""
 RATES_REQ_S = (10.0, 15.0, 20.0)
 
 
@@ -72,13 +77,21 @@ def stream(rate_req_s: float, seed: int, lengths: str, requests: int) -> list[Si
     return out
 
 
-def run_row(quantile: float | None, lengths: str, seeds: int, requests: int) -> dict[str, Any]:
-    """The streams of every rate and seed through tandem with *quantile*."""
+def run_row(
+    quantile: float | None, lengths: str, seeds: int, requests: int, feedback: bool = False
+) -> dict[str, Any]:
+    """The streams of every rate and seed through tandem with *quantile* (and the front door
+    learning from outcomes if *feedback*)."""
     offered = admitted = late = 0
     worst = 0.0
     for rate in RATES_REQ_S:
         for seed in range(seeds):
-            config = SimConfig(kv_capacity_tokens=400_000, max_running=8, slo_recheck_frac=0.5)
+            config = SimConfig(
+                kv_capacity_tokens=400_000,
+                max_running=8,
+                slo_recheck_frac=0.5,
+                ttft_feedback=feedback,
+            )
             policy = TandemPolicy(
                 LATENCY,
                 config=TandemConfig(latency_budget_s=0.05, slo_slot_free_quantile=quantile),
@@ -95,6 +108,7 @@ def run_row(quantile: float | None, lengths: str, seeds: int, requests: int) -> 
                     worst = max(worst, ttft_s / TTFT_TARGET_S)
     return {
         "slo_slot_free_quantile": quantile,
+        "ttft_feedback": feedback,
         "lengths": lengths,
         "offered": offered,
         "admitted": admitted,
@@ -152,14 +166,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.seeds < 1 or args.requests < 1:
         parser.error("--seeds and --requests must be ≥ 1")
     rows = [
-        run_row(q, lengths, args.seeds, args.requests)
+        run_row(q, lengths, args.seeds, args.requests, feedback)
         for lengths in ("uniform", "lognormal")
-        for q in QUANTILES
+        for feedback, quantiles in ((False, QUANTILES), (True, FEEDBACK_QUANTILES))
+        for q in quantiles
     ]
-    print("lengths    quantile  offered  admitted  late  late/admitted  worst late")
+    print("lengths    quantile  feedback  offered  admitted  late  late/admitted  worst late")
     for row in rows:
         print(
-            f"{row['lengths']:10s} {row['slo_slot_free_quantile']!s:8s} {row['offered']:8d}"
+            f"{row['lengths']:10s} {row['slo_slot_free_quantile']!s:8s}"
+            f" {'on' if row['ttft_feedback'] else 'off':>8s} {row['offered']:8d}"
             f" {row['admitted']:9d} {row['admitted_late']:5d} {row['late_share_of_admitted']:14.4f}"
             f" {row['worst_late_ttft_x_target']:9.2f}×"
         )

@@ -11,14 +11,20 @@ import pytest
 from bench.studies import slot_wait
 
 
-def test_the_study_writes_a_row_per_quantile_and_length_law(
+def test_the_study_writes_a_row_per_quantile_feedback_and_length_law(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert slot_wait.main(["--seeds", "1", "--requests", "40", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "result.json").read_text())
     rows = result["rows"]
-    assert {(r["lengths"], r["slo_slot_free_quantile"]) for r in rows} == {
-        (lengths, q) for lengths in ("uniform", "lognormal") for q in slot_wait.QUANTILES
+    assert {(r["lengths"], r["slo_slot_free_quantile"], r["ttft_feedback"]) for r in rows} == {
+        (lengths, q, feedback)
+        for lengths in ("uniform", "lognormal")
+        for feedback, quantiles in (
+            (False, slot_wait.QUANTILES),
+            (True, slot_wait.FEEDBACK_QUANTILES),
+        )
+        for q in quantiles
     }
     for row in rows:
         assert row["offered"] == 40 * len(slot_wait.RATES_REQ_S)
