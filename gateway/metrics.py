@@ -129,8 +129,8 @@ class GatewayMetrics:
         self.slo_slot_wait_scale = Gauge(
             "tandem_slo_slot_wait_scale",
             "The scale the SLO admission applies to a request slot's forecast wait on each "
-            "engine, learned from admitted RT requests whose wait came out shorter than "
-            "forecast (1: as forecast; at least 0.5).",
+            "engine, learned from admitted RT requests whose wait's decode steps the engine "
+            "ran faster than forecast (1: as forecast; at least 0.5).",
             ["engine"],
             registry=r,
         )

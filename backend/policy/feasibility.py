@@ -253,6 +253,10 @@ class Forecast(msgspec.Struct, frozen=True):
     slot_wait_scale: float = 1.0
     """The scale outcomes had taught the slot wait (`TtftFeedback.slot_wait_scale`), already in
     `slot_wait_s`."""
+    slot_step_s: float = 0.0
+    """The pace the slot wait was forecast at: seconds per decode step, before the scale (the
+    step at the engine's pace, stretched by `pace_stretch`); 0 with no slot wait. What the
+    engine's iterations then took, against this, teaches the scale (`TtftFeedback.observe`)."""
 
     @property
     def feasible(self) -> bool:
@@ -335,7 +339,7 @@ class SloForecaster:
         pace_now = load.pace_ratio_recent_mean if self.pace_averaging else None
         if pace_now is not None and not math.isfinite(pace_now):
             pace_now = None
-        ttft_s, tpot_s, slot_wait_s = self._predict(
+        ttft_s, tpot_s, slot_wait_s, slot_step_s = self._predict(
             load, ask, backlog, load.latency_factors, spread, pace_now, slot_wait_scale
         )
         ttft_s += ask.waited_s + ttft_extra_s
@@ -349,7 +353,7 @@ class SloForecaster:
                 at_pace = (ask.waited_s + ttft_extra_s, None)  # the model is the profile's word
             else:
                 factors = tuple(min(1.0, f) for f in load.latency_factors)
-                ttft_at, tpot_at, _ = self._predict(load, ask, backlog, factors, 1.0)
+                ttft_at, tpot_at, _, _ = self._predict(load, ask, backlog, factors, 1.0)
                 at_pace = (ttft_at + ask.waited_s + ttft_extra_s, tpot_at)
             if self._shortfall(ask, *at_pace, self._ttft_budget_s(ask, 0.0)) is None:
                 shortfall = None
@@ -360,6 +364,7 @@ class SloForecaster:
             ttft_budget_s=budget_s,
             slot_wait_s=slot_wait_s,
             slot_wait_scale=slot_wait_scale,
+            slot_step_s=slot_step_s,
         )
 
     def _predict(
@@ -371,9 +376,10 @@ class SloForecaster:
         spread: float,
         pace_now: float | None = None,
         slot_wait_scale: float = 1.0,
-    ) -> tuple[float, float | None, float]:
+    ) -> tuple[float, float | None, float, float]:
         """(TTFT from now, before what was waited and taught; TPOT or None; the part of the TTFT
-        spent waiting for a request slot) at the engine's pace *factors* (decode, prefill,
+        spent waiting for a request slot; the seconds per decode step of that wait before
+        *slot_wait_scale*, 0 without one) at the engine's pace *factors* (decode, prefill,
         mixed), stretched by *spread* (the recent p90), a request slot's wait of many decode
         steps by `pace_stretch` of *spread* and *pace_now* (None: by *spread*) and by
         *slot_wait_scale*."""
@@ -432,21 +438,20 @@ class SloForecaster:
                 c = min(chunk, ask.prompt_tokens - done)
                 ttft_s += spread * (cycle_s(c, ask.cached_tokens + done) - cycle_s(c))
                 done += c
-        slot_wait_s = 0.0
+        slot_wait_s = slot_step_s = 0.0
         slot_steps = self._slot_wait_steps(load, ask, backlog, work)
         if slot_steps:  # its prompt starts once a slot is its, whatever was computed by then
             iterations = slot_steps + math.ceil(ask.prompt_tokens / chunk)
             stretch = pace_stretch(spread, pace_now, iterations)
-            step_s = f_decode * self.latency.predict(running)
-            slot_wait_s = slot_wait_scale * stretch * slot_steps * step_s
+            slot_step_s = stretch * f_decode * self.latency.predict(running)
+            slot_wait_s = slot_wait_scale * slot_steps * slot_step_s
             after_slot_s = slot_wait_s + stretch * prefill_s(ask.prompt_tokens)
             if after_slot_s > ttft_s:
                 ttft_s = after_slot_s
             else:
-                slot_wait_s = (
-                    0.0  # the prompts ahead take longer: the slot is not what it waits for
-                )
-        return inflight_left_s(load, ask.at_s, spread) + ttft_s, tpot_s, slot_wait_s
+                # the prompts ahead take longer: the slot is not what it waits for
+                slot_wait_s = slot_step_s = 0.0
+        return inflight_left_s(load, ask.at_s, spread) + ttft_s, tpot_s, slot_wait_s, slot_step_s
 
     @staticmethod
     def _slot_wait_steps(load: EngineLoad, ask: SloAsk, backlog: Backlog, work_tokens: int) -> int:
@@ -601,18 +606,23 @@ class TtftFeedback:
     the caller gives the clock.
 
     It also learns the other way for one part of the forecast, the wait for a request slot
-    (`slot_wait`): that wait is a sum of many decode steps, each at a pace stretched toward the
-    engine's recent worst, until as many running requests finish as are ahead — forecast from
-    how many steps they have left on average. On the real CPU engine at its capacity it came
-    out 30–40 % shorter than forecast, and the admission refused requests kept for a slot that
-    the requests admitted beside them showed would have met (bench/results/slo/README.md,
-    session 66). Each admitted request whose forecast was mostly a slot wait gives the scale
-    that wait would have needed to forecast its first token exactly (what came, less the rest
-    of the forecast, over the slot wait before scaling), at most 1; the scale is a high
-    quantile (`slot_wait_quantile`) of the recent ones, each fading toward 1 (no correction)
-    with `decay_s`, not below `slot_wait_floor`, and 1 until `slot_wait_min_samples` came.
-    Only pessimism is corrected, and a quantile near the top reverts it as soon as a few
-    admitted requests come late: the TTFT extra (above) keeps correcting optimism."""
+    (`slot_wait`): that wait is a count of decode steps — until as many running requests finish
+    as are ahead, at a high quantile of their lengths (`RtOutputs.slots_free_steps`) — each at a
+    pace stretched toward the engine's recent worst (`pace_stretch`). On the real CPU engine at
+    its capacity it came out 30–40 % shorter than forecast, and the admission refused requests
+    kept for a slot that the requests admitted beside them showed would have met
+    (bench/results/slo/README.md, session 66). Only the pace is learned, not the count: each
+    admitted request whose forecast was mostly a slot wait gives the scale its forecast step
+    needed to match the engine's mean iteration from its admission to its first token (the
+    engine's reports: iterations counted, seconds between them), at most 1. The count is a
+    quantile, so most waits take fewer steps than forecast; a scale learned from the whole wait
+    (what came, less the rest of the forecast, over the wait) trimmed that margin too, and in a
+    slot-bound stream with lengths the engine cannot know 0.4 % of the admitted came late with
+    it, none without (bench/results/slo/README.md, session 70). The scale is a high quantile
+    (`slot_wait_quantile`) of the recent ones, each fading toward 1 (no correction) with
+    `decay_s`, not below `slot_wait_floor`, and 1 until `slot_wait_min_samples` came. Only
+    pessimism is corrected, and a quantile near the top reverts it as soon as a few admitted
+    requests see a slower pace: the TTFT extra (above) keeps correcting optimism."""
 
     def __init__(
         self,
@@ -686,21 +696,25 @@ class TtftFeedback:
         observed_s: float,
         now_s: float,
         slot_wait_s: float = 0.0,
-        slot_wait_scale: float = 1.0,
+        slot_step_s: float = 0.0,
+        iteration_s: float | None = None,
     ) -> None:
         """An admitted request forecast to get its first token *forecast_s* after its admission
         got it *observed_s* after; *slot_wait_s* of the forecast was a wait for a request slot,
-        forecast with *slot_wait_scale* (`Forecast.slot_wait_s`, `Forecast.slot_wait_scale`).
-        Samples that are not finite are ignored."""
+        forecast at *slot_step_s* per decode step before the scale (`Forecast.slot_wait_s`,
+        `Forecast.slot_step_s`), and the engine's iterations from its admission to its first
+        token took *iteration_s* each on average (None: not known — the slot wait's scale then
+        learns nothing from it). Samples that are not finite are ignored."""
         if not (math.isfinite(forecast_s) and math.isfinite(observed_s)):
             return
         if (
             self.slot_wait
-            and slot_wait_scale > 0.0
+            and iteration_s is not None
+            and math.isfinite(iteration_s)
+            and slot_step_s > 0.0
             and SLOT_BOUND_FRAC * forecast_s <= slot_wait_s <= forecast_s
         ):
-            unscaled_s = slot_wait_s / slot_wait_scale
-            needed = (observed_s - (forecast_s - slot_wait_s)) / unscaled_s
+            needed = iteration_s / slot_step_s
             self._slot_recent.append((now_s, min(1.0, max(0.0, needed))))
             self._slot_cut = 0.0
             if len(self._slot_recent) >= self.slot_wait_min_samples:
@@ -720,6 +734,24 @@ class TtftFeedback:
         self._extra_s = min(self.max_extra_s, ordered[rank - 1])
         self._at_s = now_s
         self.samples += 1
+
+
+MIN_PACE_ITERATIONS = 4
+"""Engine iterations an admitted request's wait must span for their mean to teach the slot
+wait's scale (`TtftFeedback.observe`): fewer are one iteration's noise, and a request that
+waited that little for its slot was not slot-bound."""
+
+
+def mean_iteration_s(
+    iteration_before: int, at_before_s: float, iteration_after: int, at_after_s: float
+) -> float | None:
+    """The engine's mean seconds per iteration between two of its reports, each an iteration
+    count and when it was taken (`EngineLoad.iteration`, `EngineLoad.at_unix_s`); None over
+    fewer than `MIN_PACE_ITERATIONS` iterations."""
+    iterations = iteration_after - iteration_before
+    if iterations < MIN_PACE_ITERATIONS:
+        return None
+    return max(0.0, at_after_s - at_before_s) / iterations
 
 
 class TtftFeedbackByEngine:

@@ -112,6 +112,7 @@ def simulate(
         duration = step.duration_s
         finished = end_iteration(core, policy, source, log, step)
         if door is not None and door.feedback is not None:
+            door.iteration_ended(clock.now_s + duration)
             for t in finished:
                 door.learn(t.state.rid, t.state.first_token_s, clock.now_s + duration)
         clock.now_s += duration

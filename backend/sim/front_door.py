@@ -22,6 +22,7 @@ would wait for a slot is kept too while earlier ones are kept: it would take the
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Mapping
 from typing import Final, Literal
 
@@ -38,6 +39,7 @@ from backend.policy.feasibility import (
     SloForecaster,
     TtftFeedback,
     load_of,
+    mean_iteration_s,
 )
 from backend.policy.load_report import (
     policy_calibration_samples,
@@ -86,9 +88,13 @@ class FrontDoor:
         self.feedback = feedback
         """What admitted requests' first tokens taught the forecast (the gateway's
         `TtftFeedback`); None: forecasts are the model's alone."""
-        self._forecasts: dict[str, tuple[float, float, float, float]] = {}
-        """rid → (TTFT forecast from admission, admission time, its slot wait, that wait's
-        scale) of an admitted RT request, until it finishes and teaches `feedback`."""
+        self._forecasts: dict[str, tuple[float, float, float, float, int, float]] = {}
+        """rid → (TTFT forecast from admission, admission time, its slot wait, that wait's pace
+        per decode step, the iterations ended by its admission, when the last of them ended)
+        of an admitted RT request, until it finishes and teaches `feedback`."""
+        self._iteration_ends: list[float] = []
+        """When each of the engine's iterations ended, in order (`iteration_ended`): the
+        engine's reports of its iteration count and their times, as the gateway reads them."""
         self.latency_factors = latency_factors
         """The engine's pace as the policy has learned it, read at every forecast."""
         self.calibration_samples = calibration_samples
@@ -182,22 +188,35 @@ class FrontDoor:
         if forecast.feasible and self.feedback is not None:
             # the model's own forecast from now, as the gateway keeps it (admission.py)
             to_come_s = forecast.ttft_s - ask.waited_s - extra_s
+            ended = len(self._iteration_ends)
             self._forecasts[req.rid] = (
                 to_come_s,
                 now_s,
                 forecast.slot_wait_s,
-                forecast.slot_wait_scale,
+                forecast.slot_step_s,
+                ended,
+                self._iteration_ends[-1] if ended else now_s,
             )
         return self.outcome(req, forecast.feasible)
 
+    def iteration_ended(self, at_s: float) -> None:
+        """One of the engine's iterations ended at *at_s* (they end in order)."""
+        self._iteration_ends.append(at_s)
+
     def learn(self, rid: str, first_token_s: float | None, now_s: float) -> None:
         """Request *rid* finished at *now_s*, its first token at *first_token_s*: an admitted RT
-        request teaches the feedback, as the gateway's usage record of it does."""
+        request teaches the feedback, as the gateway's usage record of it does (the engine's
+        reports then and at its first token: how fast its iterations ran meanwhile)."""
         kept = self._forecasts.pop(rid, None)
         if kept is None or self.feedback is None or first_token_s is None:
             return
-        forecast_s, admitted_s, slot_wait_s, scale = kept
-        self.feedback.observe(forecast_s, first_token_s - admitted_s, now_s, slot_wait_s, scale)
+        forecast_s, admitted_s, slot_wait_s, slot_step_s, ended, ended_at_s = kept
+        # the iteration that emitted it ended at its first token (the tolerance: float sums)
+        by_first = bisect.bisect_right(self._iteration_ends, first_token_s + 1e-9)
+        iteration_s = mean_iteration_s(ended, ended_at_s, by_first, first_token_s)
+        self.feedback.observe(
+            forecast_s, first_token_s - admitted_s, now_s, slot_wait_s, slot_step_s, iteration_s
+        )
 
     def outcome(self, req: SimRequest, feasible: bool) -> SimRequest | None:
         """What the contract makes of an RT request whose forecast is *feasible* or not: the

@@ -9,8 +9,9 @@ does (`slo_recheck_frac`). Each row runs tandem with `slo_slot_free_quantile` se
 (None: each running decode's mean steps left, the k-th fewest) over the same streams; it counts
 the admitted requests and those of them that came late, and the worst lateness. Rows marked
 feedback also learn from outcomes as the gateway does (`TtftFeedback`: each admitted request's
-first token against its forecast; a slot wait is scaled by a high quantile of what came, at
-most 1), the gateway's shipped setting with `slo_slot_wait_feedback`.
+first token against its forecast, and a slot wait's decode step scaled by a high quantile of
+the engine's mean iteration over the step forecast, at most 1), the gateway's shipped setting
+with `slo_slot_wait_feedback`.
 
 It also times what the engine's report pays for it (`RtOutputs.slots_free_steps`) at 8, 64 and
 256 running RT decodes, against the mean's.

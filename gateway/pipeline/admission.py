@@ -301,6 +301,9 @@ class SloDecision(msgspec.Struct, frozen=True):
     slot_wait_scale: float = 1.0
     """The scale outcomes had taught that wait (`TtftFeedback.slot_wait_scale`), already in
     `slot_wait_s`."""
+    slot_step_s: float = 0.0
+    """The pace that wait was forecast at, seconds per decode step before the scale
+    (`Forecast.slot_step_s`); 0 with no slot wait."""
     load: EngineLoad | None = None
     """The engine state the forecast was made on (None: unchecked): an admitted request that
     then misses its contract is logged with it (`stages.record`)."""
@@ -353,6 +356,7 @@ def decide_slo(
         ttft_extra_s=ttft_extra_s,
         slot_wait_s=forecast.slot_wait_s,
         slot_wait_scale=forecast.slot_wait_scale,
+        slot_step_s=forecast.slot_step_s,
         load=load,
     )
 

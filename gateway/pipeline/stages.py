@@ -37,8 +37,9 @@ from datetime import UTC, datetime
 
 from aiohttp import web
 
+from backend.policy.feasibility import mean_iteration_s
 from backend.policy.placement import CLAIM_HELD_FRAC
-from common.wire import Tier
+from common.wire import EngineLoad, Tier
 from gateway.api.schemas import ChatCompletionRequest, Endpoint, OpenAIRequest
 from gateway.auth import Principal
 from gateway.engine.client import (
@@ -148,6 +149,10 @@ class Flight:
     verdict (`admit_rechecking`); 0: judged on arrival."""
     placement: Placement | None = None
     progress: Progress = field(default_factory=Progress)
+    first_token_load: EngineLoad | None = None
+    """Its engine's latest report when its first token arrived (None: no token yet, or no
+    report): with the one the SLO admission judged on, how fast the engine's iterations ran
+    while it waited (`TtftFeedback.observe`)."""
     failure: Failure | None = None
     """Why it did not complete; None while it runs, and for a complete answer."""
     recorded: bool = False
@@ -372,6 +377,9 @@ async def run(app: web.Application, flight: Flight) -> AsyncGenerator[EngineChun
             async with contextlib.aclosing(generation) as chunks:
                 async for chunk in chunks:
                     received = True
+                    if flight.timer.tokens == 0 < chunk.completion_tokens:
+                        watcher = placement.engine.load
+                        flight.first_token_load = watcher.latest if watcher is not None else None
                     flight.timer.on_tokens(chunk.completion_tokens)
                     progress.completion_tokens = chunk.completion_tokens
                     progress.prompt_tokens = chunk.prompt_tokens or progress.prompt_tokens
@@ -489,8 +497,19 @@ def _teach_forecast(app: web.Application, flight: Flight, usage: UsageRecord) ->
     if slo.engine is None or (placement is not None and placement.engine.name != slo.engine):
         return  # it ran elsewhere (its engine failed): the forecast was for another engine
     observed_s = usage.ttft_ms / 1000.0 - slo.waited_s  # from admission, as forecast
+    before, after = slo.load, flight.first_token_load
+    iteration_s = None
+    if before is not None and after is not None:
+        iteration_s = mean_iteration_s(
+            before.iteration, before.at_unix_s, after.iteration, after.at_unix_s
+        )
     feedback.of(slo.engine).observe(
-        slo.forecast_ttft_s, observed_s, time.time(), slo.slot_wait_s, slo.slot_wait_scale
+        slo.forecast_ttft_s,
+        observed_s,
+        time.time(),
+        slo.slot_wait_s,
+        slo.slot_step_s,
+        iteration_s,
     )
 
 

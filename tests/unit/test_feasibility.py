@@ -12,6 +12,7 @@ from msgspec.structs import replace as msgspec_replace
 
 from backend.policy.calibration import DECODE, PREFILL, PaceSpread
 from backend.policy.feasibility import (
+    MIN_PACE_ITERATIONS,
     MIN_VERIFIED_ITERATIONS,
     Backlog,
     Forecast,
@@ -22,6 +23,7 @@ from backend.policy.feasibility import (
     TtftFeedback,
     idle,
     load_of,
+    mean_iteration_s,
     pace_stretch,
     work_ahead,
 )
@@ -346,37 +348,44 @@ def test_feedback_ignores_nonsense_and_stays_bounded() -> None:
             TtftFeedback(**bad_option)
 
 
-def test_feedback_learns_how_much_shorter_slot_waits_come_out_and_reverts_on_late_ones() -> None:
-    """Forecasts of 1.0 s, 0.8 s of it a slot's wait, whose first tokens came after 0.68 s:
-    each needed the wait scaled by 0.6. Believed after `slot_wait_min_samples`; a forecast
-    made with the scale and met exactly teaches the same scale (not 0.6 × 0.6); two of sixteen
-    late put it back to 1; a forecast that is mostly not a slot wait teaches nothing; the
-    scale never goes below its floor, and fades back to 1 when nothing comes."""
+def test_feedback_learns_how_much_faster_a_slot_waits_steps_ran_and_reverts_on_slower_ones() -> (
+    None
+):
+    """Forecasts of 1.0 s, 0.8 s of it a slot's wait at 10 ms a decode step, whose engine ran
+    its iterations at 6 ms meanwhile: each needed the step scaled by 0.6. Believed after
+    `slot_wait_min_samples`; a forecast made with the scale (its step is forecast before the
+    scale) teaches the same scale, not 0.6 × 0.6; two of sixteen at a slower pace put it back
+    to 1; a forecast that is mostly not a slot wait, or without the engine's iterations, teaches
+    nothing; the scale never goes below its floor, and fades back to 1 when nothing comes."""
     feedback = TtftFeedback(decay_s=1e9)
     for t in range(3):
-        feedback.observe(1.0, 0.68, float(t), slot_wait_s=0.8)
+        feedback.observe(1.0, 0.68, float(t), slot_wait_s=0.8, slot_step_s=0.01, iteration_s=0.006)
         assert feedback.slot_wait_scale(float(t)) == 1.0  # not believed yet
-    feedback.observe(1.0, 0.68, 3.0, slot_wait_s=0.8)
+    feedback.observe(1.0, 0.68, 3.0, slot_wait_s=0.8, slot_step_s=0.01, iteration_s=0.006)
     assert feedback.slot_wait_scale(3.0) == pytest.approx(0.6)
     assert feedback.extra_s(3.0) == 0.0  # early is not late
-    for t in range(4, 16):  # forecast with the scale (0.48 s of wait), met exactly
-        feedback.observe(0.68, 0.68, float(t), slot_wait_s=0.48, slot_wait_scale=0.6)
+    for t in range(4, 16):  # forecast with the scale (0.48 s of wait), the same pace
+        feedback.observe(
+            0.68, 0.68, float(t), slot_wait_s=0.48, slot_step_s=0.01, iteration_s=0.006
+        )
     assert feedback.slot_wait_scale(16.0) == pytest.approx(0.6)
-    feedback.observe(0.68, 1.1, 16.0, slot_wait_s=0.48, slot_wait_scale=0.6)  # late
+    slower = {"slot_wait_s": 0.48, "slot_step_s": 0.01, "iteration_s": 0.011}
+    feedback.observe(0.68, 1.1, 16.0, **slower)
     assert feedback.slot_wait_scale(16.0) == pytest.approx(0.6)  # one: a stall, perhaps
-    feedback.observe(0.68, 1.1, 17.0, slot_wait_s=0.48, slot_wait_scale=0.6)
-    assert feedback.slot_wait_scale(17.0) == 1.0  # two of sixteen: the forecast is right
-    for t in range(18, 40):
-        feedback.observe(1.0, 0.1, float(t), slot_wait_s=0.3)  # mostly prompt work: nothing
+    feedback.observe(0.68, 1.1, 17.0, **slower)
+    assert feedback.slot_wait_scale(17.0) == 1.0  # two of sixteen: the forecast pace is right
+    for t in range(18, 40):  # mostly prompt work, or no iterations known: nothing
+        feedback.observe(1.0, 0.1, float(t), slot_wait_s=0.3, slot_step_s=0.01, iteration_s=0.001)
+        feedback.observe(1.0, 0.1, float(t), slot_wait_s=0.9, slot_step_s=0.01, iteration_s=None)
     assert feedback.slot_wait_scale(40.0) == 1.0
     floor = TtftFeedback(decay_s=10.0, slot_wait_floor=0.5)
-    for _ in range(4):
-        floor.observe(1.0, 0.3, 0.0, slot_wait_s=0.9)  # needed 0.22: held at the floor
+    for _ in range(4):  # needed 0.2: held at the floor
+        floor.observe(1.0, 0.3, 0.0, slot_wait_s=0.9, slot_step_s=0.01, iteration_s=0.002)
     assert floor.slot_wait_scale(0.0) == pytest.approx(0.5)
     assert floor.slot_wait_scale(10.0) == pytest.approx(1.0 - 0.5 * math.exp(-1.0))
     off = TtftFeedback(slot_wait=False)
     for t in range(8):
-        off.observe(1.0, 0.3, float(t), slot_wait_s=0.9)
+        off.observe(1.0, 0.3, float(t), slot_wait_s=0.9, slot_step_s=0.01, iteration_s=0.002)
     assert off.slot_wait_scale(8.0) == 1.0
     for bad_option in (
         {"slot_wait_quantile": 0.0},
@@ -386,6 +395,26 @@ def test_feedback_learns_how_much_shorter_slot_waits_come_out_and_reverts_on_lat
     ):
         with pytest.raises(ValueError):
             TtftFeedback(**bad_option)
+
+
+def test_slots_freed_in_fewer_steps_than_forecast_keep_the_quantiles_margin() -> None:
+    """The slot wait's step count is a high quantile of the running requests' lengths, so most
+    slots free in fewer steps than forecast. First tokens 0.3 s after a 1.0 s forecast that was
+    0.8 s of slot wait, at the forecast pace (10 ms an iteration): the count came in under the
+    quantile, not the pace — the scale stays 1 (the margin is what keeps the unlucky ones on
+    time), where one learned from the whole wait would have cut it to its floor."""
+    feedback = TtftFeedback(decay_s=1e9)
+    for t in range(16):
+        feedback.observe(1.0, 0.3, float(t), slot_wait_s=0.8, slot_step_s=0.01, iteration_s=0.01)
+    assert feedback.slot_wait_scale(16.0) == 1.0
+    assert feedback.extra_s(16.0) == 0.0
+
+
+def test_the_engines_mean_iteration_comes_from_two_of_its_reports() -> None:
+    assert mean_iteration_s(10, 100.0, 60, 101.5) == pytest.approx(0.03)
+    assert mean_iteration_s(10, 100.0, 10 + MIN_PACE_ITERATIONS - 1, 100.1) is None  # too few
+    assert mean_iteration_s(10, 100.0, 9, 100.1) is None  # the engine restarted: no pace
+    assert mean_iteration_s(10, 100.0, 20, 99.0) == 0.0  # clocks apart: never negative
 
 
 def test_the_forecast_scales_a_slot_wait_by_what_outcomes_taught() -> None:

@@ -51,9 +51,11 @@ from gateway.pipeline.stages import (
     prepare,
     record,
     response_headers,
+    run,
 )
 from gateway.state import (
     CONFIG,
+    ENGINE,
     LOADS,
     METRICS,
     QUOTAS,
@@ -66,6 +68,7 @@ from gateway.store.types import Quota
 from tests.unit.pipeline_factories import (
     FakeEngine,
     chat_body,
+    chunk,
     make_app,
     make_flight,
     make_principal,
@@ -473,24 +476,52 @@ def test_first_tokens_later_than_forecast_teach_the_admission_to_shed(
     assert gauge is not None and gauge > 0.4  # operators see the admission grow stricter
 
 
-def test_first_tokens_sooner_than_a_slot_wait_forecast_teach_its_scale(
+async def _admitted_and_run(app: web.Application, at_first_token: EngineLoad) -> Any:
+    """One slot-bound RT request admitted and run to its end, the engine's report at its first
+    token *at_first_token*; its admission's verdict."""
+    flight = make_flight(make_principal(rt_tenant(ttft_target_ms=2000, tpot_target_ms=200)))
+    prepare(app, flight, chat_body(), make_prompt())
+    admitted = admit(app, flight)
+    assert isinstance(admitted, Admitted) and admitted.slo is not None
+    assert admitted.slo.slot_wait_s > 0.5 * (admitted.slo.forecast_ttft_s or 0.0)
+    assert place(app, flight) is not None
+    app[LOADS][FakeEngine.base_url].latest = at_first_token
+    async for _ in run(app, flight):
+        pass
+    assert flight.first_token_load is at_first_token
+    record(app, flight, cancelled=False)
+    return admitted.slo
+
+
+async def test_an_engine_running_faster_than_a_slot_waits_forecast_pace_teaches_its_scale(
     forecaster: SloForecaster,
 ) -> None:
     """Admitted requests whose forecast was mostly a wait for a request slot (every slot RT's,
-    the first to free 100 steps away) got their first tokens at once: what they came to teaches
-    the engine's slot-wait scale, down to its floor."""
-    app = staged_app(forecaster, slot_bound(time.time(), 100))
-    app[TTFT_FEEDBACK] = feedbacks = TtftFeedbackByEngine(lambda: TtftFeedback(decay_s=1e9))
-    for _ in range(4):
-        flight = make_flight(make_principal(rt_tenant(ttft_target_ms=2000, tpot_target_ms=200)))
-        prepare(app, flight, chat_body(), make_prompt())
-        admitted = admit(app, flight)
-        assert isinstance(admitted, Admitted) and admitted.slo is not None
-        assert admitted.slo.slot_wait_s > 0.5 * (admitted.slo.forecast_ttft_s or 0.0)
-        flight.timer.on_tokens(1)
-        record(app, flight, cancelled=True)
-    feedback = feedbacks.of(FakeEngine.base_url)
-    assert feedback.slot_wait_scale(time.time()) == pytest.approx(feedback.slot_wait_floor)
+    the first to free 100 steps away). When the engine's reports at their first tokens show its
+    iterations ran at a fifth of the forecast step meanwhile, that teaches the engine's
+    slot-wait scale, down to its floor; when they show the forecast pace, nothing is cut, however
+    soon the slot came (fewer steps than the quantile forecast are its margin, not its error)."""
+    for pace, scale in ((0.2, "floor"), (1.0, 1.0)):
+        now_s = time.time()
+        load = slot_bound(now_s, 100)
+        app = staged_app(forecaster, load)
+        app[ENGINE] = FakeEngine(replies(chunk("a", 1), chunk("b", 2, finish="length")))
+        app[TTFT_FEEDBACK] = feedbacks = TtftFeedbackByEngine(lambda: TtftFeedback(decay_s=1e9))
+        for _ in range(4):
+            app[LOADS][FakeEngine.base_url].latest = load
+            slo = await _admitted_and_run(app, load)  # no iteration since: too few to tell
+        feedback = feedbacks.of(FakeEngine.base_url)
+        assert feedback.slot_wait_scale(time.time()) == 1.0
+        for _ in range(4):
+            app[LOADS][FakeEngine.base_url].latest = load
+            ten_steps = msgspec.structs.replace(
+                load,
+                iteration=load.iteration + 10,
+                at_unix_s=load.at_unix_s + 10 * pace * slo.slot_step_s,
+            )
+            slo = await _admitted_and_run(app, ten_steps)
+        expected = feedback.slot_wait_floor if scale == "floor" else scale
+        assert feedback.slot_wait_scale(time.time()) == pytest.approx(expected)
 
 
 def test_a_cache_claim_the_engine_did_not_hold_shrinks_the_prefix_memory_not_the_forecast(
@@ -780,15 +811,17 @@ async def test_the_line_holds_only_what_would_wait_for_a_slot_and_lets_go_of_the
     assert len(line) == 0
 
 
-def test_slot_waits_that_came_out_shorter_than_forecast_teach_the_admission(
+def test_slot_waits_whose_steps_ran_faster_than_forecast_teach_the_admission(
     forecaster: SloForecaster,
 ) -> None:
-    """Four admitted requests on this engine whose slot waits came out at half the forecast:
-    a request whose 1 s TTFT the forecast missed for its slot wait alone is admitted, judged
-    on the wait scaled by what they taught; another engine learned nothing from them."""
+    """Four admitted requests on this engine whose slot waits' steps ran at half the forecast
+    pace: a request whose 1 s TTFT the forecast missed for its slot wait alone is admitted,
+    judged on the wait scaled by what they taught; another engine learned nothing from them."""
     feedback = TtftFeedbackByEngine()
     for _ in range(4):
-        feedback.of("engine").observe(1.0, 0.55, NOW_S, slot_wait_s=0.9)
+        feedback.of("engine").observe(
+            1.0, 0.55, NOW_S, slot_wait_s=0.9, slot_step_s=0.01, iteration_s=0.005
+        )
     load = slot_bound(NOW_S, 150)
     metrics = GatewayMetrics()
     tenant = rt_tenant(ttft_target_ms=1000, tpot_target_ms=200)

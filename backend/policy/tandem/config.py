@@ -221,14 +221,16 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
     the later arrivals, with their whole target left, take the slots the earlier ones were
     kept for."""
     slo_slot_wait_feedback: bool = True
-    """The SLO admission learns, per engine, how much shorter the request slots' waits came out
-    than it forecast, from the admitted RT requests whose forecast was mostly such a wait, and
-    scales that wait by it (`feasibility.TtftFeedback`: a high quantile, at least 0.5, reverted
-    as soon as a few come late). Off: the slot wait as forecast (on the real CPU engine at its
-    capacity it came out 30–40 % shorter, and requests kept for a slot were refused that would
-    have met their contract). It learns from the whole wait, so where output lengths are not
-    known it also trims the margin of `slo_slot_free_quantile`: in a slot-bound stream 0.4 % of
-    the admitted came late with it, none without (bench/results/slo/README.md, session 70)."""
+    """The SLO admission learns, per engine, how much faster the engine ran the decode steps of
+    request slots' waits than it forecast — the engine's mean iteration from an admitted RT
+    request's admission to its first token, over the step forecast, for the requests whose
+    forecast was mostly such a wait — and scales that wait by it (`feasibility.TtftFeedback`: a
+    high quantile, at least 0.5, reverted as soon as a few see a slower pace). Off: the slot
+    wait as forecast (on the real CPU engine at its capacity it came out 30–40 % shorter, and
+    requests kept for a slot were refused that would have met their contract). The count of
+    steps is not learned: it is `slo_slot_free_quantile`'s margin where output lengths are not
+    known (learned from the whole wait, the scale trimmed it, and 0.4 % of the admitted in a
+    slot-bound stream came late; bench/results/slo/README.md, session 71)."""
 
     slo_slot_free_quantile: float | None = SLOT_FREE_QUANTILE
     """The engine reports when its running RT requests will free their request slots at this
