@@ -226,8 +226,10 @@ class TandemConfig(msgspec.Struct, frozen=True, kw_only=True):
     request's admission to its first token, over the step forecast, for the requests whose
     forecast was mostly such a wait — and scales that wait by it (`feasibility.TtftFeedback`: a
     high quantile, at least 0.5, reverted as soon as a few see a slower pace). Off: the slot
-    wait as forecast (on the real CPU engine at its capacity it came out 30–40 % shorter, and
-    requests kept for a slot were refused that would have met their contract). The count of
+    wait as forecast (session 66's forecast came out 30–40 % longer than the waits on the real
+    CPU engine at its capacity, and refused requests kept for a slot that would have met their
+    contract; with today's forecast the engine ran the steps at about the forecast pace, and
+    the scale stayed at 1: bench/results/slo/README.md, session 71). The count of
     steps is not learned: it is `slo_slot_free_quantile`'s margin where output lengths are not
     known (learned from the whole wait, the scale trimmed it, and 0.4 % of the admitted in a
     slot-bound stream came late; bench/results/slo/README.md, session 71)."""
