@@ -609,9 +609,10 @@ class TtftFeedback:
     (`slot_wait`): that wait is a count of decode steps — until as many running requests finish
     as are ahead, at a high quantile of their lengths (`RtOutputs.slots_free_steps`) — each at a
     pace stretched toward the engine's recent worst (`pace_stretch`). On the real CPU engine at
-    its capacity it came out 30–40 % shorter than forecast, and the admission refused requests
-    kept for a slot that the requests admitted beside them showed would have met
-    (bench/results/slo/README.md, session 66). Only the pace is learned, not the count: each
+    its capacity session 66's forecast of it came out 30–40 % longer than what came, and the
+    admission refused requests kept for a slot that the requests admitted beside them showed
+    would have met (bench/results/slo/README.md, session 66). Only the pace is learned, not
+    the count: each
     admitted request whose forecast was mostly a slot wait gives the scale its forecast step
     needed to match the engine's mean iteration from its admission to its first token (the
     engine's reports: iterations counted, seconds between them), at most 1. The count is a
