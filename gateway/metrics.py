@@ -66,6 +66,26 @@ _TPOT_BUCKETS_S = (
     1.0,
     2.5,
 )
+_FORECAST_ERROR_BUCKETS_S = (
+    -2.0,
+    -1.0,
+    -0.5,
+    -0.2,
+    -0.1,
+    -0.05,
+    -0.02,
+    0.0,
+    0.02,
+    0.05,
+    0.1,
+    0.2,
+    0.5,
+    1.0,
+    2.0,
+    5.0,
+)
+"""First token minus its forecast, seconds: symmetric around 0 (a forecast is a mean), finer
+near it, where a well-calibrated engine model lands."""
 
 
 class GatewayMetrics:
@@ -124,6 +144,16 @@ class GatewayMetrics:
             "token lately, by engine: the SLO admission adds it to its TTFT forecasts on that "
             "engine (0: as forecast).",
             ["engine"],
+            registry=r,
+        )
+        self.slo_ttft_forecast_error = Histogram(
+            "tandem_slo_ttft_forecast_error_seconds",
+            "How much later than the engine model forecast each admitted RT request got its "
+            "first token (negative: sooner), by engine — the forecast from its admission, "
+            "before the correction first tokens taught (tandem_slo_ttft_feedback_seconds): how "
+            "right the SLO admission's forecast is on each engine.",
+            ["engine"],
+            buckets=_FORECAST_ERROR_BUCKETS_S,
             registry=r,
         )
         self.slo_slot_wait_scale = Gauge(

@@ -485,7 +485,8 @@ def _teach_prefix_memory(app: web.Application, flight: Flight) -> bool:
 
 def _teach_forecast(app: web.Application, flight: Flight, usage: UsageRecord) -> None:
     """An RT request the SLO admission admitted on a TTFT forecast, and that got its first
-    token, tells the admission how right the forecast was (`TtftFeedback`)."""
+    token, tells the admission how right the forecast was (`TtftFeedback`), and operators
+    (`tandem_slo_ttft_forecast_error_seconds`)."""
     feedback = app.get(TTFT_FEEDBACK)
     admitted = flight.admitted
     if feedback is None or admitted is None or usage.ttft_ms is None:
@@ -497,6 +498,9 @@ def _teach_forecast(app: web.Application, flight: Flight, usage: UsageRecord) ->
     if slo.engine is None or (placement is not None and placement.engine.name != slo.engine):
         return  # it ran elsewhere (its engine failed): the forecast was for another engine
     observed_s = usage.ttft_ms / 1000.0 - slo.waited_s  # from admission, as forecast
+    app[METRICS].slo_ttft_forecast_error.labels(slo.engine).observe(
+        observed_s - slo.forecast_ttft_s
+    )
     before, after = slo.load, flight.first_token_load
     iteration_s = None
     if before is not None and after is not None:

@@ -38,6 +38,12 @@ def value(samples: Samples, metric: str, **labels: str) -> float | None:
     return samples.get((metric, frozenset(labels.items())))
 
 
+def forecast_errors(samples: Samples) -> float:
+    """First tokens measured against their SLO forecast, on every engine."""
+    name = "tandem_slo_ttft_forecast_error_seconds_count"
+    return sum(v for (metric, _), v in samples.items() if metric == name)
+
+
 def _filler(table: Table, given: dict[str, Any]) -> dict[str, Any]:
     """*given* plus a plain value for every other NOT NULL column (robust to new columns)."""
     row = dict(given)
@@ -99,6 +105,7 @@ async def test_metrics_expose_requests_latency_slo_engine_and_batches(
     gateway: GatewayHandle,
 ) -> None:
     tenant_id, key = await tenant_with_quota(gateway, "metrics-tenant", requests_per_min=2)
+    errors_before = forecast_errors(await scrape(gateway))  # the gateway serves other tests too
     for _ in range(2):
         status, _, body = await chat(gateway, key, max_tokens=8)
         assert status == 200, body
@@ -122,6 +129,13 @@ async def test_metrics_expose_requests_latency_slo_engine_and_batches(
     assert value(m, "tandem_ttft_seconds_bucket", **t, le="+Inf") == 2
     assert value(m, "tandem_slo_requests_total", **t, result="met") == 2  # generous targets
     assert value(m, "tandem_slo_attainment_ratio", **t) == 1.0
+    # each chat admitted on a forecast (all but a first one the engine had not reported before)
+    # adds how far its first token came from it, on its engine
+    admitted = value(
+        m, "tandem_slo_admissions_total", tenant=tenant_id, outcome="admitted", target=""
+    )
+    assert admitted in (1, 2)
+    assert forecast_errors(m) - errors_before == admitted
     assert value(m, "tandem_requests_in_flight", **t) == 0
     assert value(m, "tandem_tenant_info", tenant=tenant_id, tier="rt") == 1  # ids, not names
     assert value(m, "tandem_engine_up") == 1

@@ -474,6 +474,16 @@ def test_first_tokens_later_than_forecast_teach_the_admission_to_shed(
         "tandem_slo_ttft_feedback_seconds", {"engine": FakeEngine.base_url}
     )
     assert gauge is not None and gauge > 0.4  # operators see the admission grow stricter
+    labels = {"engine": FakeEngine.base_url}
+    registry = app[METRICS].registry
+    errors = registry.get_sample_value("tandem_slo_ttft_forecast_error_seconds_count", labels)
+    assert errors == 1  # the one admitted: how far its first token came after its forecast
+
+    def within(le: str) -> float | None:
+        bucket = "tandem_slo_ttft_forecast_error_seconds_bucket"
+        return registry.get_sample_value(bucket, {**labels, "le": le})
+
+    assert (within("0.5"), within("1.0")) == (0, 1)  # about 1 s late
 
 
 async def _admitted_and_run(app: web.Application, at_first_token: EngineLoad) -> Any:
