@@ -612,10 +612,10 @@ class TtftFeedback:
     its capacity session 66's forecast of it came out 30–40 % longer than what came, and the
     admission refused requests kept for a slot that the requests admitted beside them showed
     would have met (bench/results/slo/README.md, session 66). Only the pace is learned, not
-    the count: each
-    admitted request whose forecast was mostly a slot wait gives the scale its forecast step
-    needed to match the engine's mean iteration from its admission to its first token (the
-    engine's reports: iterations counted, seconds between them), at most 1. The count is a
+    the count: each admitted request whose forecast was mostly a slot wait gives the scale its
+    forecast step needed to match the engine's mean iteration from its admission to its first
+    token (the engine's reports: iterations counted, seconds between them), at most 1. The
+    count is a
     quantile, so most waits take fewer steps than forecast; a scale learned from the whole wait
     (what came, less the rest of the forecast, over the wait) trimmed that margin too, and in a
     slot-bound stream with lengths the engine cannot know 0.4 % of the admitted came late with

@@ -88,10 +88,10 @@ class FrontDoor:
         self.feedback = feedback
         """What admitted requests' first tokens taught the forecast (the gateway's
         `TtftFeedback`); None: forecasts are the model's alone."""
-        self._forecasts: dict[str, tuple[float, float, float, float, int, float]] = {}
+        self._forecasts: dict[str, tuple[float, float, float, float, int]] = {}
         """rid → (TTFT forecast from admission, admission time, its slot wait, that wait's pace
-        per decode step, the iterations ended by its admission, when the last of them ended)
-        of an admitted RT request, until it finishes and teaches `feedback`."""
+        per decode step, the iterations ended by its admission) of an admitted RT request,
+        until it finishes and teaches `feedback`."""
         self._iteration_ends: list[float] = []
         """When each of the engine's iterations ended, in order (`iteration_ended`): the
         engine's reports of its iteration count and their times, as the gateway reads them."""
@@ -188,14 +188,12 @@ class FrontDoor:
         if forecast.feasible and self.feedback is not None:
             # the model's own forecast from now, as the gateway keeps it (admission.py)
             to_come_s = forecast.ttft_s - ask.waited_s - extra_s
-            ended = len(self._iteration_ends)
             self._forecasts[req.rid] = (
                 to_come_s,
                 now_s,
                 forecast.slot_wait_s,
                 forecast.slot_step_s,
-                ended,
-                self._iteration_ends[-1] if ended else now_s,
+                len(self._iteration_ends),
             )
         return self.outcome(req, forecast.feasible)
 
@@ -210,7 +208,8 @@ class FrontDoor:
         kept = self._forecasts.pop(rid, None)
         if kept is None or self.feedback is None or first_token_s is None:
             return
-        forecast_s, admitted_s, slot_wait_s, slot_step_s, ended, ended_at_s = kept
+        forecast_s, admitted_s, slot_wait_s, slot_step_s, ended = kept
+        ended_at_s = self._iteration_ends[ended - 1] if ended else admitted_s
         # the iteration that emitted it ended at its first token (the tolerance: float sums)
         by_first = bisect.bisect_right(self._iteration_ends, first_token_s + 1e-9)
         iteration_s = mean_iteration_s(ended, ended_at_s, by_first, first_token_s)
