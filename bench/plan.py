@@ -329,20 +329,10 @@ def trace_specs(config: PlanConfig) -> tuple[list[RequestSpec], dict[str, Contra
                 tpot_target_s=(c.tpot_ms / 1000.0 if c.tpot_ms else config.tpot_s) if rt else None,
                 deadline_s=None if rt else c.deadline_s,
                 tenant_weight=c.weight,
+                on_unattainable=c.on_unattainable if rt else None,
             )
         )
     return out, contracts
-
-
-def _outcome(contracts: dict[str, Contract]) -> SloUnattainable:
-    """The admission's outcome for a predicted miss (one for the whole pool in the simulator)."""
-    outcomes = {c.on_unattainable for c in contracts.values() if c.tier != "be"}
-    if len(outcomes) > 1:
-        raise ValueError(
-            "the tenants' on_unattainable differ "
-            f"({', '.join(sorted(outcomes))}): the simulator applies one to every tenant"
-        )
-    return outcomes.pop() if outcomes else "reject"
 
 
 def sub_pool(specs: Sequence[RequestSpec], replicas: int, sample: int) -> list[RequestSpec]:
@@ -553,7 +543,7 @@ def plan(config: PlanConfig, report: Callable[[Trial], None] | None = None) -> P
     profile = load_profile(resolve_profile(config.profile))
     latency = LatencyModel.fit(profile.samples)
     with _collector_paused():
-        specs, contracts = trace_specs(config)
+        specs, _ = trace_specs(config)
         longest = max(s.prompt_len for s in specs)
         if longest >= profile.kv_capacity_tokens:
             raise ValueError(
@@ -576,7 +566,6 @@ def plan(config: PlanConfig, report: Callable[[Trial], None] | None = None) -> P
         page_size=profile.page_size,
         max_prefill_tokens=profile.max_prefill_tokens,
         horizon_s=2.0 * run_s + 600.0,
-        slo_unattainable=_outcome(contracts),
     )
     result = Plan(
         config=config, profile=profile, duration_s=duration_s, requests=num_requests, window=window

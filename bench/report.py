@@ -104,6 +104,8 @@ def results_dict(run: BenchRun) -> dict[str, Any]:
         out["replica_slowdowns"] = list(cfg.replica_slowdowns)
     if cfg.engine_noise:  # only when set
         out["engine_noise"] = cfg.engine_noise
+    if cfg.on_unattainable:  # only when set; "*": every tenant not named
+        out["on_unattainable"] = {t or "*": o for t, o in cfg.on_unattainable}
     out.update(slowdown_fields(cfg))
     return out
 
@@ -217,6 +219,12 @@ def _parameters(run: BenchRun) -> list[str]:
             f"* engine noise: σ {cfg.engine_noise:g} (each iteration takes a further log-normal "
             "factor of mean 1 of its time, drawn per iteration from the run's seed; the "
             "policies are not told)"
+        )
+    if cfg.on_unattainable:
+        named = ", ".join(f"{t or 'every other tenant'}: {o}" for t, o in cfg.on_unattainable)
+        lines.append(
+            f"* an RT request forecast to miss its contract — {named} (reject: shed; "
+            "downgrade: run as BE; accept: run as RT anyway)"
         )
     lines += [f"* skipped `{name}`: {why}" for name, why in run.skipped.items()]
     lines += [f"* **failed** `{name}`: {why}" for name, why in run.failed.items()]

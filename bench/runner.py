@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from backend.policy.latency import LatencyModel, Profile, load_profile
 from backend.policy.profiles import resolve_profile
-from backend.sim.config import SimConfig
+from backend.sim.config import SimConfig, SloUnattainable
 from backend.sim.core import InfeasiblePlanError
 from backend.sim.engine import StalledPolicyError, simulate
 from backend.sim.source import SimRequest
@@ -97,6 +97,10 @@ class BenchConfig:
     """The simulated engine's iteration-to-iteration jitter, the σ of each iteration's
     log-normal factor of mean 1 (`SimConfig.engine_noise`, drawn from the run's seed); 0 =
     none. λ* is measured without it."""
+    on_unattainable: tuple[tuple[str, SloUnattainable], ...] = ()
+    """What the front door does with an RT request forecast to miss its contract, by tenant:
+    (tenant, outcome) pairs, tenant "" for every tenant not named; () = reject for all
+    (`SimConfig.slo_unattainable`, `SimRequest.on_unattainable`)."""
     replicas: int = 1
     """Engine replicas behind the router (> 1, or routers given: the simulator's pool,
     backend/sim/pool.py; the RT rate scales with it: load × N × one replica's λ*)."""
@@ -283,7 +287,7 @@ def run_policy(name: str, run: BenchRun, latency: LatencyModel, base: SimConfig)
 
     if name in BE_ORDERINGS:  # dfs / blend: the batch runner's ordered feed
         spec_source = ordered_source(name, spec_source, run.kv_capacity_tokens)
-    source = SimSource(spec_source, SimRequest)
+    source = SimSource(spec_source, _requests(run.config))
     bar, progress = _progress_bar(f"{run.workload.name} {name}", run)
     started = time.perf_counter()
     try:
@@ -298,6 +302,7 @@ def run_policy(name: str, run: BenchRun, latency: LatencyModel, base: SimConfig)
                     engine_slowdown=run.config.engine_slowdown,
                     engine_noise=run.config.engine_noise,
                     engine_noise_seed=run.config.seed,
+                    slo_unattainable=default_unattainable(run.config),
                 ),
                 policy,
                 run.profile,
@@ -357,7 +362,7 @@ def run_router(name: str, run: BenchRun, latency: LatencyModel, base: SimConfig)
     forecaster = first.slo_forecaster() if hasattr(first, "slo_forecaster") else None
     router = make_router(name, forecaster or SloForecaster(latency))
     include_be = not getattr(first, "rt_only", False)
-    source = SimSource(run.workload.source(run.rt_rate_req_s, include_be), SimRequest)
+    source = SimSource(run.workload.source(run.rt_rate_req_s, include_be), _requests(run.config))
     bar, progress = _progress_bar(f"{run.workload.name} {name} ×{replicas}", run)
     config = _layout(
         struct_replace(
@@ -366,6 +371,7 @@ def run_router(name: str, run: BenchRun, latency: LatencyModel, base: SimConfig)
             replica_slowdowns=run.config.replica_slowdowns,
             engine_noise=run.config.engine_noise,
             engine_noise_seed=run.config.seed,
+            slo_unattainable=default_unattainable(run.config),
         ),
         first,
         run.profile,
@@ -390,6 +396,26 @@ def run_router(name: str, run: BenchRun, latency: LatencyModel, base: SimConfig)
         else None
     )
     return PolicyRun(metrics=metrics, series=series, wall_s=wall, tenants=tenants)
+
+
+def default_unattainable(config: BenchConfig) -> SloUnattainable:
+    """The front door's outcome for the tenants `config.on_unattainable` does not name."""
+    return dict(config.on_unattainable).get("", "reject")
+
+
+def _requests(config: BenchConfig) -> Callable[..., SimRequest]:
+    """Makes the simulator's requests, each RT one with its tenant's outcome for a forecast
+    miss where `config.on_unattainable` names the tenant."""
+    named = {tenant: outcome for tenant, outcome in config.on_unattainable if tenant}
+    if not named:
+        return SimRequest
+
+    def make(**fields: Any) -> SimRequest:
+        if fields["tier"] == "rt" and (fields.get("tenant_id") or "") in named:
+            fields["on_unattainable"] = named[fields.get("tenant_id") or ""]
+        return SimRequest(**fields)
+
+    return make
 
 
 def _layout(config: SimConfig, policy: Any, profile: Profile) -> SimConfig:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, cast, get_args
 
 from bench.defaults import (
     DEFAULT_DATA_DIR,
@@ -26,6 +26,7 @@ from bench.defaults import (
 from common.slowdown import Slowdown, format_slowdown, parse_slowdown
 
 if TYPE_CHECKING:
+    from backend.sim.config import SloUnattainable
     from bench.runner import BenchConfig
 
 
@@ -145,6 +146,14 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="sim only: comma-separated placement policies to compare on the replicas "
         "(slo, round-robin, least-load, prefix); results.json gains `routers`",
     )
+    p.add_argument(
+        "--on-unattainable",
+        metavar="OUTCOME|TENANT=OUTCOME,…",
+        help="sim only: what the SLO admission does with an RT request forecast to miss its "
+        "contract — reject (the default), downgrade (run it as BE) or accept (run it as RT "
+        "anyway) — for every tenant, or per tenant (e.g. rt-burst=accept; the others "
+        "reject unless a bare OUTCOME is given too)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_bench)
     return p
@@ -260,6 +269,11 @@ def _command(cfg: BenchConfig) -> str:
         words += ["--replica-slowdowns", ",".join(f"{k:g}" for k in cfg.replica_slowdowns)]
     if cfg.engine_noise:
         words += ["--engine-noise", f"{cfg.engine_noise:g}"]
+    if cfg.on_unattainable:
+        words += [
+            "--on-unattainable",
+            ",".join(f"{t}={o}" if t else o for t, o in cfg.on_unattainable),
+        ]
     return shlex.join([*words, "--out", str(cfg.out_dir)])
 
 
@@ -319,6 +333,38 @@ def _replica_slowdowns(args: argparse.Namespace, replicas: int) -> tuple[float, 
     return factors
 
 
+def _on_unattainable(args: argparse.Namespace) -> tuple[tuple[str, SloUnattainable], ...]:
+    """The --on-unattainable outcomes as (tenant, outcome) pairs, tenant "" for the rest."""
+    from backend.sim import config as sim_config
+
+    spec = getattr(args, "on_unattainable", None)
+    if spec is None:
+        return ()
+    if args.engine != "sim":
+        raise ValueError(
+            "--on-unattainable: only for the simulated engine (--engine sim); on the real "
+            "engine it is each tenant's contract (tandem admin tenant update T --on-unattainable …)"
+        )
+    outcomes = get_args(sim_config.SloUnattainable)
+    pairs: dict[str, SloUnattainable] = {}
+    for item in spec.split(","):
+        tenant, _, outcome = item.strip().rpartition("=")
+        tenant = tenant.strip()
+        outcome = outcome.strip()
+        if outcome not in outcomes:
+            raise ValueError(
+                f"--on-unattainable {spec!r}: {outcome!r} is no outcome "
+                f"(choose from {', '.join(outcomes)})"
+            )
+        if "=" in item and not tenant:
+            raise ValueError(f"--on-unattainable {spec!r}: {item.strip()!r} names no tenant")
+        if tenant in pairs:
+            what = f"tenant {tenant!r}" if tenant else "the bare outcome"
+            raise ValueError(f"--on-unattainable {spec!r}: {what} is given twice")
+        pairs[tenant] = cast("SloUnattainable", outcome)
+    return tuple(pairs.items())
+
+
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The validated BenchConfig; ValueError with a one-line message on bad input."""
     from bench.runner import BenchConfig
@@ -369,6 +415,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         engine_slowdown=_engine_slowdown(args),
         replica_slowdowns=_replica_slowdowns(args, replicas),
         engine_noise=_engine_noise(args),
+        on_unattainable=_on_unattainable(args),
         replicas=replicas,
         routers=routers,
         progress=not args.no_progress,

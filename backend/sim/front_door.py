@@ -10,12 +10,13 @@ iteration old) and no iteration is in flight; the time the request already waite
 boundary counts against its TTFT. The forecast is per tenant: a request waits behind its own
 tenant's queue and the others' weighted share of it, as the engine's fair share serves them.
 
-What happens to a request whose contract cannot be met is the contract's `SloUnattainable`:
-"reject" sheds it (it never reaches the engine), "downgrade" runs it as BE, "accept" runs it as
-RT anyway. With `recheck_frac` (the gateway's `slo_recheck_frac`), a request that would be shed
-or downgraded only for a request slot's wait (every slot held by RT) is `PENDING` instead: it
-is judged again at each iteration boundary, as the gateway judges it again on each of the
-engine's reports, until that share of its TTFT target has passed since its arrival. With
+What happens to a request whose contract cannot be met is its contract's `SloUnattainable`
+(`SimRequest.on_unattainable`, else the run's one): "reject" sheds it (it never reaches the
+engine), "downgrade" runs it as BE, "accept" runs it as RT anyway. With `recheck_frac` (the
+gateway's `slo_recheck_frac`), a request that would be shed or downgraded only for a request
+slot's wait (every slot held by RT) is `PENDING` instead: it is judged again at each iteration
+boundary, as the gateway judges it again on each of the engine's reports, until that share of
+its TTFT target has passed since its arrival. With
 `slot_line` (the gateway's `SlotLine`) a later request whose forecast meets its contract but
 would wait for a slot is kept too while earlier ones are kept: it would take their slot.
 """
@@ -117,19 +118,23 @@ class FrontDoor:
         """The engine's recent measured ÷ predicted iteration times (the simulator's loop feeds
         it), as the real engine reports them in `EngineLoad.pace_ratio_p90`."""
 
-    def keeps(self, shortfall: Shortfall | None, ask: SloAsk) -> bool:
-        """Whether a forecast missing by *shortfall* keeps the request to judge again (the
-        module doc): shed or downgraded only for a request slot's wait, within its recheck
-        time (`recheck_frac` of its TTFT target from its arrival)."""
+    def unattainable(self, req: SimRequest) -> SloUnattainable:
+        """What *req*'s contract makes of a forecast miss: its own, else the run's."""
+        return req.on_unattainable or self.on_unattainable
+
+    def keeps(self, req: SimRequest, shortfall: Shortfall | None, ask: SloAsk) -> bool:
+        """Whether a forecast missing by *shortfall* keeps *req* to judge again (the module
+        doc): shed or downgraded only for a request slot's wait, within its recheck time
+        (`recheck_frac` of its TTFT target from its arrival)."""
         return (
             shortfall is not None
-            and self.on_unattainable != "accept"
+            and self.unattainable(req) != "accept"
             and shortfall.waits_for_slot
             and ask.waited_s < self.recheck_frac * ask.ttft_target_s
         )
 
-    def kept(self, forecast: Forecast, ask: SloAsk) -> bool:
-        """Whether a request forecast so is kept to judge again: `keeps` its shortfall, or its
+    def kept(self, req: SimRequest, forecast: Forecast, ask: SloAsk) -> bool:
+        """Whether *req*, forecast so, is kept to judge again: `keeps` its shortfall, or its
         forecast meets the contract but waits for a slot while requests that came before it are
         kept (`slot_line`; `pending` holds them: the kept ones are judged again first, in
         arrival order, and a later one after them). One line for every replica of a pool: a
@@ -141,7 +146,7 @@ class FrontDoor:
             and forecast.slot_wait_s > 0.0
             and ask.waited_s < self.recheck_frac * ask.ttft_target_s
         )
-        return behind_line or self.keeps(forecast.shortfall, ask)
+        return behind_line or self.keeps(req, forecast.shortfall, ask)
 
     def settle_pending(self) -> list[SimRequest]:
         """The run ended with requests kept to judge again: each gets its contract's answer
@@ -182,7 +187,7 @@ class FrontDoor:
         extra_s = self.feedback.extra_s(now_s) if self.feedback is not None else 0.0
         scale = self.feedback.slot_wait_scale(now_s) if self.feedback is not None else 1.0
         forecast = self.forecaster.forecast(load, ask, ttft_extra_s=extra_s, slot_wait_scale=scale)
-        if self.kept(forecast, ask):
+        if self.kept(req, forecast, ask):
             self.pending.append(req)
             return PENDING
         if forecast.feasible and self.feedback is not None:
@@ -222,10 +227,11 @@ class FrontDoor:
         request to hand to the engine (*req*, or *req* as BE), or None when it is shed."""
         if feasible:
             return req
-        if self.on_unattainable == "accept":
+        outcome = self.unattainable(req)
+        if outcome == "accept":
             self.outcomes[req.rid] = "accepted"
             return req
-        if self.on_unattainable == "downgrade":
+        if outcome == "downgrade":
             self.outcomes[req.rid] = "downgraded"
             return msgspec.structs.replace(req, tier="be", ttft_target_s=None, tpot_target_s=None)
         self.outcomes[req.rid] = "shed"

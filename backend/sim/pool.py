@@ -270,7 +270,7 @@ def simulate_pool(
                 load = m.view.load
                 assert load is not None
                 forecast = forecaster.forecast(load, ask.slo, m.view.backlog)
-            if door.kept(forecast, ask.slo):
+            if door.kept(req, forecast, ask.slo):
                 door.pending.append(req)  # placed again after the next iteration ends
                 return True
             admitted = door.outcome(req, forecast.feasible)

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import msgspec
 
+from backend.sim.config import SloUnattainable
 from common.wire import Tier
 
 
@@ -43,6 +44,9 @@ class SimRequest(msgspec.Struct, kw_only=True):
     """The tenant it is served for (fair share within its tier); None: its `length_key`."""
     tenant_weight: float = 1.0
     """The tenant's fair-share weight within its tier (> 0)."""
+    on_unattainable: SloUnattainable | None = None
+    """RT: what its tenant's contract makes of a forecast miss at the front door (reject,
+    downgrade, accept); None: the run's one outcome (`SimConfig.slo_unattainable`)."""
     order_key: float = 0.0
     """BE order given by the caller (lower first)."""
     prefix_hashes: tuple[int, ...] = ()

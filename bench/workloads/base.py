@@ -24,6 +24,7 @@ from typing import Any, Literal, Protocol
 import msgspec
 
 from backend.policy.latency import BatchShape, LatencyModel
+from backend.sim.config import SloUnattainable
 from bench.defaults import DEFAULT_DATA_DIR
 from common.wire import Tier
 
@@ -60,6 +61,9 @@ class RequestSpec:
     tenants)."""
     tenant_weight: float = 1.0
     """The tenant's fair-share weight within its tier (its TenantSpec's weight)."""
+    on_unattainable: SloUnattainable | None = None
+    """RT: what its tenant's contract makes of a forecast miss (`SimRequest.on_unattainable`);
+    None: the run's one."""
     order_key: float = 0.0
     """BE submission order within its job (lower first)."""
     prefix_hashes: tuple[int, ...] = ()

@@ -225,6 +225,7 @@ class SimSource:
                 length_key=s.length_key,
                 tenant_id=s.tenant_id,
                 tenant_weight=s.tenant_weight,
+                on_unattainable=s.on_unattainable,
                 order_key=s.order_key,
                 prefix_hashes=s.prefix_hashes,
             )

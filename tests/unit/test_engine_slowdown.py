@@ -299,6 +299,26 @@ def test_engine_noise_reaches_the_config_and_the_command_for_the_simulator_only(
     assert "--engine-noise must be in [0, 2], got 3" in one_line_error(capsys, wild)
 
 
+def test_on_unattainable_names_an_outcome_for_every_tenant_or_per_tenant(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    cfg = _config(["bench", "W6", "--on-unattainable", "rt-burst=accept,downgrade", "--out", "/x"])
+    assert cfg.on_unattainable == (("rt-burst", "accept"), ("", "downgrade"))
+    assert "--on-unattainable rt-burst=accept,downgrade" in cfg.command
+    plain = _config(["bench", "W6", "--out", "/tmp/x"])
+    assert plain.on_unattainable == () and "unattainable" not in plain.command
+    for value, needle in [
+        ("maybe", "'maybe' is no outcome (choose from reject, downgrade, accept)"),
+        ("=accept", "'=accept' names no tenant"),
+        ("a=accept,a=reject", "tenant 'a' is given twice"),
+        ("accept,reject", "the bare outcome is given twice"),
+    ]:
+        argv = ["bench", "W6", "--on-unattainable", value, "--duration-s", "1"]
+        assert needle in one_line_error(capsys, argv)
+    live = ["bench", "W6", "--engine", "sglang", "--on-unattainable", "accept"]
+    assert "--on-unattainable: only for the simulated engine" in one_line_error(capsys, live)
+
+
 def test_overload_is_accepted_and_scales_the_rt_rate(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

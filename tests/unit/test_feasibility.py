@@ -1309,12 +1309,13 @@ def test_the_front_door_keeps_a_later_arrival_behind_the_ones_kept_for_a_slot() 
     ask = SloAsk(prompt_tokens=50, ttft_target_s=1.0, tpot_target_s=0.2, waited_s=0.1)
     waits = Forecast(ttft_s=0.6, tpot_s=0.05, shortfall=None, ttft_budget_s=0.8, slot_wait_s=0.4)
     free = msgspec_replace(waits, slot_wait_s=0.0)
-    assert not door.kept(waits, ask)  # no one kept before it
+    req = make_request(tier="rt", ttft_target_s=1.0)
+    assert not door.kept(req, waits, ask)  # no one kept before it
     door.pending.append(make_request(tier="rt", ttft_target_s=1.0))
-    assert door.kept(waits, ask) and not door.kept(free, ask)
-    assert not door.kept(waits, msgspec_replace(ask, waited_s=0.5))  # its recheck time is up
+    assert door.kept(req, waits, ask) and not door.kept(req, free, ask)
+    assert not door.kept(req, waits, msgspec_replace(ask, waited_s=0.5))  # its recheck time is up
     door.slot_line = False
-    assert not door.kept(waits, ask)
+    assert not door.kept(req, waits, ask)
 
 
 def _overload(slo_unattainable: SloUnattainable) -> list[RequestRecord]:
@@ -1346,6 +1347,28 @@ def test_downgrade_runs_the_unmeetable_as_be_and_loses_none() -> None:
     assert all(r.finish_s is not None for r in records)  # every request ran to the end
     rt = [r for r in records if r.admission == "admitted"]
     assert sum(_met(r) for r in rt) >= 0.99 * len(rt)
+
+
+def test_a_tenants_own_outcome_overrides_the_runs() -> None:
+    """Two tenants in one overloaded stream, the run's outcome reject: the one whose contract
+    says accept has its forecast misses run as RT, the other's are shed."""
+    rt = [
+        msgspec_replace(
+            r,
+            tenant_id="patient" if i % 2 else "strict",
+            on_unattainable="accept" if i % 2 else None,
+        )
+        for i, r in enumerate(_rt_requests(400, 0.02, 2000, 4))
+    ]
+    config = SimConfig(kv_capacity_tokens=400_000)
+    records = simulate(
+        ListSource(rt), make_policy(latency_budget_s=0.05), LATENCY, config
+    ).requests
+    outcomes = {
+        tenant: {r.admission for r in records if r.tenant_id == tenant}
+        for tenant in ("patient", "strict")
+    }
+    assert outcomes == {"patient": {"admitted", "accepted"}, "strict": {"admitted", "shed"}}
 
 
 def test_accept_runs_everything_as_rt() -> None:

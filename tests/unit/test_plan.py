@@ -266,6 +266,28 @@ def test_the_plan_with_early_stops_answers_as_every_count_run_to_the_end(
     assert result.replicas_needed == min(n for n, meets in every.items() if meets) > 1
 
 
+def test_each_tenants_contract_says_what_its_forecast_misses_get(tmp_path: Path) -> None:
+    """Tenants whose `on_unattainable` differ plan together: each RT request carries its own
+    tenant's outcome into the simulator's front door, a BE one none."""
+    contracts = tmp_path / "contracts.yaml"
+    contracts.write_text(
+        "chat: {tier: rt, ttft_ms: 300, tpot_ms: 100, on_unattainable: accept}\n"
+        "search: {tier: rt, ttft_ms: 150, tpot_ms: 50, on_unattainable: downgrade}\n"
+        "batch: {tier: be, deadline_s: 60}\n"
+    )
+    config = PlanConfig(
+        trace_file=dense_trace(tmp_path / "t.jsonl"),
+        out_dir=tmp_path / "out",
+        tenants_file=contracts,
+        max_replicas=1,
+    )
+    specs, _ = bench.plan.trace_specs(config)
+    outcomes = {(s.tenant_id, s.on_unattainable) for s in specs}
+    assert outcomes == {("chat", "accept"), ("search", "downgrade"), ("batch", None)}
+    trial = bench.plan.plan(config).trials[1]
+    assert set(trial.tenants) == {"chat", "search", "batch"}
+
+
 def test_the_quick_check_of_a_finished_request_agrees_with_the_exact_one() -> None:
     rng = random.Random(0)
     for i in range(3000):
