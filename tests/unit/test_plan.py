@@ -228,21 +228,27 @@ def dense_trace(path: Path) -> Path:
     return path
 
 
+def dense_plan(tmp_path: Path, contracts: str, max_replicas: int) -> PlanConfig:
+    """A plan of `dense_trace` for the tenants' *contracts* (a YAML text)."""
+    path = tmp_path / "contracts.yaml"
+    path.write_text(contracts)
+    return PlanConfig(
+        trace_file=dense_trace(tmp_path / "t.jsonl"),
+        out_dir=tmp_path / "out",
+        tenants_file=path,
+        max_replicas=max_replicas,
+    )
+
+
 def test_the_plan_with_early_stops_answers_as_every_count_run_to_the_end(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    contracts = tmp_path / "contracts.yaml"
-    contracts.write_text(
+    contracts = (
         "chat: {tier: rt, ttft_ms: 300, tpot_ms: 100}\n"
         "search: {tier: rt, ttft_ms: 150, tpot_ms: 50, weight: 2}\n"
         "batch: {tier: be, deadline_s: 60}\n"
     )
-    config = PlanConfig(
-        trace_file=dense_trace(tmp_path / "t.jsonl"),
-        out_dir=tmp_path / "out",
-        tenants_file=contracts,
-        max_replicas=6,
-    )
+    config = dense_plan(tmp_path, contracts, max_replicas=6)
     run_trial = bench.plan.run_trial
     args: list[Any] = []
 
@@ -269,18 +275,12 @@ def test_the_plan_with_early_stops_answers_as_every_count_run_to_the_end(
 def test_each_tenants_contract_says_what_its_forecast_misses_get(tmp_path: Path) -> None:
     """Tenants whose `on_unattainable` differ plan together: each RT request carries its own
     tenant's outcome into the simulator's front door, a BE one none."""
-    contracts = tmp_path / "contracts.yaml"
-    contracts.write_text(
+    contracts = (
         "chat: {tier: rt, ttft_ms: 300, tpot_ms: 100, on_unattainable: accept}\n"
         "search: {tier: rt, ttft_ms: 150, tpot_ms: 50, on_unattainable: downgrade}\n"
         "batch: {tier: be, deadline_s: 60}\n"
     )
-    config = PlanConfig(
-        trace_file=dense_trace(tmp_path / "t.jsonl"),
-        out_dir=tmp_path / "out",
-        tenants_file=contracts,
-        max_replicas=1,
-    )
+    config = dense_plan(tmp_path, contracts, max_replicas=1)
     specs, _ = bench.plan.trace_specs(config)
     outcomes = {(s.tenant_id, s.on_unattainable) for s in specs}
     assert outcomes == {("chat", "accept"), ("search", "downgrade"), ("batch", None)}
