@@ -398,6 +398,18 @@ def run_router(name: str, run: BenchRun, latency: LatencyModel, base: SimConfig)
     return PolicyRun(metrics=metrics, series=series, wall_s=wall, tenants=tenants)
 
 
+def _check_tenants_named(config: BenchConfig, workload: Workload) -> None:
+    """Every tenant `config.on_unattainable` names is one of the workload's RT tenants
+    (ValueError naming the first that is not: a misspelt name would change nothing)."""
+    rt = [t.name for t in workload.tenants if t.tier == "rt"]
+    for tenant, _ in config.on_unattainable:
+        if tenant and tenant not in rt:
+            has = f"its RT tenants: {', '.join(rt)}" if rt else "it names no RT tenants"
+            raise ValueError(
+                f"--on-unattainable: {workload.name} has no RT tenant {tenant!r} ({has})"
+            )
+
+
 def default_unattainable(config: BenchConfig) -> SloUnattainable:
     """The front door's outcome for the tenants `config.on_unattainable` does not name."""
     return dict(config.on_unattainable).get("", "reject")
@@ -459,6 +471,7 @@ def run_bench(
     profile = load_profile(profile_path)
     latency = LatencyModel.fit(profile.samples)
     workload, kv = build(config, latency, profile)
+    _check_tenants_named(config, workload)
     base = sim_config(profile, kv, workload)
     names, skipped = _policy_list(config, workload)
     if config.routers is not None:

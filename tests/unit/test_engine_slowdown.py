@@ -317,6 +317,15 @@ def test_on_unattainable_names_an_outcome_for_every_tenant_or_per_tenant(
         assert needle in one_line_error(capsys, argv)
     live = ["bench", "W6", "--engine", "sglang", "--on-unattainable", "accept"]
     assert "--on-unattainable: only for the simulated engine" in one_line_error(capsys, live)
+    # a tenant the workload does not have would change nothing: refused, naming the ones it has
+    typo = ["bench", "W6", "--on-unattainable", "rt-bursty=accept", "--duration-s", "1"]
+    assert "W6 has no RT tenant 'rt-bursty' (its RT tenants: rt-steady, rt-burst)" in (
+        one_line_error(capsys, typo)
+    )
+    anonymous = ["bench", "W1", "--on-unattainable", "chat=accept", "--duration-s", "1"]
+    assert "W1 has no RT tenant 'chat' (it names no RT tenants)" in one_line_error(
+        capsys, anonymous
+    )
 
 
 def test_overload_is_accepted_and_scales_the_rt_rate(
