@@ -1361,9 +1361,7 @@ def test_a_tenants_own_outcome_overrides_the_runs() -> None:
         for i, r in enumerate(_rt_requests(400, 0.02, 2000, 4))
     ]
     config = SimConfig(kv_capacity_tokens=400_000)
-    records = simulate(
-        ListSource(rt), make_policy(latency_budget_s=0.05), LATENCY, config
-    ).requests
+    records = simulate(ListSource(rt), make_policy(latency_budget_s=0.05), LATENCY, config).requests
     outcomes = {
         tenant: {r.admission for r in records if r.tenant_id == tenant}
         for tenant in ("patient", "strict")
