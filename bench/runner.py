@@ -423,8 +423,9 @@ def _requests(config: BenchConfig) -> Callable[..., SimRequest]:
         return SimRequest
 
     def make(**fields: Any) -> SimRequest:
-        if fields["tier"] == "rt" and (fields.get("tenant_id") or "") in named:
-            fields["on_unattainable"] = named[fields.get("tenant_id") or ""]
+        outcome = named.get(fields.get("tenant_id") or "")
+        if fields["tier"] == "rt" and outcome is not None:
+            fields["on_unattainable"] = outcome
         return SimRequest(**fields)
 
     return make

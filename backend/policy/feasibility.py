@@ -615,15 +615,15 @@ class TtftFeedback:
     the count: each admitted request whose forecast was mostly a slot wait gives the scale its
     forecast step needed to match the engine's mean iteration from its admission to its first
     token (the engine's reports: iterations counted, seconds between them), at most 1. The
-    count is a
-    quantile, so most waits take fewer steps than forecast; a scale learned from the whole wait
-    (what came, less the rest of the forecast, over the wait) trimmed that margin too, and in a
-    slot-bound stream with lengths the engine cannot know 0.4 % of the admitted came late with
-    it, none without (bench/results/slo/README.md, session 70). The scale is a high quantile
-    (`slot_wait_quantile`) of the recent ones, each fading toward 1 (no correction) with
-    `decay_s`, not below `slot_wait_floor`, and 1 until `slot_wait_min_samples` came. Only
-    pessimism is corrected, and a quantile near the top reverts it as soon as a few admitted
-    requests see a slower pace: the TTFT extra (above) keeps correcting optimism."""
+    count is a quantile, so most waits take fewer steps than forecast; a scale learned from the
+    whole wait (what came, less the rest of the forecast, over the wait) trimmed that margin
+    too, and in a slot-bound stream with lengths the engine cannot know 0.4 % of the admitted
+    came late with it, none without (bench/results/slo/README.md, session 70). The scale is a
+    high quantile (`slot_wait_quantile`) of the recent ones, each fading toward 1 (no
+    correction) with `decay_s`, not below `slot_wait_floor`, and 1 until
+    `slot_wait_min_samples` came. Only pessimism is corrected, and a quantile near the top
+    reverts it as soon as a few admitted requests see a slower pace: the TTFT extra (above)
+    keeps correcting optimism."""
 
     def __init__(
         self,
